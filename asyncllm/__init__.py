@@ -1,0 +1,8 @@
+"""asyncllm: an LLM inference engine to embed in Python applications."""
+from asyncllm.config import Config
+from asyncllm.errors import EngineDeadError, QueueFullError
+from asyncllm.llm import LLM
+from asyncllm.sampling_params import SamplingParams
+
+__all__ = ["LLM", "Config", "SamplingParams", "EngineDeadError", "QueueFullError"]
+__version__ = "0.1.0"

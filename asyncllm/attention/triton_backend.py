@@ -1,0 +1,121 @@
+"""The Triton backend: store_kvcache + paged_attention kernels, CUDA-graph capable for decode.
+
+Eager steps pick the decode split count per step from the batch (prepare_metadata). A CUDA graph
+bakes its grid in, so each graph batch size gets a split count fixed at capture from the
+max_model_len bound; the decode kernel derives split lengths from the runtime seq_lens, so that
+count is valid for whatever lengths a replay brings. All per-step metadata a graph reads lives in
+static buffers that prepare_for_replay refreshes with a few small device copies.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from asyncllm.attention.base import AttentionBackend, ForwardBatch
+from asyncllm.kernels import choose_num_splits, decode_workspace_numel, paged_attention, store_kvcache
+from asyncllm.kernels.paged_attention import DEFAULT_NUM_SMS
+
+
+@dataclass
+class TritonAttentionMetadata:
+    num_splits: int = 1  # decode only
+    workspace: torch.Tensor | None = None  # decode split-KV scratch, shared by all layers of a step
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+    supports_cuda_graphs = True
+
+    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], num_heads: int,
+                 num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__(k_caches, v_caches, num_heads, num_kv_heads, head_dim, scale)
+        self.device = k_caches[0].device
+        if self.device.type == "cuda":
+            self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        else:
+            self.num_sms = DEFAULT_NUM_SMS
+        self._eager_workspace: torch.Tensor | None = None
+        self._graph: dict[str, torch.Tensor] | None = None
+        self._graph_max_seq_len = 0
+        self._graph_workspace: torch.Tensor | None = None
+
+    # ---- per step ------------------------------------------------------------------------------
+    def _workspace(self, numel: int) -> torch.Tensor:
+        # grow-only and reused across steps: kernels run in stream order, so the next step's
+        # writes cannot overtake this step's reads
+        if self._eager_workspace is None or self._eager_workspace.numel() < numel:
+            self._eager_workspace = torch.empty(numel, dtype=torch.float32, device=self.device)
+        return self._eager_workspace
+
+    def prepare_metadata(self, batch: ForwardBatch) -> None:
+        meta = TritonAttentionMetadata()
+        if batch.max_query_len == 1:
+            meta.num_splits = choose_num_splits(batch.num_seqs, self.num_kv_heads, batch.max_seq_len,
+                                                self.num_sms)
+            numel = decode_workspace_numel(batch.num_seqs, self.num_heads, self.head_dim, meta.num_splits)
+            if numel:
+                meta.workspace = self._workspace(numel)
+        batch.attn_metadata = meta
+
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        k_cache, v_cache = self.k_caches[layer_id], self.v_caches[layer_id]
+        store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
+        meta = batch.attn_metadata
+        if not isinstance(meta, TritonAttentionMetadata):
+            self.prepare_metadata(batch)
+            meta = batch.attn_metadata
+        return paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
+                               batch.max_query_len, batch.max_seq_len, self.scale,
+                               num_splits=meta.num_splits, workspace=meta.workspace, num_sms=self.num_sms)
+
+    # ---- CUDA graphs (decode only) -------------------------------------------------------------
+    def init_cuda_graph_state(self, max_batch_size: int, max_blocks_per_seq: int) -> None:
+        dev = self.device
+        self._graph = {
+            "slot_mapping": torch.full((max_batch_size,), -1, dtype=torch.int64, device=dev),
+            "seq_lens": torch.zeros(max_batch_size, dtype=torch.int32, device=dev),
+            "block_tables": torch.zeros(max_batch_size, max_blocks_per_seq, dtype=torch.int32, device=dev),
+            "query_start_loc": torch.arange(max_batch_size + 1, dtype=torch.int32, device=dev),
+        }
+        self._graph_max_seq_len = max_blocks_per_seq * self.block_size
+        # one scratch buffer sized for the most demanding graph; graphs replay one at a time
+        numel = max(decode_workspace_numel(bs, self.num_heads, self.head_dim, self._graph_num_splits(bs))
+                    for bs in range(1, max_batch_size + 1))
+        self._graph_workspace = torch.empty(max(numel, 1), dtype=torch.float32, device=dev)
+
+    def _graph_num_splits(self, batch_size: int) -> int:
+        return choose_num_splits(batch_size, self.num_kv_heads, self._graph_max_seq_len, self.num_sms)
+
+    def prepare_for_capture(self, batch: ForwardBatch) -> None:
+        assert self._graph is not None, "call init_cuda_graph_state first"
+        assert batch.max_query_len == 1, "CUDA graphs capture decode-only steps"
+        bs = batch.num_seqs
+        # the captured kernels read these static buffers; start them from the capture batch's values
+        self._copy_into_graph_buffers(batch, bs)
+        g = self._graph
+        batch.slot_mapping = g["slot_mapping"][:bs]
+        batch.seq_lens = g["seq_lens"][:bs]
+        batch.block_tables = g["block_tables"][:bs]
+        batch.query_start_loc = g["query_start_loc"][:bs + 1]
+        batch.max_seq_len = self._graph_max_seq_len
+        num_splits = self._graph_num_splits(bs)
+        batch.attn_metadata = TritonAttentionMetadata(
+            num_splits=num_splits, workspace=self._graph_workspace if num_splits > 1 else None)
+
+    def prepare_for_replay(self, batch: ForwardBatch, graph_batch_size: int) -> None:
+        self._copy_into_graph_buffers(batch, graph_batch_size)
+
+    def _copy_into_graph_buffers(self, batch: ForwardBatch, graph_batch_size: int) -> None:
+        g = self._graph
+        n = batch.num_seqs
+        g["slot_mapping"][:n].copy_(batch.slot_mapping[:n], non_blocking=True)
+        g["seq_lens"][:n].copy_(batch.seq_lens[:n], non_blocking=True)
+        cols = min(batch.block_tables.shape[1], g["block_tables"].shape[1])
+        # columns past `cols` keep stale block ids; kernels never read past a row's seq_len
+        g["block_tables"][:n, :cols].copy_(batch.block_tables[:n, :cols], non_blocking=True)
+        if n < graph_batch_size:
+            # padding rows: store nothing, attend to nothing (their output is zeros)
+            g["slot_mapping"][n:graph_batch_size].fill_(-1)
+            g["seq_lens"][n:graph_batch_size].fill_(0)

@@ -1,0 +1,103 @@
+"""Engine settings: one dataclass, validated on construction."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "fa4", "fa2")
+
+
+def _fail(field_name: str, message: str) -> None:
+    raise ValueError(f"Config.{field_name}: {message}")
+
+
+@dataclass
+class Config:
+    model: str
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 512
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    kvcache_block_size: int = 256
+    num_kvcache_blocks: int = -1  # -1: sized from free GPU memory, or from cpu_kvcache_bytes on CPU
+    cpu_kvcache_bytes: int = 1 << 30
+    dtype: str = "auto"  # auto: the checkpoint's dtype on GPU, float32 on CPU
+    device: str = "auto"  # auto: cuda when present, else cpu
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    seed: int = 0
+    max_queued_requests: int = 0  # async engine only; 0 = unbounded
+    # filled in from the checkpoint by resolve(); not user settings
+    hf_config: Any = field(default=None, repr=False)
+    torch_dtype: torch.dtype | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, (str, os.PathLike)):
+            _fail("model", f"expected a path, got {type(self.model).__name__}")
+        self.model = os.fspath(self.model)
+        if not os.path.exists(self.model):
+            _fail("model", f"{self.model!r} does not exist")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size",
+                     "kvcache_block_size", "num_kvcache_blocks", "cpu_kvcache_bytes", "seed",
+                     "max_queued_requests"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                _fail(name, f"expected an int, got {value!r}")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size",
+                     "cpu_kvcache_bytes"):
+            if getattr(self, name) < 1:
+                _fail(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.max_queued_requests < 0:
+            _fail("max_queued_requests", "must be >= 0 (0 = unbounded)")
+        bs = self.kvcache_block_size
+        if not (16 <= bs <= 256 and bs & (bs - 1) == 0):
+            _fail("kvcache_block_size", f"must be a power of two in [16, 256], got {bs}")
+        if self.num_kvcache_blocks != -1 and self.num_kvcache_blocks < 1:
+            _fail("num_kvcache_blocks", f"must be -1 (auto) or >= 1, got {self.num_kvcache_blocks}")
+        if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float)) \
+                or not (0.0 < self.gpu_memory_utilization <= 1.0):
+            _fail("gpu_memory_utilization", f"must be a number in (0, 1], got {self.gpu_memory_utilization!r}")
+        for name in ("enforce_eager", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, f"expected a bool, got {getattr(self, name)!r}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            _fail("dtype", f"must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            _fail("attention_backend", f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device not in ("cpu", "cuda"):
+            _fail("device", f"must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            _fail("device", "'cuda' was asked for but no CUDA device is available")
+        self._resolve_model()
+
+    def _resolve_model(self) -> None:
+        from asyncllm.models.checkpoint import load_hf_config  # local: keeps config importable standalone
+        self.hf_config = load_hf_config(self.model)
+        max_pos = getattr(self.hf_config, "max_position_embeddings", None) or self.max_model_len
+        self.max_model_len = min(self.max_model_len, max_pos)
+        if self.tensor_parallel_size > 1:
+            heads = self.hf_config.num_attention_heads
+            if heads % self.tensor_parallel_size:
+                _fail("tensor_parallel_size", f"num_attention_heads={heads} is not divisible by {self.tensor_parallel_size}")
+            vocab = self.hf_config.vocab_size
+            if vocab % self.tensor_parallel_size:
+                _fail("tensor_parallel_size", f"vocab_size={vocab} is not divisible by {self.tensor_parallel_size}")
+        if self.dtype == "auto":
+            if self.device == "cpu":
+                self.torch_dtype = torch.float32
+            else:
+                ckpt = getattr(self.hf_config, "torch_dtype", None) or getattr(self.hf_config, "dtype", None)
+                if isinstance(ckpt, str):
+                    ckpt = _DTYPES.get(ckpt)
+                self.torch_dtype = ckpt if ckpt in (torch.float16, torch.bfloat16, torch.float32) else torch.bfloat16
+        else:
+            self.torch_dtype = _DTYPES[self.dtype]

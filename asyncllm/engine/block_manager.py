@@ -1,0 +1,136 @@
+"""Paged KV-cache bookkeeping: reference-counted blocks and a prefix cache of full blocks.
+
+A block's hash chains its token ids with the hash of the block before it, so equal hashes mean
+equal prefixes. A block is hashed only once its KV is computed, so a prefix hit never reads KV
+that a still-running prefill has yet to write. Freed blocks keep their hash in the prefix map and
+stay reusable until the allocator hands them out again (oldest-freed first).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import xxhash
+
+from asyncllm.engine.sequence import Sequence
+
+
+def hash_block(token_ids: list[int], prefix_hash: int) -> int:
+    h = xxhash.xxh64()
+    if prefix_hash != -1:
+        h.update(prefix_hash.to_bytes(8, "little"))
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.intdigest()
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash = -1
+        self.token_ids: list[int] = []
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # insertion order = order freed; allocation takes the oldest, so recently freed prefixes live longest
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.hash_to_block_id: dict[int, int] = {}
+        self.num_prefix_hit_tokens = 0
+        self.num_prefix_query_tokens = 0
+
+    @property
+    def num_total_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_block_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
+            del self.hash_to_block_id[block.hash]
+        block.hash = -1
+        block.token_ids = []
+        block.ref_count = 1
+        return block_id
+
+    def _share_block(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_block_ids[block_id]
+        block.ref_count += 1
+
+    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Blocks to add so that seq can hold num_new_tokens more KV entries."""
+        return max(0, seq.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
+
+    def match_prefix(self, seq: Sequence) -> None:
+        """Give a sequence with no blocks the cached blocks of its longest cached prefix.
+
+        The last token is always left to compute, since its logits are needed to sample.
+        """
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        if not self.enable_prefix_caching:
+            return
+        num_matchable = (len(seq) - 1) // self.block_size
+        prefix_hash = -1
+        for block_index in range(num_matchable):
+            token_ids = seq.block_tokens(block_index)
+            prefix_hash = hash_block(token_ids, prefix_hash)
+            block_id = self.hash_to_block_id.get(prefix_hash)
+            if block_id is None or self.blocks[block_id].token_ids != token_ids:
+                break
+            self._share_block(block_id)
+            seq.block_table.append(block_id)
+            seq.block_hashes.append(prefix_hash)
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        needed = self.num_blocks_needed(seq, num_new_tokens)
+        assert needed <= self.num_free_blocks, "caller must check num_free_blocks first"
+        for _ in range(needed):
+            seq.block_table.append(self._take_free_block())
+
+    def free(self, seq: Sequence) -> None:
+        # reversed: a sequence's tail blocks are freed first, so they are also reused first,
+        # and its shared prefix blocks survive longest
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    def commit_computed(self, seq: Sequence) -> None:
+        """Hash the blocks that became full of computed KV, making them prefix-cache hits."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        for block_index in range(len(seq.block_hashes), num_full):
+            token_ids = seq.block_tokens(block_index)
+            prefix_hash = seq.block_hashes[-1] if seq.block_hashes else -1
+            block_hash = hash_block(token_ids, prefix_hash)
+            seq.block_hashes.append(block_hash)
+            block = self.blocks[seq.block_table[block_index]]
+            if block.hash == -1:
+                block.hash = block_hash
+                block.token_ids = token_ids
+                # a live block wins the entry over a freed duplicate, which may soon be handed out
+                holder = self.hash_to_block_id.get(block_hash)
+                if holder is None or self.blocks[holder].ref_count == 0:
+                    self.hash_to_block_id[block_hash] = block.block_id
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.num_prefix_hit_tokens / self.num_prefix_query_tokens if self.num_prefix_query_tokens else 0.0

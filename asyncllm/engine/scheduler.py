@@ -1,0 +1,156 @@
+"""Continuous batching: which sequences run this step, and how many tokens each.
+
+Every step fills one token budget: running decodes first (one token each), then the next chunks
+of prompts already being prefilled, then new requests from the queue. A sequence's work in a step
+is just "the next n of its uncomputed tokens", so decodes, prefill chunks and prefix-cache hits are
+one mechanism. When blocks run out the newest running sequence is preempted (its KV dropped, to be
+recomputed later), so the oldest one always makes progress and nothing deadlocks.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from asyncllm.engine.block_manager import BlockManager
+from asyncllm.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # tokens whose KV this step computes
+    samples: bool  # this step reaches the sequence's last token, so its logits give the next one
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.num_batched_tokens == len(self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int):
+        self.block_manager = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the last is the newest
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence (finished or aborted) wherever it is, and free its blocks at once."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            return
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _reserve(self, seq: Sequence, num_tokens: int, scheduled_ids: set[int]) -> bool:
+        """Find blocks for num_tokens more tokens of a running seq, preempting newer unscheduled ones.
+
+        Returns False when seq itself had to be preempted.
+        """
+        bm = self.block_manager
+        while bm.num_blocks_needed(seq, num_tokens) > bm.num_free_blocks:
+            victim = next((s for s in reversed(self.running) if id(s) not in scheduled_ids), None)
+            if victim is None:
+                return False
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        bm.allocate(seq, num_tokens)
+        return True
+
+    def _tokens_that_fit(self, seq: Sequence, num_tokens: int) -> int:
+        """How many of num_tokens fit in seq's current blocks plus the free ones."""
+        capacity = (len(seq.block_table) + self.block_manager.num_free_blocks) * seq.block_size
+        return max(0, min(num_tokens, capacity - seq.num_computed_tokens))
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_ids: set[int] = set()
+
+        def take(seq: Sequence, num_tokens: int) -> None:
+            nonlocal budget
+            samples = seq.num_computed_tokens + num_tokens == len(seq)
+            out.scheduled.append(ScheduledSeq(seq, num_tokens, samples))
+            out.num_batched_tokens += num_tokens
+            budget -= num_tokens
+            scheduled_ids.add(id(seq))
+
+        # 1. decodes, oldest first
+        for seq in [s for s in self.running if s.num_uncomputed_tokens == 1]:
+            if budget == 0:
+                break
+            if seq.status == SequenceStatus.RUNNING and self._reserve(seq, 1, scheduled_ids):
+                take(seq, 1)
+        # 2. the next chunks of prompts already admitted
+        for seq in [s for s in self.running if s.num_uncomputed_tokens > 1]:
+            if budget == 0:
+                break
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # preempted above
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            fit = self._tokens_that_fit(seq, num_tokens)
+            if fit == 0:
+                if self._reserve(seq, 1, scheduled_ids):
+                    fit = self._tokens_that_fit(seq, num_tokens)
+                else:
+                    continue
+            self.block_manager.allocate(seq, fit)
+            take(seq, fit)
+        # 3. new (or preempted) requests, first come first served; no preemption on their behalf
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                self.block_manager.match_prefix(seq)
+            num_tokens = self._tokens_that_fit(seq, min(seq.num_uncomputed_tokens, budget))
+            if num_tokens == 0:
+                self.block_manager.free(seq)
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq, num_tokens)
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
+                seq.num_cached_prompt_tokens = seq.num_computed_tokens
+                self.block_manager.num_prefix_query_tokens += len(seq)
+                self.block_manager.num_prefix_hit_tokens += seq.num_computed_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            take(seq, num_tokens)
+        return out
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """Record that the scheduled KV was computed (before sampled tokens are appended)."""
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_tokens
+            self.block_manager.commit_computed(item.seq)

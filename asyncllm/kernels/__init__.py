@@ -1,0 +1,36 @@
+"""Triton kernels: paged KV-cache store, paged attention (varlen prefill + split-KV decode).
+
+Importing triton needs a GPU only to launch; with TRITON_INTERPRET=1 (set before this import) the
+kernels run on CPU tensors through Triton's interpreter, which the CPU tests use.
+"""
+import os
+
+
+def _fix_interpreter_scalar_index() -> None:
+    """Triton 3.6's interpreter turns a loaded scalar (a shape-(1,) array) into a Python int with
+    int(array), which numpy >= 2.4 rejects, so `range(lo, hi)` with runtime bounds fails there
+    (triton-lang/triton#9171). Interpreter only; compiled kernels never run this code."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_scalar_index_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._scalar_index_fixed = True
+    interpreter._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    _fix_interpreter_scalar_index()
+
+from asyncllm.kernels.kv_store import store_kvcache  # noqa: E402
+from asyncllm.kernels.paged_attention import (choose_num_splits, decode_workspace_numel,  # noqa: E402
+                                              paged_attention)
+
+__all__ = ["store_kvcache", "paged_attention", "choose_num_splits", "decode_workspace_numel"]

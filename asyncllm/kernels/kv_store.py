@@ -1,0 +1,64 @@
+"""Scatter one step's new K/V rows into the paged KV cache.
+
+One program per token: it reads the token's slot (block_id * block_size + offset) and copies all
+of its KV heads at once, a (num_kv_heads, head_dim) tile. Slot -1 means "don't store" (padding
+rows of a CUDA graph, tokens whose KV is already cached) and the program returns before touching
+memory, so such rows may hold anything.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kvcache_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_cs, stride_ch,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    src = token.to(tl.int64)
+    dst = k_cache_ptr.dtype.element_ty
+    cache_off = block * stride_cb + offset * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
+    k = tl.load(k_ptr + src * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    tl.store(k_cache_ptr + cache_off, k.to(dst), mask=mask)
+    v = tl.load(v_ptr + src * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    tl.store(v_cache_ptr + cache_off, v.to(dst), mask=mask)
+
+
+def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """k, v: (T, Hkv, D), any token/head strides; caches: (num_blocks, block_size, Hkv, D) with
+    identical strides; slot_mapping: (T,) int64, -1 = skip."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    assert v.shape == k.shape and slot_mapping.shape[0] == num_tokens
+    assert k_cache.shape[2:] == (num_kv_heads, head_dim) and k_cache.stride() == v_cache.stride()
+    assert k_cache.stride(-1) == 1
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    block_size = k_cache.shape[1]
+    # int64 slots index past 2**31 elements on big caches; block * stride_cb is computed in int64
+    _store_kvcache_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size, num_warps=4 if num_kv_heads * head_dim >= 1024 else 2,
+    )

@@ -1,0 +1,413 @@
+"""Causal attention over a paged KV cache: one varlen kernel for prefill / mixed steps, and a
+split-KV (flash-decoding) kernel pair for decode-only steps.
+
+Layout: k_cache / v_cache are (num_blocks, block_size, num_kv_heads, head_dim); sequence b's KV
+position p lives in block block_tables[b, p // block_size] at offset p % block_size. KV is walked
+in BLOCK_N-token tiles: when block_size >= BLOCK_N a tile sits inside one cache block (one table
+lookup, contiguous rows); otherwise each row looks up its own block.
+
+GQA: a program owns one KV head and all G = H // Hkv query heads that read it. Those heads are
+folded into the M dimension of the tl.dot (row r = token r // G, head r % G), so every K/V tile is
+loaded once for all G heads and the MMA has a useful M even for a single decode token.
+
+Prefill / mixed: programs tile each sequence's query rows into BLOCK_Q = BLOCK_M // G tokens. The
+grid is an upper bound on the number of tiles computed from host ints (T // BLOCK_Q + num_seqs)
+and each program finds its sequence by binary search over query_start_loc, so no host sync is
+needed. KV tiles wholly below the tile's first query position skip the causal mask; tiles past
+its last query position are never visited.
+
+Decode: one query token per sequence gives only num_seqs * Hkv programs, far too few to fill an
+H200's 132 SMs at small batch, and each would stream the whole context serially. Split-KV cuts
+each sequence's KV into num_splits chunks processed by separate programs, which write a partial
+output and log-sum-exp; a small second kernel merges them. The chunk length is derived in-kernel
+from the runtime seq_len, so a fixed num_splits (a fixed grid, as CUDA graphs need) works for any
+lengths: splits past the end of a short sequence write an empty partial (lse = -inf).
+
+Softmax runs online in fp32 with exp2 (log2(e) folded into the scale). Rows that see no KV at
+all (seq_len == 0 padding rows) produce zeros rather than NaN.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+DEFAULT_NUM_SMS = 132  # H200 / H100 SXM
+MAX_SPLITS = 64
+MIN_SPLIT_TOKENS = 128  # below this a split's fixed cost (loading q, writing a partial) dominates
+PROGRAMS_PER_SM = 4  # decode programs are small and memory-bound: several resident per SM hide latency
+
+# The Triton CPU interpreter multiplies bf16 tensors as raw uint16 bit patterns in tl.dot; compiled
+# kernels are unaffected. Under the interpreter only, bf16 dot operands are upcast to fp32.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ----------------------------------------------------------------------------- device helpers
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _kv_tile_offsets(bt_row_ptr, start, offs_n, max_blocks, stride_kb, stride_ks,
+                     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Element offsets of KV positions start + offs_n within one KV head's cache. Table columns
+    are clamped to the table's width: positions past a sequence's end (masked by the caller) and
+    metadata whose seq_len outruns its block table must not read outside the table."""
+    if BLOCK_SIZE >= BLOCK_N:
+        # start is a multiple of BLOCK_N, so the whole tile lies in one cache block
+        block = tl.load(bt_row_ptr + tl.minimum(start // BLOCK_SIZE, max_blocks - 1)).to(tl.int64)
+        return block * stride_kb + (start % BLOCK_SIZE + offs_n) * stride_ks
+    else:
+        pos = start + offs_n
+        block = tl.load(bt_row_ptr + tl.minimum(pos // BLOCK_SIZE, max_blocks - 1)).to(tl.int64)
+        return block * stride_kb + (pos % BLOCK_SIZE) * stride_ks
+
+
+@triton.jit
+def _attend(acc, l_i, m_i, q, q_pos, k_base, v_base, bt_row_ptr, max_blocks, lo, hi, kv_limit,
+            qk_scale, stride_kb, stride_ks,
+            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+            BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+            UPCAST_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """Online-softmax accumulation over KV tiles [lo, hi) (lo a multiple of BLOCK_N).
+
+    Unmasked tiles must lie entirely below kv_limit and, if CAUSAL, at or below every query
+    row's position q_pos. Masked tiles drop positions >= kv_limit (and > q_pos if CAUSAL); their
+    loads are masked too, since cache slots past a sequence's end may hold garbage (even NaN).
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    for start in range(lo, hi, BLOCK_N):
+        kv_off = _kv_tile_offsets(bt_row_ptr, start, offs_n, max_blocks, stride_kb, stride_ks,
+                                  BLOCK_SIZE, BLOCK_N)
+        k_ptrs = k_base + kv_off[:, None] + offs_d[None, :]
+        v_ptrs = v_base + kv_off[:, None] + offs_d[None, :]
+        pos = start + offs_n
+        if MASKED:
+            kv_mask = pos < kv_limit
+            ld_mask = kv_mask[:, None] & d_mask[None, :]
+            k = tl.load(k_ptrs, mask=ld_mask, other=0.0)
+            v = tl.load(v_ptrs, mask=ld_mask, other=0.0)
+        elif HEAD_DIM == BLOCK_D:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=d_mask[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
+
+        s = _dot(q, tl.trans(k), UPCAST_DOT, PRECISION) * qk_scale  # (M, BLOCK_N), log2 domain
+        if MASKED:
+            if CAUSAL:
+                keep = kv_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+            else:
+                keep = kv_mask[None, :]
+            s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_sub = m_new
+        if MASKED:
+            # a row that has seen only masked positions keeps m = -inf; subtract 0 instead so
+            # exp2 yields 0 rather than NaN (-inf - -inf)
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_sub)
+        p = tl.exp2(s - m_sub[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST_DOT, PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr):
+    """The sequence owning global query tile tile_idx. Sequence b's tiles start at
+    query_start_loc[b] // BLOCK_Q + b, which is strictly increasing in b and leaves each sequence
+    at least cdiv(q_len, BLOCK_Q) tiles; binary search for the last start <= tile_idx."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= tile_idx:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+# ----------------------------------------------------------------------------- prefill / mixed
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    qk_scale, num_seqs,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_bt, max_blocks,
+    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # reversed so the last (typically longest, causally heaviest) tiles are scheduled first
+    tile_idx = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_seq(query_start_loc_ptr, tile_idx, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    tile = tile_idx - (q_start // BLOCK_Q + seq)
+    if tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_tok = offs_m // G  # rows are (token, head) pairs: G heads of one token are adjacent
+    q_idx = tile * BLOCK_Q + row_tok
+    head = kv_head * G + offs_m % G
+    row_mask = (row_tok < BLOCK_Q) & (q_idx < q_len)
+    io_mask = row_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+    token = (q_start + q_idx).to(tl.int64)
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=io_mask, other=0.0)
+    q_pos = context_len + q_idx
+
+    # KV this tile needs: [0, kv_hi). Below full_hi every row sees every position.
+    first_pos = context_len + tile * BLOCK_Q
+    kv_hi = context_len + tl.minimum(q_len, (tile + 1) * BLOCK_Q)
+    full_hi = (first_pos + 1) // BLOCK_N * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_kh
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, k_base, v_base, bt_row, max_blocks,
+                            0, full_hi, kv_hi, qk_scale, stride_kb, stride_ks,
+                            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, True, UPCAST_DOT, PRECISION)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, k_base, v_base, bt_row, max_blocks,
+                            full_hi, kv_hi, kv_hi, qk_scale, stride_kb, stride_ks,
+                            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, True, UPCAST_DOT, PRECISION)
+
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+# ----------------------------------------------------------------------------- decode (split-KV)
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    qk_scale, num_splits,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_bt, max_blocks,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    G: tl.constexpr, BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    DIRECT: tl.constexpr, UPCAST_DOT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    token = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - token
+
+    # split length from the runtime seq_len, rounded to whole tiles so every split starts on a
+    # tile boundary; trailing splits of a short sequence get an empty range
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.maximum(tl.minimum(lo + split_len, seq_len), lo)
+    full_hi = lo + (hi - lo) // BLOCK_N * BLOCK_N
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    head = kv_head * G + offs_g
+    io_mask = (offs_g[:, None] < G) & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + token.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=io_mask, other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_kh
+    # the query is the sequence's last position, so causality is just pos < seq_len
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, None, k_base, v_base, bt_row, max_blocks,
+                            lo, full_hi, hi, qk_scale, stride_kb, stride_ks,
+                            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, False, UPCAST_DOT, PRECISION)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, None, k_base, v_base, bt_row, max_blocks,
+                            full_hi, hi, hi, qk_scale, stride_kb, stride_ks,
+                            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, False, UPCAST_DOT, PRECISION)
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if DIRECT:
+        out_ptrs = out_ptr + token.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask & (q_len > 0))
+    else:
+        part = part_out_ptr + seq * stride_pb + head[:, None] * stride_ph + split * stride_ps
+        tl.store(part + offs_d[None, :], out, mask=io_mask)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + seq * stride_lb + head * stride_lh + split, lse, mask=offs_g < G)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, num_splits,
+    stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    token = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) == token:
+        return
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    lse = tl.load(part_lse_ptr + seq * stride_lb + head * stride_lh + offs_s,
+                  mask=offs_s < num_splits, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty (seq_len == 0): output zeros
+    w = tl.exp2(lse - m)
+    live = lse > float("-inf")
+    d_mask = offs_d < HEAD_DIM
+    part = tl.load(part_out_ptr + seq * stride_pb + head * stride_ph
+                   + offs_s[:, None] * stride_ps + offs_d[None, :],
+                   mask=live[:, None] & d_mask[None, :], other=0.0)
+    denom = tl.sum(w, 0)
+    out = tl.sum(part * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+# ----------------------------------------------------------------------------- host side
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
+                      num_sms: int = DEFAULT_NUM_SMS) -> int:
+    """KV splits per sequence for a decode step: enough programs for about PROGRAMS_PER_SM per SM,
+    no split shorter than MIN_SPLIT_TOKENS of the longest sequence, at most MAX_SPLITS. Large
+    batches already fill the GPU and get 1 (no reduction kernel, output written directly)."""
+    programs = max(1, num_seqs * num_kv_heads)
+    wanted = triton.cdiv(num_sms * PROGRAMS_PER_SM, programs)
+    by_length = triton.cdiv(max(max_seq_len, 1), MIN_SPLIT_TOKENS)
+    return max(1, min(wanted, by_length, MAX_SPLITS))
+
+
+def decode_workspace_numel(num_seqs: int, num_heads: int, head_dim: int, num_splits: int) -> int:
+    """fp32 elements of split-KV scratch: partial outputs then partial log-sum-exps."""
+    if num_splits <= 1:
+        return 0
+    return num_seqs * num_heads * num_splits * (head_dim + 1)
+
+
+def _dot_config(dtype: torch.dtype) -> tuple[bool, str]:
+    # fp32 inputs (CPU tests, debugging) want exact fp32 dots, not TF32
+    upcast = _INTERPRET and dtype == torch.bfloat16
+    return upcast, ("ieee" if dtype == torch.float32 else "tf32")
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                    max_query_len: int, max_seq_len: int, scale: float, out: torch.Tensor | None = None,
+                    num_splits: int | None = None, workspace: torch.Tensor | None = None,
+                    num_sms: int = DEFAULT_NUM_SMS) -> torch.Tensor:
+    """Causal attention of each sequence's query rows over its paged KV; see the module docstring.
+
+    q: (T, H, D); k_cache, v_cache: (num_blocks, block_size, Hkv, D); query_start_loc: (B+1,) int32;
+    seq_lens: (B,) int32, KV length including this step's tokens; block_tables: (B, max_blocks) int32.
+    max_query_len selects the decode path when 1. Decode only: num_splits (default: from
+    choose_num_splits) and workspace, a flat fp32 tensor of at least decode_workspace_numel(...)
+    elements (default: allocated here). Rows of out beyond query_start_loc[-1] are not written.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = seq_lens.shape[0]
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert k_cache.shape[3] == head_dim and v_cache.shape == k_cache.shape
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
+    assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
+    assert block_tables.stride(-1) == 1
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    assert out.shape == q.shape and out.stride(-1) == 1
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+
+    group = num_heads // num_kv_heads
+    upcast, precision = _dot_config(q.dtype)
+    block_d = triton.next_power_of_2(head_dim)
+    small_elems = q.element_size() <= 2
+    qk_scale = scale * LOG2E
+    common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
+                  UPCAST_DOT=upcast, PRECISION=precision)
+
+    if max_query_len == 1:
+        if num_splits is None:
+            num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms)
+        direct = num_splits == 1
+        if direct:
+            part_out = part_lse = out  # unused
+            part_strides = (0, 0, 0, 0, 0)
+        else:
+            numel = decode_workspace_numel(num_seqs, num_heads, head_dim, num_splits)
+            if workspace is None:
+                workspace = torch.empty(numel, dtype=torch.float32, device=q.device)
+            assert workspace.dtype == torch.float32 and workspace.numel() >= numel
+            n_out = num_seqs * num_heads * num_splits * head_dim
+            part_out = workspace[:n_out].view(num_seqs, num_heads, num_splits, head_dim)
+            part_lse = workspace[n_out:numel].view(num_seqs, num_heads, num_splits)
+            part_strides = (*part_out.stride()[:3], *part_lse.stride()[:2])
+        block_n = 64 if small_elems else 32
+        _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+            q, k_cache, v_cache, out, part_out, part_lse,
+            query_start_loc, seq_lens, block_tables,
+            qk_scale, num_splits,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            block_tables.shape[1],
+            *part_strides,
+            G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+            DIRECT=direct, num_warps=4, num_stages=3 if small_elems else 2, **common,
+        )
+        if not direct:
+            _decode_reduce_kernel[(num_seqs, num_heads)](
+                out, part_out, part_lse, query_start_loc, num_splits,
+                out.stride(0), out.stride(1), *part_strides,
+                HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
+                num_warps=4 if num_splits * block_d >= 2048 else 2,
+            )
+        return out
+
+    # prefill / mixed: rows of a tile are (token, head) pairs, BLOCK_M = BLOCK_Q * G rounded up
+    max_m = 128 if small_elems and block_d <= 128 else 64
+    block_m = max(16, min(max_m, triton.next_power_of_2(max_query_len * group)))
+    block_m = max(block_m, triton.next_power_of_2(group))
+    block_q = block_m // group
+    block_n = 64 if small_elems else 32
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out,
+        query_start_loc, seq_lens, block_tables,
+        qk_scale, num_seqs,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            block_tables.shape[1],
+        G=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
+        num_warps=8 if block_m >= 128 else 4, num_stages=3 if small_elems else 2,
+        **common,
+    )
+    return out

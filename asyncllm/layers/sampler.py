@@ -1,0 +1,58 @@
+"""Batched sampling with per-request settings, on the logits' device.
+
+Sampling uses the exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) i.i.d. draws a token
+with probability p, with no cumulative sums or searches. Requests with a seed draw their E from
+their own generator, so their output does not depend on what else shares the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class SamplingTensors:
+    temperatures: torch.Tensor  # (B,) float32; 0 = greedy
+    top_ks: torch.Tensor | None  # (B,) int64; vocab size = no limit; None when no row limits
+    top_ps: torch.Tensor | None  # (B,) float32; None when no row uses top-p
+    min_ps: torch.Tensor | None  # (B,) float32; None when no row uses min-p
+    seeded_rows: list[tuple[int, torch.Generator]]  # rows that draw from their own generator
+    all_greedy: bool
+
+
+class Sampler(nn.Module):
+    def forward(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+        logits = logits.float()
+        greedy_tokens = logits.argmax(dim=-1)
+        if params.all_greedy:
+            return greedy_tokens
+        temperatures = params.temperatures
+        logits = logits / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)
+        if params.top_ks is not None or params.top_ps is not None:
+            logits = _apply_top_k_top_p(logits, params.top_ks, params.top_ps)
+        probs = logits.softmax(dim=-1)
+        if params.min_ps is not None:
+            threshold = params.min_ps.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        noise = torch.empty_like(probs).exponential_()
+        for row, generator in params.seeded_rows:
+            noise[row].exponential_(generator=generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(temperatures > 0, sampled, greedy_tokens)
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_ks is not None:
+        ranks = torch.arange(logits.shape[-1], device=logits.device)
+        remove |= ranks.unsqueeze(0) >= top_ks.unsqueeze(1)
+    if top_ps is not None:
+        probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+        # drop a token when the tokens ranked above it already reach top_p; the first always stays
+        mass_above = probs.cumsum(dim=-1) - probs
+        remove |= mass_above >= top_ps.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

@@ -1,0 +1,105 @@
+"""The synchronous API, compatible with nano-vllm's LLM.generate."""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from tqdm.auto import tqdm
+
+from asyncllm.config import Config
+from asyncllm.detokenizer import TextAssembler
+from asyncllm.engine.core import EngineCore
+from asyncllm.sampling_params import SamplingParams
+
+
+def make_config(model, kwargs: dict) -> Config:
+    known = {f.name for f in dataclasses.fields(Config) if f.init} - {"model", "hf_config", "torch_dtype"}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+    if model is None:
+        from asyncllm.models.default_model import default_model_path
+        model = default_model_path()
+    return Config(model=model, **kwargs)
+
+
+def normalize_prompts(prompts) -> list:
+    # a single prompt (a string or one token-id list) is accepted as a batch of one
+    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                    and all(isinstance(t, int) for t in prompts)):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts: expected a list of strings or token-id lists, got {type(prompts).__name__}")
+    if not prompts:
+        raise ValueError("prompts: the list is empty")
+    return list(prompts)
+
+
+def normalize_params(sampling_params, num_prompts: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * num_prompts
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num_prompts
+    if isinstance(sampling_params, (list, tuple)):
+        if len(sampling_params) != num_prompts:
+            raise ValueError(f"sampling_params: {len(sampling_params)} given for {num_prompts} prompts")
+        for i, p in enumerate(sampling_params):
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params[{i}]: expected SamplingParams, got {type(p).__name__}")
+        return list(sampling_params)
+    raise TypeError(f"sampling_params: expected SamplingParams or a list of them, got {type(sampling_params).__name__}")
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs):
+        self.core = EngineCore(make_config(model, kwargs))
+        self.tokenizer = self.core.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[dict]:
+        prompts = normalize_prompts(prompts)
+        params = normalize_params(sampling_params, len(prompts))
+        token_lists = [self.core.encode_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
+        for ids, p in zip(token_lists, params):
+            self.core.check_request(ids, p)  # all checked before any is queued
+        seqs = [self.core.add_request(ids, p) for ids, p in zip(token_lists, params)]
+        assemblers = {s.request_id: TextAssembler(self.tokenizer, s.token_ids, s.params)
+                      for s in seqs if s.params.stop}
+        pending = {s.request_id for s in seqs}
+        bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        try:
+            while pending:
+                start = time.perf_counter()
+                events = self.core.step()
+                elapsed = time.perf_counter() - start
+                for event in events:
+                    seq = event.seq
+                    assembler = assemblers.get(seq.request_id)
+                    finish = event.finish_reason
+                    if assembler is not None:
+                        assembler.add(event.new_token_ids)
+                        if assembler.stopped and finish is None:
+                            self.core.finish_request(seq.request_id, "stop")
+                            finish = "stop"
+                    if finish is not None and seq.request_id in pending:
+                        pending.discard(seq.request_id)
+                        bar.update(1)
+                if use_tqdm and self.core.last_step is not None:
+                    num_prefill, num_decode = self.core.last_step
+                    rate = (num_prefill if num_prefill else num_decode) / max(elapsed, 1e-9)
+                    bar.set_postfix_str(f"{'Prefill' if num_prefill else 'Decode'}: {rate:.0f} tok/s")
+        finally:
+            for request_id in pending:
+                self.core.finish_request(request_id)
+            bar.close()
+        outputs = []
+        for seq in seqs:
+            assembler = assemblers.get(seq.request_id)
+            if assembler is not None:
+                assembler.finish()
+                text = assembler.text
+            else:
+                text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True)
+            outputs.append({"text": text, "token_ids": seq.completion_token_ids,
+                            "finish_reason": seq.finish_reason})
+        return outputs

@@ -1,0 +1,184 @@
+"""Runs one scheduled step on the model: pack inputs, forward, sample.
+
+The runner is backend-blind: everything attention-specific (KV layout use, kernel metadata, CUDA
+graph buffers) sits behind the AttentionBackend it creates.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from asyncllm.attention import ForwardBatch, create_attention_backend
+from asyncllm.config import Config
+from asyncllm.engine.scheduler import SchedulerOutput
+from asyncllm.layers.sampler import Sampler, SamplingTensors
+from asyncllm.models.checkpoint import iter_safetensors, load_weights
+from asyncllm.models.registry import create_model
+
+logger = logging.getLogger("asyncllm")
+
+
+class ModelRunner:
+    def __init__(self, config: Config, weights=None):
+        self.config = config
+        hf = config.hf_config
+        self.device = torch.device(config.device, torch.cuda.current_device()) if config.device == "cuda" \
+            else torch.device("cpu")
+        self.dtype = config.torch_dtype
+        self.block_size = config.kvcache_block_size
+        torch.manual_seed(config.seed)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = create_model(hf)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        load_weights(self.model, weights if weights is not None else iter_safetensors(config.model))
+        self.model.eval()
+        self.sampler = Sampler()
+        self.num_layers = hf.num_hidden_layers
+        attn = self.model.model.layers[0].self_attn
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.vocab_size = hf.vocab_size
+        self.num_kvcache_blocks = self._decide_num_blocks()
+        kv_shape = (2, self.num_layers, self.num_kvcache_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv_cache = torch.zeros(kv_shape, dtype=self.dtype, device=self.device)
+        self.attn_backend = self._create_backend(self.kv_cache)
+        logger.info("KV cache: %d blocks of %d tokens, %.1f MiB", self.num_kvcache_blocks, self.block_size,
+                    self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
+
+    # ---- set-up -------------------------------------------------------------------------------
+    def _create_backend(self, kv_cache: torch.Tensor):
+        return create_attention_backend(
+            self.config.attention_backend, self.device,
+            k_caches=list(kv_cache[0].unbind(0)), v_caches=list(kv_cache[1].unbind(0)),
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            scale=self.head_dim ** -0.5)
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def _decide_num_blocks(self) -> int:
+        if self.config.num_kvcache_blocks > 0:
+            return self.config.num_kvcache_blocks
+        if self.device.type == "cpu":
+            blocks = self.config.cpu_kvcache_bytes // self.kv_bytes_per_block
+        else:
+            blocks = self._blocks_from_gpu_memory()
+        if blocks < 1:
+            raise ValueError("not enough memory for even one KV-cache block; lower kvcache_block_size or "
+                             "raise gpu_memory_utilization / cpu_kvcache_bytes")
+        return int(blocks)
+
+    def _blocks_from_gpu_memory(self) -> int:
+        """Measure the activation peak of a worst-case step, then give the KV cache what is left."""
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        probe_cache = torch.zeros((2, self.num_layers, 1, self.block_size, self.num_kv_heads, self.head_dim),
+                                  dtype=self.dtype, device=self.device)
+        self.attn_backend = self._create_backend(probe_cache)
+        num_tokens = self.config.max_num_batched_tokens
+        seq_len = min(self.config.max_model_len, num_tokens)
+        num_seqs = max(1, min(self.config.max_num_seqs, num_tokens // seq_len))
+        query_lens = [seq_len] * num_seqs
+        batch = self._make_batch(
+            input_ids=np.zeros(seq_len * num_seqs, dtype=np.int64),
+            positions=np.tile(np.arange(seq_len), num_seqs), slot_mapping=np.full(seq_len * num_seqs, -1),
+            query_lens=query_lens, seq_lens=query_lens, block_tables=np.zeros((num_seqs, 1), dtype=np.int32),
+            logits_indices=np.cumsum(query_lens) - 1)
+        with torch.inference_mode():
+            self._forward(batch)
+        torch.cuda.synchronize()
+        del probe_cache, self.attn_backend
+        free, total = torch.cuda.mem_get_info()
+        used = total - free
+        peak = torch.cuda.max_memory_allocated()
+        current = torch.cuda.memory_allocated()
+        budget = total * self.config.gpu_memory_utilization - used - (peak - current)
+        torch.cuda.empty_cache()
+        return int(budget // self.kv_bytes_per_block)
+
+    # ---- one step ------------------------------------------------------------------------------
+    def _make_batch(self, input_ids, positions, slot_mapping, query_lens, seq_lens, block_tables,
+                    logits_indices) -> ForwardBatch:
+        dev = self.device
+
+        def to_dev(array, dtype):
+            return torch.from_numpy(np.ascontiguousarray(array)).to(device=dev, dtype=dtype, non_blocking=True)
+
+        query_start_loc = np.zeros(len(query_lens) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        batch = ForwardBatch(
+            input_ids=to_dev(input_ids, torch.int64), positions=to_dev(positions, torch.int64),
+            slot_mapping=to_dev(slot_mapping, torch.int64), query_start_loc=to_dev(query_start_loc, torch.int32),
+            seq_lens=to_dev(np.asarray(seq_lens), torch.int32), block_tables=to_dev(block_tables, torch.int32),
+            logits_indices=to_dev(logits_indices, torch.int64), num_seqs=len(query_lens),
+            num_tokens=len(input_ids), max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+            query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens), attn_backend=self.attn_backend)
+        self.attn_backend.prepare_metadata(batch)
+        return batch
+
+    def prepare_batch(self, sched: SchedulerOutput) -> ForwardBatch:
+        bs = self.block_size
+        input_ids, positions, query_lens, seq_lens, logits_indices = [], [], [], [], []
+        num_tokens = 0
+        max_blocks = max(len(item.seq.block_table) for item in sched.scheduled)
+        block_tables = np.zeros((len(sched.scheduled), max_blocks), dtype=np.int32)
+        for row, item in enumerate(sched.scheduled):
+            seq, start = item.seq, item.seq.num_computed_tokens
+            end = start + item.num_tokens
+            input_ids.extend(seq.token_ids[start:end])
+            positions.append(np.arange(start, end))
+            query_lens.append(item.num_tokens)
+            seq_lens.append(end)
+            block_tables[row, :len(seq.block_table)] = seq.block_table
+            num_tokens += item.num_tokens
+            if item.samples:
+                logits_indices.append(num_tokens - 1)
+        positions_np = np.concatenate(positions)
+        rows = np.repeat(np.arange(len(query_lens)), query_lens)
+        slot_mapping = block_tables[rows, positions_np // bs].astype(np.int64) * bs + positions_np % bs
+        return self._make_batch(np.asarray(input_ids, dtype=np.int64), positions_np, slot_mapping, query_lens,
+                                seq_lens, block_tables, np.asarray(logits_indices, dtype=np.int64))
+
+    def prepare_sampling(self, sched: SchedulerOutput) -> SamplingTensors:
+        params = [item.seq.params for item in sched.scheduled if item.samples]
+        temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        all_greedy = all(p.temperature == 0 for p in params)
+        top_ks = top_ps = min_ps = None
+        seeded_rows = []
+        if not all_greedy:
+            if any(p.top_k > 0 for p in params):
+                top_ks = torch.tensor([p.top_k if p.top_k > 0 else self.vocab_size for p in params])
+            if any(p.top_p < 1.0 for p in params):
+                top_ps = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+            if any(p.min_p > 0 for p in params):
+                min_ps = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+            samplers = [item.seq for item in sched.scheduled if item.samples]
+            for row, seq in enumerate(samplers):
+                if seq.params.seed is not None and seq.params.temperature > 0:
+                    if seq.generator is None:
+                        seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed)
+                    seeded_rows.append((row, seq.generator))
+
+        def to_dev(t):
+            return t.to(self.device, non_blocking=True) if t is not None else None
+
+        return SamplingTensors(to_dev(temperatures), to_dev(top_ks), to_dev(top_ps), to_dev(min_ps),
+                               seeded_rows, all_greedy)
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        hidden_states = self.model(batch.input_ids, batch.positions, batch)
+        return self.model.compute_logits(hidden_states[batch.logits_indices])
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> list[int]:
+        """Run one step; returns the sampled token of each sequence that samples, in schedule order."""
+        batch = self.prepare_batch(sched)
+        logits = self._forward(batch)
+        return self.sampler(logits, self.prepare_sampling(sched)).tolist()

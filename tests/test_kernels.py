@@ -1,0 +1,479 @@
+"""Triton kernels and the Triton attention backend against the plain-PyTorch reference.
+
+Without CUDA the kernels run through Triton's CPU interpreter on small shapes; with CUDA the same
+tests run compiled over the real shape space (block sizes 16..256, head_dim 64/128, GQA 1/2/4,
+long contexts, big decode batches) plus the CUDA-graph path of the backend.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
+pytest.importorskip("triton")
+
+from asyncllm.attention.base import ForwardBatch  # noqa: E402
+from asyncllm.attention.torch_ref import (TorchAttentionBackend, paged_attention_torch,  # noqa: E402
+                                          store_kvcache_torch)
+from asyncllm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from asyncllm.kernels import (choose_num_splits, decode_workspace_numel, paged_attention,  # noqa: E402
+                              store_kvcache)
+from asyncllm.kernels.paged_attention import MAX_SPLITS  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+# the interpreter is slow: CPU runs cover each code path once (fp32 and bf16, one-block and
+# multi-block KV tiles, GQA), CUDA runs the full grid
+DTYPES = [torch.bfloat16] if CUDA else [torch.float32, torch.bfloat16]
+BLOCK_SIZES = [16, 32, 64, 128, 256] if CUDA else [16, 64]
+HEAD_DIMS = [64, 128] if CUDA else [64]
+GROUPS = [1, 2, 4] if CUDA else [1, 4]
+TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def make_paged_kv(seq_lens: list[int], block_size: int, num_kv_heads: int, head_dim: int,
+                  dtype: torch.dtype, extra_cols: int = 2, extra_blocks: int = 3):
+    """Random K/V for each sequence, scattered over a random permutation of cache blocks. Every
+    cache slot that no sequence owns is NaN, so a kernel reading past a sequence's end shows up."""
+    num_blocks = [cdiv(s, block_size) for s in seq_lens]
+    total = sum(num_blocks) + extra_blocks
+    perm = torch.randperm(total, dtype=torch.int32)
+    block_tables = torch.zeros(len(seq_lens), max(num_blocks, default=0) + extra_cols, dtype=torch.int32)
+    shape = (total, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    used = 0
+    for row, (seq_len, n) in enumerate(zip(seq_lens, num_blocks)):
+        block_tables[row, :n] = perm[used:used + n]
+        used += n
+        pos = torch.arange(seq_len)
+        slots = block_tables[row, pos // block_size].long() * block_size + pos % block_size
+        k_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(seq_len, num_kv_heads, head_dim).to(dtype)
+        v_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(seq_len, num_kv_heads, head_dim).to(dtype)
+    return k_cache.to(DEVICE), v_cache.to(DEVICE), block_tables.to(DEVICE)
+
+
+def make_step(query_lens: list[int], context_lens: list[int], block_size: int, num_heads: int,
+              num_kv_heads: int, head_dim: int, dtype: torch.dtype):
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    k_cache, v_cache, block_tables = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype)
+    q = torch.randn(sum(query_lens), num_heads, head_dim).to(dtype).to(DEVICE)
+    query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.tensor(query_lens).cumsum(0)
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, query_start_loc=query_start_loc.to(DEVICE),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), block_tables=block_tables,
+                max_query_len=max(query_lens), max_seq_len=max(seq_lens), scale=head_dim ** -0.5)
+
+
+def reference(step: dict) -> torch.Tensor:
+    s = step
+    return paged_attention_torch(s["q"].float(), s["k_cache"].float().nan_to_num(0.0),
+                                 s["v_cache"].float().nan_to_num(0.0), s["query_start_loc"], s["seq_lens"],
+                                 s["block_tables"], s["max_query_len"], s["max_seq_len"], s["scale"])
+
+
+def run_ours(step: dict, **kwargs) -> torch.Tensor:
+    out = torch.full_like(step["q"], float("nan"))  # poisoned: every row must be written
+    result = paged_attention(**step, out=out, **kwargs)
+    assert result is out
+    return out
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert not out.isnan().any(), "NaN in output rows"
+    out = out.float()
+    err = ((out - ref).norm() / ref.norm().clamp_min(1e-6)).item()
+    assert err < TOL[dtype], f"relative error {err:.3g}"
+
+
+def random_lens(n: int, low: int, high: int) -> list[int]:
+    return torch.randint(low, high + 1, (n,)).tolist()
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(1234)
+
+
+# ----------------------------------------------------------------------------- store_kvcache
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_store_kvcache_matches_reference_and_skips_minus_one(dtype, block_size):
+    num_tokens, num_kv_heads, head_dim, num_blocks = 37, 2, 64, 6
+    # k and v as strided views into a fused qkv projection, as the model produces them
+    qkv = torch.randn(num_tokens, 8, head_dim).to(dtype).to(DEVICE)
+    k, v = qkv[:, 4:6], qkv[:, 6:8]
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    slots[torch.rand(num_tokens) < 0.3] = -1
+    slot_mapping = slots.to(DEVICE)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+
+    store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    store_kvcache_torch(k, v, k_ref, v_ref, slot_mapping)
+
+    # bit-exact, NaN poison included: slots of -1 tokens and untouched slots keep their NaNs
+    assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
+    written = (~k_cache.isnan()).all(-1).all(-1).sum().item()
+    assert written == (slots >= 0).sum().item()
+
+
+# ----------------------------------------------------------------------------- decode
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("group", GROUPS)
+def test_decode(dtype, block_size, head_dim, group):
+    num_kv_heads = 2
+    max_len = 1500 if CUDA else 150
+    # one-token sequence, a length on a block boundary, random lengths
+    seq_lens = [1, 2 * block_size] + random_lens(3, 2, max_len)
+    step = make_step([1] * len(seq_lens), [s - 1 for s in seq_lens], block_size, num_kv_heads * group,
+                     num_kv_heads, head_dim, dtype)
+    assert_close(run_ours(step), reference(step), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES[-1:] if CUDA else [torch.float32])
+def test_decode_num_splits_agree(dtype):
+    """Splits shorter than a sequence's KV, empty trailing splits, split counts not dividing the
+    length: all must give the reference result."""
+    seq_lens = [1, 40, 150] if not CUDA else [1, 40, 100, 333, 4097]
+    step = make_step([1] * len(seq_lens), [s - 1 for s in seq_lens], 16, 4, 2, 64, dtype)
+    ref = reference(step)
+    base = run_ours(step, num_splits=1)
+    assert_close(base, ref, dtype)
+    for num_splits in [2, 3, 7] + ([16, MAX_SPLITS] if CUDA else []):
+        out = run_ours(step, num_splits=num_splits)
+        assert_close(out, ref, dtype)
+        assert_close(out, base.float(), dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_zero_length_rows_are_zero(num_splits):
+    """CUDA-graph padding rows (seq_len 0) produce zeros and leave the real rows exact."""
+    dtype = torch.bfloat16
+    step = make_step([1, 1, 1, 1], [0, 50, 0, 99], 16, 4, 2, 64, dtype)
+    step["seq_lens"] = torch.tensor([0, 51, 0, 100], dtype=torch.int32, device=DEVICE)
+    out = run_ours(step, num_splits=num_splits)
+    assert torch.equal(out[[0, 2]], torch.zeros_like(out[[0, 2]]))
+    live = [1, 3]
+    sub = make_sub_step(step, live)
+    assert_close(out[live], reference(sub), dtype)
+
+
+def make_sub_step(step: dict, rows: list[int]) -> dict:
+    """The decode step restricted to some sequences (one query token each)."""
+    sub = dict(step)
+    sub["q"] = step["q"][rows]
+    sub["seq_lens"] = step["seq_lens"][rows]
+    sub["block_tables"] = step["block_tables"][rows]
+    sub["query_start_loc"] = torch.arange(len(rows) + 1, dtype=torch.int32, device=DEVICE)
+    sub["max_seq_len"] = int(sub["seq_lens"].max())
+    return sub
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("batch", [1, 3, 32, 256])
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("max_len", [1024, 8192])
+def test_decode_large(batch, block_size, max_len):
+    if batch == 256 and max_len == 8192:
+        max_len = 2048  # keeps the fp32 reference small
+    seq_lens = random_lens(batch - 1, 1, max_len) + [max_len]
+    step = make_step([1] * batch, [s - 1 for s in seq_lens], block_size, 32, 8, 128, torch.bfloat16)
+    assert_close(run_ours(step), reference(step), torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------- prefill / mixed
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("group", GROUPS)
+def test_mixed_prefill_and_decode(dtype, block_size, head_dim, group):
+    """Decodes, prefill chunks over cached context and fresh prefills in one step."""
+    if CUDA:
+        query_lens = [1, 1, 300, 1, 64, 1000, 17]
+        context_lens = [5, 2000, 0, 700, 128, 1500, 0]
+    else:
+        query_lens = [1, 35, 1, 12]
+        context_lens = [30, 0, 90, 45]
+    num_kv_heads = 2
+    step = make_step(query_lens, context_lens, block_size, num_kv_heads * group, num_kv_heads, head_dim, dtype)
+    assert_close(run_ours(step), reference(step), dtype)
+
+
+def test_prefill_non_power_of_two_group():
+    dtype = torch.bfloat16
+    step = make_step([1, 30, 7], [20, 3, 0], 16, 6, 2, 64, dtype)  # 3 query heads per KV head
+    assert_close(run_ours(step), reference(step), dtype)
+    decode = make_step([1, 1], [20, 70], 16, 6, 2, 64, dtype)
+    assert_close(run_ours(decode, num_splits=2), reference(decode), dtype)
+
+
+def test_block_table_narrower_than_seq_len_does_not_fault():
+    """The runner's memory probe runs long prefills over a one-column block table; table reads
+    are clamped to its width, so the kernel stays in bounds (its output is meaningless)."""
+    step = make_step([40], [0], 16, 4, 2, 64, torch.float32)
+    step["block_tables"] = step["block_tables"][:, :1].contiguous()
+    step["k_cache"] = step["k_cache"].nan_to_num(0.0)
+    step["v_cache"] = step["v_cache"].nan_to_num(0.0)
+    assert run_ours(step).isfinite().all()
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("block_size", [16, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_large(block_size, head_dim):
+    query_lens = [1024, 1, 2048, 333, 1]
+    context_lens = [4096, 8000, 0, 1024, 100]
+    step = make_step(query_lens, context_lens, block_size, 16, 8, head_dim, torch.bfloat16)
+    assert_close(run_ours(step), reference(step), torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------- num_splits
+
+def test_choose_num_splits():
+    assert choose_num_splits(256, 8, 4096, 132) == 1  # plenty of programs already
+    assert choose_num_splits(1, 8, 100, 132) == 1  # too short to split
+    one = choose_num_splits(1, 8, 8192, 132)
+    assert 16 <= one <= MAX_SPLITS
+    assert choose_num_splits(16, 8, 8192, 132) < one
+    assert choose_num_splits(1, 1, 10 ** 6, 132) == MAX_SPLITS
+    assert decode_workspace_numel(4, 8, 128, 1) == 0
+
+
+# ----------------------------------------------------------------------------- backend
+
+def make_batch(query_lens: list[int], context_lens: list[int], block_tables: torch.Tensor,
+               block_size: int) -> ForwardBatch:
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    positions = torch.cat([torch.arange(c, c + q) for c, q in zip(context_lens, query_lens)])
+    rows = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
+    tables = block_tables.cpu()
+    slot_mapping = tables[rows, positions // block_size].long() * block_size + positions % block_size
+    query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.tensor(query_lens).cumsum(0)
+    return ForwardBatch(
+        input_ids=torch.zeros(len(positions), dtype=torch.int64, device=DEVICE), positions=positions.to(DEVICE),
+        slot_mapping=slot_mapping.to(DEVICE), query_start_loc=query_start_loc.to(DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), block_tables=block_tables,
+        logits_indices=(query_start_loc[1:] - 1).long().to(DEVICE), num_seqs=len(query_lens),
+        num_tokens=len(positions), max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+        query_lens_cpu=list(query_lens), seq_lens_cpu=seq_lens)
+
+
+def make_backends(block_size: int, num_blocks: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                  dtype: torch.dtype, num_layers: int = 2):
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    caches = [torch.randn(shape).to(dtype).to(DEVICE) for _ in range(2 * num_layers)]
+    ours = TritonAttentionBackend([c.clone() for c in caches[:num_layers]],
+                                  [c.clone() for c in caches[num_layers:]],
+                                  num_heads, num_kv_heads, head_dim, head_dim ** -0.5)
+    ref = TorchAttentionBackend([c.float() for c in caches[:num_layers]], [c.float() for c in caches[num_layers:]],
+                                num_heads, num_kv_heads, head_dim, head_dim ** -0.5)
+    return ours, ref
+
+
+def qkv(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype):
+    return (torch.randn(num_tokens, num_heads, head_dim).to(dtype).to(DEVICE),
+            torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype).to(DEVICE),
+            torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype).to(DEVICE))
+
+
+def check_backend_step(ours, ref, batch, layer, q, k, v, dtype, rows=None):
+    out = ours.forward(layer, q, k, v, batch)
+    expected = ref.forward(layer, q.float(), k.float(), v.float(), batch)
+    if rows is not None:
+        out, expected = out[rows], expected[rows]
+    assert_close(out, expected, dtype)
+    assert torch.equal(ours.k_caches[layer].float(), ref.k_caches[layer].to(dtype).float())
+    assert torch.equal(ours.v_caches[layer].float(), ref.v_caches[layer].to(dtype).float())
+
+
+@pytest.mark.parametrize("dtype", DTYPES[-1:] if CUDA else [torch.float32])
+def test_backend_prefill_then_decode(dtype):
+    block_size, num_heads, num_kv_heads, head_dim = 16, 4, 2, 64
+    ours, ref = make_backends(block_size, 24, num_heads, num_kv_heads, head_dim, dtype)
+    block_tables = torch.randperm(24, dtype=torch.int32).view(3, 8).to(DEVICE)
+    # a mixed step: a fresh prefill, a chunk over cached context, a decode
+    query_lens, context_lens = [20, 9, 1], [0, 30, 60]
+    batch = make_batch(query_lens, context_lens, block_tables, block_size)
+    for layer in range(2):
+        ours.prepare_metadata(batch)
+        check_backend_step(ours, ref, batch, layer, *qkv(batch.num_tokens, num_heads, num_kv_heads, head_dim,
+                                                          dtype), dtype)
+    # then a decode step of all three
+    batch = make_batch([1, 1, 1], [20, 39, 61], block_tables, block_size)
+    ours.prepare_metadata(batch)
+    assert batch.attn_metadata.num_splits >= 1
+    check_backend_step(ours, ref, batch, 1, *qkv(3, num_heads, num_kv_heads, head_dim, dtype), dtype)
+
+
+@gpu
+@needs_cuda
+def test_backend_cuda_graph_replay():
+    """Capture a decode step for 8 sequences, replay it with 5 and then 8 live sequences."""
+    dtype, block_size, num_heads, num_kv_heads, head_dim = torch.bfloat16, 16, 16, 4, 128
+    max_bs, max_blocks, num_blocks = 8, 64, 8 * 64
+    ours, ref = make_backends(block_size, num_blocks, num_heads, num_kv_heads, head_dim, dtype, num_layers=1)
+    ours.init_cuda_graph_state(max_bs, max_blocks)
+    tables = torch.randperm(num_blocks, dtype=torch.int32).view(max_bs, max_blocks).to(DEVICE)
+
+    capture_batch = make_batch([1] * max_bs, [5] * max_bs, tables, block_size)
+    q_buf, k_buf, v_buf = qkv(max_bs, num_heads, num_kv_heads, head_dim, dtype)
+    ours.prepare_for_capture(capture_batch)
+    assert capture_batch.max_seq_len == max_blocks * block_size
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ours.forward(0, q_buf, k_buf, v_buf, capture_batch)  # warm-up compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_buf = ours.forward(0, q_buf, k_buf, v_buf, capture_batch)
+    # the capture runs wrote the capture batch's k/v; mirror that in the reference cache
+    ref.k_caches[0].copy_(ours.k_caches[0].float())
+    ref.v_caches[0].copy_(ours.v_caches[0].float())
+
+    for live in (5, max_bs):
+        context_lens = random_lens(live - 1, 0, max_blocks * block_size - 1) + [max_blocks * block_size - 1]
+        sub_tables = tables[:live, : cdiv(max(context_lens) + 1, block_size)].contiguous()
+        batch = make_batch([1] * live, context_lens, sub_tables, block_size)
+        q, k, v = qkv(live, num_heads, num_kv_heads, head_dim, dtype)
+        q_buf[:live].copy_(q)
+        k_buf[:live].copy_(k)
+        v_buf[:live].copy_(v)
+        q_buf[live:].normal_()
+        k_buf[live:].fill_(float("nan"))  # padding rows must not be stored (slot -1)
+        v_buf[live:].fill_(float("nan"))
+        ours.prepare_for_replay(batch, max_bs)
+        graph.replay()
+        expected = ref.forward(0, q.float(), k.float(), v.float(), batch)
+        assert_close(out_buf[:live], expected, dtype)
+        assert out_buf[live:].isfinite().all()
+        assert torch.equal(ours.k_caches[0].float(), ref.k_caches[0].to(dtype).float())
+        assert torch.equal(ours.v_caches[0].float(), ref.v_caches[0].to(dtype).float())
+
+
+# ----------------------------------------------------------------------------- sm_90 compile check
+
+def _record_launches(configs: list[dict]) -> list:
+    """Run the host wrappers on CPU tensors with every kernel replaced by a recorder, so the
+    launches carry exactly the arguments and tile choices a real call would make."""
+    import importlib
+
+    from triton.runtime.jit import JITFunction
+
+    # importlib, not `import a.b as m`: the package re-exports a function named paged_attention
+    kv_store_mod = importlib.import_module("asyncllm.kernels.kv_store")
+    attention_mod = importlib.import_module("asyncllm.kernels.paged_attention")
+    calls = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((self.kernel, args, kwargs))
+
+    patched = [(mod, name) for mod in (kv_store_mod, attention_mod) for name, value in vars(mod).items()
+               if isinstance(value, JITFunction) and name.endswith("_kernel")]
+    originals = [getattr(mod, name) for mod, name in patched]
+    for mod, name in patched:
+        setattr(mod, name, Recorder(getattr(mod, name)))
+    try:
+        for cfg in configs:
+            step = make_step(cfg["query_lens"], [0] * len(cfg["query_lens"]), cfg["block_size"],
+                             cfg["num_heads"], 8, cfg["head_dim"], torch.bfloat16)
+            paged_attention(**step, num_splits=cfg.get("num_splits"))
+        k = torch.randn(4, 8, cfg["head_dim"], dtype=torch.bfloat16)
+        store_kvcache(k, k, step["k_cache"], step["v_cache"], torch.arange(4))
+    finally:
+        for (mod, name), original in zip(patched, originals):
+            setattr(mod, name, original)
+    return calls
+
+
+def _compile_for_sm90(kernel, args, kwargs):
+    """What Triton's launcher would compile for these arguments, built for sm_90 with ptxas."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    import triton
+    kwargs = dict(kwargs)
+    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
+    values = dict(zip(kernel.arg_names, args), **kwargs)
+    signature, constexprs, attrs = {}, {}, {}
+    for index, name in enumerate(kernel.arg_names):
+        value = values[name]
+        if name in kwargs or value is None or isinstance(value, (bool, str)) or (
+                isinstance(value, int) and value == 1):
+            signature[name], constexprs[name] = "constexpr", value  # as the launcher specializes
+        elif isinstance(value, torch.Tensor):
+            ty = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+                  torch.int32: "i32", torch.int64: "i64"}[value.dtype]
+            signature[name] = "*" + ty
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            if value % 16 == 0:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs),
+                              target=GPUTarget("cuda", 90, 32), options=options)
+    assert compiled.metadata.shared <= 227 * 1024, f"{kernel.__name__}: {compiled.metadata.shared} B of smem"
+    return compiled
+
+
+def compile_all_for_sm90() -> int:
+    configs = [
+        dict(query_lens=[1, 1], block_size=128, num_heads=16, head_dim=128, num_splits=4),  # split decode
+        dict(query_lens=[1, 1], block_size=16, num_heads=32, head_dim=128, num_splits=1),  # direct, gathered
+        dict(query_lens=[300, 1], block_size=256, num_heads=16, head_dim=128),  # prefill
+    ]
+    calls = _record_launches(configs)
+    seen = set()
+    for kernel, args, kwargs in calls:
+        key = (kernel.__name__, tuple(sorted((k, str(v)) for k, v in kwargs.items())))
+        if key not in seen:
+            seen.add(key)
+            _compile_for_sm90(kernel, args, kwargs)
+    return len(seen)
+
+
+@pytest.mark.skipif(CUDA, reason="on CUDA every other test compiles the kernels for real")
+def test_kernels_compile_for_sm90():
+    """The CPU interpreter never compiles; build the real launch configurations for sm_90 (the
+    H200) in a subprocess without TRITON_INTERPRET, so compile-only errors surface on CPU too."""
+    import subprocess
+    import sys
+    triton_dir = os.path.dirname(__import__("triton").__file__)
+    if not os.path.exists(os.path.join(triton_dir, "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("triton ships no ptxas here")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); import test_kernels; "
+              "print(test_kernels.compile_all_for_sm90())")
+    result = subprocess.run([sys.executable, "-c", script, os.path.dirname(__file__)], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert int(result.stdout.split()[-1]) >= 5  # decode x2, reduce, prefill, store
