@@ -1,8 +1,9 @@
 """asyncllm: an LLM inference engine to embed in Python applications."""
+from asyncllm.async_engine import AsyncLLMEngine, RequestResult, StreamOutput
 from asyncllm.config import Config
 from asyncllm.errors import EngineDeadError, QueueFullError
 from asyncllm.llm import LLM
 from asyncllm.sampling_params import SamplingParams
 
-__all__ = ["LLM", "Config", "SamplingParams", "EngineDeadError", "QueueFullError"]
+__all__ = ["AsyncLLMEngine", "StreamOutput", "RequestResult", "LLM", "Config", "SamplingParams", "EngineDeadError", "QueueFullError"]
 __version__ = "0.1.0"

@@ -115,7 +115,7 @@ def _build_config(reader, arch: str, tensors: dict[str, torch.Tensor], dtype: to
     hidden = int(meta("embedding_length"))
     n_head = int(meta("attention.head_count"))
     head_dim = meta("attention.key_length") or meta("rope.dimension_count") or hidden // n_head
-    # The embedding's row count is authoritative: tokenizer vocabularies are often padded in the weights.
+    # The embedding's row count is authoritative: it is often padded beyond the tokenizer's vocabulary.
     vocab_size = tensors["model.embed_tokens.weight"].shape[0]
     config = {
         "architectures": [_ARCHITECTURES[arch]],
@@ -182,6 +182,9 @@ def convert_gguf(gguf_path: str, out_dir: str, dtype: torch.dtype = torch.float3
     if arch not in _ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r} in {gguf_path!r}; "
                          f"supported: {', '.join(sorted(_ARCHITECTURES))}")
+    rope_scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if rope_scaling not in (None, "none"):
+        raise ValueError(f"unsupported GGUF rope scaling {rope_scaling!r} in {gguf_path!r}")
     n_head = int(_field(reader, f"{arch}.attention.head_count"))
     n_kv_head = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
     tensors = _read_tensors(reader, arch, n_head, n_kv_head, dtype)
@@ -191,6 +194,7 @@ def convert_gguf(gguf_path: str, out_dir: str, dtype: torch.dtype = torch.float3
     os.makedirs(parent, exist_ok=True)
     tmp_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
     try:
+        os.chmod(tmp_dir, 0o755)  # mkdtemp's 0700 would otherwise become out_dir's mode
         save_file(tensors, os.path.join(tmp_dir, "model.safetensors"), metadata={"format": "pt"})
         del tensors
         with open(os.path.join(tmp_dir, "config.json"), "w") as f:
@@ -227,6 +231,10 @@ def resolve_model_path(path: str) -> str:
         return out_dir
     print(f"asyncllm: converting {os.path.basename(path)} once into {out_dir} ...", end="", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    convert_gguf(path, out_dir)
+    try:
+        convert_gguf(path, out_dir)
+    except BaseException:
+        print(" failed", file=sys.stderr, flush=True)
+        raise
     print(f" done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     return out_dir

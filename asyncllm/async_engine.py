@@ -1,0 +1,435 @@
+"""AsyncLLMEngine: token streaming into asyncio and trio apps.
+
+One dedicated thread owns the engine core (scheduler, block manager, model runner) and runs the
+step loop while there is work, sleeping on a condition variable when there is none. The event loop
+side talks to it through a thread-safe inbox of commands (add, finish) drained at every step
+boundary. Results go back through one RequestChannel per request: the engine thread appends the
+new token ids under a small lock and, if the consumer is waiting, schedules a wake-up on the
+consumer's event loop (never blocking on it). A consumer that reads slowly finds several steps'
+tokens merged in one read; it never holds the engine back.
+
+Detokenization and stop strings run on the consumer's side, in its own read, so the engine
+thread's step stays free of per-request text work.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import anyio
+import sniffio
+
+from asyncllm.detokenizer import TextAssembler
+from asyncllm.engine.core import EngineCore
+from asyncllm.errors import EngineDeadError, QueueFullError
+from asyncllm.llm import make_config
+from asyncllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("asyncllm")
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float  # time.monotonic() at submission
+    queue_time: float | None = None  # submission -> first scheduled
+    time_to_first_token: float | None = None
+    inter_token_latencies: list[float] = field(default_factory=list)  # gaps between engine steps' tokens
+    e2e_latency: float | None = None
+    num_prompt_tokens: int = 0
+    num_completion_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+
+
+@dataclass
+class StreamOutput:
+    """One item of a stream: what is new since the previous item."""
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # None until the last item: "stop", "length" or "abort"
+
+
+@dataclass
+class RequestResult:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    metrics: RequestMetrics
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+
+def _current_loop_waker() -> Callable[[Callable[[], None]], None]:
+    """A thread-safe, non-blocking 'run this soon on the current event loop'."""
+    library = sniffio.current_async_library()
+    if library == "asyncio":
+        return asyncio.get_running_loop().call_soon_threadsafe
+    if library == "trio":
+        import trio
+        return trio.lowlevel.current_trio_token().run_sync_soon
+    raise RuntimeError(f"asyncllm supports asyncio and trio, not {library}")
+
+
+class RequestChannel:
+    """Hands one request's tokens from the engine thread to its consumer."""
+
+    def __init__(self, request_id: str, waker: Callable):
+        self.request_id = request_id
+        self._waker = waker
+        self._lock = threading.Lock()
+        self._token_ids: list[int] = []
+        self._finish_reason: str | None = None
+        self._error: BaseException | None = None
+        self._waiter: anyio.Event | None = None
+        self.closed = False  # the engine will send nothing more
+        self.metrics: RequestMetrics | None = None
+        self.last_token_time: float | None = None  # engine thread's bookkeeping for inter-token gaps
+
+    # engine thread
+    def put(self, token_ids: list[int], finish_reason: str | None, error: BaseException | None = None) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self._token_ids.extend(token_ids)
+            if finish_reason is not None or error is not None:
+                self._finish_reason = finish_reason
+                self._error = error
+                self.closed = True
+            waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            try:
+                self._waker(waiter.set)
+            except RuntimeError:
+                pass  # the consumer's event loop is gone; nobody is left to wake
+
+    # consumer
+    async def get(self) -> tuple[list[int], str | None]:
+        while True:
+            with self._lock:
+                if self._error is not None:
+                    raise self._error
+                if self._token_ids or self.closed:
+                    token_ids, self._token_ids = self._token_ids, []
+                    return token_ids, self._finish_reason
+                waiter = self._waiter = anyio.Event()
+            await waiter.wait()
+
+
+class RequestStream:
+    """The async iterator returned by AsyncLLMEngine.stream().
+
+    Ending it early in any way (cancelling the task that reads it, a timeout, break, aclose(), or
+    dropping it) aborts the request, and the engine frees its KV blocks before its next step.
+    """
+
+    def __init__(self, engine: "AsyncLLMEngine", channel: RequestChannel, assembler: TextAssembler,
+                 prompt_token_ids: list[int]):
+        self._engine = engine
+        self._channel = channel
+        self._assembler = assembler
+        self.request_id = channel.request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self._assembler.text[:self._assembler.num_released]
+
+    @property
+    def metrics(self) -> RequestMetrics | None:
+        return self._channel.metrics
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> StreamOutput:
+        if self.finish_reason is not None:
+            raise StopAsyncIteration
+        try:
+            token_ids, finish_reason = await self._channel.get()
+        except BaseException:
+            self._abort()
+            raise
+        self.token_ids.extend(token_ids)
+        text = self._assembler.add(token_ids)
+        if self._assembler.stopped and finish_reason is None:
+            finish_reason = "stop"
+            self._engine._finish(self.request_id, "stop")
+        if finish_reason is not None:
+            text += self._assembler.finish()
+            self.finish_reason = finish_reason
+        return StreamOutput(self.request_id, text, token_ids, finish_reason)
+
+    def _abort(self) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = "abort"
+            self._engine.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        self._abort()
+
+    async def __aenter__(self) -> "RequestStream":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._abort()
+
+    def __del__(self) -> None:
+        # a `break` out of `async for` drops the last reference here: abort at once, not at GC time
+        if self.finish_reason is None and not self._channel.closed:
+            self._engine.abort(self.request_id)
+
+
+class AsyncLLMEngine:
+    """Embeddable async engine. Use as `async with AsyncLLMEngine(model_dir, **config) as engine:`."""
+
+    def __init__(self, model: str | None = None, **config_kwargs):
+        self.config = make_config(model, config_kwargs)
+        self._cv = threading.Condition()
+        self._inbox: collections.deque = collections.deque()
+        self._channels: dict[str, RequestChannel] = {}  # engine thread's view
+        self._thread: threading.Thread | None = None
+        self._core: EngineCore | None = None
+        self._ready = threading.Event()
+        self._stop_requested = False
+        self._dead: BaseException | None = None
+        self._closed = False
+        self._ids = itertools.count()
+        self._stats: dict = {}
+        self.tokenizer = None
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    async def __aenter__(self) -> "AsyncLLMEngine":
+        await self.start()
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        await self.shutdown(drain=False)
+
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="asyncllm-engine", daemon=True)
+        self._thread.start()
+        await anyio.to_thread.run_sync(self._ready.wait)
+        if self._dead is not None:
+            await anyio.to_thread.run_sync(self._thread.join)
+            raise EngineDeadError(f"the engine failed to start: {self._dead!r}") from self._dead
+
+    async def shutdown(self, drain: bool = False) -> None:
+        """Stop the engine thread. drain=True lets in-flight requests finish first; otherwise they
+        end with finish_reason "abort". Idempotent."""
+        if self._closed or self._thread is None:
+            self._closed = True
+            return
+        self._closed = True
+        if drain:
+            await self.wait_idle()
+        with self._cv:
+            self._stop_requested = True
+            self._cv.notify()
+        await anyio.to_thread.run_sync(self._thread.join)
+
+    async def wait_idle(self, poll_interval: float = 0.005) -> None:
+        """Wait until no request is queued or running and every command has been applied."""
+        while True:
+            self._check_alive()
+            with self._cv:
+                if not self._inbox and self._stats.get("num_waiting", 0) == 0 \
+                        and self._stats.get("num_running", 0) == 0:
+                    return
+            await anyio.sleep(poll_interval)
+
+    # ---- requests ------------------------------------------------------------------------------
+    def stream(self, prompt, sampling_params: SamplingParams | None = None, *,
+               request_id: str | None = None) -> RequestStream:
+        """Submit a request (a string or token ids) and return its token stream."""
+        self._check_alive()
+        core = self._core
+        prompt_token_ids = core.encode_prompt(prompt)
+        return self._submit(prompt_token_ids, sampling_params, request_id)
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None, *, request_id: str | None = None,
+             **chat_template_kwargs) -> RequestStream:
+        """Stream an answer to a conversation, formatted by the tokenizer's chat template."""
+        self._check_alive()
+        return self._submit(self.apply_chat_template(messages, **chat_template_kwargs), sampling_params, request_id)
+
+    def apply_chat_template(self, messages, **chat_template_kwargs) -> list[int]:
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages: expected a non-empty list of {'role': ..., 'content': ...} dicts")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict):
+                raise TypeError(f"messages[{i}]: expected a dict, got {type(message).__name__}")
+            if not isinstance(message.get("role"), str) or not message.get("role"):
+                raise ValueError(f"messages[{i}]: 'role' must be a non-empty string")
+            if not isinstance(message.get("content"), str):
+                raise ValueError(f"messages[{i}]: 'content' must be a string")
+        tokenizer = self._core.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("chat: this model's tokenizer has no chat template; use stream() with a prompt")
+        chat_template_kwargs.setdefault("add_generation_prompt", True)
+        text = tokenizer.apply_chat_template(list(messages), tokenize=False, **chat_template_kwargs)
+        token_ids = tokenizer.encode(text, add_special_tokens=False)
+        return self._core.encode_prompt(token_ids, "messages")
+
+    async def generate(self, prompt, sampling_params: SamplingParams | None = None, *,
+                       request_id: str | None = None) -> RequestResult:
+        stream = self.stream(prompt, sampling_params, request_id=request_id)
+        text_parts = []
+        async for out in stream:
+            text_parts.append(out.text)
+        return RequestResult(stream.request_id, "".join(text_parts), stream.token_ids, stream.finish_reason,
+                             stream.metrics, stream.prompt_token_ids)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; its blocks are free before the next step. Unknown or finished ids: no-op."""
+        self._post(("finish", request_id, "abort"))
+
+    def _finish(self, request_id: str, reason: str) -> None:
+        self._post(("finish", request_id, reason))
+
+    def _submit(self, prompt_token_ids: list[int], params: SamplingParams | None, request_id: str | None):
+        params = SamplingParams() if params is None else params
+        self._core.check_request(prompt_token_ids, params)
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        elif not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id: expected a non-empty string")
+        limit = self.config.max_queued_requests
+        with self._cv:
+            if limit and len(self._inbox) + self._stats.get("num_waiting", 0) >= limit:
+                raise QueueFullError(f"{limit} requests are already queued (max_queued_requests); retry later")
+        channel = RequestChannel(request_id, _current_loop_waker())
+        assembler = TextAssembler(self._core.tokenizer, prompt_token_ids, params)
+        stream = RequestStream(self, channel, assembler, prompt_token_ids)
+        self._post(("add", channel, prompt_token_ids, params))
+        return stream
+
+    def _post(self, command) -> None:
+        with self._cv:
+            if self._dead is None and not self._stop_requested:
+                self._inbox.append(command)
+                self._cv.notify()
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine has failed: {self._dead!r}") from self._dead
+        if self._closed:
+            raise EngineDeadError("the engine is shut down")
+        if self._core is None:
+            raise RuntimeError("the engine is not started: use `async with AsyncLLMEngine(...)` or await start()")
+
+    def stats(self) -> dict:
+        with self._cv:
+            stats = dict(self._stats)
+            stats["num_inbox"] = len(self._inbox)
+        return stats
+
+    # ---- the engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._core = EngineCore(self.config)
+            self.tokenizer = self._core.tokenizer
+        except BaseException as e:  # noqa: BLE001 - reported to the starter
+            self._dead = e
+            self._ready.set()
+            return
+        self._publish_stats()
+        self._ready.set()
+        core = self._core
+        try:
+            while True:
+                with self._cv:
+                    while not self._inbox and not self._stop_requested and not core.has_unfinished():
+                        self._cv.wait()
+                    commands = list(self._inbox)
+                    self._inbox.clear()
+                    stopping = self._stop_requested
+                for command in commands:
+                    self._apply(command)
+                if stopping:
+                    break
+                if core.has_unfinished():
+                    self._deliver(core.step())
+                self._publish_stats()
+        except BaseException as e:  # noqa: BLE001 - every consumer must hear of it
+            logger.exception("engine step failed; the engine is dead")
+            with self._cv:
+                self._dead = e
+            error = EngineDeadError(f"the engine has failed: {e!r}")
+            error.__cause__ = e
+            for channel in list(self._channels.values()):
+                channel.put([], None, error)
+            self._channels.clear()
+            return
+        # orderly stop: whatever is still in flight is aborted
+        for request_id in list(self._channels):
+            self._end(request_id, "abort")
+        self._publish_stats()
+
+    def _apply(self, command) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, channel, prompt_token_ids, params = command
+            if channel.request_id in self._channels:
+                channel.put([], None, ValueError(f"request_id: {channel.request_id!r} is already in use"))
+                return
+            try:
+                seq = self._core.add_request(prompt_token_ids, params, channel.request_id)
+            except (ValueError, TypeError) as e:
+                channel.put([], None, e)
+                return
+            channel.metrics = RequestMetrics(arrival_time=seq.arrival_time, num_prompt_tokens=len(prompt_token_ids))
+            self._channels[channel.request_id] = channel
+        elif kind == "finish":
+            _, request_id, reason = command
+            if request_id in self._channels:
+                self._end(request_id, reason)
+
+    def _end(self, request_id: str, reason: str) -> None:
+        seq = self._core.finish_request(request_id, reason)
+        channel = self._channels.pop(request_id)
+        if seq is not None:
+            self._record(channel, seq, time.monotonic(), 0)
+        channel.put([], reason)
+
+    def _deliver(self, events) -> None:
+        now = time.monotonic()
+        for event in events:
+            channel = self._channels.get(event.seq.request_id)
+            if channel is None:
+                continue
+            self._record(channel, event.seq, now, len(event.new_token_ids))
+            if event.finish_reason is not None:
+                del self._channels[event.seq.request_id]
+            channel.put(event.new_token_ids, event.finish_reason)
+
+    @staticmethod
+    def _record(channel: RequestChannel, seq, now: float, num_new_tokens: int) -> None:
+        metrics = channel.metrics
+        if metrics.queue_time is None and seq.first_scheduled_time is not None:
+            metrics.queue_time = seq.first_scheduled_time - metrics.arrival_time
+            metrics.num_cached_tokens = seq.num_cached_prompt_tokens
+        if num_new_tokens:
+            if metrics.time_to_first_token is None:
+                metrics.time_to_first_token = now - metrics.arrival_time
+            else:
+                metrics.inter_token_latencies.append(now - channel.last_token_time)
+            channel.last_token_time = now
+        metrics.num_completion_tokens = seq.num_completion_tokens
+        metrics.num_preemptions = seq.num_preemptions
+        metrics.e2e_latency = now - metrics.arrival_time
+
+    def _publish_stats(self) -> None:
+        stats = self._core.stats()
+        with self._cv:
+            self._stats = stats
