@@ -12,6 +12,7 @@ import torch
 
 from asyncllm.attention import ForwardBatch, create_attention_backend
 from asyncllm.config import Config
+from asyncllm.cuda_graph import CudaGraphRunner
 from asyncllm.engine.scheduler import SchedulerOutput
 from asyncllm.layers.sampler import Sampler, SamplingTensors
 from asyncllm.models.checkpoint import iter_safetensors, load_weights
@@ -28,6 +29,8 @@ class ModelRunner:
             else torch.device("cpu")
         self.dtype = config.torch_dtype
         self.block_size = config.kvcache_block_size
+        self._staging: dict[torch.dtype, torch.Tensor] = {}
+        self.graph_runner = None
         torch.manual_seed(config.seed)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -47,6 +50,10 @@ class ModelRunner:
         kv_shape = (2, self.num_layers, self.num_kvcache_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_cache = torch.zeros(kv_shape, dtype=self.dtype, device=self.device)
         self.attn_backend = self._create_backend(self.kv_cache)
+        self.graph_runner = None
+        if self.device.type == "cuda" and not config.enforce_eager and self.attn_backend.supports_cuda_graphs:
+            self.graph_runner = CudaGraphRunner(self.model, self.attn_backend, min(config.max_num_seqs, 512),
+                                                config.max_model_len, self.device)
         logger.info("KV cache: %d blocks of %d tokens, %.1f MiB", self.num_kvcache_blocks, self.block_size,
                     self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
 
@@ -93,6 +100,12 @@ class ModelRunner:
             logits_indices=np.cumsum(query_lens) - 1)
         with torch.inference_mode():
             self._forward(batch)
+            # the sampler's worst case too: every sequence sampling with top-k/top-p sorting
+            rows = self.config.max_num_seqs
+            logits = torch.randn(rows, self.vocab_size, device=self.device)
+            ones = torch.ones(rows, device=self.device)
+            self.sampler(logits, SamplingTensors(ones, ones.long() * 50, ones * 0.9, ones * 0.05, [], False))
+            del logits, ones
         torch.cuda.synchronize()
         del probe_cache, self.attn_backend
         free, total = torch.cuda.mem_get_info()
@@ -104,22 +117,36 @@ class ModelRunner:
         return int(budget // self.kv_bytes_per_block)
 
     # ---- one step ------------------------------------------------------------------------------
+    def _upload(self, arrays: list[np.ndarray], dtype: torch.dtype) -> list[torch.Tensor]:
+        """Copy host arrays to the device in one transfer through a reused (pinned, on GPU) buffer."""
+        sizes = [a.size for a in arrays]
+        total = sum(sizes)
+        staging = self._staging.get(dtype)
+        if staging is None or staging.numel() < total:
+            staging = torch.empty(max(total, 1 << 16), dtype=dtype, pin_memory=self.device.type == "cuda")
+            self._staging[dtype] = staging
+        host = staging[:total]
+        np.concatenate([a.ravel() for a in arrays], out=host.numpy())
+        if self.device.type == "cuda":
+            device_copy = host.to(self.device, non_blocking=True)
+        else:
+            device_copy = host.clone()
+        return [t.view(a.shape) for t, a in zip(device_copy.split(sizes), arrays)]
+
     def _make_batch(self, input_ids, positions, slot_mapping, query_lens, seq_lens, block_tables,
                     logits_indices) -> ForwardBatch:
-        dev = self.device
-
-        def to_dev(array, dtype):
-            return torch.from_numpy(np.ascontiguousarray(array)).to(device=dev, dtype=dtype, non_blocking=True)
-
         query_start_loc = np.zeros(len(query_lens) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=query_start_loc[1:])
+        input_ids_t, positions_t, slot_mapping_t, logits_indices_t = self._upload(
+            [input_ids, positions, slot_mapping, logits_indices], torch.int64)
+        query_start_loc_t, seq_lens_t, block_tables_t = self._upload(
+            [query_start_loc, np.asarray(seq_lens, dtype=np.int32), block_tables], torch.int32)
         batch = ForwardBatch(
-            input_ids=to_dev(input_ids, torch.int64), positions=to_dev(positions, torch.int64),
-            slot_mapping=to_dev(slot_mapping, torch.int64), query_start_loc=to_dev(query_start_loc, torch.int32),
-            seq_lens=to_dev(np.asarray(seq_lens), torch.int32), block_tables=to_dev(block_tables, torch.int32),
-            logits_indices=to_dev(logits_indices, torch.int64), num_seqs=len(query_lens),
-            num_tokens=len(input_ids), max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-            query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens), attn_backend=self.attn_backend)
+            input_ids=input_ids_t, positions=positions_t, slot_mapping=slot_mapping_t,
+            query_start_loc=query_start_loc_t, seq_lens=seq_lens_t, block_tables=block_tables_t,
+            logits_indices=logits_indices_t, num_seqs=len(query_lens), num_tokens=len(input_ids),
+            max_query_len=max(query_lens), max_seq_len=max(seq_lens), query_lens_cpu=list(query_lens),
+            seq_lens_cpu=list(seq_lens), attn_backend=self.attn_backend)
         self.attn_backend.prepare_metadata(batch)
         return batch
 
@@ -173,6 +200,8 @@ class ModelRunner:
                                seeded_rows, all_greedy)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.run(batch)
         hidden_states = self.model(batch.input_ids, batch.positions, batch)
         return self.model.compute_logits(hidden_states[batch.logits_indices])
 

@@ -101,3 +101,40 @@ def _auto_backend(device: torch.device) -> str:
         return "triton"
     except ImportError:
         return "torch"
+
+
+class PagedGraphBuffers:
+    """Static copies of the paged-attention metadata that a captured decode graph reads.
+
+    bind() points a capture batch's fields at views of these buffers; load() copies a live
+    batch's metadata in before a replay, padding the rows past its sequences so they store
+    nothing (slot -1) and attend to nothing (length 0).
+    """
+
+    def __init__(self, max_batch_size: int, max_blocks_per_seq: int, block_size: int, device: torch.device):
+        self.slot_mapping = torch.full((max_batch_size,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.zeros(max_batch_size, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(max_batch_size, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(max_batch_size + 1, dtype=torch.int32, device=device)
+        self.max_seq_len = max_blocks_per_seq * block_size  # the bound every replay stays within
+
+    def bind(self, batch: ForwardBatch) -> None:
+        assert batch.max_query_len == 1, "CUDA graphs capture decode-only steps"
+        bs = batch.num_seqs
+        batch.slot_mapping = self.slot_mapping[:bs]
+        batch.seq_lens = self.seq_lens[:bs]
+        batch.block_tables = self.block_tables[:bs]
+        batch.query_start_loc = self.query_start_loc[:bs + 1]
+        batch.max_seq_len = self.max_seq_len
+        self.seq_lens[:bs].fill_(1)  # capture runs the kernels once: give them a valid length
+
+    def load(self, batch: ForwardBatch, graph_batch_size: int) -> None:
+        n = batch.num_seqs
+        self.slot_mapping[:n].copy_(batch.slot_mapping, non_blocking=True)
+        self.seq_lens[:n].copy_(batch.seq_lens, non_blocking=True)
+        # columns past the live batch's width keep stale ids; no kernel reads past a row's length
+        cols = batch.block_tables.shape[1]
+        self.block_tables[:n, :cols].copy_(batch.block_tables, non_blocking=True)
+        if n < graph_batch_size:
+            self.slot_mapping[n:graph_batch_size].fill_(-1)
+            self.seq_lens[n:graph_batch_size].fill_(0)

@@ -51,8 +51,10 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps
         remove |= ranks.unsqueeze(0) >= top_ks.unsqueeze(1)
     if top_ps is not None:
         probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
-        # drop a token when the tokens ranked above it already reach top_p; the first always stays
+        # drop a token when the tokens ranked above it already reach top_p; the first always stays.
+        # Rows with top_p == 1 are left alone: float32 cumsum over a large vocab can reach 1.0
+        # before the tail, which would otherwise cut a row that did not ask for top-p.
         mass_above = probs.cumsum(dim=-1) - probs
-        remove |= mass_above >= top_ps.unsqueeze(1)
+        remove |= (mass_above >= top_ps.unsqueeze(1)) & (top_ps < 1.0).unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

@@ -1,0 +1,179 @@
+"""Paged attention: our Triton kernels vs FlashAttention-2 (torch's built-in) and FlashAttention-4
+(flash_attn.cute, when installed). CUDA only.
+
+    python benchmarks/bench_kernels.py [--json results.json] [--no-fa4] [--budget-s 75]
+
+Timing is triton.testing.do_bench's median, which zeroes a 256 MB buffer before every repetition,
+so each call starts from a cold L2 (50 MB on H200) even when its KV would fit there. FA2 has no
+paged KV here: it reads the same K/V gathered into contiguous varlen tensors (cum_seq_k). FA4
+reads the paged cache through page_table, like ours. Decode reports achieved K+V bandwidth;
+prefill reports TFLOP/s counting only the causally visible keys. "err" is ours vs FA2, relative.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
+DTYPE = torch.bfloat16
+# (batch, context, block_size): each sequence decodes one token over `context` cached tokens
+DECODE_CASES = [(1, 1024, 128), (1, 8192, 128), (16, 1024, 128), (64, 1024, 128), (64, 1024, 16),
+                (64, 1024, 256), (256, 1024, 128), (64, 4096, 128)]
+# (batch, new tokens, cached context, block_size)
+PREFILL_CASES = [(1, 1024, 1024, 128), (16, 1024, 1024, 128), (4, 4096, 4096, 128)]
+
+
+def load_fa4():
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except Exception as exc:  # not installed, or its CUDA DSL fails to import
+        return None, f"{type(exc).__name__}: {exc}"
+    return flash_attn_varlen_func, None
+
+
+def make_case(batch: int, query_len: int, context: int, block_size: int):
+    """A paged cache holding `batch` sequences of context + query_len tokens on shuffled blocks,
+    the same K/V as contiguous varlen tensors for FA2, and the step's queries."""
+    dev = torch.device("cuda")
+    seq_len = context + query_len
+    blocks_per_seq = math.ceil(seq_len / block_size)
+    num_blocks = batch * blocks_per_seq
+    k_cache = torch.randn(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, device=dev, dtype=DTYPE)
+    v_cache = torch.randn_like(k_cache)
+    block_tables = torch.randperm(num_blocks, device=dev, dtype=torch.int32).view(batch, blocks_per_seq)
+    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device=dev)
+    query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=dev) * query_len
+    k_contig = k_cache[block_tables.long()].flatten(1, 2)[:, :seq_len].reshape(-1, NUM_KV_HEADS, HEAD_DIM)
+    v_contig = v_cache[block_tables.long()].flatten(1, 2)[:, :seq_len].reshape(-1, NUM_KV_HEADS, HEAD_DIM)
+    cu_seq_k = torch.arange(batch + 1, dtype=torch.int32, device=dev) * seq_len
+    q = torch.randn(batch * query_len, NUM_HEADS, HEAD_DIM, device=dev, dtype=DTYPE)
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens,
+                query_start_loc=query_start_loc, k_contig=k_contig, v_contig=v_contig, cu_seq_k=cu_seq_k,
+                max_query_len=query_len, max_seq_len=seq_len)
+
+
+def bench_case(kind: str, batch: int, query_len: int, context: int, block_size: int, fa4, use_fa4: bool) -> dict:
+    from triton.testing import do_bench
+
+    from asyncllm.kernels import choose_num_splits, decode_workspace_numel, paged_attention
+
+    c = make_case(batch, query_len, context, block_size)
+    scale = HEAD_DIM ** -0.5
+    out = torch.empty_like(c["q"])
+    num_splits = 1
+    workspace = None
+    if kind == "decode":
+        num_splits = choose_num_splits(batch, NUM_KV_HEADS, c["max_seq_len"],
+                                       torch.cuda.get_device_properties(0).multi_processor_count)
+        workspace = torch.empty(max(1, decode_workspace_numel(batch, NUM_HEADS, HEAD_DIM, num_splits)),
+                                dtype=torch.float32, device="cuda")
+
+    def ours():
+        return paged_attention(c["q"], c["k_cache"], c["v_cache"], c["query_start_loc"], c["seq_lens"],
+                               c["block_tables"], c["max_query_len"], c["max_seq_len"], scale, out=out,
+                               num_splits=num_splits, workspace=workspace)
+
+    def fa2():
+        return torch.ops.aten._flash_attention_forward(
+            c["q"], c["k_contig"], c["v_contig"], c["query_start_loc"], c["cu_seq_k"], c["max_query_len"],
+            c["max_seq_len"], 0.0, True, False, scale=scale)[0]
+
+    row = dict(kind=kind, batch=batch, query_len=query_len, context=context, block_size=block_size,
+               num_splits=num_splits if kind == "decode" else None)
+    row["ours_ms"] = do_bench(ours)
+    row["fa2_ms"] = do_bench(fa2)
+    ref = fa2().float()
+    row["err_vs_fa2"] = ((ours().float() - ref).norm() / ref.norm()).item()
+
+    row["fa4_ms"] = None
+    if fa4 is not None and use_fa4:
+        def run_fa4(splits):
+            extra = {} if splits == 1 else {"num_splits": splits}
+            result = fa4(c["q"], c["k_cache"], c["v_cache"], cu_seqlens_q=c["query_start_loc"],
+                         max_seqlen_q=c["max_query_len"], seqused_k=c["seq_lens"], page_table=c["block_tables"],
+                         causal=True, softmax_scale=scale, **extra)
+            return result[0] if isinstance(result, tuple) else result  # some versions return (out, lse)
+        for splits in ((0, 1) if kind == "decode" else (1,)):  # 0: FA4's own split heuristic
+            try:
+                fa4_out = run_fa4(splits).float()
+                row["fa4_ms"] = do_bench(lambda: run_fa4(splits))
+                row["fa4_err_vs_fa2"] = ((fa4_out - ref).norm() / ref.norm()).item()
+                row["fa4_num_splits"] = splits
+                break
+            except Exception as exc:
+                row["fa4_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+
+    if kind == "decode":
+        kv_bytes = 2 * batch * c["max_seq_len"] * NUM_KV_HEADS * HEAD_DIM * c["k_cache"].element_size()
+        row["ours_tbps"] = kv_bytes / (row["ours_ms"] * 1e-3) / 1e12
+    else:
+        visible_keys = batch * (query_len * context + query_len * (query_len + 1) / 2)
+        flops = 4 * NUM_HEADS * HEAD_DIM * visible_keys
+        row["ours_tflops"] = flops / (row["ours_ms"] * 1e-3) / 1e12
+        row["fa2_tflops"] = flops / (row["fa2_ms"] * 1e-3) / 1e12
+    return row
+
+
+def fmt(value, spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(rows: list[dict]) -> None:
+    head = (f"{'case':<28} {'ours ms':>9} {'FA2 ms':>9} {'FA4 ms':>9} {'FA2/ours':>9} {'FA4/ours':>9} "
+            f"{'ours perf':>14} {'err':>8}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        if r["kind"] == "decode":
+            case = f"decode {r['batch']}x{r['context']} bs{r['block_size']} s{r['num_splits']}"
+            perf = f"{r['ours_tbps']:.2f} TB/s"
+        else:
+            case = f"prefill {r['batch']}x{r['query_len']}/{r['context']} bs{r['block_size']}"
+            perf = f"{r['ours_tflops']:.0f} TFLOP/s"
+        fa4_ratio = r["fa4_ms"] / r["ours_ms"] if r.get("fa4_ms") else None
+        print(f"{case:<28} {fmt(r['ours_ms']):>9} {fmt(r['fa2_ms']):>9} {fmt(r.get('fa4_ms')):>9} "
+              f"{fmt(r['fa2_ms'] / r['ours_ms'], '.2f'):>9} {fmt(fa4_ratio, '.2f'):>9} {perf:>14} "
+              f"{r['err_vs_fa2']:>8.1e}")
+        if r.get("fa4_error") and r.get("fa4_ms") is None:
+            print(f"    FA4 failed: {r['fa4_error']}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--no-fa4", action="store_true", help="skip FlashAttention-4")
+    parser.add_argument("--budget-s", type=float, default=75.0,
+                        help="stop timing FA4 (whose first call per shape JIT-compiles) past this many seconds")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_kernels.py needs a CUDA GPU")
+    torch.manual_seed(0)
+    fa4, fa4_error = (None, "disabled") if args.no_fa4 else load_fa4()
+    if fa4 is None:
+        print(f"FlashAttention-4 unavailable: {fa4_error}")
+    start = time.perf_counter()
+    rows = []
+    cases = [("decode", b, 1, ctx, bs) for b, ctx, bs in DECODE_CASES]
+    cases += [("prefill", b, q, ctx, bs) for b, q, ctx, bs in PREFILL_CASES]
+    for kind, batch, query_len, context, block_size in cases:
+        use_fa4 = time.perf_counter() - start < args.budget_s
+        rows.append(bench_case(kind, batch, query_len, context, block_size, fa4, use_fa4))
+        torch.cuda.empty_cache()
+    print(f"\n{torch.cuda.get_device_name(0)}, H={NUM_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} {DTYPE}\n")
+    print_table(rows)
+    print(f"\n{time.perf_counter() - start:.1f} s")
+    if args.json:
+        import triton
+        meta = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
+                    num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype=str(DTYPE),
+                    fa4_available=fa4 is not None)
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, results=rows), f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

