@@ -23,7 +23,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import anyio
-import sniffio
 
 from asyncllm.detokenizer import TextAssembler
 from asyncllm.engine.core import EngineCore
@@ -68,13 +67,15 @@ class RequestResult:
 
 def _current_loop_waker() -> Callable[[Callable[[], None]], None]:
     """A thread-safe, non-blocking 'run this soon on the current event loop'."""
-    library = sniffio.current_async_library()
-    if library == "asyncio":
+    try:
         return asyncio.get_running_loop().call_soon_threadsafe
-    if library == "trio":
+    except RuntimeError:
+        pass
+    try:
         import trio
         return trio.lowlevel.current_trio_token().run_sync_soon
-    raise RuntimeError(f"asyncllm supports asyncio and trio, not {library}")
+    except (ImportError, RuntimeError):
+        raise RuntimeError("asyncllm streams must be used from an asyncio or trio event loop") from None
 
 
 class RequestChannel:
@@ -162,7 +163,7 @@ class RequestStream:
         text = self._assembler.add(token_ids)
         if self._assembler.stopped and finish_reason is None:
             finish_reason = "stop"
-            self._engine._finish(self.request_id, "stop")
+            pass
         if finish_reason is not None:
             text += self._assembler.finish()
             self.finish_reason = finish_reason
@@ -200,6 +201,7 @@ class AsyncLLMEngine:
         self._core: EngineCore | None = None
         self._ready = threading.Event()
         self._stop_requested = False
+        self._applying = False  # commands taken from the inbox, not yet reflected in _stats
         self._dead: BaseException | None = None
         self._closed = False
         self._ids = itertools.count()
@@ -232,7 +234,7 @@ class AsyncLLMEngine:
             return
         self._closed = True
         if drain:
-            await self.wait_idle()
+            await self._wait_idle(poll_interval=0.005)
         with self._cv:
             self._stop_requested = True
             self._cv.notify()
@@ -240,10 +242,15 @@ class AsyncLLMEngine:
 
     async def wait_idle(self, poll_interval: float = 0.005) -> None:
         """Wait until no request is queued or running and every command has been applied."""
+        self._check_alive()
+        await self._wait_idle(poll_interval)
+
+    async def _wait_idle(self, poll_interval: float) -> None:
         while True:
-            self._check_alive()
+            if self._dead is not None:
+                raise EngineDeadError(f"the engine has failed: {self._dead!r}") from self._dead
             with self._cv:
-                if not self._inbox and self._stats.get("num_waiting", 0) == 0 \
+                if not self._inbox and not self._applying and self._stats.get("num_waiting", 0) == 0 \
                         and self._stats.get("num_running", 0) == 0:
                     return
             await anyio.sleep(poll_interval)
@@ -319,6 +326,9 @@ class AsyncLLMEngine:
             if self._dead is None and not self._stop_requested:
                 self._inbox.append(command)
                 self._cv.notify()
+                return
+        if command[0] == "add":  # the engine died or stopped since the caller checked: don't leave it waiting
+            command[1].put([], None, EngineDeadError("the engine has failed or is shut down"))
 
     def _check_alive(self) -> None:
         if self._dead is not None:
@@ -353,9 +363,12 @@ class AsyncLLMEngine:
                         self._cv.wait()
                     commands = list(self._inbox)
                     self._inbox.clear()
+                    self._applying = bool(commands)
                     stopping = self._stop_requested
                 for command in commands:
                     self._apply(command)
+                if commands:
+                    self._publish_stats()  # so wait_idle sees the applied commands before the step ends
                 if stopping:
                     break
                 if core.has_unfinished():
@@ -365,9 +378,12 @@ class AsyncLLMEngine:
             logger.exception("engine step failed; the engine is dead")
             with self._cv:
                 self._dead = e
+                # requests posted but not yet applied: their consumers must hear of it too
+                pending = [command[1] for command in self._inbox if command[0] == "add"]
+                self._inbox.clear()
             error = EngineDeadError(f"the engine has failed: {e!r}")
             error.__cause__ = e
-            for channel in list(self._channels.values()):
+            for channel in list(self._channels.values()) + pending:
                 channel.put([], None, error)
             self._channels.clear()
             return
@@ -433,3 +449,4 @@ class AsyncLLMEngine:
         stats = self._core.stats()
         with self._cv:
             self._stats = stats
+            self._applying = False

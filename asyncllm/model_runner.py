@@ -29,7 +29,7 @@ class ModelRunner:
             else torch.device("cpu")
         self.dtype = config.torch_dtype
         self.block_size = config.kvcache_block_size
-        self._staging: dict[torch.dtype, torch.Tensor] = {}
+        self._staging: dict[torch.dtype, tuple] = {}  # dtype -> (host buffer, its last copy's event)
         self.graph_runner = None
         torch.manual_seed(config.seed)
         default_dtype = torch.get_default_dtype()
@@ -93,10 +93,13 @@ class ModelRunner:
         seq_len = min(self.config.max_model_len, num_tokens)
         num_seqs = max(1, min(self.config.max_num_seqs, num_tokens // seq_len))
         query_lens = [seq_len] * num_seqs
+        # every block-table entry points at the probe cache's one block; slot -1 stores nothing
+        blocks_per_seq = (seq_len + self.block_size - 1) // self.block_size
         batch = self._make_batch(
             input_ids=np.zeros(seq_len * num_seqs, dtype=np.int64),
             positions=np.tile(np.arange(seq_len), num_seqs), slot_mapping=np.full(seq_len * num_seqs, -1),
-            query_lens=query_lens, seq_lens=query_lens, block_tables=np.zeros((num_seqs, 1), dtype=np.int32),
+            query_lens=query_lens, seq_lens=query_lens,
+            block_tables=np.zeros((num_seqs, blocks_per_seq), dtype=np.int32),
             logits_indices=np.cumsum(query_lens) - 1)
         with torch.inference_mode():
             self._forward(batch)
@@ -107,13 +110,15 @@ class ModelRunner:
             self.sampler(logits, SamplingTensors(ones, ones.long() * 50, ones * 0.9, ones * 0.05, [], False))
             del logits, ones
         torch.cuda.synchronize()
-        del probe_cache, self.attn_backend
-        free, total = torch.cuda.mem_get_info()
-        used = total - free
+        del probe_cache, self.attn_backend, batch
         peak = torch.cuda.max_memory_allocated()
         current = torch.cuda.memory_allocated()
-        budget = total * self.config.gpu_memory_utilization - used - (peak - current)
         torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        used = total - free  # weights, the CUDA context, and anything else on the device
+        budget = total * self.config.gpu_memory_utilization - used - (peak - current)
+        logger.info("GPU memory: %.1f GiB total, %.1f GiB in use, %.1f GiB activation peak, %.1f GiB for the "
+                    "KV cache", total / 2**30, used / 2**30, (peak - current) / 2**30, max(budget, 0) / 2**30)
         return int(budget // self.kv_bytes_per_block)
 
     # ---- one step ------------------------------------------------------------------------------
@@ -121,16 +126,22 @@ class ModelRunner:
         """Copy host arrays to the device in one transfer through a reused (pinned, on GPU) buffer."""
         sizes = [a.size for a in arrays]
         total = sum(sizes)
-        staging = self._staging.get(dtype)
+        staging, copied = self._staging.get(dtype, (None, None))
+        if copied is not None:
+            # the last step's copy out of this buffer may still be queued (a step that samples
+            # nothing never synchronizes): wait for it before overwriting
+            copied.synchronize()
         if staging is None or staging.numel() < total:
             staging = torch.empty(max(total, 1 << 16), dtype=dtype, pin_memory=self.device.type == "cuda")
-            self._staging[dtype] = staging
         host = staging[:total]
         np.concatenate([a.ravel() for a in arrays], out=host.numpy())
         if self.device.type == "cuda":
             device_copy = host.to(self.device, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
         else:
             device_copy = host.clone()
+        self._staging[dtype] = (staging, copied)
         return [t.view(a.shape) for t, a in zip(device_copy.split(sizes), arrays)]
 
     def _make_batch(self, input_ids, positions, slot_mapping, query_lens, seq_lens, block_tables,

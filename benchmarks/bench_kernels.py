@@ -1,7 +1,7 @@
 """Paged attention: our Triton kernels vs FlashAttention-2 (torch's built-in) and FlashAttention-4
 (flash_attn.cute, when installed). CUDA only.
 
-    python benchmarks/bench_kernels.py [--json results.json] [--no-fa4] [--budget-s 75]
+    python benchmarks/bench_kernels.py [--json results.json] [--no-fa4] [--budget-s 60]
 
 Timing is triton.testing.do_bench's median, which zeroes a 256 MB buffer before every repetition,
 so each call starts from a cold L2 (50 MB on H200) even when its KV would fit there. FA2 has no
@@ -146,7 +146,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--no-fa4", action="store_true", help="skip FlashAttention-4")
-    parser.add_argument("--budget-s", type=float, default=75.0,
+    parser.add_argument("--budget-s", type=float, default=60.0,
                         help="stop timing FA4 (whose first call per shape JIT-compiles) past this many seconds")
     args = parser.parse_args()
     if not torch.cuda.is_available():

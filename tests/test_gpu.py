@@ -5,6 +5,7 @@ available there (torch reference, triton, and fa4 when FlashAttention-4 is insta
 """
 from __future__ import annotations
 
+import gc
 import importlib.util
 
 import pytest
@@ -49,11 +50,18 @@ _llms: dict = {}
 def get_llm(model_dir: str, backend: str, **kwargs) -> LLM:
     key = (backend, tuple(sorted(kwargs.items())))
     if key not in _llms:
-        _llms.clear()  # one engine alive at a time keeps GPU memory in check
-        torch.cuda.empty_cache()
-        _llms[key] = LLM(model_dir, attention_backend=backend, gpu_memory_utilization=0.3, max_model_len=4096,
-                         max_num_seqs=64, max_num_batched_tokens=4096, **kwargs)
+        release_llms()  # one engine alive at a time keeps GPU memory in check
+        options = dict(attention_backend=backend, gpu_memory_utilization=0.3, max_model_len=4096,
+                       max_num_seqs=64, max_num_batched_tokens=4096)
+        options.update(kwargs)
+        _llms[key] = LLM(model_dir, **options)
     return _llms[key]
+
+
+def release_llms() -> None:
+    _llms.clear()
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def assert_all_free(llm: LLM) -> None:
@@ -109,28 +117,29 @@ def test_logits_and_tokens_match_hf(model_dir, hf_model, backend):
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "torch"])
 def test_cuda_graph_decode_matches_eager(model_dir, backend):
     ps = prompts(20, seed=2)
-    graphed = get_llm(model_dir, backend)
+    graphed = get_llm(model_dir, backend, dtype="float32")
     assert graphed.core.runner.graph_runner is not None
     with_graphs = generate(graphed, ps)
-    eager = generate(get_llm(model_dir, backend, enforce_eager=True), ps)
-    assert agreement(with_graphs, eager) >= 0.98
+    del graphed  # each engine sizes its KV cache from the memory left free
+    eager = generate(get_llm(model_dir, backend, dtype="float32", enforce_eager=True), ps)
+    assert agreement(with_graphs, eager) >= 0.99
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_prefix_cache_chunking_preemption_same_tokens(model_dir, backend):
     shared = prompts(1, seed=3, lo=600, hi=601)[0]
     ps = [shared + p for p in prompts(8, seed=4, lo=5, hi=200)] + prompts(4, seed=5)
-    base = generate(get_llm(model_dir, backend, enable_prefix_caching=False), ps)
-    llm = get_llm(model_dir, backend)
+    base = generate(get_llm(model_dir, backend, dtype="float32", enable_prefix_caching=False), ps)
+    llm = get_llm(model_dir, backend, dtype="float32")
     generate(llm, ps[:1])
     hits_before = llm.core.block_manager.num_prefix_hit_tokens
     cached = generate(llm, ps)
     assert llm.core.block_manager.num_prefix_hit_tokens > hits_before
-    assert agreement(cached, base) >= 0.98
+    del llm
+    assert agreement(cached, base) >= 0.99
     # a small cache and token budget: long prompts are prefilled in chunks and requests get preempted
-    _llms.clear()
-    small = LLM(model_dir, attention_backend=backend, num_kvcache_blocks=24, kvcache_block_size=64,
-                max_num_batched_tokens=128, max_num_seqs=16, max_model_len=4096, enforce_eager=True)
+    small = get_llm(model_dir, backend, dtype="float32", num_kvcache_blocks=24, kvcache_block_size=64,
+                    max_num_batched_tokens=128, max_num_seqs=16)
     preempted = generate(small, ps)
     assert small.core.scheduler.num_preemptions > 0
-    assert agreement(preempted, base) >= 0.98
+    assert agreement(preempted, base) >= 0.99

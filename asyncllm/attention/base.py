@@ -126,7 +126,9 @@ class PagedGraphBuffers:
         batch.block_tables = self.block_tables[:bs]
         batch.query_start_loc = self.query_start_loc[:bs + 1]
         batch.max_seq_len = self.max_seq_len
-        self.seq_lens[:bs].fill_(1)  # capture runs the kernels once: give them a valid length
+        # warm-up and capture run the kernels once on these buffers: store nothing, read nothing
+        self.slot_mapping[:bs].fill_(-1)
+        self.seq_lens[:bs].fill_(0)
 
     def load(self, batch: ForwardBatch, graph_batch_size: int) -> None:
         n = batch.num_seqs
@@ -134,6 +136,7 @@ class PagedGraphBuffers:
         self.seq_lens[:n].copy_(batch.seq_lens, non_blocking=True)
         # columns past the live batch's width keep stale ids; no kernel reads past a row's length
         cols = batch.block_tables.shape[1]
+        assert cols <= self.block_tables.shape[1], "block table wider than max_blocks_per_seq"
         self.block_tables[:n, :cols].copy_(batch.block_tables, non_blocking=True)
         if n < graph_batch_size:
             self.slot_mapping[n:graph_batch_size].fill_(-1)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncllm.attention.base import AttentionBackend, ForwardBatch
+from asyncllm.attention.base import AttentionBackend, ForwardBatch, PagedGraphBuffers
 from asyncllm.kernels import choose_num_splits, decode_workspace_numel, paged_attention, store_kvcache
 from asyncllm.kernels.paged_attention import DEFAULT_NUM_SMS
 
@@ -36,8 +36,7 @@ class TritonAttentionBackend(AttentionBackend):
         else:
             self.num_sms = DEFAULT_NUM_SMS
         self._eager_workspace: torch.Tensor | None = None
-        self._graph: dict[str, torch.Tensor] | None = None
-        self._graph_max_seq_len = 0
+        self._graph: PagedGraphBuffers | None = None
         self._graph_workspace: torch.Tensor | None = None
 
     # ---- per step ------------------------------------------------------------------------------
@@ -72,50 +71,22 @@ class TritonAttentionBackend(AttentionBackend):
 
     # ---- CUDA graphs (decode only) -------------------------------------------------------------
     def init_cuda_graph_state(self, max_batch_size: int, max_blocks_per_seq: int) -> None:
-        dev = self.device
-        self._graph = {
-            "slot_mapping": torch.full((max_batch_size,), -1, dtype=torch.int64, device=dev),
-            "seq_lens": torch.zeros(max_batch_size, dtype=torch.int32, device=dev),
-            "block_tables": torch.zeros(max_batch_size, max_blocks_per_seq, dtype=torch.int32, device=dev),
-            "query_start_loc": torch.arange(max_batch_size + 1, dtype=torch.int32, device=dev),
-        }
-        self._graph_max_seq_len = max_blocks_per_seq * self.block_size
+        self._graph = PagedGraphBuffers(max_batch_size, max_blocks_per_seq, self.block_size, self.device)
         # one scratch buffer sized for the most demanding graph; graphs replay one at a time
         numel = max(decode_workspace_numel(bs, self.num_heads, self.head_dim, self._graph_num_splits(bs))
                     for bs in range(1, max_batch_size + 1))
-        self._graph_workspace = torch.empty(max(numel, 1), dtype=torch.float32, device=dev)
+        self._graph_workspace = torch.empty(max(numel, 1), dtype=torch.float32, device=self.device)
 
     def _graph_num_splits(self, batch_size: int) -> int:
-        return choose_num_splits(batch_size, self.num_kv_heads, self._graph_max_seq_len, self.num_sms)
+        # fixed at capture from the length bound; the kernel sizes each split from the runtime length
+        return choose_num_splits(batch_size, self.num_kv_heads, self._graph.max_seq_len, self.num_sms)
 
     def prepare_for_capture(self, batch: ForwardBatch) -> None:
         assert self._graph is not None, "call init_cuda_graph_state first"
-        assert batch.max_query_len == 1, "CUDA graphs capture decode-only steps"
-        bs = batch.num_seqs
-        # the captured kernels read these static buffers; start them from the capture batch's values
-        self._copy_into_graph_buffers(batch, bs)
-        g = self._graph
-        batch.slot_mapping = g["slot_mapping"][:bs]
-        batch.seq_lens = g["seq_lens"][:bs]
-        batch.block_tables = g["block_tables"][:bs]
-        batch.query_start_loc = g["query_start_loc"][:bs + 1]
-        batch.max_seq_len = self._graph_max_seq_len
-        num_splits = self._graph_num_splits(bs)
+        self._graph.bind(batch)
+        num_splits = self._graph_num_splits(batch.num_seqs)
         batch.attn_metadata = TritonAttentionMetadata(
             num_splits=num_splits, workspace=self._graph_workspace if num_splits > 1 else None)
 
     def prepare_for_replay(self, batch: ForwardBatch, graph_batch_size: int) -> None:
-        self._copy_into_graph_buffers(batch, graph_batch_size)
-
-    def _copy_into_graph_buffers(self, batch: ForwardBatch, graph_batch_size: int) -> None:
-        g = self._graph
-        n = batch.num_seqs
-        g["slot_mapping"][:n].copy_(batch.slot_mapping[:n], non_blocking=True)
-        g["seq_lens"][:n].copy_(batch.seq_lens[:n], non_blocking=True)
-        cols = min(batch.block_tables.shape[1], g["block_tables"].shape[1])
-        # columns past `cols` keep stale block ids; kernels never read past a row's seq_len
-        g["block_tables"][:n, :cols].copy_(batch.block_tables[:n, :cols], non_blocking=True)
-        if n < graph_batch_size:
-            # padding rows: store nothing, attend to nothing (their output is zeros)
-            g["slot_mapping"][n:graph_batch_size].fill_(-1)
-            g["seq_lens"][n:graph_batch_size].fill_(0)
+        self._graph.load(batch, graph_batch_size)

@@ -8,7 +8,7 @@ lookup, contiguous rows); otherwise each row looks up its own block.
 
 GQA: a program owns one KV head and all G = H // Hkv query heads that read it. Those heads are
 folded into the M dimension of the tl.dot (row r = token r // G, head r % G), so every K/V tile is
-loaded once for all G heads and the MMA has a useful M even for a single decode token.
+loaded once for all G heads, and a single decode token still gives the MMA G rows (padded to 16).
 
 Prefill / mixed: programs tile each sequence's query rows into BLOCK_Q = BLOCK_M // G tokens. The
 grid is an upper bound on the number of tiles computed from host ints (T // BLOCK_Q + num_seqs)
@@ -405,7 +405,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         qk_scale, num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-            block_tables.shape[1],
+        block_tables.shape[1],
         G=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         num_warps=8 if block_m >= 128 else 4, num_stages=3 if small_elems else 2,
         **common,

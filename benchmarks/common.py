@@ -1,0 +1,281 @@
+"""Shared pieces of the benchmark scripts: checkpoints, workloads, timing, tables and JSON reports.
+
+Run on its own, it builds a random-weight checkpoint (used by run_all.py, so that the GPU memory of
+the build is freed before the benchmarks start):
+
+    python benchmarks/common.py --shape 8b --out /tmp/ckpt-8b [--device cuda]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import platform
+import random
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:  # run as `python benchmarks/x.py` without installing the package
+    sys.path.insert(0, REPO_ROOT)
+
+from asyncllm import SamplingParams  # noqa: E402
+from asyncllm.testing import QWEN3_0_6B, QWEN3_8B, TINY_SHAPE, build_tiny_checkpoint  # noqa: E402
+
+SHAPES = {"tiny": TINY_SHAPE, "0.6b": QWEN3_0_6B, "8b": QWEN3_8B}
+MARKER = "bench_checkpoint.json"  # written next to the weights: what shape they are
+
+
+# ---- device, checkpoints --------------------------------------------------------------------------
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here")
+    return device
+
+
+def default_backend(device: str) -> str:
+    return "triton" if device == "cuda" else "torch"
+
+
+def make_checkpoint(shape: str, out_dir: str, dtype: torch.dtype | None = None, device: str = "auto") -> str:
+    """A random-weight Qwen3 checkpoint of `shape` in out_dir; reused when out_dir already holds one.
+
+    0.6b/8b are built directly on the GPU (bf16) when there is one: from_config on the CPU is slow
+    and needs the whole model in host RAM."""
+    if shape not in SHAPES:
+        raise ValueError(f"shape: expected one of {sorted(SHAPES)}, got {shape!r}")
+    device = resolve_device(device)
+    dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
+    marker = os.path.join(out_dir, MARKER)
+    if os.path.exists(os.path.join(out_dir, "config.json")):
+        if os.path.exists(marker):
+            with open(marker) as f:
+                built = json.load(f)
+            if built.get("shape") != shape:
+                raise ValueError(f"{out_dir} holds a {built.get('shape')!r} checkpoint, not {shape!r}")
+        return out_dir
+    os.makedirs(out_dir, exist_ok=True)
+    start = time.perf_counter()
+    with torch.device(device):
+        build_tiny_checkpoint(out_dir, "qwen3", dtype=dtype, **SHAPES[shape])
+    release_memory()
+    with open(marker, "w") as f:
+        json.dump({"shape": shape, "dtype": str(dtype), "build_s": round(time.perf_counter() - start, 1)}, f)
+    return out_dir
+
+
+@contextlib.contextmanager
+def checkpoint_from_args(args) -> Iterator[str]:
+    """--model-dir (built there if empty, reused if not), else a temporary directory removed afterwards."""
+    if args.model_dir:
+        yield make_checkpoint(args.shape, args.model_dir, device=args.device)
+        return
+    tmp = tempfile.mkdtemp(prefix=f"asyncllm-bench-{args.shape}-")
+    try:
+        yield make_checkpoint(args.shape, tmp, device=args.device)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ---- command line -----------------------------------------------------------------------------------
+def make_parser(doc: str) -> argparse.ArgumentParser:
+    """A parser with the options every benchmark shares."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="default: cuda if present")
+    parser.add_argument("--shape", default=None, choices=sorted(SHAPES),
+                        help="model shape (random weights); default 0.6b on CUDA, tiny on CPU")
+    parser.add_argument("--model-dir", default=None,
+                        help="checkpoint directory: reused if it holds one, else built there (default: a temp dir)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the results here")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed")
+    return parser
+
+
+def add_engine_args(parser: argparse.ArgumentParser, multi_backend: bool = False) -> None:
+    if multi_backend:
+        parser.add_argument("--backends", default=None,
+                            help="comma-separated attention backends to run in turn (default: triton on CUDA, "
+                                 "torch on CPU)")
+    else:
+        parser.add_argument("--backend", default=None, help="attention backend (default: triton on CUDA, torch on CPU)")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--max-num-seqs", type=int, default=512, help="engine max_num_seqs")
+
+
+def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    args = parser.parse_args(argv)
+    args.device = resolve_device(args.device)
+    args.shape = args.shape or ("0.6b" if args.device == "cuda" else "tiny")
+    if hasattr(args, "backends"):
+        args.backends = args.backends.split(",") if args.backends else [default_backend(args.device)]
+    if hasattr(args, "backend"):
+        args.backend = args.backend or default_backend(args.device)
+    return args
+
+
+def engine_kwargs(args, backend: str) -> dict:
+    return dict(attention_backend=backend, enforce_eager=args.enforce_eager, device=args.device,
+                max_num_seqs=args.max_num_seqs)
+
+
+# ---- workloads ------------------------------------------------------------------------------------------
+def random_prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.randint(0, 10000) for _ in range(length)]
+
+
+def bench_requests(num: int = 256, seed: int = 0, max_input: int = 1024,
+                   max_output: int = 1024) -> tuple[list[list[int]], list[SamplingParams]]:
+    """nano-vllm's bench.py workload, draw for draw: random token ids in [0, 10000], prompt lengths
+    uniform in [100, max_input], then max_tokens uniform in [100, max_output], EOS ignored.
+    (A max below 100, for quick CPU runs, lowers that bound too.)"""
+    rng = random.Random(seed)
+    prompts = [random_prompt(rng, rng.randint(min(100, max_input), max_input)) for _ in range(num)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True,
+                             max_tokens=rng.randint(min(100, max_output), max_output)) for _ in range(num)]
+    return prompts, params
+
+
+# ---- timing ------------------------------------------------------------------------------------------------
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable, device: str):
+    """(fn(), seconds), with the device drained before both clock reads."""
+    synchronize(device)
+    start = time.perf_counter()
+    result = fn()
+    synchronize(device)
+    return result, time.perf_counter() - start
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    import numpy as np
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q))
+
+
+def median(values: Sequence[float]) -> float | None:
+    return percentile(values, 50)
+
+
+def ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+def measure_copy_bandwidth(device: str = "cuda", nbytes: int = 1 << 30, iters: int = 10) -> float:
+    """Achievable memory bandwidth in bytes/s: a large device-to-device copy, bytes read + written,
+    median of `iters` timed copies after a warm-up (CUDA events on the GPU, perf_counter on the CPU)."""
+    if device != "cuda":
+        nbytes = min(nbytes, 64 << 20)
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(iters):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            times.append(timed(lambda: dst.copy_(src), device)[1])
+    del src, dst
+    release_memory()
+    return 2 * nbytes / median(times)
+
+
+# ---- output ----------------------------------------------------------------------------------------------------
+def format_value(value, fmt: str = "{:.2f}") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return fmt.format(value)
+    return str(value)
+
+
+def format_table(rows: list[dict], columns: list[tuple]) -> str:
+    """A markdown table. columns: (header, key) or (header, key, format string) tuples."""
+    header = "| " + " | ".join(c[0] for c in columns) + " |"
+    rule = "|" + "|".join("---" for _ in columns) + "|"
+    lines = [header, rule]
+    for row in rows:
+        cells = [format_value(row.get(c[1]), *c[2:]) for c in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def environment(device: str) -> dict:
+    import transformers
+    env = {"python": platform.python_version(), "torch": torch.__version__,
+           "transformers": transformers.__version__, "device": device}
+    if device == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(0)
+    return env
+
+
+class Report:
+    """The JSON a benchmark writes: environment, arguments, result rows. Rewritten after every row,
+    so a run killed by a timeout still leaves what it finished."""
+
+    def __init__(self, bench: str, args: argparse.Namespace):
+        self.path = args.json
+        self.data = {"bench": bench, "env": environment(args.device), "args": vars(args), "results": []}
+
+    def add(self, row: dict) -> None:
+        self.data["results"].append(row)
+        self.write()
+
+    def set(self, key: str, value) -> None:
+        self.data[key] = value
+        self.write()
+
+    def write(self) -> None:
+        if not self.path:
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.data, f, indent=2, default=str)
+        os.replace(tmp, self.path)
+
+    def finish(self, title: str, columns: list[tuple], rows: list[dict] | None = None) -> str:
+        """Print the result rows as a table under `title`, and keep the table in the JSON too."""
+        table = f"### {title}\n\n" + format_table(self.data["results"] if rows is None else rows, columns)
+        print("\n" + table)
+        self.set("table", table)
+        return table
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="Build a random-weight Qwen3 checkpoint for the benchmarks.")
+    parser.add_argument("--shape", required=True, choices=sorted(SHAPES))
+    parser.add_argument("--out", required=True, help="directory (reused if it already holds a checkpoint)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    path = make_checkpoint(args.shape, args.out, device=args.device)
+    print(f"{args.shape} checkpoint in {path} ({time.perf_counter() - start:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""Every benchmark in one command, within a fixed time budget (about 7 minutes on an H200).
+
+    python benchmarks/run_all.py --out DIR [--quick] [--skip-8b] [--device cpu]
+
+Builds random-weight Qwen3 checkpoints (0.6B, and 8B unless --skip-8b) in a temporary directory,
+then runs each benchmark as a subprocess with its own timeout, most important first; a step that
+runs out of time is killed and reported as "skipped: timeout" (whatever it finished is kept: the
+scripts rewrite their JSON after every result). Writes DIR/<step>.json, DIR/logs/<step>.log,
+DIR/serving.png, and DIR/summary.md (the headline figures against their targets, then every
+benchmark's table), and prints the headline table last. On CPU it runs the tiny shape with tiny
+sizes and skips the 8B model and the kernel benchmark.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+from common import format_table
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# per-benchmark size arguments: full GPU run, --quick GPU run, CPU smoke run
+SIZES = {
+    "throughput": {"full": [], "quick": ["--num-requests", "64"],
+                   "cpu": ["--num-requests", "8", "--max-input", "64", "--max-output", "16"]},
+    "latency": {"full": [], "quick": ["--reps", "5", "--tpot-reps", "2"],
+                "cpu": ["--reps", "3", "--tpot-tokens", "16", "--tpot-reps", "2"]},
+    "serving": {"full": [], "quick": ["--concurrency", "1,16,64", "--rates", "40", "--requests-per-rate", "32"],
+                "cpu": ["--concurrency", "1,4", "--rates", "20", "--requests-per-rate", "8", "--input-len", "64",
+                        "--output-len", "8"]},
+    "hf": {"full": [], "quick": ["--num-requests", "8", "--max-output", "256", "--reps", "3"],
+           "cpu": ["--num-requests", "4", "--max-input", "64", "--max-output", "16", "--reps", "3",
+                   "--tpot-tokens", "16"]},
+}
+
+
+@dataclass
+class Step:
+    name: str
+    argv: list[str]  # script and its arguments, run with this Python
+    budget_s: float
+    needs: str | None = None  # the checkpoint step this one depends on
+    status: str = "not run"
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def fa4_installed() -> bool:
+    """flash_attn.cute present, found without importing it (its import can take seconds and touch the GPU)."""
+    spec = importlib.util.find_spec("flash_attn")
+    return spec is not None and any(os.path.isdir(os.path.join(p, "cute"))
+                                    for p in spec.submodule_search_locations or [])
+
+
+def plan(args, ckpt: dict[str, str]) -> list[Step]:
+    size = "cpu" if args.device == "cpu" else ("quick" if args.quick else "full")
+    small = "tiny" if args.device == "cpu" else "0.6b"
+    out = args.out
+
+    def bench(name: str, kind: str, shape: str, budget: float, *extra: str) -> Step:
+        argv = [os.path.join(HERE, f"bench_{kind}.py"), "--device", args.device, "--shape", shape,
+                "--model-dir", ckpt[shape], "--json", os.path.join(out, f"{name}.json"), *SIZES[kind][size], *extra]
+        return Step(name, argv, budget, needs=f"build-{shape}")
+
+    def build(shape: str, budget: float) -> Step:
+        return Step(f"build-{shape}", [os.path.join(HERE, "common.py"), "--shape", shape, "--out", ckpt[shape],
+                                       "--device", args.device], budget)
+
+    backend = "triton" if args.device == "cuda" else "torch"
+    steps = [build(small, 90),
+             bench(f"throughput-{small}", "throughput", small, 100, "--backends", backend, "--mode", "both"),
+             bench(f"latency-{small}", "latency", small, 60, "--backend", backend),
+             bench(f"serving-{small}", "serving", small, 90, "--backend", backend,
+                   "--plot", os.path.join(out, "serving.png"))]
+    if args.device == "cuda" and fa4_installed():
+        steps.append(bench(f"throughput-{small}-fa4", "throughput", small, 80, "--backends", "fa4", "--mode", "both"))
+    big = args.device == "cuda" and not args.skip_8b
+    if big:
+        steps += [build("8b", 120), bench("latency-8b", "latency", "8b", 75, "--backend", backend)]
+    if not args.skip_hf:
+        steps.append(bench(f"hf-{small}", "hf", small, 90))
+    if big:
+        steps.append(bench("throughput-8b", "throughput", "8b", 90, "--backends", backend, "--mode", "sync"))
+    kernels = os.path.join(HERE, "bench_kernels.py")
+    if args.device == "cuda" and os.path.exists(kernels) and not args.skip_kernels:
+        with open(kernels) as f:
+            budget_flag = ["--budget-s", "30"] if "--budget-s" in f.read() else []
+        steps.append(Step("kernels", [kernels, "--json", os.path.join(out, "kernels.json"), *budget_flag], 75))
+    return steps
+
+
+def run_step(step: Step, deadline: float, log_dir: str, failed: set[str]) -> None:
+    timeout = min(step.budget_s, deadline - time.monotonic())
+    if step.needs in failed:
+        step.status = f"skipped: {step.needs} failed"
+    elif timeout < 15:
+        step.status = "skipped: no time left"
+    if step.status != "not run":
+        failed.add(step.name)
+        print(f"[{step.status}] {step.name}", flush=True)
+        return
+    log_path = os.path.join(log_dir, f"{step.name}.log")
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, *step.argv], stdout=log, stderr=subprocess.STDOUT, cwd=HERE,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+            step.status = "ok" if rc == 0 else f"error (exit {rc})"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # its own session: the benchmark and anything it started
+            proc.wait()
+            step.status = "skipped: timeout"
+    step.seconds = time.monotonic() - start
+    if step.status != "ok":
+        failed.add(step.name)
+    print(f"[{step.status}] {step.name} ({step.seconds:.0f} s of {timeout:.0f})", flush=True)
+    if step.status.startswith("error"):
+        with open(log_path) as f:
+            print("".join(f.readlines()[-8:]), end="", flush=True)
+
+
+# ---- the summary ----------------------------------------------------------------------------------------
+def load_results(out: str) -> dict[str, dict]:
+    results = {}
+    for name in os.listdir(out):
+        if name.endswith(".json"):
+            try:
+                with open(os.path.join(out, name)) as f:
+                    results[name[:-5]] = json.load(f)
+            except (OSError, json.JSONDecodeError):
+                pass
+    return results
+
+
+def pick(results: dict, step: str, key: str, **match):
+    """results[step]'s first row matching `match`, its `key`; None when absent."""
+    for row in results.get(step, {}).get("results", []):
+        if all(row.get(k) == v for k, v in match.items()) and row.get(key) is not None:
+            return row[key]
+    return None
+
+
+def headline(results: dict, small: str) -> list[dict]:
+    rows = []
+
+    def add(metric, value, target=None, fmt="{:.2f}", note=""):
+        check = "-"
+        if target is not None and value is not None:
+            op, bound = target
+            check = "PASS" if (value >= bound if op == ">=" else value <= bound) else "MISS"
+        rows.append(dict(metric=metric, value=None if value is None else fmt.format(value),
+                         target="" if target is None else f"{target[0]} {target[1]:,}", check=check, note=note))
+
+    for name in sorted(n for n in results if n.startswith(f"throughput-{small}")):
+        for row in results[name]["results"]:
+            if "throughput_tok_s" in row:
+                target = (">=", 20000) if row["backend"] == "triton" and row["mode"] == "sync" else None
+                add(f"{small} throughput, {row['backend']}, {row['mode']} (tok/s)", row["throughput_tok_s"], target,
+                    "{:,.0f}", f"{row['num_requests']} req, {row['num_preemptions']} preemptions")
+            if row.get("async_sync_ratio") is not None:
+                add(f"async/sync, {row['backend']}", row["async_sync_ratio"], (">=", 0.97), "{:.3f}")
+    add("8b throughput, sync (tok/s)", pick(results, "throughput-8b", "throughput_tok_s", mode="sync"), None,
+        "{:,.0f}")
+    for shape, bound in ((small, 1.0), ("8b", 4.0)):
+        util = pick(results, f"latency-{shape}", "bandwidth_util", metric="TPOT")
+        add(f"TPOT batch 1, {shape} (ms)", pick(results, f"latency-{shape}", "median_ms", metric="TPOT"),
+            ("<=", bound), "{:.3f}", "" if util is None else f"{util:.0%} of copy bandwidth")
+    add(f"TTFT 128-token prompt, {small} (ms)", pick(results, f"latency-{small}", "median_ms", metric="TTFT",
+                                                     prompt_len=128), ("<=", 12), "{:.2f}")
+    add(f"TTFT 1024-token prompt, {small} (ms)", pick(results, f"latency-{small}", "median_ms", metric="TTFT",
+                                                      prompt_len=1024))
+    add("ITL p99 at concurrency 64 (ms)", pick(results, f"serving-{small}", "itl_p99_ms", load="concurrency",
+                                               level=64), ("<=", 10), "{:.2f}")
+    hf_requests = pick(results, f"hf-{small}", "num_requests", part="generate_batch")
+    add("HF continuous batching (tok/s)", pick(results, f"hf-{small}", "output_tok_s", part="generate_batch"), None,
+        "{:,.0f}", f"{hf_requests} req, for scale" if hf_requests else "for scale")
+    add("HF generate TPOT batch 1 (ms)", pick(results, f"hf-{small}", "tpot_ms"), None, "{:.2f}", "for scale")
+    return rows
+
+
+def write_summary(args, steps: list[Step], results: dict, table: str) -> None:
+    env = next((r["env"] for r in results.values() if "env" in r), {})
+    step_rows = [dict(step=s.name, status=s.status, seconds=round(s.seconds)) for s in steps]
+    parts = ["# asyncllm benchmarks", "", ", ".join(f"{k} {v}" for k, v in env.items()), "", "## Headline", "", table,
+             "", "## Steps", "", format_table(step_rows, [("step", "step"), ("status", "status"), ("s", "seconds")])]
+    for step in steps:
+        data = results.get(step.name, {})
+        if data.get("table"):
+            parts += ["", data["table"]]
+        elif data.get("results"):  # a benchmark that keeps no table of its own (bench_kernels.py)
+            keys = list(data["results"][0])
+            parts += ["", f"### {step.name}", "", format_table(data["results"], [(k, k) for k in keys])]
+    if os.path.exists(os.path.join(args.out, "serving.png")):
+        parts += ["", "![TTFT and ITL against concurrency](serving.png)"]
+    with open(os.path.join(args.out, "summary.md"), "w") as f:
+        f.write("\n".join(parts) + "\n")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="directory for the JSON files, logs, plot and summary.md")
+    parser.add_argument("--quick", action="store_true", help="smaller workloads (always on, and tinier, on CPU)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    parser.add_argument("--skip-8b", action="store_true", help="no 8B checkpoint, latency or throughput")
+    parser.add_argument("--skip-hf", action="store_true", help="no Hugging Face comparison")
+    parser.add_argument("--skip-kernels", action="store_true", help="do not run bench_kernels.py")
+    parser.add_argument("--total-budget-s", type=float, default=None,
+                        help="stop starting steps past this many seconds (default 420 on CUDA, 900 on CPU)")
+    parser.add_argument("--checkpoints", default=None,
+                        help="where to build (or find) the checkpoints; default: a temp dir, removed at the end")
+    parser.add_argument("--only", default=None, help="comma-separated step names to run (builds are always run)")
+    args = parser.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    budget = args.total_budget_s or (420.0 if args.device == "cuda" else 900.0)
+    deadline = time.monotonic() + budget
+    os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
+    root = args.checkpoints or tempfile.mkdtemp(prefix="asyncllm-ckpt-")
+    small = "tiny" if args.device == "cpu" else "0.6b"
+    ckpt = {shape: os.path.join(root, shape) for shape in (small, "8b")}
+    steps = plan(args, ckpt)
+    if args.only:
+        wanted = set(args.only.split(","))
+        steps = [s for s in steps if s.name in wanted or s.name.startswith("build-")]
+    print(f"{len(steps)} steps, {budget:.0f} s budget, device {args.device}, checkpoints in {root}", flush=True)
+    for step in steps:  # no stale figures from an earlier run in the same directory
+        stale = os.path.join(args.out, f"{step.name}.json")
+        if os.path.exists(stale):
+            os.remove(stale)
+    failed: set[str] = set()
+    try:
+        for step in steps:
+            run_step(step, deadline, os.path.join(args.out, "logs"), failed)
+    finally:
+        if args.checkpoints is None:
+            shutil.rmtree(root, ignore_errors=True)
+    results = load_results(args.out)
+    table = format_table(headline(results, small), [("metric", "metric"), ("value", "value"), ("target", "target"),
+                                                    ("check", "check"), ("note", "note")])
+    write_summary(args, steps, results, table)
+    print("\nsteps: " + ", ".join(f"{s.name} {s.status}" for s in steps))
+    print(f"results in {args.out} (summary.md, *.json, logs/)\n\n{table}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

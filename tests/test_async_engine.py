@@ -1,0 +1,595 @@
+"""AsyncLLMEngine on the tiny random-weight Qwen3 checkpoint (CPU), on asyncio and trio.
+
+Every test body runs under anyio.fail_after, so a hang fails the test instead of stalling the suite;
+nothing waits on a sleep except engine.wait_idle()'s own polling.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+
+import anyio
+import pytest
+
+from asyncllm.async_engine import AsyncLLMEngine
+from asyncllm.errors import EngineDeadError, QueueFullError
+from asyncllm.llm import LLM
+from asyncllm.sampling_params import SamplingParams
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
+
+ENGINE_KW = dict(num_kvcache_blocks=256, kvcache_block_size=16)
+GREEDY = dict(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPTS = ["Hello, my name is", "The capital of France is", [11, 22, 33, 44, 55, 66, 77], "日本語のテキスト 🌍"]
+TIMEOUT = 60
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def make_engine(tiny_qwen3):
+    def make(**overrides) -> AsyncLLMEngine:
+        return AsyncLLMEngine(tiny_qwen3, **{**ENGINE_KW, **overrides})
+    return make
+
+
+@pytest.fixture(scope="module")
+def sync_reference(tiny_qwen3):
+    llm = LLM(tiny_qwen3, **ENGINE_KW)
+    outputs = llm.generate(PROMPTS, SamplingParams(**GREEDY), use_tqdm=False)
+    prompt_ids = [llm.core.encode_prompt(p) for p in PROMPTS]
+    return outputs, prompt_ids
+
+
+def engine_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "asyncllm-engine" and t.is_alive()]
+
+
+async def assert_idle(engine: AsyncLLMEngine) -> dict:
+    await engine.wait_idle()
+    stats = engine.stats()
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    return stats
+
+
+def record_scheduled(monkeypatch, engine: AsyncLLMEngine) -> list:
+    """Wrap the (running) engine's scheduler: a list of (request_id, num_tokens) per scheduled item."""
+    scheduled = []
+    schedule = engine._core.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        scheduled.extend((item.seq.request_id, item.num_tokens) for item in out.scheduled)
+        return out
+    monkeypatch.setattr(engine._core.scheduler, "schedule", recording_schedule)
+    return scheduled
+
+
+# ---- streamed output == the sync LLM's ---------------------------------------------------------
+async def test_stream_and_generate_match_sync_llm(make_engine, sync_reference):
+    reference, prompt_ids = sync_reference
+    params = SamplingParams(**GREEDY)
+    streamed, generated = {}, {}
+    with anyio.fail_after(TIMEOUT):
+        async with make_engine() as engine:
+            async def consume(i):
+                stream = engine.stream(PROMPTS[i], params)
+                items = [out async for out in stream]
+                streamed[i] = (stream, items)
+
+            async def generate(i):
+                generated[i] = await engine.generate(PROMPTS[i], params)
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(PROMPTS)):
+                    tg.start_soon(consume, i)
+                    tg.start_soon(generate, i)
+            await assert_idle(engine)
+
+    for i, ref in enumerate(reference):
+        assert len(ref["token_ids"]) == 12 and ref["finish_reason"] == "length"
+        stream, items = streamed[i]
+        assert [out.token_ids for out in items if not out.token_ids] == []  # every item carries tokens
+        assert [out.finish_reason for out in items] == [None] * (len(items) - 1) + ["length"]
+        assert {out.request_id for out in items} == {stream.request_id}
+        assert [t for out in items for t in out.token_ids] == ref["token_ids"] == stream.token_ids
+        assert "".join(out.text for out in items) == ref["text"] == stream.text
+        assert stream.prompt_token_ids == prompt_ids[i]
+
+        result = generated[i]
+        assert result.token_ids == ref["token_ids"]
+        assert result.text == ref["text"]
+        assert result.finish_reason == "length"
+        assert result.prompt_token_ids == prompt_ids[i]
+        m = result.metrics
+        assert m.time_to_first_token > 0
+        assert m.queue_time is not None and 0 <= m.queue_time <= m.time_to_first_token
+        assert m.num_prompt_tokens == len(prompt_ids[i])
+        assert m.num_completion_tokens == 12
+        assert 1 <= len(m.inter_token_latencies) <= 11
+        assert all(gap >= 0 for gap in m.inter_token_latencies)
+        assert m.e2e_latency >= m.time_to_first_token
+    assert len({result.request_id for result in generated.values()}
+               | {s.request_id for s, _ in streamed.values()}) == 2 * len(PROMPTS)
+
+
+# ---- cancellation by every route ---------------------------------------------------------------
+class Run:
+    def __init__(self, request_id, route, max_tokens, k):
+        self.request_id, self.route, self.max_tokens, self.k = request_id, route, max_tokens, k
+        self.tokens: list[int] = []
+        self.text = ""
+        self.items = 0
+        self.finish: str | None = None
+        self.cancelled = False
+
+    def take(self, out) -> None:
+        assert self.finish is None, "an item after the last one"
+        self.items += 1
+        self.tokens += out.token_ids
+        self.text += out.text
+        self.finish = out.finish_reason
+
+
+async def test_concurrent_streams_cancelled_by_every_route(make_engine, monkeypatch, anyio_backend):
+    rng = random.Random(20240607)
+    routes = ["full", "cancel_scope", "break", "aclose", "fail_after", "move_on_after", "engine_abort",
+              "wait_for" if anyio_backend == "asyncio" else "move_on_after"]
+    runs: list[Run] = []
+    seqs = {}
+
+    with anyio.fail_after(TIMEOUT):
+        async with make_engine() as engine:
+            add_request = engine._core.add_request
+
+            def recording_add_request(prompt_token_ids, params, request_id=None):
+                seq = add_request(prompt_token_ids, params, request_id)
+                seqs[request_id] = seq
+                return seq
+            monkeypatch.setattr(engine._core, "add_request", recording_add_request)
+
+            async def consume(stream, run, on_kth=None):
+                async for out in stream:
+                    run.take(out)
+                    if run.items == run.k + 1 and on_kth is not None:
+                        on_kth()
+
+            async def one(run: Run, prompt: list[int], timeout: float):
+                params = SamplingParams(temperature=0, max_tokens=run.max_tokens, ignore_eos=True)
+                route = run.route
+                if route == "break":
+                    # no reference kept: leaving the loop drops the stream, which aborts it
+                    async for out in engine.stream(prompt, params, request_id=run.request_id):
+                        run.take(out)
+                        if run.items == run.k + 1 and out.finish_reason is None:
+                            run.cancelled = True
+                            break
+                    return
+                stream = engine.stream(prompt, params, request_id=run.request_id)
+                if route == "full":
+                    await consume(stream, run)
+                elif route == "engine_abort":
+                    await consume(stream, run, lambda: engine.abort(run.request_id))
+                elif route == "cancel_scope":
+                    reached = anyio.Event()
+                    scope = anyio.CancelScope()
+                    async with anyio.create_task_group() as tg:
+                        async def canceller():
+                            await reached.wait()
+                            scope.cancel()
+                        tg.start_soon(canceller)
+                        with scope:
+                            await consume(stream, run, reached.set)
+                        reached.set()
+                    run.cancelled = scope.cancelled_caught
+                elif route == "aclose":
+                    async for out in stream:
+                        run.take(out)
+                        if run.items == run.k + 1:
+                            break
+                    await stream.aclose()
+                    if run.finish is None:
+                        run.cancelled = True
+                        assert stream.finish_reason == "abort"
+                        assert [out async for out in stream] == []
+                elif route == "fail_after":
+                    try:
+                        with anyio.fail_after(timeout):
+                            await consume(stream, run)
+                    except TimeoutError:
+                        run.cancelled = True
+                elif route == "move_on_after":
+                    with anyio.move_on_after(timeout) as scope:
+                        await consume(stream, run)
+                    run.cancelled = scope.cancelled_caught
+                elif route == "wait_for":
+                    try:
+                        await asyncio.wait_for(consume(stream, run), timeout)
+                    except (TimeoutError, asyncio.TimeoutError):
+                        run.cancelled = True
+                if run.cancelled:
+                    assert stream.finish_reason in ("abort", run.finish)
+
+            async with anyio.create_task_group() as tg:
+                for i in range(64):
+                    max_tokens = rng.randint(5, 40)
+                    run = Run(f"r{i}", routes[i % len(routes)], max_tokens, k=rng.randint(0, max_tokens // 2))
+                    prompt = [rng.randrange(100, 150000) for _ in range(rng.randint(3, 24))]
+                    runs.append(run)
+                    tg.start_soon(one, run, prompt, rng.uniform(0.02, 0.6))
+
+            stats = await assert_idle(engine)
+            assert stats["num_inbox"] == 0
+            assert engine._core.requests == {} and engine._channels == {}
+
+    assert len(seqs) == 64 and all(seq.is_finished for seq in seqs.values())
+    aborted_by_route = {}
+    for run in runs:
+        seq = seqs[run.request_id]
+        if run.cancelled:
+            # ended early by the consumer: the engine aborted it (or it had just finished anyway)
+            assert run.finish is None
+            assert seq.finish_reason in ("abort", "length")
+            if seq.finish_reason == "length":
+                assert seq.num_completion_tokens == run.max_tokens
+            aborted_by_route.setdefault(run.route, []).append(seq.finish_reason == "abort")
+            continue
+        allowed = {"abort", "length"} if run.route == "engine_abort" else {"stop", "length"}
+        assert run.finish in allowed, (run.route, run.finish)
+        assert run.finish == seq.finish_reason
+        assert (run.finish == "length") == (len(run.tokens) == run.max_tokens)
+        assert run.tokens == seq.completion_token_ids[:len(run.tokens)]
+        if run.route == "engine_abort" and run.finish == "abort":
+            aborted_by_route.setdefault(run.route, []).append(True)
+    # each route really ended some requests early in the engine (else cancellation leaks work)
+    for route in ("cancel_scope", "break", "aclose", "engine_abort"):
+        assert any(aborted_by_route.get(route, [])), (route, aborted_by_route)
+    timeout_routes = [r for r in routes if r in ("fail_after", "move_on_after", "wait_for")]
+    assert any(a for r in timeout_routes for a in aborted_by_route.get(r, [])), aborted_by_route
+
+
+# ---- cancelled while queued: never prefilled -----------------------------------------------------
+async def test_request_cancelled_while_queued_is_never_scheduled(make_engine, monkeypatch):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with anyio.fail_after(TIMEOUT):
+        async with make_engine(max_num_seqs=1) as engine:
+            scheduled = record_scheduled(monkeypatch, engine)
+            a = engine.stream([1, 2, 3, 4], params, request_id="A")
+            a_items = [await a.__anext__()]  # A is running; with max_num_seqs=1 all else queues behind it
+            b = engine.stream([5, 6, 7, 8], params, request_id="B")
+            engine.stream([9, 10, 11], params, request_id="dropped")  # never referenced: dropped at once
+            c = engine.stream([12, 13, 14], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                              request_id="C")
+            async for out in a:  # driven by A's tokens: wait until B and C sit in the scheduler's queue
+                a_items.append(out)
+                assert out.finish_reason is None, "A ended before B was queued"
+                if engine.stats()["num_waiting"] >= 2:
+                    break
+            await b.aclose()
+            async for out in a:
+                a_items.append(out)
+            c_items = [out async for out in c]
+            assert [out async for out in b] == [] and b.finish_reason == "abort"
+
+            assert a.finish_reason == "length" and len(a.token_ids) == 40
+            assert c.finish_reason == "length" and len(c.token_ids) == 2 and c_items[-1].finish_reason == "length"
+            ids = {request_id for request_id, _ in scheduled}
+            assert {"A", "C"} <= ids
+            assert "B" not in ids and "dropped" not in ids
+
+            # aborting unknown and finished requests is a no-op; the engine still serves
+            engine.abort("no-such-request")
+            engine.abort("A")
+            engine.abort("B")
+            result = await engine.generate([3, 4, 5], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+            assert result.finish_reason == "length" and len(result.token_ids) == 3
+            # a finished request's id can be used again
+            again = await engine.generate([3, 4, 5], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                                          request_id="A")
+            assert again.token_ids == result.token_ids and again.finish_reason == "length"
+            await assert_idle(engine)
+
+
+# ---- dynamic admission: a late short request overtakes a long one; no stall during its prefill ----
+async def test_late_short_request_finishes_first_and_long_stream_keeps_flowing(make_engine, monkeypatch):
+    rng = random.Random(7)
+    long_prompt_ids = [rng.randrange(100, 150000) for _ in range(600)]
+    with anyio.fail_after(TIMEOUT):
+        async with make_engine(max_num_batched_tokens=64) as engine:
+            scheduled = record_scheduled(monkeypatch, engine)
+            long = engine.stream([1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=300, ignore_eos=True),
+                                 request_id="long")
+            long_times: list[float] = []
+            long_started = anyio.Event()
+            seen = {}
+
+            async def read_long():
+                async for out in long:
+                    if out.token_ids:
+                        long_times.append(anyio.current_time())
+                    if len(long.token_ids) >= 3:
+                        long_started.set()
+                seen["long_finish"] = long.finish_reason
+
+            async def run_short():
+                await long_started.wait()
+                seen["items_at_submit"] = len(long_times)
+                t_submit = anyio.current_time()
+                short = engine.stream(long_prompt_ids, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                                      request_id="short")
+                async for out in short:
+                    if out.token_ids and "items_at_first" not in seen:
+                        seen["items_at_first"] = len(long_times)
+                        seen["t_first"] = anyio.current_time()
+                seen["t_submit"] = t_submit
+                seen["short"] = (short.finish_reason, len(short.token_ids))
+                seen["long_at_short_end"] = (long.finish_reason, len(long.token_ids))
+                await long.aclose()  # from another task, while read_long waits on it
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(read_long)
+                tg.start_soon(run_short)
+            await assert_idle(engine)
+
+    assert seen["short"] == ("length", 3)
+    long_finish, long_count = seen["long_at_short_end"]
+    assert long_finish is None and long_count < 300  # the short one finished while the long one decoded
+    assert seen["long_finish"] == "abort"
+    # the 600-token prompt was prefilled in chunks, interleaved with the long request's decodes
+    short_chunks = [n for rid, n in scheduled if rid == "short" and n > 1]
+    assert len(short_chunks) >= 9 and max(short_chunks) <= 63
+    assert seen["items_at_first"] - seen["items_at_submit"] >= 2
+    during = [t for t in long_times if seen["t_submit"] <= t <= seen["t_first"]]
+    assert len(during) >= 2
+
+
+# ---- multibyte text through the engine ---------------------------------------------------------
+async def test_streamed_text_deltas_are_whole_characters(make_engine):
+    prompts = ["你好，世界", "🌍🚀 emoji", "naïve café", "日本語", "Привет", "한국어 텍스트"]
+    streams = {}
+    with anyio.fail_after(TIMEOUT):
+        async with make_engine() as engine:
+            tokenizer = engine.tokenizer
+
+            async def consume(i):
+                stream = engine.stream(prompts[i], SamplingParams(temperature=1.0, seed=i, max_tokens=24))
+                streams[i] = (stream, [out.text async for out in stream])
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(prompts)):
+                    tg.start_soon(consume, i)
+            await assert_idle(engine)
+
+    non_ascii = 0
+    for stream, deltas in streams.values():
+        final = tokenizer.decode(stream.token_ids, skip_special_tokens=True)
+        assert "".join(deltas) == final == stream.text
+        if "\ufffd" not in final:
+            assert not any("\ufffd" in d for d in deltas)
+        non_ascii += sum(ord(ch) > 127 for ch in final)
+    assert non_ascii > 10  # the random model's output really is multibyte text
+
+
+# ---- stop strings through the engine -----------------------------------------------------------
+async def test_stop_string_ends_the_stream_and_frees_blocks(make_engine):
+    prompt = "Hello, my name is"
+    with anyio.fail_after(TIMEOUT):
+        async with make_engine() as engine:
+            reference = await engine.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+            text = reference.text
+            assert len(text) >= 12 and "\ufffd" not in text
+            stop = text[5:12]
+            index = text.find(stop)
+            results = {}
+
+            async def consume(include):
+                stream = engine.stream(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop],
+                                                              include_stop_str_in_output=include))
+                items = [out async for out in stream]
+                results[include] = (stream, items)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(consume, False)
+                tg.start_soon(consume, True)
+            await assert_idle(engine)
+
+    for include, expected in ((False, text[:index]), (True, text[:index + len(stop)])):
+        stream, items = results[include]
+        assert items[-1].finish_reason == "stop" and stream.finish_reason == "stop"
+        assert all(out.finish_reason is None for out in items[:-1])
+        assert "".join(out.text for out in items) == expected == stream.text
+        # the engine ended the request once the stop string showed up, long before max_tokens
+        assert stream.metrics.num_completion_tokens < 40
+
+
+# ---- engine failure ------------------------------------------------------------------------------
+async def test_engine_failure_reaches_every_consumer(make_engine, monkeypatch):
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    errors = {}
+    with anyio.fail_after(TIMEOUT):
+        async with make_engine(max_num_seqs=2) as engine:
+            armed, entered, release = threading.Event(), threading.Event(), threading.Event()
+            execute = engine._core.runner.execute
+
+            def failing_execute(sched):
+                if armed.is_set():
+                    entered.set()
+                    release.wait(TIMEOUT)
+                    raise RuntimeError("boom: the device fell over")
+                return execute(sched)
+            monkeypatch.setattr(engine._core.runner, "execute", failing_execute)
+
+            async def consume(name, stream, first=None):
+                try:
+                    async for _ in stream:
+                        if first is not None:
+                            first.set()
+                    errors[name] = None
+                except EngineDeadError as e:
+                    errors[name] = e
+
+            async with anyio.create_task_group() as tg:
+                firsts = [anyio.Event(), anyio.Event()]
+                # two decoding (max_num_seqs=2), two queued in the scheduler
+                for i in range(4):
+                    tg.start_soon(consume, f"s{i}", engine.stream([i + 1] * 5, params), firsts[i] if i < 2 else None)
+                for first in firsts:
+                    await first.wait()
+                armed.set()
+                await anyio.to_thread.run_sync(entered.wait, TIMEOUT)
+                assert entered.is_set()
+                # submitted while the failing step runs: still in the engine's inbox when it dies
+                tg.start_soon(consume, "late", engine.stream([7, 7, 7], params))
+                release.set()
+
+            assert sorted(errors) == ["late", "s0", "s1", "s2", "s3"]
+            for name, error in errors.items():
+                assert isinstance(error, EngineDeadError), name
+                assert isinstance(error.__cause__, RuntimeError)
+            with pytest.raises(EngineDeadError):
+                engine.stream([1, 2, 3], params)
+            with pytest.raises(EngineDeadError):
+                await engine.wait_idle()
+            # a request that slipped in between the caller's liveness check and the post
+            stream = engine._submit([1, 2, 3], params, None)
+            with pytest.raises(EngineDeadError):
+                await stream.__anext__()
+        # shutdown completed
+        assert engine_threads() == []
+
+
+# ---- invalid input, bounded queue ----------------------------------------------------------------
+async def test_invalid_input_raises_before_queueing_and_queue_is_bounded(make_engine, monkeypatch):
+    with anyio.fail_after(TIMEOUT):
+        async with make_engine(max_num_seqs=1, max_queued_requests=2, max_model_len=256) as engine:
+            posted = []
+            post = engine._post
+
+            def recording_post(command):
+                posted.append(command)
+                post(command)
+            monkeypatch.setattr(engine, "_post", recording_post)
+            vocab = engine.config.hf_config.vocab_size
+            ok = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+            bad_prompts = [("", ValueError), ([], ValueError), ((), ValueError), ({"a": 1}, TypeError),
+                           ([1.5], TypeError), ([1, "2"], TypeError), ([True], TypeError), (None, TypeError),
+                           (b"bytes", TypeError), ([-1], ValueError), ([vocab], ValueError),
+                           ([1] * 256, ValueError)]
+            for prompt, error in bad_prompts:
+                with pytest.raises(error):
+                    engine.stream(prompt, ok)
+            for params, error in (({"temperature": 0}, TypeError), ("greedy", TypeError), (0.5, TypeError)):
+                with pytest.raises(error):
+                    engine.stream([1, 2, 3], params)
+            for request_id in ("", 7):
+                with pytest.raises(ValueError):
+                    engine.stream([1, 2, 3], ok, request_id=request_id)
+            with pytest.raises(ValueError):
+                SamplingParams(temperature=-1.0)
+            assert posted == []
+            assert engine.stats()["num_steps"] == 0
+
+            # the engine still serves; wait_idle waits for a request submitted just before it
+            stream = engine.stream([1] * 255, ok)  # the longest prompt that fits max_model_len
+            await engine.wait_idle()
+            assert engine.stats()["num_steps"] >= 1
+            items = [out async for out in stream]
+            assert items[-1].finish_reason == "length" and len(stream.token_ids) == 1  # hit max_model_len
+            result = await engine.generate([1, 2, 3], ok)
+            assert result.finish_reason == "length" and len(result.token_ids) == 3
+
+            # bounded queue: submissions without yielding to the event loop hit the limit
+            before = len(posted)
+            streams = []
+            with pytest.raises(QueueFullError):
+                for _ in range(50):
+                    streams.append(engine.stream([4, 5, 6], SamplingParams(temperature=0, max_tokens=30,
+                                                                           ignore_eos=True)))
+            assert len(streams) >= 2
+            assert [c[0] for c in posted[before:]] == ["add"] * len(streams)  # the refused one was not queued
+            for s in streams:
+                await s.aclose()
+            await assert_idle(engine)
+            result = await engine.generate([4, 5, 6], ok)
+            assert result.finish_reason == "length"
+            await assert_idle(engine)
+
+
+# ---- lifecycle -------------------------------------------------------------------------------------
+async def test_drain_shutdown_and_chat(make_engine):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    results = {}
+    with anyio.fail_after(TIMEOUT):
+        async with anyio.create_task_group() as tg, make_engine() as engine:
+            tokenizer = engine.tokenizer
+            messages = [{"role": "user", "content": "Hi"}]
+            for bad in ([], (), "Hi", None, ["Hi"], [{"role": "user"}], [{"content": "Hi"}],
+                        [{"role": "", "content": "Hi"}], [{"role": "user", "content": 5}],
+                        [{"role": "user", "content": "Hi"}, "oops"]):
+                with pytest.raises((ValueError, TypeError)):
+                    engine.chat(bad, params)
+
+            chat = engine.chat(messages, params, enable_thinking=False)
+            expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                     enable_thinking=False)
+            assert chat.prompt_token_ids == tokenizer.encode(expected, add_special_tokens=False)
+            assert tokenizer.decode(chat.prompt_token_ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+            plain = engine.chat(messages, params)
+            assert tokenizer.decode(plain.prompt_token_ids).endswith("<|im_start|>assistant\n")
+            assert "<think>" not in tokenizer.decode(plain.prompt_token_ids)
+
+            async def consume(name, stream, first):
+                async for out in stream:
+                    first.set()
+                results[name] = (stream.finish_reason, len(stream.token_ids), stream.text)
+
+            streams = {"chat": chat, "plain": plain, "a": engine.stream("Once upon a time", params),
+                       "b": engine.stream([5, 6, 7], params)}
+            firsts = []
+            for name, stream in streams.items():
+                firsts.append(anyio.Event())
+                tg.start_soon(consume, name, stream, firsts[-1])
+            for first in firsts:
+                await first.wait()
+            await engine.shutdown(drain=True)  # in-flight requests finish normally
+            assert engine_threads() == []
+            with pytest.raises(EngineDeadError):
+                engine.stream([1, 2, 3], params)
+            await engine.shutdown()  # idempotent
+    assert sorted(results) == ["a", "b", "chat", "plain"]
+    for name, (finish, count, text) in results.items():
+        assert (finish, count) == ("length", 8), name
+        assert isinstance(text, str) and text
+
+
+async def test_exit_aborts_in_flight_streams(make_engine):
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    results = {}
+    with anyio.fail_after(TIMEOUT):
+        async def consume(name, stream, first):
+            async for out in stream:
+                first.set()
+            results[name] = (stream.finish_reason, len(stream.token_ids))
+
+        async with anyio.create_task_group() as tg:
+            async with make_engine() as engine:
+                firsts = [anyio.Event() for _ in range(3)]
+                for i, first in enumerate(firsts):
+                    tg.start_soon(consume, f"s{i}", engine.stream([i + 1] * 4, params), first)
+                unread = engine.stream([9, 8, 7], params)  # nobody reads it until the engine is gone
+                for first in firsts:
+                    await first.wait()
+            assert engine_threads() == []
+            unread_items = [out async for out in unread]
+        assert unread_items[-1].finish_reason == "abort" and unread.finish_reason == "abort"
+        assert len(unread.token_ids) < 200
+    assert sorted(results) == ["s0", "s1", "s2"]
+    for finish, count in results.values():
+        assert finish == "abort" and count < 200
+    with pytest.raises(EngineDeadError):
+        engine.stream([1, 2, 3], params)

@@ -1,0 +1,211 @@
+"""IncrementalDetokenizer and TextAssembler on real Qwen3 token ids: multibyte characters split
+across tokens, special tokens, stop strings spanning token boundaries, held-back text."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from asyncllm.detokenizer import IncrementalDetokenizer, TextAssembler
+from asyncllm.sampling_params import SamplingParams
+
+MULTIBYTE_TEXTS = [
+    "你好，世界 🌍🚀 naïve café",
+    "Ünïcödé ✓ — “quotes” … 日本語のテキスト 👩‍👩‍👧‍👦 done",
+    "🌍🌍🌍 🚀x🚀 Ω≈ç√∫ 한국어 텍스트 ภาษาไทย",
+    "plain ascii text, then 中文 and emoji 🎉🎉",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer):
+    return tokenizer.encode("User: say something.\nAssistant:")
+
+
+def chunks(ids: list[int], rng: random.Random | None, max_k: int = 4):
+    """ids one at a time (rng None) or in random chunks of 1..max_k (a slow reader gets merged steps)."""
+    i = 0
+    while i < len(ids):
+        k = 1 if rng is None else rng.randint(1, max_k)
+        yield ids[i:i + k]
+        i += k
+
+
+def feed(assembler: TextAssembler, pieces) -> list[str]:
+    deltas = []
+    for piece in pieces:
+        deltas.append(assembler.add(piece))
+        if assembler.stopped:
+            break
+    deltas.append(assembler.finish())
+    return deltas
+
+
+def test_texts_really_split_characters_across_tokens(tokenizer):
+    # guards the tests below: with these texts some tokens are partial UTF-8 characters
+    split = [t for text in MULTIBYTE_TEXTS for t in tokenizer.encode(text) if "\ufffd" in tokenizer.decode([t])]
+    assert len(split) >= 3
+
+
+@pytest.mark.parametrize("text", MULTIBYTE_TEXTS)
+@pytest.mark.parametrize("seed", [None, 0, 1, 2])
+def test_incremental_detokenizer_multibyte(tokenizer, prompt_ids, text, seed):
+    ids = tokenizer.encode(text)
+    rng = None if seed is None else random.Random(seed)
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+    deltas = [detok.add(piece) for piece in chunks(ids, rng)]
+    deltas.append(detok.flush())
+    assert not any("\ufffd" in d for d in deltas), deltas
+    assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True) == text
+
+
+@pytest.mark.parametrize("seed", [None, 3, 4])
+def test_text_assembler_multibyte_and_special_tokens(tokenizer, prompt_ids, seed):
+    im_end, im_start = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|im_start|>"])
+    ids = []
+    for text in MULTIBYTE_TEXTS:
+        ids += tokenizer.encode(text) + [im_end, im_start]
+    rng = None if seed is None else random.Random(seed)
+    assembler = TextAssembler(tokenizer, prompt_ids, SamplingParams())
+    deltas = feed(assembler, chunks(ids, rng))
+    assert not any("\ufffd" in d for d in deltas)
+    expected = tokenizer.decode(ids, skip_special_tokens=True)
+    assert "<|im_end|>" not in expected
+    assert "".join(deltas) == expected == assembler.text
+    assert not assembler.stopped
+
+
+def test_first_output_tokens_read_as_inside_the_text(tokenizer):
+    # the prompt's last tokens are context: the output's leading space survives
+    prompt = tokenizer.encode("Hello")
+    ids = tokenizer.encode(" there friend")
+    assembler = TextAssembler(tokenizer, prompt, SamplingParams())
+    assert "".join(feed(assembler, chunks(ids, None))) == " there friend"
+
+
+def test_incomplete_character_is_held_until_complete(tokenizer, prompt_ids):
+    ids = tokenizer.encode("a 🌍b")
+    pieces = [tokenizer.decode([t]) for t in ids]
+    assert any("\ufffd" in p for p in pieces)  # the emoji spans several tokens
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+    released = ""
+    for t in ids:
+        released += detok.add([t])
+        # only whole characters are ever released, and nothing is lost
+        assert "a 🌍b".startswith(released)
+    released += detok.flush()
+    assert released == "a 🌍b"
+
+
+def test_flush_releases_a_trailing_incomplete_character(tokenizer, prompt_ids):
+    ids = tokenizer.encode("ok 🌍")
+    cut = next(i for i in range(1, len(ids)) if "\ufffd" in tokenizer.decode(ids[:i]))
+    assembler = TextAssembler(tokenizer, prompt_ids, SamplingParams())
+    deltas = feed(assembler, chunks(ids[:cut], None))
+    # the request ended mid-character: the final text is what a full decode gives
+    assert "".join(deltas) == tokenizer.decode(ids[:cut], skip_special_tokens=True)
+
+
+# ---- stop strings ---------------------------------------------------------------------------------
+FOX = "The quick brown fox jumps over the lazy dog"
+
+
+def assemble(tokenizer, prompt_ids, text, seed=None, **params):
+    assembler = TextAssembler(tokenizer, prompt_ids, SamplingParams(**params))
+    rng = None if seed is None else random.Random(seed)
+    deltas = feed(assembler, chunks(tokenizer.encode(text), rng))
+    return assembler, deltas
+
+
+@pytest.mark.parametrize("seed", [None, 0, 1])
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_spanning_tokens(tokenizer, prompt_ids, seed, include):
+    stop = "brown fox ju"
+    ids = tokenizer.encode(FOX)
+    assert not any(stop in tokenizer.decode([t]) for t in ids)  # it really spans tokens
+    assembler, deltas = assemble(tokenizer, prompt_ids, FOX, seed, stop=[stop], include_stop_str_in_output=include)
+    expected = "The quick brown fox ju" if include else "The quick "
+    assert assembler.stopped
+    assert "".join(deltas) == assembler.text == expected
+    assert assembler.add(tokenizer.encode(" more")) == "" and assembler.finish() == ""
+
+
+def test_text_before_a_stop_string_is_released_before_it_completes(tokenizer, prompt_ids):
+    assembler = TextAssembler(tokenizer, prompt_ids, SamplingParams(stop=["jumps"]))
+    released = ""
+    for t in tokenizer.encode(FOX):
+        released += assembler.add([t])
+        if assembler.stopped:
+            break
+        # everything but a possible start of "jumps" is out already
+        assert released in ("The", "The quick", "The quick brown", "The quick brown fox")
+    assert assembler.stopped and released == "The quick brown fox "
+
+
+def test_held_back_prefix_released_when_not_a_stop(tokenizer, prompt_ids):
+    hello, there = tokenizer.encode("Hello there")
+    assembler = TextAssembler(tokenizer, prompt_ids, SamplingParams(stop=["Hello world"]))
+    assert assembler.add([hello]) == ""  # "Hello" could start "Hello world": held
+    assert assembler.add([there]) == "Hello there"  # it did not: released before the end
+    assert not assembler.stopped
+    assert assembler.finish() == ""
+    assert assembler.text == "Hello there"
+
+
+def test_partial_stop_match_held_back_until_finish(tokenizer, prompt_ids):
+    assembler, deltas = assemble(tokenizer, prompt_ids, "Say Hello wor", stop=["Hello world"])
+    assert not assembler.stopped
+    assert deltas[-1] == "Hello wor"  # held to the end, then released: it never became the stop string
+    assert "".join(deltas) == "Say Hello wor"
+
+
+def test_held_back_prefix_that_becomes_the_stop_is_never_released(tokenizer, prompt_ids):
+    assembler, deltas = assemble(tokenizer, prompt_ids, "Say Hello world again", stop=["Hello world"])
+    assert assembler.stopped
+    assert "".join(deltas) == "Say "
+
+
+@pytest.mark.parametrize("seed", [None, 0, 5])
+def test_multiple_stop_strings_earliest_wins(tokenizer, prompt_ids, seed):
+    assembler, deltas = assemble(tokenizer, prompt_ids, FOX, seed, stop=["lazy", "fox", "quick"])
+    assert "".join(deltas) == "The "
+    # all at once: both stops are in the one chunk; the earlier one in the text wins
+    assembler = TextAssembler(tokenizer, prompt_ids, SamplingParams(stop=["dog", "over", "brown"]))
+    assert assembler.add(tokenizer.encode(FOX)) + assembler.finish() == "The quick "
+    # two stops completed by the same token: the one starting earlier wins
+    assembler, deltas = assemble(tokenizer, prompt_ids, FOX, seed, stop=["fox", "brown fox"],
+                                 include_stop_str_in_output=True)
+    assert "".join(deltas) == "The quick brown fox"
+
+
+@pytest.mark.parametrize("seed", [None, 0, 1, 2])
+def test_multibyte_stop_string(tokenizer, prompt_ids, seed):
+    text = MULTIBYTE_TEXTS[0]
+    assembler, deltas = assemble(tokenizer, prompt_ids, text, seed, stop=["🌍🚀"])
+    assert not any("\ufffd" in d for d in deltas)
+    assert "".join(deltas) == "你好，世界 "
+    # the stop string's first character is split across tokens; a delta ends right before it
+    assembler, deltas = assemble(tokenizer, prompt_ids, text, seed, stop=["🌍"], include_stop_str_in_output=True)
+    assert "".join(deltas) == "你好，世界 🌍"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_stop_strings_random_chunks_match_reference(tokenizer, prompt_ids, seed):
+    # concatenated deltas == the full text cut at the first stop string, however tokens arrive
+    rng = random.Random(seed)
+    text = " ".join(MULTIBYTE_TEXTS + [FOX])
+    ids = tokenizer.encode(text)
+    start = rng.randrange(0, len(text) - 8)
+    stop = text[start:start + rng.randint(2, 6)]
+    index = text.find(stop)
+    include = rng.random() < 0.5
+    assembler = TextAssembler(tokenizer, prompt_ids, SamplingParams(stop=[stop], include_stop_str_in_output=include))
+    deltas = feed(assembler, chunks(ids, rng, max_k=6))
+    assert assembler.stopped
+    assert "".join(deltas) == text[:index + len(stop) if include else index]

@@ -1,0 +1,197 @@
+"""The Sampler on hand-made logits, and SamplingParams validation."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from asyncllm.layers.sampler import Sampler, SamplingTensors, _apply_top_k_top_p
+from asyncllm.sampling_params import SamplingParams
+
+sampler = Sampler()
+
+
+def tensors(params: list[SamplingParams], vocab: int, generators: dict[int, torch.Generator] | None = None):
+    """What ModelRunner.prepare_sampling builds, for a list of per-row params."""
+    return SamplingTensors(
+        temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32),
+        top_ks=torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
+        if any(p.top_k > 0 for p in params) else None,
+        top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        if any(p.top_p < 1 for p in params) else None,
+        min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32)
+        if any(p.min_p > 0 for p in params) else None,
+        seeded_rows=sorted((generators or {}).items()),
+        all_greedy=all(p.temperature == 0 for p in params))
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators=None) -> torch.Tensor:
+    return sampler(logits, tensors(params, logits.shape[-1], generators))
+
+
+def frequencies(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.bincount(tokens, minlength=vocab).double() / len(tokens)
+
+
+def chi_square(tokens: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    counts = torch.bincount(tokens, minlength=len(expected_probs)).double()
+    expected = expected_probs.double() * len(tokens)
+    support = expected > 0
+    assert counts[~support].sum() == 0, "sampled a token of zero probability"
+    return float(((counts[support] - expected[support]) ** 2 / expected[support]).sum())
+
+
+# probabilities 0.5, 0.3, 0.15, 0.05 (and a vanishing 5th) at temperature 1
+BASE_PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
+BASE_LOGITS = BASE_PROBS.log()
+N = 20000
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(16, 1000)
+    out = sample(logits, [SamplingParams(temperature=0)] * 16)
+    assert torch.equal(out, logits.argmax(-1))
+
+
+def test_greedy_rows_in_a_sampling_batch_are_argmax():
+    logits = torch.randn(8, 1000)
+    params = [SamplingParams(temperature=0) if i % 2 else SamplingParams(temperature=1.5) for i in range(8)]
+    out = sample(logits, params)
+    assert torch.equal(out[1::2], logits[1::2].argmax(-1))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_k=1),
+                                    SamplingParams(temperature=5.0, top_p=1e-6),
+                                    SamplingParams(temperature=5.0, min_p=1.0)],
+                         ids=["top_k=1", "top_p_tiny", "min_p=1"])
+def test_filters_that_keep_only_the_max_equal_greedy(params):
+    logits = torch.randn(2000, 64)
+    out = sample(logits, [params] * 2000)
+    assert torch.equal(out, logits.argmax(-1))
+
+
+def test_temperature_frequencies_match_softmax():
+    logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.0])
+    temperature = 0.7
+    out = sample(logits.expand(N, -1).contiguous(), [SamplingParams(temperature=temperature)] * N)
+    expected = (logits / temperature).softmax(-1)
+    # 4 degrees of freedom: P(chi2 > 30) ~ 5e-6
+    assert chi_square(out, expected) < 30
+    # and temperature matters: this is far from the temperature-1 distribution
+    assert chi_square(out, logits.softmax(-1)) > 100
+
+
+def test_top_k_frequencies():
+    logits = BASE_LOGITS.expand(N, -1).contiguous()
+    out = sample(logits, [SamplingParams(temperature=1.0, top_k=2)] * N)
+    expected = torch.tensor([0.5, 0.3, 0, 0]) / 0.8
+    assert chi_square(out, expected) < 25
+
+
+def test_top_p_frequencies():
+    logits = BASE_LOGITS.expand(N, -1).contiguous()
+    # mass above each token: 0, 0.5, 0.8, 0.95 -> top_p=0.7 keeps the first two
+    out = sample(logits, [SamplingParams(temperature=1.0, top_p=0.7)] * N)
+    assert chi_square(out, torch.tensor([0.5, 0.3, 0, 0]) / 0.8) < 25
+    # top_p=0.85 keeps three
+    out = sample(logits, [SamplingParams(temperature=1.0, top_p=0.85)] * N)
+    assert chi_square(out, torch.tensor([0.5, 0.3, 0.15, 0]) / 0.95) < 25
+
+
+def test_min_p_frequencies():
+    logits = BASE_LOGITS.expand(N, -1).contiguous()
+    # threshold 0.4 * 0.5 = 0.2: tokens 0 and 1 stay
+    out = sample(logits, [SamplingParams(temperature=1.0, min_p=0.4)] * N)
+    assert chi_square(out, torch.tensor([0.5, 0.3, 0, 0]) / 0.8) < 25
+    # threshold 0.2 * 0.5 = 0.1: three stay
+    out = sample(logits, [SamplingParams(temperature=1.0, min_p=0.2)] * N)
+    assert chi_square(out, torch.tensor([0.5, 0.3, 0.15, 0]) / 0.95) < 25
+
+
+def test_rows_with_different_params_in_one_batch():
+    n = 4000
+    groups = [
+        (SamplingParams(temperature=0), None),
+        (SamplingParams(temperature=1.0), BASE_PROBS),
+        (SamplingParams(temperature=1.0, top_k=2), torch.tensor([0.5, 0.3, 0, 0]) / 0.8),
+        (SamplingParams(temperature=1.0, top_p=0.85), torch.tensor([0.5, 0.3, 0.15, 0]) / 0.95),
+        (SamplingParams(temperature=1.0, min_p=0.4), torch.tensor([0.5, 0.3, 0, 0]) / 0.8),
+        (SamplingParams(temperature=1.0, top_k=3, min_p=0.4), torch.tensor([0.5, 0.3, 0, 0]) / 0.8),
+    ]
+    # interleave the groups' rows so a row's filter must come from its own params
+    params = [groups[i % len(groups)][0] for i in range(n * len(groups))]
+    logits = BASE_LOGITS.expand(len(params), -1).contiguous()
+    out = sample(logits, params)
+    for g, (_, expected) in enumerate(groups):
+        rows = out[g::len(groups)]
+        if expected is None:
+            assert torch.all(rows == 0)
+        else:
+            assert chi_square(rows, expected) < 25, groups[g][0]
+
+
+def test_top_p_disabled_row_is_untouched_by_other_rows_top_p():
+    # a large vocabulary whose float32 cumsum reaches 1.0 before its tail
+    logits = torch.randn(2, 151936) * 3
+    out = _apply_top_k_top_p(logits, None, torch.tensor([1.0, 0.5]))
+    assert torch.equal(out[0], logits[0])
+    assert torch.isinf(out[1]).any()
+
+
+def test_seeded_generators_reproducible_and_batch_independent():
+    vocab = 1000
+    logits = torch.randn(1, vocab)
+    params = SamplingParams(temperature=1.0, seed=123)
+
+    def draw_alone(seed, steps=20):
+        gen = torch.Generator().manual_seed(seed)
+        return [int(sample(logits, [params], {0: gen})) for _ in range(steps)]
+
+    def draw_in_batch(seed, row, batch, steps=20):
+        gen = torch.Generator().manual_seed(seed)
+        out = []
+        for _ in range(steps):
+            batch_logits = torch.randn(batch, vocab)
+            batch_logits[row] = logits[0]
+            others = [SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.01)] * batch
+            others[row] = params
+            out.append(int(sample(batch_logits, others, {row: gen})[row]))
+        return out
+
+    alone = draw_alone(123)
+    assert alone == draw_alone(123)
+    assert alone == draw_in_batch(123, row=3, batch=5)
+    assert alone == draw_in_batch(123, row=0, batch=2)
+    assert alone != draw_alone(124)
+    assert len(set(alone)) > 5  # it is really sampling
+
+
+# ---- SamplingParams validation ----------------------------------------------------------------
+BAD_PARAMS = [
+    ("temperature", -1), ("temperature", math.nan), ("temperature", math.inf), ("temperature", "x"),
+    ("top_p", 0), ("top_p", 1.5),
+    ("top_k", 0), ("top_k", -2), ("top_k", 1.5),
+    ("min_p", -0.1), ("min_p", 2),
+    ("max_tokens", 0), ("max_tokens", True),
+    ("stop_token_ids", ["a"]), ("stop", [""]), ("seed", "x"),
+]
+
+
+@pytest.mark.parametrize("field,value", BAD_PARAMS, ids=[f"{f}={v!r}" for f, v in BAD_PARAMS])
+def test_sampling_params_rejects_bad_values(field, value):
+    with pytest.raises(ValueError, match=rf"\b{field}\b"):
+        SamplingParams(**{field: value})
+
+
+def test_sampling_params_accepts_and_normalizes_good_values():
+    p = SamplingParams(temperature=0, top_k=5, top_p=0.5, min_p=0.1, max_tokens=3, seed=7,
+                       stop_token_ids=(1, 2), stop="x")
+    assert p.greedy and p.stop_token_ids == [1, 2] and p.stop == ["x"]
+    assert SamplingParams(stop_token_ids=5).stop_token_ids == [5]
+    assert not SamplingParams().greedy

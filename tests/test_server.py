@@ -1,0 +1,388 @@
+"""`asyncllm serve` as a real subprocess on a loopback port, driven by the official openai client and httpx."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx", reason="the server tests need the server/test extras (httpx)")
+openai = pytest.importorskip("openai", reason="the server tests need the test extras (openai)")
+pytest.importorskip("starlette", reason="the server tests need asyncllm[server] (starlette)")
+pytest.importorskip("uvicorn", reason="the server tests need asyncllm[server] (uvicorn)")
+
+API_KEY = "test-key-123"
+MAX_TOKENS_LIMIT = 2048
+MODEL_NAME = "tiny-qwen3"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+LONG = {"max_tokens": 2000, "ignore_eos": True}  # ~minutes on CPU: only ever cut short
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello."}]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_command() -> list[str]:
+    script = shutil.which("asyncllm", path=os.path.dirname(sys.executable))
+    return [script] if script else [sys.executable, "-m", "asyncllm.cli"]
+
+
+def wait_healthy(base: str, proc: subprocess.Popen, log_path: str, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the server exited with {proc.returncode}:\n{open(log_path).read()[-4000:]}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise AssertionError(f"the server was not healthy after {timeout} s:\n{open(log_path).read()[-4000:]}")
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen3, tmp_path_factory):
+    port = free_port()
+    log_path = str(tmp_path_factory.mktemp("server") / "server.log")
+    # no --host: the default must be loopback. The key comes from the environment.
+    cmd = serve_command() + ["serve", tiny_qwen3, "--port", str(port), "--served-model-name", MODEL_NAME,
+                             "--max-tokens-limit", str(MAX_TOKENS_LIMIT), "--max-num-seqs", "1",
+                             "--max-queued-requests", "2", "--num-kvcache-blocks", "64", "--log-level", "warning"]
+    env = dict(os.environ, ASYNCLLM_API_KEY=API_KEY)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base, proc, log_path)
+        yield {"base": base, "port": port, "proc": proc, "log": log_path}
+    finally:
+        stop_process(proc)
+    assert proc.returncode == 0, open(log_path).read()[-4000:]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server["base"] + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_qwen3):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(tiny_qwen3)
+
+
+def metrics(base: str) -> dict[str, float]:
+    """The /metrics samples as {name{labels}: value}."""
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def wait_idle(base: str, timeout: float = 20.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(base)
+        if m["asyncllm_kv_blocks_in_use"] == 0 and m["asyncllm_num_requests_running"] == 0 \
+                and m["asyncllm_num_requests_waiting"] == 0:
+            return m
+        assert time.monotonic() < deadline, f"the engine did not go idle: {m}"
+        time.sleep(0.1)
+
+
+def sse_events(response) -> "iter[dict | str]":
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            yield data if data == "[DONE]" else json.loads(data)
+
+
+def next_content(events) -> str:
+    for event in events:
+        assert event != "[DONE]", "the stream ended early"
+        if event["choices"][0]["delta"].get("content"):
+            return event["choices"][0]["delta"]["content"]
+    raise AssertionError("the stream ended early")
+
+
+# ---- basics --------------------------------------------------------------------------------------
+def test_health_models_and_loopback_default(server, client):
+    r = httpx.get(server["base"] + "/health", timeout=10)  # no key needed for probes
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+    # started without --host: listening on 127.0.0.1 only
+    if not os.path.exists("/proc/net/tcp"):
+        pytest.skip("no /proc/net/tcp to read the bound address from")
+    port_hex = f"{server['port']:04X}"
+    listening = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if os.path.exists(table):
+            for row in open(table).read().splitlines()[1:]:
+                local, state = row.split()[1], row.split()[3]
+                if local.endswith(":" + port_hex) and state == "0A":
+                    listening.append(local.split(":")[0])
+    assert listening == ["0100007F"], listening  # 127.0.0.1, little-endian hex
+
+
+def test_chat_non_stream(client, tokenizer):
+    r = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=6, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == MODEL_NAME
+    assert isinstance(r.created, int)
+    (choice,) = r.choices
+    assert choice.index == 0 and choice.finish_reason == "length"
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True),
+                                  add_special_tokens=False)
+    assert r.usage.prompt_tokens == len(prompt_ids)
+    assert r.usage.completion_tokens == 6
+    assert r.usage.total_tokens == len(prompt_ids) + 6
+
+
+def test_chat_stream_equals_non_stream(client):
+    kwargs = dict(model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=8, temperature=0,
+                  extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content_chunks = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(content_chunks) >= 2  # streamed, not sent in one piece
+    assert "".join(c.choices[0].delta.content for c in content_chunks) == full.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_completions_stream_and_non_stream(client, tokenizer):
+    prompt = "The quick brown fox"
+    full = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=7, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert full.object == "text_completion" and full.id.startswith("cmpl-")
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage.prompt_tokens == len(tokenizer.encode(prompt)) and full.usage.completion_tokens == 7
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=7, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    assert sum(1 for c in chunks if c.choices[0].text) >= 2
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["length"]
+    # token ids as the prompt
+    ids = client.completions.create(model=MODEL_NAME, prompt=tokenizer.encode(prompt), max_tokens=7,
+                                    temperature=0, extra_body={"ignore_eos": True})
+    assert ids.choices[0].text == full.choices[0].text
+
+
+def test_stop_string_and_seed(client):
+    prompt = "Once upon a time"
+    text = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    assert stop.strip(), f"pick a better prompt: {text!r}"
+    stopped = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0,
+                                        stop=[stop, "\x00never"], extra_body={"ignore_eos": True})
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == text[:text.index(stop)]
+    # seed: the same seed, the same sample
+    a, b = (client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=8, temperature=1.0,
+                                           seed=1234, extra_body={"ignore_eos": True}).choices[0].message.content
+            for _ in range(2))
+    assert a == b
+
+
+# ---- cancellation --------------------------------------------------------------------------------
+def test_disconnect_mid_stream_frees_blocks(server):
+    base = server["base"]
+    before = wait_idle(base)
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "stream": True, **LONG}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{base}/v1/chat/completions", json=body, headers=AUTH) as response:
+            assert response.status_code == 200
+            assert response.headers["content-type"].startswith("text/event-stream")
+            events = sse_events(response)  # kept referenced: dropping httpx's line iterator closes the connection
+            next_content(events)
+            next_content(events)
+            busy = metrics(base)
+            assert busy["asyncllm_num_requests_running"] == 1 and busy["asyncllm_kv_blocks_in_use"] > 0
+        # leaving the block closes the connection mid-stream
+    after = wait_idle(base)
+    assert after['asyncllm_requests_total{finish_reason="abort"}'] == \
+        before['asyncllm_requests_total{finish_reason="abort"}'] + 1
+
+
+def test_disconnect_while_waiting_for_non_streamed_answer(server):
+    base = server["base"]
+    before = wait_idle(base)
+    body = {"model": MODEL_NAME, "prompt": "Count to a thousand:", **LONG}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base}/v1/completions", json=body, headers=AUTH, timeout=httpx.Timeout(60, read=2.0))
+    after = wait_idle(base)
+    assert after['asyncllm_requests_total{finish_reason="abort"}'] == \
+        before['asyncllm_requests_total{finish_reason="abort"}'] + 1
+
+
+def test_queue_full_gives_429(server, client):
+    # the server runs one request at a time (--max-num-seqs 1) and queues at most two (--max-queued-requests 2)
+    base = server["base"]
+    wait_idle(base)
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "stream": True, **LONG}
+    with httpx.Client(timeout=60) as http, contextlib.ExitStack() as streams:
+        running = streams.enter_context(http.stream("POST", f"{base}{CHAT}", json=body, headers=AUTH))
+        assert running.status_code == 200
+        events = sse_events(running)
+        next_content(events)
+        for _ in range(2):
+            queued = streams.enter_context(http.stream("POST", f"{base}{CHAT}", json=body, headers=AUTH))
+            assert queued.status_code == 200
+        deadline = time.monotonic() + 20
+        while metrics(base)["asyncllm_num_requests_waiting"] != 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with pytest.raises(openai.RateLimitError) as info:
+            client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=4)
+        assert info.value.status_code == 429
+        error = info.value.response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and "busy" in error["message"]
+    m = wait_idle(base)
+    assert m['asyncllm_requests_rejected_total{status="429"}'] >= 1
+
+
+# ---- refusals ------------------------------------------------------------------------------------
+OK_CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def with_(**changes):
+    body = dict(OK_CHAT)
+    for key, value in changes.items():
+        if value is ...:
+            body.pop(key)
+        else:
+            body[key] = value
+    return json.dumps(body)
+
+
+BAD_REQUESTS = [
+    # (id, path, raw body, status, param)
+    ("bad-json", CHAT, '{"messages": [', 400, None),
+    ("not-an-object", CHAT, "[1, 2]", 400, None),
+    ("missing-messages", CHAT, with_(messages=...), 400, "messages"),
+    ("messages-not-a-list", CHAT, with_(messages="hi"), 400, "messages"),
+    ("messages-empty", CHAT, with_(messages=[]), 400, "messages"),
+    ("unknown-role", CHAT, with_(messages=[{"role": "robot", "content": "hi"}]), 400, "messages[0].role"),
+    ("tool-role", CHAT, with_(messages=[{"role": "tool", "content": "hi"}]), 400, "messages[0].role"),
+    ("content-not-a-string", CHAT, with_(messages=[{"role": "user", "content": 5}]), 400, "messages[0].content"),
+    ("max-tokens-a-string", CHAT, with_(max_tokens="10"), 400, "max_tokens"),
+    ("max-tokens-zero", CHAT, with_(max_tokens=0), 400, "max_tokens"),
+    ("max-tokens-over-limit", CHAT, with_(max_tokens=MAX_TOKENS_LIMIT + 1), 400, "max_tokens"),
+    ("max-completion-tokens-over-limit", CHAT, with_(max_completion_tokens=10 ** 6), 400, "max_completion_tokens"),
+    ("temperature-negative", CHAT, with_(temperature=-1), 400, "temperature"),
+    ("temperature-a-string", CHAT, with_(temperature="hot"), 400, "temperature"),
+    ("top-p-zero", CHAT, with_(top_p=0), 400, "top_p"),
+    ("top-k-zero", CHAT, with_(top_k=0), 400, "top_k"),
+    ("stop-a-number", CHAT, with_(stop=5), 400, "stop"),
+    ("stream-not-a-bool", CHAT, with_(stream="yes"), 400, "stream"),
+    ("n-2", CHAT, with_(n=2), 400, "n"),
+    ("logprobs", CHAT, with_(logprobs=True), 400, "logprobs"),
+    ("tools", CHAT, with_(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    ("presence-penalty", CHAT, with_(presence_penalty=0.5), 400, "presence_penalty"),
+    ("unknown-field", CHAT, with_(frobnicate=1), 400, "frobnicate"),
+    ("wrong-model", CHAT, with_(model="gpt-4o"), 404, "model"),
+    ("body-too-large", CHAT, with_(messages=[{"role": "user", "content": "x" * (1 << 20)}]), 413, None),
+    ("prompt-missing", COMPLETIONS, json.dumps({"model": MODEL_NAME}), 400, "prompt"),
+    ("prompt-empty", COMPLETIONS, json.dumps({"prompt": ""}), 400, "prompt"),
+    ("prompt-batch", COMPLETIONS, json.dumps({"prompt": ["a", "b"]}), 400, "prompt"),
+    ("prompt-token-out-of-vocab", COMPLETIONS, json.dumps({"prompt": [10 ** 9]}), 400, "prompt"),
+    ("echo", COMPLETIONS, json.dumps({"prompt": "a", "echo": True}), 400, "echo"),
+    ("best-of", COMPLETIONS, json.dumps({"prompt": "a", "best_of": 3}), 400, "best_of"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param", [b[1:] for b in BAD_REQUESTS], ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_requests_get_openai_errors(server, path, body, status, param):
+    r = httpx.post(server["base"] + path, content=body.encode(), timeout=30,
+                   headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert error["param"] == param
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted(client):
+    r = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=2, n=1, logprobs=False,
+                                       presence_penalty=0, frequency_penalty=0, user="u1")
+    assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_api_key_required(server):
+    base = server["base"]
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        r = httpx.post(base + CHAT, json=OK_CHAT, headers=headers, timeout=30)
+        assert r.status_code == 401
+        assert r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(base + "/v1/models", headers=headers, timeout=30).status_code == 401
+    bad_client = openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad_client.models.list()
+
+
+def test_metrics(server, client):
+    client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=4)
+    text = httpx.get(server["base"] + "/metrics", timeout=10).text
+    for name in ("asyncllm_time_to_first_token_seconds_bucket", "asyncllm_inter_token_latency_seconds_bucket",
+                 "asyncllm_num_requests_waiting", "asyncllm_num_requests_running", "asyncllm_kv_blocks_in_use",
+                 "asyncllm_prefix_cache_hit_rate", 'asyncllm_requests_total{finish_reason="length"}',
+                 'asyncllm_requests_total{finish_reason="abort"}', "# TYPE asyncllm_time_to_first_token_seconds histogram"):
+        assert name in text, name
+    m = metrics(server["base"])
+    assert m["asyncllm_time_to_first_token_seconds_count"] >= 1
+    assert m['asyncllm_time_to_first_token_seconds_bucket{le="+Inf"}'] == m["asyncllm_time_to_first_token_seconds_count"]
+    assert m["asyncllm_inter_token_latency_seconds_count"] >= 3
+    assert m['asyncllm_requests_total{finish_reason="length"}'] >= 1
+    assert 0 <= m["asyncllm_prefix_cache_hit_rate"] <= 1
+
+
+# ---- in-process --------------------------------------------------------------------------------
+def test_create_app_in_process(tiny_qwen3):
+    from starlette.testclient import TestClient
+
+    from asyncllm import AsyncLLMEngine, EngineDeadError
+    from asyncllm.server import create_app
+
+    engine = AsyncLLMEngine(tiny_qwen3, num_kvcache_blocks=8)
+    app = create_app(engine, "tiny", api_key=None, max_tokens_limit=16)
+    with TestClient(app) as http:  # the lifespan starts the engine and stops it
+        assert http.get("/health").json() == {"status": "ok"}
+        r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 3
+        assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 17}).status_code == 400
+    with pytest.raises(EngineDeadError):
+        engine.stream("Hi")  # shut down with the app
