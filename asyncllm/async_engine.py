@@ -162,17 +162,19 @@ class RequestStream:
         self.token_ids.extend(token_ids)
         text = self._assembler.add(token_ids)
         if self._assembler.stopped and finish_reason is None:
+            self._engine._finish(self.request_id, "stop", self._channel)
             finish_reason = "stop"
-            pass
         if finish_reason is not None:
             text += self._assembler.finish()
-            self.finish_reason = finish_reason
+            # a stop string found in the last token (or in the final flush) still says "stop"
+            self.finish_reason = "stop" if self._assembler.stopped else finish_reason
+            finish_reason = self.finish_reason
         return StreamOutput(self.request_id, text, token_ids, finish_reason)
 
     def _abort(self) -> None:
         if self.finish_reason is None:
             self.finish_reason = "abort"
-            self._engine.abort(self.request_id)
+            self._engine._finish(self.request_id, "abort", self._channel)
 
     async def aclose(self) -> None:
         self._abort()
@@ -186,7 +188,7 @@ class RequestStream:
     def __del__(self) -> None:
         # a `break` out of `async for` drops the last reference here: abort at once, not at GC time
         if self.finish_reason is None and not self._channel.closed:
-            self._engine.abort(self.request_id)
+            self._engine._finish(self.request_id, "abort", self._channel)
 
 
 class AsyncLLMEngine:
@@ -299,10 +301,11 @@ class AsyncLLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Abort a request; its blocks are free before the next step. Unknown or finished ids: no-op."""
-        self._post(("finish", request_id, "abort"))
+        self._post(("finish", request_id, "abort", None))
 
-    def _finish(self, request_id: str, reason: str) -> None:
-        self._post(("finish", request_id, reason))
+    def _finish(self, request_id: str, reason: str, channel: RequestChannel | None = None) -> None:
+        # with its channel, a stream ends only its own request, never another one that has its id
+        self._post(("finish", request_id, reason, channel))
 
     def _submit(self, prompt_token_ids: list[int], params: SamplingParams | None, request_id: str | None):
         params = SamplingParams() if params is None else params
@@ -313,7 +316,8 @@ class AsyncLLMEngine:
             raise ValueError("request_id: expected a non-empty string")
         limit = self.config.max_queued_requests
         with self._cv:
-            if limit and len(self._inbox) + self._stats.get("num_waiting", 0) >= limit:
+            queued = sum(1 for command in self._inbox if command[0] == "add") + self._stats.get("num_waiting", 0)
+            if limit and queued >= limit:
                 raise QueueFullError(f"{limit} requests are already queued (max_queued_requests); retry later")
         channel = RequestChannel(request_id, _current_loop_waker())
         assembler = TextAssembler(self._core.tokenizer, prompt_token_ids, params)
@@ -407,8 +411,8 @@ class AsyncLLMEngine:
             channel.metrics = RequestMetrics(arrival_time=seq.arrival_time, num_prompt_tokens=len(prompt_token_ids))
             self._channels[channel.request_id] = channel
         elif kind == "finish":
-            _, request_id, reason = command
-            if request_id in self._channels:
+            _, request_id, reason, channel = command
+            if request_id in self._channels and (channel is None or channel is self._channels[request_id]):
                 self._end(request_id, reason)
 
     def _end(self, request_id: str, reason: str) -> None:

@@ -95,11 +95,13 @@ class LLM:
         outputs = []
         for seq in seqs:
             assembler = assemblers.get(seq.request_id)
+            finish_reason = seq.finish_reason
             if assembler is not None:
                 assembler.finish()
                 text = assembler.text
+                if assembler.stopped:  # also when the stop string came with the last allowed token
+                    finish_reason = "stop"
             else:
                 text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True)
-            outputs.append({"text": text, "token_ids": seq.completion_token_ids,
-                            "finish_reason": seq.finish_reason})
+            outputs.append({"text": text, "token_ids": seq.completion_token_ids, "finish_reason": finish_reason})
         return outputs

@@ -25,7 +25,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import anyio
@@ -208,8 +208,10 @@ class ServerMetrics:
             out.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"])
 
         total = stats.get("num_total_blocks", 0)
-        gauge("asyncllm_num_requests_waiting", "Requests queued, not yet scheduled.",
-              stats.get("num_waiting", 0) + stats.get("num_inbox", 0))
+        gauge("asyncllm_num_requests_waiting", "Requests queued in the scheduler, not yet running.",
+              stats.get("num_waiting", 0))
+        gauge("asyncllm_num_pending_commands", "Submissions and aborts not yet taken in by the engine thread.",
+              stats.get("num_inbox", 0))
         gauge("asyncllm_num_requests_running", "Requests being generated.", stats.get("num_running", 0))
         gauge("asyncllm_kv_blocks_in_use", "KV-cache blocks held by requests.", total - stats.get("num_free_blocks", 0))
         gauge("asyncllm_kv_blocks_total", "KV-cache blocks in all.", total)
@@ -246,9 +248,13 @@ class EventStreamResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator, status_code: int = 200, headers: dict | None = None):
+    def __init__(self, content: AsyncIterator, status_code: int = 200, headers: dict | None = None,
+                 on_close: Callable[[], Awaitable] | None = None):
+        """on_close: awaited last, in every case, even when the client left before the body started
+        (then the generator never ran, so its own finally never runs): pass the engine stream's aclose."""
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})}
         super().__init__(content, status_code=status_code, headers=headers)
+        self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -266,10 +272,12 @@ class EventStreamResponse(StreamingResponse):
                 await self.listen_for_disconnect(receive)
                 tasks.cancel_scope.cancel()
         finally:
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                with anyio.CancelScope(shield=True):
+            with anyio.CancelScope(shield=True):
+                aclose = getattr(self.body_iterator, "aclose", None)
+                if aclose is not None:
                     await aclose()
+                if self.on_close is not None:
+                    await self.on_close()
 
 
 def sse(data) -> str:
@@ -497,8 +505,17 @@ class OpenAIServer:
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e), param=param, code="invalid_value") from None
 
-    def _finish(self, stream, finish_reason: str | None) -> None:
-        self.metrics.observe_request(stream, finish_reason or stream.finish_reason or "abort")
+    def _closer(self, stream) -> Callable[..., Awaitable[None]]:
+        """close(reason=None): aborts `stream` unless it has finished, and records its metrics, once."""
+        done = False
+
+        async def close(reason: str | None = None) -> None:
+            nonlocal done
+            await stream.aclose()
+            if not done:
+                done = True
+                self.metrics.observe_request(stream, reason or stream.finish_reason or "abort")
+        return close
 
     @staticmethod
     def _usage(stream) -> dict:
@@ -508,30 +525,35 @@ class OpenAIServer:
     async def _collect(self, request: Request, stream) -> tuple[str, str]:
         """The whole answer; a client that disconnects meanwhile aborts the request."""
         parts: list[str] = []
-        finish_reason = error = None
-        async with anyio.create_task_group() as tasks:
-            async def watch() -> None:
-                await _await_disconnect(request.receive)
+        error = None
+        close = self._closer(stream)
+        try:
+            async with anyio.create_task_group() as tasks:
+                async def watch() -> None:
+                    await _await_disconnect(request.receive)
+                    tasks.cancel_scope.cancel()
+
+                tasks.start_soon(watch)
+                try:
+                    async for out in stream:
+                        parts.append(out.text)
+                except EngineDeadError as e:
+                    error = e
                 tasks.cancel_scope.cancel()
-
-            tasks.start_soon(watch)
-            try:
-                async for out in stream:
-                    parts.append(out.text)
-                finish_reason = stream.finish_reason
-            except EngineDeadError as e:
-                error = e
-            finally:
-                await stream.aclose()
-            tasks.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await close("error" if error is not None else None)
         if error is not None:
-            self._finish(stream, "error")
             raise APIError(503, f"the engine failed: {error}", code="engine_unavailable")
-        self._finish(stream, finish_reason or "abort")
-        return "".join(parts), finish_reason or "abort"
+        return "".join(parts), stream.finish_reason or "abort"
 
-    async def _events(self, stream, make_chunk: Callable[[str | None, str | None], dict], first: dict | None,
-                      include_usage: bool) -> AsyncIterator[str]:
+    def _event_stream(self, stream, make_chunk: Callable[[str | None, str | None], dict], first: dict | None,
+                      include_usage: bool) -> EventStreamResponse:
+        close = self._closer(stream)
+        return EventStreamResponse(self._events(stream, close, make_chunk, first, include_usage), on_close=close)
+
+    async def _events(self, stream, close, make_chunk: Callable[[str | None, str | None], dict],
+                      first: dict | None, include_usage: bool) -> AsyncIterator[str]:
         """The SSE body: chunks built by make_chunk(text, finish_reason), then usage, then [DONE]."""
         finish_reason = None
         try:
@@ -553,8 +575,7 @@ class OpenAIServer:
             yield sse(APIError(503, f"the engine failed: {e}", code="engine_unavailable").body())
             yield sse("[DONE]")
         finally:
-            await stream.aclose()  # aborts the request unless it has finished
-            self._finish(stream, finish_reason or "abort")
+            await close(finish_reason)  # aborts the request unless it has finished
 
     # ---- endpoints ----
     async def chat_completions(self, request: Request) -> Response:
@@ -588,7 +609,7 @@ class OpenAIServer:
                         "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
                         **usage_field}
 
-            return EventStreamResponse(self._events(stream, chunk, chunk(None, None, role=True), include_usage))
+            return self._event_stream(stream, chunk, chunk(None, None, role=True), include_usage)
         text, finish_reason = await self._collect(request, stream)
         return JSONResponse({**base, "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                                                   "logprobs": None, "finish_reason": finish_reason}],
@@ -611,7 +632,7 @@ class OpenAIServer:
                 return {**base, "choices": [{"index": 0, "text": text or "", "logprobs": None,
                                              "finish_reason": finish_reason}], **usage_field}
 
-            return EventStreamResponse(self._events(stream, chunk, None, include_usage))
+            return self._event_stream(stream, chunk, None, include_usage)
         text, finish_reason = await self._collect(request, stream)
         return JSONResponse({**base, "choices": [{"index": 0, "text": text, "logprobs": None,
                                                   "finish_reason": finish_reason}],

@@ -110,7 +110,7 @@ def wait_idle(base: str, timeout: float = 20.0) -> dict[str, float]:
     while True:
         m = metrics(base)
         if m["asyncllm_kv_blocks_in_use"] == 0 and m["asyncllm_num_requests_running"] == 0 \
-                and m["asyncllm_num_requests_waiting"] == 0:
+                and m["asyncllm_num_requests_waiting"] == 0 and m["asyncllm_num_pending_commands"] == 0:
             return m
         assert time.monotonic() < deadline, f"the engine did not go idle: {m}"
         time.sleep(0.1)

@@ -1,0 +1,76 @@
+"""examples/bot.py driven through a pseudo-terminal (pexpect): streaming, Ctrl-C per answer, history, quitting."""
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+
+import pytest
+
+pexpect = pytest.importorskip("pexpect", reason="the bot test needs pexpect (test extras)")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BOT = os.path.join(ROOT, "examples", "bot.py")
+STOPPED = re.compile(r"\[stopped after (\d+) tokens; KV blocks in use: (\d+); (\d+) prompt tokens\]")
+
+
+def spawn(model: str) -> "pexpect.spawn":
+    # --ignore-eos with 2000 tokens: every answer runs until it is stopped
+    child = pexpect.spawn(sys.executable, [BOT, "--model", model, "--max-tokens", "2000", "--ignore-eos",
+                                           "--num-kvcache-blocks", "64", "--stats"],
+                          encoding="utf-8", codec_errors="replace", timeout=120, dimensions=(40, 200))
+    child.expect_exact("you> ", timeout=180)  # loading the model first
+    return child
+
+
+def read_streaming_answer(child, min_reads: int = 3) -> str:
+    """The answer's text so far, read in several pieces over time (it streams)."""
+    child.expect_exact("bot> ", timeout=60)
+    pieces = []
+    while len(pieces) < min_reads or not "".join(pieces).strip():
+        pieces.append(child.read_nonblocking(4096, timeout=60))
+        time.sleep(0.2)
+    return "".join(pieces)
+
+
+def stop_answer(child) -> tuple[int, int, int]:
+    child.sendintr()  # Ctrl-C through the terminal: SIGINT to the bot
+    child.expect(STOPPED, timeout=30)
+    tokens, blocks, prompt_tokens = map(int, child.match.groups())
+    child.expect_exact("you> ", timeout=30)  # still running, asking for the next message
+    return tokens, blocks, prompt_tokens
+
+
+def test_ctrl_c_stops_the_answer_not_the_bot(tiny_qwen3):
+    child = spawn(tiny_qwen3)
+    try:
+        child.sendline("Tell me a story.")
+        assert read_streaming_answer(child).strip()
+        tokens1, blocks1, prompt1 = stop_answer(child)
+        assert 0 < tokens1 < 2000 and blocks1 == 0  # aborted: its KV blocks are back
+
+        child.sendline("Tell me a tale.")  # the same length as the first message, in tokens
+        assert read_streaming_answer(child).strip()
+        tokens2, blocks2, prompt2 = stop_answer(child)
+        assert 0 < tokens2 < 2000 and blocks2 == 0
+        # the second prompt holds the first turn: message, partial answer, and their template tokens
+        assert prompt2 > prompt1 + 6, (prompt1, tokens1, prompt2)
+
+        child.sendeof()  # Ctrl-D at the prompt quits
+        child.expect_exact("bye", timeout=30)
+        child.expect(pexpect.EOF, timeout=30)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0, (child.exitstatus, child.signalstatus)
+
+
+def test_ctrl_c_at_the_prompt_quits(tiny_qwen3):
+    child = spawn(tiny_qwen3)
+    try:
+        child.sendintr()
+        child.expect_exact("bye", timeout=30)
+        child.expect(pexpect.EOF, timeout=30)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0, (child.exitstatus, child.signalstatus)

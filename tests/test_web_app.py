@@ -1,0 +1,125 @@
+"""examples/web_app.py driven in headless Chromium (Debian's /usr/bin/chromium) through Playwright."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+if not os.path.exists(CHROMIUM):
+    pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install -y chromium, or set CHROMIUM=path)",
+                allow_module_level=True)
+
+httpx = pytest.importorskip("httpx")
+sync_api = pytest.importorskip("playwright.sync_api")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(interval)
+
+
+@pytest.fixture(scope="module")
+def web_app(tiny_qwen3, tmp_path_factory):
+    port = free_port()
+    log_path = str(tmp_path_factory.mktemp("web_app") / "web_app.log")
+    cmd = [sys.executable, os.path.join(ROOT, "examples", "web_app.py"), "--model", tiny_qwen3, "--port", str(port),
+           "--ignore-eos", "--num-kvcache-blocks", "64", "--max-model-len", "4096"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+
+    def ready():
+        if proc.poll() is not None:
+            raise AssertionError(f"web_app.py exited with {proc.returncode}:\n{open(log_path).read()[-4000:]}")
+        try:
+            return httpx.get(base + "/stats", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until(ready, 180, "web_app.py to start", 0.25)
+        yield base
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+def stats(base: str) -> dict:
+    return httpx.get(base + "/stats", timeout=10).json()
+
+
+def test_stream_into_the_page_and_stop(web_app, browser):
+    page = browser.new_page()
+    page.goto(web_app + "/")
+    assert page.inner_text("#status") == "ready"
+    page.fill("#prompt", "Tell me a long story about the sea.")
+    page.fill("#max-tokens", "2000")  # the app runs with --ignore-eos: minutes of tokens on CPU
+    page.click("#send")
+
+    # the answer grows over several polls: streamed, not delivered at the end
+    output = lambda: page.inner_text("#output")  # noqa: E731
+    lengths = [len(wait_until(output, 60, "the first text"))]
+    while len(lengths) < 4:
+        lengths.append(len(wait_until(lambda: len(output()) > lengths[-1] and output(), 30, "more text")))
+    assert lengths == sorted(set(lengths))
+    assert page.inner_text("#status") == "generating…"
+    busy = stats(web_app)
+    assert busy["num_running"] == 1 and busy["num_free_blocks"] < busy["num_total_blocks"]
+
+    page.click("#stop")
+    page.wait_for_function("document.getElementById('status').dataset.state === 'stopped'", timeout=10_000)
+    assert page.inner_text("#status") == "stopped"
+    assert page.is_enabled("#send") and not page.is_enabled("#stop")
+
+    # the server aborted the request: nothing running, every block back, long before 2000 tokens
+    idle = wait_until(lambda: (s := stats(web_app))["num_running"] == 0 and s["num_waiting"] == 0
+                      and s["num_free_blocks"] == s["num_total_blocks"] and s, 15, "the request to be aborted")
+    assert idle["num_inbox"] == 0
+    stopped_text = output()
+    time.sleep(1.0)
+    assert output() == stopped_text  # nothing more arrives
+    assert stats(web_app)["num_steps"] == idle["num_steps"]  # and the engine is not generating for nobody
+
+    # the page works again after a stop, to the end of a short answer
+    page.fill("#max-tokens", "5")
+    page.click("#send")
+    page.wait_for_function("document.getElementById('status').dataset.state === 'done'", timeout=60_000)
+    assert page.inner_text("#status") == "done (length, 5 tokens)"
+    assert output() and output() != stopped_text
+    page.close()
