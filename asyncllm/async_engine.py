@@ -334,6 +334,14 @@ class AsyncLLMEngine:
         if command[0] == "add":  # the engine died or stopped since the caller checked: don't leave it waiting
             command[1].put([], None, EngineDeadError("the engine has failed or is shut down"))
 
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def check_alive(self) -> None:
+        """Raise EngineDeadError if the engine failed or is shut down (RuntimeError if never started)."""
+        self._check_alive()
+
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"the engine has failed: {self._dead!r}") from self._dead

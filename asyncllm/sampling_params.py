@@ -52,6 +52,8 @@ class SamplingParams:
             fail("include_stop_str_in_output", f"expected a bool, got {self.include_stop_str_in_output!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             fail("seed", f"expected an int or None, got {self.seed!r}")
+        if self.seed is not None and not -(1 << 63) <= self.seed < (1 << 64):
+            fail("seed", f"must be in [-2**63, 2**64), got {self.seed}")
         if isinstance(self.stop_token_ids, int) and not isinstance(self.stop_token_ids, bool):
             self.stop_token_ids = [self.stop_token_ids]
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(

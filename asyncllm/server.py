@@ -21,7 +21,6 @@ import bisect
 import hmac
 import json
 import logging
-import math
 import threading
 import time
 import uuid
@@ -31,7 +30,7 @@ from contextlib import asynccontextmanager
 import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -262,7 +261,7 @@ class EventStreamResponse(StreamingResponse):
                 async def run_body() -> None:
                     try:
                         await self.stream_response(send)
-                    except OSError:  # the client is gone
+                    except (OSError, ClientDisconnect):  # the client is gone
                         pass
                     except Exception:  # noqa: BLE001 - the status line is sent; nothing to answer with
                         logger.exception("error while streaming a response")
@@ -344,7 +343,7 @@ class OpenAIServer:
         return body
 
     def _check_engine(self) -> None:
-        check = getattr(self.engine, "_check_alive", None)
+        check = getattr(self.engine, "check_alive", None)
         if check is not None:
             try:
                 check()
@@ -403,6 +402,9 @@ class OpenAIServer:
             value = _expect(body, name, check, what)
             if value is not _MISSING:
                 kwargs[name] = value
+        if "seed" in kwargs and not -(1 << 63) <= kwargs["seed"] < (1 << 64):  # torch.Generator's range
+            raise APIError(400, f"'seed'={kwargs['seed']} is out of range [-2**63, 2**64)", param="seed",
+                           code="invalid_value")
         if isinstance(kwargs.get("stop"), list) and len(kwargs["stop"]) > 16:
             raise APIError(400, "'stop': at most 16 stop strings", param="stop", code="invalid_value")
         try:
@@ -672,7 +674,7 @@ class OpenAIServer:
 
 
 def _engine_started(engine) -> bool:
-    return getattr(engine, "_thread", None) is not None
+    return bool(getattr(engine, "started", False))
 
 
 def create_app(engine, model_name: str, api_key: str | None = None, *,

