@@ -398,11 +398,19 @@ class AsyncLLMEngine:
             for channel in list(self._channels.values()) + pending:
                 channel.put([], None, error)
             self._channels.clear()
+            self._close_core()
             return
         # orderly stop: whatever is still in flight is aborted
         for request_id in list(self._channels):
             self._end(request_id, "abort")
         self._publish_stats()
+        self._close_core()
+
+    def _close_core(self) -> None:
+        try:
+            self._core.close()  # tensor-parallel workers end with the engine thread
+        except Exception:  # noqa: BLE001 - already shutting down; nothing more to tell anyone
+            logger.exception("closing the engine core failed")
 
     def _apply(self, command) -> None:
         kind = command[0]

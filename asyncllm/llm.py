@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 
 from tqdm.auto import tqdm
 
@@ -54,6 +55,17 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs):
         self.core = EngineCore(make_config(model, kwargs))
         self.tokenizer = self.core.tokenizer
+        # tensor-parallel workers end with the LLM, or at interpreter exit at the latest
+        self._finalizer = weakref.finalize(self, self.core.close)
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[dict]:

@@ -6,6 +6,7 @@ graph buffers) sits behind the AttentionBackend it creates.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -17,14 +18,49 @@ from asyncllm.engine.scheduler import SchedulerOutput
 from asyncllm.layers.sampler import Sampler, SamplingTensors
 from asyncllm.models.checkpoint import iter_safetensors, load_weights
 from asyncllm.models.registry import create_model
+from asyncllm.tensor_parallel import TensorParallelWorkers, agree_on_min
 
 logger = logging.getLogger("asyncllm")
 
 
+@dataclass
+class StepInputs:
+    """One step's inputs as host arrays: what rank 0 builds and every tensor-parallel rank runs."""
+    input_ids: np.ndarray  # (T,) int64
+    positions: np.ndarray  # (T,) int64
+    slot_mapping: np.ndarray  # (T,) int64
+    query_lens: np.ndarray  # (B,) int32
+    seq_lens: np.ndarray  # (B,) int32
+    block_tables: np.ndarray  # (B, max_blocks) int32
+    logits_indices: np.ndarray  # (S,) int64
+
+    def pack(self) -> np.ndarray:
+        """One int64 array: a 4-number header (T, B, max_blocks, S), then every field."""
+        header = np.array([len(self.input_ids), len(self.query_lens), self.block_tables.shape[1],
+                           len(self.logits_indices)], dtype=np.int64)
+        return np.concatenate([header, self.input_ids, self.positions, self.slot_mapping, self.query_lens,
+                               self.seq_lens, self.block_tables.ravel(), self.logits_indices]).astype(np.int64)
+
+    @staticmethod
+    def unpack(packed: np.ndarray) -> "StepInputs":
+        num_tokens, num_seqs, max_blocks, num_logits = (int(x) for x in packed[:4])
+        sizes = [num_tokens, num_tokens, num_tokens, num_seqs, num_seqs, num_seqs * max_blocks, num_logits]
+        parts = np.split(packed[4:4 + sum(sizes)], np.cumsum(sizes)[:-1])
+        return StepInputs(parts[0], parts[1], parts[2], parts[3].astype(np.int32), parts[4].astype(np.int32),
+                          parts[5].astype(np.int32).reshape(num_seqs, max_blocks), parts[6])
+
+
 class ModelRunner:
-    def __init__(self, config: Config, weights=None):
+    def __init__(self, config: Config, weights=None, rank: int = 0, step_group=None):
         self.config = config
         hf = config.hf_config
+        self.rank = rank
+        # rank 0 of a tensor-parallel engine starts the other ranks and joins their process group
+        self.workers = None
+        if config.tensor_parallel_size > 1 and rank == 0:
+            self.workers = TensorParallelWorkers(config)
+            step_group = self.workers.group
+        self.step_group = step_group
         self.device = torch.device(config.device, torch.cuda.current_device()) if config.device == "cuda" \
             else torch.device("cpu")
         self.dtype = config.torch_dtype
@@ -47,6 +83,8 @@ class ModelRunner:
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.vocab_size = hf.vocab_size
         self.num_kvcache_blocks = self._decide_num_blocks()
+        if self.step_group is not None:
+            self.num_kvcache_blocks = agree_on_min(self.num_kvcache_blocks, self.step_group)
         kv_shape = (2, self.num_layers, self.num_kvcache_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_cache = torch.zeros(kv_shape, dtype=self.dtype, device=self.device)
         self.attn_backend = self._create_backend(self.kv_cache)
@@ -95,12 +133,12 @@ class ModelRunner:
         query_lens = [seq_len] * num_seqs
         # every block-table entry points at the probe cache's one block; slot -1 stores nothing
         blocks_per_seq = (seq_len + self.block_size - 1) // self.block_size
-        batch = self._make_batch(
+        batch = self._make_batch(StepInputs(
             input_ids=np.zeros(seq_len * num_seqs, dtype=np.int64),
             positions=np.tile(np.arange(seq_len), num_seqs), slot_mapping=np.full(seq_len * num_seqs, -1),
-            query_lens=query_lens, seq_lens=query_lens,
+            query_lens=np.array(query_lens, dtype=np.int32), seq_lens=np.array(query_lens, dtype=np.int32),
             block_tables=np.zeros((num_seqs, blocks_per_seq), dtype=np.int32),
-            logits_indices=np.cumsum(query_lens) - 1)
+            logits_indices=np.cumsum(query_lens) - 1))
         with torch.inference_mode():
             self._forward(batch)
             # the sampler's worst case too: every sequence sampling with top-k/top-p sorting
@@ -144,45 +182,48 @@ class ModelRunner:
         self._staging[dtype] = (staging, copied)
         return [t.view(a.shape) for t, a in zip(device_copy.split(sizes), arrays)]
 
-    def _make_batch(self, input_ids, positions, slot_mapping, query_lens, seq_lens, block_tables,
-                    logits_indices) -> ForwardBatch:
-        query_start_loc = np.zeros(len(query_lens) + 1, dtype=np.int32)
-        np.cumsum(query_lens, out=query_start_loc[1:])
-        input_ids_t, positions_t, slot_mapping_t, logits_indices_t = self._upload(
-            [input_ids, positions, slot_mapping, logits_indices], torch.int64)
-        query_start_loc_t, seq_lens_t, block_tables_t = self._upload(
-            [query_start_loc, np.asarray(seq_lens, dtype=np.int32), block_tables], torch.int32)
+    def _make_batch(self, inputs: StepInputs) -> ForwardBatch:
+        query_start_loc = np.zeros(len(inputs.query_lens) + 1, dtype=np.int32)
+        np.cumsum(inputs.query_lens, out=query_start_loc[1:])
+        input_ids, positions, slot_mapping, logits_indices = self._upload(
+            [inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.logits_indices], torch.int64)
+        query_start_loc_t, seq_lens, block_tables = self._upload(
+            [query_start_loc, inputs.seq_lens, inputs.block_tables], torch.int32)
+        query_lens_cpu, seq_lens_cpu = inputs.query_lens.tolist(), inputs.seq_lens.tolist()
         batch = ForwardBatch(
-            input_ids=input_ids_t, positions=positions_t, slot_mapping=slot_mapping_t,
-            query_start_loc=query_start_loc_t, seq_lens=seq_lens_t, block_tables=block_tables_t,
-            logits_indices=logits_indices_t, num_seqs=len(query_lens), num_tokens=len(input_ids),
-            max_query_len=max(query_lens), max_seq_len=max(seq_lens), query_lens_cpu=list(query_lens),
-            seq_lens_cpu=list(seq_lens), attn_backend=self.attn_backend)
+            input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, query_start_loc=query_start_loc_t,
+            seq_lens=seq_lens, block_tables=block_tables, logits_indices=logits_indices,
+            num_seqs=len(query_lens_cpu), num_tokens=len(inputs.input_ids), max_query_len=max(query_lens_cpu),
+            max_seq_len=max(seq_lens_cpu), query_lens_cpu=query_lens_cpu, seq_lens_cpu=seq_lens_cpu,
+            attn_backend=self.attn_backend)
         self.attn_backend.prepare_metadata(batch)
         return batch
 
-    def prepare_batch(self, sched: SchedulerOutput) -> ForwardBatch:
+    def build_inputs(self, sched: SchedulerOutput) -> StepInputs:
         bs = self.block_size
-        input_ids, positions, query_lens, seq_lens, logits_indices = [], [], [], [], []
-        num_tokens = 0
+        num_seqs = len(sched.scheduled)
+        input_ids, positions, logits_indices = [], [], []
+        query_lens = np.empty(num_seqs, dtype=np.int32)
+        seq_lens = np.empty(num_seqs, dtype=np.int32)
         max_blocks = max(len(item.seq.block_table) for item in sched.scheduled)
-        block_tables = np.zeros((len(sched.scheduled), max_blocks), dtype=np.int32)
+        block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+        num_tokens = 0
         for row, item in enumerate(sched.scheduled):
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_tokens
             input_ids.extend(seq.token_ids[start:end])
             positions.append(np.arange(start, end))
-            query_lens.append(item.num_tokens)
-            seq_lens.append(end)
+            query_lens[row] = item.num_tokens
+            seq_lens[row] = end
             block_tables[row, :len(seq.block_table)] = seq.block_table
             num_tokens += item.num_tokens
             if item.samples:
                 logits_indices.append(num_tokens - 1)
         positions_np = np.concatenate(positions)
-        rows = np.repeat(np.arange(len(query_lens)), query_lens)
+        rows = np.repeat(np.arange(num_seqs), query_lens)
         slot_mapping = block_tables[rows, positions_np // bs].astype(np.int64) * bs + positions_np % bs
-        return self._make_batch(np.asarray(input_ids, dtype=np.int64), positions_np, slot_mapping, query_lens,
-                                seq_lens, block_tables, np.asarray(logits_indices, dtype=np.int64))
+        return StepInputs(np.asarray(input_ids, dtype=np.int64), positions_np, slot_mapping, query_lens, seq_lens,
+                          block_tables, np.asarray(logits_indices, dtype=np.int64))
 
     def prepare_sampling(self, sched: SchedulerOutput) -> SamplingTensors:
         params = [item.seq.params for item in sched.scheduled if item.samples]
@@ -217,8 +258,20 @@ class ModelRunner:
         return self.model.compute_logits(hidden_states[batch.logits_indices])
 
     @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The model on one step's inputs: logits of the rows in inputs.logits_indices."""
+        return self._forward(self._make_batch(inputs))
+
+    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> list[int]:
         """Run one step; returns the sampled token of each sequence that samples, in schedule order."""
-        batch = self.prepare_batch(sched)
-        logits = self._forward(batch)
+        inputs = self.build_inputs(sched)
+        if self.workers is not None:
+            self.workers.run_step(inputs)  # the other ranks run the same step in lockstep
+        logits = self.forward(inputs)
         return self.sampler(logits, self.prepare_sampling(sched)).tolist()
+
+    def close(self) -> None:
+        """Stop tensor-parallel workers, if any. Idempotent."""
+        if self.workers is not None:
+            self.workers.close()

@@ -143,6 +143,10 @@ class EngineCore:
             return "length"
         return None
 
+    def close(self) -> None:
+        """Release what outlives Python's garbage collection: tensor-parallel worker processes."""
+        self.runner.close()
+
     def stats(self) -> dict:
         bm = self.block_manager
         return {
