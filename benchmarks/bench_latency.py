@@ -80,7 +80,7 @@ def main(argv=None) -> dict:
         report.add(dict(metric="TPOT", prompt_len=args.tpot_prompt_len, median_ms=ms(tpot), min_ms=ms(min(tpots)),
                         runs=len(tpots), output_tokens=n, weight_bytes=weights, kv_bytes=kv,
                         achieved_gb_s=achieved / 1e9, bandwidth_util=achieved / copy_bw))
-        del llm
+        llm = None  # noqa: F841
         release_memory()
     report.finish(f"Batch-1 latency, {args.shape}, {args.backend} "
                   f"(copy bandwidth {copy_bw / 1e9:,.0f} GB/s)", COLUMNS)

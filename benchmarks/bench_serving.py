@@ -2,9 +2,10 @@
 
     python benchmarks/bench_serving.py [--concurrency 1,16,64,256] [--rates 20,80] [--plot PATH] [--json PATH]
 
-Requests: --input-len random token ids, --output-len tokens each (EOS ignored), temperature 0.6.
-Closed loop: for each concurrency C, max(2C, 16) requests with C always in flight. Open loop:
---requests-per-rate requests with Poisson arrivals at each rate (req/s). Per request, from the
+Requests: --input-len random token ids, --output-len tokens each (EOS ignored), temperature 0.6,
+after 32 short warm-up requests (so that no Triton JIT compile is timed). Closed loop: for each
+concurrency C, max(2C, 16) requests with C always in flight. Open loop: --requests-per-rate
+requests with Poisson arrivals at each rate (req/s). Per request, from the
 consumer's side: TTFT (submission -> first non-empty chunk), ITL (every gap between chunks,
 pooled over requests), TPOT ((E2E - TTFT) / (tokens - 1)) and E2E; p50 and p99 of each, and
 output tokens per second of the whole level.
@@ -16,7 +17,7 @@ import random
 import time
 
 from common import (Report, add_engine_args, checkpoint_from_args, engine_kwargs, make_parser, ms, parse_args,
-                    percentile, random_prompt)
+                    percentile, random_prompt, warmup_requests)
 
 from asyncllm import AsyncLLMEngine, SamplingParams
 
@@ -89,6 +90,7 @@ def save_plot(rows: list[dict], path: str) -> str | None:
         for q, style in ((50, "o-"), (99, "s--")):
             ax.plot(x, [r[f"{name}_p{q}_ms"] for r in rows], style, label=f"p{q}")
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
         ax.set_xticks(x, [str(v) for v in x])
         ax.set_xlabel("concurrent requests")
         ax.set_ylabel("ms")
@@ -101,7 +103,7 @@ def save_plot(rows: list[dict], path: str) -> str | None:
     return None
 
 
-COLUMNS = [("load", "load"), ("level", "level"), ("requests", "num_requests"),
+COLUMNS = [("load", "load"), ("level", "level", "{:g}"), ("requests", "num_requests"),
            ("TTFT p50", "ttft_p50_ms", "{:.1f}"), ("TTFT p99", "ttft_p99_ms", "{:.1f}"),
            ("ITL p50", "itl_p50_ms", "{:.2f}"), ("ITL p99", "itl_p99_ms", "{:.2f}"),
            ("TPOT p50", "tpot_p50_ms", "{:.2f}"), ("TPOT p99", "tpot_p99_ms", "{:.2f}"),
@@ -115,8 +117,8 @@ async def run(args, model_dir: str, report: Report) -> None:
     levels = [("concurrency", c, max(2 * c, 16)) for c in args.concurrency]
     levels += [("poisson req/s", r, args.requests_per_rate) for r in args.rates]
     async with AsyncLLMEngine(model_dir, **engine_kwargs(args, args.backend)) as engine:
-        warmup = [random_prompt(rng, args.input_len) for _ in range(4)]
-        await closed_loop(engine, warmup, SamplingParams(max_tokens=8, ignore_eos=True), 4)
+        warmup = warmup_requests(32, args.input_len, args.seed + 1)
+        await asyncio.gather(*(engine.generate(p, sp) for p, sp in zip(*warmup)))
         for load, level, num in levels:
             prompts = [random_prompt(rng, args.input_len) for _ in range(num)]
             start = time.perf_counter()

@@ -3,8 +3,9 @@
     python benchmarks/bench_throughput.py [--backends triton,fa4] [--mode sync|async|both] [--json PATH]
 
 256 requests, prompts of 100..1024 random tokens, 100..1024 output tokens each (EOS ignored),
-temperature 0.6. One short warm-up request, then the whole batch is timed; throughput is
-sum(max_tokens) / wall time, as nano-vllm reports it. sync: one LLM.generate call. async: all
+temperature 0.6. nano-vllm's one short warm-up request, plus --warmup-requests short ones of
+assorted sizes (so that no Triton JIT compile is timed), then the whole batch is timed; throughput
+is sum(max_tokens) / wall time, as nano-vllm reports it. sync: one LLM.generate call. async: all
 requests submitted at once to an AsyncLLMEngine, each consumed with engine.generate in a task group.
 """
 from __future__ import annotations
@@ -13,29 +14,32 @@ import asyncio
 import time
 
 from common import (Report, add_engine_args, bench_requests, checkpoint_from_args, engine_kwargs, make_parser,
-                    parse_args, release_memory, synchronize, timed)
+                    parse_args, release_memory, synchronize, timed, warmup_requests)
 
 from asyncllm import LLM, AsyncLLMEngine, SamplingParams
 
 WARMUP_PROMPT = "Benchmark: "  # nano-vllm's warm-up request
 
 
-def run_sync(model_dir: str, kwargs: dict, prompts, params, device: str) -> dict:
+def run_sync(model_dir: str, kwargs: dict, prompts, params, warmup, device: str) -> dict:
     llm = LLM(model_dir, **kwargs)
     llm.generate([WARMUP_PROMPT], SamplingParams(), use_tqdm=False)
+    if warmup[0]:
+        llm.generate(*warmup, use_tqdm=False)
     before = llm.core.stats()
     outputs, elapsed = timed(lambda: llm.generate(prompts, params, use_tqdm=False), device)
     after = llm.core.stats()
-    del llm
+    llm = None  # noqa: F841 - freed before the next engine starts
     release_memory()
     return dict(elapsed_s=elapsed, generated_tokens=sum(len(o["token_ids"]) for o in outputs),
                 num_preemptions=after["num_preemptions"] - before["num_preemptions"],
                 num_steps=after["num_steps"] - before["num_steps"])
 
 
-async def _run_async(model_dir: str, kwargs: dict, prompts, params, device: str) -> dict:
+async def _run_async(model_dir: str, kwargs: dict, prompts, params, warmup, device: str) -> dict:
     async with AsyncLLMEngine(model_dir, **kwargs) as engine:
         await engine.generate(WARMUP_PROMPT, SamplingParams())
+        await asyncio.gather(*(engine.generate(p, sp) for p, sp in zip(*warmup)))
         await engine.wait_idle()
         before = engine.stats()
         synchronize(device)
@@ -51,8 +55,8 @@ async def _run_async(model_dir: str, kwargs: dict, prompts, params, device: str)
                 num_steps=after["num_steps"] - before["num_steps"])
 
 
-def run_async(model_dir: str, kwargs: dict, prompts, params, device: str) -> dict:
-    result = asyncio.run(_run_async(model_dir, kwargs, prompts, params, device))
+def run_async(model_dir: str, kwargs: dict, prompts, params, warmup, device: str) -> dict:
+    result = asyncio.run(_run_async(model_dir, kwargs, prompts, params, warmup, device))
     release_memory()
     return result
 
@@ -71,17 +75,21 @@ def main(argv=None) -> dict:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--max-input", type=int, default=1024, help="longest prompt (shortest: 100)")
     parser.add_argument("--max-output", type=int, default=1024, help="largest max_tokens (smallest: 100)")
+    parser.add_argument("--warmup-requests", type=int, default=64,
+                        help="short requests run before timing (0: only nano-vllm's single warm-up prompt)")
     args = parse_args(parser, argv)
     modes = ["sync", "async"] if args.mode == "both" else [args.mode]
     prompts, params = bench_requests(args.num_requests, args.seed, args.max_input, args.max_output)
     total_tokens = sum(p.max_tokens for p in params)
+    warmup = warmup_requests(args.warmup_requests, args.max_input, args.seed + 1)
     report = Report("throughput", args)
     with checkpoint_from_args(args) as model_dir:
         for backend in args.backends:
             by_mode = {}
             for mode in modes:
                 try:
-                    stats = RUNNERS[mode](model_dir, engine_kwargs(args, backend), prompts, params, args.device)
+                    stats = RUNNERS[mode](model_dir, engine_kwargs(args, backend), prompts, params, warmup,
+                                          args.device)
                 except Exception as exc:  # one failing backend (e.g. FA4 not built here) must not end the run
                     report.add(dict(backend=backend, mode=mode, error=f"{type(exc).__name__}: {exc}"))
                     print(f"{backend} {mode}: FAILED {type(exc).__name__}: {exc}")

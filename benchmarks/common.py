@@ -55,21 +55,25 @@ def make_checkpoint(shape: str, out_dir: str, dtype: torch.dtype | None = None, 
         raise ValueError(f"shape: expected one of {sorted(SHAPES)}, got {shape!r}")
     device = resolve_device(device)
     dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
-    marker = os.path.join(out_dir, MARKER)
     if os.path.exists(os.path.join(out_dir, "config.json")):
+        marker = os.path.join(out_dir, MARKER)
         if os.path.exists(marker):
             with open(marker) as f:
                 built = json.load(f)
             if built.get("shape") != shape:
                 raise ValueError(f"{out_dir} holds a {built.get('shape')!r} checkpoint, not {shape!r}")
         return out_dir
-    os.makedirs(out_dir, exist_ok=True)
+    partial = out_dir.rstrip("/") + ".partial"  # renamed once complete: a killed build is never reused
+    shutil.rmtree(partial, ignore_errors=True)
     start = time.perf_counter()
     with torch.device(device):
-        build_tiny_checkpoint(out_dir, "qwen3", dtype=dtype, **SHAPES[shape])
+        build_tiny_checkpoint(partial, "qwen3", dtype=dtype, **SHAPES[shape])
     release_memory()
-    with open(marker, "w") as f:
+    with open(os.path.join(partial, MARKER), "w") as f:
         json.dump({"shape": shape, "dtype": str(dtype), "build_s": round(time.perf_counter() - start, 1)}, f)
+    if os.path.isdir(out_dir):
+        os.rmdir(out_dir)  # an empty directory given as --model-dir
+    os.rename(partial, out_dir)
     return out_dir
 
 
@@ -150,6 +154,15 @@ def bench_requests(num: int = 256, seed: int = 0, max_input: int = 1024,
     return prompts, params
 
 
+def warmup_requests(num: int = 64, max_input: int = 1024, seed: int = 1) -> tuple[list, list[SamplingParams]]:
+    """Short requests of assorted prompt lengths and batch sizes (1..16 tokens each), run before the timed
+    part so that Triton's JIT compiles (one per new kernel specialization) are not timed."""
+    rng = random.Random(seed)
+    prompts = [random_prompt(rng, rng.randint(min(100, max_input), max_input)) for _ in range(num)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1 + i % 16) for i in range(num)]
+    return prompts, params
+
+
 # ---- timing ------------------------------------------------------------------------------------------------
 def synchronize(device: str) -> None:
     if device == "cuda":
@@ -199,7 +212,7 @@ def measure_copy_bandwidth(device: str = "cuda", nbytes: int = 1 << 30, iters: i
             times.append(start.elapsed_time(end) / 1e3)
         else:
             times.append(timed(lambda: dst.copy_(src), device)[1])
-    del src, dst
+    src = dst = None  # noqa: F841 - freed before release_memory
     release_memory()
     return 2 * nbytes / median(times)
 

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from common import format_table
@@ -52,7 +52,6 @@ class Step:
     needs: str | None = None  # the checkpoint step this one depends on
     status: str = "not run"
     seconds: float = 0.0
-    extra: dict = field(default_factory=dict)
 
 
 def fa4_installed() -> bool:
@@ -64,17 +63,19 @@ def fa4_installed() -> bool:
 
 def plan(args, ckpt: dict[str, str]) -> list[Step]:
     size = "cpu" if args.device == "cpu" else ("quick" if args.quick else "full")
-    small = "tiny" if args.device == "cpu" else "0.6b"
+    small = args.small
     out = args.out
+
+    scale = 2 if args.device == "cpu" else 1  # per-step budgets below are for the GPU
 
     def bench(name: str, kind: str, shape: str, budget: float, *extra: str) -> Step:
         argv = [os.path.join(HERE, f"bench_{kind}.py"), "--device", args.device, "--shape", shape,
                 "--model-dir", ckpt[shape], "--json", os.path.join(out, f"{name}.json"), *SIZES[kind][size], *extra]
-        return Step(name, argv, budget, needs=f"build-{shape}")
+        return Step(name, argv, budget * scale, needs=f"build-{shape}")
 
     def build(shape: str, budget: float) -> Step:
         return Step(f"build-{shape}", [os.path.join(HERE, "common.py"), "--shape", shape, "--out", ckpt[shape],
-                                       "--device", args.device], budget)
+                                       "--device", args.device], budget * scale)
 
     backend = "triton" if args.device == "cuda" else "torch"
     steps = [build(small, 90),
@@ -84,12 +85,11 @@ def plan(args, ckpt: dict[str, str]) -> list[Step]:
                    "--plot", os.path.join(out, "serving.png"))]
     if args.device == "cuda" and fa4_installed():
         steps.append(bench(f"throughput-{small}-fa4", "throughput", small, 80, "--backends", "fa4", "--mode", "both"))
-    big = args.device == "cuda" and not args.skip_8b
-    if big:
+    if args.big:
         steps += [build("8b", 120), bench("latency-8b", "latency", "8b", 75, "--backend", backend)]
     if not args.skip_hf:
         steps.append(bench(f"hf-{small}", "hf", small, 90))
-    if big:
+    if args.big:
         steps.append(bench("throughput-8b", "throughput", "8b", 90, "--backends", backend, "--mode", "sync"))
     kernels = os.path.join(HERE, "bench_kernels.py")
     if args.device == "cuda" and os.path.exists(kernels) and not args.skip_kernels:
@@ -112,7 +112,7 @@ def run_step(step: Step, deadline: float, log_dir: str, failed: set[str]) -> Non
     log_path = os.path.join(log_dir, f"{step.name}.log")
     start = time.monotonic()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, *step.argv], stdout=log, stderr=subprocess.STDOUT, cwd=HERE,
+        proc = subprocess.Popen([sys.executable, *step.argv], stdout=log, stderr=subprocess.STDOUT,
                                 env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout)
@@ -151,10 +151,12 @@ def pick(results: dict, step: str, key: str, **match):
     return None
 
 
-def headline(results: dict, small: str) -> list[dict]:
+def headline(results: dict, small: str, big: bool) -> list[dict]:
+    """The key figures. The targets are for the 0.6B and 8B models on an H200; a tiny CPU run shows none."""
     rows = []
 
     def add(metric, value, target=None, fmt="{:.2f}", note=""):
+        target = target if small == "0.6b" else None
         check = "-"
         if target is not None and value is not None:
             op, bound = target
@@ -164,24 +166,29 @@ def headline(results: dict, small: str) -> list[dict]:
 
     for name in sorted(n for n in results if n.startswith(f"throughput-{small}")):
         for row in results[name]["results"]:
-            if "throughput_tok_s" in row:
-                target = (">=", 20000) if row["backend"] == "triton" and row["mode"] == "sync" else None
-                add(f"{small} throughput, {row['backend']}, {row['mode']} (tok/s)", row["throughput_tok_s"], target,
-                    "{:,.0f}", f"{row['num_requests']} req, {row['num_preemptions']} preemptions")
+            metric = f"{small} throughput, {row['backend']}, {row['mode']} (tok/s)"
+            if "error" in row:
+                add(metric, None, note=row["error"][:80])
+                continue
+            target = (">=", 20000) if row["backend"] == "triton" and row["mode"] == "sync" else None
+            add(metric, row["throughput_tok_s"], target, "{:,.0f}",
+                f"{row['num_requests']} req, {row['num_preemptions']} preemptions")
             if row.get("async_sync_ratio") is not None:
                 add(f"async/sync, {row['backend']}", row["async_sync_ratio"], (">=", 0.97), "{:.3f}")
-    add("8b throughput, sync (tok/s)", pick(results, "throughput-8b", "throughput_tok_s", mode="sync"), None,
-        "{:,.0f}")
-    for shape, bound in ((small, 1.0), ("8b", 4.0)):
+    shapes = [(small, 1.0)] + ([("8b", 4.0)] if big else [])
+    if big:
+        add("8b throughput, sync (tok/s)", pick(results, "throughput-8b", "throughput_tok_s", mode="sync"), None,
+            "{:,.0f}")
+    for shape, bound in shapes:
         util = pick(results, f"latency-{shape}", "bandwidth_util", metric="TPOT")
         add(f"TPOT batch 1, {shape} (ms)", pick(results, f"latency-{shape}", "median_ms", metric="TPOT"),
             ("<=", bound), "{:.3f}", "" if util is None else f"{util:.0%} of copy bandwidth")
-    add(f"TTFT 128-token prompt, {small} (ms)", pick(results, f"latency-{small}", "median_ms", metric="TTFT",
-                                                     prompt_len=128), ("<=", 12), "{:.2f}")
-    add(f"TTFT 1024-token prompt, {small} (ms)", pick(results, f"latency-{small}", "median_ms", metric="TTFT",
-                                                      prompt_len=1024))
-    add("ITL p99 at concurrency 64 (ms)", pick(results, f"serving-{small}", "itl_p99_ms", load="concurrency",
-                                               level=64), ("<=", 10), "{:.2f}")
+    for shape, _ in shapes:
+        for prompt_len, target in ((128, ("<=", 12) if shape == small else None), (1024, None)):
+            add(f"TTFT {prompt_len}-token prompt, {shape} (ms)",
+                pick(results, f"latency-{shape}", "median_ms", metric="TTFT", prompt_len=prompt_len), target)
+    add("ITL p99 at concurrency 64 (ms)",
+        pick(results, f"serving-{small}", "itl_p99_ms", load="concurrency", level=64), ("<=", 10))
     hf_requests = pick(results, f"hf-{small}", "num_requests", part="generate_batch")
     add("HF continuous batching (tok/s)", pick(results, f"hf-{small}", "output_tok_s", part="generate_batch"), None,
         "{:,.0f}", f"{hf_requests} req, for scale" if hf_requests else "for scale")
@@ -194,13 +201,14 @@ def write_summary(args, steps: list[Step], results: dict, table: str) -> None:
     step_rows = [dict(step=s.name, status=s.status, seconds=round(s.seconds)) for s in steps]
     parts = ["# asyncllm benchmarks", "", ", ".join(f"{k} {v}" for k, v in env.items()), "", "## Headline", "", table,
              "", "## Steps", "", format_table(step_rows, [("step", "step"), ("status", "status"), ("s", "seconds")])]
-    for step in steps:
-        data = results.get(step.name, {})
+    order = ["throughput", "latency", "serving", "hf", "kernels"]  # then the rest, by name
+    for name in sorted(results, key=lambda n: (next((i for i, k in enumerate(order) if n.startswith(k)), 99), n)):
+        data = results[name]
         if data.get("table"):
             parts += ["", data["table"]]
         elif data.get("results"):  # a benchmark that keeps no table of its own (bench_kernels.py)
             keys = list(data["results"][0])
-            parts += ["", f"### {step.name}", "", format_table(data["results"], [(k, k) for k in keys])]
+            parts += ["", f"### {name}", "", format_table(data["results"], [(k, k, "{:.4g}") for k in keys])]
     if os.path.exists(os.path.join(args.out, "serving.png")):
         parts += ["", "![TTFT and ITL against concurrency](serving.png)"]
     with open(os.path.join(args.out, "summary.md"), "w") as f:
@@ -219,20 +227,25 @@ def main(argv=None) -> int:
                         help="stop starting steps past this many seconds (default 420 on CUDA, 900 on CPU)")
     parser.add_argument("--checkpoints", default=None,
                         help="where to build (or find) the checkpoints; default: a temp dir, removed at the end")
-    parser.add_argument("--only", default=None, help="comma-separated step names to run (builds are always run)")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated step names to run (and the checkpoint builds they need), e.g. "
+                             "latency-8b,kernels; the summary also reads the JSON already in --out")
     args = parser.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     budget = args.total_budget_s or (420.0 if args.device == "cuda" else 900.0)
     deadline = time.monotonic() + budget
+    args.out = os.path.abspath(args.out)
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
-    root = args.checkpoints or tempfile.mkdtemp(prefix="asyncllm-ckpt-")
-    small = "tiny" if args.device == "cpu" else "0.6b"
+    root = os.path.abspath(args.checkpoints or tempfile.mkdtemp(prefix="asyncllm-ckpt-"))
+    args.small = small = "tiny" if args.device == "cpu" else "0.6b"  # the model most steps use
+    args.big = args.device == "cuda" and not args.skip_8b  # and the 8B
     ckpt = {shape: os.path.join(root, shape) for shape in (small, "8b")}
     steps = plan(args, ckpt)
     if args.only:
         wanted = set(args.only.split(","))
-        steps = [s for s in steps if s.name in wanted or s.name.startswith("build-")]
+        needed = {s.needs for s in steps if s.name in wanted}
+        steps = [s for s in steps if s.name in wanted or s.name in needed]
     print(f"{len(steps)} steps, {budget:.0f} s budget, device {args.device}, checkpoints in {root}", flush=True)
     for step in steps:  # no stale figures from an earlier run in the same directory
         stale = os.path.join(args.out, f"{step.name}.json")
@@ -246,8 +259,8 @@ def main(argv=None) -> int:
         if args.checkpoints is None:
             shutil.rmtree(root, ignore_errors=True)
     results = load_results(args.out)
-    table = format_table(headline(results, small), [("metric", "metric"), ("value", "value"), ("target", "target"),
-                                                    ("check", "check"), ("note", "note")])
+    columns = [("metric", "metric"), ("value", "value"), ("target", "target"), ("check", "check"), ("note", "note")]
+    table = format_table(headline(results, small, args.big), columns)
     write_summary(args, steps, results, table)
     print("\nsteps: " + ", ".join(f"{s.name} {s.status}" for s in steps))
     print(f"results in {args.out} (summary.md, *.json, logs/)\n\n{table}")

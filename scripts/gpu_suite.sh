@@ -24,8 +24,9 @@ python3 -c "import flash_attn.cute; print('FlashAttention-4: available')" 2>/dev
 
 tests_rc=0
 if [ "$mode" != bench ]; then
+  # GPU_TEST_SELECT: an optional pytest -k expression (e.g. "fa4") to run part of the suite
   python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_gpu.py -m "not slow" \
-      --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log"
+      ${GPU_TEST_SELECT:+-k "$GPU_TEST_SELECT"} --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log"
   tests_rc=${PIPESTATUS[0]}
 fi
 if [ "$mode" != tests ]; then
