@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import anyio
 
 from asyncllm.detokenizer import TextAssembler
-from asyncllm.engine.core import EngineCore
+from asyncllm.engine.core import EngineCore, check_text
 from asyncllm.errors import EngineDeadError, QueueFullError
 from asyncllm.llm import make_config
 from asyncllm.sampling_params import SamplingParams
@@ -270,7 +270,8 @@ class AsyncLLMEngine:
              **chat_template_kwargs) -> RequestStream:
         """Stream an answer to a conversation, formatted by the tokenizer's chat template."""
         self._check_alive()
-        return self._submit(self.apply_chat_template(messages, **chat_template_kwargs), sampling_params, request_id)
+        return self._submit(self.apply_chat_template(messages, **chat_template_kwargs), sampling_params, request_id,
+                            "messages")
 
     def apply_chat_template(self, messages, **chat_template_kwargs) -> list[int]:
         if not isinstance(messages, (list, tuple)) or not messages:
@@ -282,6 +283,8 @@ class AsyncLLMEngine:
                 raise ValueError(f"messages[{i}]: 'role' must be a non-empty string")
             if not isinstance(message.get("content"), str):
                 raise ValueError(f"messages[{i}]: 'content' must be a string")
+            check_text(message["role"], f"messages[{i}]: 'role'")
+            check_text(message["content"], f"messages[{i}]: 'content'")
         tokenizer = self._core.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("chat: this model's tokenizer has no chat template; use stream() with a prompt")
@@ -307,9 +310,10 @@ class AsyncLLMEngine:
         # with its channel, a stream ends only its own request, never another one that has its id
         self._post(("finish", request_id, reason, channel))
 
-    def _submit(self, prompt_token_ids: list[int], params: SamplingParams | None, request_id: str | None):
+    def _submit(self, prompt_token_ids: list[int], params: SamplingParams | None, request_id: str | None,
+                argument: str = "prompt"):
         params = SamplingParams() if params is None else params
-        self._core.check_request(prompt_token_ids, params)
+        self._core.check_request(prompt_token_ids, params, argument)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         elif not isinstance(request_id, str) or not request_id:

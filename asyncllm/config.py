@@ -88,6 +88,15 @@ class Config:
             heads = self.hf_config.num_attention_heads
             if heads % self.tensor_parallel_size:
                 _fail("tensor_parallel_size", f"num_attention_heads={heads} is not divisible by {self.tensor_parallel_size}")
+            kv_heads = getattr(self.hf_config, "num_key_value_heads", None) or heads
+            if kv_heads % self.tensor_parallel_size and self.tensor_parallel_size % kv_heads:
+                # neither split across ranks nor replicated evenly: ranks would attend to the wrong KV heads
+                _fail("tensor_parallel_size", f"num_key_value_heads={kv_heads} neither divides nor is divisible by "
+                                              f"{self.tensor_parallel_size}")
+            intermediate = getattr(self.hf_config, "intermediate_size", 0)
+            if intermediate % self.tensor_parallel_size:
+                _fail("tensor_parallel_size", f"intermediate_size={intermediate} is not divisible by "
+                                              f"{self.tensor_parallel_size}")
             vocab = self.hf_config.vocab_size
             if vocab % self.tensor_parallel_size:
                 _fail("tensor_parallel_size", f"vocab_size={vocab} is not divisible by {self.tensor_parallel_size}")
@@ -101,3 +110,21 @@ class Config:
                 self.torch_dtype = ckpt if ckpt in (torch.float16, torch.bfloat16, torch.float32) else torch.bfloat16
         else:
             self.torch_dtype = _DTYPES[self.dtype]
+        if self.device == "cpu":
+            self._check_cpu_kv_cache()
+
+    def _check_cpu_kv_cache(self) -> None:
+        """A CPU KV cache larger than the machine's memory fails (or is OOM-killed) deep in torch: say so here."""
+        try:
+            memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return
+        hf = self.hf_config
+        kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        per_block = 2 * hf.num_hidden_layers * self.kvcache_block_size * kv_heads * head_dim * self.torch_dtype.itemsize
+        name, size = ("num_kvcache_blocks", self.num_kvcache_blocks * per_block) if self.num_kvcache_blocks != -1 \
+            else ("cpu_kvcache_bytes", self.cpu_kvcache_bytes)
+        if size > memory:
+            _fail(name, f"a KV cache of {size / 2**30:.1f} GiB does not fit in this machine's "
+                        f"{memory / 2**30:.1f} GiB of memory")

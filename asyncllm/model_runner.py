@@ -52,6 +52,15 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, config: Config, weights=None, rank: int = 0, step_group=None):
+        self.workers = None
+        try:
+            self._init(config, weights, rank, step_group)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.abort()  # a failed start-up leaves no worker process behind
+            raise
+
+    def _init(self, config: Config, weights, rank: int, step_group) -> None:
         self.config = config
         hf = config.hf_config
         self.rank = rank
@@ -267,8 +276,9 @@ class ModelRunner:
         """Run one step; returns the sampled token of each sequence that samples, in schedule order."""
         inputs = self.build_inputs(sched)
         if self.workers is not None:
-            self.workers.run_step(inputs)  # the other ranks run the same step in lockstep
-        logits = self.forward(inputs)
+            logits = self.workers.run_step(inputs, self.forward)  # the other ranks run it in lockstep
+        else:
+            logits = self.forward(inputs)
         return self.sampler(logits, self.prepare_sampling(sched)).tolist()
 
     def close(self) -> None:

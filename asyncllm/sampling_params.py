@@ -44,6 +44,8 @@ class SamplingParams:
                 fail(name, f"expected an int, got {value!r}")
         if self.top_k == 0 or self.top_k < -1:
             fail("top_k", f"must be -1 (disabled) or >= 1, got {self.top_k}")
+        if self.top_k >= 1 << 63:  # the sampler's int64 tensor; any top_k >= the vocabulary means all tokens
+            fail("top_k", f"must be < 2**63, got {self.top_k}")
         if self.max_tokens < 1:
             fail("max_tokens", f"must be >= 1, got {self.max_tokens}")
         if not isinstance(self.ignore_eos, bool):
@@ -52,6 +54,8 @@ class SamplingParams:
             fail("include_stop_str_in_output", f"expected a bool, got {self.include_stop_str_in_output!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             fail("seed", f"expected an int or None, got {self.seed!r}")
+        if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:  # torch.Generator's range
+            fail("seed", f"must be in [-2**63, 2**64), got {self.seed}")
         if self.seed is not None and not -(1 << 63) <= self.seed < (1 << 64):
             fail("seed", f"must be in [-2**63, 2**64), got {self.seed}")
         if isinstance(self.stop_token_ids, int) and not isinstance(self.stop_token_ids, bool):

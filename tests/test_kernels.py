@@ -545,9 +545,9 @@ def test_fused_rms_norm_and_silu_match_layers(dtype):
     # a reduction order or rsqrt/exp differing in the last fp32 bit can flip the rounding of the
     # normed value and then of the weighted product: allow two ulps of the output dtype
     tol = dict(rtol=2e-2, atol=2e-2) if dtype != torch.float32 else dict(rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(rms_norm(x, norm.weight, 1e-6), norm(x), **tol)
+    torch.testing.assert_close(rms_norm(x, norm.weight, 1e-6), norm.forward_native(x), **tol)
     out, new_residual = fused_add_rms_norm(x, residual, norm.weight, 1e-6)
-    ref_out, ref_residual = norm(x, residual)
+    ref_out, ref_residual = norm.forward_native(x, residual)
     torch.testing.assert_close(out, ref_out, **tol)
     if CUDA or dtype != torch.bfloat16:
         assert torch.equal(new_residual, ref_residual)
@@ -555,4 +555,26 @@ def test_fused_rms_norm_and_silu_match_layers(dtype):
         torch.testing.assert_close(new_residual, ref_residual, rtol=1e-2, atol=1e-2)
 
     gate_up = torch.randn(2, 3, 2 * (11008 if CUDA else 80), device=DEVICE).to(dtype)
-    torch.testing.assert_close(silu_and_mul(gate_up), SiluAndMul()(gate_up), **tol)
+    torch.testing.assert_close(silu_and_mul(gate_up), SiluAndMul().forward_native(gate_up), **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_rotary_matches_layer(dtype):
+    from asyncllm.kernels.fused_ops import rotary_embedding_
+    from asyncllm.layers.rotary import RotaryEmbedding
+
+    head_dim, num_heads, num_kv_heads, tokens = (128, 16, 8, 300) if CUDA else (64, 4, 2, 7)
+    rotary = RotaryEmbedding(head_dim, 4096, 1e6).to(DEVICE)
+    # q and k as strided views of one fused projection, as the attention layer makes them
+    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE).to(dtype)
+    q = qkv[:, :num_heads * head_dim].view(tokens, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(tokens, num_kv_heads, head_dim)
+    positions = torch.randint(0, 4096, (tokens,), device=DEVICE)
+    ref_q, ref_k = rotary.forward_native(positions, q.clone(), k.clone())
+    v_before = qkv[:, (num_heads + num_kv_heads) * head_dim:].clone()
+    rotary_embedding_(q, positions, rotary.cos_sin_cache)
+    rotary_embedding_(k, positions, rotary.cos_sin_cache)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: one rounding here, several in the reference
+    for got, ref in ((q, ref_q), (k, ref_k)):
+        assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < tol
+    assert torch.equal(qkv[:, (num_heads + num_kv_heads) * head_dim:], v_before)  # v untouched

@@ -26,6 +26,16 @@ class StepEvent:
     finish_reason: str | None
 
 
+def check_text(text: str, argument: str) -> None:
+    """Refuse a str that is not valid Unicode text (lone surrogates, e.g. from bytes decoded with
+    errors="surrogateescape"), which the tokenizer would reject with an obscure error."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{argument}: not valid Unicode text (lone surrogate {text[e.start]!r} at index "
+                         f"{e.start}); decode bytes with errors='replace' first") from None
+
+
 def _as_id_set(value) -> set[int]:
     if value is None:
         return set()
@@ -66,6 +76,7 @@ class EngineCore:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError(f"{argument}: the prompt is empty")
+            check_text(prompt, argument)
             token_ids = self.tokenizer.encode(prompt)
             if not token_ids:
                 raise ValueError(f"{argument}: the prompt encodes to no tokens")
@@ -81,12 +92,15 @@ class EngineCore:
             return list(prompt)
         raise TypeError(f"{argument}: expected a string or a list of token ids, got {type(prompt).__name__}")
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams, argument: str = "prompt") -> None:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        # checked again: fields set after construction would otherwise fail inside a step, killing the
+        # engine for every request
+        params.__post_init__()
         if len(prompt_token_ids) >= self.max_seq_len:
             what = "max_model_len" if self.max_seq_len == self.config.max_model_len else "the KV cache's capacity"
-            raise ValueError(f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within "
+            raise ValueError(f"{argument}: {len(prompt_token_ids)} tokens leave no room to generate within "
                              f"{what} ({self.max_seq_len} tokens)")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:

@@ -3,6 +3,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from asyncllm.layers.fused import fused_ops, use_fused
+
 
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32.
@@ -23,6 +25,14 @@ class RMSNorm(nn.Module):
         return x.to(dtype) * self.weight
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if use_fused(x):
+            if residual is None:
+                return fused_ops.rms_norm(x, self.weight, self.eps)
+            return fused_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return self.forward_native(x, residual)
+
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """The plain PyTorch math: the CPU path and the fused kernel's reference."""
         if residual is None:
             return self._norm(x)
         x = (x.float() + residual.float()).to(x.dtype)

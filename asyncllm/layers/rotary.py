@@ -6,6 +6,8 @@ import math
 import torch
 from torch import nn
 
+from asyncllm.layers.fused import fused_ops, use_fused
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     """Llama 3.1's frequency-dependent stretch of the long wavelengths."""
@@ -40,6 +42,13 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: (tokens, heads, head_dim), k: (tokens, kv_heads, head_dim)."""
+        if use_fused(q):
+            # in place: q and k are fresh views of this step's qkv projection (or of q/k norm outputs)
+            return (fused_ops.rotary_embedding_(q, positions, self.cos_sin_cache),
+                    fused_ops.rotary_embedding_(k, positions, self.cos_sin_cache))
+        return self.forward_native(positions, q, k)
+
+    def forward_native(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 

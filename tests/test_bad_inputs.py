@@ -1,0 +1,468 @@
+"""Bad inputs at every public entry point, from ONE table (BAD_INPUTS), plus the safety of loading.
+
+Each row: (entry point, label, input, expected error, the argument the message must name, another
+fragment the message must contain). The error is an exception type, or an HTTP status for the
+OpenAI server's JSON rows. After the bad calls the engine still serves: a valid request that was
+in flight meanwhile completes with the same tokens as alone, and a new valid request completes.
+
+docs/RELIABILITY.md carries this table as markdown; test_docs_table_matches_this_table keeps the
+two the same (print markdown_table() to regenerate it).
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import pathlib
+import pickle
+import shutil
+from dataclasses import dataclass
+
+import anyio
+import numpy as np
+import pytest
+
+from asyncllm import LLM, Config
+from asyncllm.async_engine import AsyncLLMEngine
+from asyncllm.sampling_params import SamplingParams
+
+VOCAB = 151936  # the tiny checkpoint's vocab_size
+MAX_MODEL_LEN = 256
+ENGINE_KW = dict(num_kvcache_blocks=64, kvcache_block_size=16, max_model_len=MAX_MODEL_LEN)
+OK = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TINY, PICKLE_ONLY = "<tiny checkpoint>", "<dir with only pytorch_model.bin>"
+
+
+def changed(**fields) -> SamplingParams:
+    """SamplingParams that were valid when made and changed afterwards (dataclasses are mutable)."""
+    params = SamplingParams(temperature=0, max_tokens=4)
+    for name, value in fields.items():
+        setattr(params, name, value)
+    return params
+
+
+@dataclass(frozen=True)
+class Bad:
+    entry: str
+    label: str  # the input, as the docs show it
+    value: object  # kwargs (dict) for the call; a callable is called first; bytes/str = a raw HTTP body
+    error: type | int  # exception type, or HTTP status
+    argument: str  # the message must name it
+    says: str = ""  # and contain this
+
+    @property
+    def id(self) -> str:
+        return f"{self.entry}: {self.label}"
+
+
+SP, CFG, LLM_, AE = "SamplingParams(...)", "Config(model, ...)", "LLM(model, ...)", "AsyncLLMEngine(model, ...)"
+GEN, STREAM, AGEN, CHAT = "LLM.generate", "AsyncLLMEngine.stream", "AsyncLLMEngine.generate", "AsyncLLMEngine.chat"
+HTTP_CMPL, HTTP_CHAT = "POST /v1/completions", "POST /v1/chat/completions"
+MSG = [{"role": "user", "content": "Hi"}]
+
+BAD_INPUTS: list[Bad] = [
+    # ---- SamplingParams ----
+    Bad(SP, "temperature=nan", dict(temperature=float("nan")), ValueError, "temperature", "finite"),
+    Bad(SP, "temperature=inf", dict(temperature=float("inf")), ValueError, "temperature", "finite"),
+    Bad(SP, "temperature=-1", dict(temperature=-1), ValueError, "temperature", ">= 0"),
+    Bad(SP, 'temperature="0.7"', dict(temperature="0.7"), ValueError, "temperature", "number"),
+    Bad(SP, "top_p=0", dict(top_p=0), ValueError, "top_p", "(0, 1]"),
+    Bad(SP, "top_p=nan", dict(top_p=float("nan")), ValueError, "top_p", "finite"),
+    Bad(SP, "min_p=1.5", dict(min_p=1.5), ValueError, "min_p", "[0, 1]"),
+    Bad(SP, "top_k=0", dict(top_k=0), ValueError, "top_k", "-1"),
+    Bad(SP, "top_k=10**30", dict(top_k=10**30), ValueError, "top_k", "2**63"),
+    Bad(SP, "max_tokens=0", dict(max_tokens=0), ValueError, "max_tokens", ">= 1"),
+    Bad(SP, "max_tokens=1.5", dict(max_tokens=1.5), ValueError, "max_tokens", "int"),
+    Bad(SP, "seed=2**70", dict(seed=2**70), ValueError, "seed", "2**64"),
+    Bad(SP, 'seed="42"', dict(seed="42"), ValueError, "seed", "int"),
+    Bad(SP, 'stop=""', dict(stop=""), ValueError, "stop", "empty"),
+    Bad(SP, 'stop=["a", None]', dict(stop=["a", None]), ValueError, "stop", "strings"),
+    Bad(SP, "stop_token_ids=[-1]", dict(stop_token_ids=[-1]), ValueError, "stop_token_ids", "non-negative"),
+    Bad(SP, 'ignore_eos="yes"', dict(ignore_eos="yes"), ValueError, "ignore_eos", "bool"),
+    # ---- Config / LLM / AsyncLLMEngine options ----
+    Bad(CFG, "max_num_seqs=0", dict(max_num_seqs=0), ValueError, "max_num_seqs", ">= 1"),
+    Bad(CFG, "max_num_batched_tokens=-1", dict(max_num_batched_tokens=-1), ValueError, "max_num_batched_tokens"),
+    Bad(CFG, 'max_model_len="4096"', dict(max_model_len="4096"), ValueError, "max_model_len", "int"),
+    Bad(CFG, "kvcache_block_size=24", dict(kvcache_block_size=24), ValueError, "kvcache_block_size", "power of two"),
+    Bad(CFG, "gpu_memory_utilization=nan", dict(gpu_memory_utilization=float("nan")), ValueError,
+        "gpu_memory_utilization"),
+    Bad(CFG, "num_kvcache_blocks=10**9 (device cpu)", dict(num_kvcache_blocks=10**9, device="cpu"), ValueError,
+        "num_kvcache_blocks", "does not fit"),
+    Bad(CFG, "cpu_kvcache_bytes=10**15 (device cpu)", dict(cpu_kvcache_bytes=10**15, device="cpu"), ValueError,
+        "cpu_kvcache_bytes", "does not fit"),
+    Bad(CFG, 'dtype="int8"', dict(dtype="int8"), ValueError, "dtype"),
+    Bad(CFG, 'device="tpu"', dict(device="tpu"), ValueError, "device"),
+    Bad(CFG, 'model="/nonexistent"', dict(model="/nonexistent"), ValueError, "model", "does not exist"),
+    Bad(CFG, "model=123", dict(model=123), ValueError, "model", "path"),
+    Bad(LLM_, "kv_cache_blocks=4 (unknown option)", dict(kv_cache_blocks=4), TypeError, "kv_cache_blocks", "unknown"),
+    Bad(LLM_, f"model={PICKLE_ONLY}", dict(model=PICKLE_ONLY), ValueError, "model", "pickle checkpoints are refused"),
+    Bad(AE, "max_num_seqs=0", dict(max_num_seqs=0), ValueError, "max_num_seqs"),
+    Bad(AE, "max_queued_requests=-1", dict(max_queued_requests=-1), ValueError, "max_queued_requests"),
+    # ---- LLM.generate ----
+    Bad(GEN, "prompts=None", dict(prompts=None), TypeError, "prompts"),
+    Bad(GEN, "prompts=[]", dict(prompts=[]), ValueError, "prompts", "empty"),
+    Bad(GEN, 'prompts=b"Hello" (bytes)', dict(prompts=b"Hello"), TypeError, "prompts", "bytes"),
+    Bad(GEN, 'prompts=[b"Hello"]', dict(prompts=[b"Hello"]), TypeError, "prompts[0]", "bytes"),
+    Bad(GEN, 'prompts=""', dict(prompts=""), ValueError, "prompts[0]", "empty"),
+    Bad(GEN, 'prompts="\\ud800 lone surrogate"', dict(prompts="\ud800 lone surrogate"), ValueError, "prompts[0]",
+        "surrogate"),
+    Bad(GEN, 'prompts=["ok", 5]', dict(prompts=["ok", 5]), TypeError, "prompts[1]"),
+    Bad(GEN, "prompts=[[]]", dict(prompts=[[]]), ValueError, "prompts[0]", "empty"),
+    Bad(GEN, "prompts=[[1, 2.5]]", dict(prompts=[[1, 2.5]]), TypeError, "prompts[0][1]", "int"),
+    Bad(GEN, "prompts=[[1, nan]]", dict(prompts=[[1, float("nan")]]), TypeError, "prompts[0][1]", "int"),
+    Bad(GEN, "prompts=[[True]]", dict(prompts=[[True]]), TypeError, "prompts[0][0]", "int"),
+    Bad(GEN, "prompts=[[1, -1]]", dict(prompts=[[1, -1]]), ValueError, "prompts[0][1]", "vocabulary"),
+    Bad(GEN, f"prompts=[[1, {VOCAB}]] (= vocab_size)", dict(prompts=[[1, VOCAB]]), ValueError, "prompts[0][1]",
+        "vocabulary"),
+    Bad(GEN, "prompts=[[1, 10**30]]", dict(prompts=[[1, 10**30]]), ValueError, "prompts[0][1]", "vocabulary"),
+    Bad(GEN, f"prompts=[[1] * {MAX_MODEL_LEN}] (= max_model_len)", dict(prompts=[[1] * MAX_MODEL_LEN]), ValueError,
+        "prompts[0]", "max_model_len"),
+    Bad(GEN, 'prompts=["ok", "word " * 2000]', dict(prompts=["ok", "word " * 2000]), ValueError, "prompts[1]",
+        "max_model_len"),
+    Bad(GEN, 'sampling_params={"temperature": 0}', dict(prompts=["ok"], sampling_params={"temperature": 0}),
+        TypeError, "sampling_params", "SamplingParams"),
+    Bad(GEN, "2 sampling_params for 1 prompt", dict(prompts=["ok"], sampling_params=[OK, OK]), ValueError,
+        "sampling_params", "2 given for 1"),
+    Bad(GEN, "sampling_params=[None]", dict(prompts=["ok"], sampling_params=[None]), TypeError, "sampling_params[0]"),
+    Bad(GEN, "SamplingParams changed after construction: max_tokens=0",
+        lambda: dict(prompts=["ok"], sampling_params=changed(max_tokens=0)), ValueError, "max_tokens", ">= 1"),
+    # ---- AsyncLLMEngine.stream / generate ----
+    Bad(STREAM, "prompt=None", dict(prompt=None), TypeError, "prompt"),
+    Bad(STREAM, 'prompt=b"Hello" (bytes)', dict(prompt=b"Hello"), TypeError, "prompt", "bytes"),
+    Bad(STREAM, 'prompt=""', dict(prompt=""), ValueError, "prompt", "empty"),
+    Bad(STREAM, 'prompt="Hi \\udcff" (surrogateescape)', dict(prompt="Hi \udcff"), ValueError, "prompt", "surrogate"),
+    Bad(STREAM, "prompt=[]", dict(prompt=[]), ValueError, "prompt", "empty"),
+    Bad(STREAM, "prompt=np.array([1, 2])", dict(prompt=np.array([1, 2])), TypeError, "prompt", "ndarray"),
+    Bad(STREAM, "prompt=[1.0]", dict(prompt=[1.0]), TypeError, "prompt[0]", "int"),
+    Bad(STREAM, "prompt=[np.int64(1)]", dict(prompt=[np.int64(1)]), TypeError, "prompt[0]", "int"),
+    Bad(STREAM, "prompt=[-5]", dict(prompt=[-5]), ValueError, "prompt[0]", "vocabulary"),
+    Bad(STREAM, f"prompt=[{VOCAB}]", dict(prompt=[VOCAB]), ValueError, "prompt[0]", "vocabulary"),
+    Bad(STREAM, f"prompt=[1] * {MAX_MODEL_LEN}", dict(prompt=[1] * MAX_MODEL_LEN), ValueError, "prompt",
+        "max_model_len"),
+    Bad(STREAM, 'sampling_params={"max_tokens": 4}', dict(prompt="Hi", sampling_params={"max_tokens": 4}),
+        TypeError, "sampling_params", "SamplingParams"),
+    Bad(STREAM, "SamplingParams changed after construction: top_k=10**30",
+        lambda: dict(prompt="Hi", sampling_params=changed(top_k=10**30)), ValueError, "top_k", "2**63"),
+    Bad(STREAM, "SamplingParams changed after construction: seed=-2**70",
+        lambda: dict(prompt="Hi", sampling_params=changed(temperature=1.0, seed=-2**70)), ValueError, "seed"),
+    Bad(STREAM, 'request_id=""', dict(prompt="Hi", request_id=""), ValueError, "request_id"),
+    Bad(STREAM, "request_id=7", dict(prompt="Hi", request_id=7), ValueError, "request_id"),
+    Bad(AGEN, 'prompt=["Hi", "there"] (a batch)', dict(prompt=["Hi", "there"]), TypeError, "prompt[0]", "int"),
+    Bad(AGEN, 'prompt="word " * 2000', dict(prompt="word " * 2000), ValueError, "prompt", "max_model_len"),
+    # ---- AsyncLLMEngine.chat ----
+    Bad(CHAT, 'messages="Hi"', dict(messages="Hi"), ValueError, "messages", "list"),
+    Bad(CHAT, "messages=[]", dict(messages=[]), ValueError, "messages", "non-empty"),
+    Bad(CHAT, 'messages=["Hi"]', dict(messages=["Hi"]), TypeError, "messages[0]", "dict"),
+    Bad(CHAT, 'messages=[{"content": "Hi"}] (no role)', dict(messages=[{"content": "Hi"}]), ValueError,
+        "messages[0]", "role"),
+    Bad(CHAT, 'messages=[{"role": "user"}] (no content)', dict(messages=[{"role": "user"}]), ValueError,
+        "messages[0]", "content"),
+    Bad(CHAT, 'messages=[{"role": "user", "content": 5}]', dict(messages=[{"role": "user", "content": 5}]),
+        ValueError, "messages[0]", "content"),
+    Bad(CHAT, 'messages=[{"role": "user", "content": "\\ud800"}]', dict(messages=[{"role": "user", "content": "\ud800"}]),
+        ValueError, "messages[0]", "surrogate"),
+    Bad(CHAT, 'messages=[{"role": "user", "content": "word " * 2000}]',
+        dict(messages=[{"role": "user", "content": "word " * 2000}]), ValueError, "messages", "max_model_len"),
+    Bad(CHAT, 'sampling_params="greedy"', dict(messages=MSG, sampling_params="greedy"), TypeError, "sampling_params"),
+    # ---- the OpenAI server's JSON (400s with an OpenAI error body; `param` names the field) ----
+    Bad(HTTP_CMPL, 'body b\'{"prompt": "\\xff"}\' (invalid UTF-8)', b'{"prompt": "\xff\xfe"}', 400, "JSON"),
+    Bad(HTTP_CMPL, "body 'not json'", b"not json", 400, "JSON"),
+    Bad(HTTP_CMPL, 'body [1, 2] (not an object)', b"[1, 2]", 400, "JSON", "object"),
+    Bad(HTTP_CMPL, '{"prompt": ""}', dict(prompt=""), 400, "prompt", "empty"),
+    Bad(HTTP_CMPL, '{"prompt": "\\ud800"} (JSON escape of a lone surrogate)', b'{"prompt": "\\ud800 hi"}', 400,
+        "prompt", "surrogate"),
+    Bad(HTTP_CMPL, f'{{"prompt": [1, {VOCAB}]}}', dict(prompt=[1, VOCAB]), 400, "prompt", "vocabulary"),
+    Bad(HTTP_CMPL, '{"prompt": "word " * 2000}', dict(prompt="word " * 2000), 400, "prompt", "max_model_len"),
+    Bad(HTTP_CMPL, '{"temperature": NaN}', b'{"prompt": "Hi", "temperature": NaN}', 400, "temperature", "finite"),
+    Bad(HTTP_CMPL, '{"top_k": 10**30}', dict(prompt="Hi", top_k=10**30), 400, "top_k"),
+    Bad(HTTP_CMPL, '{"seed": 2**70}', dict(prompt="Hi", seed=2**70), 400, "seed"),
+    Bad(HTTP_CMPL, '{"max_tokens": "5"}', dict(prompt="Hi", max_tokens="5"), 400, "max_tokens", "integer"),
+    Bad(HTTP_CMPL, '{"max_tokens": 1e400}', b'{"prompt": "Hi", "max_tokens": 1e400}', 400, "max_tokens"),
+    Bad(HTTP_CHAT, '{"messages": "Hi"}', dict(messages="Hi"), 400, "messages", "array"),
+    Bad(HTTP_CHAT, '{"messages": [{"role": "robot", ...}]}', dict(messages=[{"role": "robot", "content": "Hi"}]),
+        400, "messages[0].role"),
+    Bad(HTTP_CHAT, '{"messages": [{"role": "user", "content": "\\udcff"}]}',
+        b'{"messages": [{"role": "user", "content": "\\udcff"}]}', 400, "messages", "surrogate"),
+    Bad(HTTP_CHAT, '{"n": 2}', dict(messages=MSG, n=2), 400, "n"),
+]
+
+
+def rows(*entries: str) -> list[Bad]:
+    return [row for row in BAD_INPUTS if row.entry in entries]
+
+
+def params_of(rows_: list[Bad]) -> dict:
+    return dict(argvalues=rows_, ids=[row.id for row in rows_])
+
+
+def resolve(row: Bad):
+    return row.value() if callable(row.value) else row.value
+
+
+def check_message(row: Bad, message: str) -> None:
+    assert row.argument in message, f"{row.id}: the message does not name {row.argument!r}: {message!r}"
+    assert row.says in message, f"{row.id}: the message lacks {row.says!r}: {message!r}"
+
+
+def expect_error(row: Bad, call) -> None:
+    with pytest.raises(row.error) as info:
+        call()
+    assert type(info.value) is row.error, f"{row.id}: {type(info.value).__name__}: {info.value}"
+    check_message(row, str(info.value))
+
+
+def error_name(row: Bad) -> str:
+    return f"HTTP {row.error}" if isinstance(row.error, int) else row.error.__name__
+
+
+def markdown_table() -> str:
+    def cell(text: str) -> str:
+        return "`" + text.replace("|", "\\|") + "`"
+    lines = ["| Entry point | Input | Error | The message names / says |", "|---|---|---|---|"]
+    for row in BAD_INPUTS:
+        says = f" — “{row.says}”" if row.says else ""
+        lines.append(f"| {cell(row.entry)} | {cell(row.label)} | {error_name(row)} | {cell(row.argument)}{says} |")
+    return "\n".join(lines)
+
+
+# ---- the checkpoint a row refuses: config + tokenizer fine, the only weights a pickle ----------------
+class _PickleBomb:
+    """Unpickling it creates a marker file: proof that nothing ever unpickled the checkpoint."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def write_pickle_checkpoint(src: str, dst: pathlib.Path, keep_safetensors: bool) -> pathlib.Path:
+    dst.mkdir()
+    for name in os.listdir(src):
+        if (keep_safetensors or not name.endswith(".safetensors")) and os.path.isfile(os.path.join(src, name)):
+            shutil.copy(os.path.join(src, name), dst)
+    marker = dst.parent / f"{dst.name}-UNPICKLED"
+    for name in ("pytorch_model.bin", "model.pt", "weights.pkl"):
+        (dst / name).write_bytes(pickle.dumps(_PickleBomb(str(marker))))
+    return marker
+
+
+@pytest.fixture(scope="module")
+def model_paths(tiny_qwen3, tmp_path_factory) -> dict:
+    pickle_only = tmp_path_factory.mktemp("bad") / "pickle-only"
+    write_pickle_checkpoint(tiny_qwen3, pickle_only, keep_safetensors=False)
+    return {TINY: tiny_qwen3, PICKLE_ONLY: str(pickle_only)}
+
+
+# ---- constructors -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("row", **params_of(rows(SP)))
+def test_sampling_params(row):
+    expect_error(row, lambda: SamplingParams(**resolve(row)))
+
+
+@pytest.mark.parametrize("row", **params_of(rows(CFG, LLM_, AE)))
+def test_engine_options(row, model_paths):
+    kwargs = dict(resolve(row))
+    model = model_paths.get(kwargs.get("model", TINY), kwargs.get("model"))
+    kwargs.pop("model", None)
+    if row.entry == CFG:
+        expect_error(row, lambda: Config(model=model, **kwargs))
+    elif row.entry == LLM_:
+        expect_error(row, lambda: LLM(model, **{**ENGINE_KW, **kwargs}))
+    else:
+        expect_error(row, lambda: AsyncLLMEngine(model, **{**ENGINE_KW, **kwargs}))
+
+
+# ---- the sync LLM ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llm(tiny_qwen3):
+    return LLM(tiny_qwen3, **ENGINE_KW)
+
+
+@pytest.mark.parametrize("row", **params_of(rows(GEN)))
+def test_llm_generate(row, llm):
+    kwargs = resolve(row)
+    expect_error(row, lambda: llm.generate(kwargs["prompts"], kwargs.get("sampling_params", OK), use_tqdm=False))
+    # refused before anything was queued
+    assert llm.core.requests == {} and not llm.core.has_unfinished()
+
+
+def test_llm_still_serves_after_bad_calls(llm):
+    reference = llm.generate(["Hello", [5, 6, 7]], OK, use_tqdm=False)
+    for row in rows(GEN):
+        kwargs = resolve(row)
+        with pytest.raises(row.error):
+            llm.generate(kwargs["prompts"], kwargs.get("sampling_params", OK), use_tqdm=False)
+    assert llm.generate(["Hello", [5, 6, 7]], OK, use_tqdm=False) == reference
+    assert [r["finish_reason"] for r in reference] == ["length", "length"]
+    bm = llm.core.block_manager
+    assert bm.num_free_blocks == bm.num_total_blocks
+
+
+# ---- the async engine ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+async def engine(tiny_qwen3):
+    async with AsyncLLMEngine(tiny_qwen3, **ENGINE_KW) as engine:
+        yield engine
+
+
+async def call_async(engine: AsyncLLMEngine, row: Bad):
+    kwargs = dict(resolve(row))
+    if row.entry == STREAM:
+        return engine.stream(kwargs.pop("prompt"), kwargs.pop("sampling_params", OK), **kwargs)
+    if row.entry == AGEN:
+        return await engine.generate(kwargs.pop("prompt"), kwargs.pop("sampling_params", OK), **kwargs)
+    return engine.chat(kwargs.pop("messages"), kwargs.pop("sampling_params", OK), **kwargs)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("row", **params_of(rows(STREAM, AGEN, CHAT)))
+async def test_async_engine(row, engine):
+    with anyio.fail_after(30):
+        with pytest.raises(row.error) as info:
+            await call_async(engine, row)
+        assert type(info.value) is row.error
+        check_message(row, str(info.value))
+        assert engine.stats()["num_inbox"] == 0  # refused before anything was queued
+
+
+@pytest.mark.anyio
+async def test_async_engine_serves_others_during_and_after_bad_calls(engine):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with anyio.fail_after(60):
+        alone = await engine.generate([5, 6, 7, 8], params)
+        stream = engine.stream([5, 6, 7, 8], params)  # in flight while the bad calls come
+        await stream.__anext__()
+        for row in rows(STREAM, AGEN, CHAT):
+            with pytest.raises(row.error):
+                await call_async(engine, row)
+        async for _ in stream:
+            pass
+        assert stream.finish_reason == "length" and stream.token_ids == alone.token_ids
+        result = await engine.generate("Hello", OK)
+        assert result.finish_reason == "length" and len(result.token_ids) == 4
+        chat = await engine.generate(engine.apply_chat_template(MSG), OK)
+        assert chat.finish_reason == "length"
+        await engine.wait_idle()
+        stats = engine.stats()
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+# ---- the OpenAI server's JSON -------------------------------------------------------------------------
+def make_app(engine):
+    pytest.importorskip("starlette", reason="the server needs starlette")
+    server = pytest.importorskip("asyncllm.server", reason="asyncllm.server is not importable")
+    if not hasattr(server, "create_app"):
+        pytest.skip("asyncllm.server has no create_app yet")
+    return server.create_app(engine, "tiny", manage_engine=False)
+
+
+async def post(client, row: Bad):
+    path = "/v1/completions" if row.entry == HTTP_CMPL else "/v1/chat/completions"
+    body = resolve(row)
+    if isinstance(body, dict):
+        body = json.dumps({"max_tokens": 4, **body}).encode()
+    return await client.post(path, content=body, headers={"content-type": "application/json"})
+
+
+@pytest.mark.anyio
+async def test_server_json(engine):
+    httpx = pytest.importorskip("httpx")
+    app = make_app(engine)
+    failures = []
+    with anyio.fail_after(60):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            for row in rows(HTTP_CMPL, HTTP_CHAT):
+                response = await post(client, row)
+                try:
+                    assert response.status_code == row.error, (response.status_code, response.text)
+                    error = response.json()["error"]
+                    assert error["type"] == "invalid_request_error"
+                    check_message(row, f"{error['param']} {error['message']}")
+                except AssertionError as e:
+                    failures.append(f"{row.id}: {e}")
+            # the server still serves
+            ok = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "temperature": 0})
+            assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+            ok = await client.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 3})
+            assert ok.status_code == 200, ok.text
+    assert not failures, "\n".join(failures)
+    await engine.wait_idle()
+    assert engine.stats()["num_free_blocks"] == engine.stats()["num_total_blocks"]
+
+
+# ---- the docs carry this table ---------------------------------------------------------------------------
+def test_docs_table_matches_this_table():
+    doc = (ROOT / "docs" / "RELIABILITY.md").read_text()
+    assert markdown_table() in doc, "docs/RELIABILITY.md's bad-input table differs: paste markdown_table()"
+
+
+# ---- safety of loading -------------------------------------------------------------------------------------
+def test_pickle_weights_are_never_unpickled(tiny_qwen3, tmp_path):
+    # next to safetensors, pickle files are ignored: the model loads from the safetensors alone
+    both = tmp_path / "both"
+    marker = write_pickle_checkpoint(tiny_qwen3, both, keep_safetensors=True)
+    llm = LLM(str(both), num_kvcache_blocks=8, kvcache_block_size=16)
+    assert llm.generate([[1, 2, 3]], OK, use_tqdm=False)[0]["finish_reason"] == "length"
+    # alone, they are refused with a message that says why
+    only = tmp_path / "only"
+    marker_only = write_pickle_checkpoint(tiny_qwen3, only, keep_safetensors=False)
+    with pytest.raises(ValueError) as info:
+        LLM(str(only), num_kvcache_blocks=8, kvcache_block_size=16)
+    message = str(info.value)
+    assert "Config.model" in message and "pickle checkpoints are refused" in message and "safetensors" in message
+    assert "pytorch_model.bin" in message
+    assert not marker.exists() and not marker_only.exists(), "a pickle file was unpickled"
+
+
+def test_a_fake_gguf_file_is_refused(tmp_path):
+    from asyncllm.models.gguf import resolve_model_path
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(pickle.dumps({"not": "gguf"}))
+    with pytest.raises(ValueError, match="GGUF magic"):
+        resolve_model_path(str(fake))
+
+
+def package_sources() -> list[pathlib.Path]:
+    files = sorted((ROOT / "asyncllm").rglob("*.py"))
+    assert len(files) > 20
+    return files
+
+
+def test_no_remote_code_and_no_pickle_loading_in_the_package():
+    from_pretrained_calls = 0
+    for path in package_sources():
+        source = path.read_text()
+        assert "trust_remote_code=True" not in source.replace(" ", ""), path
+        tree = ast.parse(source, str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                func = node.func
+                name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+                for kw in node.keywords:
+                    if kw.arg == "trust_remote_code":
+                        assert isinstance(kw.value, ast.Constant) and kw.value.value is False, \
+                            f"{path}:{node.lineno}: trust_remote_code must be the literal False"
+                    if kw.arg == "weights_only":
+                        assert isinstance(kw.value, ast.Constant) and kw.value.value is True, f"{path}:{node.lineno}"
+                    if kw.arg == "allow_pickle":
+                        assert isinstance(kw.value, ast.Constant) and kw.value.value is False, f"{path}:{node.lineno}"
+                    assert kw.arg is not None or name != "from_pretrained", \
+                        f"{path}:{node.lineno}: **kwargs into from_pretrained could carry trust_remote_code"
+                if name == "from_pretrained":
+                    from_pretrained_calls += 1
+                # the loaders that unpickle
+                if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+                    dotted = f"{func.value.id}.{func.attr}"
+                    assert dotted not in ("torch.load", "pickle.load", "pickle.loads", "dill.load", "joblib.load",
+                                          "np.load", "numpy.load"), f"{path}:{node.lineno}: {dotted}"
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                modules = [alias.name for alias in node.names] + [getattr(node, "module", None) or ""]
+                assert not {"pickle", "dill", "cloudpickle", "joblib"} & set(modules), f"{path}:{node.lineno}"
+    assert from_pretrained_calls >= 3  # the tokenizer, the config, the GGUF tokenizer

@@ -1,0 +1,328 @@
+"""Tensor parallelism on CPU (gloo), tp=2 against tp=1 on tiny random-weight checkpoints.
+
+Every engine here is a real multi-process one: rank 0 in the test process, rank 1 spawned (or, for
+the env:// rendezvous, started by the test with `python -m asyncllm.tensor_parallel`). Start-up
+costs several seconds per engine, so each test makes the few it needs. Every wait is bounded:
+anyio.fail_after in the async tests, timeouts on joins, and pytest-timeout for the rest.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import anyio
+import pytest
+import torch.distributed as dist
+
+from asyncllm.async_engine import AsyncLLMEngine
+from asyncllm.errors import EngineDeadError
+from asyncllm.llm import LLM
+from asyncllm.sampling_params import SamplingParams
+from asyncllm.testing import build_tiny_checkpoint
+
+pytestmark = pytest.mark.timeout(180)
+
+BASE = dict(num_kvcache_blocks=128, kvcache_block_size=16)
+# chunked prefill (a 75-token prompt in chunks of at most 32 / 48 tokens) for qwen3 and qwen2
+OPTIONS = {"qwen3": dict(BASE, max_num_batched_tokens=32), "llama": dict(BASE),
+           "qwen2": dict(BASE, max_num_batched_tokens=48), "qwen3_kv1": dict(BASE)}
+MAX_TOKENS = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+_rng = random.Random(7)
+# mixed lengths crossing 16-token blocks, before and while decoding
+PROMPTS = ["Hello, my name is", [_rng.randrange(1000, 150000) for _ in range(17)],
+           [_rng.randrange(1000, 150000) for _ in range(40)], [_rng.randrange(1000, 150000) for _ in range(75)]]
+ASYNC_TIMEOUT = 90
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+def live_children() -> list[str]:
+    """This process's child processes (zombies too) other than multiprocessing's resource tracker."""
+    me, found = os.getpid(), []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == me and "resource_tracker" not in cmdline:
+            found.append(f"{pid} ({state}) {cmdline[:120]}")
+    return found
+
+
+def assert_all_ended(baseline: list[str]) -> None:
+    deadline = time.monotonic() + 10
+    while (live_children() != baseline or multiprocessing.active_children()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert multiprocessing.active_children() == []
+    assert live_children() == baseline, "a tensor-parallel worker outlived its engine"
+    assert not dist.is_initialized(), "the process group was not destroyed"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kill_worker_after(core, pid: int, steps: int) -> threading.Thread:
+    def kill() -> None:
+        deadline = time.monotonic() + 60
+        while core.num_steps < steps and time.monotonic() < deadline:
+            time.sleep(0.002)
+        os.kill(pid, signal.SIGKILL)
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    return thread
+
+
+def copy_config_only(src: str, dst: str, **changes) -> str:
+    """A model directory with src's config.json, changed: enough for Config's start-up checks."""
+    os.makedirs(dst)
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    config.update(changes)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+    return dst
+
+
+# ---- fixtures ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, tokenizer_dir, tiny_qwen3) -> dict[str, str]:
+    def build(name, arch, **kw):
+        return build_tiny_checkpoint(str(tmp_path_factory.mktemp(f"tp-{name}")), arch, tokenizer_dir, **kw)
+    return {"qwen3": tiny_qwen3, "llama": build("llama", "llama", seed=3), "qwen2": build("qwen2", "qwen2", seed=4),
+            # one KV head for two ranks: QKVParallelLinear replicates it (kv_replicas=2)
+            "qwen3_kv1": build("kv1", "qwen3", seed=5, num_key_value_heads=1)}
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints):
+    """tp=1 greedy completions per checkpoint, made once."""
+    cache = {}
+
+    def get(name: str) -> list[list[int]]:
+        if name not in cache:
+            with LLM(checkpoints[name], **OPTIONS[name]) as llm:
+                outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+            cache[name] = [o["token_ids"] for o in outputs]
+            assert all(len(t) == MAX_TOKENS for t in cache[name])
+        return cache[name]
+    return get
+
+
+async def stream_all(engine: AsyncLLMEngine, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
+    """Every prompt streamed concurrently; each stream's token ids."""
+    results: dict[int, list[int]] = {}
+
+    async def consume(i: int) -> None:
+        stream = engine.stream(prompts[i], params)
+        results[i] = [t async for out in stream for t in out.token_ids]
+        assert stream.finish_reason == "length"
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(prompts)):
+            tg.start_soon(consume, i)
+    return [results[i] for i in range(len(prompts))]
+
+
+# ---- start-up checks: no process is started ----------------------------------------------------
+def test_indivisible_heads_vocab_or_kv_heads_fail_at_start(tiny_qwen3, tmp_path):
+    baseline = live_children()
+    with pytest.raises(ValueError, match=r"tensor_parallel_size.*num_attention_heads=4 .*divisible by 3"):
+        LLM(tiny_qwen3, tensor_parallel_size=3, **BASE)
+    # 151937 still covers the tokenizer's 151669 tokens, but is odd
+    odd_vocab = copy_config_only(tiny_qwen3, str(tmp_path / "odd-vocab"), vocab_size=151937)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size.*vocab_size=151937 .*divisible by 2"):
+        LLM(odd_vocab, tensor_parallel_size=2, **BASE)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size.*vocab_size=151937"):
+        AsyncLLMEngine(odd_vocab, tensor_parallel_size=2, **BASE)
+    # 6 heads split in two, but 3 KV heads neither split in two nor replicate evenly
+    kv3 = copy_config_only(tiny_qwen3, str(tmp_path / "kv3"), num_attention_heads=6, num_key_value_heads=3)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size.*num_key_value_heads=3"):
+        LLM(kv3, tensor_parallel_size=2, **BASE)
+    assert live_children() == baseline and not dist.is_initialized()
+
+
+# ---- tp=2 == tp=1 --------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["qwen3", "qwen2"])
+def test_llm_tp2_matches_tp1(name, checkpoints, reference):
+    baseline = live_children()
+    with LLM(checkpoints[name], tensor_parallel_size=2, **OPTIONS[name]) as llm:
+        assert [p.name for p in llm.core.runner.workers.processes] == ["asyncllm-tp1"]
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o["token_ids"] for o in outputs] == reference(name)
+        # a second batch on the same engine: the workers' KV caches stay in step with rank 0's
+        again = llm.generate(PROMPTS[::-1], GREEDY, use_tqdm=False)
+        assert [o["token_ids"] for o in again] == reference(name)[::-1]
+    assert_all_ended(baseline)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama"])
+def test_async_tp2_matches_tp1(name, checkpoints, reference):
+    baseline = live_children()
+
+    async def main():
+        with anyio.fail_after(ASYNC_TIMEOUT):
+            async with AsyncLLMEngine(checkpoints[name], tensor_parallel_size=2, **OPTIONS[name]) as engine:
+                assert await stream_all(engine) == reference(name)
+    anyio.run(main)
+    assert_all_ended(baseline)
+
+
+def test_replicated_kv_head_and_idle_beyond_collective_timeout(checkpoints, reference, monkeypatch):
+    """One KV head, two ranks: both hold a copy of it. The engine then idles longer than a worker's
+    receive timeout (ASYNCLLM_TP_TIMEOUT_S): rank 0's heartbeat keeps it waiting, not failing."""
+    baseline = live_children()
+    monkeypatch.setenv("ASYNCLLM_TP_TIMEOUT_S", "10")
+    with LLM(checkpoints["qwen3_kv1"], tensor_parallel_size=2, **OPTIONS["qwen3_kv1"]) as llm:
+        attn = llm.core.runner.model.model.layers[0].self_attn
+        assert (attn.num_heads, attn.num_kv_heads, attn.qkv_proj.kv_replicas) == (2, 1, 2)
+        assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] \
+            == reference("qwen3_kv1")
+        time.sleep(12)
+        assert [o["token_ids"] for o in llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)] \
+            == reference("qwen3_kv1")[:2]
+    assert_all_ended(baseline)
+
+
+# ---- a rank dies mid-run -----------------------------------------------------------------------
+def test_llm_worker_killed_mid_run_then_new_engine_matches_tp1(checkpoints, reference):
+    baseline = live_children()
+    llm = LLM(checkpoints["llama"], tensor_parallel_size=2, **OPTIONS["llama"])
+    with llm:
+        worker = llm.core.runner.workers.processes[0]
+        killer = kill_worker_after(llm.core, worker.pid, steps=5)
+        start = time.monotonic()
+        long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1 died \(exit code -9\)"):
+            llm.generate(PROMPTS, long, use_tqdm=False)
+        assert time.monotonic() - start < 30
+        assert llm.core.num_steps < 100  # it failed mid-run, not after finishing
+        killer.join(timeout=10)
+    assert_all_ended(baseline)
+    # the process group is gone with it: a new tensor-parallel engine starts in this same process
+    with LLM(checkpoints["llama"], tensor_parallel_size=2, **OPTIONS["llama"]) as llm:
+        assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference("llama")
+    assert_all_ended(baseline)
+
+
+def test_async_tp2_matches_tp1_then_worker_killed(checkpoints, reference):
+    baseline = live_children()
+
+    async def main():
+        with anyio.fail_after(ASYNC_TIMEOUT):
+            engine = AsyncLLMEngine(checkpoints["qwen2"], tensor_parallel_size=2, **OPTIONS["qwen2"])
+            async with engine:
+                assert await stream_all(engine) == reference("qwen2")
+                # now kill rank 1 while four long streams run: every consumer hears EngineDeadError
+                steps = engine._core.num_steps
+                long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+                streams = [engine.stream(p, long) for p in PROMPTS]
+                errors = []
+
+                async def consume(stream):
+                    try:
+                        async for _ in stream:
+                            pass
+                    except EngineDeadError as e:
+                        errors.append(e)
+
+                async with anyio.create_task_group() as tg:
+                    for s in streams:
+                        tg.start_soon(consume, s)
+                    while engine._core.num_steps < steps + 5:
+                        await anyio.sleep(0.002)
+                    os.kill(engine._core.runner.workers.processes[0].pid, signal.SIGKILL)
+                assert len(errors) == len(streams)
+                assert all("tensor-parallel rank 1 died" in str(e.__cause__) for e in errors)
+                assert all(len(s.token_ids) < 400 for s in streams)
+                with pytest.raises(EngineDeadError):
+                    engine.stream("Hello", GREEDY)
+    anyio.run(main)
+    assert_all_ended(baseline)
+
+
+# ---- start-up failures -------------------------------------------------------------------------
+def test_startup_failure_in_every_rank_is_an_error_not_a_hang(tiny_qwen3, tmp_path):
+    """A checkpoint missing one tensor: every rank fails while loading, rank 0 raises."""
+    from safetensors.torch import load_file, save_file
+    broken = tmp_path / "missing-tensor"
+    shutil.copytree(tiny_qwen3, broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    baseline = live_children()
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="checkpoint is missing weights.*layers.1.mlp.down_proj"):
+        LLM(str(broken), tensor_parallel_size=2, **BASE)
+    assert time.monotonic() - start < 60
+    assert_all_ended(baseline)
+
+
+def test_worker_dying_at_start_is_reported_at_once(tiny_qwen3, tmp_path, monkeypatch):
+    """Rank 1's interpreter exits before it joins the group (a sitecustomize that only spawned
+    children run): rank 0 reports it without waiting for the rendezvous timeout, via LLM and via
+    AsyncLLMEngine.start (EngineDeadError)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os, sys\nif '--multiprocessing-fork' in sys.argv:\n    os._exit(3)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook)] + sys.path))
+    baseline = live_children()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"start-up failed: tensor-parallel rank 1 died \(exit code 3\)"):
+        LLM(tiny_qwen3, tensor_parallel_size=2, **BASE)
+    assert time.monotonic() - start < 30
+    assert_all_ended(baseline)
+
+    async def main():
+        with anyio.fail_after(ASYNC_TIMEOUT):
+            with pytest.raises(EngineDeadError, match="failed to start.*rank 1 died"):
+                async with AsyncLLMEngine(tiny_qwen3, tensor_parallel_size=2, **BASE):
+                    pass
+    anyio.run(main)
+    assert_all_ended(baseline)
+
+
+# ---- several machines: env:// rendezvous, rank 1 started by hand ---------------------------------
+def test_env_rendezvous_with_a_separately_started_rank(checkpoints, reference, monkeypatch, tmp_path):
+    name = "qwen3"
+    baseline = live_children()
+    rendezvous = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+    log = open(tmp_path / "rank1.log", "w")
+    options = [f"--{k.replace('_', '-')}={v}" for k, v in OPTIONS[name].items()]
+    rank1 = subprocess.Popen([sys.executable, "-m", "asyncllm.tensor_parallel", "--model", checkpoints[name],
+                              *options], env=dict(os.environ, RANK="1", **rendezvous), stdout=log,
+                             stderr=subprocess.STDOUT)
+    try:
+        for key, value in rendezvous.items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("ASYNCLLM_TP_INIT_METHOD", "env://")
+        with LLM(checkpoints[name], tensor_parallel_size=2, **OPTIONS[name]) as llm:
+            assert llm.core.runner.workers.processes == []  # rank 0 started none itself
+            assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference(name)
+        # closing rank 0 tells rank 1 to exit, and it does, cleanly
+        assert rank1.wait(timeout=30) == 0, (tmp_path / "rank1.log").read_text()
+    finally:
+        if rank1.poll() is None:
+            rank1.kill()
+            rank1.wait(timeout=10)
+        log.close()
+    assert_all_ended(baseline)
