@@ -78,12 +78,24 @@ def _current_loop_waker() -> Callable[[Callable[[], None]], None]:
         raise RuntimeError("asyncllm streams must be used from an asyncio or trio event loop") from None
 
 
+def wake(waiters_by_loop: dict[Callable, list]) -> None:
+    """Set the waiting consumers' events: one callback per event loop, however many consumers."""
+    for waker, waiters in waiters_by_loop.items():
+        def set_all(waiters=waiters) -> None:
+            for waiter in waiters:
+                waiter.set()
+        try:
+            waker(set_all)
+        except RuntimeError:
+            pass  # that event loop is gone; nobody is left to wake
+
+
 class RequestChannel:
     """Hands one request's tokens from the engine thread to its consumer."""
 
     def __init__(self, request_id: str, waker: Callable):
         self.request_id = request_id
-        self._waker = waker
+        self.waker = waker
         self._lock = threading.Lock()
         self._token_ids: list[int] = []
         self._finish_reason: str | None = None
@@ -95,20 +107,23 @@ class RequestChannel:
 
     # engine thread
     def put(self, token_ids: list[int], finish_reason: str | None, error: BaseException | None = None) -> None:
+        waiter = self.put_quietly(token_ids, finish_reason, error)
+        if waiter is not None:
+            wake({self.waker: [waiter]})
+
+    def put_quietly(self, token_ids: list[int], finish_reason: str | None,
+                    error: BaseException | None = None) -> anyio.Event | None:
+        """Hand over tokens; returns the consumer's waiter if it is waiting (the caller wakes it)."""
         with self._lock:
             if self.closed:
-                return
+                return None
             self._token_ids.extend(token_ids)
             if finish_reason is not None or error is not None:
                 self._finish_reason = finish_reason
                 self._error = error
                 self.closed = True
             waiter, self._waiter = self._waiter, None
-        if waiter is not None:
-            try:
-                self._waker(waiter.set)
-            except RuntimeError:
-                pass  # the consumer's event loop is gone; nobody is left to wake
+        return waiter
 
     # consumer
     async def get(self) -> tuple[list[int], str | None]:
@@ -295,7 +310,10 @@ class AsyncLLMEngine:
 
     async def generate(self, prompt, sampling_params: SamplingParams | None = None, *,
                        request_id: str | None = None) -> RequestResult:
-        stream = self.stream(prompt, sampling_params, request_id=request_id)
+        self._check_alive()
+        # no consumer sees the deltas: decode the text once at the end unless stop strings need it
+        stream = self._submit(self._core.encode_prompt(prompt), sampling_params, request_id,
+                              incremental_text=False)
         text_parts = []
         async for out in stream:
             text_parts.append(out.text)
@@ -311,7 +329,7 @@ class AsyncLLMEngine:
         self._post(("finish", request_id, reason, channel))
 
     def _submit(self, prompt_token_ids: list[int], params: SamplingParams | None, request_id: str | None,
-                argument: str = "prompt"):
+                argument: str = "prompt", incremental_text: bool = True):
         params = SamplingParams() if params is None else params
         self._core.check_request(prompt_token_ids, params, argument)
         if request_id is None:
@@ -324,7 +342,7 @@ class AsyncLLMEngine:
             if limit and queued >= limit:
                 raise QueueFullError(f"{limit} requests are already queued (max_queued_requests); retry later")
         channel = RequestChannel(request_id, _current_loop_waker())
-        assembler = TextAssembler(self._core.tokenizer, prompt_token_ids, params)
+        assembler = TextAssembler(self._core.tokenizer, prompt_token_ids, params, incremental=incremental_text)
         stream = RequestStream(self, channel, assembler, prompt_token_ids)
         self._post(("add", channel, prompt_token_ids, params))
         return stream
@@ -444,6 +462,7 @@ class AsyncLLMEngine:
 
     def _deliver(self, events) -> None:
         now = time.monotonic()
+        to_wake: dict[Callable, list] = {}
         for event in events:
             channel = self._channels.get(event.seq.request_id)
             if channel is None:
@@ -451,7 +470,11 @@ class AsyncLLMEngine:
             self._record(channel, event.seq, now, len(event.new_token_ids))
             if event.finish_reason is not None:
                 del self._channels[event.seq.request_id]
-            channel.put(event.new_token_ids, event.finish_reason)
+            waiter = channel.put_quietly(event.new_token_ids, event.finish_reason)
+            if waiter is not None:
+                to_wake.setdefault(channel.waker, []).append(waiter)
+        # one cross-thread call per event loop per step, not one per stream
+        wake(to_wake)
 
     @staticmethod
     def _record(channel: RequestChannel, seq, now: float, num_new_tokens: int) -> None:

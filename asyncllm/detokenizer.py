@@ -47,8 +47,11 @@ class IncrementalDetokenizer:
 class TextAssembler:
     """One request's text: detokenizes, finds stop strings, decides what can be shown yet."""
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams, incremental: bool = True):
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+        # a caller that wants only the final text (and has no stop strings) skips per-step decoding
+        self.incremental = incremental or bool(params.stop)
+        self._undecoded: list[int] = []
         self.stop = params.stop
         self.include_stop = params.include_stop_str_in_output
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
@@ -60,13 +63,18 @@ class TextAssembler:
         """Feed tokens; returns the text delta that can be shown. Sets .stopped on a stop string."""
         if self.stopped:
             return ""
+        if not self.incremental:
+            self._undecoded.extend(new_token_ids)
+            return ""
         return self._append(self.detokenizer.add(new_token_ids), final=False)
 
     def finish(self) -> str:
         """The request ended: release everything still held."""
         if self.stopped:
             return self._release(len(self.text))
-        return self._append(self.detokenizer.flush(), final=True)
+        text = self.detokenizer.add(self._undecoded) if self._undecoded else ""
+        self._undecoded = []
+        return self._append(text + self.detokenizer.flush(), final=True)
 
     def _append(self, new_text: str, final: bool) -> str:
         search_from = max(0, len(self.text) - self.max_stop_len + 1)

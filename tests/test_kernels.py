@@ -574,7 +574,10 @@ def test_fused_rotary_matches_layer(dtype):
     v_before = qkv[:, (num_heads + num_kv_heads) * head_dim:].clone()
     rotary_embedding_(q, positions, rotary.cos_sin_cache)
     rotary_embedding_(k, positions, rotary.cos_sin_cache)
-    tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: one rounding here, several in the reference
     for got, ref in ((q, ref_q), (k, ref_k)):
-        assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < tol
+        if CUDA or dtype == torch.float32:
+            # same roundings as the module: equal up to fp32 operation order
+            torch.testing.assert_close(got, ref, rtol=1e-6 if dtype == torch.float32 else 8e-3, atol=1e-6)
+        else:  # the interpreter truncates fp32 -> bf16 where compiled code rounds to nearest
+            assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
     assert torch.equal(qkv[:, (num_heads + num_kv_heads) * head_dim:], v_before)  # v untouched

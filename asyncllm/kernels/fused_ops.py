@@ -7,8 +7,8 @@ at batch 1 those launches, not the weights, set the time per token. These cut a 
   with the same roundings as the PyTorch module (normed value rounded to the input dtype before
   the weight multiply; the residual sum rounded to the input dtype before normalising).
 - silu_and_mul: silu(gate) * up over a (..., 2 * N) input, gate first, in one pass.
-- rotary_embedding_: rotary position embedding applied in place, all heads of a token per program
-  (fp32 math, one rounding per element: within bf16 rounding of the PyTorch module).
+- rotary_embedding_: rotary position embedding applied in place, all heads of a token per program,
+  rounding where the PyTorch module rounds.
 Each saves the intermediate tensors' round trips through memory.
 """
 from __future__ import annotations
@@ -112,11 +112,17 @@ def _rotary_kernel(x_ptr, cos_sin_ptr, positions_ptr, stride_xt, stride_xh, stri
     first = x_ptr + token * stride_xt + heads[:, None] * stride_xh + offs[None, :]
     x1 = tl.load(first, mask=mask, other=0.0)
     x2 = tl.load(first + HALF, mask=mask, other=0.0)
+    # the PyTorch module's roundings, step by step: cos/sin cast to x's dtype, each product
+    # rounded, then the sum rounded (exact in fp32; in bf16 it keeps HF parity bit-for-bit)
     dtype = x1.dtype
+    cos = cos.to(dtype).to(tl.float32)
+    sin = sin.to(dtype).to(tl.float32)
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
-    tl.store(first, (x1 * cos - x2 * sin).to(dtype), mask=mask)
-    tl.store(first + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+    out1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
+    out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+    tl.store(first, out1.to(dtype), mask=mask)
+    tl.store(first + HALF, out2.to(dtype), mask=mask)
 
 
 def rotary_embedding_(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
