@@ -44,6 +44,9 @@ class Config:
         self.model = os.fspath(self.model)
         if not os.path.exists(self.model):
             _fail("model", f"{self.model!r} does not exist")
+        if os.path.isfile(self.model):
+            from asyncllm.models.gguf import resolve_model_path  # local: only GGUF users pay its import
+            self.model = resolve_model_path(self.model)  # a .gguf file: its converted cache directory
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size",
                      "kvcache_block_size", "num_kvcache_blocks", "cpu_kvcache_bytes", "seed",
                      "max_queued_requests"):
