@@ -14,11 +14,11 @@ import torch
 from asyncllm.attention import ForwardBatch, create_attention_backend
 from asyncllm.config import Config
 from asyncllm.cuda_graph import CudaGraphRunner
+from asyncllm.distributed import get_tp_size
 from asyncllm.engine.scheduler import SchedulerOutput
 from asyncllm.layers.sampler import Sampler, SamplingTensors
 from asyncllm.models.checkpoint import iter_safetensors, load_weights
 from asyncllm.models.registry import create_model
-from asyncllm.tensor_parallel import TensorParallelWorkers, agree_on_min
 
 logger = logging.getLogger("asyncllm")
 
@@ -64,9 +64,16 @@ class ModelRunner:
         self.config = config
         hf = config.hf_config
         self.rank = rank
+        if config.tensor_parallel_size == 1 and get_tp_size() > 1:
+            # the layers would shard themselves over that group and wait on its all-reduces forever
+            raise RuntimeError("Config.tensor_parallel_size: torch.distributed is initialized in this process (by a "
+                               "tensor-parallel engine that still runs?); a tensor_parallel_size=1 engine cannot be "
+                               "built beside it")
         # rank 0 of a tensor-parallel engine starts the other ranks and joins their process group
         self.workers = None
         if config.tensor_parallel_size > 1 and rank == 0:
+            # imported here: `python -m asyncllm.tensor_parallel` must find it not yet imported
+            from asyncllm.tensor_parallel import TensorParallelWorkers
             self.workers = TensorParallelWorkers(config)
             step_group = self.workers.group
         self.step_group = step_group
@@ -93,6 +100,7 @@ class ModelRunner:
         self.vocab_size = hf.vocab_size
         self.num_kvcache_blocks = self._decide_num_blocks()
         if self.step_group is not None:
+            from asyncllm.tensor_parallel import agree_on_min
             self.num_kvcache_blocks = agree_on_min(self.num_kvcache_blocks, self.step_group)
         kv_shape = (2, self.num_layers, self.num_kvcache_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_cache = torch.zeros(kv_shape, dtype=self.dtype, device=self.device)
@@ -285,3 +293,4 @@ class ModelRunner:
         """Stop tensor-parallel workers, if any. Idempotent."""
         if self.workers is not None:
             self.workers.close()
+            self.step_group = None  # it holds the rendezvous store, whose port a new engine may reuse

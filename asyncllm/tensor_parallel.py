@@ -13,8 +13,9 @@ process outlives the engine. Idle workers hear a heartbeat, so an engine may idl
 
 Environment (see docs/TENSOR_PARALLEL.md):
   ASYNCLLM_TP_TIMEOUT_S     seconds a rank waits on a collective or the rendezvous (default 300)
-  ASYNCLLM_TP_INIT_METHOD   e.g. env://: rank 0 joins this rendezvous instead of its own
-                            tcp://127.0.0.1 port, and starts only ASYNCLLM_TP_LOCAL_RANKS itself
+  ASYNCLLM_TP_INIT_METHOD   env:// (MASTER_ADDR, MASTER_PORT) or tcp://HOST:PORT: rank 0 hosts this
+                            rendezvous instead of a free 127.0.0.1 port, and starts only
+                            ASYNCLLM_TP_LOCAL_RANKS itself
   ASYNCLLM_TP_LOCAL_RANKS   ranks rank 0 spawns on its own machine under ASYNCLLM_TP_INIT_METHOD,
                             e.g. "1,2,3" (default: none; the others are started by hand)
 """
@@ -27,10 +28,10 @@ import json
 import logging
 import multiprocessing as mp
 import os
-import socket
 import sys
 import threading
 import time
+import urllib.parse
 from datetime import timedelta
 
 import numpy as np
@@ -48,28 +49,51 @@ def collective_timeout() -> timedelta:
     return timedelta(seconds=float(os.environ.get("ASYNCLLM_TP_TIMEOUT_S", "300")))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _parse_ranks(text: str, world_size: int) -> list[int]:
-    ranks = sorted({int(r) for r in text.replace(" ", "").split(",") if r})
+    try:
+        ranks = sorted({int(r) for r in text.replace(" ", "").split(",") if r})
+    except ValueError:
+        raise ValueError(f"ASYNCLLM_TP_LOCAL_RANKS: expected comma-separated ranks such as 1,2,3, "
+                         f"got {text!r}") from None
     bad = [r for r in ranks if not 1 <= r < world_size]
     if bad:
         raise ValueError(f"ASYNCLLM_TP_LOCAL_RANKS: ranks {bad} are outside 1..{world_size - 1}")
     return ranks
 
 
-def init_distributed(rank: int, world_size: int, init_method: str, device_type: str,
+def make_store(init_method: str, rank: int, world_size: int) -> dist.Store:
+    """The rendezvous store: rank 0 hosts it, the others connect (retrying until the timeout).
+
+    init_method is env:// (MASTER_ADDR, MASTER_PORT) or tcp://HOST:PORT.
+    """
+    if init_method.startswith("env://"):
+        try:
+            host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        except KeyError as e:
+            raise ValueError(f"tensor-parallel rendezvous {init_method}: ${e.args[0]} is not set") from None
+    elif init_method.startswith("tcp://"):
+        parsed = urllib.parse.urlparse(init_method)
+        host, port = parsed.hostname, parsed.port
+        if host is None or port is None:
+            raise ValueError(f"tensor-parallel rendezvous {init_method!r}: expected tcp://HOST:PORT")
+    else:
+        raise ValueError(f"ASYNCLLM_TP_INIT_METHOD: {init_method!r} is not supported; use env:// or tcp://HOST:PORT")
+    return dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=collective_timeout(),
+                         wait_for_workers=False)
+
+
+def _joined_key(rank: int) -> str:
+    return f"asyncllm_tp/joined/{rank}"
+
+
+def init_distributed(rank: int, world_size: int, store: dist.Store, device_type: str,
                      device_index: int | None = None):
     """Join the process group; returns the gloo group that carries step inputs."""
     backend = "nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda":
         torch.cuda.set_device(device_index if device_index is not None else rank % torch.cuda.device_count())
     timeout = collective_timeout()
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     # a group of its own, also on CPU: rank 0's heartbeat may use it while a forward all-reduces
     return dist.new_group(backend="gloo", timeout=timeout)
 
@@ -126,16 +150,21 @@ def receive_step(group) -> np.ndarray | None:
     return payload.numpy()
 
 
+class RankDiedError(RuntimeError):
+    """A tensor-parallel worker process ended while the engine needed it."""
+
+
 class TensorParallelWorkers:
     """Rank 0's handle on ranks 1..N-1: starts the local ones, feeds all of them steps, ends them."""
 
     def __init__(self, config):
         if dist.is_available() and dist.is_initialized():
-            raise RuntimeError("Config.tensor_parallel_size: a tensor-parallel engine already runs in this process; "
-                               "close it first")
+            raise RuntimeError("Config.tensor_parallel_size: torch.distributed is already initialized in this process "
+                               "(a tensor-parallel engine still runs?); close that engine first")
         world_size = config.tensor_parallel_size
         self.world_size = world_size
         self.processes: list = []
+        self.ranks: list[int] = []
         self.closed = False
         self.broken = False  # a step failed: the ranks are out of lockstep, so close() kills at once
         self._lock = threading.Lock()  # one sender on the step group at a time
@@ -148,76 +177,79 @@ class TensorParallelWorkers:
             # several machines: rank 0 joins the given rendezvous; the other machines' ranks are
             # started there with `python -m asyncllm.tensor_parallel`
             if os.environ.get("RANK", "0") != "0":
-                raise ValueError(f"ASYNCLLM_TP_INIT_METHOD: the engine's process is rank 0, but RANK={os.environ['RANK']}")
+                raise ValueError(f"ASYNCLLM_TP_INIT_METHOD: the engine's process is rank 0, "
+                                 f"but RANK={os.environ['RANK']}")
             env_world = os.environ.get("WORLD_SIZE")
             if env_world is not None and int(env_world) != world_size:
                 raise ValueError(f"Config.tensor_parallel_size: {world_size}, but WORLD_SIZE={env_world}")
             local_ranks = _parse_ranks(os.environ.get("ASYNCLLM_TP_LOCAL_RANKS", ""), world_size)
             first_device = int(os.environ.get("LOCAL_RANK", "0"))
         else:
-            init_method = f"tcp://127.0.0.1:{_free_port()}"
+            init_method = None  # a free port on 127.0.0.1, picked when the store is made below
             local_ranks = list(range(1, world_size))
             first_device = 0
         if config.device == "cuda" and torch.cuda.device_count() < first_device + 1 + len(local_ranks):
             raise ValueError(f"Config.tensor_parallel_size: {1 + len(local_ranks)} ranks on this machine need as "
                              f"many GPUs, found {torch.cuda.device_count()}")
 
+        # rank 0 hosts the rendezvous store; the process group is joined only once every rank has
+        # said it is there, so a rank that dies while starting is reported at once (no thread is
+        # left waiting on the rendezvous, which would upset the next engine's process group)
+        if init_method is None:
+            store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=collective_timeout(),
+                                  wait_for_workers=False)
+            init_method = f"tcp://127.0.0.1:{store.port}"
+        else:
+            store = make_store(init_method, 0, world_size)
         ctx = mp.get_context("spawn")
         self.ranks = local_ranks
         self.processes = [ctx.Process(target=run_worker,
                                       args=(config, rank, world_size, init_method, first_device + 1 + i, True),
                                       name=f"asyncllm-tp{rank}", daemon=True)
                           for i, rank in enumerate(local_ranks)]
-        for p in self.processes:
-            p.start()
-        # join the group in a thread, so a worker that dies while starting is reported at once
-        # rather than after the rendezvous timeout
-        joined: dict = {}
-        abandoned = threading.Event()
-
-        def join() -> None:
-            try:
-                joined["group"] = init_distributed(0, world_size, init_method, config.device, first_device)
-                check_same_model(config, 0, joined["group"])
-            except BaseException as e:  # noqa: BLE001 - handed to the caller below
-                joined["error"] = e
-            if ("error" in joined or abandoned.is_set()) and dist.is_initialized():
-                try:
-                    dist.destroy_process_group()
-                except Exception:  # noqa: BLE001
-                    pass
-
-        joiner = threading.Thread(target=join, name="asyncllm-tp-join", daemon=True)
-        joiner.start()
-        while joiner.is_alive():
-            joiner.join(0.1)
-            if joiner.is_alive():
-                try:
-                    self.check_alive()
-                except RuntimeError as e:
-                    abandoned.set()
-                    self.abort()
-                    raise RuntimeError(f"tensor-parallel start-up failed: {e}") from None
-        if "error" in joined:
+        try:
+            for p in self.processes:
+                p.start()
+            self._wait_for_ranks(store, world_size)
+            self.group = init_distributed(0, world_size, store, config.device, first_device)
+            check_same_model(config, 0, self.group)
+        except RankDiedError as e:
             self.abort()
-            raise joined["error"]
-        self.group = joined["group"]
+            raise RankDiedError(f"tensor-parallel start-up failed: {e}") from None
+        except BaseException:
+            self.abort()
+            raise
         self._heartbeat = threading.Thread(target=self._beat, name="asyncllm-tp-heartbeat", daemon=True)
         self._heartbeat.start()
+
+    def _wait_for_ranks(self, store, world_size: int) -> None:
+        timeout = collective_timeout().total_seconds()
+        deadline = time.monotonic() + timeout
+        waiting = list(range(1, world_size))
+        while waiting:
+            self.check_alive()
+            waiting = [r for r in waiting if not store.check([_joined_key(r)])]
+            if waiting and time.monotonic() > deadline:
+                hint = "" if set(waiting) <= set(self.ranks) else \
+                    " (ranks on other machines are started with `python -m asyncllm.tensor_parallel`)"
+                raise TimeoutError(f"tensor-parallel start-up: ranks {waiting} did not join within {timeout:.0f} s "
+                                   f"(ASYNCLLM_TP_TIMEOUT_S){hint}")
+            if waiting:
+                time.sleep(0.02)
 
     # ---- health --------------------------------------------------------------------------------
     def check_alive(self) -> None:
         for rank, p in zip(self.ranks, self.processes):
             if not p.is_alive():
-                raise RuntimeError(f"tensor-parallel rank {rank} died (exit code {p.exitcode})")
+                raise RankDiedError(f"tensor-parallel rank {rank} died (exit code {p.exitcode})")
 
-    def _dead_rank_error(self, wait_s: float) -> RuntimeError | None:
+    def _dead_rank_error(self, wait_s: float) -> RankDiedError | None:
         """A clear error naming a local rank that died, waiting up to wait_s for its death to show."""
         deadline = time.monotonic() + wait_s
         while True:
             try:
                 self.check_alive()
-            except RuntimeError as e:
+            except RankDiedError as e:
                 return e
             if time.monotonic() >= deadline:
                 return None
@@ -296,6 +328,7 @@ class TensorParallelWorkers:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001
                 pass
+        self.group = None  # it holds the rendezvous store, whose port a new engine may reuse
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -316,7 +349,11 @@ def run_worker(config, rank: int, world_size: int, init_method: str, device_inde
         _exit_with_parent(os.getppid())
     if config.device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    group = init_distributed(rank, world_size, init_method, config.device, device_index)
+    if config.device == "cuda":
+        torch.cuda.set_device(device_index if device_index is not None else rank % torch.cuda.device_count())
+    store = make_store(init_method, rank, world_size)
+    store.set(_joined_key(rank), "1")
+    group = init_distributed(rank, world_size, store, config.device, device_index)
     try:
         check_same_model(config, rank, group)
         runner = ModelRunner(config, rank=rank, step_group=group)

@@ -56,7 +56,8 @@ async def main() -> None:
 
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     print("loading the model ...", file=sys.stderr)
-    async with AsyncLLMEngine(args.model, max_model_len=2048) as engine:
+    # small KV blocks, so the demo shows blocks coming and going
+    async with AsyncLLMEngine(args.model, max_model_len=2048, kvcache_block_size=16) as engine:
         answers: dict = {}
         report: dict = {}
         async with anyio.create_task_group() as tasks:
@@ -65,7 +66,8 @@ async def main() -> None:
             tasks.start_soon(answer_then_cancel, engine, QUESTIONS[2], params, 8, report)
         await engine.wait_idle()
         result = answers[QUESTIONS[1]]
-        print(f"\n[2] {QUESTIONS[1]}\n    {result.text.strip()}".replace("\n", "\n    "))
+        answer = result.text.strip().replace("\n", "\n    ")
+        print(f"\n[2] {QUESTIONS[1]}\n    {answer}")
         print(f"    ({result.metrics.num_completion_tokens} tokens, first after "
               f"{result.metrics.time_to_first_token * 1000:.0f} ms, finish: {result.finish_reason})")
         print(f"\n[3] {QUESTIONS[2]}\n    cancelled after {report['tokens']} tokens; KV blocks in use while "

@@ -32,7 +32,8 @@ from asyncllm.sampling_params import SamplingParams
 BS = 16
 # a few token "alphabets": prompts are drawn from shared prefixes so the prefix cache really hits
 SHARED = [[100 + (7 * i + k) % 13 for i in range(4 * BS)] for k in range(3)]
-SETTINGS = settings(max_examples=150, deadline=None, stateful_step_count=40,
+# database=None: no .hypothesis/ directory in the checkout; a failure prints its steps to replay
+SETTINGS = settings(max_examples=150, deadline=None, stateful_step_count=40, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
