@@ -162,7 +162,9 @@ class ModelRunner:
             rows = self.config.max_num_seqs
             logits = torch.randn(rows, self.vocab_size, device=self.device)
             ones = torch.ones(rows, device=self.device)
-            self.sampler(logits, SamplingTensors(ones, ones.long() * 50, ones * 0.9, ones * 0.05, [], False))
+            rows_index = torch.arange(rows, device=self.device)
+            self.sampler(logits, SamplingTensors(ones, rows_index, ones.long() * 50, ones * 0.9, ones * 0.05, [],
+                                                 False))
             del logits, ones
         torch.cuda.synchronize()
         del probe_cache, self.attn_backend, batch
@@ -243,30 +245,14 @@ class ModelRunner:
                           block_tables, np.asarray(logits_indices, dtype=np.int64))
 
     def prepare_sampling(self, sched: SchedulerOutput) -> SamplingTensors:
-        params = [item.seq.params for item in sched.scheduled if item.samples]
-        temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-        all_greedy = all(p.temperature == 0 for p in params)
-        top_ks = top_ps = min_ps = None
+        seqs = [item.seq for item in sched.scheduled if item.samples]
         seeded_rows = []
-        if not all_greedy:
-            if any(p.top_k > 0 for p in params):
-                top_ks = torch.tensor([p.top_k if p.top_k > 0 else self.vocab_size for p in params])
-            if any(p.top_p < 1.0 for p in params):
-                top_ps = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-            if any(p.min_p > 0 for p in params):
-                min_ps = torch.tensor([p.min_p for p in params], dtype=torch.float32)
-            samplers = [item.seq for item in sched.scheduled if item.samples]
-            for row, seq in enumerate(samplers):
-                if seq.params.seed is not None and seq.params.temperature > 0:
-                    if seq.generator is None:
-                        seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed)
-                    seeded_rows.append((row, seq.generator))
-
-        def to_dev(t):
-            return t.to(self.device, non_blocking=True) if t is not None else None
-
-        return SamplingTensors(to_dev(temperatures), to_dev(top_ks), to_dev(top_ps), to_dev(min_ps),
-                               seeded_rows, all_greedy)
+        for row, seq in enumerate(seqs):
+            if seq.params.seed is not None and seq.params.temperature > 0:
+                if seq.generator is None:
+                    seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed)
+                seeded_rows.append((row, seq.generator))
+        return SamplingTensors.build([seq.params for seq in seqs], self.vocab_size, self.device, seeded_rows)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         if self.graph_runner is not None and self.graph_runner.can_run(batch):

@@ -14,16 +14,7 @@ sampler = Sampler()
 
 def tensors(params: list[SamplingParams], vocab: int, generators: dict[int, torch.Generator] | None = None):
     """What ModelRunner.prepare_sampling builds, for a list of per-row params."""
-    return SamplingTensors(
-        temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32),
-        top_ks=torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
-        if any(p.top_k > 0 for p in params) else None,
-        top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32)
-        if any(p.top_p < 1 for p in params) else None,
-        min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32)
-        if any(p.min_p > 0 for p in params) else None,
-        seeded_rows=sorted((generators or {}).items()),
-        all_greedy=all(p.temperature == 0 for p in params))
+    return SamplingTensors.build(params, vocab, torch.device("cpu"), sorted((generators or {}).items()))
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators=None) -> torch.Tensor:

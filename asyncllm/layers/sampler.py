@@ -11,15 +11,41 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from asyncllm.sampling_params import SamplingParams
+
 
 @dataclass
 class SamplingTensors:
     temperatures: torch.Tensor  # (B,) float32; 0 = greedy
-    top_ks: torch.Tensor | None  # (B,) int64; vocab size = no limit; None when no row limits
-    top_ps: torch.Tensor | None  # (B,) float32; None when no row uses top-p
+    filter_rows: torch.Tensor | None  # (F,) int64: the rows with top-k or top-p; None when no row has them
+    top_ks: torch.Tensor | None  # (F,) int64 for filter_rows; vocab size = no limit; None when unused
+    top_ps: torch.Tensor | None  # (F,) float32 for filter_rows; None when unused
     min_ps: torch.Tensor | None  # (B,) float32; None when no row uses min-p
     seeded_rows: list[tuple[int, torch.Generator]]  # rows that draw from their own generator
     all_greedy: bool
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], vocab_size: int, device: torch.device,
+              seeded_rows: list[tuple[int, torch.Generator]] = ()) -> "SamplingTensors":
+        """Per-row settings as device tensors; only what some row uses is built."""
+        def to_device(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        all_greedy = all(p.temperature == 0 for p in params)
+        filter_rows = top_ks = top_ps = min_ps = None
+        if not all_greedy:
+            rows = [i for i, p in enumerate(params) if p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0)]
+            if rows:
+                filtered = [params[i] for i in rows]
+                filter_rows = to_device(rows, torch.int64)
+                if any(p.top_k > 0 for p in filtered):
+                    top_ks = to_device([p.top_k if p.top_k > 0 else vocab_size for p in filtered], torch.int64)
+                if any(p.top_p < 1.0 for p in filtered):
+                    top_ps = to_device([p.top_p for p in filtered], torch.float32)
+            if any(p.min_p > 0 for p in params):
+                min_ps = to_device([p.min_p for p in params], torch.float32)
+        return cls(to_device([p.temperature for p in params], torch.float32), filter_rows, top_ks, top_ps,
+                   min_ps, list(seeded_rows), all_greedy)
 
 
 class Sampler(nn.Module):
@@ -30,8 +56,10 @@ class Sampler(nn.Module):
             return greedy_tokens
         temperatures = params.temperatures
         logits = logits / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)
-        if params.top_ks is not None or params.top_ps is not None:
-            logits = _apply_top_k_top_p(logits, params.top_ks, params.top_ps)
+        if params.filter_rows is not None:
+            # sorting the vocabulary is the sampler's dearest step: only rows that asked for it
+            rows = params.filter_rows
+            logits = logits.index_copy(0, rows, _apply_top_k_top_p(logits[rows], params.top_ks, params.top_ps))
         probs = logits.softmax(dim=-1)
         if params.min_ps is not None:
             threshold = params.min_ps.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
