@@ -1,7 +1,6 @@
 """Engine settings: one dataclass, validated on construction."""
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any

@@ -60,3 +60,24 @@ def build_tiny_checkpoint(out_dir: str, arch: str = "qwen3", tokenizer_dir: str 
         if name.startswith(("tokenizer", "vocab", "merges", "special_tokens", "added_tokens")):
             shutil.copy(os.path.join(tokenizer_dir, name), out_dir)
     return out_dir
+
+
+def free_port() -> int:
+    """A loopback TCP port nobody listens on right now."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_process(proc) -> None:
+    """Stop a server subprocess as Ctrl-C would, and kill it if it does not exit in 20 s."""
+    import signal
+    import subprocess
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

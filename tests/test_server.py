@@ -5,13 +5,13 @@ import contextlib
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+
+from asyncllm.testing import free_port, stop_process
 
 httpx = pytest.importorskip("httpx", reason="the server tests need the server/test extras (httpx)")
 openai = pytest.importorskip("openai", reason="the server tests need the test extras (openai)")
@@ -26,12 +26,6 @@ LONG = {"max_tokens": 2000, "ignore_eos": True}  # ~minutes on CPU: only ever cu
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello."}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_command() -> list[str]:
@@ -51,16 +45,6 @@ def wait_healthy(base: str, proc: subprocess.Popen, log_path: str, timeout: floa
             pass
         time.sleep(0.25)
     raise AssertionError(f"the server was not healthy after {timeout} s:\n{open(log_path).read()[-4000:]}")
-
-
-def stop_process(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")

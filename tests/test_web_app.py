@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+
+from asyncllm.testing import free_port, stop_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
@@ -23,12 +23,6 @@ if not os.path.exists(CHROMIUM):
 
 httpx = pytest.importorskip("httpx")
 sync_api = pytest.importorskip("playwright.sync_api")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
@@ -63,12 +57,7 @@ def web_app(tiny_qwen3, tmp_path_factory):
         wait_until(ready, 180, "web_app.py to start", 0.25)
         yield base
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 @pytest.fixture(scope="module")

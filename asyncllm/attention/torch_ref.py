@@ -20,7 +20,6 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           max_query_len: int, max_seq_len: int, scale: float) -> torch.Tensor:
     """Causal attention of each sequence's query rows over its paged KV (the last query row sits
     at position seq_len - 1). Pads to (num_seqs, max_query_len) and masks; returns (T, H, D)."""
-    num_seqs = seq_lens.shape[0]
     block_size = k_cache.shape[1]
     num_blocks = (max_seq_len + block_size - 1) // block_size
     tables = block_tables[:, :num_blocks].long()
