@@ -1,12 +1,8 @@
 """Shared fixtures: tiny random-weight checkpoints built by the tests, with the real Qwen3 tokenizer."""
 from __future__ import annotations
 
-import importlib.util
-import os
-import shutil
 
 import pytest
-import torch
 
 from asyncllm.testing import build_tiny_checkpoint, qwen_tokenizer_dir
 
