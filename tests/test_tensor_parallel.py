@@ -13,7 +13,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,7 +26,7 @@ from asyncllm.async_engine import AsyncLLMEngine
 from asyncllm.errors import EngineDeadError
 from asyncllm.llm import LLM
 from asyncllm.sampling_params import SamplingParams
-from asyncllm.testing import build_tiny_checkpoint
+from asyncllm.testing import build_tiny_checkpoint, free_port
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -39,8 +38,8 @@ MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 _rng = random.Random(7)
 # mixed lengths crossing 16-token blocks, before and while decoding
-PROMPTS = ["Hello, my name is", [_rng.randrange(1000, 150000) for _ in range(17)],
-           [_rng.randrange(1000, 150000) for _ in range(40)], [_rng.randrange(1000, 150000) for _ in range(75)]]
+PROMPTS = ["Hello, my name is", [_rng.randrange(1000, 32000) for _ in range(17)],
+           [_rng.randrange(1000, 32000) for _ in range(40)], [_rng.randrange(1000, 32000) for _ in range(75)]]
 ASYNC_TIMEOUT = 90
 
 
@@ -73,12 +72,6 @@ def assert_all_ended(baseline: list[str]) -> None:
     assert not dist.is_initialized(), "the process group was not destroyed"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def kill_worker_after(core, pid: int, steps: int) -> threading.Thread:
     def kill() -> None:
         deadline = time.monotonic() + 60
@@ -102,11 +95,22 @@ def copy_config_only(src: str, dst: str, **changes) -> str:
 
 
 # ---- fixtures ----------------------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def bounded_collectives(monkeypatch):
+    """A hung collective fails within a minute (in every rank: spawned ones inherit the variable),
+    well inside pytest-timeout, which cannot interrupt a thread blocked in gloo."""
+    monkeypatch.setenv("ASYNCLLM_TP_TIMEOUT_S", "60")
+
+
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory, tokenizer_dir, tiny_qwen3) -> dict[str, str]:
+def checkpoints(tmp_path_factory, tokenizer_dir) -> dict[str, str]:
+    # a 32000-token vocabulary (split 16000 + 16000): the full 151936 would make each CPU step
+    # several times slower, and the tokenizer's ids for the test's text prompt are all below it
     def build(name, arch, **kw):
-        return build_tiny_checkpoint(str(tmp_path_factory.mktemp(f"tp-{name}")), arch, tokenizer_dir, **kw)
-    return {"qwen3": tiny_qwen3, "llama": build("llama", "llama", seed=3), "qwen2": build("qwen2", "qwen2", seed=4),
+        return build_tiny_checkpoint(str(tmp_path_factory.mktemp(f"tp-{name}")), arch, tokenizer_dir,
+                                     vocab_size=32000, **kw)
+    return {"qwen3": build("qwen3", "qwen3", seed=2), "llama": build("llama", "llama", seed=3),
+            "qwen2": build("qwen2", "qwen2", seed=4),
             # one KV head for two ranks: QKVParallelLinear replicates it (kv_replicas=2)
             "qwen3_kv1": build("kv1", "qwen3", seed=5, num_key_value_heads=1)}
 
@@ -142,7 +146,8 @@ async def stream_all(engine: AsyncLLMEngine, prompts=PROMPTS, params=GREEDY) -> 
 
 
 # ---- start-up checks: no process is started ----------------------------------------------------
-def test_indivisible_heads_vocab_or_kv_heads_fail_at_start(tiny_qwen3, tmp_path):
+def test_indivisible_heads_vocab_or_kv_heads_fail_at_start(checkpoints, tmp_path):
+    tiny_qwen3 = checkpoints["qwen3"]
     baseline = live_children()
     with pytest.raises(ValueError, match=r"tensor_parallel_size.*num_attention_heads=4 .*divisible by 3"):
         LLM(tiny_qwen3, tensor_parallel_size=3, **BASE)
@@ -156,31 +161,42 @@ def test_indivisible_heads_vocab_or_kv_heads_fail_at_start(tiny_qwen3, tmp_path)
     kv3 = copy_config_only(tiny_qwen3, str(tmp_path / "kv3"), num_attention_heads=6, num_key_value_heads=3)
     with pytest.raises(ValueError, match=r"tensor_parallel_size.*num_key_value_heads=3"):
         LLM(kv3, tensor_parallel_size=2, **BASE)
+    odd_mlp = copy_config_only(tiny_qwen3, str(tmp_path / "odd-mlp"), intermediate_size=255)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size.*intermediate_size=255"):
+        LLM(odd_mlp, tensor_parallel_size=2, **BASE)
     assert live_children() == baseline and not dist.is_initialized()
 
 
 # ---- tp=2 == tp=1 --------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["qwen3", "qwen2"])
 def test_llm_tp2_matches_tp1(name, checkpoints, reference):
+    expected = reference(name)  # tp=1 first: no tp=1 engine can be built beside a running tp=2 one
     baseline = live_children()
     with LLM(checkpoints[name], tensor_parallel_size=2, **OPTIONS[name]) as llm:
         assert [p.name for p in llm.core.runner.workers.processes] == ["asyncllm-tp1"]
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert [o["token_ids"] for o in outputs] == reference(name)
-        # a second batch on the same engine: the workers' KV caches stay in step with rank 0's
-        again = llm.generate(PROMPTS[::-1], GREEDY, use_tqdm=False)
-        assert [o["token_ids"] for o in again] == reference(name)[::-1]
+        assert [o["token_ids"] for o in outputs] == expected
+        if name == "qwen3":
+            # a second batch, served partly from rank 0's prefix cache: the workers' caches hold
+            # the same blocks, since they ran the same steps
+            again = llm.generate(PROMPTS[::-1], GREEDY, use_tqdm=False)
+            assert [o["token_ids"] for o in again] == expected[::-1]
+            assert llm.core.block_manager.prefix_cache_hit_rate > 0
+            # a tp=1 engine beside a running tp=2 one would shard itself over its group: refused
+            with pytest.raises(RuntimeError, match="tensor_parallel_size=1 engine cannot be built beside it"):
+                LLM(checkpoints[name], **OPTIONS[name])
     assert_all_ended(baseline)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "llama"])
 def test_async_tp2_matches_tp1(name, checkpoints, reference):
+    expected = reference(name)
     baseline = live_children()
 
     async def main():
         with anyio.fail_after(ASYNC_TIMEOUT):
             async with AsyncLLMEngine(checkpoints[name], tensor_parallel_size=2, **OPTIONS[name]) as engine:
-                assert await stream_all(engine) == reference(name)
+                assert await stream_all(engine) == expected
     anyio.run(main)
     assert_all_ended(baseline)
 
@@ -188,21 +204,21 @@ def test_async_tp2_matches_tp1(name, checkpoints, reference):
 def test_replicated_kv_head_and_idle_beyond_collective_timeout(checkpoints, reference, monkeypatch):
     """One KV head, two ranks: both hold a copy of it. The engine then idles longer than a worker's
     receive timeout (ASYNCLLM_TP_TIMEOUT_S): rank 0's heartbeat keeps it waiting, not failing."""
+    expected = reference("qwen3_kv1")
     baseline = live_children()
     monkeypatch.setenv("ASYNCLLM_TP_TIMEOUT_S", "10")
     with LLM(checkpoints["qwen3_kv1"], tensor_parallel_size=2, **OPTIONS["qwen3_kv1"]) as llm:
         attn = llm.core.runner.model.model.layers[0].self_attn
         assert (attn.num_heads, attn.num_kv_heads, attn.qkv_proj.kv_replicas) == (2, 1, 2)
-        assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] \
-            == reference("qwen3_kv1")
+        assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
         time.sleep(12)
-        assert [o["token_ids"] for o in llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)] \
-            == reference("qwen3_kv1")[:2]
+        assert [o["token_ids"] for o in llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)] == expected[:2]
     assert_all_ended(baseline)
 
 
 # ---- a rank dies mid-run -----------------------------------------------------------------------
 def test_llm_worker_killed_mid_run_then_new_engine_matches_tp1(checkpoints, reference):
+    expected = reference("llama")
     baseline = live_children()
     llm = LLM(checkpoints["llama"], tensor_parallel_size=2, **OPTIONS["llama"])
     with llm:
@@ -218,18 +234,19 @@ def test_llm_worker_killed_mid_run_then_new_engine_matches_tp1(checkpoints, refe
     assert_all_ended(baseline)
     # the process group is gone with it: a new tensor-parallel engine starts in this same process
     with LLM(checkpoints["llama"], tensor_parallel_size=2, **OPTIONS["llama"]) as llm:
-        assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference("llama")
+        assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
     assert_all_ended(baseline)
 
 
 def test_async_tp2_matches_tp1_then_worker_killed(checkpoints, reference):
+    expected = reference("qwen2")
     baseline = live_children()
 
     async def main():
         with anyio.fail_after(ASYNC_TIMEOUT):
             engine = AsyncLLMEngine(checkpoints["qwen2"], tensor_parallel_size=2, **OPTIONS["qwen2"])
             async with engine:
-                assert await stream_all(engine) == reference("qwen2")
+                assert await stream_all(engine) == expected
                 # now kill rank 1 while four long streams run: every consumer hears EngineDeadError
                 steps = engine._core.num_steps
                 long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
@@ -259,11 +276,11 @@ def test_async_tp2_matches_tp1_then_worker_killed(checkpoints, reference):
 
 
 # ---- start-up failures -------------------------------------------------------------------------
-def test_startup_failure_in_every_rank_is_an_error_not_a_hang(tiny_qwen3, tmp_path):
+def test_startup_failure_in_every_rank_is_an_error_not_a_hang(checkpoints, tmp_path):
     """A checkpoint missing one tensor: every rank fails while loading, rank 0 raises."""
     from safetensors.torch import load_file, save_file
     broken = tmp_path / "missing-tensor"
-    shutil.copytree(tiny_qwen3, broken)
+    shutil.copytree(checkpoints["qwen3"], broken)
     tensors = load_file(str(broken / "model.safetensors"))
     del tensors["model.layers.1.mlp.down_proj.weight"]
     save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
@@ -275,7 +292,7 @@ def test_startup_failure_in_every_rank_is_an_error_not_a_hang(tiny_qwen3, tmp_pa
     assert_all_ended(baseline)
 
 
-def test_worker_dying_at_start_is_reported_at_once(tiny_qwen3, tmp_path, monkeypatch):
+def test_worker_dying_at_start_is_reported_at_once(checkpoints, tmp_path, monkeypatch):
     """Rank 1's interpreter exits before it joins the group (a sitecustomize that only spawned
     children run): rank 0 reports it without waiting for the rendezvous timeout, via LLM and via
     AsyncLLMEngine.start (EngineDeadError)."""
@@ -284,6 +301,7 @@ def test_worker_dying_at_start_is_reported_at_once(tiny_qwen3, tmp_path, monkeyp
     (hook / "sitecustomize.py").write_text(
         "import os, sys\nif '--multiprocessing-fork' in sys.argv:\n    os._exit(3)\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook)] + sys.path))
+    tiny_qwen3 = checkpoints["qwen3"]
     baseline = live_children()
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"start-up failed: tensor-parallel rank 1 died \(exit code 3\)"):
@@ -303,6 +321,7 @@ def test_worker_dying_at_start_is_reported_at_once(tiny_qwen3, tmp_path, monkeyp
 # ---- several machines: env:// rendezvous, rank 1 started by hand ---------------------------------
 def test_env_rendezvous_with_a_separately_started_rank(checkpoints, reference, monkeypatch, tmp_path):
     name = "qwen3"
+    expected = reference(name)
     baseline = live_children()
     rendezvous = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
     log = open(tmp_path / "rank1.log", "w")
@@ -317,7 +336,7 @@ def test_env_rendezvous_with_a_separately_started_rank(checkpoints, reference, m
         monkeypatch.setenv("ASYNCLLM_TP_INIT_METHOD", "env://")
         with LLM(checkpoints[name], tensor_parallel_size=2, **OPTIONS[name]) as llm:
             assert llm.core.runner.workers.processes == []  # rank 0 started none itself
-            assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference(name)
+            assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
         # closing rank 0 tells rank 1 to exit, and it does, cleanly
         assert rank1.wait(timeout=30) == 0, (tmp_path / "rank1.log").read_text()
     finally:
