@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from asyncllm.layers.fused import fused_ops, use_fused
+from asyncllm.layers.fused import fused_ops_for
 
 
 class RMSNorm(nn.Module):
@@ -25,10 +25,11 @@ class RMSNorm(nn.Module):
         return x.to(dtype) * self.weight
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if use_fused(x):
+        fused = fused_ops_for(x)
+        if fused is not None:
             if residual is None:
-                return fused_ops.rms_norm(x, self.weight, self.eps)
-            return fused_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+                return fused.rms_norm(x, self.weight, self.eps)
+            return fused.fused_add_rms_norm(x, residual, self.weight, self.eps)
         return self.forward_native(x, residual)
 
     def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None):

@@ -6,7 +6,7 @@ import math
 import torch
 from torch import nn
 
-from asyncllm.layers.fused import fused_ops, use_fused
+from asyncllm.layers.fused import fused_ops_for
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -42,10 +42,11 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: (tokens, heads, head_dim), k: (tokens, kv_heads, head_dim)."""
-        if use_fused(q):
+        fused = fused_ops_for(q)
+        if fused is not None:
             # in place: q and k are fresh views of this step's qkv projection (or of q/k norm outputs)
-            return (fused_ops.rotary_embedding_(q, positions, self.cos_sin_cache),
-                    fused_ops.rotary_embedding_(k, positions, self.cos_sin_cache))
+            return (fused.rotary_embedding_(q, positions, self.cos_sin_cache),
+                    fused.rotary_embedding_(k, positions, self.cos_sin_cache))
         return self.forward_native(positions, q, k)
 
     def forward_native(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
