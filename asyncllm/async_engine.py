@@ -182,7 +182,7 @@ class RequestStream:
         if finish_reason is not None:
             text += self._assembler.finish()
             # a stop string found in the last token (or in the final flush) still says "stop"
-            self.finish_reason = "stop" if self._assembler.stopped else finish_reason
+            self.finish_reason = self._assembler.finish_reason(finish_reason)
             finish_reason = self.finish_reason
         return StreamOutput(self.request_id, text, token_ids, finish_reason)
 

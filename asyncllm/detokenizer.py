@@ -76,6 +76,10 @@ class TextAssembler:
         self._undecoded = []
         return self._append(text + self.detokenizer.flush(), final=True)
 
+    def finish_reason(self, engine_reason: str | None) -> str | None:
+        """The request's finish reason: a stop string wins, also one that came with the last token."""
+        return "stop" if self.stopped else engine_reason
+
     def _append(self, new_text: str, final: bool) -> str:
         search_from = max(0, len(self.text) - self.max_stop_len + 1)
         self.text += new_text

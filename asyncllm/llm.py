@@ -111,8 +111,7 @@ class LLM:
             if assembler is not None:
                 assembler.finish()
                 text = assembler.text
-                if assembler.stopped:  # also when the stop string came with the last allowed token
-                    finish_reason = "stop"
+                finish_reason = assembler.finish_reason(finish_reason)
             else:
                 text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True)
             outputs.append({"text": text, "token_ids": seq.completion_token_ids, "finish_reason": finish_reason})
