@@ -24,6 +24,9 @@ class Config:
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
+    # steps with prefill chunks of up to this many tokens replay CUDA graphs too (where the attention
+    # backend supports it); 0 = decode steps only. Clamped to max_num_batched_tokens.
+    cuda_graph_max_tokens: int = 2048
     kvcache_block_size: int = 256
     num_kvcache_blocks: int = -1  # -1: sized from free GPU memory, or from cpu_kvcache_bytes on CPU
     cpu_kvcache_bytes: int = 1 << 30
@@ -48,7 +51,7 @@ class Config:
             self.model = resolve_model_path(self.model)  # a .gguf file: its converted cache directory
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size",
                      "kvcache_block_size", "num_kvcache_blocks", "cpu_kvcache_bytes", "seed",
-                     "max_queued_requests"):
+                     "max_queued_requests", "cuda_graph_max_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 _fail(name, f"expected an int, got {value!r}")
@@ -58,6 +61,8 @@ class Config:
                 _fail(name, f"must be >= 1, got {getattr(self, name)}")
         if self.max_queued_requests < 0:
             _fail("max_queued_requests", "must be >= 0 (0 = unbounded)")
+        if self.cuda_graph_max_tokens < 0:
+            _fail("cuda_graph_max_tokens", "must be >= 0 (0 = CUDA graphs for decode steps only)")
         bs = self.kvcache_block_size
         if not (16 <= bs <= 256 and bs & (bs - 1) == 0):
             _fail("kvcache_block_size", f"must be a power of two in [16, 256], got {bs}")

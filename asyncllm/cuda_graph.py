@@ -1,11 +1,13 @@
-"""CUDA graphs for decode-only steps.
+"""CUDA graphs for decode steps and small mixed steps.
 
-A decode step of B sequences launches hundreds of small kernels; replaying a captured graph
-launches them at once. One graph is captured per bucketed batch size (all sharing one memory
-pool, largest first so smaller ones fit in its memory); a step of B sequences replays the
-smallest bucket >= B with the extra rows padded. Model inputs (token ids, positions) live in this
-object's static buffers; attention metadata lives in the backend's (prepare_for_capture /
-prepare_for_replay), so this code knows nothing of any kernel.
+A step launches hundreds of small kernels, and at small sizes launching them (some 20-50 us of
+Python and driver work each) takes longer than running them; replaying a captured graph launches
+them at once. Decode graphs are captured per bucketed batch size; where the backend supports it,
+mixed graphs (prefill chunks, with or without decodes) per bucketed token count up to a bound.
+All share one memory pool, captured largest first so smaller ones fit in its memory. A step
+replays the smallest bucket that holds it, the rows past it padded. Model inputs (token ids,
+positions, sampled rows) live in this object's static buffers; attention metadata lives in the
+backend's (prepare_for_capture / prepare_for_replay), so this code knows nothing of any kernel.
 """
 from __future__ import annotations
 
@@ -25,63 +27,113 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
     return [s for s in sizes if s < max_batch_size] + [max_batch_size]
 
 
+def graph_token_sizes(max_num_tokens: int) -> list[int]:
+    """Token buckets of the mixed graphs: powers of two from 16, with halfway steps from 512 so
+    a step pads by at most a third."""
+    if max_num_tokens <= 0:
+        return []
+    sizes, size = [], 16
+    while size < max_num_tokens:
+        sizes.append(size)
+        if size >= 512 and size + size // 2 < max_num_tokens:
+            sizes.append(size + size // 2)
+        size *= 2
+    return sizes + [max_num_tokens]
+
+
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, max_batch_size: int,
-                 max_seq_len: int, device: torch.device):
+                 max_seq_len: int, device: torch.device, max_mixed_tokens: int = 0):
         self.model = model
         self.backend = backend
         self.batch_sizes = graph_batch_sizes(max_batch_size)
         self.max_batch_size = self.batch_sizes[-1]
+        if not backend.supports_mixed_cuda_graphs:
+            max_mixed_tokens = 0
+        self.token_sizes = graph_token_sizes(max_mixed_tokens)
+        self.max_mixed_tokens = max_mixed_tokens
         max_blocks_per_seq = (max_seq_len + backend.block_size - 1) // backend.block_size
-        backend.init_cuda_graph_state(self.max_batch_size, max_blocks_per_seq)
-        self.input_ids = torch.zeros(self.max_batch_size, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(self.max_batch_size, dtype=torch.int64, device=device)
-        self.logits_indices = torch.arange(self.max_batch_size, dtype=torch.int64, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.batches: dict[int, ForwardBatch] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        backend.init_cuda_graph_state(self.max_batch_size, max_blocks_per_seq, max_mixed_tokens)
+        max_tokens = max(self.max_batch_size, max_mixed_tokens)
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        # rows whose logits a mixed step samples; decode graphs compute every row's
+        self.logits_indices = torch.zeros(min(max_mixed_tokens, self.max_batch_size), dtype=torch.int64,
+                                          device=device)
+        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self.batches: dict[tuple[str, int], ForwardBatch] = {}
+        self.outputs: dict[tuple[str, int], torch.Tensor] = {}
+        self.num_replays = {"decode": 0, "mixed": 0}
         self._capture_all()
 
-    def _static_batch(self, bs: int) -> ForwardBatch:
+    def _static_batch(self, kind: str, size: int) -> ForwardBatch:
+        if kind == "decode":
+            num_tokens = num_seqs = size
+        else:  # a mixed graph of `size` tokens takes as many sequences as a step can bring
+            num_tokens, num_seqs = size, min(size, self.max_batch_size)
         batch = ForwardBatch(
-            input_ids=self.input_ids[:bs], positions=self.positions[:bs], slot_mapping=None,
-            query_start_loc=None, seq_lens=None, block_tables=None, logits_indices=self.logits_indices[:bs],
-            num_seqs=bs, num_tokens=bs, max_query_len=1, max_seq_len=1, attn_backend=self.backend)
+            input_ids=self.input_ids[:num_tokens], positions=self.positions[:num_tokens], slot_mapping=None,
+            query_start_loc=None, seq_lens=None, block_tables=None,
+            logits_indices=None if kind == "decode" else self.logits_indices[:num_seqs],
+            num_seqs=num_seqs, num_tokens=num_tokens, max_query_len=1 if kind == "decode" else num_tokens,
+            max_seq_len=1, attn_backend=self.backend)
         self.backend.prepare_for_capture(batch)
         return batch
 
     def _run_model(self, batch: ForwardBatch) -> torch.Tensor:
         hidden = self.model(batch.input_ids, batch.positions, batch)
+        if batch.logits_indices is not None:
+            hidden = hidden[batch.logits_indices]
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
         start = time.perf_counter()
         pool = None
-        for bs in reversed(self.batch_sizes):
-            batch = self._static_batch(bs)
+        # largest first, so that smaller graphs fit in the memory the first one took
+        keys = [("mixed", t) for t in reversed(self.token_sizes)] + [("decode", b) for b in reversed(self.batch_sizes)]
+        keys.sort(key=lambda key: -key[1])
+        for key in keys:
+            batch = self._static_batch(*key)
             self._run_model(batch)  # warm-up: autotuning and lazy initialisation stay out of the graph
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bs] = self._run_model(batch)
+                self.outputs[key] = self._run_model(batch)
             if pool is None:
                 pool = graph.pool()
-            self.graphs[bs] = graph
-            self.batches[bs] = batch
+            self.graphs[key] = graph
+            self.batches[key] = batch
         torch.cuda.synchronize()
-        logger.info("captured %d CUDA graphs (batch sizes up to %d) in %.1f s", len(self.graphs),
-                    self.max_batch_size, time.perf_counter() - start)
+        logger.info("captured %d CUDA graphs (decode batches up to %d, mixed steps up to %d tokens) in %.1f s",
+                    len(self.graphs), self.max_batch_size, self.max_mixed_tokens, time.perf_counter() - start)
+
+    def _key(self, batch: ForwardBatch) -> tuple[str, int] | None:
+        if batch.is_decode_only and batch.num_seqs <= self.max_batch_size:
+            return "decode", self.batch_sizes[bisect.bisect_left(self.batch_sizes, batch.num_seqs)]
+        if batch.num_tokens <= self.max_mixed_tokens:
+            size = self.token_sizes[bisect.bisect_left(self.token_sizes, batch.num_tokens)]
+            if batch.num_seqs <= min(size, self.max_batch_size):
+                return "mixed", size
+        return None
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return batch.is_decode_only and batch.num_seqs <= self.max_batch_size
+        return self._key(batch) is not None
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits for a decode-only batch, by replaying the graph of the next bucket up."""
-        num_seqs = batch.num_seqs
-        bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, num_seqs)]
-        self.input_ids[:num_seqs].copy_(batch.input_ids, non_blocking=True)
-        self.positions[:num_seqs].copy_(batch.positions, non_blocking=True)
-        self.backend.prepare_for_replay(batch, bs)
-        self.graphs[bs].replay()
-        return self.outputs[bs][:num_seqs]
+        """Logits of batch's sampled rows, by replaying the graph of the next bucket up."""
+        key = self._key(batch)
+        graph_batch = self.batches[key]
+        num_tokens = batch.num_tokens
+        self.input_ids[:num_tokens].copy_(batch.input_ids, non_blocking=True)
+        self.positions[:num_tokens].copy_(batch.positions, non_blocking=True)
+        num_logits = batch.num_seqs
+        if key[0] == "mixed":
+            num_logits = batch.logits_indices.shape[0]
+            self.logits_indices[:num_logits].copy_(batch.logits_indices, non_blocking=True)
+            # rows past them gather row 0: a stale index from a larger graph's step would overrun
+            self.logits_indices[num_logits:graph_batch.num_seqs].zero_()
+        self.backend.prepare_for_replay(batch, graph_batch)
+        self.graphs[key].replay()
+        self.num_replays[key[0]] += 1
+        return self.outputs[key][:num_logits]

@@ -107,8 +107,9 @@ class ModelRunner:
         self.attn_backend = self._create_backend(self.kv_cache)
         self.graph_runner = None
         if self.device.type == "cuda" and not config.enforce_eager and self.attn_backend.supports_cuda_graphs:
-            self.graph_runner = CudaGraphRunner(self.model, self.attn_backend, min(config.max_num_seqs, 512),
-                                                config.max_model_len, self.device)
+            self.graph_runner = CudaGraphRunner(
+                self.model, self.attn_backend, min(config.max_num_seqs, 512), config.max_model_len, self.device,
+                max_mixed_tokens=min(config.cuda_graph_max_tokens, config.max_num_batched_tokens))
         logger.info("KV cache: %d blocks of %d tokens, %.1f MiB", self.num_kvcache_blocks, self.block_size,
                     self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
 

@@ -147,7 +147,8 @@ def main(argv=None) -> dict:
     report = Report("serving", args)
     with checkpoint_from_args(args) as model_dir:
         asyncio.run(run(args, model_dir, report))
-    report.finish(f"Serving, {args.shape}, {args.backend}, {args.input_len} in / {args.output_len} out "
+    budget = f", max_num_batched_tokens {args.max_num_batched_tokens}" if args.max_num_batched_tokens else ""
+    report.finish(f"Serving, {args.shape}, {args.backend}, {args.input_len} in / {args.output_len} out{budget} "
                   "(latencies in ms)", COLUMNS)
     if args.plot:
         problem = save_plot(report.data["results"], args.plot)

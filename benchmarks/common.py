@@ -119,6 +119,8 @@ def add_engine_args(parser: argparse.ArgumentParser, multi_backend: bool = False
         parser.add_argument("--backend", default=None, help="attention backend (default: triton on CUDA, torch on CPU)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--max-num-seqs", type=int, default=512, help="engine max_num_seqs")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="engine max_num_batched_tokens, the step's token budget (default: the engine's)")
 
 
 def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
@@ -133,8 +135,11 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
 
 
 def engine_kwargs(args, backend: str) -> dict:
-    return dict(attention_backend=backend, enforce_eager=args.enforce_eager, device=args.device,
-                max_num_seqs=args.max_num_seqs)
+    kwargs = dict(attention_backend=backend, enforce_eager=args.enforce_eager, device=args.device,
+                  max_num_seqs=args.max_num_seqs)
+    if args.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    return kwargs
 
 
 # ---- workloads ------------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ BAD_FIELDS = [
     ("max_num_seqs", 0), ("max_num_batched_tokens", -1),
     ("gpu_memory_utilization", 0), ("gpu_memory_utilization", 1.5),
     ("dtype", "int8"), ("device", "tpu"), ("attention_backend", "nope"), ("enforce_eager", "yes"),
-    ("num_kvcache_blocks", 0), ("max_model_len", 0), ("seed", 1.5),
+    ("num_kvcache_blocks", 0), ("max_model_len", 0), ("seed", 1.5), ("cuda_graph_max_tokens", -1),
+    ("cuda_graph_max_tokens", 1.0),
 ]
 
 

@@ -129,12 +129,19 @@ def test_logits_and_tokens_match_hf(model_dir, hf_model, backend):
 
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "torch"])
 def test_cuda_graph_decode_matches_eager(model_dir, backend):
+    """Decode graphs, and (triton) mixed graphs: a 512-token budget splits the prompts into steps
+    of prefill chunks beside decodes, all small enough to replay a graph."""
     ps = prompts(20, seed=2)
-    graphed = get_llm(model_dir, backend, dtype=exact_dtype(backend))
-    assert graphed.core.runner.graph_runner is not None
+    graphed = get_llm(model_dir, backend, dtype=exact_dtype(backend), max_num_batched_tokens=512)
+    graphs = graphed.core.runner.graph_runner
+    assert graphs is not None
     with_graphs = generate(graphed, ps)
-    del graphed  # each engine sizes its KV cache from the memory left free
-    eager = generate(get_llm(model_dir, backend, dtype=exact_dtype(backend), enforce_eager=True), ps)
+    assert graphs.num_replays["decode"] > 0
+    if backend == "triton":
+        assert graphs.max_mixed_tokens == 512 and graphs.num_replays["mixed"] > 0
+    del graphed, graphs  # each engine sizes its KV cache from the memory left free
+    eager = generate(get_llm(model_dir, backend, dtype=exact_dtype(backend), enforce_eager=True,
+                             max_num_batched_tokens=512), ps)
     assert_equivalent(with_graphs, eager, backend)
 
 

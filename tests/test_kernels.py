@@ -360,7 +360,7 @@ def test_backend_graph_buffers_eagerly():
 
     tables = torch.randperm(num_blocks, dtype=torch.int32)[:3 * 4].view(3, 4).to(DEVICE)
     live = make_batch([1, 1, 1], [10, 63, 30], tables, block_size)
-    ours.prepare_for_replay(live, graph_bs)
+    ours.prepare_for_replay(live, static)
     q_live, k_live, v_live = qkv(3, num_heads, num_kv_heads, head_dim, dtype)
     q[:3], k[:3], v[:3] = q_live, k_live, v_live
     k[3:] = float("nan")  # the padding row must not be stored
@@ -369,6 +369,108 @@ def test_backend_graph_buffers_eagerly():
     assert_close(out[:3], expected, dtype)
     assert torch.equal(out[3:], torch.zeros_like(out[3:]))
     assert torch.equal(ours.k_caches[0], ref.k_caches[0]) and torch.equal(ours.v_caches[0], ref.v_caches[0])
+
+
+def test_graph_bucket_sizes():
+    from asyncllm.cuda_graph import graph_batch_sizes, graph_token_sizes
+    assert graph_token_sizes(0) == []
+    assert graph_token_sizes(2048) == [16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048]
+    assert graph_token_sizes(100) == [16, 32, 64, 100] and graph_token_sizes(10) == [10]
+    for sizes in (graph_token_sizes(3000), graph_batch_sizes(300)):
+        assert sizes == sorted(set(sizes))
+        assert all(b <= a * 2 for a, b in zip(sizes, sizes[1:]))  # no step pads by more than half
+    assert graph_batch_sizes(512)[-1] == 512 and graph_batch_sizes(5) == [1, 2, 4, 5]
+
+
+def mixed_capture_batch(num_tokens: int, num_seqs: int) -> ForwardBatch:
+    """A mixed graph's capture batch, as the graph runner makes it: no attention metadata of its own."""
+    return ForwardBatch(input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=DEVICE), positions=None,
+                        slot_mapping=None, query_start_loc=None, seq_lens=None, block_tables=None,
+                        logits_indices=None, num_seqs=num_seqs, num_tokens=num_tokens, max_query_len=num_tokens,
+                        max_seq_len=1)
+
+
+def run_mixed_replays(ours, ref, run_graph, q_buf, k_buf, v_buf, tables, block_size, dtype, steps):
+    """Each step (query_lens, context_lens) loaded into the mixed graph's buffers (padding rows
+    NaN: never stored, never read), run through run_graph, and checked against the reference."""
+    num_heads, num_kv_heads, head_dim = q_buf.shape[1], k_buf.shape[1], k_buf.shape[2]
+    for query_lens, context_lens in steps:
+        live = len(query_lens)
+        sub_tables = tables[:live, :cdiv(max(c + q for c, q in zip(context_lens, query_lens)), block_size)]
+        batch = make_batch(query_lens, context_lens, sub_tables.contiguous(), block_size)
+        t = batch.num_tokens
+        q, k, v = qkv(t, num_heads, num_kv_heads, head_dim, dtype)
+        q_buf[:t], k_buf[:t], v_buf[:t] = q, k, v
+        q_buf[t:].normal_()
+        k_buf[t:] = float("nan")
+        v_buf[t:] = float("nan")
+        ours.prepare_for_replay(batch, run_graph.capture_batch)
+        out = run_graph()
+        expected = ref.forward(0, q.float(), k.float(), v.float(), batch)
+        assert_close(out[:t], expected, dtype)
+        assert torch.equal(ours.k_caches[0].float(), ref.k_caches[0].to(dtype).float())
+        assert torch.equal(ours.v_caches[0].float(), ref.v_caches[0].to(dtype).float())
+
+
+def test_backend_mixed_graph_buffers_eagerly():
+    """A mixed CUDA graph's metadata path without a graph: a step of 64 tokens and 8 sequences,
+    then live steps with fewer tokens and sequences (prefill chunks over cached context beside
+    decodes) padded into it. The padding must store nothing and leave the live rows exact."""
+    dtype, block_size, num_heads, num_kv_heads, head_dim = torch.float32, 16, 4, 2, 64
+    graph_tokens, graph_seqs, max_blocks, num_blocks = 64, 8, 8, 48
+    ours, ref = make_backends(block_size, num_blocks, num_heads, num_kv_heads, head_dim, dtype, num_layers=1)
+    ours.init_cuda_graph_state(graph_seqs, max_blocks, max_mixed_tokens=graph_tokens)
+    capture = mixed_capture_batch(graph_tokens, graph_seqs)
+    ours.prepare_for_capture(capture)
+    assert capture.max_query_len == graph_tokens and capture.max_seq_len == max_blocks * block_size
+    q_buf, k_buf, v_buf = qkv(graph_tokens, num_heads, num_kv_heads, head_dim, dtype)
+    k_before = ours.k_caches[0].clone()
+    ours.forward(0, q_buf, k_buf, v_buf, capture)  # what warm-up and capture run: stores nothing
+    assert torch.equal(ours.k_caches[0], k_before)
+
+    def run_graph():
+        return ours.forward(0, q_buf, k_buf, v_buf, capture)
+    run_graph.capture_batch = capture
+    tables = torch.randperm(num_blocks, dtype=torch.int32)[:graph_seqs * max_blocks // 2].view(
+        graph_seqs // 2, max_blocks).to(DEVICE)
+    run_mixed_replays(ours, ref, run_graph, q_buf, k_buf, v_buf, tables, block_size, dtype, [
+        ([20, 1, 9], [0, 40, 30]),  # a fresh prompt, a decode, a chunk over cached context
+        ([1, 1, 1, 1], [10, 63, 30, 100]),  # decodes only, through the varlen kernel
+        ([50, 14], [0, 5]),  # exactly the graph's token count
+    ])
+
+
+@gpu
+@needs_cuda
+def test_backend_mixed_cuda_graph_replay():
+    """Capture a mixed step of 256 tokens and 16 sequences; replay it with smaller mixed steps."""
+    dtype, block_size, num_heads, num_kv_heads, head_dim = torch.bfloat16, 16, 16, 8, 128
+    graph_tokens, graph_seqs, max_blocks, num_blocks = 256, 16, 64, 16 * 64
+    ours, ref = make_backends(block_size, num_blocks, num_heads, num_kv_heads, head_dim, dtype, num_layers=1)
+    ours.init_cuda_graph_state(graph_seqs, max_blocks, max_mixed_tokens=graph_tokens)
+    capture = mixed_capture_batch(graph_tokens, graph_seqs)
+    q_buf, k_buf, v_buf = qkv(graph_tokens, num_heads, num_kv_heads, head_dim, dtype)
+    ours.prepare_for_capture(capture)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ours.forward(0, q_buf, k_buf, v_buf, capture)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_buf = ours.forward(0, q_buf, k_buf, v_buf, capture)
+
+    def run_graph():
+        graph.replay()
+        return out_buf
+    run_graph.capture_batch = capture
+    tables = torch.randperm(num_blocks, dtype=torch.int32).view(graph_seqs, max_blocks).to(DEVICE)
+    run_mixed_replays(ours, ref, run_graph, q_buf, k_buf, v_buf, tables, block_size, dtype, [
+        ([128, 1, 1, 60], [0, 500, 1000, 200]),
+        ([1] * 16, random_lens(16, 1, max_blocks * block_size - 2)),
+        ([200, 56], [300, 0]),
+        ([17], [0]),
+    ])
 
 
 @gpu
@@ -412,7 +514,7 @@ def test_backend_cuda_graph_replay():
         q_buf[live:].normal_()
         k_buf[live:].fill_(float("nan"))  # padding rows must not be stored (slot -1)
         v_buf[live:].fill_(float("nan"))
-        ours.prepare_for_replay(batch, max_bs)
+        ours.prepare_for_replay(batch, capture_batch)
         graph.replay()
         expected = ref.forward(0, q.float(), k.float(), v.float(), batch)
         assert_close(out_buf[:live], expected, dtype)
@@ -458,6 +560,10 @@ def _record_launches(configs: list[dict]) -> list:
         x = torch.randn(4, 4096, dtype=torch.bfloat16)
         fused_mod.fused_add_rms_norm(x, x, x[0], 1e-6)
         fused_mod.silu_and_mul(x)
+        qkv = torch.randn(4, 32 * 128, dtype=torch.bfloat16)
+        cos_sin = torch.randn(64, 128)
+        fused_mod.qk_norm_rope_(qkv, torch.arange(4), cos_sin, 16, 8, 128, x[0, :128], x[0, :128], 1e-6)
+        fused_mod.qk_norm_rope_(qkv, torch.arange(4), cos_sin, 16, 8, 128)
     finally:
         for (mod, name), original in zip(patched, originals):
             setattr(mod, name, original)
@@ -526,7 +632,7 @@ def test_kernels_compile_for_sm90():
     result = subprocess.run([sys.executable, "-c", script, os.path.dirname(__file__)], env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert int(result.stdout.split()[-1]) >= 7  # decode x2, reduce, prefill, store, rms norm, silu
+    assert int(result.stdout.split()[-1]) >= 9  # decode x2, reduce, prefill, store, rms norm, silu, qk x2
 
 
 # ----------------------------------------------------------------------------- fused ops
@@ -558,26 +664,44 @@ def test_fused_rms_norm_and_silu_match_layers(dtype):
     torch.testing.assert_close(silu_and_mul(gate_up), SiluAndMul().forward_native(gate_up), **tol)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_rotary_matches_layer(dtype):
-    from asyncllm.kernels.fused_ops import rotary_embedding_
+@pytest.mark.parametrize("qk_norm", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_qk_norm_rope_matches_layers(dtype, qk_norm):
+    """One kernel for Qwen3's q/k RMSNorm and rotary (or rotary alone, Llama/Qwen2) against the
+    modules' own PyTorch code, in place on the fused projection with v left alone."""
+    from asyncllm.kernels.fused_ops import qk_norm_rope_
+    from asyncllm.layers.layernorm import RMSNorm
     from asyncllm.layers.rotary import RotaryEmbedding
 
     head_dim, num_heads, num_kv_heads, tokens = (128, 16, 8, 300) if CUDA else (64, 4, 2, 7)
     rotary = RotaryEmbedding(head_dim, 4096, 1e6).to(DEVICE)
-    # q and k as strided views of one fused projection, as the attention layer makes them
-    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE).to(dtype)
-    q = qkv[:, :num_heads * head_dim].view(tokens, num_heads, head_dim)
-    k = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(tokens, num_kv_heads, head_dim)
+    q_norm, k_norm = RMSNorm(head_dim, eps=1e-6).to(DEVICE), RMSNorm(head_dim, eps=1e-6).to(DEVICE)
+    for norm in (q_norm, k_norm):
+        norm.weight.data = (1 + 0.5 * torch.randn(head_dim, device=DEVICE)).to(dtype)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = (3 * torch.randn(tokens, q_size + 2 * kv_size, device=DEVICE)).to(dtype)
+    q = qkv[:, :q_size].reshape(tokens, num_heads, head_dim)
+    k = qkv[:, q_size:q_size + kv_size].reshape(tokens, num_kv_heads, head_dim)
+    if qk_norm:
+        q, k = q_norm.forward_native(q), k_norm.forward_native(k)
     positions = torch.randint(0, 4096, (tokens,), device=DEVICE)
-    ref_q, ref_k = rotary.forward_native(positions, q.clone(), k.clone())
-    v_before = qkv[:, (num_heads + num_kv_heads) * head_dim:].clone()
-    rotary_embedding_(q, positions, rotary.cos_sin_cache)
-    rotary_embedding_(k, positions, rotary.cos_sin_cache)
-    for got, ref in ((q, ref_q), (k, ref_k)):
-        if CUDA or dtype == torch.float32:
-            # same roundings as the module: equal up to fp32 operation order
-            torch.testing.assert_close(got, ref, rtol=1e-6 if dtype == torch.float32 else 8e-3, atol=1e-6)
-        else:  # the interpreter truncates fp32 -> bf16 where compiled code rounds to nearest
-            assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
-    assert torch.equal(qkv[:, (num_heads + num_kv_heads) * head_dim:], v_before)  # v untouched
+    ref_q, ref_k = rotary(positions, q, k)
+    v_before = qkv[:, q_size + kv_size:].clone()
+    norm_args = (q_norm.weight, k_norm.weight, 1e-6) if qk_norm else ()
+    qk_norm_rope_(qkv, positions, rotary.cos_sin_cache, num_heads, num_kv_heads, head_dim, *norm_args)
+    got_q = qkv[:, :q_size].view(tokens, num_heads, head_dim)
+    got_k = qkv[:, q_size:q_size + kv_size].view(tokens, num_kv_heads, head_dim)
+    for got, ref in ((got_q, ref_q), (got_k, ref_k)):
+        if dtype == torch.float32:  # the math itself: equal up to fp32 operation order
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+            continue
+        # bf16: the kernel rounds where the modules round, but compiled code may contract or
+        # reorder fp32 steps between roundings, so a rounding can flip; where rotary cancels
+        # (x1*cos - x2*sin near 0) one flipped ulp of an input-sized product is a large relative
+        # error. Bound each element by a few ulps of its own size and of the inputs' (|x| ~ 3 here),
+        # and the whole. The interpreter truncates where compiled code rounds: the whole only.
+        if CUDA:
+            torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=3 * 2 ** -7)
+        limit = 5e-3 if CUDA else 3e-2
+        assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < limit
+    assert torch.equal(qkv[:, q_size + kv_size:], v_before)  # v untouched

@@ -29,15 +29,16 @@ class _FlashAttnBackend(AttentionBackend):
         self.store_kvcache = _store_kvcache()
         self.graph_buffers: PagedGraphBuffers | None = None
 
-    def init_cuda_graph_state(self, max_batch_size: int, max_blocks_per_seq: int) -> None:
-        self.graph_buffers = PagedGraphBuffers(max_batch_size, max_blocks_per_seq, self.block_size,
+    def init_cuda_graph_state(self, max_batch_size: int, max_blocks_per_seq: int, max_mixed_tokens: int = 0) -> None:
+        # decode graphs only: FlashAttention's varlen path under a fixed max_seqlen_q is not checked
+        self.graph_buffers = PagedGraphBuffers(max_batch_size, max_batch_size, max_blocks_per_seq, self.block_size,
                                                self.k_caches[0].device)
 
     def prepare_for_capture(self, batch: ForwardBatch) -> None:
         self.graph_buffers.bind(batch)
 
-    def prepare_for_replay(self, batch: ForwardBatch, graph_batch_size: int) -> None:
-        self.graph_buffers.load(batch, graph_batch_size)
+    def prepare_for_replay(self, batch: ForwardBatch, graph_batch: ForwardBatch) -> None:
+        self.graph_buffers.load(batch, graph_batch)
 
 
 class FA4AttentionBackend(_FlashAttnBackend):

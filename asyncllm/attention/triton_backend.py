@@ -1,10 +1,13 @@
-"""The Triton backend: store_kvcache + paged_attention kernels, CUDA-graph capable for decode.
+"""The Triton backend: store_kvcache + paged_attention kernels, CUDA-graph capable for decode
+steps and for small mixed steps (prefill chunks with or without decodes).
 
 Eager steps pick the decode split count per step from the batch (prepare_metadata). A CUDA graph
 bakes its grid in, so each graph batch size gets a split count fixed at capture from the
 max_model_len bound; the decode kernel derives split lengths from the runtime seq_lens, so that
-count is valid for whatever lengths a replay brings. All per-step metadata a graph reads lives in
-static buffers that prepare_for_replay refreshes with a few small device copies.
+count is valid for whatever lengths a replay brings. A mixed graph runs the varlen kernel with the
+grid and tile shape of its token bound; padding sequences have no query rows and return at once.
+All per-step metadata a graph reads lives in static buffers that prepare_for_replay refreshes
+with a few small device copies.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ class TritonAttentionMetadata:
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
+    supports_mixed_cuda_graphs = True
 
     def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], num_heads: int,
                  num_kv_heads: int, head_dim: int, scale: float):
@@ -36,7 +40,8 @@ class TritonAttentionBackend(AttentionBackend):
         else:
             self.num_sms = DEFAULT_NUM_SMS
         self._eager_workspace: torch.Tensor | None = None
-        self._graph: PagedGraphBuffers | None = None
+        self._graph: PagedGraphBuffers | None = None  # decode graphs
+        self._mixed_graph: PagedGraphBuffers | None = None  # graphs of steps with prefill chunks
         self._graph_workspace: torch.Tensor | None = None
 
     # ---- per step ------------------------------------------------------------------------------
@@ -69,13 +74,18 @@ class TritonAttentionBackend(AttentionBackend):
                                batch.max_query_len, batch.max_seq_len, self.scale,
                                num_splits=meta.num_splits, workspace=meta.workspace, num_sms=self.num_sms)
 
-    # ---- CUDA graphs (decode only) -------------------------------------------------------------
-    def init_cuda_graph_state(self, max_batch_size: int, max_blocks_per_seq: int) -> None:
-        self._graph = PagedGraphBuffers(max_batch_size, max_blocks_per_seq, self.block_size, self.device)
+    # ---- CUDA graphs ---------------------------------------------------------------------------
+    def init_cuda_graph_state(self, max_batch_size: int, max_blocks_per_seq: int, max_mixed_tokens: int = 0) -> None:
+        self._graph = PagedGraphBuffers(max_batch_size, max_batch_size, max_blocks_per_seq, self.block_size,
+                                        self.device)
         # one scratch buffer sized for the most demanding graph; graphs replay one at a time
         numel = max(decode_workspace_numel(bs, self.num_heads, self.head_dim, self._graph_num_splits(bs))
                     for bs in range(1, max_batch_size + 1))
         self._graph_workspace = torch.empty(max(numel, 1), dtype=torch.float32, device=self.device)
+        self._mixed_graph = None
+        if max_mixed_tokens:
+            self._mixed_graph = PagedGraphBuffers(max_mixed_tokens, min(max_mixed_tokens, max_batch_size),
+                                                  max_blocks_per_seq, self.block_size, self.device, decode_only=False)
 
     def _graph_num_splits(self, batch_size: int) -> int:
         # fixed at capture from the length bound; the kernel sizes each split from the runtime length
@@ -83,10 +93,17 @@ class TritonAttentionBackend(AttentionBackend):
 
     def prepare_for_capture(self, batch: ForwardBatch) -> None:
         assert self._graph is not None, "call init_cuda_graph_state first"
+        if not batch.is_decode_only:
+            # the varlen kernel's grid is an upper bound from num_tokens and num_seqs, and its tile
+            # shape follows max_query_len: all three are the graph's, whatever a replay brings
+            self._mixed_graph.bind(batch)
+            batch.max_query_len = batch.num_tokens
+            batch.attn_metadata = TritonAttentionMetadata()
+            return
         self._graph.bind(batch)
         num_splits = self._graph_num_splits(batch.num_seqs)
         batch.attn_metadata = TritonAttentionMetadata(
             num_splits=num_splits, workspace=self._graph_workspace if num_splits > 1 else None)
 
-    def prepare_for_replay(self, batch: ForwardBatch, graph_batch_size: int) -> None:
-        self._graph.load(batch, graph_batch_size)
+    def prepare_for_replay(self, batch: ForwardBatch, graph_batch: ForwardBatch) -> None:
+        (self._graph if graph_batch.is_decode_only else self._mixed_graph).load(batch, graph_batch)

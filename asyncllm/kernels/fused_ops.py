@@ -1,14 +1,14 @@
 """Fused elementwise kernels with the math of asyncllm.layers, used by those layers on CUDA.
 
 Unfused, a decoder layer is some 80 tiny PyTorch kernels (casts, means, concatenations for rotary);
-at batch 1 those launches, not the weights, set the time per token. These cut a layer to ~11.
+at batch 1 those launches, not the weights, set the time per token. These cut a layer to ~9.
 
 - rms_norm / fused_add_rms_norm: RMSNorm's two forms in one pass over the row, computed in fp32
   with the same roundings as the PyTorch module (normed value rounded to the input dtype before
   the weight multiply; the residual sum rounded to the input dtype before normalising).
 - silu_and_mul: silu(gate) * up over a (..., 2 * N) input, gate first, in one pass.
-- rotary_embedding_: rotary position embedding applied in place, all heads of a token per program,
-  rounding where the PyTorch module rounds.
+- qk_norm_rope_: Qwen3's per-head q/k RMSNorm and then rotary, in place on the fused qkv
+  projection, all q and k heads of a token per program, rounding where the PyTorch modules round.
 Each saves the intermediate tensors' round trips through memory.
 """
 from __future__ import annotations
@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from asyncllm.kernels.host import next_power_of_2
 
 
 @triton.jit
@@ -39,6 +41,8 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() == 2 and x.stride(1) == 1:  # the model's (tokens, hidden) activations: no reshape
+        return x
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
@@ -54,24 +58,27 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 
 def _rms_norm(x, residual, weight, eps):
-    hidden = x.shape[-1]
     x2 = _rows(x)
-    out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    num_rows, hidden = x2.shape
+    if weight.dtype == x.dtype:
+        out = torch.empty_like(x2)
+    else:
+        out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     if residual is not None:
         r2 = _rows(residual)
         residual_out = torch.empty_like(x2)
     else:
         r2 = residual_out = x2  # unused
-    block = triton.next_power_of_2(hidden)
-    if x2.shape[0]:
-        _rms_norm_kernel[(x2.shape[0],)](
+    if num_rows:
+        block = next_power_of_2(hidden)
+        _rms_norm_kernel[(num_rows,)](
             x2, r2, weight, out, residual_out, x2.stride(0), r2.stride(0), out.stride(0),
             residual_out.stride(0), hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
             num_warps=min(16, max(1, block // 512)))
-    out = out.view(x.shape)
-    if residual is None:
-        return out, None
-    return out, residual_out.view(x.shape)
+    if x2 is not x:
+        out = out.view(x.shape)
+        residual_out = residual_out.view(x.shape)
+    return out, (None if residual is None else residual_out)
 
 
 @triton.jit
@@ -88,52 +95,73 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.c
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    n = x.shape[-1] // 2
     x2 = _rows(x)
-    out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
-    block = min(4096, triton.next_power_of_2(n))
-    if x2.shape[0]:
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](
+    num_rows, n = x2.shape[0], x2.shape[1] // 2
+    out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
+    if num_rows:
+        block = min(4096, next_power_of_2(n))
+        _silu_and_mul_kernel[(num_rows, (n + block - 1) // block)](
             x2, out, x2.stride(0), out.stride(0), n, BLOCK=block, num_warps=max(1, min(8, block // 256)))
-    return out.view(*x.shape[:-1], n)
+    return out if x2 is x else out.view(*x.shape[:-1], n)
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, cos_sin_ptr, positions_ptr, stride_xt, stride_xh, stride_cs, num_heads,
-                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _qk_norm_rope_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, stride_t, stride_cs, eps,
+                         NUM_Q_HEADS: tl.constexpr, NUM_QK_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                         HAS_NORM: tl.constexpr):
+    # one program per token: its q heads then its k heads, which sit next to each other in the
+    # row of the fused projection, each as two halves (the rotary pairs x[i] with x[i + HALF])
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     offs = tl.arange(0, BLOCK_HALF)
     heads = tl.arange(0, BLOCK_H)
     d_mask = offs < HALF
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs, mask=d_mask, other=0.0)[None, :]
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs, mask=d_mask, other=0.0)[None, :]
-    mask = (heads[:, None] < num_heads) & d_mask[None, :]
-    first = x_ptr + token * stride_xt + heads[:, None] * stride_xh + offs[None, :]
+    mask = (heads[:, None] < NUM_QK_HEADS) & d_mask[None, :]
+    first = qkv_ptr + token * stride_t + heads[:, None] * HEAD_DIM + offs[None, :]
     x1 = tl.load(first, mask=mask, other=0.0)
     x2 = tl.load(first + HALF, mask=mask, other=0.0)
-    # the PyTorch module's roundings, step by step: cos/sin cast to x's dtype, each product
-    # rounded, then the sum rounded (exact in fp32; in bf16 it keeps HF parity bit-for-bit)
     dtype = x1.dtype
-    cos = cos.to(dtype).to(tl.float32)
-    sin = sin.to(dtype).to(tl.float32)
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
+    if HAS_NORM:
+        # RMSNorm of each head over HEAD_DIM (Qwen3's q_norm / k_norm), rounded as the module rounds:
+        # the normed value to the input dtype, then the weighted product to the output dtype
+        inv_rms = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)
+        is_q = (heads < NUM_Q_HEADS)[:, None]
+        w1 = tl.where(is_q, tl.load(q_weight_ptr + offs, mask=d_mask, other=0.0)[None, :],
+                      tl.load(k_weight_ptr + offs, mask=d_mask, other=0.0)[None, :]).to(tl.float32)
+        w2 = tl.where(is_q, tl.load(q_weight_ptr + HALF + offs, mask=d_mask, other=0.0)[None, :],
+                      tl.load(k_weight_ptr + HALF + offs, mask=d_mask, other=0.0)[None, :]).to(tl.float32)
+        x1 = ((x1 * inv_rms[:, None]).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        x2 = ((x2 * inv_rms[:, None]).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs, mask=d_mask, other=0.0)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs, mask=d_mask, other=0.0)[None, :]
+    # the rotary module's roundings, step by step: cos/sin cast to x's dtype, each product
+    # rounded, then the sum rounded (exact in fp32; in bf16 it keeps HF parity bit-for-bit)
+    cos = cos.to(dtype).to(tl.float32)
+    sin = sin.to(dtype).to(tl.float32)
     out1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
     out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
     tl.store(first, out1.to(dtype), mask=mask)
     tl.store(first + HALF, out2.to(dtype), mask=mask)
 
 
-def rotary_embedding_(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
-    """Rotate x (tokens, heads, head_dim; any token/head strides) in place by its positions'
-    angles, half-split layout: cos_sin_cache rows are [cos(half) | sin(half)] in fp32."""
-    num_tokens, num_heads, head_dim = x.shape
-    assert x.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
+def qk_norm_rope_(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, num_q_heads: int,
+                  num_k_heads: int, head_dim: int, q_weight: torch.Tensor | None = None,
+                  k_weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """In place on qkv (tokens, (num_q_heads + 2 * num_k_heads) * head_dim), rows [q | k | v]:
+    RMSNorm of each q and k head (when q_weight and k_weight are given), then rotary of q and k by
+    their positions (half-split layout; cos_sin_cache rows are [cos(half) | sin(half)] in fp32).
+    v is untouched. One launch where the modules take up to five."""
+    num_tokens = qkv.shape[0]
+    assert qkv.dim() == 2 and qkv.stride(1) == 1 and cos_sin_cache.stride(-1) == 1
     if num_tokens:
         half = head_dim // 2
-        _rotary_kernel[(num_tokens,)](
-            x, cos_sin_cache, positions, x.stride(0), x.stride(1), cos_sin_cache.stride(0), num_heads,
-            HALF=half, BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_HALF=triton.next_power_of_2(half),
-            num_warps=4)
-    return x
+        has_norm = q_weight is not None
+        _qk_norm_rope_kernel[(num_tokens,)](
+            qkv, positions, cos_sin_cache, q_weight if has_norm else qkv, k_weight if has_norm else qkv,
+            qkv.stride(0), cos_sin_cache.stride(0), eps,
+            NUM_Q_HEADS=num_q_heads, NUM_QK_HEADS=num_q_heads + num_k_heads, HEAD_DIM=head_dim, HALF=half,
+            BLOCK_H=next_power_of_2(num_q_heads + num_k_heads), BLOCK_HALF=next_power_of_2(half), HAS_NORM=has_norm, num_warps=4)
+    return qkv

@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from asyncllm.kernels.host import cdiv, next_power_of_2
+
 LOG2E = 1.4426950408889634
 DEFAULT_NUM_SMS = 132  # H200 / H100 SXM
 MAX_SPLITS = 64
@@ -300,8 +302,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
     no split shorter than MIN_SPLIT_TOKENS of the longest sequence, at most MAX_SPLITS. Large
     batches already fill the GPU and get 1 (no reduction kernel, output written directly)."""
     programs = max(1, num_seqs * num_kv_heads)
-    wanted = triton.cdiv(num_sms * PROGRAMS_PER_SM, programs)
-    by_length = triton.cdiv(max(max_seq_len, 1), MIN_SPLIT_TOKENS)
+    wanted = cdiv(num_sms * PROGRAMS_PER_SM, programs)
+    by_length = cdiv(max(max_seq_len, 1), MIN_SPLIT_TOKENS)
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
 
@@ -349,7 +351,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     group = num_heads // num_kv_heads
     upcast, precision = _dot_config(q.dtype)
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = next_power_of_2(head_dim)
     small_elems = q.element_size() <= 2
     qk_scale = scale * LOG2E
     common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
@@ -380,22 +382,22 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             block_tables.shape[1],
             *part_strides,
-            G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+            G=group, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_N=block_n,
             DIRECT=direct, num_warps=4, num_stages=3 if small_elems else 2, **common,
         )
         if not direct:
             _decode_reduce_kernel[(num_seqs, num_heads)](
                 out, part_out, part_lse, query_start_loc, num_splits,
                 out.stride(0), out.stride(1), *part_strides,
-                HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
+                HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=next_power_of_2(num_splits),
                 num_warps=4 if num_splits * block_d >= 2048 else 2,
             )
         return out
 
     # prefill / mixed: rows of a tile are (token, head) pairs, BLOCK_M = BLOCK_Q * G rounded up
     max_m = 128 if small_elems and block_d <= 128 else 64
-    block_m = max(16, min(max_m, triton.next_power_of_2(max_query_len * group)))
-    block_m = max(block_m, triton.next_power_of_2(group))
+    block_m = max(16, min(max_m, next_power_of_2(max_query_len * group)))
+    block_m = max(block_m, next_power_of_2(group))
     block_q = block_m // group
     block_n = 64 if small_elems else 32
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)

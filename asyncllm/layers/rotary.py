@@ -6,7 +6,6 @@ import math
 import torch
 from torch import nn
 
-from asyncllm.layers.fused import fused_ops_for
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -41,15 +40,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: (tokens, heads, head_dim), k: (tokens, kv_heads, head_dim)."""
-        fused = fused_ops_for(q)
-        if fused is not None:
-            # in place: q and k are fresh views of this step's qkv projection (or of q/k norm outputs)
-            return (fused.rotary_embedding_(q, positions, self.cos_sin_cache),
-                    fused.rotary_embedding_(k, positions, self.cos_sin_cache))
-        return self.forward_native(positions, q, k)
-
-    def forward_native(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: (tokens, heads, head_dim), k: (tokens, kv_heads, head_dim). On CUDA the decoder uses
+        the fused kernel (kernels.fused_ops.qk_norm_rope_), which rounds exactly as this does."""
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 

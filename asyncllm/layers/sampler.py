@@ -16,7 +16,7 @@ from asyncllm.sampling_params import SamplingParams
 
 @dataclass
 class SamplingTensors:
-    temperatures: torch.Tensor  # (B,) float32; 0 = greedy
+    temperatures: torch.Tensor | None  # (B,) float32; 0 = greedy; None when every row is greedy
     filter_rows: torch.Tensor | None  # (F,) int64: the rows with top-k or top-p; None when no row has them
     top_ks: torch.Tensor | None  # (F,) int64 for filter_rows; vocab size = no limit; None when unused
     top_ps: torch.Tensor | None  # (F,) float32 for filter_rows; None when unused
@@ -32,8 +32,9 @@ class SamplingTensors:
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
         all_greedy = all(p.temperature == 0 for p in params)
-        filter_rows = top_ks = top_ps = min_ps = None
+        temperatures = filter_rows = top_ks = top_ps = min_ps = None
         if not all_greedy:
+            temperatures = to_device([p.temperature for p in params], torch.float32)
             rows = [i for i, p in enumerate(params) if p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0)]
             if rows:
                 filtered = [params[i] for i in rows]
@@ -44,8 +45,7 @@ class SamplingTensors:
                     top_ps = to_device([p.top_p for p in filtered], torch.float32)
             if any(p.min_p > 0 for p in params):
                 min_ps = to_device([p.min_p for p in params], torch.float32)
-        return cls(to_device([p.temperature for p in params], torch.float32), filter_rows, top_ks, top_ps,
-                   min_ps, list(seeded_rows), all_greedy)
+        return cls(temperatures, filter_rows, top_ks, top_ps, min_ps, list(seeded_rows), all_greedy)
 
 
 class Sampler(nn.Module):

@@ -15,6 +15,7 @@ from asyncllm.distributed import get_tp_size
 from asyncllm.layers.activation import SiluAndMul
 from asyncllm.layers.attention import Attention
 from asyncllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from asyncllm.layers.fused import fused_ops_for
 from asyncllm.layers.layernorm import RMSNorm
 from asyncllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from asyncllm.layers.rotary import RotaryEmbedding
@@ -43,13 +44,20 @@ class DecoderAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
+        fused = fused_ops_for(qkv)
+        if fused is not None:
+            # q/k norm and rotary in one kernel, in place on the projection's q and k columns
+            norm_args = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else ()
+            fused.qk_norm_rope_(qkv, positions, self.rotary_emb.cos_sin_cache, self.num_heads, self.num_kv_heads,
+                                self.head_dim, *norm_args)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        if fused is None:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary_emb(positions, q, k)
         out = self.attn(q, k, v, batch)
         return self.o_proj(out.flatten(1, -1))
 

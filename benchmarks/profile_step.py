@@ -1,0 +1,252 @@
+"""Where the time of one engine step goes: host work against GPU work, and the kernels of each.
+
+    python benchmarks/profile_step.py [--shape 0.6b] [--backend triton] [--json PATH]
+
+For three steps of the engine (a batch-1 decode, a batch-1 prefill of --prefill-len tokens, and a
+decode of --batch sequences with --context tokens each) it reports, as medians over --reps steps:
+- wall: the whole EngineCore.step as LLM.generate runs it;
+- host parts: schedule, build_inputs, the forward's launch (inputs uploaded, kernels queued),
+  sampling's launch, the wait in the one `.tolist()`, and the bookkeeping after it;
+- gpu: the device time from the forward's first kernel to the sampled ids (CUDA events);
+- for decode with CUDA graphs, the replay of the graph alone in a tight loop: the device floor of
+  the forward with no host work at all.
+Then a torch.profiler table per step: kernels by device time and their count per step. A step is
+host-bound when wall >> gpu, launch-bound when the kernel count times a few microseconds is near
+gpu, and bandwidth-bound when gpu is near (bytes read / copy bandwidth).
+"""
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+from common import (Report, add_engine_args, bench_requests, checkpoint_from_args, engine_kwargs, format_table,
+                    make_parser, median, parse_args, random_prompt, release_memory)
+
+from asyncllm import LLM, SamplingParams
+
+
+def timed_step(core, device: str) -> dict:
+    """One EngineCore.step, split into its parts (same calls, same order)."""
+    runner = core.runner
+    cuda = device == "cuda"
+    t0 = time.perf_counter()
+    sched = core.scheduler.schedule()
+    t1 = time.perf_counter()
+    inputs = runner.build_inputs(sched)
+    t2 = time.perf_counter()
+    if cuda:
+        gpu_start, gpu_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        gpu_start.record()
+    logits = runner.forward(inputs)
+    t3 = time.perf_counter()
+    with torch.inference_mode():
+        sampled = runner.sampler(logits, runner.prepare_sampling(sched))
+    if cuda:
+        gpu_end.record()
+    t4 = time.perf_counter()
+    token_ids = sampled.tolist()
+    t5 = time.perf_counter()
+    core.scheduler.commit(sched)
+    for item, token_id in zip((i for i in sched.scheduled if i.samples), token_ids):
+        item.seq.token_ids.append(token_id)
+        if core._finish_reason(item.seq, token_id) is not None:
+            core.finish_request(item.seq.request_id, "length")
+    t6 = time.perf_counter()
+    return {"wall": t6 - t0, "schedule": t1 - t0, "build_inputs": t2 - t1, "forward_launch": t3 - t2,
+            "sample_launch": t4 - t3, "tolist_wait": t5 - t4, "after": t6 - t5,
+            "gpu": gpu_start.elapsed_time(gpu_end) / 1e3 if cuda else None,
+            "num_seqs": len(sched.scheduled), "num_tokens": sched.num_batched_tokens}
+
+
+def graph_replay_time(runner, batch_size: int, iters: int = 50) -> float | None:
+    graphs = runner.graph_runner
+    if graphs is None:
+        return None
+    bs = next(s for s in graphs.batch_sizes if s >= batch_size)
+    graph = graphs.graphs[bs]
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def kernel_table(core, device: str, rows: int) -> tuple[str, int]:
+    """One profiled step: kernels by device time, and how many kernels the step launched."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        core.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    if device == "cuda":
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernels.sort(key=lambda e: e.device_time_total, reverse=True)
+        count = sum(e.count for e in kernels)
+        total = sum(e.device_time_total for e in kernels)
+        lines = ["| kernel | calls | device us | share |", "|---|---|---|---|"]
+        for e in kernels[:rows]:
+            lines.append(f"| `{e.key[:70]}` | {e.count} | {e.device_time_total:.0f} | "
+                         f"{e.device_time_total / max(total, 1e-9):.0%} |")
+        lines.append(f"| all {count} kernels | {count} | {total:.0f} | 100% |")
+        return "\n".join(lines), count
+    cpu = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:rows]
+    lines = ["| op | calls | self cpu us |", "|---|---|---|"]
+    lines += [f"| `{e.key[:70]}` | {e.count} | {e.self_cpu_time_total:.0f} |" for e in cpu]
+    return "\n".join(lines), 0
+
+
+def python_profile(core, setup, reps: int, rows: int) -> str:
+    """Host time by Python function over `reps` steps (setup excluded), as cProfile sees it."""
+    import cProfile
+    import io
+    import pstats
+    profiler = cProfile.Profile()
+    for _ in range(reps):
+        setup()
+        profiler.enable()
+        core.step()
+        profiler.disable()
+        drain(core)
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(rows * 2)
+    return f"cProfile over {reps} steps, by own time:\n```\n{text.getvalue().strip()}\n```"
+
+
+def start_requests(core, rng, num: int, prompt_len: int, max_tokens: int) -> None:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for _ in range(num):
+        core.add_request(random_prompt(rng, prompt_len), params)
+
+
+def run_to_decode(core) -> None:
+    """Step until every running request has its prompt computed (the next steps are decodes)."""
+    while core.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens - 1
+                                        for s in core.scheduler.running):
+        core.step()
+    core.step()
+
+
+def drain(core) -> None:
+    for request_id in list(core.requests):
+        core.finish_request(request_id)
+
+
+def profile_workload(core, num_requests: int, device: str) -> list[dict]:
+    """Every step of the throughput benchmark's workload, timed in parts and summed by kind of step:
+    where the seconds of that run go."""
+    prompts, params = bench_requests(num_requests)
+    for prompt, p in zip(prompts, params):
+        core.add_request(prompt, p)
+    totals: dict[str, dict] = {}
+    num_output = 0
+    while core.has_unfinished():
+        step = timed_step(core, device)
+        kind = "decode only" if step["num_tokens"] == step["num_seqs"] else "with prefill"
+        row = totals.setdefault(kind, {"kind": kind, "steps": 0, "tokens": 0, **{p: 0.0 for p in PARTS[:-1]}})
+        row["steps"] += 1
+        row["tokens"] += step["num_tokens"]
+        num_output += step["num_seqs"] if kind == "decode only" else 0
+        for part in PARTS[:-1]:
+            row[part] += step[part] or 0.0
+    rows = list(totals.values())
+    total = {"kind": "all", **{k: sum(r[k] for r in rows) for k in ["steps", "tokens"] + PARTS[:-1]}}
+    return rows + [total]
+
+
+PARTS = ["wall", "gpu", "schedule", "build_inputs", "forward_launch", "sample_launch", "tolist_wait", "after",
+         "graph_replay"]
+COLUMNS = [("step", "step"), ("seqs", "num_seqs"), ("tokens", "num_tokens"), ("kernels", "kernels")] + \
+    [(f"{p} (ms)", p, "{:.3f}") for p in PARTS]
+
+
+WORKLOAD_COLUMNS = [("steps", "kind"), ("count", "steps"), ("tokens", "tokens")] + \
+    [(f"{p} (s)", p, "{:.3f}") for p in PARTS[:-1]]
+
+
+def main(argv=None) -> dict:
+    parser = make_parser(__doc__)
+    add_engine_args(parser)
+    parser.add_argument("--prefill-len", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--rows", type=int, default=12, help="kernels listed per profiled step")
+    parser.add_argument("--workload", type=int, default=256, metavar="N",
+                        help="also time every step of the nano-vllm bench workload of N requests (0: skip)")
+    parser.add_argument("--cprofile", action="store_true",
+                        help="also print the Python functions that take the host time of each step (cProfile)")
+    args = parse_args(parser, argv)
+    rng = random.Random(args.seed)
+    report = Report("profile", args)
+    tables = []
+    with checkpoint_from_args(args) as model_dir:
+        llm = LLM(model_dir, **engine_kwargs(args, args.backend))
+        core = llm.core
+
+        def measure(name: str, setup, reps: int):
+            results = []
+            for _ in range(reps):
+                setup()
+                results.append(timed_step(core, args.device))
+                drain(core)
+            setup()
+            table, count = kernel_table(core, args.device, args.rows)
+            drain(core)
+            if args.cprofile:
+                table += "\n\n" + python_profile(core, setup, reps, args.rows)
+            row = {"step": name, "num_seqs": results[0]["num_seqs"], "num_tokens": results[0]["num_tokens"],
+                   "kernels": count}
+            for part in PARTS[:-1]:
+                values = [r[part] for r in results if r[part] is not None]
+                row[part] = median(values) * 1e3 if values else None
+            return row, table
+
+        def decode_setup(batch: int, context: int):
+            def setup():
+                start_requests(core, rng, batch, context, 64)
+                run_to_decode(core)
+            return setup
+
+        def prefill_setup():
+            start_requests(core, rng, 1, args.prefill_len, 2)
+
+        for setup in (decode_setup(1, 128), prefill_setup, decode_setup(args.batch, args.context)):  # warm-up
+            setup()
+            timed_step(core, args.device)
+            drain(core)
+        for name, setup, reps, batch in (
+                ("decode b=1 ctx=128", decode_setup(1, 128), args.reps, 1),
+                (f"prefill {args.prefill_len}", prefill_setup, args.reps, None),
+                (f"decode b={args.batch} ctx={args.context}", decode_setup(args.batch, args.context),
+                 max(3, args.reps // 4), args.batch)):
+            row, table = measure(name, setup, reps)
+            if batch is not None and args.device == "cuda":
+                replay = graph_replay_time(core.runner, batch)
+                row["graph_replay"] = None if replay is None else replay * 1e3
+            report.add(row)
+            tables.append(f"#### {name}\n\n{table}")
+            print(f"\n#### {name}\n\n{table}", flush=True)
+        if args.workload:
+            workload_rows = profile_workload(core, args.workload, args.device)
+            report.set("workload", workload_rows)
+            print("\n" + format_table(workload_rows, WORKLOAD_COLUMNS), flush=True)
+            tables.append(f"#### nano-vllm workload, {args.workload} requests\n\n"
+                          + format_table(workload_rows, WORKLOAD_COLUMNS))
+        assert core.block_manager.num_free_blocks == core.block_manager.num_total_blocks
+        llm = core = None  # noqa: F841
+        release_memory()
+    report.set("kernel_tables", tables)
+    report.finish(f"Step profile, {args.shape}, {args.backend}", COLUMNS)
+    return report.data
+
+
+if __name__ == "__main__":
+    main()
