@@ -38,6 +38,8 @@ SIZES = {
     "serving": {"full": [], "quick": ["--concurrency", "1,16,64", "--rates", "40", "--requests-per-rate", "32"],
                 "cpu": ["--concurrency", "1,4", "--rates", "20", "--requests-per-rate", "8", "--input-len", "64",
                         "--output-len", "8"]},
+    "profile": {"full": [], "quick": ["--reps", "5", "--workload", "64"],
+                "cpu": ["--reps", "2", "--batch", "4", "--context", "32", "--workload", "4"]},
     "hf": {"full": [], "quick": ["--num-requests", "8", "--max-output", "256", "--reps", "3"],
            "cpu": ["--num-requests", "4", "--max-input", "64", "--max-output", "16", "--reps", "3",
                    "--tpot-tokens", "16"]},
@@ -92,6 +94,8 @@ def plan(args, ckpt: dict[str, str]) -> list[Step]:
         steps.append(bench(f"hf-{small}", "hf", small, 90))
     if args.big:
         steps.append(bench("throughput-8b", "throughput", "8b", 90, "--backends", backend, "--mode", "sync"))
+    # where the time of a step goes (host parts, device time, kernels): the "why" behind the figures
+    steps.append(bench(f"profile-{small}", "profile", small, 70, "--backend", backend))
     kernels = os.path.join(HERE, "bench_kernels.py")
     if args.device == "cuda" and os.path.exists(kernels) and not args.skip_kernels:
         with open(kernels) as f:

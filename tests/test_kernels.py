@@ -371,6 +371,31 @@ def test_backend_graph_buffers_eagerly():
     assert torch.equal(ours.k_caches[0], ref.k_caches[0]) and torch.equal(ours.v_caches[0], ref.v_caches[0])
 
 
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("block_size", [16, 64, 128, 256])
+def test_fa4_backend_matches_reference(block_size):
+    """The FlashAttention-4 backend on our paged cache (its page_table path; page sizes other than
+    its KV tile take a non-TMA path) against the PyTorch reference: a mixed step of a fresh prompt,
+    chunks over cached context and decodes, then a decode-only step."""
+    pytest.importorskip("flash_attn.cute")
+    from asyncllm.attention.flash_attn_backend import FA4AttentionBackend
+    dtype, num_heads, num_kv_heads, head_dim = torch.bfloat16, 16, 8, 128
+    num_blocks = 4 * cdiv(1100, block_size) + 4
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    caches = [torch.randn(shape).to(dtype).to(DEVICE) for _ in range(2)]
+    ours = FA4AttentionBackend([caches[0].clone()], [caches[1].clone()], num_heads, num_kv_heads, head_dim,
+                               head_dim ** -0.5)
+    ref = TorchAttentionBackend([caches[0].float()], [caches[1].float()], num_heads, num_kv_heads, head_dim,
+                                head_dim ** -0.5)
+    tables = torch.randperm(num_blocks, dtype=torch.int32)[:4 * cdiv(1100, block_size)].view(4, -1).to(DEVICE)
+    for query_lens, context_lens in (([300, 1, 50, 1], [0, 700, 130, 64]), ([1, 1, 1, 1], [300, 701, 180, 65])):
+        batch = make_batch(query_lens, context_lens, tables, block_size)
+        ours.prepare_metadata(batch)
+        check_backend_step(ours, ref, batch, 0, *qkv(batch.num_tokens, num_heads, num_kv_heads, head_dim, dtype),
+                           dtype)
+
+
 def test_graph_bucket_sizes():
     from asyncllm.cuda_graph import graph_batch_sizes, graph_token_sizes
     assert graph_token_sizes(0) == []

@@ -1,6 +1,6 @@
 """Where the time of one engine step goes: host work against GPU work, and the kernels of each.
 
-    python benchmarks/profile_step.py [--shape 0.6b] [--backend triton] [--json PATH]
+    python benchmarks/bench_profile.py [--shape 0.6b] [--backend triton] [--json PATH]
 
 For three steps of the engine (a batch-1 decode, a batch-1 prefill of --prefill-len tokens, and a
 decode of --batch sequences with --context tokens each) it reports, as medians over --reps steps:
@@ -64,7 +64,7 @@ def graph_replay_time(runner, batch_size: int, iters: int = 50) -> float | None:
     if graphs is None:
         return None
     bs = next(s for s in graphs.batch_sizes if s >= batch_size)
-    graph = graphs.graphs[bs]
+    graph = graphs.graphs[("decode", bs)]
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
