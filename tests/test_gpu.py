@@ -95,6 +95,41 @@ def generate(llm: LLM, ps, params=GREEDY) -> list[list[int]]:
     return out
 
 
+def generate_with_prompt_logits(llm: LLM, ps, params=GREEDY) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """generate(), plus each request's logits at its first sampled step (those of its prompt's last
+    token, however the prompt was chunked, cached or recomputed), in prompt order. Prompts must differ."""
+    runner = llm.core.runner
+    first_logits: dict[tuple, torch.Tensor] = {}
+    execute, sampler_forward = runner.execute, runner.sampler.forward
+
+    def capturing_execute(sched):
+        rows = [item.seq for item in sched.scheduled if item.samples]
+
+        def capture(logits, sampling):
+            for row, seq in enumerate(rows):
+                prompt = tuple(seq.token_ids[:seq.num_prompt_tokens])
+                if seq.num_completion_tokens == 0 and prompt not in first_logits:
+                    first_logits[prompt] = logits[row].float().clone()
+            return sampler_forward(logits, sampling)
+        runner.sampler.forward = capture
+        try:
+            return execute(sched)
+        finally:
+            runner.sampler.forward = sampler_forward
+
+    runner.execute = capturing_execute
+    try:
+        tokens = generate(llm, ps, params)
+    finally:
+        del runner.execute  # the bound method again
+    return tokens, [first_logits[tuple(p)] for p in ps]
+
+
+def assert_logits_close(a: list[torch.Tensor], b: list[torch.Tensor], limit: float = 2e-2) -> None:
+    errors = [((x - y).norm() / y.norm()).item() for x, y in zip(a, b)]
+    assert max(errors) < limit, errors
+
+
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
     return same / sum(len(r) for r in a)
@@ -155,7 +190,8 @@ def test_cuda_graph_decode_matches_eager(model_dir, backend):
 def test_prefix_cache_chunking_preemption_same_tokens(model_dir, backend):
     shared = prompts(1, seed=3, lo=600, hi=601)[0]
     ps = [shared + p for p in prompts(8, seed=4, lo=5, hi=200)] + prompts(4, seed=5)
-    base = generate(get_llm(model_dir, backend, dtype=exact_dtype(backend), enable_prefix_caching=False), ps)
+    base, base_logits = generate_with_prompt_logits(
+        get_llm(model_dir, backend, dtype=exact_dtype(backend), enable_prefix_caching=False), ps)
     llm = get_llm(model_dir, backend, dtype=exact_dtype(backend))
     generate(llm, ps[:1])
     hits_before = llm.core.block_manager.num_prefix_hit_tokens
@@ -166,6 +202,8 @@ def test_prefix_cache_chunking_preemption_same_tokens(model_dir, backend):
     # a small cache and token budget: long prompts are prefilled in chunks and requests get preempted
     small = get_llm(model_dir, backend, dtype=exact_dtype(backend), num_kvcache_blocks=24, kvcache_block_size=64,
                     max_num_batched_tokens=128, max_num_seqs=16)
-    preempted = generate(small, ps)
+    preempted, chunked_logits = generate_with_prompt_logits(small, ps)
     assert small.core.scheduler.num_preemptions > 0
+    # the prompt logits after 128-token chunks on 64-token pages: free of greedy near-tie flips
+    assert_logits_close(chunked_logits, base_logits)
     assert_equivalent(preempted, base, backend)
