@@ -244,7 +244,10 @@ def main(argv=None) -> dict:
         llm = core = None  # noqa: F841
         release_memory()
     report.set("kernel_tables", tables)
-    report.finish(f"Step profile, {args.shape}, {args.backend}", COLUMNS)
+    table = report.finish(f"Step profile, {args.shape}, {args.backend}", COLUMNS)
+    if report.data.get("workload"):  # the summary shows each benchmark's "table": the workload's too
+        report.set("table", f"{table}\n\nEvery step of the throughput workload ({args.workload} requests), "
+                            f"summed by kind (s):\n\n{format_table(report.data['workload'], WORKLOAD_COLUMNS)}")
     return report.data
 
 
