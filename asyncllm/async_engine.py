@@ -93,9 +93,13 @@ def wake(waiters_by_loop: dict[Callable, list]) -> None:
 class RequestChannel:
     """Hands one request's tokens from the engine thread to its consumer."""
 
-    def __init__(self, request_id: str, waker: Callable):
+    def __init__(self, request_id: str, waker: Callable, wake_on_finish_only: bool = False):
         self.request_id = request_id
         self.waker = waker
+        # a consumer that only wants the whole answer (generate() without stop strings) is woken
+        # once, at the end, not once per step: with hundreds of such requests the per-step wake-ups
+        # cost the event loop more than the engine thread's own work
+        self.wake_on_finish_only = wake_on_finish_only
         self._lock = threading.Lock()
         self._token_ids: list[int] = []
         self._finish_reason: str | None = None
@@ -122,6 +126,8 @@ class RequestChannel:
                 self._finish_reason = finish_reason
                 self._error = error
                 self.closed = True
+            elif self.wake_on_finish_only:
+                return None
             waiter, self._waiter = self._waiter, None
         return waiter
 
@@ -341,7 +347,9 @@ class AsyncLLMEngine:
             queued = sum(1 for command in self._inbox if command[0] == "add") + self._stats.get("num_waiting", 0)
             if limit and queued >= limit:
                 raise QueueFullError(f"{limit} requests are already queued (max_queued_requests); retry later")
-        channel = RequestChannel(request_id, _current_loop_waker())
+        # without incremental text and stop strings nobody looks at the tokens before the end
+        channel = RequestChannel(request_id, _current_loop_waker(),
+                                 wake_on_finish_only=not incremental_text and not params.stop)
         assembler = TextAssembler(self._core.tokenizer, prompt_token_ids, params, incremental=incremental_text)
         stream = RequestStream(self, channel, assembler, prompt_token_ids)
         self._post(("add", channel, prompt_token_ids, params))

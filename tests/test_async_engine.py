@@ -118,6 +118,44 @@ async def test_stream_and_generate_match_sync_llm(make_engine, sync_reference):
                | {s.request_id for s, _ in streamed.values()}) == 2 * len(PROMPTS)
 
 
+async def test_generate_is_woken_once_a_stream_as_tokens_come(make_engine, monkeypatch):
+    """generate() without stop strings wants only the whole answer, so its task is woken once, at
+    the end, not on every step (hundreds of such wake-ups per step cost the event loop more than
+    the engine's own work); a stream, or generate() with stop strings, is woken as tokens come."""
+    from asyncllm import async_engine
+    handed: dict[str, int] = {}
+    put_quietly = async_engine.RequestChannel.put_quietly
+
+    def counting(self, *args, **kwargs):
+        waiter = put_quietly(self, *args, **kwargs)
+        if waiter is not None:
+            handed[self.request_id] = handed.get(self.request_id, 0) + 1
+        return waiter
+
+    monkeypatch.setattr(async_engine.RequestChannel, "put_quietly", counting)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    results, items = {}, []
+    with anyio.fail_after(TIMEOUT):
+        async with make_engine() as engine:
+            async def generate(request_id, p):
+                results[request_id] = await engine.generate(PROMPTS[0], p, request_id=request_id)
+
+            async def stream():
+                items.extend([out async for out in engine.stream(PROMPTS[1], params, request_id="streamed")])
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(generate, "plain", params)
+                tg.start_soon(generate, "with-stops",
+                              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=["never-seen"]))
+                tg.start_soon(stream)
+            await assert_idle(engine)
+    assert len(results["plain"].token_ids) == 24 and results["plain"].finish_reason == "length"
+    assert results["with-stops"].token_ids == results["plain"].token_ids
+    assert results["plain"].text == results["with-stops"].text
+    assert handed.get("plain", 0) <= 1
+    assert handed["with-stops"] > 1 and handed["streamed"] > 1 and len(items) > 1
+
+
 # ---- cancellation by every route ---------------------------------------------------------------
 class Run:
     def __init__(self, request_id, route, max_tokens, k):
