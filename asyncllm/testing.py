@@ -81,3 +81,82 @@ def stop_process(proc) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+# ---- comparing two engines' greedy runs (GPU tests: bf16, tensor parallelism) --------------------
+def generate_with_logits(llm, prompts: list[list[int]], params) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+    """llm.generate(prompts, params), plus the logits each request sampled from at each of its steps
+    (float32, on the device), in prompt order. A step recomputed after preemption keeps the logits it
+    first had. Prompts must differ from each other: requests are matched to prompts by their ids."""
+    runner = llm.core.runner
+    captured: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}
+    execute, sampler_forward = runner.execute, runner.sampler.forward
+
+    def capturing_execute(sched):
+        rows = [item.seq for item in sched.scheduled if item.samples]
+
+        def capture(logits, sampling):
+            for row, seq in enumerate(rows):
+                key = (tuple(seq.token_ids[:seq.num_prompt_tokens]), seq.num_completion_tokens)
+                captured.setdefault(key, logits[row].float().clone())
+            return sampler_forward(logits, sampling)
+        runner.sampler.forward = capture
+        try:
+            return execute(sched)
+        finally:
+            runner.sampler.forward = sampler_forward
+
+    if len({tuple(p) for p in prompts}) != len(prompts):
+        raise ValueError("prompts: every prompt must differ (requests are matched to prompts by their ids)")
+    runner.execute = capturing_execute
+    try:
+        tokens = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        del runner.execute  # the bound method again
+    logits = [[captured[(tuple(p), step)] for step in range(len(t))] for p, t in zip(prompts, tokens)]
+    return tokens, logits
+
+
+def first_divergence(a: list[int], b: list[int]) -> int:
+    """Index of the first token where a and b differ (the shorter length if one is a prefix)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def assert_greedy_runs_match(reference: tuple, other: tuple, logits_rtol: float) -> dict:
+    """Two greedy runs of the same prompts (tokens, logits per step, from generate_with_logits) agree
+    up to rounding: at every step both saw the same tokens so far, the logits differ by at most
+    logits_rtol (relative L2 norm), and where the chosen tokens differ the reference ranked the two
+    within a near-tie (a gap under 5 * logits_rtol of its logits' standard deviation) -- rounding
+    may flip such a choice, a real bug moves the logits past the tolerance. Returns statistics."""
+    ref_tokens, ref_logits = reference
+    tokens, logits = other
+    if len(ref_tokens) != len(tokens):
+        raise AssertionError(f"{len(ref_tokens)} reference sequences, {len(tokens)} compared")
+    problems, divergences, worst_rtol = [], [], 0.0
+    for i, (ra, rl, oa, ol) in enumerate(zip(ref_tokens, ref_logits, tokens, logits)):
+        if len(ra) != len(oa):
+            problems.append(f"sequence {i}: {len(ra)} tokens vs {len(oa)}")
+            continue
+        diverge = first_divergence(ra, oa)
+        divergences.append(diverge)
+        for step in range(min(diverge + 1, len(ra))):  # the steps where both had the same context
+            rtol = ((ol[step] - rl[step]).norm() / rl[step].norm()).item()
+            worst_rtol = max(worst_rtol, rtol)
+            if not rtol <= logits_rtol:
+                problems.append(f"sequence {i} step {step}: logits differ by {rtol:.2e} (relative), "
+                                f"over {logits_rtol:.0e}")
+                break
+        else:
+            if diverge < len(ra):
+                ref_logits_there = rl[diverge]
+                gap = (ref_logits_there[ra[diverge]] - ref_logits_there[oa[diverge]]).item()
+                scale = ref_logits_there.std().item()
+                if gap > 5 * logits_rtol * scale:
+                    problems.append(f"sequence {i} step {diverge}: token {oa[diverge]} instead of {ra[diverge]}, "
+                                    f"which led by {gap:.3g} (logits' std {scale:.3g}): not a near-tie")
+    if problems:
+        raise AssertionError("greedy runs differ beyond rounding:\n  " + "\n  ".join(problems))
+    total = sum(len(t) for t in ref_tokens)
+    return dict(num_sequences=len(tokens), num_identical=sum(d == len(t) for d, t in zip(divergences, tokens)),
+                first_divergences=divergences, worst_logits_rtol=worst_rtol,
+                token_agreement=sum(x == y for a, b in zip(ref_tokens, tokens) for x, y in zip(a, b)) / max(total, 1))

@@ -7,7 +7,8 @@ median of --reps after a warm-up. TPOT: (time of max_tokens=N+1 - time of max_to
 --tpot-prompt-len prompt, median of --tpot-reps. Every run uses a fresh random prompt, so the
 prefix cache never serves one. Bandwidth utilisation: the bytes a decode step must read (weights
 except the embedding table, plus the lm_head; K and V of the average context) / TPOT, over the
-measured device-to-device copy bandwidth.
+measured device-to-device copy bandwidth. With --tensor-parallel-size N the bytes are one rank's
+shard (each GPU reads its own), so the utilisation is per GPU.
 """
 from __future__ import annotations
 
@@ -82,7 +83,8 @@ def main(argv=None) -> dict:
                         achieved_gb_s=achieved / 1e9, bandwidth_util=achieved / copy_bw))
         llm = None  # noqa: F841
         release_memory()
-    report.finish(f"Batch-1 latency, {args.shape}, {args.backend} "
+    tp = f", TP={args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
+    report.finish(f"Batch-1 latency, {args.shape}, {args.backend}{tp} "
                   f"(copy bandwidth {copy_bw / 1e9:,.0f} GB/s)", COLUMNS)
     return report.data
 

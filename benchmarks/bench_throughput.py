@@ -62,7 +62,7 @@ def run_async(model_dir: str, kwargs: dict, prompts, params, warmup, device: str
 
 
 RUNNERS = {"sync": run_sync, "async": run_async}
-COLUMNS = [("backend", "backend"), ("mode", "mode"), ("requests", "num_requests"),
+COLUMNS = [("backend", "backend"), ("TP", "tensor_parallel_size"), ("mode", "mode"), ("requests", "num_requests"),
            ("output tokens", "total_tokens"), ("time (s)", "elapsed_s", "{:.2f}"),
            ("throughput (tok/s)", "throughput_tok_s", "{:,.0f}"), ("async/sync", "async_sync_ratio", "{:.3f}"),
            ("preemptions", "num_preemptions"), ("steps", "num_steps"), ("error", "error")]
@@ -95,7 +95,8 @@ def main(argv=None) -> dict:
                     print(f"{backend} {mode}: FAILED {type(exc).__name__}: {exc}")
                     release_memory()
                     continue
-                row = dict(backend=backend, mode=mode, shape=args.shape, num_requests=len(prompts),
+                row = dict(backend=backend, mode=mode, shape=args.shape, tensor_parallel_size=args.tensor_parallel_size,
+                           num_requests=len(prompts),
                            total_tokens=total_tokens, throughput_tok_s=total_tokens / stats["elapsed_s"], **stats)
                 if mode == "async" and "sync" in by_mode:
                     row["async_sync_ratio"] = row["throughput_tok_s"] / by_mode["sync"]["throughput_tok_s"]

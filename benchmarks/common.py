@@ -121,6 +121,7 @@ def add_engine_args(parser: argparse.ArgumentParser, multi_backend: bool = False
     parser.add_argument("--max-num-seqs", type=int, default=512, help="engine max_num_seqs")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="engine max_num_batched_tokens, the step's token budget (default: the engine's)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs (ranks) the model is sharded over")
 
 
 def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
@@ -136,7 +137,7 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
 
 def engine_kwargs(args, backend: str) -> dict:
     kwargs = dict(attention_backend=backend, enforce_eager=args.enforce_eager, device=args.device,
-                  max_num_seqs=args.max_num_seqs)
+                  max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size)
     if args.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     return kwargs

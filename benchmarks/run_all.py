@@ -99,6 +99,12 @@ def plan(args, ckpt: dict[str, str]) -> list[Step]:
         steps.append(bench(f"hf-{small}", "hf", small, 100))
     if args.big:
         steps.append(bench("throughput-8b", "throughput", "8b", 90, "--backends", backend, "--mode", "sync"))
+    if args.big and args.tensor_parallel > 1:
+        # the 8B sharded over N GPUs beside the one-GPU figures above (sync and async)
+        tp = ["--tensor-parallel-size", str(args.tensor_parallel)]
+        steps += [bench(f"latency-8b-tp{args.tensor_parallel}", "latency", "8b", 90, "--backend", backend, *tp),
+                  bench(f"throughput-8b-tp{args.tensor_parallel}", "throughput", "8b", 120, "--backends", backend,
+                        "--mode", "both", *tp)]
     # where the time of a step goes (host parts, device time, kernels): the "why" behind the figures
     steps.append(bench(f"profile-{small}", "profile", small, 70, "--backend", backend))
     kernels = os.path.join(HERE, "bench_kernels.py")
@@ -189,6 +195,23 @@ def headline(results: dict, small: str, big: bool) -> list[dict]:
     if big:
         add("8b throughput, sync (tok/s)", pick(results, "throughput-8b", "throughput_tok_s", mode="sync"), None,
             "{:,.0f}")
+    for name in sorted(n for n in results if n.startswith("throughput-8b-tp")):
+        for row in results[name]["results"]:
+            tp1 = pick(results, "throughput-8b", "throughput_tok_s", mode="sync")
+            value = row.get("throughput_tok_s")
+            add(f"8b throughput, TP={row.get('tensor_parallel_size')}, {row['mode']} (tok/s)", value, None, "{:,.0f}",
+                row.get("error", "")[:80] or (f"{value / tp1:.2f}x TP=1 sync" if value and tp1 else ""))
+    for name in sorted(n for n in results if n.startswith("latency-8b-tp")):
+        tp_size = name.rsplit("tp", 1)[1]
+        tpot, tp1 = pick(results, name, "median_ms", metric="TPOT"), pick(results, "latency-8b", "median_ms",
+                                                                          metric="TPOT")
+        util = pick(results, name, "bandwidth_util", metric="TPOT")
+        add(f"TPOT batch 1, 8b, TP={tp_size} (ms)", tpot, None, "{:.3f}",
+            ", ".join(x for x in ("" if util is None else f"{util:.0%} of copy bandwidth per GPU",
+                                  f"{tp1 / tpot:.2f}x TP=1" if tpot and tp1 else "") if x))
+        for prompt_len in (128, 1024):
+            add(f"TTFT {prompt_len}-token prompt, 8b, TP={tp_size} (ms)",
+                pick(results, name, "median_ms", metric="TTFT", prompt_len=prompt_len))
     for shape, bound in shapes:
         util = pick(results, f"latency-{shape}", "bandwidth_util", metric="TPOT")
         add(f"TPOT batch 1, {shape} (ms)", pick(results, f"latency-{shape}", "median_ms", metric="TPOT"),
@@ -233,6 +256,9 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-8b", action="store_true", help="no 8B checkpoint, latency or throughput")
     parser.add_argument("--skip-hf", action="store_true", help="no Hugging Face comparison")
     parser.add_argument("--skip-kernels", action="store_true", help="do not run bench_kernels.py")
+    parser.add_argument("--tensor-parallel", type=int, default=1,
+                        help="N > 1: also the 8B latency and throughput sharded over N GPUs (steps latency-8b-tpN, "
+                             "throughput-8b-tpN)")
     parser.add_argument("--total-budget-s", type=float, default=None,
                         help="stop starting steps past this many seconds (default 540 on CUDA, 900 on CPU)")
     parser.add_argument("--checkpoints", default=None,

