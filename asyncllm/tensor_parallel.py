@@ -317,18 +317,42 @@ class TensorParallelWorkers:
                     send_step(None, self.group)
                 except Exception:  # noqa: BLE001 - a broken group cannot say goodbye; the workers are ended below
                     goodbye = False
-        deadline = time.monotonic() + (_CLOSE_GRACE_S if goodbye else 0.0)
+        if not goodbye:
+            self._end_workers(deadline=time.monotonic())
+        # NCCL tears a communicator down collectively (every rank of a machine destroys it, or all
+        # wait): rank 0 destroys its groups now, while the workers destroy theirs on the goodbye
+        self._destroy_process_group()
+        self._end_workers(deadline=time.monotonic() + _CLOSE_GRACE_S)
+        self.group = None  # it holds the rendezvous store, whose port a new engine may reuse
+
+    def _end_workers(self, deadline: float) -> None:
+        """Wait for the workers to leave until deadline, then kill those still running."""
         for p in self.processes:
+            if p.pid is None:  # start-up failed before this one was started
+                continue
             p.join(timeout=max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-        if dist.is_initialized():
+
+    @staticmethod
+    def _destroy_process_group() -> None:
+        """dist.destroy_process_group(), given at most _CLOSE_GRACE_S: with a rank gone, NCCL's
+        teardown may wait for it forever, and close() must return all the same."""
+        if not dist.is_initialized():
+            return
+
+        def destroy() -> None:
             try:
                 dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - nothing more can be done with a broken group
                 pass
-        self.group = None  # it holds the rendezvous store, whose port a new engine may reuse
+        thread = threading.Thread(target=destroy, name="asyncllm-tp-destroy", daemon=True)
+        thread.start()
+        thread.join(timeout=_CLOSE_GRACE_S)
+        if thread.is_alive():
+            logger.warning("tensor-parallel close: the process group's teardown did not finish in %.0f s (a rank "
+                           "died mid-step?); a new tensor-parallel engine needs a new process", _CLOSE_GRACE_S)
 
 
 def _exit_with_parent(parent_pid: int) -> None:

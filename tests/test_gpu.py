@@ -109,8 +109,11 @@ def test_logits_and_tokens_match_hf(model_dir, hf_model, backend):
                                     return_dict_in_generate=True)
             hf_tokens.append(out.sequences[0, len(p):].tolist())
             hf_logits.append([step[0].float() for step in out.logits])
-    # two bf16 implementations: logits within 2 %, tokens equal but for near-ties
-    assert_equivalent((hf_tokens, hf_logits), ours, "bfloat16")
+    # two bf16 implementations: their rounding differs at every op, and the gap grows with the steps
+    # (the plain-PyTorch backend, whose ops match HF's, reaches 1.9e-2 over 24 steps on the H200)
+    stats = assert_greedy_runs_match((hf_tokens, hf_logits), ours, logits_rtol=3e-2)
+    print(f"vs HF: {stats['num_identical']}/{stats['num_sequences']} sequences identical, first divergences "
+          f"{stats['first_divergences']}, worst logits error {stats['worst_logits_rtol']:.1e}")
 
 
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "torch"])

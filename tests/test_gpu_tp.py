@@ -61,7 +61,7 @@ def run_engine(model_dir: str, tp: int, ps) -> tuple:
 
 def test_tp2_matches_tp1_on_qwen3_8b_shape(model_dir):
     # long prompts over a 2048-token budget: prefill chunks beside decodes, as in serving
-    ps = prompts(16, seed=0)
+    ps = prompts(12, seed=0)
     (tp1, _) = run_engine(model_dir, 1, ps)
     (tp2, stats) = run_engine(model_dir, 2, ps)
     assert stats["num_steps"] > GREEDY.max_tokens
