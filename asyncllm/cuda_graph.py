@@ -108,6 +108,16 @@ class CudaGraphRunner:
         logger.info("captured %d CUDA graphs (decode batches up to %d, mixed steps up to %d tokens) in %.1f s",
                     len(self.graphs), self.max_batch_size, self.max_mixed_tokens, time.perf_counter() - start)
 
+    def release(self) -> None:
+        """Destroy every graph. Before a tensor-parallel engine's process group goes: a graph that
+        captured an NCCL all-reduce holds its communicator, whose teardown then waits forever."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.batches.clear()
+        self.outputs.clear()
+        torch.cuda.synchronize()
+
     def _key(self, batch: ForwardBatch) -> tuple[str, int] | None:
         if batch.is_decode_only and batch.num_seqs <= self.max_batch_size:
             return "decode", self.batch_sizes[bisect.bisect_left(self.batch_sizes, batch.num_seqs)]

@@ -276,8 +276,15 @@ class ModelRunner:
             logits = self.forward(inputs)
         return self.sampler(logits, self.prepare_sampling(sched)).tolist()
 
+    def release_cuda_graphs(self) -> None:
+        """Drop the CUDA graphs (and their memory); later steps run eagerly."""
+        if self.graph_runner is not None:
+            self.graph_runner.release()
+            self.graph_runner = None
+
     def close(self) -> None:
         """Stop tensor-parallel workers, if any. Idempotent."""
+        self.release_cuda_graphs()  # first: graphs holding NCCL work would stall the group's teardown
         if self.workers is not None:
             self.workers.close()
             self.step_group = None  # it holds the rendezvous store, whose port a new engine may reuse

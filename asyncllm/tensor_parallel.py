@@ -378,12 +378,15 @@ def run_worker(config, rank: int, world_size: int, init_method: str, device_inde
     store = make_store(init_method, rank, world_size)
     store.set(_joined_key(rank), "1")
     group = init_distributed(rank, world_size, store, config.device, device_index)
+    runner = None
     try:
         check_same_model(config, rank, group)
         runner = ModelRunner(config, rank=rank, step_group=group)
         while (packed := receive_step(group)) is not None:
             runner.forward(StepInputs.unpack(packed))
     finally:
+        if runner is not None:
+            runner.release_cuda_graphs()  # before the group: see CudaGraphRunner.release
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001
