@@ -117,6 +117,13 @@ def generate_with_logits(llm, prompts: list[list[int]], params) -> tuple[list[li
     return tokens, logits
 
 
+def random_prompts(n: int, seed: int, lo: int = 5, hi: int = 300) -> list[list[int]]:
+    """n prompts of random ids below 100,000, with lengths drawn from [lo, hi)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 100000, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
 def first_divergence(a: list[int], b: list[int]) -> int:
     """Index of the first token where a and b differ (the shorter length if one is a prefix)."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -157,6 +164,9 @@ def assert_greedy_runs_match(reference: tuple, other: tuple, logits_rtol: float)
     if problems:
         raise AssertionError("greedy runs differ beyond rounding:\n  " + "\n  ".join(problems))
     total = sum(len(t) for t in ref_tokens)
-    return dict(num_sequences=len(tokens), num_identical=sum(d == len(t) for d, t in zip(divergences, tokens)),
-                first_divergences=divergences, worst_logits_rtol=worst_rtol,
-                token_agreement=sum(x == y for a, b in zip(ref_tokens, tokens) for x, y in zip(a, b)) / max(total, 1))
+    num_identical = sum(d == len(t) for d, t in zip(divergences, tokens))
+    return dict(num_sequences=len(tokens), num_identical=num_identical, first_divergences=divergences,
+                worst_logits_rtol=worst_rtol,
+                token_agreement=sum(x == y for a, b in zip(ref_tokens, tokens) for x, y in zip(a, b)) / max(total, 1),
+                summary=f"{num_identical}/{len(tokens)} sequences identical, first divergences {divergences}, "
+                        f"worst logits error {worst_rtol:.1e}")

@@ -195,20 +195,20 @@ def headline(results: dict, small: str, big: bool) -> list[dict]:
     if big:
         add("8b throughput, sync (tok/s)", pick(results, "throughput-8b", "throughput_tok_s", mode="sync"), None,
             "{:,.0f}")
+    tp1_throughput = pick(results, "throughput-8b", "throughput_tok_s", mode="sync")
+    tp1_tpot = pick(results, "latency-8b", "median_ms", metric="TPOT")
     for name in sorted(n for n in results if n.startswith("throughput-8b-tp")):
         for row in results[name]["results"]:
-            tp1 = pick(results, "throughput-8b", "throughput_tok_s", mode="sync")
             value = row.get("throughput_tok_s")
             add(f"8b throughput, TP={row.get('tensor_parallel_size')}, {row['mode']} (tok/s)", value, None, "{:,.0f}",
-                row.get("error", "")[:80] or (f"{value / tp1:.2f}x TP=1 sync" if value and tp1 else ""))
+                row.get("error", "")[:80] or (f"{value / tp1_throughput:.2f}x TP=1 sync" if value and tp1_throughput else ""))
     for name in sorted(n for n in results if n.startswith("latency-8b-tp")):
         tp_size = name.rsplit("tp", 1)[1]
-        tpot, tp1 = pick(results, name, "median_ms", metric="TPOT"), pick(results, "latency-8b", "median_ms",
-                                                                          metric="TPOT")
+        tpot = pick(results, name, "median_ms", metric="TPOT")
         util = pick(results, name, "bandwidth_util", metric="TPOT")
         add(f"TPOT batch 1, 8b, TP={tp_size} (ms)", tpot, None, "{:.3f}",
             ", ".join(x for x in ("" if util is None else f"{util:.0%} of copy bandwidth per GPU",
-                                  f"{tp1 / tpot:.2f}x TP=1" if tpot and tp1 else "") if x))
+                                  f"{tp1_tpot / tpot:.2f}x TP=1" if tpot and tp1_tpot else "") if x))
         for prompt_len in (128, 1024):
             add(f"TTFT {prompt_len}-token prompt, 8b, TP={tp_size} (ms)",
                 pick(results, name, "median_ms", metric="TTFT", prompt_len=prompt_len))

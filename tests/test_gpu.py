@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from asyncllm import LLM, SamplingParams
-from asyncllm.testing import assert_greedy_runs_match, build_tiny_checkpoint, generate_with_logits, qwen_tokenizer_dir
+from asyncllm.testing import (assert_greedy_runs_match, build_tiny_checkpoint, generate_with_logits, qwen_tokenizer_dir,
+                              random_prompts)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -37,23 +38,21 @@ def hf_model(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
 
 
-def prompts(n: int, seed: int = 0, lo: int = 5, hi: int = 300) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 100000, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
-
-
 # equivalence tests run in float32 (bf16 rounding differs with batch shape and would blur real
 # bugs), except on FlashAttention-4, which computes in bf16 only
 def exact_dtype(backend: str) -> str:
     return "bfloat16" if backend == "fa4" else "float32"
 
 
-def assert_equivalent(reference: tuple, other: tuple, dtype: str) -> None:
-    """Same tokens and logits up to rounding in dtype: see asyncllm.testing.assert_greedy_runs_match."""
-    stats = assert_greedy_runs_match(reference, other, logits_rtol=1e-3 if dtype == "float32" else 2e-2)
-    print(f"{dtype}: {stats['num_identical']}/{stats['num_sequences']} sequences identical, first divergences "
-          f"{stats['first_divergences']}, worst logits error {stats['worst_logits_rtol']:.1e}")
+# how far two runs' logits may drift apart by rounding alone, by the dtype both ran in
+LOGITS_RTOL = {"float32": 1e-3, "bfloat16": 2e-2}
+
+
+def assert_equivalent(reference: tuple, other: tuple, dtype: str, logits_rtol: float | None = None) -> None:
+    """Same tokens and logits up to rounding in dtype (by default within LOGITS_RTOL[dtype]): see
+    asyncllm.testing.assert_greedy_runs_match."""
+    stats = assert_greedy_runs_match(reference, other, logits_rtol or LOGITS_RTOL[dtype])
+    print(f"{dtype}: {stats['summary']}")
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -99,7 +98,7 @@ def run(llm: LLM, ps, params=GREEDY) -> tuple[list[list[int]], list[list[torch.T
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_logits_and_tokens_match_hf(model_dir, hf_model, backend):
     """Greedy tokens and every step's logits against HF transformers' generate(), both in bf16."""
-    ps = prompts(6, seed=1)
+    ps = random_prompts(6, seed=1)
     ours = run(get_llm(model_dir, backend), ps)
     hf_tokens, hf_logits = [], []
     with torch.no_grad():
@@ -111,16 +110,14 @@ def test_logits_and_tokens_match_hf(model_dir, hf_model, backend):
             hf_logits.append([step[0].float() for step in out.logits])
     # two bf16 implementations: their rounding differs at every op, and the gap grows with the steps
     # (the plain-PyTorch backend, whose ops match HF's, reaches 1.9e-2 over 24 steps on the H200)
-    stats = assert_greedy_runs_match((hf_tokens, hf_logits), ours, logits_rtol=3e-2)
-    print(f"vs HF: {stats['num_identical']}/{stats['num_sequences']} sequences identical, first divergences "
-          f"{stats['first_divergences']}, worst logits error {stats['worst_logits_rtol']:.1e}")
+    assert_equivalent((hf_tokens, hf_logits), ours, "bfloat16", logits_rtol=3e-2)
 
 
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "torch"])
 def test_cuda_graph_decode_matches_eager(model_dir, backend):
     """Decode graphs, and (triton) mixed graphs: a 512-token budget splits the prompts into steps
     of prefill chunks beside decodes, all small enough to replay a graph."""
-    ps = prompts(20, seed=2)
+    ps = random_prompts(20, seed=2)
     graphed = get_llm(model_dir, backend, dtype=exact_dtype(backend), max_num_batched_tokens=512)
     graphs = graphed.core.runner.graph_runner
     assert graphs is not None
@@ -136,8 +133,8 @@ def test_cuda_graph_decode_matches_eager(model_dir, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_prefix_cache_chunking_preemption_same_tokens(model_dir, backend):
-    shared = prompts(1, seed=3, lo=600, hi=601)[0]
-    ps = [shared + p for p in prompts(8, seed=4, lo=5, hi=200)] + prompts(4, seed=5)
+    shared = random_prompts(1, seed=3, lo=600, hi=601)[0]
+    ps = [shared + p for p in random_prompts(8, seed=4, lo=5, hi=200)] + random_prompts(4, seed=5)
     base = run(get_llm(model_dir, backend, dtype=exact_dtype(backend), enable_prefix_caching=False), ps)
     llm = get_llm(model_dir, backend, dtype=exact_dtype(backend))
     generate(llm, ps[:1])

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from asyncllm import LLM, SamplingParams
-from asyncllm.testing import QWEN3_8B, assert_greedy_runs_match, build_tiny_checkpoint, generate_with_logits
+from asyncllm.testing import (QWEN3_8B, assert_greedy_runs_match, build_tiny_checkpoint, generate_with_logits,
+                              random_prompts)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -34,12 +35,6 @@ def model_dir(tmp_path_factory) -> str:
     gc.collect()
     torch.cuda.empty_cache()
     return path
-
-
-def prompts(n: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 100000, (int(torch.randint(5, 1500, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
 
 
 def run_engine(model_dir: str, tp: int, ps, dtype: str) -> tuple:
@@ -67,22 +62,21 @@ def run_engine(model_dir: str, tp: int, ps, dtype: str) -> tuple:
 
 def test_tp2_matches_tp1_on_qwen3_8b_shape(model_dir):
     # long prompts over a 2048-token budget: prefill chunks beside decodes, as in serving
-    ps = prompts(12, seed=0)
+    ps = random_prompts(12, seed=0, hi=1500)
     # float32 (the bf16 weights upcast): one GPU's matmul and two ranks' partial sums plus an
     # all-reduce then agree to ~1e-6, so the comparison is tight
     tp1, _ = run_engine(model_dir, 1, ps, "float32")
     tp2, stats = run_engine(model_dir, 2, ps, "float32")
     assert stats["num_steps"] > GREEDY.max_tokens
     result = assert_greedy_runs_match(tp1, tp2, logits_rtol=1e-3)
-    print(f"float32, TP=2 vs TP=1: {result['num_identical']}/{result['num_sequences']} sequences identical, "
-          f"first divergences {result['first_divergences']}, worst logits error {result['worst_logits_rtol']:.1e}")
+    print(f"float32, TP=2 vs TP=1: {result['summary']}")
 
 
 def test_tp2_bf16_prompt_logits_near_tp1(model_dir):
     """In bf16 each rank rounds its partial sums before the all-reduce adds them: 72 extra roundings
     over the 8B's 36 layers put TP=2's logits 4-5 % from TP=1's (measured on the H200 pair). A
     wrong shard or a missing all-reduce moves them by ~100 %; 10 % separates the two."""
-    ps = prompts(6, seed=1)
+    ps = random_prompts(6, seed=1, hi=1500)
     (tp1_tokens, tp1_logits), _ = run_engine(model_dir, 1, ps, "bfloat16")
     (tp2_tokens, tp2_logits), _ = run_engine(model_dir, 2, ps, "bfloat16")
     errors = [((b[0] - a[0]).norm() / a[0].norm()).item() for a, b in zip(tp1_logits, tp2_logits)]
