@@ -4,7 +4,7 @@
 
 256 requests, prompts of 100..1024 random tokens, 100..1024 output tokens each (EOS ignored),
 temperature 0.6. nano-vllm's one short warm-up request, plus --warmup-requests short ones of
-assorted sizes (so that no Triton JIT compile is timed), then the whole batch is timed; throughput
+assorted sizes (so that no Triton JIT compile is timed; the "JIT compiles" column checks it), then the whole batch is timed; throughput
 is sum(max_tokens) / wall time, as nano-vllm reports it. sync: one LLM.generate call. async: all
 requests submitted at once to an AsyncLLMEngine, each consumed with engine.generate in a task group.
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from common import (Report, add_engine_args, bench_requests, checkpoint_from_args, engine_kwargs, make_parser,
-                    parse_args, release_memory, synchronize, timed, warmup_requests)
+from common import (Report, add_engine_args, bench_requests, checkpoint_from_args, engine_kwargs, jit_compiles,
+                    make_parser, parse_args, release_memory, synchronize, timed, warmup_requests)
 
 from asyncllm import LLM, AsyncLLMEngine, SamplingParams
 
@@ -26,14 +26,15 @@ def run_sync(model_dir: str, kwargs: dict, prompts, params, warmup, device: str)
     llm.generate([WARMUP_PROMPT], SamplingParams(), use_tqdm=False)
     if warmup[0]:
         llm.generate(*warmup, use_tqdm=False)
-    before = llm.core.stats()
+    before, compiled_before = llm.core.stats(), jit_compiles()
     outputs, elapsed = timed(lambda: llm.generate(prompts, params, use_tqdm=False), device)
     after = llm.core.stats()
+    compiled = jit_compiles() - compiled_before
     llm = None  # noqa: F841 - freed before the next engine starts
     release_memory()
     return dict(elapsed_s=elapsed, generated_tokens=sum(len(o["token_ids"]) for o in outputs),
                 num_preemptions=after["num_preemptions"] - before["num_preemptions"],
-                num_steps=after["num_steps"] - before["num_steps"])
+                num_steps=after["num_steps"] - before["num_steps"], jit_compiles=compiled)
 
 
 async def _run_async(model_dir: str, kwargs: dict, prompts, params, warmup, device: str) -> dict:
@@ -41,7 +42,7 @@ async def _run_async(model_dir: str, kwargs: dict, prompts, params, warmup, devi
         await engine.generate(WARMUP_PROMPT, SamplingParams())
         await asyncio.gather(*(engine.generate(p, sp) for p, sp in zip(*warmup)))
         await engine.wait_idle()
-        before = engine.stats()
+        before, compiled_before = engine.stats(), jit_compiles()
         synchronize(device)
         start = time.perf_counter()
         async with asyncio.TaskGroup() as group:
@@ -52,7 +53,7 @@ async def _run_async(model_dir: str, kwargs: dict, prompts, params, warmup, devi
         after = engine.stats()
     return dict(elapsed_s=elapsed, generated_tokens=sum(len(t.result().token_ids) for t in tasks),
                 num_preemptions=after["num_preemptions"] - before["num_preemptions"],
-                num_steps=after["num_steps"] - before["num_steps"])
+                num_steps=after["num_steps"] - before["num_steps"], jit_compiles=jit_compiles() - compiled_before)
 
 
 def run_async(model_dir: str, kwargs: dict, prompts, params, warmup, device: str) -> dict:
@@ -65,7 +66,8 @@ RUNNERS = {"sync": run_sync, "async": run_async}
 COLUMNS = [("backend", "backend"), ("TP", "tensor_parallel_size"), ("mode", "mode"), ("requests", "num_requests"),
            ("output tokens", "total_tokens"), ("time (s)", "elapsed_s", "{:.2f}"),
            ("throughput (tok/s)", "throughput_tok_s", "{:,.0f}"), ("async/sync", "async_sync_ratio", "{:.3f}"),
-           ("preemptions", "num_preemptions"), ("steps", "num_steps"), ("error", "error")]
+           ("preemptions", "num_preemptions"), ("steps", "num_steps"), ("JIT compiles", "jit_compiles"),
+           ("error", "error")]
 
 
 def main(argv=None) -> dict:

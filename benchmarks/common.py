@@ -184,6 +184,13 @@ def timed(fn: Callable, device: str):
     return result, time.perf_counter() - start
 
 
+def jit_compiles() -> int:
+    """Compiled variants of our Triton kernels in this process so far; the difference across a timed
+    run is how many JIT compiles it timed (0 is the goal: each costs ~1 s of host time on a GPU)."""
+    from asyncllm.kernels import compiled_variants
+    return sum(compiled_variants().values())
+
+
 def percentile(values: Sequence[float], q: float) -> float | None:
     if not values:
         return None

@@ -40,7 +40,8 @@ SIZES = {
                         "--output-len", "8"]},
     "profile": {"full": [], "quick": ["--reps", "5", "--workload", "64"],
                 "cpu": ["--reps", "2", "--batch", "4", "--context", "32", "--workload", "4"]},
-    "hf": {"full": ["--max-output", "512", "--tpot-reps", "1"], "quick": ["--num-requests", "8", "--max-output", "256", "--reps", "3"],
+    "hf": {"full": ["--max-output", "512", "--tpot-tokens", "64", "--tpot-reps", "1"],
+           "quick": ["--num-requests", "8", "--max-output", "256", "--reps", "3"],
            "cpu": ["--num-requests", "4", "--max-input", "64", "--max-output", "16", "--reps", "3",
                    "--tpot-tokens", "16"]},
 }
@@ -96,7 +97,7 @@ def plan(args, ckpt: dict[str, str]) -> list[Step]:
     if args.big:
         steps += [build("8b", 120), bench("latency-8b", "latency", "8b", 75, "--backend", backend)]
     if not args.skip_hf:
-        steps.append(bench(f"hf-{small}", "hf", small, 100))
+        steps.append(bench(f"hf-{small}", "hf", small, 110))
     if args.big:
         steps.append(bench("throughput-8b", "throughput", "8b", 90, "--backends", backend, "--mode", "sync"))
     if args.big and args.tensor_parallel > 1:

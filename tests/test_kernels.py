@@ -261,6 +261,29 @@ def test_prefill_large(block_size, head_dim):
     assert_close(run_ours(step), reference(step), torch.bfloat16)
 
 
+@gpu
+@needs_cuda
+def test_batch_size_and_table_width_compile_no_new_variants():
+    """Steps of any batch size and block-table width reuse one compiled kernel per path: a
+    compile on the serving path costs the host about a second."""
+    from asyncllm.kernels import compiled_variants
+
+    def counts(batch: int, width: int, query_len: int) -> dict:
+        max_context = width * 16 - query_len  # fits a table of exactly `width` 16-token blocks
+        step = make_step([query_len] * batch, random_lens(batch - 1, 1, max_context) + [max_context], 16, 8, 4,
+                         128, torch.bfloat16)
+        step["block_tables"] = step["block_tables"][:, :width].contiguous()
+        assert_close(run_ours(step, num_splits=3) if query_len == 1 else run_ours(step), reference(step),
+                     torch.bfloat16)
+        return compiled_variants()
+
+    for query_len in (1, 5):  # the decode pair, then the varlen kernel
+        first = counts(5, 9, query_len)
+        # a batch of 1, widths of 1 and of multiples of 16: the values Triton specializes on
+        for batch, width in ((1, 1), (16, 32), (1, 16), (3, 7), (32, 1)):
+            assert counts(batch, width, query_len) == first, (batch, width, query_len)
+
+
 # ----------------------------------------------------------------------------- num_splits
 
 def test_choose_num_splits():

@@ -33,4 +33,25 @@ from asyncllm.kernels.kv_store import store_kvcache  # noqa: E402
 from asyncllm.kernels.paged_attention import (choose_num_splits, decode_workspace_numel,  # noqa: E402
                                               paged_attention)
 
-__all__ = ["store_kvcache", "paged_attention", "choose_num_splits", "decode_workspace_numel"]
+
+
+def compiled_variants() -> dict[str, int]:
+    """How many compiled variants each launched Triton kernel of ours holds, over all devices.
+
+    A count that grows while serving means JIT compiles on the hot path (the benchmarks report
+    it). Empty under the interpreter, which compiles nothing."""
+    import importlib
+
+    import triton
+    counts = {}
+    for module_name in ("paged_attention", "kv_store", "fused_ops"):  # modules, not the same-named functions
+        module = importlib.import_module(f"asyncllm.kernels.{module_name}")
+        for name, obj in vars(module).items():
+            if isinstance(obj, triton.runtime.JITFunction):
+                count = sum(len(caches[0]) for caches in obj.device_caches.values())
+                if count:  # launched at least once (helpers inlined into kernels never are)
+                    counts[name] = count
+    return counts
+
+
+__all__ = ["store_kvcache", "paged_attention", "choose_num_splits", "decode_workspace_numel", "compiled_variants"]

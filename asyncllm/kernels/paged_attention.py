@@ -146,7 +146,12 @@ def _find_seq(query_start_loc_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr):
 
 # ----------------------------------------------------------------------------- prefill / mixed
 
-@triton.jit
+# Triton specializes integer arguments on "== 1" and "divisible by 16", compiling a variant for
+# each combination it meets. The batch size and block-table width change from step to step, so
+# left specialized they would make eager steps compile new variants (about a second each on the
+# H200's host) in the middle of serving; they gain nothing from it, being only loop bounds and
+# row offsets.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt", "max_blocks"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
@@ -207,7 +212,7 @@ def _prefill_kernel(
 
 # ----------------------------------------------------------------------------- decode (split-KV)
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_bt", "max_blocks"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
@@ -265,7 +270,7 @@ def _decode_kernel(
         tl.store(part_lse_ptr + seq * stride_lb + head * stride_lh + split, lse, mask=offs_g < G)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, num_splits,
     stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
