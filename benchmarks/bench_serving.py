@@ -16,8 +16,8 @@ import asyncio
 import random
 import time
 
-from common import (Report, add_engine_args, checkpoint_from_args, engine_kwargs, jit_compiles, make_parser, ms,
-                    parse_args, percentile, random_prompt, warmup_requests)
+from common import (Report, add_engine_args, checkpoint_from_args, engine_kwargs, jit_compiled_since, jit_snapshot,
+                    make_parser, ms, parse_args, percentile, random_prompt, warmup_requests)
 
 from asyncllm import AsyncLLMEngine, SamplingParams
 
@@ -121,14 +121,14 @@ async def run(args, model_dir: str, report: Report) -> None:
         await asyncio.gather(*(engine.generate(p, sp) for p, sp in zip(*warmup)))
         for load, level, num in levels:
             prompts = [random_prompt(rng, args.input_len) for _ in range(num)]
-            compiled_before = jit_compiles()
+            compiled_before = jit_snapshot()
             start = time.perf_counter()
             if load == "concurrency":
                 results = await closed_loop(engine, prompts, params, level)
             else:
                 results = await poisson(engine, prompts, params, level, rng)
             row = dict(load=load, level=level, **summarize(results, time.perf_counter() - start),
-                       jit_compiles=jit_compiles() - compiled_before)
+                       jit_compiles=jit_compiled_since(compiled_before))
             report.add(row)
             print(f"{load} {level}: TTFT p50 {row['ttft_p50_ms']:.1f} ms, ITL p99 {row['itl_p99_ms'] or 0:.2f} ms, "
                   f"{row['output_tok_s']:,.0f} tok/s", flush=True)
