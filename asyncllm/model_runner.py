@@ -181,9 +181,16 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------------
     def _upload(self, arrays: list[np.ndarray], dtype: torch.dtype) -> list[torch.Tensor]:
-        """Copy host arrays to the device in one transfer through a reused (pinned, on GPU) buffer."""
-        sizes = [a.size for a in arrays]
-        total = sum(sizes)
+        """Copy host arrays to the device in one transfer through a reused (pinned, on GPU) buffer.
+
+        Each array starts on a 16-byte boundary of the buffer: Triton compiles a kernel variant per
+        pointer alignment it meets, so packing them tightly would make a pointer's alignment depend
+        on the batch size and compile new variants mid-serving."""
+        align = 16 // dtype.itemsize
+        offsets, total = [], 0
+        for a in arrays:
+            offsets.append(total)
+            total += -(-a.size // align) * align
         staging, copied = self._staging.get(dtype, (None, None))
         if copied is not None:
             # the last step's copy out of this buffer may still be queued (a step that samples
@@ -192,7 +199,9 @@ class ModelRunner:
         if staging is None or staging.numel() < total:
             staging = torch.empty(max(total, 1 << 16), dtype=dtype, pin_memory=self.device.type == "cuda")
         host = staging[:total]
-        np.concatenate([a.ravel() for a in arrays], out=host.numpy())
+        host_np = host.numpy()
+        for a, offset in zip(arrays, offsets):
+            host_np[offset:offset + a.size] = a.ravel()
         if self.device.type == "cuda":
             device_copy = host.to(self.device, non_blocking=True)
             copied = torch.cuda.Event()
@@ -200,7 +209,7 @@ class ModelRunner:
         else:
             device_copy = host.clone()
         self._staging[dtype] = (staging, copied)
-        return [t.view(a.shape) for t, a in zip(device_copy.split(sizes), arrays)]
+        return [device_copy[offset:offset + a.size].view(a.shape) for a, offset in zip(arrays, offsets)]
 
     def _make_batch(self, inputs: StepInputs) -> ForwardBatch:
         query_start_loc = np.zeros(len(inputs.query_lens) + 1, dtype=np.int32)

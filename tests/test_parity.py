@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -304,3 +305,17 @@ def test_stop_token_ids(llm16, tiny_qwen3, hf):
     assert outputs[1]["token_ids"] == hf.greedy(tiny_qwen3, POOL[3], N)
     assert outputs[1]["finish_reason"] == "length"
     assert_all_blocks_free(llm16)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 5])
+def test_step_inputs_start_on_16_byte_boundaries(llm16, batch):
+    """Every uploaded step tensor starts 16-byte aligned whatever the batch and token counts, so a
+    Triton kernel meets one pointer alignment and never compiles a new variant mid-serving."""
+    runner = llm16.core.runner
+    arrays64 = [np.arange(n, dtype=np.int64) for n in (batch, 2 * batch + 1, batch + 3)]
+    arrays32 = [np.arange(n, dtype=np.int32) for n in (batch + 1, batch, 3 * batch + 2)]
+    for arrays, dtype in ((arrays64, torch.int64), (arrays32, torch.int32)):
+        tensors = runner._upload(arrays, dtype)
+        for array, tensor in zip(arrays, tensors):
+            assert tensor.data_ptr() % 16 == 0
+            assert tensor.tolist() == array.tolist()
