@@ -1,4 +1,4 @@
-"""Every benchmark in one command, within a fixed time budget (about 8-9 minutes on an H200).
+"""Every benchmark in one command, within a fixed time budget (9 minutes; 6.5 used on an H200).
 
     python benchmarks/run_all.py --out DIR [--quick] [--skip-8b] [--device cpu]
 

