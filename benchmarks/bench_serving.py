@@ -16,10 +16,11 @@ import asyncio
 import random
 import time
 
-from common import (Report, add_engine_args, checkpoint_from_args, engine_kwargs, jit_compiled_since, jit_snapshot,
-                    make_parser, ms, parse_args, percentile, random_prompt, warmup_requests)
+from common import (Report, add_engine_args, checkpoint_from_args, engine_kwargs, jit_compiled_since, make_parser,
+                    ms, parse_args, percentile, random_prompt, warmup_requests)
 
 from asyncllm import AsyncLLMEngine, SamplingParams
+from asyncllm.kernels import compiled_variants
 
 
 async def one_request(engine: AsyncLLMEngine, prompt: list[int], params: SamplingParams) -> dict:
@@ -121,7 +122,7 @@ async def run(args, model_dir: str, report: Report) -> None:
         await asyncio.gather(*(engine.generate(p, sp) for p, sp in zip(*warmup)))
         for load, level, num in levels:
             prompts = [random_prompt(rng, args.input_len) for _ in range(num)]
-            compiled_before = jit_snapshot()
+            compiled_before = compiled_variants()
             start = time.perf_counter()
             if load == "concurrency":
                 results = await closed_loop(engine, prompts, params, level)

@@ -5,8 +5,9 @@
 256 requests, prompts of 100..1024 random tokens, 100..1024 output tokens each (EOS ignored),
 temperature 0.6. nano-vllm's one short warm-up request, plus --warmup-requests short ones of
 assorted sizes (so that no Triton JIT compile is timed; the "JIT compiles" column checks that),
-then the whole batch is timed; throughput is sum(max_tokens) / wall time, as nano-vllm reports it. sync: one LLM.generate call. async: all
-requests submitted at once to an AsyncLLMEngine, each consumed with engine.generate in a task group.
+then the whole batch is timed; throughput is sum(max_tokens) / wall time, as nano-vllm reports
+it. sync: one LLM.generate call. async: all requests submitted at once to an AsyncLLMEngine, each
+consumed with engine.generate in a task group.
 """
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import asyncio
 import time
 
 from common import (Report, add_engine_args, bench_requests, checkpoint_from_args, engine_kwargs, jit_compiled_since,
-                    jit_snapshot, make_parser, parse_args, release_memory, synchronize, timed, warmup_requests)
+                    make_parser, parse_args, release_memory, synchronize, timed, warmup_requests)
 
 from asyncllm import LLM, AsyncLLMEngine, SamplingParams
+from asyncllm.kernels import compiled_variants
 
 WARMUP_PROMPT = "Benchmark: "  # nano-vllm's warm-up request
 
@@ -26,7 +28,7 @@ def run_sync(model_dir: str, kwargs: dict, prompts, params, warmup, device: str)
     llm.generate([WARMUP_PROMPT], SamplingParams(), use_tqdm=False)
     if warmup[0]:
         llm.generate(*warmup, use_tqdm=False)
-    before, compiled_before = llm.core.stats(), jit_snapshot()
+    before, compiled_before = llm.core.stats(), compiled_variants()
     outputs, elapsed = timed(lambda: llm.generate(prompts, params, use_tqdm=False), device)
     after = llm.core.stats()
     compiled = jit_compiled_since(compiled_before)
@@ -42,7 +44,7 @@ async def _run_async(model_dir: str, kwargs: dict, prompts, params, warmup, devi
         await engine.generate(WARMUP_PROMPT, SamplingParams())
         await asyncio.gather(*(engine.generate(p, sp) for p, sp in zip(*warmup)))
         await engine.wait_idle()
-        before, compiled_before = engine.stats(), jit_snapshot()
+        before, compiled_before = engine.stats(), compiled_variants()
         synchronize(device)
         start = time.perf_counter()
         async with asyncio.TaskGroup() as group:

@@ -184,16 +184,11 @@ def timed(fn: Callable, device: str):
     return result, time.perf_counter() - start
 
 
-def jit_snapshot() -> dict[str, int]:
-    """Compiled variants of each of our Triton kernels in this process so far (see jit_compiled_since)."""
-    from asyncllm.kernels import compiled_variants
-    return compiled_variants()
-
-
 def jit_compiled_since(before: dict[str, int]) -> str:
-    """The JIT compiles a timed run paid for, e.g. "0" or "1 _prefill_kernel" (each costs ~1 s of host
-    time on a GPU, so the goal is 0: the warm-up should have met every variant)."""
-    grown = {name: count - before.get(name, 0) for name, count in jit_snapshot().items()
+    """The JIT compiles a timed run paid for since `before` (a compiled_variants() snapshot), e.g. "0"
+    or "1 _prefill_kernel". Each costs ~1 s of host time on a GPU: the warm-up should meet them all."""
+    from asyncllm.kernels import compiled_variants
+    grown = {name: count - before.get(name, 0) for name, count in compiled_variants().items()
              if count > before.get(name, 0)}
     return " ".join(f"{n} {name}" for name, n in grown.items()) or "0"
 

@@ -97,6 +97,8 @@ def create_attention_backend(name: str, device: torch.device, **kwargs) -> Atten
 
 
 def _auto_backend(device: torch.device) -> str:
+    # triton even where FA4 is installed: on the H200 our kernels serve faster end to end (mixed-step
+    # CUDA graphs; FA4's eager prefill makes its TTFT 14 ms against 2) -- docs/BENCHMARKS.md
     if device.type != "cuda":
         return "torch"
     try:

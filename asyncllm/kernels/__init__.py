@@ -34,7 +34,6 @@ from asyncllm.kernels.paged_attention import (choose_num_splits, decode_workspac
                                               paged_attention)
 
 
-
 def compiled_variants() -> dict[str, int]:
     """How many compiled variants each launched Triton kernel of ours holds, over all devices.
 
