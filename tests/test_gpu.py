@@ -1,7 +1,7 @@
 """The engine on a CUDA GPU, against HF transformers on the same random weights (bf16).
 
 Run on the GPU machine through scripts/gpu_suite.sh. Every test runs once per attention backend
-available there (torch reference, triton, and fa4 when FlashAttention-4 is installed).
+available there (torch reference, triton, and fa4 / fa2 where FlashAttention-4 / -2 is installed).
 """
 from __future__ import annotations
 
@@ -18,8 +18,16 @@ from asyncllm.testing import (assert_greedy_runs_match, build_tiny_checkpoint, g
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-BACKENDS = ["torch", "triton"] + (["fa4"] if importlib.util.find_spec("flash_attn") is not None
-                                   and importlib.util.find_spec("flash_attn.cute") is not None else [])
+
+def installed(module: str) -> bool:
+    """`module` importable (a package's submodule only where the package itself is installed)."""
+    package = module.split(".")[0]
+    return importlib.util.find_spec(package) is not None and importlib.util.find_spec(module) is not None
+
+
+# fa4: flash-attn-4 (flash_attn.cute); fa2: flash-attn 2.x (flash_attn.flash_attn_interface)
+BACKENDS = (["torch", "triton"] + (["fa4"] if installed("flash_attn.cute") else [])
+            + (["fa2"] if installed("flash_attn.flash_attn_interface") else []))
 SHAPE = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=4, num_attention_heads=16,
              num_key_value_heads=8, head_dim=128, max_position_embeddings=8192)
 
@@ -39,9 +47,9 @@ def hf_model(model_dir):
 
 
 # equivalence tests run in float32 (bf16 rounding differs with batch shape and would blur real
-# bugs), except on FlashAttention-4, which computes in bf16 only
+# bugs), except on FlashAttention, which computes in bf16 / fp16 only
 def exact_dtype(backend: str) -> str:
-    return "bfloat16" if backend == "fa4" else "float32"
+    return "bfloat16" if backend in ("fa4", "fa2") else "float32"
 
 
 # how far two runs' logits may drift apart by rounding alone, by the dtype both ran in
