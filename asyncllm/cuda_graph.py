@@ -91,8 +91,8 @@ class CudaGraphRunner:
         start = time.perf_counter()
         pool = None
         # largest first, so that smaller graphs fit in the memory the first one took
-        keys = [("mixed", t) for t in reversed(self.token_sizes)] + [("decode", b) for b in reversed(self.batch_sizes)]
-        keys.sort(key=lambda key: -key[1])
+        keys = sorted([("mixed", t) for t in self.token_sizes] + [("decode", b) for b in self.batch_sizes],
+                      key=lambda key: -key[1])
         for key in keys:
             batch = self._static_batch(*key)
             self._run_model(batch)  # warm-up: autotuning and lazy initialisation stay out of the graph
