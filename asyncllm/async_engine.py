@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import itertools
 import logging
 import threading
 import time
@@ -91,11 +90,14 @@ def wake(waiters_by_loop: dict[Callable, list]) -> None:
 
 
 class RequestChannel:
-    """Hands one request's tokens from the engine thread to its consumer."""
+    """Hands one request's tokens from the engine thread to its consumer.
 
-    def __init__(self, request_id: str, waker: Callable, wake_on_finish_only: bool = False):
+    The wake-up goes to the event loop of the read that waits, not the one that created the
+    stream: a stream made in one loop (or thread) and read in another must still be woken.
+    """
+
+    def __init__(self, request_id: str, wake_on_finish_only: bool = False):
         self.request_id = request_id
-        self.waker = waker
         # a consumer that only wants the whole answer (generate() without stop strings) is woken
         # once, at the end, not once per step: with hundreds of such requests the per-step wake-ups
         # cost the event loop more than the engine thread's own work
@@ -105,19 +107,22 @@ class RequestChannel:
         self._finish_reason: str | None = None
         self._error: BaseException | None = None
         self._waiter: anyio.Event | None = None
+        self._waiter_waker: Callable | None = None  # the waiting read's event loop
         self.closed = False  # the engine will send nothing more
         self.metrics: RequestMetrics | None = None
         self.last_token_time: float | None = None  # engine thread's bookkeeping for inter-token gaps
 
     # engine thread
     def put(self, token_ids: list[int], finish_reason: str | None, error: BaseException | None = None) -> None:
-        waiter = self.put_quietly(token_ids, finish_reason, error)
-        if waiter is not None:
-            wake({self.waker: [waiter]})
+        waiting = self.put_quietly(token_ids, finish_reason, error)
+        if waiting is not None:
+            waker, waiter = waiting
+            wake({waker: [waiter]})
 
     def put_quietly(self, token_ids: list[int], finish_reason: str | None,
-                    error: BaseException | None = None) -> anyio.Event | None:
-        """Hand over tokens; returns the consumer's waiter if it is waiting (the caller wakes it)."""
+                    error: BaseException | None = None) -> tuple[Callable, anyio.Event] | None:
+        """Hand over tokens; returns (its loop's waker, waiter) if the consumer is waiting (the caller
+        wakes it)."""
         with self._lock:
             if self.closed:
                 return None
@@ -129,7 +134,7 @@ class RequestChannel:
             elif self.wake_on_finish_only:
                 return None
             waiter, self._waiter = self._waiter, None
-        return waiter
+        return None if waiter is None else (self._waiter_waker, waiter)
 
     # consumer
     async def get(self) -> tuple[list[int], str | None]:
@@ -141,6 +146,7 @@ class RequestChannel:
                     token_ids, self._token_ids = self._token_ids, []
                     return token_ids, self._finish_reason
                 waiter = self._waiter = anyio.Event()
+                self._waiter_waker = _current_loop_waker()
             await waiter.wait()
 
 
@@ -220,6 +226,7 @@ class AsyncLLMEngine:
         self._cv = threading.Condition()
         self._inbox: collections.deque = collections.deque()
         self._channels: dict[str, RequestChannel] = {}  # engine thread's view
+        self._endings: list[tuple[RequestChannel, str]] = []  # engine thread: final items not yet sent
         self._thread: threading.Thread | None = None
         self._core: EngineCore | None = None
         self._ready = threading.Event()
@@ -227,7 +234,6 @@ class AsyncLLMEngine:
         self._applying = False  # commands taken from the inbox, not yet reflected in _stats
         self._dead: BaseException | None = None
         self._closed = False
-        self._ids = itertools.count()
         self._stats: dict = {}
         self.tokenizer = None
 
@@ -336,10 +342,9 @@ class AsyncLLMEngine:
 
     def _submit(self, prompt_token_ids: list[int], params: SamplingParams | None, request_id: str | None,
                 argument: str = "prompt", incremental_text: bool = True):
-        params = SamplingParams() if params is None else params
-        self._core.check_request(prompt_token_ids, params, argument)
+        params = self._core.check_request(prompt_token_ids, SamplingParams() if params is None else params, argument)
         if request_id is None:
-            request_id = f"req-{next(self._ids)}"
+            request_id = self._core.new_request_id()
         elif not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id: expected a non-empty string")
         limit = self.config.max_queued_requests
@@ -348,8 +353,7 @@ class AsyncLLMEngine:
             if limit and queued >= limit:
                 raise QueueFullError(f"{limit} requests are already queued (max_queued_requests); retry later")
         # without incremental text and stop strings nobody looks at the tokens before the end
-        channel = RequestChannel(request_id, _current_loop_waker(),
-                                 wake_on_finish_only=not incremental_text and not params.stop)
+        channel = RequestChannel(request_id, wake_on_finish_only=not incremental_text and not params.stop)
         assembler = TextAssembler(self._core.tokenizer, prompt_token_ids, params, incremental=incremental_text)
         stream = RequestStream(self, channel, assembler, prompt_token_ids)
         self._post(("add", channel, prompt_token_ids, params))
@@ -411,11 +415,13 @@ class AsyncLLMEngine:
                     self._apply(command)
                 if commands:
                     self._publish_stats()  # so wait_idle sees the applied commands before the step ends
+                    self._send_endings()
                 if stopping:
                     break
-                if core.has_unfinished():
-                    self._deliver(core.step())
+                events = core.step() if core.has_unfinished() else []
+                # stats first: a consumer that has just read its last item sees its blocks free
                 self._publish_stats()
+                self._deliver(events)
         except BaseException as e:  # noqa: BLE001 - every consumer must hear of it
             logger.exception("engine step failed; the engine is dead")
             with self._cv:
@@ -425,6 +431,7 @@ class AsyncLLMEngine:
                 self._inbox.clear()
             error = EngineDeadError(f"the engine has failed: {e!r}")
             error.__cause__ = e
+            self._send_endings()
             for channel in list(self._channels.values()) + pending:
                 channel.put([], None, error)
             self._channels.clear()
@@ -434,6 +441,7 @@ class AsyncLLMEngine:
         for request_id in list(self._channels):
             self._end(request_id, "abort")
         self._publish_stats()
+        self._send_endings()
         self._close_core()
 
     def _close_core(self) -> None:
@@ -466,7 +474,12 @@ class AsyncLLMEngine:
         channel = self._channels.pop(request_id)
         if seq is not None:
             self._record(channel, seq, time.monotonic(), 0)
-        channel.put([], reason)
+        self._endings.append((channel, reason))  # sent once the stats show the request gone
+
+    def _send_endings(self) -> None:
+        endings, self._endings = self._endings, []
+        for channel, reason in endings:
+            channel.put([], reason)
 
     def _deliver(self, events) -> None:
         now = time.monotonic()
@@ -478,9 +491,10 @@ class AsyncLLMEngine:
             self._record(channel, event.seq, now, len(event.new_token_ids))
             if event.finish_reason is not None:
                 del self._channels[event.seq.request_id]
-            waiter = channel.put_quietly(event.new_token_ids, event.finish_reason)
-            if waiter is not None:
-                to_wake.setdefault(channel.waker, []).append(waiter)
+            waiting = channel.put_quietly(event.new_token_ids, event.finish_reason)
+            if waiting is not None:
+                waker, waiter = waiting
+                to_wake.setdefault(waker, []).append(waiter)
         # one cross-thread call per event loop per step, not one per stream
         wake(to_wake)
 

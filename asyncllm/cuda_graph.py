@@ -137,13 +137,17 @@ class CudaGraphRunner:
         num_tokens = batch.num_tokens
         self.input_ids[:num_tokens].copy_(batch.input_ids, non_blocking=True)
         self.positions[:num_tokens].copy_(batch.positions, non_blocking=True)
-        num_logits = batch.num_seqs
+        num_logits = batch.logits_indices.shape[0]
         if key[0] == "mixed":
-            num_logits = batch.logits_indices.shape[0]
             self.logits_indices[:num_logits].copy_(batch.logits_indices, non_blocking=True)
             # rows past them gather row 0: a stale index from a larger graph's step would overrun
             self.logits_indices[num_logits:graph_batch.num_seqs].zero_()
         self.backend.prepare_for_replay(batch, graph_batch)
         self.graphs[key].replay()
         self.num_replays[key[0]] += 1
-        return self.outputs[key][:num_logits]
+        logits = self.outputs[key]
+        if key[0] == "decode" and num_logits < batch.num_seqs:
+            # a decode-only step can hold a 1-token prefill chunk that does not sample: the graph
+            # computed logits for every row (row = token here), keep the sampled rows only
+            return logits[batch.logits_indices]
+        return logits[:num_logits]

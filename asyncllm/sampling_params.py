@@ -1,12 +1,24 @@
 """Per-request generation settings."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
+# bounds that keep stop-string matching cheap for everyone sharing the engine thread's loop
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+def _as_finite_float(value) -> float | None:
+    """value as a float, or None when it is not a finite number (an int too large for a float too)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) else None
 
 
 @dataclass
@@ -27,9 +39,10 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.{name}: {message}")
 
         for name in ("temperature", "top_p", "min_p"):
-            value = getattr(self, name)
-            if not _is_number(value) or math.isnan(value) or math.isinf(value):
-                fail(name, f"expected a finite number, got {value!r}")
+            value = _as_finite_float(getattr(self, name))
+            if value is None:
+                fail(name, f"expected a finite number, got {_short_repr(getattr(self, name))}")
+            setattr(self, name, value)
         if self.temperature < 0:
             fail("temperature", f"must be >= 0 (0 = greedy), got {self.temperature}")
         if self.temperature != 0 and self.temperature < 1e-5:
@@ -41,13 +54,13 @@ class SamplingParams:
         for name in ("top_k", "max_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                fail(name, f"expected an int, got {value!r}")
+                fail(name, f"expected an int, got {_short_repr(value)}")
         if self.top_k == 0 or self.top_k < -1:
-            fail("top_k", f"must be -1 (disabled) or >= 1, got {self.top_k}")
+            fail("top_k", f"must be -1 (disabled) or >= 1, got {_short_repr(self.top_k)}")
         if self.top_k >= 1 << 63:  # the sampler's int64 tensor; any top_k >= the vocabulary means all tokens
-            fail("top_k", f"must be < 2**63, got {self.top_k}")
+            fail("top_k", f"must be < 2**63, got {_short_repr(self.top_k)}")
         if self.max_tokens < 1:
-            fail("max_tokens", f"must be >= 1, got {self.max_tokens}")
+            fail("max_tokens", f"must be >= 1, got {_short_repr(self.max_tokens)}")
         if not isinstance(self.ignore_eos, bool):
             fail("ignore_eos", f"expected a bool, got {self.ignore_eos!r}")
         if not isinstance(self.include_stop_str_in_output, bool):
@@ -55,23 +68,40 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             fail("seed", f"expected an int or None, got {self.seed!r}")
         if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:  # torch.Generator's range
-            fail("seed", f"must be in [-2**63, 2**64), got {self.seed}")
-        if self.seed is not None and not -(1 << 63) <= self.seed < (1 << 64):
-            fail("seed", f"must be in [-2**63, 2**64), got {self.seed}")
+            fail("seed", f"must be in [-2**63, 2**64), got {_short_repr(self.seed)}")
         if isinstance(self.stop_token_ids, int) and not isinstance(self.stop_token_ids, bool):
             self.stop_token_ids = [self.stop_token_ids]
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-            fail("stop_token_ids", f"expected a list of non-negative ints, got {self.stop_token_ids!r}")
+            fail("stop_token_ids", f"expected a list of non-negative ints, got {_short_repr(self.stop_token_ids)}")
         self.stop_token_ids = list(self.stop_token_ids)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
-            fail("stop", f"expected a string or a list of strings, got {self.stop!r}")
+            fail("stop", f"expected a string or a list of strings, got {_short_repr(self.stop)}")
         if any(s == "" for s in self.stop):
             fail("stop", "stop strings must not be empty")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            fail("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        longest = max((len(s) for s in self.stop), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            fail("stop", f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters, got one of {longest}")
         self.stop = list(self.stop)
+
+    def snapshot(self) -> "SamplingParams":
+        """A validated copy that owns its lists: what a request keeps, so that changing these
+        params after submission cannot reach the engine thread."""
+        return dataclasses.replace(self)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _short_repr(value, limit: int = 80) -> str:
+    """repr for error messages: a 10,000-digit int or a huge list must not flood the log."""
+    try:
+        text = repr(value)
+    except ValueError:  # int too large for str() (Python's digit limit)
+        return f"an int of about {value.bit_length() * 30103 // 100000} digits"
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"

@@ -2,10 +2,10 @@
 AsyncLLMEngine drive this same object; it knows nothing of threads or event loops."""
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import os
+import uuid
 from dataclasses import dataclass
 
 from asyncllm.config import Config
@@ -55,8 +55,10 @@ class EngineCore:
         self.max_seq_len = min(config.max_model_len, self.block_manager.num_total_blocks * config.kvcache_block_size)
         self.vocab_size = config.hf_config.vocab_size
         self.eos_token_ids = self._find_eos_token_ids()
+        # no token decodes to more characters than this: a longer text cannot fit in max_seq_len
+        # tokens, and is refused before the tokenizer spends seconds on it
+        self.max_prompt_chars = self.max_seq_len * max(map(len, self.tokenizer.get_vocab()), default=1)
         self.requests: dict[str, Sequence] = {}
-        self._request_counter = itertools.count()
         self.num_steps = 0
         self.last_step: tuple[int, int] | None = None  # (prefill tokens, decode tokens) of the last step
 
@@ -77,36 +79,50 @@ class EngineCore:
             if not prompt:
                 raise ValueError(f"{argument}: the prompt is empty")
             check_text(prompt, argument)
+            if len(prompt) > self.max_prompt_chars:
+                raise ValueError(f"{argument}: {len(prompt)} characters cannot fit in {self.max_seq_len} tokens")
             token_ids = self.tokenizer.encode(prompt)
             if not token_ids:
                 raise ValueError(f"{argument}: the prompt encodes to no tokens")
-            return token_ids
+            return self.check_token_ids(token_ids, argument)
         if isinstance(prompt, (list, tuple)):
             if not prompt:
                 raise ValueError(f"{argument}: the token-id list is empty")
-            for i, t in enumerate(prompt):
-                if isinstance(t, bool) or not isinstance(t, int):
-                    raise TypeError(f"{argument}[{i}]: token ids must be ints, got {type(t).__name__}")
-                if not 0 <= t < self.vocab_size:
-                    raise ValueError(f"{argument}[{i}]: token id {t} is outside the vocabulary [0, {self.vocab_size})")
-            return list(prompt)
+            return self.check_token_ids(list(prompt), argument)
         raise TypeError(f"{argument}: expected a string or a list of token ids, got {type(prompt).__name__}")
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams, argument: str = "prompt") -> None:
+    def check_token_ids(self, token_ids: list[int], argument: str) -> list[int]:
+        """Every id an int inside the model's vocabulary: an id past it would fail inside a step."""
+        for i, t in enumerate(token_ids):
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise TypeError(f"{argument}[{i}]: token ids must be ints, got {type(t).__name__}")
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"{argument}[{i}]: token id {t} is outside the vocabulary [0, {self.vocab_size})")
+        return token_ids
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                      argument: str = "prompt") -> SamplingParams:
+        """Check a request; returns the validated snapshot of params that the request must keep."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
-        # checked again: fields set after construction would otherwise fail inside a step, killing the
-        # engine for every request
-        params.__post_init__()
+        # a snapshot: fields set on the caller's object later would otherwise reach a step and
+        # fail there, killing the engine for every request
+        params = params.snapshot()
         if len(prompt_token_ids) >= self.max_seq_len:
             what = "max_model_len" if self.max_seq_len == self.config.max_model_len else "the KV cache's capacity"
             raise ValueError(f"{argument}: {len(prompt_token_ids)} tokens leave no room to generate within "
                              f"{what} ({self.max_seq_len} tokens)")
+        return params
+
+    @staticmethod
+    def new_request_id() -> str:
+        # random, not a counter: a counter's "req-3" collides with an id a caller chose
+        return f"req-{uuid.uuid4().hex}"
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
-        self.check_request(prompt_token_ids, params)
+        params = self.check_request(prompt_token_ids, params)
         if request_id is None:
-            request_id = f"req-{next(self._request_counter)}"
+            request_id = self.new_request_id()
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         seq = Sequence(request_id, prompt_token_ids, params, self.config.kvcache_block_size)
@@ -131,6 +147,9 @@ class EngineCore:
         if sched.is_empty:
             return []
         token_ids = self.runner.execute(sched)
+        num_sampling = sum(1 for item in sched.scheduled if item.samples)
+        if len(token_ids) != num_sampling:  # a runner bug; caught here, not as a wrong token for someone
+            raise RuntimeError(f"the step sampled {len(token_ids)} tokens for {num_sampling} sampling rows")
         self.scheduler.commit(sched)
         self.num_steps += 1
         num_decode = sum(1 for item in sched.scheduled if item.num_tokens == 1 and item.samples)
