@@ -446,6 +446,10 @@ class AsyncLLMEngine:
 
     def _close_core(self) -> None:
         try:
+            self._core.drain()  # the step in flight, if any, finishes on the device before we close
+        except Exception:  # noqa: BLE001 - its requests are already ended; only its device work was left
+            logger.exception("the step in flight failed while the engine stopped")
+        try:
             self._core.close()  # tensor-parallel workers end with the engine thread
         except Exception:  # noqa: BLE001 - already shutting down; nothing more to tell anyone
             logger.exception("closing the engine core failed")

@@ -36,6 +36,9 @@ class Config:
     attention_backend: str = "auto"
     seed: int = 0
     max_queued_requests: int = 0  # async engine only; 0 = unbounded
+    # launch step N+1 before reading step N's sampled tokens, so the host's work for a step runs while
+    # the device computes the previous one. None: on where the device runs asynchronously (CUDA)
+    overlap_scheduling: bool | None = None
     # filled in from the checkpoint by resolve(); not user settings
     hf_config: Any = field(default=None, repr=False)
     torch_dtype: torch.dtype | None = field(default=None, repr=False)
@@ -74,6 +77,8 @@ class Config:
         for name in ("enforce_eager", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, f"expected a bool, got {getattr(self, name)!r}")
+        if self.overlap_scheduling is not None and not isinstance(self.overlap_scheduling, bool):
+            _fail("overlap_scheduling", f"expected a bool or None (auto), got {self.overlap_scheduling!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             _fail("dtype", f"must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -84,6 +89,9 @@ class Config:
             _fail("device", f"must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             _fail("device", "'cuda' was asked for but no CUDA device is available")
+        if self.overlap_scheduling is None:
+            # on CPU a forward returns when it is done: nothing to overlap, and results would come a step later
+            self.overlap_scheduling = self.device == "cuda"
         self._resolve_model()
 
     def _resolve_model(self) -> None:

@@ -100,6 +100,7 @@ class LLM:
                     num_prefill, num_decode = self.core.last_step
                     rate = (num_prefill if num_prefill else num_decode) / max(elapsed, 1e-9)
                     bar.set_postfix_str(f"{'Prefill' if num_prefill else 'Decode'}: {rate:.0f} tok/s")
+            self.core.drain()  # a step still in flight holds only finished requests' extra rows
         finally:
             for request_id in pending:
                 self.core.finish_request(request_id)

@@ -16,6 +16,7 @@ from asyncllm.config import Config
 from asyncllm.cuda_graph import CudaGraphRunner
 from asyncllm.distributed import get_tp_size
 from asyncllm.engine.scheduler import SchedulerOutput
+from asyncllm.engine.sequence import PENDING_TOKEN
 from asyncllm.layers.sampler import Sampler, SamplingTensors
 from asyncllm.models.checkpoint import iter_safetensors, load_weights
 from asyncllm.models.registry import create_model
@@ -48,6 +49,28 @@ class StepInputs:
         parts = np.split(packed[4:4 + sum(sizes)], np.cumsum(sizes)[:-1])
         return StepInputs(parts[0], parts[1], parts[2], parts[3].astype(np.int32), parts[4].astype(np.int32),
                           parts[5].astype(np.int32).reshape(num_seqs, max_blocks), parts[6])
+
+
+class LaunchedStep:
+    """A step whose forward and sampling are queued on the device: its sampled ids stay on the
+    device for the next step to read, and are copied to the host without blocking it."""
+
+    def __init__(self, sched: SchedulerOutput, sampled: torch.Tensor):
+        self.sched = sched
+        self.sampled = sampled  # (S,) int64, on the device
+        if sampled.device.type == "cuda":
+            self._host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+            self._host.copy_(sampled, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        else:
+            self._host, self._copied = sampled, None
+
+    def token_ids(self) -> list[int]:
+        """The sampled ids on the host (waits for the device to finish the step)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._host.tolist()
 
 
 class ModelRunner:
@@ -151,7 +174,7 @@ class ModelRunner:
         query_lens = [seq_len] * num_seqs
         # every block-table entry points at the probe cache's one block; slot -1 stores nothing
         blocks_per_seq = (seq_len + self.block_size - 1) // self.block_size
-        batch = self._make_batch(StepInputs(
+        batch, _ = self._make_batch(StepInputs(
             input_ids=np.zeros(seq_len * num_seqs, dtype=np.int64),
             positions=np.tile(np.arange(seq_len), num_seqs), slot_mapping=np.full(seq_len * num_seqs, -1),
             query_lens=np.array(query_lens, dtype=np.int32), seq_lens=np.array(query_lens, dtype=np.int32),
@@ -211,11 +234,14 @@ class ModelRunner:
         self._staging[dtype] = (staging, copied)
         return [device_copy[offset:offset + a.size].view(a.shape) for a, offset in zip(arrays, offsets)]
 
-    def _make_batch(self, inputs: StepInputs) -> ForwardBatch:
+    def _make_batch(self, inputs: StepInputs,
+                    extra: tuple[np.ndarray, ...] = ()) -> tuple[ForwardBatch, list[torch.Tensor]]:
+        """The step's ForwardBatch on the device; extra int64 arrays travel in the same copy (a second
+        copy out of the same staging buffer would wait for the device to finish the step before)."""
         query_start_loc = np.zeros(len(inputs.query_lens) + 1, dtype=np.int32)
         np.cumsum(inputs.query_lens, out=query_start_loc[1:])
-        input_ids, positions, slot_mapping, logits_indices = self._upload(
-            [inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.logits_indices], torch.int64)
+        input_ids, positions, slot_mapping, logits_indices, *extra = self._upload(
+            [inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.logits_indices, *extra], torch.int64)
         query_start_loc_t, seq_lens, block_tables = self._upload(
             [query_start_loc, inputs.seq_lens, inputs.block_tables], torch.int32)
         query_lens_cpu, seq_lens_cpu = inputs.query_lens.tolist(), inputs.seq_lens.tolist()
@@ -226,10 +252,13 @@ class ModelRunner:
             max_seq_len=max(seq_lens_cpu), query_lens_cpu=query_lens_cpu, seq_lens_cpu=seq_lens_cpu,
             attn_backend=self.attn_backend)
         self.attn_backend.prepare_metadata(batch)
-        return batch
+        return batch, extra
 
-    def build_inputs(self, sched: SchedulerOutput) -> StepInputs:
+    def build_inputs(self, sched: SchedulerOutput) -> tuple[StepInputs, np.ndarray, np.ndarray]:
+        """The step's inputs, and where they hold a PENDING_TOKEN: (token index in the step, the
+        row of the previous step's sampled ids that has its value)."""
         bs = self.block_size
+        pending_at, pending_rows = [], []
         num_seqs = len(sched.scheduled)
         input_ids, positions, logits_indices = [], [], []
         query_lens = np.empty(num_seqs, dtype=np.int32)
@@ -241,6 +270,9 @@ class ModelRunner:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_tokens
             input_ids.extend(seq.token_ids[start:end])
+            if end == len(seq.token_ids) and seq.token_ids[-1] == PENDING_TOKEN:
+                pending_at.append(num_tokens + item.num_tokens - 1)
+                pending_rows.append(seq.sample_row)
             positions.append(np.arange(start, end))
             query_lens[row] = item.num_tokens
             seq_lens[row] = end
@@ -251,8 +283,9 @@ class ModelRunner:
         positions_np = np.concatenate(positions)
         rows = np.repeat(np.arange(num_seqs), query_lens)
         slot_mapping = block_tables[rows, positions_np // bs].astype(np.int64) * bs + positions_np % bs
-        return StepInputs(np.asarray(input_ids, dtype=np.int64), positions_np, slot_mapping, query_lens, seq_lens,
-                          block_tables, np.asarray(logits_indices, dtype=np.int64))
+        inputs = StepInputs(np.asarray(input_ids, dtype=np.int64), positions_np, slot_mapping, query_lens, seq_lens,
+                            block_tables, np.asarray(logits_indices, dtype=np.int64))
+        return inputs, np.asarray(pending_at, dtype=np.int64), np.asarray(pending_rows, dtype=np.int64)
 
     def prepare_sampling(self, sched: SchedulerOutput) -> SamplingTensors:
         seqs = [item.seq for item in sched.scheduled if item.samples]
@@ -273,17 +306,32 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """The model on one step's inputs: logits of the rows in inputs.logits_indices."""
-        return self._forward(self._make_batch(inputs))
+        return self._forward(self._make_batch(inputs)[0])
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> list[int]:
-        """Run one step; returns the sampled token of each sequence that samples, in schedule order."""
-        inputs = self.build_inputs(sched)
+    def launch(self, sched: SchedulerOutput, prev: LaunchedStep | None) -> LaunchedStep:
+        """Queue one step's forward and sampling. Inputs still PENDING_TOKEN are the ids prev sampled:
+        they are filled in on the device, so the host never waits for prev."""
+        inputs, pending_at, pending_rows = self.build_inputs(sched)
+        if len(pending_at):
+            assert prev is not None, "a pending token without the step that samples it"
         if self.workers is not None:
+            # the other ranks get the inputs from the host: they need prev's ids there
+            if len(pending_at):
+                inputs.input_ids[pending_at] = np.asarray(prev.token_ids(), dtype=np.int64)[pending_rows]
             logits = self.workers.run_step(inputs, self.forward)  # the other ranks run it in lockstep
         else:
-            logits = self.forward(inputs)
-        return self.sampler(logits, self.prepare_sampling(sched)).tolist()
+            extra = (pending_at, pending_rows) if len(pending_at) else ()
+            batch, extra = self._make_batch(inputs, extra)
+            if extra:
+                at, rows = extra
+                batch.input_ids[at] = prev.sampled[rows]
+            logits = self._forward(batch)
+        return LaunchedStep(sched, self.sampler(logits, self.prepare_sampling(sched)))
+
+    def execute(self, sched: SchedulerOutput) -> list[int]:
+        """Run one step to the end; the sampled token of each sequence that samples, in schedule order."""
+        return self.launch(sched, None).token_ids()
 
     def release_cuda_graphs(self) -> None:
         """Drop the CUDA graphs (and their memory); later steps run eagerly."""

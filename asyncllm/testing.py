@@ -90,9 +90,10 @@ def generate_with_logits(llm, prompts: list[list[int]], params) -> tuple[list[li
     first had. Prompts must differ from each other: requests are matched to prompts by their ids."""
     runner = llm.core.runner
     captured: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}
-    execute, sampler_forward = runner.execute, runner.sampler.forward
+    launch, sampler_forward = runner.launch, runner.sampler.forward
 
-    def capturing_execute(sched):
+    def capturing_launch(sched, prev):
+        # before the launch, a sequence's length counts the token this step samples from these logits
         rows = [item.seq for item in sched.scheduled if item.samples]
 
         def capture(logits, sampling):
@@ -102,17 +103,17 @@ def generate_with_logits(llm, prompts: list[list[int]], params) -> tuple[list[li
             return sampler_forward(logits, sampling)
         runner.sampler.forward = capture
         try:
-            return execute(sched)
+            return launch(sched, prev)
         finally:
             runner.sampler.forward = sampler_forward
 
     if len({tuple(p) for p in prompts}) != len(prompts):
         raise ValueError("prompts: every prompt must differ (requests are matched to prompts by their ids)")
-    runner.execute = capturing_execute
+    runner.launch = capturing_launch
     try:
         tokens = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
     finally:
-        del runner.execute  # the bound method again
+        del runner.launch  # the bound method again
     logits = [[captured[(tuple(p), step)] for step in range(len(t))] for p, t in zip(prompts, tokens)]
     return tokens, logits
 

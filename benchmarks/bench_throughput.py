@@ -1,17 +1,27 @@
 """Offline throughput on nano-vllm's bench.py workload (random weights, random token ids).
 
-    python benchmarks/bench_throughput.py [--backends triton,fa4] [--mode sync|async|both] [--json PATH]
+    python benchmarks/bench_throughput.py [--backends triton,fa4] [--mode sync,stream,generate|all]
+                                          [--overlap auto|on|off|both] [--json PATH]
 
 256 requests, prompts of 100..1024 random tokens, 100..1024 output tokens each (EOS ignored),
 temperature 0.6. nano-vllm's one short warm-up request, plus --warmup-requests short ones of
 assorted sizes (so that no Triton JIT compile is timed; the "JIT compiles" column checks that),
-then the whole batch is timed; throughput is sum(max_tokens) / wall time, as nano-vllm reports
-it. sync: one LLM.generate call. async: all requests submitted at once to an AsyncLLMEngine, each
-consumed with engine.generate in a task group.
+then the whole batch is timed; throughput is sum(max_tokens) / wall time, as nano-vllm reports it.
+
+Modes: sync: one LLM.generate call. stream: every request submitted at once to an AsyncLLMEngine
+and read by its own `async for out in engine.stream(...)` task, which reads out.text and counts
+out.token_ids -- the path apps take. generate: the same with `await engine.generate(...)` (woken
+once per request). With more than one mode or overlap setting, each runs in its own process, one
+after another, and the table gives each row's ratio to sync with the same overlap setting.
 """
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 
 from common import (Report, add_engine_args, bench_requests, checkpoint_from_args, engine_kwargs, jit_compiled_since,
@@ -21,6 +31,7 @@ from asyncllm import LLM, AsyncLLMEngine, SamplingParams
 from asyncllm.kernels import compiled_variants
 
 WARMUP_PROMPT = "Benchmark: "  # nano-vllm's warm-up request
+MODES = ["sync", "stream", "generate"]
 
 
 def run_sync(model_dir: str, kwargs: dict, prompts, params, warmup, device: str) -> dict:
@@ -39,74 +50,128 @@ def run_sync(model_dir: str, kwargs: dict, prompts, params, warmup, device: str)
                 num_steps=after["num_steps"] - before["num_steps"], jit_compiles=compiled)
 
 
-async def _run_async(model_dir: str, kwargs: dict, prompts, params, warmup, device: str) -> dict:
+async def _stream_one(engine: AsyncLLMEngine, prompt, params) -> int:
+    num_tokens, num_chars = 0, 0
+    async for out in engine.stream(prompt, params):
+        num_chars += len(out.text)  # what an app shows
+        num_tokens += len(out.token_ids)
+    return num_tokens
+
+
+async def _generate_one(engine: AsyncLLMEngine, prompt, params) -> int:
+    return len((await engine.generate(prompt, params)).token_ids)
+
+
+async def _run_async(consume, model_dir: str, kwargs: dict, prompts, params, warmup, device: str) -> dict:
     async with AsyncLLMEngine(model_dir, **kwargs) as engine:
-        await engine.generate(WARMUP_PROMPT, SamplingParams())
-        await asyncio.gather(*(engine.generate(p, sp) for p, sp in zip(*warmup)))
+        await consume(engine, WARMUP_PROMPT, SamplingParams())
+        await asyncio.gather(*(consume(engine, p, sp) for p, sp in zip(*warmup)))
         await engine.wait_idle()
         before, compiled_before = engine.stats(), compiled_variants()
         synchronize(device)
         start = time.perf_counter()
         async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(engine.generate(p, sp)) for p, sp in zip(prompts, params)]
+            tasks = [group.create_task(consume(engine, p, sp)) for p, sp in zip(prompts, params)]
         synchronize(device)
         elapsed = time.perf_counter() - start
         await engine.wait_idle()  # the engine publishes its counters just after the last step
         after = engine.stats()
-    return dict(elapsed_s=elapsed, generated_tokens=sum(len(t.result().token_ids) for t in tasks),
+    return dict(elapsed_s=elapsed, generated_tokens=sum(t.result() for t in tasks),
                 num_preemptions=after["num_preemptions"] - before["num_preemptions"],
                 num_steps=after["num_steps"] - before["num_steps"], jit_compiles=jit_compiled_since(compiled_before))
 
 
-def run_async(model_dir: str, kwargs: dict, prompts, params, warmup, device: str) -> dict:
-    result = asyncio.run(_run_async(model_dir, kwargs, prompts, params, warmup, device))
+def run_stream(*args) -> dict:
+    result = asyncio.run(_run_async(_stream_one, *args))
     release_memory()
     return result
 
 
-RUNNERS = {"sync": run_sync, "async": run_async}
-COLUMNS = [("backend", "backend"), ("TP", "tensor_parallel_size"), ("mode", "mode"), ("requests", "num_requests"),
-           ("output tokens", "total_tokens"), ("time (s)", "elapsed_s", "{:.2f}"),
-           ("throughput (tok/s)", "throughput_tok_s", "{:,.0f}"), ("async/sync", "async_sync_ratio", "{:.3f}"),
+def run_generate(*args) -> dict:
+    result = asyncio.run(_run_async(_generate_one, *args))
+    release_memory()
+    return result
+
+
+RUNNERS = {"sync": run_sync, "stream": run_stream, "generate": run_generate}
+COLUMNS = [("backend", "backend"), ("TP", "tensor_parallel_size"), ("mode", "mode"), ("overlap", "overlap"),
+           ("requests", "num_requests"), ("output tokens", "total_tokens"), ("time (s)", "elapsed_s", "{:.2f}"),
+           ("throughput (tok/s)", "throughput_tok_s", "{:,.0f}"), ("/ sync", "sync_ratio", "{:.3f}"),
            ("preemptions", "num_preemptions"), ("steps", "num_steps"), ("JIT compiles", "jit_compiles"),
            ("error", "error")]
+
+
+def run_in_child(argv: list[str], backend: str, mode: str, overlap: str) -> list[dict]:
+    """This script for one backend, mode and overlap setting, in a fresh process: no engine or
+    allocator state of one mode colours the next."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        child = [sys.executable, os.path.abspath(__file__), *argv, "--backends", backend, "--mode", mode,
+                 "--overlap", overlap, "--json", out]
+        subprocess.run(child, check=False)
+        if not os.path.exists(out):
+            return [dict(backend=backend, mode=mode, overlap=overlap, error="the child process wrote no result")]
+        with open(out) as f:
+            return json.load(f)["results"]
+
+
+def strip_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in names:
+            skip = True
+        elif not any(arg.startswith(name + "=") for name in names):
+            kept.append(arg)
+    return kept
 
 
 def main(argv=None) -> dict:
     parser = make_parser(__doc__)
     add_engine_args(parser, multi_backend=True)
-    parser.add_argument("--mode", default="both", choices=["sync", "async", "both"], help="default: both")
+    parser.add_argument("--mode", default="all", help="comma-separated of sync, stream, generate; or all (default)")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--max-input", type=int, default=1024, help="longest prompt (shortest: 100)")
     parser.add_argument("--max-output", type=int, default=1024, help="largest max_tokens (smallest: 100)")
     parser.add_argument("--warmup-requests", type=int, default=64,
                         help="short requests run before timing (0: only nano-vllm's single warm-up prompt)")
-    args = parse_args(parser, argv)
-    modes = ["sync", "async"] if args.mode == "both" else [args.mode]
+    raw_argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(parser, raw_argv)
+    modes = MODES if args.mode in ("all", "both") else args.mode.split(",")
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        parser.error(f"--mode: unknown {sorted(unknown)}; choose from {MODES}")
+    overlaps = ["off", "on"] if args.overlap == "both" else [args.overlap]
+    settings = [(mode, overlap) for overlap in overlaps for mode in modes]
+    report = Report("throughput", args)
     prompts, params = bench_requests(args.num_requests, args.seed, args.max_input, args.max_output)
     total_tokens = sum(p.max_tokens for p in params)
-    warmup = warmup_requests(args.warmup_requests, args.max_input, args.seed + 1)
-    report = Report("throughput", args)
-    with checkpoint_from_args(args) as model_dir:
+    if len(settings) > 1 or len(args.backends) > 1:
+        child_argv = strip_options(raw_argv, ("--backends", "--mode", "--overlap", "--json"))
         for backend in args.backends:
-            by_mode = {}
-            for mode in modes:
-                try:
-                    stats = RUNNERS[mode](model_dir, engine_kwargs(args, backend), prompts, params, warmup,
-                                          args.device)
-                except Exception as exc:  # one failing backend (e.g. FA4 not built here) must not end the run
-                    report.add(dict(backend=backend, mode=mode, error=f"{type(exc).__name__}: {exc}"))
-                    print(f"{backend} {mode}: FAILED {type(exc).__name__}: {exc}")
-                    release_memory()
-                    continue
-                row = dict(backend=backend, mode=mode, shape=args.shape, tensor_parallel_size=args.tensor_parallel_size,
-                           num_requests=len(prompts),
-                           total_tokens=total_tokens, throughput_tok_s=total_tokens / stats["elapsed_s"], **stats)
-                if mode == "async" and "sync" in by_mode:
-                    row["async_sync_ratio"] = row["throughput_tok_s"] / by_mode["sync"]["throughput_tok_s"]
-                by_mode[mode] = row
-                report.add(row)
-                print(f"{backend} {mode}: {row['throughput_tok_s']:,.0f} tok/s in {row['elapsed_s']:.2f} s", flush=True)
+            for mode, overlap in settings:
+                for row in run_in_child(child_argv, backend, mode, overlap):
+                    report.add(row)
+    else:
+        (mode, overlap), backend = settings[0], args.backends[0]
+        warmup = warmup_requests(args.warmup_requests, args.max_input, args.seed + 1)
+        with checkpoint_from_args(args) as model_dir:
+            kwargs = engine_kwargs(args, backend)
+            try:
+                stats = RUNNERS[mode](model_dir, kwargs, prompts, params, warmup, args.device)
+                report.add(dict(backend=backend, mode=mode, overlap=overlap, shape=args.shape,
+                                tensor_parallel_size=args.tensor_parallel_size, num_requests=len(prompts),
+                                total_tokens=total_tokens, throughput_tok_s=total_tokens / stats["elapsed_s"], **stats))
+            except Exception as exc:  # one failing backend (e.g. FA4 not built here) must not end the run
+                report.add(dict(backend=backend, mode=mode, overlap=overlap, error=f"{type(exc).__name__}: {exc}"))
+                print(f"{backend} {mode}: FAILED {type(exc).__name__}: {exc}")
+    rows = report.data["results"]
+    for row in rows:
+        sync = next((r for r in rows if r.get("mode") == "sync" and r.get("backend") == row.get("backend")
+                     and r.get("overlap") == row.get("overlap") and r.get("throughput_tok_s")), None)
+        if sync and row.get("throughput_tok_s"):
+            row["sync_ratio"] = row["throughput_tok_s"] / sync["throughput_tok_s"]
     report.finish(f"Throughput, {args.shape}, nano-vllm workload ({len(prompts)} requests)", COLUMNS)
     return report.data
 

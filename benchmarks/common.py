@@ -122,6 +122,9 @@ def add_engine_args(parser: argparse.ArgumentParser, multi_backend: bool = False
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="engine max_num_batched_tokens, the step's token budget (default: the engine's)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs (ranks) the model is sharded over")
+    parser.add_argument("--overlap", default="auto", choices=["auto", "on", "off", "both"],
+                        help="Config.overlap_scheduling (auto: on with CUDA; both: off and on, where the benchmark "
+                             "compares them)")
 
 
 def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
@@ -140,6 +143,8 @@ def engine_kwargs(args, backend: str) -> dict:
                   max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size)
     if args.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if getattr(args, "overlap", "auto") in ("on", "off"):
+        kwargs["overlap_scheduling"] = args.overlap == "on"
     return kwargs
 
 

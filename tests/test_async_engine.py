@@ -30,10 +30,12 @@ def anyio_backend(request):
     return request.param
 
 
-@pytest.fixture(scope="module")
-def make_engine(tiny_qwen3):
+# every test runs with steps one after another and overlapped (step N+1 launched before step N's
+# tokens are read); on CPU overlap brings no speed, but its logic must hold all the same
+@pytest.fixture(scope="module", params=[False, True], ids=["serial", "overlap"])
+def make_engine(tiny_qwen3, request):
     def make(**overrides) -> AsyncLLMEngine:
-        return AsyncLLMEngine(tiny_qwen3, **{**ENGINE_KW, **overrides})
+        return AsyncLLMEngine(tiny_qwen3, **{**ENGINE_KW, "overlap_scheduling": request.param, **overrides})
     return make
 
 
@@ -468,15 +470,15 @@ async def test_engine_failure_reaches_every_consumer(make_engine, monkeypatch):
     with anyio.fail_after(TIMEOUT):
         async with make_engine(max_num_seqs=2) as engine:
             armed, entered, release = threading.Event(), threading.Event(), threading.Event()
-            execute = engine._core.runner.execute
+            launch = engine._core.runner.launch
 
-            def failing_execute(sched):
+            def failing_launch(sched, prev):
                 if armed.is_set():
                     entered.set()
                     release.wait(TIMEOUT)
                     raise RuntimeError("boom: the device fell over")
-                return execute(sched)
-            monkeypatch.setattr(engine._core.runner, "execute", failing_execute)
+                return launch(sched, prev)
+            monkeypatch.setattr(engine._core.runner, "launch", failing_launch)
 
             async def consume(name, stream, first=None):
                 try:

@@ -11,6 +11,8 @@ import anyio
 import pytest
 
 from asyncllm.async_engine import AsyncLLMEngine
+from asyncllm.llm import LLM
+from asyncllm.model_runner import LaunchedStep
 from asyncllm.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
@@ -146,9 +148,8 @@ async def test_a_prompt_too_long_to_fit_is_refused_before_tokenizing(tiny_qwen3,
 
 
 def test_a_step_that_returns_the_wrong_number_of_tokens_fails_loudly(tiny_qwen3, monkeypatch):
-    from asyncllm.llm import LLM
     llm = LLM(tiny_qwen3, **ENGINE_KW)
-    execute = llm.core.runner.execute
-    monkeypatch.setattr(llm.core.runner, "execute", lambda sched: execute(sched) + [0])
+    token_ids = LaunchedStep.token_ids
+    monkeypatch.setattr(LaunchedStep, "token_ids", lambda self: token_ids(self) + [0])
     with pytest.raises(RuntimeError, match="sampled 2 tokens for 1 sampling rows"):
         llm.generate(["Hi"], SamplingParams(max_tokens=2), use_tqdm=False)

@@ -158,3 +158,46 @@ def test_prefix_cache_chunking_preemption_same_tokens(model_dir, backend):
     preempted = run(small, ps)
     assert small.core.scheduler.num_preemptions > 0
     assert_equivalent(base, preempted, exact_dtype(backend))
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "torch"])
+def test_sampled_decode_graph_with_a_row_that_does_not_sample(model_dir, backend):
+    """A decode-only step can carry a 1-token prefill chunk that does not sample (a 3-token budget
+    over these prompts makes one); the decode graph computes logits for every row and must keep the
+    sampled ones only. Sampled with seeds, against the same engine without graphs."""
+    options = dict(dtype=exact_dtype(backend), max_num_batched_tokens=3, max_num_seqs=4, kvcache_block_size=16,
+                   num_kvcache_blocks=64)
+    prompts = [[1, 2], [3, 4], [5, 6, 7, 8, 9]]
+    params = [SamplingParams(temperature=0.8, max_tokens=4, seed=i, ignore_eos=True) for i in range(3)]
+    graphed = get_llm(model_dir, backend, **options)
+    with_graphs = generate(graphed, prompts, params)
+    assert graphed.core.runner.graph_runner.num_replays["decode"] > 0
+    del graphed
+    eager = generate(get_llm(model_dir, backend, enforce_eager=True, **options), prompts, params)
+    assert with_graphs == eager and all(len(t) == 4 for t in eager)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_overlapped_steps_match_serial_steps(model_dir, backend):
+    """Config.overlap_scheduling: step N+1 launched before step N's ids are read, taking them on the
+    device. Greedy (logits compared) and seeded sampling, with prefix hits, chunked prefill and
+    preemption, against the same engine running its steps one after another."""
+    dtype = exact_dtype(backend)
+    shared = random_prompts(1, seed=6, lo=300, hi=301)[0]
+    ps = [shared + p for p in random_prompts(6, seed=7, lo=5, hi=150)] + random_prompts(6, seed=8)
+    seeded = [SamplingParams(temperature=0.7, top_p=0.9, max_tokens=16, seed=i, ignore_eos=True)
+              for i in range(len(ps))]
+    for options in (dict(), dict(num_kvcache_blocks=20, kvcache_block_size=64, max_num_batched_tokens=128,
+                                 max_num_seqs=8)):
+        serial = get_llm(model_dir, backend, dtype=dtype, overlap_scheduling=False, **options)
+        base, base_sampled = run(serial, ps), generate(serial, ps, seeded)
+        del serial
+        overlapped = get_llm(model_dir, backend, dtype=dtype, overlap_scheduling=True, **options)
+        assert overlapped.core.overlap
+        assert_equivalent(base, run(overlapped, ps), dtype)
+        sampled = generate(overlapped, ps, seeded)
+        if options:
+            assert overlapped.core.scheduler.num_preemptions > 0
+        del overlapped
+        if dtype == "float32":  # bf16 rounding follows the batch's shape, which overlap changes
+            assert sampled == base_sampled

@@ -116,7 +116,8 @@ class BlockManager:
         """Hash the blocks that became full of computed KV, making them prefix-cache hits."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        # a block holding a token still being sampled is hashed once its value is known
+        num_full = min(seq.num_computed_tokens, seq.num_resolved_tokens) // self.block_size
         for block_index in range(len(seq.block_hashes), num_full):
             token_ids = seq.block_tokens(block_index)
             prefix_hash = seq.block_hashes[-1] if seq.block_hashes else -1

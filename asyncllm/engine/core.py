@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 from asyncllm.config import Config
 from asyncllm.engine.block_manager import BlockManager
-from asyncllm.engine.scheduler import Scheduler
-from asyncllm.engine.sequence import Sequence
-from asyncllm.model_runner import ModelRunner
+from asyncllm.engine.scheduler import Scheduler, SchedulerOutput
+from asyncllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from asyncllm.model_runner import LaunchedStep, ModelRunner
 from asyncllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("asyncllm")
@@ -60,7 +60,9 @@ class EngineCore:
         self.max_prompt_chars = self.max_seq_len * max(map(len, self.tokenizer.get_vocab()), default=1)
         self.requests: dict[str, Sequence] = {}
         self.num_steps = 0
-        self.last_step: tuple[int, int] | None = None  # (prefill tokens, decode tokens) of the last step
+        self._last_sched: SchedulerOutput | None = None
+        self.overlap = config.overlap_scheduling
+        self._in_flight: LaunchedStep | None = None  # launched, not yet resolved (overlap only)
 
     def _find_eos_token_ids(self) -> set[int]:
         ids = _as_id_set(getattr(self.config.hf_config, "eos_token_id", None))
@@ -125,7 +127,7 @@ class EngineCore:
             request_id = self.new_request_id()
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        seq = Sequence(request_id, prompt_token_ids, params, self.config.kvcache_block_size)
+        seq = Sequence(request_id, prompt_token_ids, params, self.config.kvcache_block_size, self.max_seq_len)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -136,45 +138,90 @@ class EngineCore:
         seq = self.requests.pop(request_id, None)
         if seq is not None:
             self.scheduler.finish(seq, reason)
+            del seq.token_ids[seq.num_resolved_tokens:]  # tokens still in flight are dropped, never delivered
         return seq
 
     # ---- the step -----------------------------------------------------------------------------
+    # A step is launched (inputs built, forward and sampling queued on the device) and later
+    # resolved (its sampled ids read, finishes checked). Launching commits the step's KV and gives
+    # each sampling sequence a PENDING_TOKEN, so the scheduler can plan the next step at once.
+    # With overlap, step N+1 is launched before step N is resolved: the host's work for both
+    # runs while the device computes, and N+1 takes N's sampled ids on the device.
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or self._in_flight is not None
 
     def step(self) -> list[StepEvent]:
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return []
-        token_ids = self.runner.execute(sched)
-        num_sampling = sum(1 for item in sched.scheduled if item.samples)
-        if len(token_ids) != num_sampling:  # a runner bug; caught here, not as a wrong token for someone
-            raise RuntimeError(f"the step sampled {len(token_ids)} tokens for {num_sampling} sampling rows")
+        """Run the engine one step; returns what happened in the step resolved now (with overlap,
+        the one launched by the previous call)."""
+        try:
+            sched = self.scheduler.schedule()
+            launched = None if sched.is_empty else self._launch(sched)
+            if self.overlap:
+                launched, self._in_flight = self._in_flight, launched
+            return [] if launched is None else self._resolve(launched)
+        except BaseException:
+            self._in_flight = None  # its requests are ended by whoever handles this
+            raise
+
+    def drain(self) -> list[StepEvent]:
+        """Resolve the step still in flight, if any (at the end of a batch, or before closing)."""
+        launched, self._in_flight = self._in_flight, None
+        return [] if launched is None else self._resolve(launched)
+
+    def _launch(self, sched: SchedulerOutput) -> LaunchedStep:
+        launched = self.runner.launch(sched, self._in_flight)
         self.scheduler.commit(sched)
-        self.num_steps += 1
-        num_decode = sum(1 for item in sched.scheduled if item.num_tokens == 1 and item.samples)
-        self.last_step = (sched.num_batched_tokens - num_decode, num_decode)
-        events = []
-        sampled = iter(token_ids)
+        self._last_sched = sched
+        row = 0
         for item in sched.scheduled:
-            if not item.samples:
-                continue
-            seq, token_id = item.seq, next(sampled)
-            seq.token_ids.append(token_id)
-            reason = self._finish_reason(seq, token_id)
+            if item.samples:
+                seq = item.seq
+                item.token_index = len(seq.token_ids)
+                seq.token_ids.append(PENDING_TOKEN)
+                seq.sample_row = row
+                row += 1
+        return launched
+
+    def _resolve(self, launched: LaunchedStep) -> list[StepEvent]:
+        sched = launched.sched
+        token_ids = launched.token_ids()
+        sampling = [item for item in sched.scheduled if item.samples]
+        if len(token_ids) != len(sampling):  # a runner bug; caught here, not as a wrong token for someone
+            raise RuntimeError(f"the step sampled {len(token_ids)} tokens for {len(sampling)} sampling rows")
+        self.num_steps += 1
+        events = []
+        for item, token_id in zip(sampling, token_ids):
+            seq = item.seq
+            if seq.status == SequenceStatus.FINISHED:
+                continue  # ended while this step was in flight: its token is dropped, never delivered
+            seq.token_ids[item.token_index] = token_id
+            reason = self._finish_reason(seq, token_id, item.token_index + 1)
             if reason is not None:
+                del seq.token_ids[item.token_index + 1:]  # a later step's token in flight, if any
                 self.requests.pop(seq.request_id, None)
                 self.scheduler.finish(seq, reason)
+            else:
+                self.block_manager.commit_computed(seq)  # blocks that held this token can be hashed now
             events.append(StepEvent(seq, [token_id], reason))
         return events
 
-    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+    def _finish_reason(self, seq: Sequence, token_id: int, length: int) -> str | None:
+        """Why seq ends with token_id as its length-th token, if it does."""
         params = seq.params
         if (not params.ignore_eos and token_id in self.eos_token_ids) or token_id in params.stop_token_ids:
             return "stop"
-        if seq.num_completion_tokens >= params.max_tokens or len(seq) >= self.max_seq_len:
+        if length >= seq.max_len:  # the scheduler plans no step past this length either
             return "length"
         return None
+
+    @property
+    def last_step(self) -> tuple[int, int] | None:
+        """(prefill tokens, decode tokens) of the last step launched, for progress reports."""
+        sched = self._last_sched
+        if sched is None:
+            return None
+        num_decode = sum(1 for item in sched.scheduled if item.num_tokens == 1 and item.samples)
+        return sched.num_batched_tokens - num_decode, num_decode
 
     def close(self) -> None:
         """Release what outlives Python's garbage collection: tensor-parallel worker processes."""

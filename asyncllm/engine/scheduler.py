@@ -21,6 +21,7 @@ class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # tokens whose KV this step computes
     samples: bool  # this step reaches the sequence's last token, so its logits give the next one
+    token_index: int = -1  # where the sampled token goes in seq.token_ids (set when the step is launched)
 
 
 @dataclass
@@ -107,8 +108,9 @@ class Scheduler:
             budget -= num_tokens
             scheduled_ids.add(id(seq))
 
-        # 1. decodes, oldest first
-        for seq in [s for s in self.running if s.num_uncomputed_tokens == 1]:
+        # 1. decodes, oldest first. One whose token in flight will be its last is left out: with
+        # overlapped steps it is still running when the next step is scheduled
+        for seq in [s for s in self.running if s.num_uncomputed_tokens == 1 and len(s) < s.max_len]:
             if budget == 0:
                 break
             if seq.status == SequenceStatus.RUNNING and self._reserve(seq, 1, scheduled_ids):

@@ -7,6 +7,11 @@ from enum import Enum, auto
 from asyncllm.sampling_params import SamplingParams
 
 
+# stands for a token that a step still in flight on the device is sampling: the next step takes its
+# value on the device (the host learns it once that step's results are read)
+PENDING_TOKEN = -1
+
+
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
@@ -14,13 +19,19 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, block_size: int):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, block_size: int,
+                 max_seq_len: int | None = None):
         self.request_id = request_id
         self.params = params
         self.block_size = block_size
         self.status = SequenceStatus.WAITING
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
+        # the length at which it ends by "length": max_tokens, or the engine's limit if that comes first
+        self.max_len = self.num_prompt_tokens + params.max_tokens
+        if max_seq_len is not None:
+            self.max_len = min(self.max_len, max_seq_len)
+        self.sample_row = -1  # its row among the sampled tokens of the step that samples its PENDING_TOKEN
         # KV entries already in the cache (computed, or served by the prefix cache)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
@@ -48,6 +59,14 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def num_resolved_tokens(self) -> int:
+        """Tokens whose values the host knows: all but the trailing PENDING_TOKENs."""
+        n = len(self.token_ids)
+        while n and self.token_ids[n - 1] == PENDING_TOKEN:
+            n -= 1
+        return n
 
     @property
     def is_finished(self) -> bool:

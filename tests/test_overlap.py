@@ -1,0 +1,144 @@
+"""The overlapped step loop (Config.overlap_scheduling) on CPU, against the serial one.
+
+With overlap, step N+1 is scheduled and launched before step N's sampled ids are read: N+1 takes
+them on the device, and a request that finishes in step N may still hold a row of step N+1, whose
+token is dropped. On CPU this brings no speed, but every rule must hold all the same.
+"""
+from __future__ import annotations
+
+import pytest
+
+from asyncllm.engine.sequence import PENDING_TOKEN
+from asyncllm.llm import LLM
+from asyncllm.sampling_params import SamplingParams
+from asyncllm.testing import random_prompts
+
+pytestmark = pytest.mark.timeout(300)
+
+SMALL = dict(num_kvcache_blocks=12, kvcache_block_size=16, max_num_batched_tokens=48, max_num_seqs=6)
+PROMPTS = random_prompts(10, seed=11, lo=5, hi=90)
+
+
+@pytest.fixture(scope="module")
+def llms(tiny_qwen3):
+    """(serial, overlapped) engines of each shape: a roomy one, and a small cache with a small token
+    budget (chunked prefill and preemption)."""
+    made = {}
+
+    def get(shape: str, overlap: bool) -> LLM:
+        key = (shape, overlap)
+        if key not in made:
+            kw = SMALL if shape == "small" else dict(num_kvcache_blocks=128, kvcache_block_size=16)
+            made[key] = LLM(tiny_qwen3, overlap_scheduling=overlap, **kw)
+        return made[key]
+    return get
+
+
+def tokens(llm: LLM, prompts, params) -> list[list[int]]:
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    bm = llm.core.block_manager
+    assert bm.num_free_blocks == bm.num_total_blocks and all(b.ref_count == 0 for b in bm.blocks)
+    assert not llm.core.has_unfinished() and llm.core.requests == {}
+    for out in outputs:
+        assert PENDING_TOKEN not in out["token_ids"]
+    return [out["token_ids"] for out in outputs]
+
+
+@pytest.mark.parametrize("shape", ["roomy", "small"])
+def test_greedy_and_seeded_tokens_equal_with_and_without_overlap(llms, shape):
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    seeded = [SamplingParams(temperature=0.9, top_k=40, top_p=0.9, max_tokens=12, seed=i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    serial, overlapped = llms(shape, False), llms(shape, True)
+    assert overlapped.core.overlap and not serial.core.overlap
+    for params in (greedy, seeded):
+        assert tokens(overlapped, PROMPTS, params) == tokens(serial, PROMPTS, params)
+    if shape == "small":
+        assert overlapped.core.scheduler.num_preemptions > 0  # the equality covered preemption
+    else:
+        # the second run of the same prompts hit the prefix cache, and still matched
+        assert overlapped.core.block_manager.num_prefix_hit_tokens > 0
+
+
+def record_steps(monkeypatch, llm: LLM) -> list[list[tuple[str, int]]]:
+    steps = []
+    schedule = llm.core.scheduler.schedule
+
+    def recording():
+        out = schedule()
+        if not out.is_empty:
+            steps.append([(item.seq.request_id, item.num_tokens) for item in out.scheduled])
+        return out
+    monkeypatch.setattr(llm.core.scheduler, "schedule", recording)
+    return steps
+
+
+def test_a_request_that_stops_keeps_one_extra_row_whose_token_is_never_delivered(llms, monkeypatch):
+    prompt = PROMPTS[0]
+    free_run = tokens(llms("roomy", False), [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    stop_id = free_run[3]
+    stops_at = free_run.index(stop_id)  # the first time it comes
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop_token_ids=[stop_id])
+    for overlap in (False, True):
+        llm = llms("roomy", overlap)
+        steps = record_steps(monkeypatch, llm)
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        monkeypatch.undo()
+        assert out["token_ids"] == free_run[:stops_at + 1] and out["finish_reason"] == "stop"
+        # serial: one prefill step, then a decode per token after the first; overlapped: one more
+        # step, launched before the stop token was read
+        assert len(steps) == stops_at + 1 + overlap
+        bm = llm.core.block_manager
+        assert bm.num_free_blocks == bm.num_total_blocks
+
+
+def test_max_tokens_is_known_in_advance_so_no_extra_row_is_spent(llms, monkeypatch):
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    llm = llms("roomy", True)
+    steps = record_steps(monkeypatch, llm)
+    out = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0]
+    assert len(out["token_ids"]) == 5 and out["finish_reason"] == "length"
+    assert len(steps) == 5  # prefill + 4 decodes: the step after the 5th token is never launched
+
+
+def test_finishing_a_request_with_a_token_in_flight_drops_that_token(llms):
+    llm = llms("roomy", True)
+    core = llm.core
+    seq = core.add_request(PROMPTS[2], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    delivered = []
+    for _ in range(4):
+        delivered += [t for event in core.step() for t in event.new_token_ids]
+    assert seq.token_ids[-1] == PENDING_TOKEN  # the step in flight samples its next token
+    core.finish_request(seq.request_id, "abort")
+    assert seq.completion_token_ids == delivered  # the pending token is gone, never delivered
+    assert core.step() == [] and core.drain() == []  # the step in flight resolves, and drops its row
+    assert not core.has_unfinished()
+    bm = core.block_manager
+    assert bm.num_free_blocks == bm.num_total_blocks
+
+
+def test_a_failed_step_leaves_nothing_in_flight(llms, monkeypatch):
+    llm = llms("small", True)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    reference = tokens(llm, PROMPTS[:4], params)
+    launch = llm.core.runner.launch
+    calls = []
+
+    def failing_launch(sched, prev):
+        calls.append(1)
+        if len(calls) == 5:
+            raise RuntimeError("device fell over")
+        return launch(sched, prev)
+    monkeypatch.setattr(llm.core.runner, "launch", failing_launch)
+    with pytest.raises(RuntimeError, match="device fell over"):
+        llm.generate(PROMPTS[:4], params, use_tqdm=False)
+    monkeypatch.undo()
+    assert not llm.core.has_unfinished() and llm.core.requests == {}
+    bm = llm.core.block_manager
+    assert bm.num_free_blocks == bm.num_total_blocks
+    assert tokens(llm, PROMPTS[:4], params) == reference
+
+
+def test_overlap_option_is_validated(tiny_qwen3):
+    with pytest.raises(ValueError, match="Config.overlap_scheduling: expected a bool or None"):
+        LLM(tiny_qwen3, overlap_scheduling="yes")
