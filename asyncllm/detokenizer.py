@@ -9,39 +9,79 @@ from __future__ import annotations
 
 from asyncllm.sampling_params import SamplingParams
 
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers < 0.20.4
+    DecodeStream = None
+
 # prompt tokens decoded with the first output tokens, so tokenizers that treat the start of a
 # string specially (a leading space) decode the output as it reads inside the full text
 _CONTEXT_TOKENS = 5
 
 
-class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int]):
-        self.tokenizer = tokenizer
-        self.token_ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
-        self.num_context_tokens = len(self.token_ids)
-        self.prefix_offset = 0
-        self.read_offset = len(self.token_ids)
+def _decode_stream(tokenizer, context_ids: list[int]):
+    """A DecodeStream primed with context_ids that gives exactly what the Python path below gives
+    (the same release rule, in Rust), or None where it cannot."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # fast tokenizers only
+    # transformers' decode may clean up spaces after the backend's decode: DecodeStream does not
+    if DecodeStream is None or backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    # a prompt ending mid-character: DecodeStream would release the context's text with the output
+    if context_ids and tokenizer.decode(context_ids, skip_special_tokens=True).endswith("\ufffd"):
+        return None
+    try:
+        return DecodeStream(ids=context_ids, skip_special_tokens=True)
+    except TypeError:  # tokenizers < 0.22: no ids= (and no steps of several ids)
+        return None
 
-    def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+class IncrementalDetokenizer:
+    """Releases the text of the tokens added, each character once its last byte has arrived."""
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], decode_stream: bool = True):
+        self.tokenizer = tokenizer
+        # the tokens of the text released last (first the context), then those not released yet:
+        # the new text is the decode of all of them minus the decode of the first ones
+        self.window = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.num_released_in_window = len(self.window)
+        # False: decode in Python with tokenizer.decode (the reference the Rust path is tested against)
+        self._stream = _decode_stream(tokenizer, self.window) if decode_stream else None
 
     def add(self, new_token_ids: list[int]) -> str:
         """Text made final by these tokens."""
-        self.token_ids.extend(new_token_ids)
-        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-        full_text = self._decode(self.token_ids[self.prefix_offset:])
+        if not new_token_ids:
+            return ""
+        self.window.extend(new_token_ids)
+        if self._stream is not None:
+            try:
+                text = self._stream.step(self.tokenizer.backend_tokenizer, new_token_ids)
+            except Exception:  # e.g. a decode that does not extend the last one: the Python path copes
+                self._stream = None
+            else:
+                if text is not None:
+                    self._next_window()
+                return text or ""
+        prefix_text, full_text = self._decode_window()
         if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.token_ids)
+            self._next_window()
             return full_text[len(prefix_text):]
         return ""
 
     def flush(self) -> str:
-        """At the end: whatever is still pending, even an incomplete character."""
-        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-        full_text = self._decode(self.token_ids[self.prefix_offset:])
-        self.prefix_offset = self.read_offset = len(self.token_ids)
+        """At the end: whatever is still pending, even an incomplete character (as U+FFFD)."""
+        prefix_text, full_text = self._decode_window()
+        self.window, self.num_released_in_window, self._stream = [], 0, None
         return full_text[len(prefix_text):] if full_text.startswith(prefix_text) else ""
+
+    def _decode_window(self) -> tuple[str, str]:
+        decode = self.tokenizer.decode
+        return (decode(self.window[:self.num_released_in_window], skip_special_tokens=True),
+                decode(self.window, skip_special_tokens=True))
+
+    def _next_window(self) -> None:
+        """The tokens not released yet were just released (DecodeStream moves on the same way)."""
+        del self.window[:self.num_released_in_window]
+        self.num_released_in_window = len(self.window)
 
 
 class TextAssembler:

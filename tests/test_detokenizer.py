@@ -112,6 +112,91 @@ def test_flush_releases_a_trailing_incomplete_character(tokenizer, prompt_ids):
     assert "".join(deltas) == tokenizer.decode(ids[:cut], skip_special_tokens=True)
 
 
+# ---- DecodeStream (Rust) against the Python decode path ------------------------------------------
+def has_decode_stream_with_context() -> bool:
+    try:
+        from tokenizers.decoders import DecodeStream
+        DecodeStream(ids=[], skip_special_tokens=True)
+    except (ImportError, TypeError):
+        return False
+    return True
+
+
+def detokenize(tokenizer, prompt_ids, ids, pieces_seed: int, decode_stream: bool) -> list[str]:
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids, decode_stream=decode_stream)
+    assert (detok._stream is not None) == decode_stream
+    deltas = [detok.add(piece) for piece in chunks(ids, random.Random(pieces_seed))]
+    return deltas + [detok.flush()]
+
+
+def random_prompt(tokenizer, rng: random.Random) -> list[int]:
+    """Random ids whose last ones decode to whole characters (else the Python path is used)."""
+    while True:
+        prompt = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 8))]
+        if not tokenizer.decode(prompt[-5:], skip_special_tokens=True).endswith("\ufffd"):
+            return prompt
+
+
+@pytest.mark.skipif(not has_decode_stream_with_context(), reason="tokenizers < 0.22: no DecodeStream(ids=)")
+@pytest.mark.parametrize("seed", range(50))
+def test_decode_stream_deltas_match_python_decode(tokenizer, prompt_ids, seed):
+    # random ids over the whole vocabulary (byte fragments, special tokens) and scrambled multibyte
+    # text: the same deltas, released at the same tokens, as the Python path (today's implementation)
+    rng = random.Random(seed)
+    vocab = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 40))]
+    multibyte = tokenizer.encode(rng.choice(MULTIBYTE_TEXTS))
+    start = rng.randrange(len(multibyte))
+    scrambled = multibyte[start:] + vocab[:5] + multibyte[:start]
+    prompt = prompt_ids if seed % 2 else random_prompt(tokenizer, rng)
+    for ids in (vocab, scrambled):
+        pieces_seed = rng.randrange(1 << 30)
+        rust = detokenize(tokenizer, prompt, ids, pieces_seed, decode_stream=True)
+        python = detokenize(tokenizer, prompt, ids, pieces_seed, decode_stream=False)
+        assert rust == python
+
+
+def test_prompt_ending_mid_character_decodes_in_python(tokenizer):
+    # DecodeStream primed with an incomplete character would release the prompt's text with the output
+    ids = tokenizer.encode("ok 🌍 fine")
+    cut = next(i for i in range(1, len(ids)) if tokenizer.decode(ids[:i]).endswith("\ufffd"))
+    detok = IncrementalDetokenizer(tokenizer, ids[:cut])
+    assert detok._stream is None
+    released = "".join(detok.add([t]) for t in ids[cut:]) + detok.flush()
+    assert released == " fine"  # the character the prompt started is dropped, as it always was
+
+
+class TokenizerLike:
+    """tokenizer.decode, with only the attributes given."""
+
+    def __init__(self, tokenizer, **attributes):
+        self.decode = tokenizer.decode
+        self.__dict__.update(attributes)
+
+
+class DecodeStreamWithoutContext:  # tokenizers 0.20.4 - 0.21: no ids=
+    def __init__(self, skip_special_tokens=False):
+        pass
+
+
+@pytest.mark.parametrize("case", ["no DecodeStream", "DecodeStream without ids=", "slow tokenizer",
+                                  "cleans up spaces", "fast tokenizer"])
+def test_decode_stream_only_where_it_gives_the_same_text(tokenizer, prompt_ids, monkeypatch, case):
+    import asyncllm.detokenizer as detokenizer_module
+    if case == "no DecodeStream":
+        monkeypatch.setattr(detokenizer_module, "DecodeStream", None)
+    if case == "DecodeStream without ids=":
+        monkeypatch.setattr(detokenizer_module, "DecodeStream", DecodeStreamWithoutContext)
+    backend = {"backend_tokenizer": tokenizer.backend_tokenizer}
+    tok = {"slow tokenizer": TokenizerLike(tokenizer),
+           "cleans up spaces": TokenizerLike(tokenizer, clean_up_tokenization_spaces=True, **backend),
+           "fast tokenizer": TokenizerLike(tokenizer, clean_up_tokenization_spaces=False, **backend),
+           }.get(case, tokenizer)
+    detok = IncrementalDetokenizer(tok, prompt_ids)
+    assert (detok._stream is not None) == (case == "fast tokenizer" and has_decode_stream_with_context())
+    text = MULTIBYTE_TEXTS[1]
+    assert "".join(detok.add([t]) for t in tokenizer.encode(text)) + detok.flush() == text
+
+
 # ---- stop strings ---------------------------------------------------------------------------------
 FOX = "The quick brown fox jumps over the lazy dog"
 
