@@ -84,6 +84,53 @@ class IncrementalDetokenizer:
         self.num_released_in_window = len(self.window)
 
 
+class _StopMatcher:
+    """Finds one stop string in text fed piece by piece (Knuth-Morris-Pratt): each read costs time
+    linear in the new text (amortized), however long the stop string and the text before.
+
+    .matched is the length of the longest tail of the text so far that is a proper prefix of the stop
+    string: what must be held back for it. The failure table is built only as far as the text ever
+    matched, so a long stop string that never matches costs nothing to set up."""
+
+    __slots__ = ("stop", "matched", "_borders")
+
+    def __init__(self, stop: str):
+        self.stop = stop
+        self.matched = 0
+        self._borders = [0]  # [i]: length of the longest proper prefix of stop[:i + 1] that is also its suffix
+
+    def feed(self, text: str) -> int:
+        """Index in text just past the first occurrence of the stop string that ends in it, or -1."""
+        stop, matched = self.stop, self.matched
+        if matched and matched + len(text) < len(stop) and stop.startswith(text, matched):
+            self.matched += len(text)  # a partial match goes on (one call instead of a loop)
+            return -1
+        i = 0 if matched else text.find(stop[0])
+        while 0 <= i < len(text):
+            char = text[i]
+            while matched and stop[matched] != char:
+                matched = self._border(matched - 1)
+            if stop[matched] == char:
+                matched += 1
+                if matched == len(stop):
+                    return i + 1
+                i += 1
+            else:  # nothing matches: skip to where the stop string could start
+                i = text.find(stop[0], i + 1)
+        self.matched = matched
+        return -1
+
+    def _border(self, i: int) -> int:
+        """KMP's failure function at i: where a partial match of i + 1 characters falls back to."""
+        borders, stop = self._borders, self.stop
+        while len(borders) <= i:
+            j, k = len(borders), borders[-1]
+            while k and stop[j] != stop[k]:
+                k = borders[k - 1]
+            borders.append(k + 1 if stop[j] == stop[k] else k)
+        return borders[i]
+
+
 class TextAssembler:
     """One request's text: detokenizes, finds stop strings, decides what can be shown yet."""
 
@@ -92,12 +139,21 @@ class TextAssembler:
         # a caller that wants only the final text (and has no stop strings) skips per-step decoding
         self.incremental = incremental or bool(params.stop)
         self._undecoded: list[int] = []
-        self.stop = params.stop
+        self._matchers = [_StopMatcher(stop) for stop in params.stop]
         self.include_stop = params.include_stop_str_in_output
-        self.max_stop_len = max((len(s) for s in self.stop), default=0)
-        self.text = ""  # all final text so far (stop-truncated once a stop is found)
-        self.num_released = 0  # chars of self.text already handed out
+        # the final text so far (stop-truncated once a stop is found) is _released + _held; the
+        # released part is kept in pieces, so that a read costs nothing per character already out
+        self._released: list[str] = []
+        self._held = ""  # final text that could be the start of a stop string
+        self.num_released = 0  # chars handed out
         self.stopped = False
+
+    @property
+    def text(self) -> str:
+        """All final text so far (stop-truncated once a stop is found), released or held back."""
+        if len(self._released) > 1:
+            self._released[:] = ["".join(self._released)]
+        return "".join(self._released) + self._held
 
     def add(self, new_token_ids: list[int]) -> str:
         """Feed tokens; returns the text delta that can be shown. Sets .stopped on a stop string."""
@@ -111,7 +167,7 @@ class TextAssembler:
     def finish(self) -> str:
         """The request ended: release everything still held."""
         if self.stopped:
-            return self._release(len(self.text))
+            return ""
         text = self.detokenizer.add(self._undecoded) if self._undecoded else ""
         self._undecoded = []
         return self._append(text + self.detokenizer.flush(), final=True)
@@ -121,37 +177,29 @@ class TextAssembler:
         return "stop" if self.stopped else engine_reason
 
     def _append(self, new_text: str, final: bool) -> str:
-        search_from = max(0, len(self.text) - self.max_stop_len + 1)
-        self.text += new_text
-        if self.stop:
-            hit = self._find_stop(search_from)
-            if hit is not None:
-                index, stop = hit
-                self.text = self.text[:index + len(stop) if self.include_stop else index]
-                self.stopped = True
-                return self._release(len(self.text))
-        if final or not self.stop:
-            return self._release(len(self.text))
-        return self._release(len(self.text) - self._held_back_len())
-
-    def _find_stop(self, search_from: int) -> tuple[int, str] | None:
-        best = None
-        for stop in self.stop:
-            index = self.text.find(stop, search_from)
-            if index != -1 and (best is None or index < best[0]):
-                best = (index, stop)
-        return best
-
-    def _held_back_len(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of some stop string."""
-        for length in range(min(self.max_stop_len - 1, len(self.text)), 0, -1):
-            tail = self.text[-length:]
-            if any(stop.startswith(tail) for stop in self.stop):
-                return length
-        return 0
+        pending = self._held + new_text
+        hold_back = 0
+        stop_at = None  # (index in pending, stop string) of the earliest stop string; the first listed on a tie
+        for matcher in self._matchers:
+            end = matcher.feed(new_text)
+            if end != -1:
+                # it started within what was held back for it, which is in self._held
+                index = len(self._held) + end - len(matcher.stop)
+                if stop_at is None or index < stop_at[0]:
+                    stop_at = (index, matcher.stop)
+            hold_back = max(hold_back, matcher.matched)
+        if stop_at is not None:
+            index, stop = stop_at
+            self._held = pending[:index + len(stop) if self.include_stop else index]
+            self.stopped = True
+            return self._release(len(self._held))
+        self._held = pending
+        return self._release(len(pending) if final else len(pending) - hold_back)
 
     def _release(self, upto: int) -> str:
-        upto = max(upto, self.num_released)
-        delta = self.text[self.num_released:upto]
-        self.num_released = upto
+        """Hands out self._held[:upto]."""
+        delta, self._held = self._held[:upto], self._held[upto:]
+        if delta:
+            self._released.append(delta)
+            self.num_released += len(delta)
         return delta

@@ -267,6 +267,10 @@ def test_multiple_stop_strings_earliest_wins(tokenizer, prompt_ids, seed):
     assembler, deltas = assemble(tokenizer, prompt_ids, FOX, seed, stop=["fox", "brown fox"],
                                  include_stop_str_in_output=True)
     assert "".join(deltas) == "The quick brown fox"
+    # two stops starting at the same place, both complete in one read: the first listed wins
+    for stops, expected in ((["brown fox", "brown"], "The quick brown fox"), (["brown", "brown fox"], "The quick brown")):
+        assembler = TextAssembler(tokenizer, prompt_ids, SamplingParams(stop=stops, include_stop_str_in_output=True))
+        assert assembler.add(tokenizer.encode(FOX)) == expected
 
 
 @pytest.mark.parametrize("seed", [None, 0, 1, 2])
@@ -294,3 +298,41 @@ def test_stop_strings_random_chunks_match_reference(tokenizer, prompt_ids, seed)
     deltas = feed(assembler, chunks(ids, rng, max_k=6))
     assert assembler.stopped
     assert "".join(deltas) == text[:index + len(stop) if include else index]
+
+
+def reference_release(text: str, stops: list[str], include: bool) -> str:
+    """What may be shown of text: cut at the earliest stop string (the first listed on a tie), else
+    all but the longest tail that is a proper prefix of a stop string (today's brute force)."""
+    hits = [(text.find(stop), i) for i, stop in enumerate(stops) if stop in text]
+    if hits:
+        index, i = min(hits)
+        return text[:index + len(stops[i]) if include else index]
+    hold = max((n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
+    return text[:len(text) - hold]
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_stop_strings_released_text_matches_brute_force_at_every_read(tokenizer, prompt_ids, seed):
+    # a tiny alphabet makes stop strings overlap themselves and each other, and partial matches that
+    # run long and then break (the failure table's cases)
+    rng = random.Random(seed)
+    alphabet = rng.choice(["ab", "abc", "a b", "ab\n🌍"])
+    text = "".join(rng.choice(alphabet) for _ in range(rng.randint(20, 120)))
+    stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 12))) for _ in range(rng.randint(1, 5))]
+    stops += [text[i:i + rng.randint(2, 30)] + "x" for i in rng.sample(range(len(text)), 2)]  # long, never whole
+    include = rng.random() < 0.5
+    ids = tokenizer.encode(text)
+    assembler = TextAssembler(tokenizer, prompt_ids, SamplingParams(stop=stops, include_stop_str_in_output=include))
+    released, fed = "", 0
+    for piece in chunks(ids, rng if seed % 2 else None):
+        released += assembler.add(piece)
+        fed += len(piece)
+        so_far = tokenizer.decode(ids[:fed])
+        if not so_far.endswith("\ufffd"):
+            assert released == reference_release(so_far, stops, include)
+        if assembler.stopped:
+            break
+    released += assembler.finish()
+    assert released == assembler.text
+    assert assembler.stopped == any(stop in text for stop in stops)
+    assert released == (reference_release(text, stops, include) if assembler.stopped else text)
