@@ -197,6 +197,30 @@ def test_decode_stream_only_where_it_gives_the_same_text(tokenizer, prompt_ids, 
     assert "".join(detok.add([t]) for t in tokenizer.encode(text)) + detok.flush() == text
 
 
+@pytest.mark.skipif(not has_decode_stream_with_context(), reason="tokenizers < 0.22: no DecodeStream(ids=)")
+def test_decode_stream_error_mid_request_goes_on_in_python(tokenizer, prompt_ids, monkeypatch):
+    import asyncllm.detokenizer as detokenizer_module
+    from tokenizers.decoders import DecodeStream
+
+    class DecodeStreamFailingAtStep4:  # as DecodeStream's InvalidPrefix error would
+        def __init__(self, ids=None, skip_special_tokens=False):
+            self.stream, self.steps = DecodeStream(ids=ids, skip_special_tokens=skip_special_tokens), 0
+
+        def step(self, backend, ids):
+            self.steps += 1
+            if self.steps == 4:
+                raise Exception("decode stream error")
+            return self.stream.step(backend, ids)
+
+    monkeypatch.setattr(detokenizer_module, "DecodeStream", DecodeStreamFailingAtStep4)
+    text = MULTIBYTE_TEXTS[2]
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+    deltas = [detok.add([t]) for t in tokenizer.encode(text)]
+    assert detok._stream is None
+    assert "".join(deltas) + detok.flush() == text
+    assert not any("\ufffd" in d for d in deltas)
+
+
 # ---- stop strings ---------------------------------------------------------------------------------
 FOX = "The quick brown fox jumps over the lazy dog"
 
