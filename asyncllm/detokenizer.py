@@ -9,39 +9,126 @@ from __future__ import annotations
 
 from asyncllm.sampling_params import SamplingParams
 
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers < 0.20.4
+    DecodeStream = None
+
 # prompt tokens decoded with the first output tokens, so tokenizers that treat the start of a
 # string specially (a leading space) decode the output as it reads inside the full text
 _CONTEXT_TOKENS = 5
 
 
-class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int]):
-        self.tokenizer = tokenizer
-        self.token_ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
-        self.num_context_tokens = len(self.token_ids)
-        self.prefix_offset = 0
-        self.read_offset = len(self.token_ids)
+def _decode_stream(tokenizer, context_ids: list[int]):
+    """A DecodeStream primed with context_ids that gives exactly what the Python path below gives
+    (the same release rule, in Rust), or None where it cannot."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # fast tokenizers only
+    # transformers' decode may clean up spaces after the backend's decode: DecodeStream does not
+    if DecodeStream is None or backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    # a prompt ending mid-character: DecodeStream would release the context's text with the output
+    if context_ids and tokenizer.decode(context_ids, skip_special_tokens=True).endswith("\ufffd"):
+        return None
+    try:
+        return DecodeStream(ids=context_ids, skip_special_tokens=True)
+    except TypeError:  # tokenizers < 0.22: no ids= (and no steps of several ids)
+        return None
 
-    def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+class IncrementalDetokenizer:
+    """Releases the text of the tokens added, each character once its last byte has arrived."""
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], decode_stream: bool = True):
+        self.tokenizer = tokenizer
+        # the tokens of the text released last (first the context), then those not released yet:
+        # the new text is the decode of all of them minus the decode of the first ones
+        self.window = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.num_released_in_window = len(self.window)
+        # False: decode in Python with tokenizer.decode (the reference the Rust path is tested against)
+        self._stream = _decode_stream(tokenizer, self.window) if decode_stream else None
 
     def add(self, new_token_ids: list[int]) -> str:
         """Text made final by these tokens."""
-        self.token_ids.extend(new_token_ids)
-        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-        full_text = self._decode(self.token_ids[self.prefix_offset:])
+        if not new_token_ids:
+            return ""
+        self.window.extend(new_token_ids)
+        if self._stream is not None:
+            try:
+                text = self._stream.step(self.tokenizer.backend_tokenizer, new_token_ids)
+            except Exception:  # e.g. a decode that does not extend the last one: the Python path copes
+                self._stream = None
+            else:
+                if text is not None:
+                    self._next_window()
+                return text or ""
+        prefix_text, full_text = self._decode_window()
         if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.token_ids)
+            self._next_window()
             return full_text[len(prefix_text):]
         return ""
 
     def flush(self) -> str:
-        """At the end: whatever is still pending, even an incomplete character."""
-        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-        full_text = self._decode(self.token_ids[self.prefix_offset:])
-        self.prefix_offset = self.read_offset = len(self.token_ids)
+        """At the end: whatever is still pending, even an incomplete character (as U+FFFD)."""
+        prefix_text, full_text = self._decode_window()
+        self.window, self.num_released_in_window, self._stream = [], 0, None
         return full_text[len(prefix_text):] if full_text.startswith(prefix_text) else ""
+
+    def _decode_window(self) -> tuple[str, str]:
+        decode = self.tokenizer.decode
+        return (decode(self.window[:self.num_released_in_window], skip_special_tokens=True),
+                decode(self.window, skip_special_tokens=True))
+
+    def _next_window(self) -> None:
+        """The tokens not released yet were just released (DecodeStream moves on the same way)."""
+        del self.window[:self.num_released_in_window]
+        self.num_released_in_window = len(self.window)
+
+
+class _StopMatcher:
+    """Finds one stop string in text fed piece by piece (Knuth-Morris-Pratt): each read costs time
+    linear in the new text (amortized), however long the stop string and the text before.
+
+    .matched is the length of the longest tail of the text so far that is a proper prefix of the stop
+    string: what must be held back for it. The failure table is built only as far as the text ever
+    matched, so a long stop string that never matches costs nothing to set up."""
+
+    __slots__ = ("stop", "matched", "_borders")
+
+    def __init__(self, stop: str):
+        self.stop = stop
+        self.matched = 0
+        self._borders = [0]  # [i]: length of the longest proper prefix of stop[:i + 1] that is also its suffix
+
+    def feed(self, text: str) -> int:
+        """Index in text just past the first occurrence of the stop string that ends in it, or -1."""
+        stop, matched = self.stop, self.matched
+        if matched and matched + len(text) < len(stop) and stop.startswith(text, matched):
+            self.matched += len(text)  # a partial match goes on (one call instead of a loop)
+            return -1
+        i = 0 if matched else text.find(stop[0])
+        while 0 <= i < len(text):
+            char = text[i]
+            while matched and stop[matched] != char:
+                matched = self._border(matched - 1)
+            if stop[matched] == char:
+                matched += 1
+                if matched == len(stop):
+                    return i + 1
+                i += 1
+            else:  # nothing matches: skip to where the stop string could start
+                i = text.find(stop[0], i + 1)
+        self.matched = matched
+        return -1
+
+    def _border(self, i: int) -> int:
+        """KMP's failure function at i: where a partial match of i + 1 characters falls back to."""
+        borders, stop = self._borders, self.stop
+        while len(borders) <= i:
+            j, k = len(borders), borders[-1]
+            while k and stop[j] != stop[k]:
+                k = borders[k - 1]
+            borders.append(k + 1 if stop[j] == stop[k] else k)
+        return borders[i]
 
 
 class TextAssembler:
@@ -52,12 +139,21 @@ class TextAssembler:
         # a caller that wants only the final text (and has no stop strings) skips per-step decoding
         self.incremental = incremental or bool(params.stop)
         self._undecoded: list[int] = []
-        self.stop = params.stop
+        self._matchers = [_StopMatcher(stop) for stop in params.stop]
         self.include_stop = params.include_stop_str_in_output
-        self.max_stop_len = max((len(s) for s in self.stop), default=0)
-        self.text = ""  # all final text so far (stop-truncated once a stop is found)
-        self.num_released = 0  # chars of self.text already handed out
+        # the final text so far (stop-truncated once a stop is found) is _released + _held; the
+        # released part is kept in pieces, so that a read costs nothing per character already out
+        self._released: list[str] = []
+        self._held = ""  # final text that could be the start of a stop string
+        self.num_released = 0  # chars handed out
         self.stopped = False
+
+    @property
+    def text(self) -> str:
+        """All final text so far (stop-truncated once a stop is found), released or held back."""
+        if len(self._released) > 1:
+            self._released[:] = ["".join(self._released)]
+        return "".join(self._released) + self._held
 
     def add(self, new_token_ids: list[int]) -> str:
         """Feed tokens; returns the text delta that can be shown. Sets .stopped on a stop string."""
@@ -71,7 +167,7 @@ class TextAssembler:
     def finish(self) -> str:
         """The request ended: release everything still held."""
         if self.stopped:
-            return self._release(len(self.text))
+            return ""
         text = self.detokenizer.add(self._undecoded) if self._undecoded else ""
         self._undecoded = []
         return self._append(text + self.detokenizer.flush(), final=True)
@@ -81,37 +177,29 @@ class TextAssembler:
         return "stop" if self.stopped else engine_reason
 
     def _append(self, new_text: str, final: bool) -> str:
-        search_from = max(0, len(self.text) - self.max_stop_len + 1)
-        self.text += new_text
-        if self.stop:
-            hit = self._find_stop(search_from)
-            if hit is not None:
-                index, stop = hit
-                self.text = self.text[:index + len(stop) if self.include_stop else index]
-                self.stopped = True
-                return self._release(len(self.text))
-        if final or not self.stop:
-            return self._release(len(self.text))
-        return self._release(len(self.text) - self._held_back_len())
-
-    def _find_stop(self, search_from: int) -> tuple[int, str] | None:
-        best = None
-        for stop in self.stop:
-            index = self.text.find(stop, search_from)
-            if index != -1 and (best is None or index < best[0]):
-                best = (index, stop)
-        return best
-
-    def _held_back_len(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of some stop string."""
-        for length in range(min(self.max_stop_len - 1, len(self.text)), 0, -1):
-            tail = self.text[-length:]
-            if any(stop.startswith(tail) for stop in self.stop):
-                return length
-        return 0
+        pending = self._held + new_text
+        hold_back = 0
+        stop_at = None  # (index in pending, stop string) of the earliest stop string; the first listed on a tie
+        for matcher in self._matchers:
+            end = matcher.feed(new_text)
+            if end != -1:
+                # it started within what was held back for it, which is in self._held
+                index = len(self._held) + end - len(matcher.stop)
+                if stop_at is None or index < stop_at[0]:
+                    stop_at = (index, matcher.stop)
+            hold_back = max(hold_back, matcher.matched)
+        if stop_at is not None:
+            index, stop = stop_at
+            self._held = pending[:index + len(stop) if self.include_stop else index]
+            self.stopped = True
+            return self._release(len(self._held))
+        self._held = pending
+        return self._release(len(pending) if final else len(pending) - hold_back)
 
     def _release(self, upto: int) -> str:
-        upto = max(upto, self.num_released)
-        delta = self.text[self.num_released:upto]
-        self.num_released = upto
+        """Hands out self._held[:upto]."""
+        delta, self._held = self._held[:upto], self._held[upto:]
+        if delta:
+            self._released.append(delta)
+            self.num_released += len(delta)
         return delta

@@ -112,6 +112,115 @@ def test_flush_releases_a_trailing_incomplete_character(tokenizer, prompt_ids):
     assert "".join(deltas) == tokenizer.decode(ids[:cut], skip_special_tokens=True)
 
 
+# ---- DecodeStream (Rust) against the Python decode path ------------------------------------------
+def has_decode_stream_with_context() -> bool:
+    try:
+        from tokenizers.decoders import DecodeStream
+        DecodeStream(ids=[], skip_special_tokens=True)
+    except (ImportError, TypeError):
+        return False
+    return True
+
+
+def detokenize(tokenizer, prompt_ids, ids, pieces_seed: int, decode_stream: bool) -> list[str]:
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids, decode_stream=decode_stream)
+    assert (detok._stream is not None) == decode_stream
+    deltas = [detok.add(piece) for piece in chunks(ids, random.Random(pieces_seed))]
+    return deltas + [detok.flush()]
+
+
+def random_prompt(tokenizer, rng: random.Random) -> list[int]:
+    """Random ids whose last ones decode to whole characters (else the Python path is used)."""
+    while True:
+        prompt = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 8))]
+        if not tokenizer.decode(prompt[-5:], skip_special_tokens=True).endswith("\ufffd"):
+            return prompt
+
+
+@pytest.mark.skipif(not has_decode_stream_with_context(), reason="tokenizers < 0.22: no DecodeStream(ids=)")
+@pytest.mark.parametrize("seed", range(50))
+def test_decode_stream_deltas_match_python_decode(tokenizer, prompt_ids, seed):
+    # random ids over the whole vocabulary (byte fragments, special tokens) and scrambled multibyte
+    # text: the same deltas, released at the same tokens, as the Python path (today's implementation)
+    rng = random.Random(seed)
+    vocab = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 40))]
+    multibyte = tokenizer.encode(rng.choice(MULTIBYTE_TEXTS))
+    start = rng.randrange(len(multibyte))
+    scrambled = multibyte[start:] + vocab[:5] + multibyte[:start]
+    prompt = prompt_ids if seed % 2 else random_prompt(tokenizer, rng)
+    for ids in (vocab, scrambled):
+        pieces_seed = rng.randrange(1 << 30)
+        rust = detokenize(tokenizer, prompt, ids, pieces_seed, decode_stream=True)
+        python = detokenize(tokenizer, prompt, ids, pieces_seed, decode_stream=False)
+        assert rust == python
+
+
+def test_prompt_ending_mid_character_decodes_in_python(tokenizer):
+    # DecodeStream primed with an incomplete character would release the prompt's text with the output
+    ids = tokenizer.encode("ok 🌍 fine")
+    cut = next(i for i in range(1, len(ids)) if tokenizer.decode(ids[:i]).endswith("\ufffd"))
+    detok = IncrementalDetokenizer(tokenizer, ids[:cut])
+    assert detok._stream is None
+    released = "".join(detok.add([t]) for t in ids[cut:]) + detok.flush()
+    assert released == " fine"  # the character the prompt started is dropped, as it always was
+
+
+class TokenizerLike:
+    """tokenizer.decode, with only the attributes given."""
+
+    def __init__(self, tokenizer, **attributes):
+        self.decode = tokenizer.decode
+        self.__dict__.update(attributes)
+
+
+class DecodeStreamWithoutContext:  # tokenizers 0.20.4 - 0.21: no ids=
+    def __init__(self, skip_special_tokens=False):
+        pass
+
+
+@pytest.mark.parametrize("case", ["no DecodeStream", "DecodeStream without ids=", "slow tokenizer",
+                                  "cleans up spaces", "fast tokenizer"])
+def test_decode_stream_only_where_it_gives_the_same_text(tokenizer, prompt_ids, monkeypatch, case):
+    import asyncllm.detokenizer as detokenizer_module
+    if case == "no DecodeStream":
+        monkeypatch.setattr(detokenizer_module, "DecodeStream", None)
+    if case == "DecodeStream without ids=":
+        monkeypatch.setattr(detokenizer_module, "DecodeStream", DecodeStreamWithoutContext)
+    backend = {"backend_tokenizer": tokenizer.backend_tokenizer}
+    tok = {"slow tokenizer": TokenizerLike(tokenizer),
+           "cleans up spaces": TokenizerLike(tokenizer, clean_up_tokenization_spaces=True, **backend),
+           "fast tokenizer": TokenizerLike(tokenizer, clean_up_tokenization_spaces=False, **backend),
+           }.get(case, tokenizer)
+    detok = IncrementalDetokenizer(tok, prompt_ids)
+    assert (detok._stream is not None) == (case == "fast tokenizer" and has_decode_stream_with_context())
+    text = MULTIBYTE_TEXTS[1]
+    assert "".join(detok.add([t]) for t in tokenizer.encode(text)) + detok.flush() == text
+
+
+@pytest.mark.skipif(not has_decode_stream_with_context(), reason="tokenizers < 0.22: no DecodeStream(ids=)")
+def test_decode_stream_error_mid_request_goes_on_in_python(tokenizer, prompt_ids, monkeypatch):
+    import asyncllm.detokenizer as detokenizer_module
+    from tokenizers.decoders import DecodeStream
+
+    class DecodeStreamFailingAtStep4:  # as DecodeStream's InvalidPrefix error would
+        def __init__(self, ids=None, skip_special_tokens=False):
+            self.stream, self.steps = DecodeStream(ids=ids, skip_special_tokens=skip_special_tokens), 0
+
+        def step(self, backend, ids):
+            self.steps += 1
+            if self.steps == 4:
+                raise Exception("decode stream error")
+            return self.stream.step(backend, ids)
+
+    monkeypatch.setattr(detokenizer_module, "DecodeStream", DecodeStreamFailingAtStep4)
+    text = MULTIBYTE_TEXTS[2]
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+    deltas = [detok.add([t]) for t in tokenizer.encode(text)]
+    assert detok._stream is None
+    assert "".join(deltas) + detok.flush() == text
+    assert not any("\ufffd" in d for d in deltas)
+
+
 # ---- stop strings ---------------------------------------------------------------------------------
 FOX = "The quick brown fox jumps over the lazy dog"
 
@@ -182,6 +291,10 @@ def test_multiple_stop_strings_earliest_wins(tokenizer, prompt_ids, seed):
     assembler, deltas = assemble(tokenizer, prompt_ids, FOX, seed, stop=["fox", "brown fox"],
                                  include_stop_str_in_output=True)
     assert "".join(deltas) == "The quick brown fox"
+    # two stops starting at the same place, both complete in one read: the first listed wins
+    for stops, expected in ((["brown fox", "brown"], "The quick brown fox"), (["brown", "brown fox"], "The quick brown")):
+        assembler = TextAssembler(tokenizer, prompt_ids, SamplingParams(stop=stops, include_stop_str_in_output=True))
+        assert assembler.add(tokenizer.encode(FOX)) == expected
 
 
 @pytest.mark.parametrize("seed", [None, 0, 1, 2])
@@ -209,3 +322,41 @@ def test_stop_strings_random_chunks_match_reference(tokenizer, prompt_ids, seed)
     deltas = feed(assembler, chunks(ids, rng, max_k=6))
     assert assembler.stopped
     assert "".join(deltas) == text[:index + len(stop) if include else index]
+
+
+def reference_release(text: str, stops: list[str], include: bool) -> str:
+    """What may be shown of text: cut at the earliest stop string (the first listed on a tie), else
+    all but the longest tail that is a proper prefix of a stop string (today's brute force)."""
+    hits = [(text.find(stop), i) for i, stop in enumerate(stops) if stop in text]
+    if hits:
+        index, i = min(hits)
+        return text[:index + len(stops[i]) if include else index]
+    hold = max((n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
+    return text[:len(text) - hold]
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_stop_strings_released_text_matches_brute_force_at_every_read(tokenizer, prompt_ids, seed):
+    # a tiny alphabet makes stop strings overlap themselves and each other, and partial matches that
+    # run long and then break (the failure table's cases)
+    rng = random.Random(seed)
+    alphabet = rng.choice(["ab", "abc", "a b", "ab\n🌍"])
+    text = "".join(rng.choice(alphabet) for _ in range(rng.randint(20, 120)))
+    stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 12))) for _ in range(rng.randint(1, 5))]
+    stops += [text[i:i + rng.randint(2, 30)] + "x" for i in rng.sample(range(len(text)), 2)]  # long, never whole
+    include = rng.random() < 0.5
+    ids = tokenizer.encode(text)
+    assembler = TextAssembler(tokenizer, prompt_ids, SamplingParams(stop=stops, include_stop_str_in_output=include))
+    released, fed = "", 0
+    for piece in chunks(ids, rng if seed % 2 else None):
+        released += assembler.add(piece)
+        fed += len(piece)
+        so_far = tokenizer.decode(ids[:fed])
+        if not so_far.endswith("\ufffd"):
+            assert released == reference_release(so_far, stops, include)
+        if assembler.stopped:
+            break
+    released += assembler.finish()
+    assert released == assembler.text
+    assert assembler.stopped == any(stop in text for stop in stops)
+    assert released == (reference_release(text, stops, include) if assembler.stopped else text)
