@@ -6,12 +6,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncllm.distributed import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
+from asyncllm.layers.linear import check_loaded_shape
 
 
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.vocab_size = vocab_size
         assert vocab_size % self.tp_size == 0
         self.shard_size = vocab_size // self.tp_size
         self.vocab_start = self.tp_rank * self.shard_size
@@ -19,6 +21,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        check_loaded_shape(loaded, (self.vocab_size, *param.shape[1:]))
         param.data.copy_(loaded.narrow(0, self.vocab_start, self.shard_size))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
