@@ -104,9 +104,6 @@ class Config:
             if intermediate % self.tensor_parallel_size:
                 _fail("tensor_parallel_size", f"intermediate_size={intermediate} is not divisible by "
                                               f"{self.tensor_parallel_size}")
-            vocab = self.hf_config.vocab_size
-            if vocab % self.tensor_parallel_size:
-                _fail("tensor_parallel_size", f"vocab_size={vocab} is not divisible by {self.tensor_parallel_size}")
         if self.dtype == "auto":
             if self.device == "cpu":
                 self.torch_dtype = torch.float32
