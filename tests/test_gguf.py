@@ -183,13 +183,14 @@ def test_non_gguf_paths(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def _tiny_gguf(path, arch="llama", embedding=None) -> str:
+def _tiny_gguf(path, arch="llama", embedding=None, embedding_length: int | None = 8) -> str:
     """A one-layer GGUF without tokenizer, for error paths that need no real model."""
     import gguf
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(1)
     writer.add_context_length(32)
-    writer.add_embedding_length(8)
+    if embedding_length is not None:
+        writer.add_embedding_length(embedding_length)
     writer.add_feed_forward_length(16)
     writer.add_head_count(2)
     writer.add_head_count_kv(1)
@@ -317,3 +318,10 @@ def test_broken_gguf_files_are_refused_naming_the_file(tmp_path):
             convert_gguf(path, str(tmp_path / "out"))
         assert path in str(info.value) and says in str(info.value), (case, str(info.value))
         assert not (tmp_path / "out").exists()
+
+
+def test_missing_gguf_metadata_is_named(tmp_path):
+    path = _tiny_gguf(tmp_path / "no-width.gguf", embedding_length=None)
+    with pytest.raises(ValueError, match=r"no-width\.gguf: metadata 'llama\.embedding_length' must be an integer, "
+                                         r"got None"):
+        convert_gguf(path, str(tmp_path / "out"))

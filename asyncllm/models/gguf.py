@@ -105,7 +105,7 @@ def _field(reader, key: str, default=None):
 def _int_field(reader, key: str, default=None) -> int:
     """A metadata integer the conversion needs; a ValueError naming the key if it is absent or not a number."""
     value = _field(reader, key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or value != int(value):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{getattr(reader.data, 'filename', 'the GGUF file')}: metadata {key!r} must be an integer, "
                          f"got {value!r}")
     return int(value)
