@@ -101,7 +101,8 @@ def _cut_tokenizer(tokenizer_dir: str, num_ids: int) -> tuple[dict[str, dict], d
         renumbered[token["id"]] = new_id
         token["id"] = new_id
     decoder = tokenizer_config.get("added_tokens_decoder", {})
-    tokenizer_config["added_tokens_decoder"] = {str(renumbered.get(int(i), int(i))): entry for i, entry in decoder.items()}
+    tokenizer_config["added_tokens_decoder"] = {str(renumbered.get(int(i), int(i))): entry
+                                                for i, entry in decoder.items()}
     return {"tokenizer.json": tokenizer, "tokenizer_config.json": tokenizer_config}, renumbered
 
 

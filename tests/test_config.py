@@ -12,7 +12,8 @@ BAD_FIELDS = [
     ("kvcache_block_size", 8), ("kvcache_block_size", 24), ("kvcache_block_size", 512),
     ("max_num_seqs", 0), ("max_num_batched_tokens", -1),
     ("gpu_memory_utilization", 0), ("gpu_memory_utilization", 1.5),
-    ("dtype", "int8"), ("dtype", "torch.bfloat16"), ("dtype", None), ("device", "tpu"), ("attention_backend", "nope"), ("enforce_eager", "yes"),
+    ("dtype", "int8"), ("dtype", "torch.bfloat16"), ("dtype", None),
+    ("device", "tpu"), ("attention_backend", "nope"), ("enforce_eager", "yes"),
     ("num_kvcache_blocks", 0), ("max_model_len", 0), ("seed", 1.5), ("cuda_graph_max_tokens", -1),
     ("cuda_graph_max_tokens", 1.0),
 ]

@@ -106,7 +106,8 @@ def bounded_collectives(monkeypatch):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, tokenizer_dir) -> dict[str, str]:
     # a 32000-token vocabulary (split 16000 + 16000): the full 151936 would make each CPU step
-    # several times slower, and the tokenizer's ids for the test's text prompt are all below it
+    # several times slower. build_tiny_checkpoint cuts the tokenizer to fit (the text prompt's ids
+    # are the same as with the full one)
     def build(name, arch, **kw):
         return build_tiny_checkpoint(str(tmp_path_factory.mktemp(f"tp-{name}")), arch, tokenizer_dir,
                                      vocab_size=32000, **kw)
