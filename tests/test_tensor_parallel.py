@@ -20,6 +20,7 @@ import time
 
 import anyio
 import pytest
+import torch
 import torch.distributed as dist
 
 from asyncllm.async_engine import AsyncLLMEngine
@@ -105,7 +106,8 @@ def bounded_collectives(monkeypatch):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, tokenizer_dir) -> dict[str, str]:
     # a 32000-token vocabulary (split 16000 + 16000): the full 151936 would make each CPU step
-    # several times slower, and the tokenizer's ids for the test's text prompt are all below it
+    # several times slower. build_tiny_checkpoint cuts the tokenizer to fit (the text prompt's ids
+    # are the same as with the full one)
     def build(name, arch, **kw):
         return build_tiny_checkpoint(str(tmp_path_factory.mktemp(f"tp-{name}")), arch, tokenizer_dir,
                                      vocab_size=32000, **kw)
@@ -146,17 +148,13 @@ async def stream_all(engine: AsyncLLMEngine, prompts=PROMPTS, params=GREEDY) -> 
 
 
 # ---- start-up checks: no process is started ----------------------------------------------------
-def test_indivisible_heads_vocab_or_kv_heads_fail_at_start(checkpoints, tmp_path):
+def test_indivisible_heads_or_kv_heads_fail_at_start(checkpoints, tmp_path):
     tiny_qwen3 = checkpoints["qwen3"]
     baseline = live_children()
     with pytest.raises(ValueError, match=r"tensor_parallel_size.*num_attention_heads=4 .*divisible by 3"):
         LLM(tiny_qwen3, tensor_parallel_size=3, **BASE)
-    # 151937 still covers the tokenizer's 151669 tokens, but is odd
-    odd_vocab = copy_config_only(tiny_qwen3, str(tmp_path / "odd-vocab"), vocab_size=151937)
-    with pytest.raises(ValueError, match=r"tensor_parallel_size.*vocab_size=151937 .*divisible by 2"):
-        LLM(odd_vocab, tensor_parallel_size=2, **BASE)
-    with pytest.raises(ValueError, match=r"tensor_parallel_size.*vocab_size=151937"):
-        AsyncLLMEngine(odd_vocab, tensor_parallel_size=2, **BASE)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size.*num_attention_heads=4"):
+        AsyncLLMEngine(tiny_qwen3, tensor_parallel_size=3, **BASE)
     # 6 heads split in two, but 3 KV heads neither split in two nor replicate evenly
     kv3 = copy_config_only(tiny_qwen3, str(tmp_path / "kv3"), num_attention_heads=6, num_key_value_heads=3)
     with pytest.raises(ValueError, match=r"tensor_parallel_size.*num_key_value_heads=3"):
@@ -186,6 +184,28 @@ def test_llm_tp2_matches_tp1(name, checkpoints, reference):
             with pytest.raises(RuntimeError, match="tensor_parallel_size=1 engine cannot be built beside it"):
                 LLM(checkpoints[name], **OPTIONS[name])
     assert_all_ended(baseline)
+
+
+def test_vocabulary_that_two_ranks_do_not_divide_is_padded(tmp_path, tokenizer_dir):
+    """vocab_size 31999 over two ranks: 16000 rows each, the last one zero padding, whose logit is
+    dropped after the gather. Greedy tokens and logits equal tp=1's, and the sampler sees exactly
+    vocab_size columns. The last prompt ends with the last id, held by rank 1."""
+    from asyncllm.testing import generate_with_logits
+    model_dir = build_tiny_checkpoint(str(tmp_path / "odd-vocab"), "qwen3", tokenizer_dir, seed=6, vocab_size=31999)
+    prompts = [PROMPTS[1], PROMPTS[2][:-1] + [31998]]
+    with LLM(model_dir, **BASE) as llm:
+        expected_tokens, expected_logits = generate_with_logits(llm, prompts, GREEDY)
+    baseline = live_children()
+    with LLM(model_dir, tensor_parallel_size=2, **BASE) as llm:
+        lm_head = llm.core.runner.model.lm_head
+        assert (lm_head.shard_size, lm_head.num_real_rows) == (16000, 16000)  # rank 0: all real; rank 1: 15999
+        tokens, logits = generate_with_logits(llm, prompts, GREEDY)
+    assert_all_ended(baseline)
+    assert tokens == expected_tokens
+    for row, expected_row in zip(logits, expected_logits):
+        for step_logits, expected_step in zip(row, expected_row):
+            assert step_logits.shape == (31999,)
+            torch.testing.assert_close(step_logits, expected_step, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "llama"])

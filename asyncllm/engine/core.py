@@ -13,6 +13,7 @@ from asyncllm.engine.block_manager import BlockManager
 from asyncllm.engine.scheduler import Scheduler, SchedulerOutput
 from asyncllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from asyncllm.model_runner import LaunchedStep, ModelRunner
+from asyncllm.models.checkpoint import check_tokenizer
 from asyncllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("asyncllm")
@@ -47,6 +48,7 @@ class EngineCore:
         from transformers import AutoTokenizer
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model, trust_remote_code=False)
+        check_tokenizer(self.tokenizer, config.hf_config, config.model)
         self.runner = ModelRunner(config, weights=weights)
         self.block_manager = BlockManager(self.runner.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)

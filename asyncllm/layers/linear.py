@@ -13,6 +13,23 @@ from torch import nn
 from asyncllm.distributed import all_reduce, get_tp_rank, get_tp_size
 
 
+class WeightShapeError(ValueError):
+    """A checkpoint tensor whose shape is not the one its parameter's layer expects. Raised by the
+    weight loaders, which know the sharding; load_weights adds the tensor's name and file."""
+
+    def __init__(self, expected: tuple[int, ...], got: tuple[int, ...]):
+        super().__init__(f"expected shape {expected}, got {got}")
+        self.expected, self.got = expected, got
+
+
+def check_loaded_shape(loaded: torch.Tensor, expected) -> None:
+    """The full (unsharded) checkpoint tensor must have exactly the expected shape: narrow() would
+    silently cut a larger one and copy_() would broadcast a smaller one."""
+    expected = tuple(int(n) for n in expected)
+    if tuple(loaded.shape) != expected:
+        raise WeightShapeError(expected, tuple(loaded.shape))
+
+
 def _divide(numerator: int, denominator: int) -> int:
     assert numerator % denominator == 0, f"{numerator} is not divisible by {denominator}"
     return numerator // denominator
@@ -33,7 +50,12 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *args) -> None:
-        if self.tp_dim is not None and param.dim() > self.tp_dim and self.tp_size > 1:
+        full_shape = list(param.shape)
+        sharded = self.tp_dim is not None and param.dim() > self.tp_dim and self.tp_size > 1
+        if sharded:
+            full_shape[self.tp_dim] *= self.tp_size
+        check_loaded_shape(loaded, full_shape)
+        if sharded:
             shard = param.size(self.tp_dim)
             loaded = loaded.narrow(self.tp_dim, self.tp_rank * shard, shard)
         param.data.copy_(loaded)
@@ -60,6 +82,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        check_loaded_shape(loaded, (self.output_sizes[shard_id], *param.shape[1:]))
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
         target = param.data.narrow(0, offset, size)
@@ -72,6 +95,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
         tp_size = get_tp_size()
         self.head_dim = head_dim
+        self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
         self.num_heads = _divide(num_heads, tp_size)
         self.num_kv_heads = max(1, num_kv_heads // tp_size)
         self.kv_replicas = max(1, tp_size // num_kv_heads)  # ranks that share one KV head
@@ -79,6 +103,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden_size, output_size, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        total_heads = self.total_num_heads if shard_id == "q" else self.total_num_kv_heads
+        check_loaded_shape(loaded, (total_heads * self.head_dim, *param.shape[1:]))
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         if shard_id == "q":

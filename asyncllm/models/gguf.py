@@ -75,9 +75,40 @@ def unpermute_rotary(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     return weight.reshape(n_head, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
+def open_gguf(path: str):
+    """A GGUFReader for path, or a ValueError that names the file and what is wrong with it (the
+    reader itself says "version 1055117301" of garbage and "cannot reshape array" of a truncated file)."""
+    from gguf.gguf_reader import READER_SUPPORTED_VERSIONS, GGUFReader
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        header = f.read(8)
+    if len(header) < 8 or header[:4] != GGUF_MAGIC:
+        raise ValueError(f"{path!r} is not a GGUF file: its {size} bytes do not start with b'GGUF' and a version")
+    versions = {int.from_bytes(header[4:], "little"), int.from_bytes(header[4:], "big")}  # either byte order
+    if not versions & set(READER_SUPPORTED_VERSIONS):
+        raise ValueError(f"{path!r}: GGUF version {int.from_bytes(header[4:], 'little')} is not supported "
+                         f"(supported: {', '.join(map(str, READER_SUPPORTED_VERSIONS))}); the file is corrupt, "
+                         "or from a newer llama.cpp")
+    try:
+        # it maps every tensor at once, so a file cut anywhere fails here (a cut tensor: "cannot reshape")
+        return GGUFReader(path)
+    except Exception as e:  # noqa: BLE001 - a cut or corrupt file fails anywhere in the reader's parsing
+        raise ValueError(f"{path!r} is a truncated or corrupt GGUF file ({size} bytes; the reader said: "
+                         f"{type(e).__name__}: {e})") from None
+
+
 def _field(reader, key: str, default=None):
     field = reader.fields.get(key)
     return default if field is None else field.contents()
+
+
+def _int_field(reader, key: str, default=None) -> int:
+    """A metadata integer the conversion needs; a ValueError naming the key if it is absent or not a number."""
+    value = _field(reader, key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{getattr(reader.data, 'filename', 'the GGUF file')}: metadata {key!r} must be an integer, "
+                         f"got {value!r}")
+    return int(value)
 
 
 def _dequantize(tensor) -> np.ndarray:
@@ -112,8 +143,11 @@ def _build_config(reader, arch: str, tensors: dict[str, torch.Tensor], dtype: to
     def meta(key, default=None):
         return _field(reader, f"{arch}.{key}", default)
 
-    hidden = int(meta("embedding_length"))
-    n_head = int(meta("attention.head_count"))
+    def int_meta(key, default=None):
+        return _int_field(reader, f"{arch}.{key}", default)
+
+    hidden = int_meta("embedding_length")
+    n_head = int_meta("attention.head_count")
     head_dim = meta("attention.key_length") or meta("rope.dimension_count") or hidden // n_head
     # The embedding's row count is authoritative: it is often padded beyond the tokenizer's vocabulary.
     vocab_size = tensors["model.embed_tokens.weight"].shape[0]
@@ -121,15 +155,15 @@ def _build_config(reader, arch: str, tensors: dict[str, torch.Tensor], dtype: to
         "architectures": [_ARCHITECTURES[arch]],
         "model_type": _MODEL_TYPES[arch],
         "hidden_size": hidden,
-        "intermediate_size": int(meta("feed_forward_length")),
-        "num_hidden_layers": int(meta("block_count")),
+        "intermediate_size": int_meta("feed_forward_length"),
+        "num_hidden_layers": int_meta("block_count"),
         "num_attention_heads": n_head,
-        "num_key_value_heads": int(meta("attention.head_count_kv", n_head)),
+        "num_key_value_heads": int_meta("attention.head_count_kv", n_head),
         "head_dim": int(head_dim),
         "hidden_act": "silu",
         "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(meta("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(meta("context_length")),
+        "max_position_embeddings": int_meta("context_length"),
         "vocab_size": int(vocab_size),
         "tie_word_embeddings": "lm_head.weight" not in tensors,
         "torch_dtype": str(dtype).removeprefix("torch."),
@@ -171,13 +205,12 @@ def convert_gguf(gguf_path: str, out_dir: str, dtype: torch.dtype = torch.float3
     Everything is written into a temporary sibling directory which is renamed into place last, so an
     interrupted conversion never leaves a partial out_dir behind.
     """
-    from gguf import GGUFReader
     from safetensors.torch import save_file
 
     gguf_path, out_dir = os.path.abspath(gguf_path), os.path.abspath(out_dir)
     if not is_gguf(gguf_path):
         raise ValueError(f"{gguf_path!r} is not a GGUF file (expected a *.gguf file starting with b'GGUF')")
-    reader = GGUFReader(gguf_path)
+    reader = open_gguf(gguf_path)
     arch = _field(reader, "general.architecture")
     if arch not in _ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r} in {gguf_path!r}; "
@@ -185,8 +218,11 @@ def convert_gguf(gguf_path: str, out_dir: str, dtype: torch.dtype = torch.float3
     rope_scaling = _field(reader, f"{arch}.rope.scaling.type")
     if rope_scaling not in (None, "none"):
         raise ValueError(f"unsupported GGUF rope scaling {rope_scaling!r} in {gguf_path!r}")
-    n_head = int(_field(reader, f"{arch}.attention.head_count"))
-    n_kv_head = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
+    n_head = _int_field(reader, f"{arch}.attention.head_count")
+    n_kv_head = _int_field(reader, f"{arch}.attention.head_count_kv", n_head)
+    if n_head < 1 or n_kv_head < 1:
+        raise ValueError(f"{gguf_path!r}: metadata {arch}.attention.head_count ({n_head}) and head_count_kv "
+                         f"({n_kv_head}) must be >= 1")
     tensors = _read_tensors(reader, arch, n_head, n_kv_head, dtype)
     config = _build_config(reader, arch, tensors, dtype)
 

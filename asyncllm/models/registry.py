@@ -10,16 +10,19 @@ def _attention_bias(config) -> bool:
     return bool(getattr(config, "attention_bias", False))
 
 
+# architecture -> the CausalLM switches for a config
 MODEL_REGISTRY = {
-    "Qwen3ForCausalLM": lambda c: CausalLM(c, qkv_bias=_attention_bias(c), o_bias=_attention_bias(c), qk_norm=True),
-    "Qwen2ForCausalLM": lambda c: CausalLM(c, qkv_bias=True, o_bias=False, qk_norm=False),
-    "LlamaForCausalLM": lambda c: CausalLM(c, qkv_bias=_attention_bias(c), o_bias=_attention_bias(c), qk_norm=False),
+    "Qwen3ForCausalLM": lambda c: dict(qkv_bias=_attention_bias(c), o_bias=_attention_bias(c), qk_norm=True),
+    "Qwen2ForCausalLM": lambda c: dict(qkv_bias=True, o_bias=False, qk_norm=False),
+    "LlamaForCausalLM": lambda c: dict(qkv_bias=_attention_bias(c), o_bias=_attention_bias(c), qk_norm=False),
 }
 
 
-def create_model(config) -> nn.Module:
+def create_model(config, max_model_len: int | None = None) -> nn.Module:
+    """The model for a Hugging Face config. max_model_len: the longest sequence it will run (its rotary
+    cache covers that many positions); default the config's max_position_embeddings."""
     architectures = getattr(config, "architectures", None) or []
     for arch in architectures:
         if arch in MODEL_REGISTRY:
-            return MODEL_REGISTRY[arch](config)
+            return CausalLM(config, **MODEL_REGISTRY[arch](config), max_positions=max_model_len)
     raise ValueError(f"unsupported architecture {architectures!r}; supported: {', '.join(sorted(MODEL_REGISTRY))}")

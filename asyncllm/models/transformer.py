@@ -21,11 +21,16 @@ from asyncllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from asyncllm.layers.rotary import RotaryEmbedding
 
 
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 class DecoderAttention(nn.Module):
-    def __init__(self, config, layer_id: int, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    def __init__(self, config, layer_id: int, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                 rotary_emb: RotaryEmbedding):
         super().__init__()
         tp_size = get_tp_size()
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = head_dim_of(config)
         self.num_heads = config.num_attention_heads // tp_size
         self.num_kv_heads = max(1, config.num_key_value_heads // tp_size)
         self.q_size = self.num_heads * self.head_dim
@@ -33,8 +38,7 @@ class DecoderAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
                                           config.num_key_value_heads, bias=qkv_bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, config.rope_theta,
-                                          config.asyncllm_rope_scaling)
+        self.rotary_emb = rotary_emb  # one cache for all layers (DecoderModel's)
         self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim)
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -74,9 +78,10 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    def __init__(self, config, layer_id: int, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                 rotary_emb: RotaryEmbedding):
         super().__init__()
-        self.self_attn = DecoderAttention(config, layer_id, qkv_bias, o_bias, qk_norm)
+        self.self_attn = DecoderAttention(config, layer_id, qkv_bias, o_bias, qk_norm, rotary_emb)
         self.mlp = DecoderMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -92,10 +97,14 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, max_positions: int):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, qkv_bias, o_bias, qk_norm)
+        # one fp32 cos/sin cache shared by every layer, for the positions the engine can reach: one per
+        # layer of max_position_embeddings rows took 560 MiB from Qwen3-0.6B's KV cache
+        self.rotary_emb = RotaryEmbedding(head_dim_of(config), max_positions, config.rope_theta,
+                                          config.asyncllm_rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, qkv_bias, o_bias, qk_norm, self.rotary_emb)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -117,10 +126,13 @@ class CausalLM(nn.Module):
     }
     skipped_weight_prefixes = ("model.rotary_emb.",)  # some checkpoints store rotary buffers
 
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, max_positions: int | None = None):
+        """max_positions: the positions the rotary cache covers (the engine's max_model_len);
+        default max_position_embeddings."""
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, qkv_bias, o_bias, qk_norm)
+        self.model = DecoderModel(config, qkv_bias, o_bias, qk_norm,
+                                  max_positions or config.max_position_embeddings)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tied_parameters: tuple[str, ...] = ()
         if getattr(config, "tie_word_embeddings", False):
