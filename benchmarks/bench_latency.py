@@ -9,15 +9,21 @@ prefix cache never serves one. Bandwidth utilisation: the bytes a decode step mu
 except the embedding table, plus the lm_head; K and V of the average context) / TPOT, over the
 measured device-to-device copy bandwidth. With --tensor-parallel-size N the bytes are one rank's
 shard (each GPU reads its own), so the utilisation is per GPU.
+
+TPOT (stream): the same prompt length and N through one `async for out in engine.stream(...)` of an
+AsyncLLMEngine (started after the LLM is gone): (time of the last item - time of the first) / the
+tokens after the first -- what a chat app's single user sees.
 """
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 
 from common import (Report, add_engine_args, checkpoint_from_args, engine_kwargs, make_parser,
                     measure_copy_bandwidth, median, ms, parse_args, random_prompt, release_memory, timed)
 
-from asyncllm import LLM, SamplingParams
+from asyncllm import LLM, AsyncLLMEngine, SamplingParams
 
 
 def weight_bytes_per_step(model) -> int:
@@ -40,6 +46,25 @@ def generate_time(llm: LLM, rng: random.Random, prompt_len: int, max_tokens: int
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     prompt = random_prompt(rng, prompt_len)
     return timed(lambda: llm.generate([prompt], params, use_tqdm=False), device)[1]
+
+
+async def stream_tpots(model_dir: str, kwargs: dict, rng: random.Random, prompt_len: int, num_tokens: int,
+                       reps: int) -> list[float]:
+    params = SamplingParams(temperature=0, max_tokens=num_tokens + 1, ignore_eos=True)
+    async with AsyncLLMEngine(model_dir, **kwargs) as engine:
+        await engine.generate(random_prompt(rng, prompt_len), SamplingParams(max_tokens=8, ignore_eos=True))
+        tpots = []
+        for _ in range(reps):
+            first = last = None
+            count = 0
+            async for out in engine.stream(random_prompt(rng, prompt_len), params):
+                last = time.perf_counter()
+                if first is None:
+                    first, count = last, len(out.token_ids) - 1
+                else:
+                    count += len(out.token_ids)
+            tpots.append((last - first) / count)
+    return tpots
 
 
 COLUMNS = [("metric", "metric"), ("prompt tokens", "prompt_len"), ("median (ms)", "median_ms", "{:.3f}"),
@@ -82,6 +107,11 @@ def main(argv=None) -> dict:
                         runs=len(tpots), output_tokens=n, weight_bytes=weights, kv_bytes=kv,
                         achieved_gb_s=achieved / 1e9, bandwidth_util=achieved / copy_bw))
         llm = None  # noqa: F841
+        release_memory()
+        stream = asyncio.run(stream_tpots(model_dir, engine_kwargs(args, args.backend), rng, args.tpot_prompt_len, n,
+                                          args.tpot_reps))
+        report.add(dict(metric="TPOT (stream)", prompt_len=args.tpot_prompt_len, median_ms=ms(median(stream)),
+                        min_ms=ms(min(stream)), runs=len(stream), output_tokens=n))
         release_memory()
     tp = f", TP={args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
     report.finish(f"Batch-1 latency, {args.shape}, {args.backend}{tp} "

@@ -4,13 +4,15 @@
 
 For three steps of the engine (a batch-1 decode, a batch-1 prefill of --prefill-len tokens, and a
 decode of --batch sequences with --context tokens each) it reports, as medians over --reps steps:
-- wall: the whole EngineCore.step as LLM.generate runs it;
-- host parts: schedule, build_inputs, the forward's launch (inputs uploaded, kernels queued),
-  sampling's launch, the wait in the one `.tolist()`, and the bookkeeping after it;
-- gpu: the device time from the forward's first kernel to the sampled ids (CUDA events);
+- wall: the whole step, run serially (launched, then resolved);
+- host parts: schedule; launch (inputs built and uploaded, forward and sampling queued); the wait
+  for the sampled ids; resolve (finish checks and token bookkeeping);
+- gpu: the device time from the step's first copy to the sampled ids (CUDA events);
 - for decode with CUDA graphs, the replay of the graph alone in a tight loop: the device floor of
   the forward with no host work at all.
-Then a torch.profiler table per step: kernels by device time and their count per step. A step is
+Then a torch.profiler table per step: kernels by device time and their count per step. Last, the
+whole throughput workload through EngineCore.step as configured (overlapped or not): its wall time
+against the device time of its steps; wall - gpu is host time the device waited for. A step is
 host-bound when wall >> gpu, launch-bound when the kernel count times a few microseconds is near
 gpu, and bandwidth-bound when gpu is near (bytes read / copy bandwidth).
 """
@@ -27,34 +29,24 @@ from asyncllm import LLM, SamplingParams
 
 
 def timed_step(core, device: str) -> dict:
-    """One EngineCore.step, split into its parts (same calls, same order)."""
-    runner = core.runner
+    """One step, run serially (launched, then resolved), split into its parts."""
+    core.drain()  # a step still in flight (overlap) is resolved first, outside the timing
     cuda = device == "cuda"
     t0 = time.perf_counter()
     sched = core.scheduler.schedule()
     t1 = time.perf_counter()
-    inputs = runner.build_inputs(sched)
-    t2 = time.perf_counter()
     if cuda:
         gpu_start, gpu_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         gpu_start.record()
-    logits = runner.forward(inputs)
-    t3 = time.perf_counter()
-    with torch.inference_mode():
-        sampled = runner.sampler(logits, runner.prepare_sampling(sched))
+    launched = core._launch(sched)  # inputs built and uploaded, forward and sampling queued
     if cuda:
         gpu_end.record()
+    t2 = time.perf_counter()
+    launched.token_ids()
+    t3 = time.perf_counter()
+    core._resolve(launched)  # finish checks, token bookkeeping (reads the ids already on the host)
     t4 = time.perf_counter()
-    token_ids = sampled.tolist()
-    t5 = time.perf_counter()
-    core.scheduler.commit(sched)
-    for item, token_id in zip((i for i in sched.scheduled if i.samples), token_ids):
-        item.seq.token_ids.append(token_id)
-        if core._finish_reason(item.seq, token_id) is not None:
-            core.finish_request(item.seq.request_id, "length")
-    t6 = time.perf_counter()
-    return {"wall": t6 - t0, "schedule": t1 - t0, "build_inputs": t2 - t1, "forward_launch": t3 - t2,
-            "sample_launch": t4 - t3, "tolist_wait": t5 - t4, "after": t6 - t5,
+    return {"wall": t4 - t0, "schedule": t1 - t0, "launch": t2 - t1, "wait": t3 - t2, "resolve": t4 - t3,
             "gpu": gpu_start.elapsed_time(gpu_end) / 1e3 if cuda else None,
             "num_seqs": len(sched.scheduled), "num_tokens": sched.num_batched_tokens}
 
@@ -140,35 +132,61 @@ def drain(core) -> None:
 
 
 def profile_workload(core, num_requests: int, device: str) -> list[dict]:
-    """Every step of the throughput benchmark's workload, timed in parts and summed by kind of step:
-    where the seconds of that run go."""
+    """The throughput benchmark's workload through EngineCore.step, as the engine is configured
+    (overlapped or not): wall time against the device time of each launched step (CUDA events from
+    before its inputs' copy to after its sampling), summed by kind of step. A step's device time
+    includes any wait for the host to queue its own kernels, so wall - gpu is the least host time
+    the device sat idle for."""
     prompts, params = bench_requests(num_requests)
     for prompt, p in zip(prompts, params):
         core.add_request(prompt, p)
+    cuda = device == "cuda"
+    launched_steps = []
+    launch = core.runner.launch
+
+    def timed_launch(sched, prev):
+        start = torch.cuda.Event(enable_timing=True) if cuda else None
+        if cuda:
+            start.record()
+        launched = launch(sched, prev)
+        end = torch.cuda.Event(enable_timing=True) if cuda else None
+        if cuda:
+            end.record()
+        decode_only = sched.num_batched_tokens == len(sched.scheduled)
+        launched_steps.append(("decode only" if decode_only else "with prefill", sched.num_batched_tokens, start, end))
+        return launched
+    core.runner.launch = timed_launch
+    try:
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        while core.has_unfinished():
+            core.step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    finally:
+        del core.runner.launch  # the bound method again
     totals: dict[str, dict] = {}
-    num_output = 0
-    while core.has_unfinished():
-        step = timed_step(core, device)
-        kind = "decode only" if step["num_tokens"] == step["num_seqs"] else "with prefill"
-        row = totals.setdefault(kind, {"kind": kind, "steps": 0, "tokens": 0, **{p: 0.0 for p in PARTS[:-1]}})
+    for kind, num_tokens, start, end in launched_steps:
+        row = totals.setdefault(kind, {"kind": kind, "steps": 0, "tokens": 0, "gpu": 0.0})
         row["steps"] += 1
-        row["tokens"] += step["num_tokens"]
-        num_output += step["num_seqs"] if kind == "decode only" else 0
-        for part in PARTS[:-1]:
-            row[part] += step[part] or 0.0
+        row["tokens"] += num_tokens
+        row["gpu"] += start.elapsed_time(end) / 1e3 if cuda else 0.0
     rows = list(totals.values())
-    total = {"kind": "all", **{k: sum(r[k] for r in rows) for k in ["steps", "tokens"] + PARTS[:-1]}}
-    return rows + [total]
+    gpu = sum(r["gpu"] for r in rows)
+    return rows + [{"kind": f"all (overlap {'on' if core.overlap else 'off'})", "steps": len(launched_steps),
+                    "tokens": sum(r["tokens"] for r in rows), "gpu": gpu, "wall": wall,
+                    "host_idle": wall - gpu if cuda else None}]
 
 
-PARTS = ["wall", "gpu", "schedule", "build_inputs", "forward_launch", "sample_launch", "tolist_wait", "after",
-         "graph_replay"]
+PARTS = ["wall", "gpu", "schedule", "launch", "wait", "resolve", "graph_replay"]
 COLUMNS = [("step", "step"), ("seqs", "num_seqs"), ("tokens", "num_tokens"), ("kernels", "kernels")] + \
     [(f"{p} (ms)", p, "{:.3f}") for p in PARTS]
 
 
-WORKLOAD_COLUMNS = [("steps", "kind"), ("count", "steps"), ("tokens", "tokens")] + \
-    [(f"{p} (s)", p, "{:.3f}") for p in PARTS[:-1]]
+WORKLOAD_COLUMNS = [("steps", "kind"), ("count", "steps"), ("tokens", "tokens"), ("wall (s)", "wall", "{:.3f}"),
+                    ("gpu (s)", "gpu", "{:.3f}"), ("wall - gpu (s)", "host_idle", "{:.3f}")]
 
 
 def main(argv=None) -> dict:
