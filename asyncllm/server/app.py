@@ -149,10 +149,14 @@ class OpenAIServer:
         return endpoint
 
     # ---- prompts: long ones are refused by length before tokenizing, and rendered off the event loop ----
-    def _check_prompt_chars(self, num_chars: int, field: str) -> None:
+    def max_prompt_chars(self) -> int:
+        """The most characters a prompt that fits in max_model_len can have; computed once."""
         if self._max_prompt_chars is None:
             self._max_prompt_chars = self.engine.config.max_model_len * longest_token_chars(self.engine.tokenizer)
-        if num_chars > self._max_prompt_chars:
+        return self._max_prompt_chars
+
+    def _check_prompt_chars(self, num_chars: int, field: str) -> None:
+        if num_chars > self.max_prompt_chars():
             raise APIError(400, f"'{field}': {num_chars} characters are more than max_model_len "
                                 f"({self.engine.config.max_model_len} tokens) can hold",
                            param=field, code="context_length_exceeded")
@@ -339,7 +343,7 @@ def create_app(engine, model_name: str, api_key: str | None = None, *,
         owns = (not engine.started) if manage_engine is None else manage_engine
         if owns:
             await engine.start()
-        server._check_prompt_chars(0, "prompt")  # the character bound, computed once here, not in a request
+        server.max_prompt_chars()  # at start-up, not in the first request
         stats = engine.stats()
         logger.info("asyncllm: serving %s (%s KV blocks of %s tokens)", model_name,
                     stats.get("num_total_blocks"), stats.get("block_size"))
