@@ -111,10 +111,15 @@ def field_error(field: str, error: Exception, argument: str | None = None) -> AP
     engine or SamplingParams calls it, if not the same)."""
     message = str(error).removeprefix("SamplingParams.")
     for name in (argument or field, field):
-        if message.startswith(name):
-            message = message[len(name):].lstrip(":").lstrip()
+        if message.startswith(name + ":"):
+            message = f"'{field}':{message[len(name) + 1:]}"
             break
-    return APIError(400, f"'{field}': {message}", param=field, code="invalid_value")
+        if message.startswith(name + "["):  # an item: prompt[3], messages[0]
+            message = field + message[len(name):]
+            break
+    else:
+        message = f"'{field}': {message}"
+    return APIError(400, message, param=field, code="invalid_value")
 
 
 def sampling_params(body: dict, max_tokens_field: str, default_max_tokens: int,
