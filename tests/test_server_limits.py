@@ -249,3 +249,27 @@ def test_health_answers_while_a_trusted_template_renders(live):
     assert result["response"].status_code == 200, result["response"].text  # the operator opted in: rendered
     # on the event loop, one probe would wait for the whole render (seconds); beside it, none waits long
     assert len(probes) >= 3 and max(probes) < max(1.0, rendering / 4), (rendering, probes)
+
+
+# ---- no 500 from any client input ----------------------------------------------------------------------
+ODD_VALUES = [None, -1, 0, 2 ** 64, 10 ** 400, 1e308, -0.0, "x", "", [], [1, "a"], [-5], {}, {"a": 1}, True]
+
+
+SAMPLING_FIELDS = ["model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p",
+                   "seed", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "logprobs", "user"]
+FIELDS = {CHAT: SAMPLING_FIELDS + ["messages", "max_completion_tokens", "chat_template_kwargs", "tools"],
+          COMPLETIONS: SAMPLING_FIELDS + ["prompt", "echo", "best_of"]}
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_odd_values_of_every_field_are_never_a_500(http, path):
+    base = {"messages": MESSAGES} if path == CHAT else {"prompt": "Hi"}
+    statuses = {}
+    for field in FIELDS[path]:
+        for value in ODD_VALUES:
+            if field in ("max_tokens", "max_completion_tokens") and (value is None or type(value) is int and value > 1):
+                continue  # valid, and as long as the context allows (null: chat's default): too slow here
+            body = {**base, "max_tokens": 1, field: value}
+            status = http.post(path, content=json.dumps(body).encode(), headers=JSON).status_code
+            statuses.setdefault(status, []).append(f"{field}={value!r}"[:60])
+    assert set(statuses) <= {200, 400, 404}, {s: v[:5] for s, v in statuses.items()}
