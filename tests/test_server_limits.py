@@ -145,7 +145,8 @@ def test_request_chat_template_is_refused(http, extra, param):
     error = assert_openai_error(http.post(CHAT, json={"messages": MESSAGES, "max_tokens": 2, **extra}), 400, param)
     assert "--trust-request-chat-template" in error["message"]
     # the server's own template, with the kwargs it takes, still works
-    r = http.post(CHAT, json={"messages": MESSAGES, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False}})
+    r = http.post(CHAT, json={"messages": MESSAGES, "max_tokens": 2,
+                              "chat_template_kwargs": {"enable_thinking": False}})
     assert r.status_code == 200, r.text
 
 
