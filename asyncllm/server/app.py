@@ -1,0 +1,362 @@
+"""The OpenAI-compatible Starlette app: routes, request plumbing, and the engine calls."""
+from __future__ import annotations
+
+import functools
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from asyncllm.engine.core import check_text
+from asyncllm.errors import EngineDeadError, QueueFullError
+from asyncllm.sampling_params import SamplingParams
+import asyncllm.server.protocol as protocol
+from asyncllm.server.metrics import ServerMetrics
+from asyncllm.server.protocol import APIError, field_error, is_int
+from asyncllm.server.sse import EventStreamResponse, await_disconnect, chunk_events, usage
+
+logger = logging.getLogger("asyncllm.server")
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB
+DEFAULT_BODY_TIMEOUT = 30.0  # seconds for a whole request body to arrive
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters of text one token can stand for: a prompt of n characters is at least
+    n / this many tokens. A byte-level token's string has one character per byte, so its length
+    bounds the text it decodes to."""
+    return max(map(len, tokenizer.get_vocab()), default=1)
+
+
+class OpenAIServer:
+    def __init__(self, engine, model_name: str, api_key: str | None = None, *,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_tokens_limit: int | None = None,
+                 body_timeout: float = DEFAULT_BODY_TIMEOUT, trust_request_chat_template: bool = False):
+        if max_tokens_limit is not None and (not is_int(max_tokens_limit) or max_tokens_limit < 1):
+            raise ValueError(f"max_tokens_limit: expected a positive int or None, got {max_tokens_limit!r}")
+        if not is_int(max_body_bytes) or max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes: expected a positive int, got {max_body_bytes!r}")
+        if not isinstance(body_timeout, (int, float)) or not body_timeout > 0:
+            raise ValueError(f"body_timeout: expected a positive number of seconds, got {body_timeout!r}")
+        if api_key == "":  # e.g. --api-key "$KEY" with KEY unset: never a way to turn auth off
+            raise ValueError("api_key: empty; pass None for no authentication")
+        self.engine = engine
+        self.model_name = model_name
+        # compared as UTF-8 bytes: a non-ASCII key is sent as its UTF-8 bytes
+        self.api_key = api_key.encode("utf-8") if api_key is not None else None
+        self.max_body_bytes = max_body_bytes
+        self.max_tokens_limit = max_tokens_limit
+        self.body_timeout = body_timeout
+        self.trust_request_chat_template = trust_request_chat_template
+        self.metrics = ServerMetrics()
+        self.created = int(time.time())
+        self._max_prompt_chars: int | None = None
+
+    # ---- plumbing ----
+    def _check_auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        # Starlette decodes header bytes as latin-1; encoding back gives the bytes the client sent
+        sent = token.strip().encode("latin-1")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(sent, self.api_key):
+            raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>' "
+                                "(a non-ASCII key as UTF-8).", code="invalid_api_key")
+
+    @staticmethod
+    def _check_content_type(request: Request) -> None:
+        media_type, *params = request.headers.get("content-type", "").split(";")
+        charsets = [value.strip().strip('"').lower() for key, _, value in (p.partition("=") for p in params)
+                    if key.strip().lower() == "charset"]
+        if media_type.strip().lower() != "application/json" or any(c != "utf-8" for c in charsets):
+            raise APIError(415, "the request body must be JSON in UTF-8: send 'Content-Type: application/json'",
+                           code="unsupported_media_type")
+
+    async def _read_json(self, request: Request) -> dict:
+        self._check_content_type(request)
+        length = request.headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                raise APIError(400, "invalid Content-Length header")
+            if int(length) > self.max_body_bytes:
+                raise APIError(413, f"the request body is {length} bytes; the limit is {self.max_body_bytes}",
+                               code="request_too_large")
+        chunks, size = [], 0
+        try:
+            # uvicorn has no body timeout: a client sending a byte now and then would hold its
+            # connection (and file descriptor) forever
+            with anyio.fail_after(self.body_timeout):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > self.max_body_bytes:
+                        raise APIError(413, f"the request body is over the limit of {self.max_body_bytes} bytes",
+                                       code="request_too_large")
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {self.body_timeout:g} s",
+                           code="request_timeout", headers={"Connection": "close"}) from None
+        raw = b"".join(chunks)
+        if json.detect_encoding(raw) not in ("utf-8", "utf-8-sig"):  # json.loads would take UTF-16/32 too
+            raise APIError(415, "the request body must be JSON in UTF-8", code="unsupported_media_type")
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            raise APIError(400, f"We could not parse the JSON body of your request ({e}). "
+                                "The body must be a JSON object.", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise APIError(400, f"the request body must be a JSON object, got {protocol.type_name(body)}",
+                           code="invalid_json")
+        return body
+
+    async def _request_body(self, request: Request, known: set[str], neutral: dict) -> dict:
+        body = await self._read_json(request)
+        protocol.check_fields(body, known, neutral)
+        model = protocol.expect(body, "model", lambda v: isinstance(v, str), "a string")
+        if model is not protocol.MISSING and model != self.model_name:
+            raise APIError(404, f"The model '{model}' does not exist; this server serves '{self.model_name}'.",
+                           param="model", code="model_not_found")
+        return body
+
+    def _check_engine(self) -> None:
+        try:
+            self.engine.check_alive()
+        except (EngineDeadError, RuntimeError) as e:
+            raise APIError(503, f"the engine is not available: {e}", code="engine_unavailable") from None
+
+    def _endpoint(self, handler, *, auth: bool = True):
+        async def endpoint(request: Request) -> Response:
+            try:
+                if auth:
+                    self._check_auth(request)
+                return await handler(request)
+            except APIError as e:
+                if e.status in (429, 503):
+                    self.metrics.observe_rejection(e.status)
+                return e.response()
+            except Exception:  # noqa: BLE001 - answered as a 500 with an OpenAI body
+                logger.exception("unhandled error in %s", request.url.path)
+                return APIError(500, "internal server error").response()
+        return endpoint
+
+    # ---- prompts: long ones are refused by length before tokenizing, and rendered off the event loop ----
+    def max_prompt_chars(self) -> int:
+        """The most characters a prompt that fits in max_model_len can have; computed once."""
+        if self._max_prompt_chars is None:
+            self._max_prompt_chars = self.engine.config.max_model_len * longest_token_chars(self.engine.tokenizer)
+        return self._max_prompt_chars
+
+    def _check_prompt_chars(self, num_chars: int, field: str) -> None:
+        if num_chars > self.max_prompt_chars():
+            raise APIError(400, f"'{field}': {num_chars} characters are more than max_model_len "
+                                f"({self.engine.config.max_model_len} tokens) can hold",
+                           param=field, code="context_length_exceeded")
+
+    def _check_prompt_tokens(self, num_tokens: int, field: str) -> None:
+        max_model_len = self.engine.config.max_model_len
+        if num_tokens >= max_model_len:
+            raise APIError(400, f"'{field}': {num_tokens} tokens leave no room to generate within max_model_len "
+                                f"({max_model_len} tokens)", param=field, code="context_length_exceeded")
+
+    async def _chat_prompt_ids(self, messages: list[dict], template_kwargs: dict) -> list[int]:
+        self._check_engine()
+        self._check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
+        render = functools.partial(self.engine.apply_chat_template, messages, **template_kwargs)
+        try:
+            prompt_ids = await anyio.to_thread.run_sync(render)
+        except (ValueError, TypeError) as e:
+            raise field_error("messages", e) from None
+        except Exception as e:  # noqa: BLE001 - a template error (jinja) caused by the request
+            raise APIError(400, f"the chat template failed on these messages: {e}", param="messages",
+                           code="invalid_value") from None
+        self._check_prompt_tokens(len(prompt_ids), "messages")
+        return prompt_ids
+
+    async def _completion_prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if not isinstance(prompt, str):
+            return prompt  # token ids: the engine checks them against the vocabulary
+        self._check_engine()
+        self._check_prompt_chars(len(prompt), "prompt")
+        try:
+            check_text(prompt, "prompt")
+        except ValueError as e:
+            raise field_error("prompt", e) from None
+        prompt_ids = await anyio.to_thread.run_sync(self.engine.tokenizer.encode, prompt)
+        if not prompt_ids:
+            raise APIError(400, "'prompt': the prompt encodes to no tokens", param="prompt", code="invalid_value")
+        self._check_prompt_tokens(len(prompt_ids), "prompt")
+        return prompt_ids
+
+    # ---- answering ----
+    def _submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, field: str):
+        """engine.stream with the engine's exceptions mapped to HTTP errors (429, 400, 503)."""
+        self._check_engine()
+        try:
+            return self.engine.stream(prompt_ids, params, request_id=request_id)
+        except QueueFullError as e:
+            raise APIError(429, f"the server is busy: {e}", code="queue_full") from None
+        except EngineDeadError as e:
+            raise APIError(503, f"the engine is not available: {e}", code="engine_unavailable") from None
+        except (ValueError, TypeError) as e:
+            raise field_error(field, e, "prompt") from None
+
+    def _closer(self, stream) -> Callable[..., Awaitable[None]]:
+        """close(reason=None): aborts `stream` unless it has finished, and records its metrics, once."""
+        done = False
+
+        async def close(reason: str | None = None) -> None:
+            nonlocal done
+            await stream.aclose()
+            if not done:
+                done = True
+                self.metrics.observe_request(stream, reason or stream.finish_reason or "abort")
+        return close
+
+    async def _collect(self, request: Request, stream) -> tuple[str, str]:
+        """The whole answer; a client that disconnects meanwhile aborts the request."""
+        parts: list[str] = []
+        error = None
+        close = self._closer(stream)
+        try:
+            async with anyio.create_task_group() as tasks:
+                async def watch() -> None:
+                    await await_disconnect(request.receive)
+                    tasks.cancel_scope.cancel()
+
+                tasks.start_soon(watch)
+                try:
+                    async for out in stream:
+                        parts.append(out.text)
+                except EngineDeadError as e:
+                    error = e
+                tasks.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await close("error" if error is not None else None)
+        if error is not None:
+            raise APIError(503, f"the engine failed: {error}", code="engine_unavailable")
+        return "".join(parts), stream.finish_reason or "abort"
+
+    async def _answer(self, request: Request, body: dict, prompt_ids: list[int], *, chat: bool,
+                      max_tokens_field: str, default_max_tokens: int) -> Response:
+        """What chat and completions share: sampling, submission, and the answer streamed or whole."""
+        include_usage = protocol.stream_options(body)
+        params = protocol.sampling_params(body, max_tokens_field, default_max_tokens, self.max_tokens_limit)
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        stream = self._submit(prompt_ids, params, request_id, "messages" if chat else "prompt")
+        base = {"id": request_id, "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": self.model_name}
+        if body.get("stream"):
+            usage_field = {"usage": None} if include_usage else {}
+
+            def chunk(text: str | None, finish_reason: str | None, delta: dict | None = None) -> dict:
+                if chat:
+                    delta = delta if delta is not None else {} if text is None else {"content": text}
+                    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+                    return {**base, "object": "chat.completion.chunk", "choices": [choice], **usage_field}
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+                return {**base, "choices": [choice], **usage_field}
+
+            first = chunk(None, None, delta={"role": "assistant", "content": ""}) if chat else None
+            close = self._closer(stream)
+            return EventStreamResponse(chunk_events(stream, close, chunk, first, include_usage), on_close=close)
+        text, finish_reason = await self._collect(request, stream)
+        answer = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+        return JSONResponse({**base, "choices": [{"index": 0, **answer, "logprobs": None,
+                                                  "finish_reason": finish_reason}], "usage": usage(stream)})
+
+    # ---- endpoints ----
+    async def chat_completions(self, request: Request) -> Response:
+        body = await self._request_body(request, protocol.CHAT_FIELDS, protocol.NEUTRAL_CHAT)
+        messages = protocol.messages(body)
+        template_kwargs = protocol.chat_template_kwargs(body, self.trust_request_chat_template)
+        prompt_ids = await self._chat_prompt_ids(messages, template_kwargs)
+        room = max(1, self.engine.config.max_model_len - len(prompt_ids))
+        return await self._answer(request, body, prompt_ids, chat=True, max_tokens_field="max_completion_tokens",
+                                  default_max_tokens=room)
+
+    async def completions(self, request: Request) -> Response:
+        body = await self._request_body(request, protocol.COMPLETION_FIELDS, protocol.NEUTRAL_COMPLETIONS)
+        prompt_ids = await self._completion_prompt_ids(protocol.prompt(body))
+        return await self._answer(request, body, prompt_ids, chat=False, max_tokens_field="max_tokens",
+                                  default_max_tokens=protocol.COMPLETIONS_DEFAULT_MAX_TOKENS)
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "asyncllm",
+                "max_model_len": self.engine.config.max_model_len}
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        if request.path_params["model"] != self.model_name:
+            raise APIError(404, f"The model '{request.path_params['model']}' does not exist", param="model",
+                           code="model_not_found")
+        return JSONResponse(self._model_card())
+
+    async def health(self, request: Request) -> Response:
+        self._check_engine()
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        return PlainTextResponse(self.metrics.render(self.engine.stats()),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def routes(self) -> list[Route]:
+        e = self._endpoint
+        return [
+            Route("/v1/chat/completions", e(self.chat_completions), methods=["POST"]),
+            Route("/v1/completions", e(self.completions), methods=["POST"]),
+            Route("/v1/models", e(self.models), methods=["GET"]),
+            Route("/v1/models/{model:path}", e(self.model), methods=["GET"]),
+            Route("/health", e(self.health, auth=False), methods=["GET"]),
+            Route("/metrics", e(self.metrics_endpoint, auth=False), methods=["GET"]),
+        ]
+
+
+def create_app(engine, model_name: str, api_key: str | None = None, *,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_tokens_limit: int | None = None,
+               body_timeout: float = DEFAULT_BODY_TIMEOUT, trust_request_chat_template: bool = False,
+               manage_engine: bool | None = None) -> Starlette:
+    """The OpenAI-compatible Starlette app for `engine` (an AsyncLLMEngine).
+
+    manage_engine: True = the app's lifespan starts the engine and shuts it down; False = the caller
+    does; None (default) = the lifespan starts it if it is not started yet, and then owns it.
+    The API key, when set, guards /v1/*; /health and /metrics stay open for probes and scrapers.
+    trust_request_chat_template: render chat templates that requests bring (they run on this server).
+    """
+    server = OpenAIServer(engine, model_name, api_key, max_body_bytes=max_body_bytes,
+                          max_tokens_limit=max_tokens_limit, body_timeout=body_timeout,
+                          trust_request_chat_template=trust_request_chat_template)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        owns = (not engine.started) if manage_engine is None else manage_engine
+        if owns:
+            await engine.start()
+        server.max_prompt_chars()  # at start-up, not in the first request
+        stats = engine.stats()
+        logger.info("asyncllm: serving %s (%s KV blocks of %s tokens)", model_name,
+                    stats.get("num_total_blocks"), stats.get("block_size"))
+        try:
+            yield
+        finally:
+            if owns:
+                await engine.shutdown(drain=False)
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        return APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}").response()
+
+    app = Starlette(routes=server.routes(), lifespan=lifespan,
+                    exception_handlers={HTTPException: http_error})
+    app.state.server = server
+    return app

@@ -1,0 +1,253 @@
+"""The OpenAI request protocol: error bodies, the fields a request may carry, and their parsing.
+
+Sampling fields are checked by SamplingParams, not here: this module only names, in the 400 it
+answers, the field the client sent.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+from starlette.responses import JSONResponse
+
+from asyncllm.sampling_params import SamplingParams
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
+MAX_STOP_STRINGS = 16
+
+MISSING = object()
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict | None = None):  # noqa: A002 - OpenAI's field name
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or ("server_error" if status >= 500 else
+                             "rate_limit_error" if status == 429 else "invalid_request_error")
+        self.headers = {"WWW-Authenticate": "Bearer"} if status == 401 else dict(headers or {})
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers or None)
+
+
+def type_name(value) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def expect(body: dict, name: str, check: Callable[[object], bool], what: str):
+    """body[name] if present and not null, checked; MISSING otherwise."""
+    value = body.get(name)
+    if value is None:
+        return MISSING
+    if not check(value):
+        raise APIError(400, f"'{name}': expected {what}, got {type_name(value)} ({json.dumps(value)[:80]})",
+                       param=name, code="invalid_type")
+    return value
+
+
+# Fields OpenAI clients send that this server does not implement: accepted only at a neutral value.
+NEUTRAL_CHAT = {
+    "logprobs": lambda v: v is False or v is None,
+    "top_logprobs": lambda v: v == 0,
+    "tools": lambda v: v == [],
+    "tool_choice": lambda v: v == "none",
+    "functions": lambda v: v == [],
+    "function_call": lambda v: v == "none",
+    "parallel_tool_calls": lambda v: isinstance(v, bool),  # meaningless without tools
+    "response_format": lambda v: v == {"type": "text"},
+    "frequency_penalty": lambda v: v == 0,
+    "presence_penalty": lambda v: v == 0,
+    "repetition_penalty": lambda v: v == 1,
+    "logit_bias": lambda v: v == {},
+    "store": lambda v: v is False,
+    "modalities": lambda v: v == ["text"],
+    "user": lambda v: isinstance(v, str),  # an end-user id for abuse tracking: accepted, unused
+    "metadata": lambda v: isinstance(v, dict),
+    "service_tier": lambda v: isinstance(v, str),
+}
+NEUTRAL_COMPLETIONS = {name: check for name, check in NEUTRAL_CHAT.items()
+                       if name not in ("top_logprobs", "tools", "tool_choice", "functions", "function_call",
+                                       "parallel_tool_calls", "response_format", "store", "modalities")}
+NEUTRAL_COMPLETIONS.update(logprobs=lambda v: v is None, echo=lambda v: v is False, best_of=lambda v: v == 1,
+                           suffix=lambda v: v == "")
+
+# request field -> SamplingParams field; max_tokens is handled apart (the server's limit and default)
+SAMPLING_FIELDS = {name: name for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                                           "stop_token_ids", "ignore_eos", "include_stop_str_in_output")}
+COMMON_FIELDS = {"model", "stream", "stream_options", "n", "max_tokens", *SAMPLING_FIELDS}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "chat_template_kwargs", "chat_template"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+
+
+def check_fields(body: dict, known: set[str], neutral: dict) -> None:
+    for name, value in body.items():
+        if name in known:
+            continue
+        if name in neutral:
+            if value is None or neutral[name](value):
+                continue
+            raise APIError(400, f"'{name}'={json.dumps(value)[:80]} is not supported by this server; "
+                                f"leave it out", param=name, code="unsupported_parameter")
+        raise APIError(400, f"Unrecognized request argument supplied: {name}", param=name,
+                       code="unknown_parameter")
+
+
+def field_error(field: str, error: Exception, argument: str | None = None) -> APIError:
+    """A 400 naming `field` (what the client sent) for an error raised about `argument` (what the
+    engine or SamplingParams calls it, if not the same)."""
+    message = str(error).removeprefix("SamplingParams.")
+    for name in (argument or field, field):
+        if message.startswith(name + ":"):
+            message = f"'{field}':{message[len(name) + 1:]}"
+            break
+        if message.startswith(name + "["):  # an item: prompt[3], messages[0]
+            message = field + message[len(name):]
+            break
+    else:
+        message = f"'{field}': {message}"
+    return APIError(400, message, param=field, code="invalid_value")
+
+
+def sampling_params(body: dict, max_tokens_field: str, default_max_tokens: int,
+                    max_tokens_limit: int | None) -> SamplingParams:
+    """SamplingParams from the request's fields; SamplingParams is the one that checks them."""
+    n = expect(body, "n", is_int, "an integer")
+    if n is not MISSING and n != 1:
+        raise APIError(400, f"'n'={n} is not supported: this server returns one choice (n=1)",
+                       param="n", code="unsupported_value")
+    field = max_tokens_field if body.get(max_tokens_field) is not None else "max_tokens"
+    max_tokens = expect(body, field, is_int, "an integer")  # compared with the limit below: an int first
+    if max_tokens is MISSING:
+        max_tokens = default_max_tokens if max_tokens_limit is None else min(default_max_tokens, max_tokens_limit)
+    elif max_tokens_limit is not None and max_tokens > max_tokens_limit:
+        raise APIError(400, f"'{field}'={max_tokens} is over this server's limit of {max_tokens_limit}",
+                       param=field, code="invalid_value")
+    sent = {field: ("max_tokens", max_tokens)}
+    sent.update((name, (arg, body[name])) for name, arg in SAMPLING_FIELDS.items() if body.get(name) is not None)
+    stop = body.get("stop")
+    if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+        raise APIError(400, f"'stop': at most {MAX_STOP_STRINGS} stop strings", param="stop", code="invalid_value")
+    # one field at a time first, so that the 400 names the field whatever the error's wording
+    for name, (argument, value) in sent.items():
+        try:
+            SamplingParams(**{argument: value})
+        except (ValueError, TypeError, OverflowError) as e:
+            raise field_error(name, e, argument) from None
+    try:
+        return SamplingParams(**dict(sent.values()))
+    except (ValueError, TypeError, OverflowError) as e:  # a combination of fields
+        raise APIError(400, str(e).removeprefix("SamplingParams."), code="invalid_value") from None
+
+
+def stream_options(body: dict) -> bool:
+    """Checks 'stream' and 'stream_options'; returns include_usage."""
+    stream = expect(body, "stream", lambda v: isinstance(v, bool), "a boolean")
+    options = expect(body, "stream_options", lambda v: isinstance(v, dict), "an object")
+    if options is MISSING:
+        return False
+    if stream is not True:
+        raise APIError(400, "'stream_options' is only allowed with stream=true", param="stream_options",
+                       code="invalid_value")
+    unknown = set(options) - {"include_usage", "continuous_usage_stats"}
+    if unknown:
+        raise APIError(400, f"'stream_options': unknown field(s) {sorted(unknown)}", param="stream_options",
+                       code="unknown_parameter")
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise APIError(400, "'stream_options.include_usage': expected a boolean",
+                       param="stream_options.include_usage", code="invalid_type")
+    return include
+
+
+def messages(body: dict) -> list[dict]:
+    if body.get("messages") is None:
+        raise APIError(400, "'messages' is required", param="messages", code="missing_required_parameter")
+    messages = body["messages"]
+    if not isinstance(messages, list):
+        raise APIError(400, f"'messages': expected an array, got {type_name(messages)}", param="messages",
+                       code="invalid_type")
+    if not messages:
+        raise APIError(400, "'messages' must not be empty", param="messages", code="invalid_value")
+    result = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise APIError(400, f"'{where}': expected an object, got {type_name(message)}", param=where,
+                           code="invalid_type")
+        role = message.get("role")
+        if role not in ("system", "developer", "user", "assistant"):
+            detail = "tool messages need tool calling, which this server does not support" \
+                if role in ("tool", "function") else "expected one of 'system', 'developer', 'user', 'assistant'"
+            raise APIError(400, f"'{where}.role': invalid value {json.dumps(role)}: {detail}",
+                           param=f"{where}.role", code="invalid_value")
+        unknown = set(message) - {"role", "content", "name"}
+        if unknown:
+            raise APIError(400, f"'{where}': unsupported field(s) {sorted(unknown)}", param=where,
+                           code="unsupported_parameter")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: text only
+            texts = []
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise APIError(400, f"'{where}.content[{j}]': only text parts are supported",
+                                   param=f"{where}.content[{j}]", code="invalid_value")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if not isinstance(content, str):
+            raise APIError(400, f"'{where}.content': expected a string or an array of text parts, got "
+                                f"{type_name(content)}", param=f"{where}.content", code="invalid_type")
+        result.append({"role": "system" if role == "developer" else role, "content": content})
+    return result
+
+
+def chat_template_kwargs(body: dict, trust_request_chat_template: bool) -> dict:
+    """The template's keyword arguments. A template the request brings would run on this server:
+    refused unless the operator trusts request templates."""
+    kwargs = expect(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object")
+    kwargs = {} if kwargs is MISSING else dict(kwargs)
+    for param, template in (("chat_template", body.get("chat_template")),
+                            ("chat_template_kwargs.chat_template", kwargs.get("chat_template"))):
+        if template is None:
+            continue
+        if not trust_request_chat_template:
+            raise APIError(400, f"'{param}': this server does not render chat templates sent by clients "
+                                "(the operator can allow it with --trust-request-chat-template)",
+                           param=param, code="unsupported_parameter")
+        if not isinstance(template, str):
+            raise APIError(400, f"'{param}': expected a string, got {type_name(template)}", param=param,
+                           code="invalid_type")
+        kwargs["chat_template"] = template
+    return kwargs
+
+
+def prompt(body: dict) -> str | list[int]:
+    if body.get("prompt") is None:
+        raise APIError(400, "'prompt' is required", param="prompt", code="missing_required_parameter")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise APIError(400, "batched prompts are not supported: send one prompt per request", param="prompt",
+                       code="unsupported_value")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise APIError(400, "'prompt' must not be empty", param="prompt", code="invalid_value")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
+        return prompt
+    raise APIError(400, f"'prompt': expected a string or an array of token ids, got {type_name(prompt)}",
+                   param="prompt", code="invalid_type")

@@ -1,0 +1,276 @@
+"""What the server refuses, and the limits that keep it answering (issue 18: items 5-8, 12).
+
+In-process tests drive the app through Starlette's TestClient; connection limits need a real
+`asyncllm serve` subprocess on a loopback port.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+
+from asyncllm.testing import free_port, stop_process
+
+httpx = pytest.importorskip("httpx", reason="the server tests need the test extras (httpx)")
+pytest.importorskip("starlette", reason="the server tests need asyncllm[server] (starlette)")
+pytest.importorskip("uvicorn", reason="the server tests need asyncllm[server] (uvicorn)")
+
+from test_server import serve_command, wait_healthy  # noqa: E402
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+MESSAGES = [{"role": "user", "content": "Hi"}]
+NON_ASCII_KEY = "ключ-é-🔑"
+JSON = {"Content-Type": "application/json"}
+MAX_BODY_BYTES = 4 << 20
+# ~2e8 loop turns: seconds of rendering, enough to notice a frozen event loop
+SLOW_TEMPLATE = "{% for i in range(10000) %}{% for j in range(20000) %}{% endfor %}{% endfor %}hi"
+
+
+def assert_openai_error(response, status: int, param: str | None = ...) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+    if param is not ...:
+        assert error["param"] == param, error
+    return error
+
+
+@contextlib.contextmanager
+def in_process(model: str, **options):
+    from starlette.testclient import TestClient
+
+    from asyncllm import AsyncLLMEngine
+    from asyncllm.server import create_app
+
+    app = create_app(AsyncLLMEngine(model, num_kvcache_blocks=16), "tiny", **options)
+    with TestClient(app) as client:  # the lifespan starts the engine and stops it
+        yield client
+
+
+@pytest.fixture(scope="module")
+def http(tiny_qwen3):
+    with in_process(tiny_qwen3, max_body_bytes=MAX_BODY_BYTES) as client:
+        yield client
+
+
+# ---- item 8: the API key ---------------------------------------------------------------------------
+def test_non_ascii_api_key_sent_as_utf8_matches(tiny_qwen3):
+    with in_process(tiny_qwen3, api_key=NON_ASCII_KEY) as http:
+        utf8 = {"Authorization": f"Bearer {NON_ASCII_KEY}".encode()}  # as clients send a non-ASCII key
+        r = http.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 2}, headers=utf8)
+        assert r.status_code == 200, r.text
+        for wrong in ("Bearer ключ-é".encode(), f"Bearer {NON_ASCII_KEY}".encode("utf-16"), b"Bearer x"):
+            assert_openai_error(http.get("/v1/models", headers={"Authorization": wrong}), 401)
+
+
+def test_empty_api_key_is_refused_at_start(tiny_qwen3):
+    from asyncllm.server import create_app
+    with pytest.raises(ValueError, match="api_key"):
+        create_app(object(), "tiny", api_key="")
+    for args, env in ((["--api-key", ""], {}), ([], {"ASYNCLLM_API_KEY": ""})):
+        proc = subprocess.run(serve_command() + ["serve", tiny_qwen3, "--port", str(free_port()), *args],
+                              env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "empty" in proc.stderr, (args, env, proc.returncode, proc.stderr[-2000:])
+
+
+def test_non_loopback_without_key_warns(tiny_qwen3, monkeypatch, caplog):
+    import uvicorn
+
+    from asyncllm import cli
+    runs = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: runs.append(kwargs))  # nothing is bound
+    monkeypatch.delenv("ASYNCLLM_API_KEY", raising=False)
+    with caplog.at_level("WARNING", logger="asyncllm.server"):
+        assert cli.main(["serve", tiny_qwen3, "--host", "0.0.0.0"]) == 0
+    assert runs and runs[0]["host"] == "0.0.0.0"
+    assert any("without an API key" in r.getMessage() for r in caplog.records), caplog.text
+
+
+# ---- item 7: numbers too big for a float --------------------------------------------------------------
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p"])
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_huge_integer_sampling_field_is_a_400_naming_it(http, path, field):
+    body = {"messages": MESSAGES} if path == CHAT else {"prompt": "Hi"}
+    raw = json.dumps({**body, "max_tokens": 2, field: "HUGE"}).replace('"HUGE"', "1" + "0" * 400)
+    assert_openai_error(http.post(path, content=raw.encode(), headers=JSON), 400, field)
+
+
+# ---- item 12: content types and the names of fields -------------------------------------------------
+@pytest.mark.parametrize("headers, body", [
+    ({"Content-Type": "text/plain"}, b'{"prompt": "Hi"}'),
+    ({}, b'{"prompt": "Hi"}'),
+    ({"Content-Type": "application/json; charset=utf-16"}, '{"prompt": "Hi"}'.encode("utf-16")),
+    ({"Content-Type": "application/json"}, '{"prompt": "Hi"}'.encode("utf-16")),
+    ({"Content-Type": "application/json"}, '{"prompt": "Hi"}'.encode("utf-32-le")),
+    ({"Content-Type": "application/x-www-form-urlencoded"}, b"prompt=Hi"),
+], ids=["text-plain", "no-content-type", "charset-utf-16", "utf-16-body", "utf-32-body", "form"])
+def test_anything_but_utf8_json_is_415(http, headers, body):
+    assert_openai_error(http.post(COMPLETIONS, content=body, headers=headers), 415)
+
+
+def test_utf8_json_with_charset_is_accepted(http):
+    r = http.post(COMPLETIONS, content=b'{"prompt": "Hi", "max_tokens": 2}',
+                  headers={"Content-Type": "Application/JSON; charset=UTF-8"})
+    assert r.status_code == 200, r.text
+
+
+def test_errors_name_the_field_the_client_sent(http):
+    error = assert_openai_error(http.post(CHAT, json={"messages": MESSAGES, "max_completion_tokens": -1}), 400,
+                                "max_completion_tokens")
+    assert "max_completion_tokens" in error["message"] and "max_tokens" not in error["message"].replace(
+        "max_completion_tokens", ""), error
+    long_chat = {"messages": [{"role": "user", "content": "word " * 5000}], "max_tokens": 2}
+    error = assert_openai_error(http.post(CHAT, json=long_chat), 400, "messages")
+    assert error["message"].startswith("'messages'") and "prompt" not in error["message"], error
+
+
+def test_every_error_has_the_openai_shape(http):
+    assert_openai_error(http.get("/no/such/path"), 404)
+    assert_openai_error(http.get(CHAT), 405)
+    assert_openai_error(http.post(CHAT, content=b"x" * (MAX_BODY_BYTES + 1), headers=JSON), 413)
+
+
+# ---- item 5: chat templates from requests, and prompts too long to tokenize --------------------------------
+@pytest.mark.parametrize("extra, param", [
+    ({"chat_template_kwargs": {"chat_template": "{{ 7 * 7 }}"}}, "chat_template_kwargs.chat_template"),
+    ({"chat_template": "{{ 7 * 7 }}"}, "chat_template"),
+])
+def test_request_chat_template_is_refused(http, extra, param):
+    error = assert_openai_error(http.post(CHAT, json={"messages": MESSAGES, "max_tokens": 2, **extra}), 400, param)
+    assert "--trust-request-chat-template" in error["message"]
+    # the server's own template, with the kwargs it takes, still works
+    r = http.post(CHAT, json={"messages": MESSAGES, "max_tokens": 2,
+                              "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 200, r.text
+
+
+def test_huge_prompt_is_refused_by_its_length_before_tokenizing(http):
+    server = http.app.state.server
+    longest_token = max(map(len, server.engine.tokenizer.get_vocab()))  # characters of text per token, at most
+    too_many = server.engine.config.max_model_len * longest_token + 1
+    calls = []
+    encode = server.engine.tokenizer.encode
+    server.engine.tokenizer.encode = lambda *a, **k: calls.append(1) or encode(*a, **k)
+    try:
+        error = assert_openai_error(http.post(COMPLETIONS, json={"prompt": "a" * too_many}), 400, "prompt")
+        error_chat = assert_openai_error(
+            http.post(CHAT, json={"messages": [{"role": "user", "content": "a" * too_many}]}), 400, "messages")
+    finally:
+        del server.engine.tokenizer.encode
+    assert calls == [], "the prompt was tokenized before being refused"
+    assert "max_model_len" in error["message"] and "max_model_len" in error_chat["message"]
+
+
+# ---- a real server: connection limits, and an event loop that keeps answering ------------------------------
+LIVE_OPTIONS = ["--body-timeout", "2", "--timeout-keep-alive", "2", "--trust-request-chat-template"]
+
+
+@pytest.fixture(scope="module")
+def live(tiny_qwen3, tmp_path_factory):
+    port = free_port()
+    log_path = str(tmp_path_factory.mktemp("server-limits") / "server.log")
+    cmd = serve_command() + ["serve", tiny_qwen3, "--port", str(port), "--num-kvcache-blocks", "64",
+                             *LIVE_OPTIONS, "--log-level", "warning"]
+    env = {k: v for k, v in os.environ.items() if k != "ASYNCLLM_API_KEY"}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base, proc, log_path)
+        yield {"base": base, "port": port}
+    finally:
+        stop_process(proc)
+
+
+def health_seconds(base: str) -> float:
+    start = time.monotonic()
+    assert httpx.get(f"{base}/health", timeout=60).status_code == 200
+    return time.monotonic() - start
+
+
+def read_until_closed(sock: socket.socket, limit: float) -> bytes:
+    """What the server sends until it closes the connection; fails if it is still open after `limit` s."""
+    sock.settimeout(limit)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except TimeoutError:
+        raise AssertionError(f"the connection was still open after {limit} s; got {data[:200]!r}") from None
+    return data
+
+
+def test_slow_body_gets_408_and_health_still_answers(live):
+    with socket.create_connection(("127.0.0.1", live["port"])) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{")
+        start = time.monotonic()
+        assert health_seconds(live["base"]) < 30
+        reply = read_until_closed(sock, limit=30)  # --body-timeout 2: generous for a busy machine
+        assert time.monotonic() - start < 30
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), reply[:300]
+    assert json.loads(body)["error"]["code"] == "request_timeout"
+
+
+def test_connections_that_send_no_request_are_closed(live):
+    idle = [socket.create_connection(("127.0.0.1", live["port"])) for _ in range(5)]
+    slow_head = socket.create_connection(("127.0.0.1", live["port"]))
+    try:
+        slow_head.sendall(b"GET /health HTTP/1.1\r\nHo")  # and no more
+        assert health_seconds(live["base"]) < 30
+        for sock in [*idle, slow_head]:
+            assert read_until_closed(sock, limit=30) == b""  # --timeout-keep-alive 2
+    finally:
+        for sock in [*idle, slow_head]:
+            sock.close()
+
+
+def test_health_answers_while_a_trusted_template_renders(live):
+    body = {"messages": MESSAGES, "max_tokens": 2, "chat_template_kwargs": {"chat_template": SLOW_TEMPLATE}}
+    result = {}
+
+    def post() -> None:
+        result["response"] = httpx.post(f"{live['base']}{CHAT}", json=body, timeout=300)
+
+    heavy = threading.Thread(target=post)
+    start = time.monotonic()
+    heavy.start()
+    probes = []
+    while heavy.is_alive():
+        probes.append(health_seconds(live["base"]))
+    heavy.join()
+    rendering = time.monotonic() - start
+    assert result["response"].status_code == 200, result["response"].text  # the operator opted in: rendered
+    # on the event loop, one probe would wait for the whole render (seconds); beside it, none waits long
+    assert len(probes) >= 3 and max(probes) < max(1.0, rendering / 4), (rendering, probes)
+
+
+# ---- no 500 from any client input ----------------------------------------------------------------------
+ODD_VALUES = [None, -1, 0, 2 ** 64, 10 ** 400, 1e308, -0.0, "x", "", [], [1, "a"], [-5], {}, {"a": 1}, True]
+
+
+SAMPLING_FIELDS = ["model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p",
+                   "seed", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "logprobs", "user"]
+FIELDS = {CHAT: SAMPLING_FIELDS + ["messages", "max_completion_tokens", "chat_template_kwargs", "tools"],
+          COMPLETIONS: SAMPLING_FIELDS + ["prompt", "echo", "best_of"]}
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_odd_values_of_every_field_are_never_a_500(http, path):
+    base = {"messages": MESSAGES} if path == CHAT else {"prompt": "Hi"}
+    statuses = {}
+    for field in FIELDS[path]:
+        for value in ODD_VALUES:
+            if field in ("max_tokens", "max_completion_tokens") and (value is None or type(value) is int and value > 1):
+                continue  # valid, and as long as the context allows (null: chat's default): too slow here
+            body = {**base, "max_tokens": 1, field: value}
+            status = http.post(path, content=json.dumps(body).encode(), headers=JSON).status_code
+            statuses.setdefault(status, []).append(f"{field}={value!r}"[:60])
+    assert set(statuses) <= {200, 400, 404}, {s: v[:5] for s, v in statuses.items()}
