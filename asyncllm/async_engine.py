@@ -293,6 +293,25 @@ class AsyncLLMEngine:
         prompt_token_ids = core.encode_prompt(prompt)
         return self._submit(prompt_token_ids, sampling_params, request_id)
 
+    def encode(self, prompt, argument: str = "prompt") -> list[int]:
+        """A prompt (text or token ids) as checked token ids, as stream() takes it; text longer than
+        max_prompt_chars is refused before it is tokenized. Thread-safe: a server runs it off its loop."""
+        self._check_alive()
+        return self._core.encode_prompt(prompt, argument)
+
+    @property
+    def max_seq_len(self) -> int:
+        """The most tokens a request can hold, prompt and output: max_model_len, or less where the
+        KV cache is smaller."""
+        self._check_alive()
+        return self._core.max_seq_len
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """No text longer than this fits in max_seq_len tokens."""
+        self._check_alive()
+        return self._core.max_prompt_chars
+
     def chat(self, messages, sampling_params: SamplingParams | None = None, *, request_id: str | None = None,
              **chat_template_kwargs) -> RequestStream:
         """Stream an answer to a conversation, formatted by the tokenizer's chat template."""

@@ -139,8 +139,8 @@ async def test_a_prompt_too_long_to_fit_is_refused_before_tokenizing(tiny_qwen3,
             def must_not_tokenize(*args, **kwargs):
                 raise AssertionError("the tokenizer ran on a prompt that cannot fit")
             monkeypatch.setattr(core.tokenizer, "encode", must_not_tokenize)
-            with pytest.raises(ValueError, match=f"prompt: {limit + 1} characters cannot fit in "
-                                                 f"{core.max_seq_len} tokens"):
+            with pytest.raises(ValueError, match=fr"prompt: {limit + 1} characters cannot fit in max_model_len "
+                                                 fr"\({core.max_seq_len} tokens\)"):
                 engine.stream("a" * (limit + 1))
             monkeypatch.undo()
             result = await engine.generate("a short one", SamplingParams(max_tokens=2, ignore_eos=True))

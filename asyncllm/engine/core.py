@@ -84,7 +84,8 @@ class EngineCore:
                 raise ValueError(f"{argument}: the prompt is empty")
             check_text(prompt, argument)
             if len(prompt) > self.max_prompt_chars:
-                raise ValueError(f"{argument}: {len(prompt)} characters cannot fit in {self.max_seq_len} tokens")
+                raise ValueError(f"{argument}: {len(prompt)} characters cannot fit in max_model_len "
+                                 f"({self.max_seq_len} tokens)")
             token_ids = self.tokenizer.encode(prompt)
             if not token_ids:
                 raise ValueError(f"{argument}: the prompt encodes to no tokens")

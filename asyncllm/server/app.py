@@ -17,7 +17,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from asyncllm.engine.core import check_text
 from asyncllm.errors import EngineDeadError, QueueFullError
 from asyncllm.sampling_params import SamplingParams
 import asyncllm.server.protocol as protocol
@@ -29,13 +28,6 @@ logger = logging.getLogger("asyncllm.server")
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds for a whole request body to arrive
-
-
-def longest_token_chars(tokenizer) -> int:
-    """The most characters of text one token can stand for: a prompt of n characters is at least
-    n / this many tokens. A byte-level token's string has one character per byte, so its length
-    bounds the text it decodes to."""
-    return max(map(len, tokenizer.get_vocab()), default=1)
 
 
 class OpenAIServer:
@@ -60,7 +52,6 @@ class OpenAIServer:
         self.trust_request_chat_template = trust_request_chat_template
         self.metrics = ServerMetrics()
         self.created = int(time.time())
-        self._max_prompt_chars: int | None = None
 
     # ---- plumbing ----
     def _check_auth(self, request: Request) -> None:
@@ -149,23 +140,17 @@ class OpenAIServer:
         return endpoint
 
     # ---- prompts: long ones are refused by length before tokenizing, and rendered off the event loop ----
-    def max_prompt_chars(self) -> int:
-        """The most characters a prompt that fits in max_model_len can have; computed once."""
-        if self._max_prompt_chars is None:
-            self._max_prompt_chars = self.engine.config.max_model_len * longest_token_chars(self.engine.tokenizer)
-        return self._max_prompt_chars
-
     def _check_prompt_chars(self, num_chars: int, field: str) -> None:
-        if num_chars > self.max_prompt_chars():
-            raise APIError(400, f"'{field}': {num_chars} characters are more than max_model_len "
-                                f"({self.engine.config.max_model_len} tokens) can hold",
+        if num_chars > self.engine.max_prompt_chars:
+            raise APIError(400, f"'{field}': {num_chars} characters cannot fit in max_model_len "
+                                f"({self.engine.max_seq_len} tokens)",
                            param=field, code="context_length_exceeded")
 
     def _check_prompt_tokens(self, num_tokens: int, field: str) -> None:
-        max_model_len = self.engine.config.max_model_len
-        if num_tokens >= max_model_len:
+        max_seq_len = self.engine.max_seq_len
+        if num_tokens >= max_seq_len:
             raise APIError(400, f"'{field}': {num_tokens} tokens leave no room to generate within max_model_len "
-                                f"({max_model_len} tokens)", param=field, code="context_length_exceeded")
+                                f"({max_seq_len} tokens)", param=field, code="context_length_exceeded")
 
     async def _chat_prompt_ids(self, messages: list[dict], template_kwargs: dict) -> list[int]:
         self._check_engine()
@@ -185,14 +170,11 @@ class OpenAIServer:
         if not isinstance(prompt, str):
             return prompt  # token ids: the engine checks them against the vocabulary
         self._check_engine()
-        self._check_prompt_chars(len(prompt), "prompt")
+        self._check_prompt_chars(len(prompt), "prompt")  # here too: a refusal needs no thread
         try:
-            check_text(prompt, "prompt")
-        except ValueError as e:
+            prompt_ids = await anyio.to_thread.run_sync(self.engine.encode, prompt, "prompt")
+        except (ValueError, TypeError) as e:
             raise field_error("prompt", e) from None
-        prompt_ids = await anyio.to_thread.run_sync(self.engine.tokenizer.encode, prompt)
-        if not prompt_ids:
-            raise APIError(400, "'prompt': the prompt encodes to no tokens", param="prompt", code="invalid_value")
         self._check_prompt_tokens(len(prompt_ids), "prompt")
         return prompt_ids
 
@@ -280,7 +262,7 @@ class OpenAIServer:
         messages = protocol.messages(body)
         template_kwargs = protocol.chat_template_kwargs(body, self.trust_request_chat_template)
         prompt_ids = await self._chat_prompt_ids(messages, template_kwargs)
-        room = max(1, self.engine.config.max_model_len - len(prompt_ids))
+        room = max(1, self.engine.max_seq_len - len(prompt_ids))
         return await self._answer(request, body, prompt_ids, chat=True, max_tokens_field="max_completion_tokens",
                                   default_max_tokens=room)
 
@@ -343,7 +325,6 @@ def create_app(engine, model_name: str, api_key: str | None = None, *,
         owns = (not engine.started) if manage_engine is None else manage_engine
         if owns:
             await engine.start()
-        server.max_prompt_chars()  # at start-up, not in the first request
         stats = engine.stats()
         logger.info("asyncllm: serving %s (%s KV blocks of %s tokens)", model_name,
                     stats.get("num_total_blocks"), stats.get("block_size"))
