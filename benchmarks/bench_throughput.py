@@ -62,18 +62,41 @@ async def _generate_one(engine: AsyncLLMEngine, prompt, params) -> int:
     return len((await engine.generate(prompt, params)).token_ids)
 
 
-async def _run_async(consume, model_dir: str, kwargs: dict, prompts, params, warmup, device: str) -> dict:
+def loop_profile(profiler, num_tokens: int, rows: int = 14) -> str:
+    """The event loop's own time over the timed run (cProfile sees only its thread), per token."""
+    import io
+    import pstats
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    # time blocked in the selector is the loop waiting for a wake-up, not work
+    idle = sum(tt for (_, _, name), (_, _, tt, _, _) in stats.stats.items() if "poll" in name or "select" in name)
+    busy = stats.total_tt - idle
+    stats.sort_stats("tottime").print_stats(rows)
+    return (f"event-loop thread: {busy:.3f} s of work ({idle:.2f} s waiting), {busy / num_tokens * 1e6:.1f} us per "
+            f"token (cProfile's own overhead included)\n" + text.getvalue().strip())
+
+
+async def _run_async(consume, model_dir: str, kwargs: dict, prompts, params, warmup, device: str,
+                     profile: bool = False) -> dict:
     async with AsyncLLMEngine(model_dir, **kwargs) as engine:
         await consume(engine, WARMUP_PROMPT, SamplingParams())
         await asyncio.gather(*(consume(engine, p, sp) for p, sp in zip(*warmup)))
         await engine.wait_idle()
         before, compiled_before = engine.stats(), compiled_variants()
         synchronize(device)
+        profiler = None
+        if profile:
+            import cProfile
+            profiler = cProfile.Profile()
+            profiler.enable()
         start = time.perf_counter()
         async with asyncio.TaskGroup() as group:
             tasks = [group.create_task(consume(engine, p, sp)) for p, sp in zip(prompts, params)]
         synchronize(device)
         elapsed = time.perf_counter() - start
+        if profiler is not None:
+            profiler.disable()
+            print(loop_profile(profiler, sum(t.result() for t in tasks)), flush=True)
         await engine.wait_idle()  # the engine publishes its counters just after the last step
         after = engine.stats()
     return dict(elapsed_s=elapsed, generated_tokens=sum(t.result() for t in tasks),
@@ -81,14 +104,14 @@ async def _run_async(consume, model_dir: str, kwargs: dict, prompts, params, war
                 num_steps=after["num_steps"] - before["num_steps"], jit_compiles=jit_compiled_since(compiled_before))
 
 
-def run_stream(*args) -> dict:
-    result = asyncio.run(_run_async(_stream_one, *args))
+def run_stream(*args, profile: bool = False) -> dict:
+    result = asyncio.run(_run_async(_stream_one, *args, profile=profile))
     release_memory()
     return result
 
 
-def run_generate(*args) -> dict:
-    result = asyncio.run(_run_async(_generate_one, *args))
+def run_generate(*args, profile: bool = False) -> dict:
+    result = asyncio.run(_run_async(_generate_one, *args, profile=profile))
     release_memory()
     return result
 
@@ -134,6 +157,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--max-input", type=int, default=1024, help="longest prompt (shortest: 100)")
     parser.add_argument("--max-output", type=int, default=1024, help="largest max_tokens (smallest: 100)")
+    parser.add_argument("--profile-loop", action="store_true",
+                        help="stream/generate: print a cProfile of the event loop's thread over the timed run "
+                             "(slows it: not for the throughput figures)")
     parser.add_argument("--warmup-requests", type=int, default=64,
                         help="short requests run before timing (0: only nano-vllm's single warm-up prompt)")
     raw_argv = list(sys.argv[1:] if argv is None else argv)
@@ -159,7 +185,8 @@ def main(argv=None) -> dict:
         with checkpoint_from_args(args) as model_dir:
             kwargs = engine_kwargs(args, backend)
             try:
-                stats = RUNNERS[mode](model_dir, kwargs, prompts, params, warmup, args.device)
+                extra = {"profile": True} if args.profile_loop and mode != "sync" else {}
+                stats = RUNNERS[mode](model_dir, kwargs, prompts, params, warmup, args.device, **extra)
                 report.add(dict(backend=backend, mode=mode, overlap=overlap, shape=args.shape,
                                 tensor_parallel_size=args.tensor_parallel_size, num_requests=len(prompts),
                                 total_tokens=total_tokens, throughput_tok_s=total_tokens / stats["elapsed_s"], **stats))
