@@ -64,15 +64,17 @@ class RequestResult:
     prompt_token_ids: list[int] = field(default_factory=list)
 
 
-def _current_loop_waker() -> Callable[[Callable[[], None]], None]:
-    """A thread-safe, non-blocking 'run this soon on the current event loop'."""
+def _current_loop_waiter() -> tuple[Callable[[Callable[[], None]], None], "asyncio.Event | trio.Event"]:
+    """For a read about to wait: the current event loop's thread-safe, non-blocking 'run this soon',
+    and a new event of that loop's library (its own event: anyio.Event looks the library up on every
+    creation, a cost paid per token here)."""
     try:
-        return asyncio.get_running_loop().call_soon_threadsafe
+        return asyncio.get_running_loop().call_soon_threadsafe, asyncio.Event()
     except RuntimeError:
         pass
     try:
         import trio
-        return trio.lowlevel.current_trio_token().run_sync_soon
+        return trio.lowlevel.current_trio_token().run_sync_soon, trio.Event()
     except (ImportError, RuntimeError):
         raise RuntimeError("asyncllm streams must be used from an asyncio or trio event loop") from None
 
@@ -106,7 +108,7 @@ class RequestChannel:
         self._token_ids: list[int] = []
         self._finish_reason: str | None = None
         self._error: BaseException | None = None
-        self._waiter: anyio.Event | None = None
+        self._waiter = None  # the waiting read's event
         self._waiter_waker: Callable | None = None  # the waiting read's event loop
         self.closed = False  # the engine will send nothing more
         self.metrics: RequestMetrics | None = None
@@ -120,7 +122,7 @@ class RequestChannel:
             wake({waker: [waiter]})
 
     def put_quietly(self, token_ids: list[int], finish_reason: str | None,
-                    error: BaseException | None = None) -> tuple[Callable, anyio.Event] | None:
+                    error: BaseException | None = None) -> tuple[Callable, object] | None:
         """Hand over tokens; returns (its loop's waker, waiter) if the consumer is waiting (the caller
         wakes it)."""
         with self._lock:
@@ -145,8 +147,8 @@ class RequestChannel:
                 if self._token_ids or self.closed:
                     token_ids, self._token_ids = self._token_ids, []
                     return token_ids, self._finish_reason
-                waiter = self._waiter = anyio.Event()
-                self._waiter_waker = _current_loop_waker()
+                self._waiter_waker, waiter = _current_loop_waiter()
+                self._waiter = waiter
             await waiter.wait()
 
 

@@ -106,7 +106,7 @@ def main(argv=None) -> dict:
         report.add(dict(metric="TPOT", prompt_len=args.tpot_prompt_len, median_ms=ms(tpot), min_ms=ms(min(tpots)),
                         runs=len(tpots), output_tokens=n, weight_bytes=weights, kv_bytes=kv,
                         achieved_gb_s=achieved / 1e9, bandwidth_util=achieved / copy_bw))
-        llm = None  # noqa: F841
+        llm = runner = None  # noqa: F841 - the async engine below sizes its KV cache from the memory left
         release_memory()
         stream = asyncio.run(stream_tpots(model_dir, engine_kwargs(args, args.backend), rng, args.tpot_prompt_len, n,
                                           args.tpot_reps))

@@ -193,6 +193,7 @@ class EngineCore:
             raise RuntimeError(f"the step sampled {len(token_ids)} tokens for {len(sampling)} sampling rows")
         self.num_steps += 1
         events = []
+        block_size = self.block_manager.block_size
         for item, token_id in zip(sampling, token_ids):
             seq = item.seq
             if seq.status == SequenceStatus.FINISHED:
@@ -203,8 +204,9 @@ class EngineCore:
                 del seq.token_ids[item.token_index + 1:]  # a later step's token in flight, if any
                 self.requests.pop(seq.request_id, None)
                 self.scheduler.finish(seq, reason)
-            else:
-                self.block_manager.commit_computed(seq)  # blocks that held this token can be hashed now
+            elif (item.token_index + 1) % block_size == 0 and seq.num_computed_tokens > item.token_index:
+                # the token closes a block whose KV a later step already computed: it can be hashed now
+                self.block_manager.commit_computed(seq)
             events.append(StepEvent(seq, [token_id], reason))
         return events
 
