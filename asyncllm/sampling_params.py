@@ -62,11 +62,11 @@ class SamplingParams:
         if self.max_tokens < 1:
             fail("max_tokens", f"must be >= 1, got {_short_repr(self.max_tokens)}")
         if not isinstance(self.ignore_eos, bool):
-            fail("ignore_eos", f"expected a bool, got {self.ignore_eos!r}")
+            fail("ignore_eos", f"expected a bool, got {_short_repr(self.ignore_eos)}")
         if not isinstance(self.include_stop_str_in_output, bool):
-            fail("include_stop_str_in_output", f"expected a bool, got {self.include_stop_str_in_output!r}")
+            fail("include_stop_str_in_output", f"expected a bool, got {_short_repr(self.include_stop_str_in_output)}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            fail("seed", f"expected an int or None, got {self.seed!r}")
+            fail("seed", f"expected an int or None, got {_short_repr(self.seed)}")
         if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:  # torch.Generator's range
             fail("seed", f"must be in [-2**63, 2**64), got {_short_repr(self.seed)}")
         if isinstance(self.stop_token_ids, int) and not isinstance(self.stop_token_ids, bool):
