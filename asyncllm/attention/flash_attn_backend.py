@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from asyncllm.attention.base import AttentionBackend, ForwardBatch, PagedGraphBuffers
+from asyncllm.attention.base import AttentionBackend, ForwardBatch
+from asyncllm.attention.graph_buffers import PagedGraphBuffers
 
 
 def _store_kvcache():
