@@ -9,6 +9,7 @@ import torch
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # as vLLM accepts them
+DTYPE_NAMES = tuple(_DTYPES)
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "fa4", "fa2")
 
 
@@ -55,8 +56,8 @@ class Config:
     # the device computes the previous one. None: on where the device runs asynchronously (CUDA)
     overlap_scheduling: bool | None = None
     # filled in from the checkpoint by resolve(); not user settings
-    hf_config: Any = field(default=None, repr=False)
-    torch_dtype: torch.dtype | None = field(default=None, repr=False)
+    hf_config: Any = field(default=None, repr=False, init=False)
+    torch_dtype: torch.dtype | None = field(default=None, repr=False, init=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)):

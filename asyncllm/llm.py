@@ -14,7 +14,7 @@ from asyncllm.sampling_params import SamplingParams
 
 
 def make_config(model, kwargs: dict) -> Config:
-    known = {f.name for f in dataclasses.fields(Config) if f.init} - {"model", "hf_config", "torch_dtype"}
+    known = {f.name for f in dataclasses.fields(Config) if f.init} - {"model"}
     unknown = sorted(set(kwargs) - known)
     if unknown:
         raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")

@@ -12,7 +12,7 @@ import pytest
 
 from asyncllm.async_engine import AsyncLLMEngine
 from asyncllm.llm import LLM
-from asyncllm.model_runner import LaunchedStep
+from asyncllm.runner.model_runner import LaunchedStep
 from asyncllm.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]

@@ -420,7 +420,7 @@ def test_fa4_backend_matches_reference(block_size):
 
 
 def test_graph_bucket_sizes():
-    from asyncllm.cuda_graph import graph_batch_sizes, graph_token_sizes
+    from asyncllm.runner.cuda_graph import graph_batch_sizes, graph_token_sizes
     assert graph_token_sizes(0) == []
     assert graph_token_sizes(2048) == [16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048]
     assert graph_token_sizes(100) == [16, 32, 64, 100] and graph_token_sizes(10) == [10]

@@ -380,3 +380,19 @@ def test_cli_defaults_to_loopback_and_no_key(monkeypatch):
     assert (args.host, args.port, args.api_key, args.max_body_bytes) == ("127.0.0.1", 8000, None, 1 << 20)
     args = build_parser().parse_args(["serve", "--api-key", "k", "--max-tokens-limit", "9", "--max-queued-requests", "3"])
     assert (args.model, args.api_key, args.max_tokens_limit, args.max_queued_requests) == (None, "k", 9, 3)
+
+
+def test_every_config_field_is_a_cli_option():
+    import dataclasses
+
+    from asyncllm.cli import build_parser
+    from asyncllm.config import Config
+    fields = {f.name for f in dataclasses.fields(Config) if f.init} - {"model"}
+    serve = build_parser().parse_args(["serve", "some/model"])
+    assert fields <= set(vars(serve)) and set(serve.config_fields) == fields
+    worker = build_parser().parse_args(["tp-worker", "--model", "m"])
+    assert set(worker.config_fields) == fields - {"tensor_parallel_size", "max_queued_requests"}
+    args = build_parser().parse_args(["serve", "m", "--cuda-graph-max-tokens", "64", "--no-prefix-caching",
+                                      "--no-overlap-scheduling", "--enforce-eager", "--dtype", "float16"])
+    assert (args.cuda_graph_max_tokens, args.enable_prefix_caching, args.overlap_scheduling, args.enforce_eager,
+            args.dtype, args.max_num_seqs) == (64, False, False, True, "float16", None)

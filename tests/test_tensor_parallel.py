@@ -1,7 +1,7 @@
 """Tensor parallelism on CPU (gloo), tp=2 against tp=1 on tiny random-weight checkpoints.
 
 Every engine here is a real multi-process one: rank 0 in the test process, rank 1 spawned (or, for
-the env:// rendezvous, started by the test with `python -m asyncllm.tensor_parallel`). Start-up
+the env:// rendezvous, started by the test with `python -m asyncllm.cli tp-worker`). Start-up
 costs several seconds per engine, so each test makes the few it needs. Every wait is bounded:
 anyio.fail_after in the async tests, timeouts on joins, and pytest-timeout for the rest.
 """
@@ -349,7 +349,7 @@ def test_env_rendezvous_with_a_separately_started_rank(checkpoints, reference, m
     rendezvous = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
     log = open(tmp_path / "rank1.log", "w")
     options = [f"--{k.replace('_', '-')}={v}" for k, v in OPTIONS[name].items()]
-    rank1 = subprocess.Popen([sys.executable, "-m", "asyncllm.tensor_parallel", "--model", checkpoints[name],
+    rank1 = subprocess.Popen([sys.executable, "-m", "asyncllm.cli", "tp-worker", "--model", checkpoints[name],
                               *options], env=dict(os.environ, RANK="1", **rendezvous), stdout=log,
                              stderr=subprocess.STDOUT)
     try:
