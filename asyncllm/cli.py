@@ -63,8 +63,8 @@ def add_config_options(group, skip: tuple[str, ...] = ()) -> list[str]:
     """An option per init field of Config (but model and skip), named after the field; bools as
     --flag/--no-flag. Each defaults to None, so only what is given overrides Config's default (and
     Config validates it). Returns the fields' names."""
-    from asyncllm.config import ATTENTION_BACKENDS, DTYPE_NAMES, Config
-    choices = {"dtype": ("auto", *DTYPE_NAMES), "device": ("auto", "cpu", "cuda"),
+    from asyncllm.config import ATTENTION_BACKENDS, DTYPES, Config
+    choices = {"dtype": ("auto", *DTYPES), "device": ("auto", "cpu", "cuda"),
                "attention_backend": ATTENTION_BACKENDS}
     names = []
     for f in dataclasses.fields(Config):
@@ -205,14 +205,15 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def tp_worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from asyncllm.config import Config
+    from asyncllm.engine.options import make_config
     from asyncllm.runner.tp_worker_main import run_worker
     if args.rank is None or args.world_size is None:
         parser.error("--rank and --world-size (or $RANK and $WORLD_SIZE) are required")
     if not 1 <= args.rank < args.world_size:
         parser.error(f"--rank must be in 1..{args.world_size - 1}: rank 0 is the engine's own process")
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank {args.rank}: %(message)s")
-    config = Config(model=args.model, tensor_parallel_size=args.world_size, **config_options(args, args.config_fields))
+    options = dict(config_options(args, args.config_fields), tensor_parallel_size=args.world_size)
+    config = make_config(args.model, options)
     run_worker(config, args.rank, args.world_size, args.init_method, args.local_rank)
     return 0
 

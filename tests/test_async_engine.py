@@ -124,9 +124,9 @@ async def test_generate_is_woken_once_a_stream_as_tokens_come(make_engine, monke
     """generate() without stop strings wants only the whole answer, so its task is woken once, at
     the end, not on every step (hundreds of such wake-ups per step cost the event loop more than
     the engine's own work); a stream, or generate() with stop strings, is woken as tokens come."""
-    from asyncllm import async_engine
+    from asyncllm import streams
     handed: dict[str, int] = {}
-    put_quietly = async_engine.RequestChannel.put_quietly
+    put_quietly = streams.RequestChannel.put_quietly
 
     def counting(self, *args, **kwargs):
         waiter = put_quietly(self, *args, **kwargs)
@@ -134,7 +134,7 @@ async def test_generate_is_woken_once_a_stream_as_tokens_come(make_engine, monke
             handed[self.request_id] = handed.get(self.request_id, 0) + 1
         return waiter
 
-    monkeypatch.setattr(async_engine.RequestChannel, "put_quietly", counting)
+    monkeypatch.setattr(streams.RequestChannel, "put_quietly", counting)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     results, items = {}, []
     with anyio.fail_after(TIMEOUT):
