@@ -165,7 +165,7 @@ def serve(args: argparse.Namespace) -> int:
         from asyncllm.server import create_app
         from asyncllm.server.connections import HeadTimeoutH11Protocol
     except ImportError as e:
-        print(f"asyncllm serve needs the server extra: pip install 'asyncllm[server]' ({e})", file=sys.stderr)
+        print(f"asyncllm serve needs the server extra: pip install 'asyncllm-engine[server]' ({e})", file=sys.stderr)
         return 2
     from asyncllm import AsyncLLMEngine
 
