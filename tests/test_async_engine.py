@@ -16,6 +16,7 @@ from asyncllm.async_engine import AsyncLLMEngine
 from asyncllm.errors import EngineDeadError, QueueFullError
 from asyncllm.llm import LLM
 from asyncllm.sampling_params import SamplingParams
+from helpers import anyio_asyncio_and_trio, engine_threads  # noqa: F401 - a fixture: both event loops
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
@@ -23,11 +24,6 @@ ENGINE_KW = dict(num_kvcache_blocks=256, kvcache_block_size=16)
 GREEDY = dict(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = ["Hello, my name is", "The capital of France is", [11, 22, 33, 44, 55, 66, 77], "日本語のテキスト 🌍"]
 TIMEOUT = 60
-
-
-@pytest.fixture(params=["asyncio", "trio"])
-def anyio_backend(request):
-    return request.param
 
 
 # every test runs with steps one after another and overlapped (step N+1 launched before step N's
@@ -45,10 +41,6 @@ def sync_reference(tiny_qwen3):
     outputs = llm.generate(PROMPTS, SamplingParams(**GREEDY), use_tqdm=False)
     prompt_ids = [llm.core.encode_prompt(p) for p in PROMPTS]
     return outputs, prompt_ids
-
-
-def engine_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "asyncllm-engine" and t.is_alive()]
 
 
 async def assert_idle(engine: AsyncLLMEngine) -> dict:

@@ -25,6 +25,7 @@ import pytest
 from asyncllm import LLM, Config
 from asyncllm.async_engine import AsyncLLMEngine
 from asyncllm.sampling_params import SamplingParams
+from helpers import assert_all_blocks_free
 
 VOCAB = 151936  # the tiny checkpoint's vocab_size
 MAX_MODEL_LEN = 256
@@ -298,16 +299,10 @@ def test_llm_still_serves_after_bad_calls(llm):
             llm.generate(kwargs["prompts"], kwargs.get("sampling_params", OK), use_tqdm=False)
     assert llm.generate(["Hello", [5, 6, 7]], OK, use_tqdm=False) == reference
     assert [r["finish_reason"] for r in reference] == ["length", "length"]
-    bm = llm.core.block_manager
-    assert bm.num_free_blocks == bm.num_total_blocks
+    assert_all_blocks_free(llm)
 
 
 # ---- the async engine ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def anyio_backend():
-    return "asyncio"
-
-
 @pytest.fixture(scope="module")
 async def engine(tiny_qwen3):
     async with AsyncLLMEngine(tiny_qwen3, **ENGINE_KW) as engine:

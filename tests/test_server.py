@@ -4,14 +4,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import subprocess
-import sys
 import time
 
 import pytest
 
 from asyncllm.testing import free_port, stop_process
+from helpers import serve_command, wait_healthy
 
 httpx = pytest.importorskip("httpx", reason="the server tests need the server/test extras (httpx)")
 openai = pytest.importorskip("openai", reason="the server tests need the test extras (openai)")
@@ -26,25 +25,6 @@ LONG = {"max_tokens": 2000, "ignore_eos": True}  # ~minutes on CPU: only ever cu
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello."}]
-
-
-def serve_command() -> list[str]:
-    script = shutil.which("asyncllm", path=os.path.dirname(sys.executable))
-    return [script] if script else [sys.executable, "-m", "asyncllm.cli"]
-
-
-def wait_healthy(base: str, proc: subprocess.Popen, log_path: str, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"the server exited with {proc.returncode}:\n{open(log_path).read()[-4000:]}")
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise AssertionError(f"the server was not healthy after {timeout} s:\n{open(log_path).read()[-4000:]}")
 
 
 @pytest.fixture(scope="module")
