@@ -45,14 +45,13 @@ class DecoderAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # chosen once, by where the weights live (the runner builds the model on its device)
+        self._fused = fused_ops_for(self.o_proj.weight)
+        self._norm_rope = self._norm_rope_native if self._fused is None else self._norm_rope_fused
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
-        fused = fused_ops_for(qkv)
-        if fused is not None:
-            q, k, v = self._norm_rope_fused(fused, positions, qkv)
-        else:
-            q, k, v = self._norm_rope(positions, qkv)
+        q, k, v = self._norm_rope(positions, qkv)
         out = batch.attn_backend.forward(self.layer_id, q, k, v, batch)
         return self.o_proj(out.flatten(1, -1))
 
@@ -61,14 +60,14 @@ class DecoderAttention(nn.Module):
         return (q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim),
                 v.view(-1, self.num_kv_heads, self.head_dim))
 
-    def _norm_rope_fused(self, fused, positions: torch.Tensor, qkv: torch.Tensor):
+    def _norm_rope_fused(self, positions: torch.Tensor, qkv: torch.Tensor):
         # q/k norm and rotary in one kernel, in place on the projection's q and k columns
         norm_args = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else ()
-        fused.qk_norm_rope_(qkv, positions, self.rotary_emb.cos_sin_cache, self.num_heads, self.num_kv_heads,
-                            self.head_dim, *norm_args)
+        self._fused.qk_norm_rope_(qkv, positions, self.rotary_emb.cos_sin_cache, self.num_heads,
+                                  self.num_kv_heads, self.head_dim, *norm_args)
         return self._split_heads(qkv)
 
-    def _norm_rope(self, positions: torch.Tensor, qkv: torch.Tensor):
+    def _norm_rope_native(self, positions: torch.Tensor, qkv: torch.Tensor):
         # the PyTorch path (CPU, no Triton) and the fused kernel's reference
         q, k, v = self._split_heads(qkv)
         if self.q_norm is not None:

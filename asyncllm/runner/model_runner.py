@@ -326,10 +326,6 @@ class ModelRunner:
             logits = self._forward(batch)
         return LaunchedStep(sched, self.sampler(logits, self.prepare_sampling(sched)))
 
-    def execute(self, sched: SchedulerOutput) -> list[int]:
-        """Run one step to the end; the sampled token of each sequence that samples, in schedule order."""
-        return self.launch(sched, None).token_ids()
-
     def release_cuda_graphs(self) -> None:
         """Drop the CUDA graphs (and their memory); later steps run eagerly."""
         if self.graph_runner is not None:
