@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from asyncllm import LLM, SamplingParams
-from helpers import assert_all_blocks_free
-from asyncllm.testing import (assert_greedy_runs_match, build_tiny_checkpoint, generate_with_logits, qwen_tokenizer_dir,
-                              random_prompts)
+from asyncllm.testing import build_tiny_checkpoint, qwen_tokenizer_dir
+from helpers import assert_all_blocks_free, assert_greedy_runs_match, generate_with_logits, random_prompts
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -11,8 +11,7 @@ import pytest
 from asyncllm.engine.sequence import PENDING_TOKEN
 from asyncllm.llm import LLM
 from asyncllm.sampling_params import SamplingParams
-from asyncllm.testing import random_prompts
-from helpers import assert_all_blocks_free
+from helpers import assert_all_blocks_free, random_prompts
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -9,8 +9,7 @@ import time
 
 import pytest
 
-from asyncllm.testing import free_port, stop_process
-from helpers import serve_command, wait_healthy
+from helpers import free_port, serve_command, stop_process, wait_healthy
 
 httpx = pytest.importorskip("httpx", reason="the server tests need the server/test extras (httpx)")
 openai = pytest.importorskip("openai", reason="the server tests need the test extras (openai)")

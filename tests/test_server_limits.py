@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from asyncllm.testing import free_port, stop_process
+from helpers import free_port, stop_process
 
 httpx = pytest.importorskip("httpx", reason="the server tests need the test extras (httpx)")
 pytest.importorskip("starlette", reason="the server tests need asyncllm[server] (starlette)")

@@ -27,7 +27,8 @@ from asyncllm.async_engine import AsyncLLMEngine
 from asyncllm.errors import EngineDeadError
 from asyncllm.llm import LLM
 from asyncllm.sampling_params import SamplingParams
-from asyncllm.testing import build_tiny_checkpoint, free_port
+from asyncllm.testing import build_tiny_checkpoint
+from helpers import free_port
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -190,7 +191,7 @@ def test_vocabulary_that_two_ranks_do_not_divide_is_padded(tmp_path, tokenizer_d
     """vocab_size 31999 over two ranks: 16000 rows each, the last one zero padding, whose logit is
     dropped after the gather. Greedy tokens and logits equal tp=1's, and the sampler sees exactly
     vocab_size columns. The last prompt ends with the last id, held by rank 1."""
-    from asyncllm.testing import generate_with_logits
+    from helpers import generate_with_logits
     model_dir = build_tiny_checkpoint(str(tmp_path / "odd-vocab"), "qwen3", tokenizer_dir, seed=6, vocab_size=31999)
     prompts = [PROMPTS[1], PROMPTS[2][:-1] + [31998]]
     with LLM(model_dir, **BASE) as llm:
