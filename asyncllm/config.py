@@ -38,6 +38,15 @@ def _dtype_name(dtype) -> str:
                    f"of one of them, got {dtype!r}")
 
 
+# the int fields: the least value each takes (None: checked on its own below) and what that least means
+_INT_FIELDS = {
+    "max_num_batched_tokens": (1, ""), "max_num_seqs": (1, ""), "max_model_len": (1, ""),
+    "tensor_parallel_size": (1, ""), "cpu_kvcache_bytes": (1, ""), "kvcache_block_size": (None, ""),
+    "num_kvcache_blocks": (None, ""), "seed": (None, ""), "max_queued_requests": (0, "0 = unbounded"),
+    "cuda_graph_max_tokens": (0, "0 = CUDA graphs for decode steps only"),
+}
+
+
 @dataclass
 class Config:
     model: str
@@ -72,20 +81,12 @@ class Config:
         self.model = os.fspath(self.model)
         if not os.path.exists(self.model):
             _fail("model", f"{self.model!r} does not exist")
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size",
-                     "kvcache_block_size", "num_kvcache_blocks", "cpu_kvcache_bytes", "seed",
-                     "max_queued_requests", "cuda_graph_max_tokens"):
+        for name, (low, meaning) in _INT_FIELDS.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 _fail(name, f"expected an int, got {value!r}")
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size",
-                     "cpu_kvcache_bytes"):
-            if getattr(self, name) < 1:
-                _fail(name, f"must be >= 1, got {getattr(self, name)}")
-        if self.max_queued_requests < 0:
-            _fail("max_queued_requests", "must be >= 0 (0 = unbounded)")
-        if self.cuda_graph_max_tokens < 0:
-            _fail("cuda_graph_max_tokens", "must be >= 0 (0 = CUDA graphs for decode steps only)")
+            if low is not None and value < low:
+                _fail(name, f"must be >= {low} ({meaning})" if meaning else f"must be >= {low}, got {value}")
         bs = self.kvcache_block_size
         if not (16 <= bs <= 256 and bs & (bs - 1) == 0):
             _fail("kvcache_block_size", f"must be a power of two in [16, 256], got {bs}")
