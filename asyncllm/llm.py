@@ -1,27 +1,15 @@
 """The synchronous API, compatible with nano-vllm's LLM.generate."""
 from __future__ import annotations
 
-import dataclasses
 import time
 import weakref
 
 from tqdm.auto import tqdm
 
-from asyncllm.config import Config
 from asyncllm.detokenizer import TextAssembler
 from asyncllm.engine.core import EngineCore
+from asyncllm.engine.options import make_config
 from asyncllm.sampling_params import SamplingParams
-
-
-def make_config(model, kwargs: dict) -> Config:
-    known = {f.name for f in dataclasses.fields(Config) if f.init} - {"model", "hf_config", "torch_dtype"}
-    unknown = sorted(set(kwargs) - known)
-    if unknown:
-        raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
-    if model is None:
-        from asyncllm.models.default_model import default_model_path
-        model = default_model_path()
-    return Config(model=model, **kwargs)
 
 
 def normalize_prompts(prompts) -> list:

@@ -7,6 +7,12 @@ import pytest
 from asyncllm.testing import build_tiny_checkpoint, qwen_tokenizer_dir
 
 
+@pytest.fixture(scope="module")
+def anyio_backend():
+    """asyncio only; files that run on trio too import helpers.anyio_asyncio_and_trio."""
+    return "asyncio"
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir() -> str:
     path = qwen_tokenizer_dir()

@@ -16,6 +16,7 @@ from asyncllm.async_engine import AsyncLLMEngine
 from asyncllm.errors import EngineDeadError, QueueFullError
 from asyncllm.llm import LLM
 from asyncllm.sampling_params import SamplingParams
+from helpers import anyio_asyncio_and_trio, engine_threads  # noqa: F401 - a fixture: both event loops
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
@@ -23,11 +24,6 @@ ENGINE_KW = dict(num_kvcache_blocks=256, kvcache_block_size=16)
 GREEDY = dict(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = ["Hello, my name is", "The capital of France is", [11, 22, 33, 44, 55, 66, 77], "日本語のテキスト 🌍"]
 TIMEOUT = 60
-
-
-@pytest.fixture(params=["asyncio", "trio"])
-def anyio_backend(request):
-    return request.param
 
 
 # every test runs with steps one after another and overlapped (step N+1 launched before step N's
@@ -45,10 +41,6 @@ def sync_reference(tiny_qwen3):
     outputs = llm.generate(PROMPTS, SamplingParams(**GREEDY), use_tqdm=False)
     prompt_ids = [llm.core.encode_prompt(p) for p in PROMPTS]
     return outputs, prompt_ids
-
-
-def engine_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "asyncllm-engine" and t.is_alive()]
 
 
 async def assert_idle(engine: AsyncLLMEngine) -> dict:
@@ -124,9 +116,9 @@ async def test_generate_is_woken_once_a_stream_as_tokens_come(make_engine, monke
     """generate() without stop strings wants only the whole answer, so its task is woken once, at
     the end, not on every step (hundreds of such wake-ups per step cost the event loop more than
     the engine's own work); a stream, or generate() with stop strings, is woken as tokens come."""
-    from asyncllm import async_engine
+    from asyncllm import streams
     handed: dict[str, int] = {}
-    put_quietly = async_engine.RequestChannel.put_quietly
+    put_quietly = streams.RequestChannel.put_quietly
 
     def counting(self, *args, **kwargs):
         waiter = put_quietly(self, *args, **kwargs)
@@ -134,7 +126,7 @@ async def test_generate_is_woken_once_a_stream_as_tokens_come(make_engine, monke
             handed[self.request_id] = handed.get(self.request_id, 0) + 1
         return waiter
 
-    monkeypatch.setattr(async_engine.RequestChannel, "put_quietly", counting)
+    monkeypatch.setattr(streams.RequestChannel, "put_quietly", counting)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     results, items = {}, []
     with anyio.fail_after(TIMEOUT):

@@ -25,6 +25,7 @@ import pytest
 from asyncllm import LLM, Config
 from asyncllm.async_engine import AsyncLLMEngine
 from asyncllm.sampling_params import SamplingParams
+from helpers import assert_all_blocks_free
 
 VOCAB = 151936  # the tiny checkpoint's vocab_size
 MAX_MODEL_LEN = 256
@@ -87,10 +88,12 @@ BAD_INPUTS: list[Bad] = [
     Bad(CFG, "kvcache_block_size=24", dict(kvcache_block_size=24), ValueError, "kvcache_block_size", "power of two"),
     Bad(CFG, "gpu_memory_utilization=nan", dict(gpu_memory_utilization=float("nan")), ValueError,
         "gpu_memory_utilization"),
-    Bad(CFG, "num_kvcache_blocks=10**9 (device cpu)", dict(num_kvcache_blocks=10**9, device="cpu"), ValueError,
+    # checked against the model's shape, so where the engine resolves the model, not in Config
+    Bad(LLM_, "num_kvcache_blocks=10**9 (device cpu)", dict(num_kvcache_blocks=10**9, device="cpu"), ValueError,
         "num_kvcache_blocks", "does not fit"),
-    Bad(CFG, "cpu_kvcache_bytes=10**15 (device cpu)", dict(cpu_kvcache_bytes=10**15, device="cpu"), ValueError,
-        "cpu_kvcache_bytes", "does not fit"),
+    Bad(LLM_, "cpu_kvcache_bytes=10**15 (device cpu)", dict(cpu_kvcache_bytes=10**15, num_kvcache_blocks=-1,
+                                                             device="cpu"), ValueError, "cpu_kvcache_bytes",
+        "does not fit"),
     Bad(CFG, 'dtype="int8"', dict(dtype="int8"), ValueError, "dtype"),
     Bad(CFG, 'device="tpu"', dict(device="tpu"), ValueError, "device"),
     Bad(CFG, 'model="/nonexistent"', dict(model="/nonexistent"), ValueError, "model", "does not exist"),
@@ -296,16 +299,10 @@ def test_llm_still_serves_after_bad_calls(llm):
             llm.generate(kwargs["prompts"], kwargs.get("sampling_params", OK), use_tqdm=False)
     assert llm.generate(["Hello", [5, 6, 7]], OK, use_tqdm=False) == reference
     assert [r["finish_reason"] for r in reference] == ["length", "length"]
-    bm = llm.core.block_manager
-    assert bm.num_free_blocks == bm.num_total_blocks
+    assert_all_blocks_free(llm)
 
 
 # ---- the async engine ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def anyio_backend():
-    return "asyncio"
-
-
 @pytest.fixture(scope="module")
 async def engine(tiny_qwen3):
     async with AsyncLLMEngine(tiny_qwen3, **ENGINE_KW) as engine:

@@ -1,4 +1,5 @@
-"""Config validation, and the LLM constructor's checks of its options and checkpoint."""
+"""Config validation, resolving the model it names (resolve_config), and the LLM constructor's checks of
+its options and checkpoint."""
 from __future__ import annotations
 
 import os
@@ -7,6 +8,7 @@ import shutil
 import pytest
 
 from asyncllm import LLM, Config
+from asyncllm.models.resolve import resolve_config
 
 BAD_FIELDS = [
     ("kvcache_block_size", 8), ("kvcache_block_size", 24), ("kvcache_block_size", 512),
@@ -31,8 +33,8 @@ def test_missing_model_dir():
 
 
 def test_max_model_len_clipped_to_position_embeddings(tiny_qwen3):
-    assert Config(model=tiny_qwen3, max_model_len=100000).max_model_len == 4096
-    assert Config(model=tiny_qwen3, max_model_len=100).max_model_len == 100
+    assert resolve_config(Config(model=tiny_qwen3, max_model_len=100000)).max_model_len == 4096
+    assert resolve_config(Config(model=tiny_qwen3, max_model_len=100)).max_model_len == 100
 
 
 @pytest.mark.parametrize("block_size", [16, 32, 64, 128, 256])
@@ -42,7 +44,7 @@ def test_all_power_of_two_block_sizes_accepted(tiny_qwen3, block_size):
 
 def test_cpu_defaults_resolve(tiny_qwen3):
     import torch
-    config = Config(model=tiny_qwen3, device="cpu")
+    config = resolve_config(Config(model=tiny_qwen3, device="cpu"))
     assert config.device == "cpu" and config.torch_dtype == torch.float32
     assert config.hf_config.vocab_size == 151936
 
@@ -69,7 +71,7 @@ def test_dtype_accepts_torch_dtypes_and_aliases(tiny_qwen3):
     import torch
     for dtype, name in [(torch.bfloat16, "bfloat16"), (torch.float16, "float16"), (torch.float32, "float32"),
                         ("half", "float16"), ("float", "float32"), ("bfloat16", "bfloat16")]:
-        config = Config(model=tiny_qwen3, dtype=dtype)
+        config = resolve_config(Config(model=tiny_qwen3, dtype=dtype))
         assert (config.dtype, config.torch_dtype) == (name, getattr(torch, name)), dtype
     with pytest.raises(ValueError, match=r"Config\.dtype: .*torch\.dtype.*got torch\.int8"):
         Config(model=tiny_qwen3, dtype=torch.int8)

@@ -12,18 +12,14 @@ import pytest
 
 from asyncllm.async_engine import AsyncLLMEngine
 from asyncllm.llm import LLM
-from asyncllm.model_runner import LaunchedStep
+from asyncllm.runner.model_runner import LaunchedStep
 from asyncllm.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
+from helpers import anyio_asyncio_and_trio  # noqa: F401 - a fixture: both event loops
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
 ENGINE_KW = dict(num_kvcache_blocks=128, kvcache_block_size=16)
 TIMEOUT = 60
-
-
-@pytest.fixture(params=["asyncio", "trio"])
-def anyio_backend(request):
-    return request.param
 
 
 async def all_free(engine: AsyncLLMEngine) -> None:

@@ -18,6 +18,7 @@ from asyncllm.async_engine import AsyncLLMEngine
 from asyncllm.errors import EngineDeadError
 from asyncllm.llm import LLM
 from asyncllm.sampling_params import SamplingParams
+from helpers import assert_all_blocks_free, engine_threads
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
@@ -25,15 +26,6 @@ ENGINE_KW = dict(num_kvcache_blocks=64, kvcache_block_size=16)
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)  # ~minutes on CPU: only ever cut short
 SHORT = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 TIMEOUT = 60
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-def engine_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "asyncllm-engine" and t.is_alive()]
 
 
 def record_finishes(engine: AsyncLLMEngine) -> list[tuple[str, str, int]]:
@@ -286,14 +278,12 @@ def test_sync_generate_fault_propagates_and_frees_everything(tiny_qwen3, error, 
     with pytest.raises(type(error)):
         llm.generate(prompts, params, use_tqdm=False)
     assert len(calls) == 4
-    bm = llm.core.block_manager
-    assert bm.num_free_blocks == bm.num_total_blocks
-    assert all(b.ref_count == 0 for b in bm.blocks)
+    assert_all_blocks_free(llm)
     assert llm.core.requests == {} and not llm.core.has_unfinished()
     # the fault removed, the same LLM works, and the prefix cache left by the failed run is sound
     monkeypatch.setattr(model, "forward", forward)
     again = llm.generate(prompts, params, use_tqdm=False)
     assert again == reference
-    assert bm.num_free_blocks == bm.num_total_blocks
+    assert_all_blocks_free(llm)
     del llm
     gc.collect()

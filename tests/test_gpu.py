@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from asyncllm import LLM, SamplingParams
-from asyncllm.testing import (assert_greedy_runs_match, build_tiny_checkpoint, generate_with_logits, qwen_tokenizer_dir,
-                              random_prompts)
+from asyncllm.testing import build_tiny_checkpoint, qwen_tokenizer_dir
+from helpers import assert_all_blocks_free, assert_greedy_runs_match, generate_with_logits, random_prompts
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -84,22 +84,16 @@ def release_llms() -> None:
     torch.cuda.empty_cache()
 
 
-def assert_all_free(llm: LLM) -> None:
-    bm = llm.core.block_manager
-    assert bm.num_free_blocks == bm.num_total_blocks
-    assert all(b.ref_count == 0 for b in bm.blocks)
-
-
 def generate(llm: LLM, ps, params=GREEDY) -> list[list[int]]:
     out = [o["token_ids"] for o in llm.generate(ps, params, use_tqdm=False)]
-    assert_all_free(llm)
+    assert_all_blocks_free(llm)
     return out
 
 
 def run(llm: LLM, ps, params=GREEDY) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
     """generate(), with the logits of every step of every request (for assert_equivalent)."""
     result = generate_with_logits(llm, ps, params)
-    assert_all_free(llm)
+    assert_all_blocks_free(llm)
     return result
 
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from asyncllm import LLM, SamplingParams
-from asyncllm.testing import (QWEN3_8B, assert_greedy_runs_match, build_tiny_checkpoint, generate_with_logits,
-                              random_prompts)
+from asyncllm.testing import QWEN3_8B, build_tiny_checkpoint
+from helpers import assert_greedy_runs_match, generate_with_logits, random_prompts
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,

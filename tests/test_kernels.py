@@ -22,6 +22,8 @@ from asyncllm.attention.triton_backend import TritonAttentionBackend  # noqa: E4
 from asyncllm.kernels import (choose_num_splits, decode_workspace_numel, paged_attention,  # noqa: E402
                               store_kvcache)
 from asyncllm.kernels.paged_attention import MAX_SPLITS  # noqa: E402
+from asyncllm.kernels.host import cdiv  # noqa: E402
+from helpers import seed_every_test  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -47,10 +49,6 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 
 
 # ----------------------------------------------------------------------------- helpers
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
 
 def make_paged_kv(seq_lens: list[int], block_size: int, num_kv_heads: int, head_dim: int,
                   dtype: torch.dtype, extra_cols: int = 2, extra_blocks: int = 3):
@@ -112,9 +110,7 @@ def random_lens(n: int, low: int, high: int) -> list[int]:
     return torch.randint(low, high + 1, (n,)).tolist()
 
 
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(1234)
+_seed = seed_every_test(1234)
 
 
 # ----------------------------------------------------------------------------- store_kvcache
@@ -420,7 +416,7 @@ def test_fa4_backend_matches_reference(block_size):
 
 
 def test_graph_bucket_sizes():
-    from asyncllm.cuda_graph import graph_batch_sizes, graph_token_sizes
+    from asyncllm.runner.cuda_graph import graph_batch_sizes, graph_token_sizes
     assert graph_token_sizes(0) == []
     assert graph_token_sizes(2048) == [16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048]
     assert graph_token_sizes(100) == [16, 32, 64, 100] and graph_token_sizes(10) == [10]

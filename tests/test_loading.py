@@ -17,6 +17,7 @@ from asyncllm import LLM, Config
 from asyncllm.models.checkpoint import (check_tokenizer, iter_safetensors, load_hf_config, load_weights,
                                         safetensors_files)
 from asyncllm.models.registry import create_model
+from asyncllm.models.resolve import resolve_config
 
 ENGINE_KW = dict(num_kvcache_blocks=8, kvcache_block_size=16, max_model_len=64)
 TOKENIZER_IDS = 151669  # len() of the Qwen3 tokenizer, added tokens included; the weights have 151936 rows
@@ -150,14 +151,14 @@ def test_unworkable_config_field_is_refused_naming_config_json_and_the_field(tin
     model_dir = copy_checkpoint(tiny_qwen3, tmp_path / "bad-config", config={field: value},
                                 skip=("model.safetensors",))
     with pytest.raises(ValueError) as info:
-        Config(model=model_dir)
+        resolve_config(Config(model=model_dir))
     # some transformers refuses itself (e.g. an odd head_dim), in its own words: wrapped, naming the file
     assert os.path.join(model_dir, "config.json") in message_of(info) and field in message_of(info), message_of(info)
 
 
 def test_an_explicit_head_dim_unlike_hidden_over_heads_is_accepted(tiny_qwen3):
     # Qwen3 sets head_dim explicitly (128 for hidden 1024 and 16 heads, 64 for 128 and 4 here, ...)
-    config = Config(model=tiny_qwen3).hf_config
+    config = resolve_config(Config(model=tiny_qwen3)).hf_config
     assert config.head_dim != config.hidden_size // config.num_attention_heads
 
 

@@ -16,6 +16,7 @@ import torch
 
 from asyncllm import LLM, SamplingParams
 from asyncllm.testing import build_tiny_checkpoint
+from helpers import assert_all_blocks_free
 
 PROMPTS = ["Hello, my name is", "The capital of France is", list(range(1000, 1040))]
 
@@ -39,8 +40,7 @@ def engine_greedy(model_dir: str, prompts, max_new_tokens: int, **kwargs) -> lis
     with LLM(model_dir, num_kvcache_blocks=64, kvcache_block_size=16, **kwargs) as llm:
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_new_tokens, ignore_eos=True),
                                use_tqdm=False)
-        bm = llm.core.block_manager
-        assert bm.num_free_blocks == bm.num_total_blocks
+        assert_all_blocks_free(llm)
     return [o["token_ids"] for o in outputs]
 
 

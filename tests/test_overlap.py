@@ -11,7 +11,7 @@ import pytest
 from asyncllm.engine.sequence import PENDING_TOKEN
 from asyncllm.llm import LLM
 from asyncllm.sampling_params import SamplingParams
-from asyncllm.testing import random_prompts
+from helpers import assert_all_blocks_free, random_prompts
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -36,8 +36,7 @@ def llms(tiny_qwen3):
 
 def tokens(llm: LLM, prompts, params) -> list[list[int]]:
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    bm = llm.core.block_manager
-    assert bm.num_free_blocks == bm.num_total_blocks and all(b.ref_count == 0 for b in bm.blocks)
+    assert_all_blocks_free(llm)
     assert not llm.core.has_unfinished() and llm.core.requests == {}
     for out in outputs:
         assert PENDING_TOKEN not in out["token_ids"]
@@ -88,8 +87,7 @@ def test_a_request_that_stops_keeps_one_extra_row_whose_token_is_never_delivered
         # serial: one prefill step, then a decode per token after the first; overlapped: one more
         # step, launched before the stop token was read
         assert len(steps) == stops_at + 1 + overlap
-        bm = llm.core.block_manager
-        assert bm.num_free_blocks == bm.num_total_blocks
+        assert_all_blocks_free(llm)
 
 
 def test_max_tokens_is_known_in_advance_so_no_extra_row_is_spent(llms, monkeypatch):
@@ -113,8 +111,7 @@ def test_finishing_a_request_with_a_token_in_flight_drops_that_token(llms):
     assert seq.completion_token_ids == delivered  # the pending token is gone, never delivered
     assert core.step() == [] and core.drain() == []  # the step in flight resolves, and drops its row
     assert not core.has_unfinished()
-    bm = core.block_manager
-    assert bm.num_free_blocks == bm.num_total_blocks
+    assert_all_blocks_free(core)
 
 
 def test_a_failed_step_leaves_nothing_in_flight(llms, monkeypatch):
@@ -134,8 +131,7 @@ def test_a_failed_step_leaves_nothing_in_flight(llms, monkeypatch):
         llm.generate(PROMPTS[:4], params, use_tqdm=False)
     monkeypatch.undo()
     assert not llm.core.has_unfinished() and llm.core.requests == {}
-    bm = llm.core.block_manager
-    assert bm.num_free_blocks == bm.num_total_blocks
+    assert_all_blocks_free(llm)
     assert tokens(llm, PROMPTS[:4], params) == reference
 
 

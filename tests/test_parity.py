@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from asyncllm import LLM, SamplingParams
+from helpers import assert_all_blocks_free
 
 N = 8  # new tokens for most cases
 N_PREFIX = 12  # for the shared-prefix prompts (enough to need a 4th block and force preemption)
@@ -113,10 +114,8 @@ def llm16(tiny_qwen3) -> LLM:
     return LLM(tiny_qwen3, kvcache_block_size=16, num_kvcache_blocks=512)
 
 
-def assert_all_blocks_free(llm: LLM) -> None:
-    bm = llm.core.block_manager
-    assert bm.num_free_blocks == bm.num_total_blocks
-    assert all(block.ref_count == 0 for block in bm.blocks)
+def assert_idle(llm: LLM) -> None:
+    assert_all_blocks_free(llm)
     assert llm.core.scheduler.num_unfinished == 0 and not llm.core.requests
 
 
@@ -157,7 +156,7 @@ def test_batch_matches_hf(request, hf, tied, block_size):
         llm = LLM(model_dir, kvcache_block_size=block_size, num_kvcache_blocks=512 if block_size == 16 else 16)
     outputs = llm.generate(POOL, greedy(N), use_tqdm=False)
     assert_matches_hf(hf, model_dir, POOL, outputs, N)
-    assert_all_blocks_free(llm)
+    assert_idle(llm)
 
 
 def test_chunked_prefill_matches_hf(tiny_qwen3, hf):
@@ -173,7 +172,7 @@ def test_chunked_prefill_matches_hf(tiny_qwen3, hf):
     assert llm.core.block_manager.num_prefix_hit_tokens >= 32
     for i, prompt in enumerate(prompts):
         assert outputs[i]["token_ids"] == hf.greedy(tiny_qwen3, prompt, N)
-    assert_all_blocks_free(llm)
+    assert_idle(llm)
 
 
 # ---- prefix cache -----------------------------------------------------------------------------
@@ -181,14 +180,14 @@ def test_prefix_cache_hits_match_hf(llm16, tiny_qwen3, hf):
     bm = llm16.core.block_manager
     outputs = llm16.generate(PREFIX_PROMPTS, greedy(N_PREFIX), use_tqdm=False)
     assert_matches_hf(hf, tiny_qwen3, PREFIX_PROMPTS, outputs, N_PREFIX)
-    assert_all_blocks_free(llm16)
+    assert_idle(llm16)
     hits_before = bm.num_prefix_hit_tokens
     # repeated prompts and other prompts sharing the 2-block prefix, served from the freed blocks
     prompts = [PREFIX_PROMPTS[0], PREFIX_PROMPTS[0], PREFIX_PROMPTS[3], PREFIX_PROMPTS[1]]
     outputs = llm16.generate(prompts, greedy(N_PREFIX), use_tqdm=False)
     assert bm.num_prefix_hit_tokens - hits_before >= 4 * 32
     assert_matches_hf(hf, tiny_qwen3, prompts, outputs, N_PREFIX)
-    assert_all_blocks_free(llm16)
+    assert_idle(llm16)
 
 
 # ---- preemption -------------------------------------------------------------------------------
@@ -199,7 +198,7 @@ def test_preemption_matches_hf(tiny_qwen3, hf, prefix_caching):
     outputs = llm.generate(PREFIX_PROMPTS, greedy(N_PREFIX), use_tqdm=False)
     assert llm.core.scheduler.num_preemptions > 0
     assert_matches_hf(hf, tiny_qwen3, PREFIX_PROMPTS, outputs, N_PREFIX)
-    assert_all_blocks_free(llm)
+    assert_idle(llm)
 
 
 # ---- requests joining mid-flight, queueing ----------------------------------------------------
@@ -223,7 +222,7 @@ def test_requests_added_between_steps_match_hf(llm16, tiny_qwen3, hf):
     for seq, prompt in zip(seqs, first + later):
         assert seq.finish_reason == "length"
         assert seq.completion_token_ids == hf.greedy(tiny_qwen3, prompt, N)
-    assert_all_blocks_free(llm16)
+    assert_idle(llm16)
 
 
 def test_max_num_seqs_queueing_matches_hf(tiny_qwen3, hf):
@@ -233,7 +232,7 @@ def test_max_num_seqs_queueing_matches_hf(tiny_qwen3, hf):
     outputs = llm.generate(prompts, greedy(N), use_tqdm=False)
     assert max(len(step) for step in log) == 2
     assert_matches_hf(hf, tiny_qwen3, prompts, outputs, N)
-    assert_all_blocks_free(llm)
+    assert_idle(llm)
 
 
 # ---- length limits ----------------------------------------------------------------------------
@@ -245,29 +244,29 @@ def test_max_model_len(tiny_qwen3, hf):
     assert out["token_ids"] == hf.greedy(tiny_qwen3, prompt, 12)
     out = llm.generate([rand_ids(31, 21)], greedy(100), use_tqdm=False)[0]
     assert out["finish_reason"] == "length" and len(out["token_ids"]) == 1
-    assert_all_blocks_free(llm)
+    assert_idle(llm)
     # a prompt with no room to generate is refused before anything of the batch is queued
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate([prompt, rand_ids(32, 22)], greedy(4), use_tqdm=False)
-    assert_all_blocks_free(llm)
+    assert_idle(llm)
     with pytest.raises(ValueError):
         llm.generate([rand_ids(50, 23)], greedy(4), use_tqdm=False)
     # the engine still serves a valid request
     out = llm.generate([prompt], greedy(100), use_tqdm=False)[0]
     assert out["token_ids"] == hf.greedy(tiny_qwen3, prompt, 12)
-    assert_all_blocks_free(llm)
+    assert_idle(llm)
 
 
 def test_prompt_larger_than_the_cache(tiny_qwen3, hf):
     llm = LLM(tiny_qwen3, kvcache_block_size=16, num_kvcache_blocks=2)
     with pytest.raises(ValueError, match="capacity"):
         llm.generate([rand_ids(40, 30)], greedy(4), use_tqdm=False)
-    assert_all_blocks_free(llm)
+    assert_idle(llm)
     # a sequence also stops growing at the cache's capacity (32 tokens)
     out = llm.generate([POOL[2]], greedy(100), use_tqdm=False)[0]
     assert out["finish_reason"] == "length" and len(out["token_ids"]) == 32 - 15
     assert out["token_ids"][:N] == hf.greedy(tiny_qwen3, POOL[2], N)
-    assert_all_blocks_free(llm)
+    assert_idle(llm)
 
 
 # ---- sampling and stopping end to end ---------------------------------------------------------
@@ -292,7 +291,7 @@ def test_seeded_sampling(llm16):
                          use_tqdm=False)[0]
     assert len(out["token_ids"]) == 8 and out["finish_reason"] == "length"
     assert all(0 <= t < 151936 for t in out["token_ids"])
-    assert_all_blocks_free(llm16)
+    assert_idle(llm16)
 
 
 def test_stop_token_ids(llm16, tiny_qwen3, hf):
@@ -304,7 +303,7 @@ def test_stop_token_ids(llm16, tiny_qwen3, hf):
     assert outputs[0]["finish_reason"] == "stop"
     assert outputs[1]["token_ids"] == hf.greedy(tiny_qwen3, POOL[3], N)
     assert outputs[1]["finish_reason"] == "length"
-    assert_all_blocks_free(llm16)
+    assert_idle(llm16)
 
 
 @pytest.mark.parametrize("batch", [1, 2, 3, 5])

@@ -1,4 +1,4 @@
-"""asyncllm.testing's comparison of two greedy runs (used by the GPU and tensor-parallel tests, where
+"""helpers.py's comparison of two greedy runs (used by the GPU and tensor-parallel tests, where
 bf16 rounding may flip a near-tie): it must pass equal runs and catch runs that really differ."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from asyncllm import LLM, SamplingParams
-from asyncllm.testing import assert_greedy_runs_match, generate_with_logits
+from helpers import assert_greedy_runs_match, generate_with_logits
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 190)), [7] * 40]

@@ -8,6 +8,7 @@ import torch
 
 from asyncllm.layers.sampler import Sampler, SamplingTensors, _apply_top_k_top_p
 from asyncllm.sampling_params import SamplingParams
+from helpers import seed_every_test
 
 sampler = Sampler()
 
@@ -39,9 +40,7 @@ BASE_LOGITS = BASE_PROBS.log()
 N = 20000
 
 
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(0)
+_seed = seed_every_test(0)
 
 
 def test_greedy_is_argmax():

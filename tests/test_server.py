@@ -4,14 +4,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import subprocess
-import sys
 import time
 
 import pytest
 
-from asyncllm.testing import free_port, stop_process
+from helpers import free_port, serve_command, stop_process, wait_healthy
 
 httpx = pytest.importorskip("httpx", reason="the server tests need the server/test extras (httpx)")
 openai = pytest.importorskip("openai", reason="the server tests need the test extras (openai)")
@@ -26,25 +24,6 @@ LONG = {"max_tokens": 2000, "ignore_eos": True}  # ~minutes on CPU: only ever cu
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello."}]
-
-
-def serve_command() -> list[str]:
-    script = shutil.which("asyncllm", path=os.path.dirname(sys.executable))
-    return [script] if script else [sys.executable, "-m", "asyncllm.cli"]
-
-
-def wait_healthy(base: str, proc: subprocess.Popen, log_path: str, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"the server exited with {proc.returncode}:\n{open(log_path).read()[-4000:]}")
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise AssertionError(f"the server was not healthy after {timeout} s:\n{open(log_path).read()[-4000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -380,3 +359,19 @@ def test_cli_defaults_to_loopback_and_no_key(monkeypatch):
     assert (args.host, args.port, args.api_key, args.max_body_bytes) == ("127.0.0.1", 8000, None, 1 << 20)
     args = build_parser().parse_args(["serve", "--api-key", "k", "--max-tokens-limit", "9", "--max-queued-requests", "3"])
     assert (args.model, args.api_key, args.max_tokens_limit, args.max_queued_requests) == (None, "k", 9, 3)
+
+
+def test_every_config_field_is_a_cli_option():
+    import dataclasses
+
+    from asyncllm.cli import build_parser
+    from asyncllm.config import Config
+    fields = {f.name for f in dataclasses.fields(Config) if f.init} - {"model"}
+    serve = build_parser().parse_args(["serve", "some/model"])
+    assert fields <= set(vars(serve)) and set(serve.config_fields) == fields
+    worker = build_parser().parse_args(["tp-worker", "--model", "m"])
+    assert set(worker.config_fields) == fields - {"tensor_parallel_size", "max_queued_requests"}
+    args = build_parser().parse_args(["serve", "m", "--cuda-graph-max-tokens", "64", "--no-prefix-caching",
+                                      "--no-overlap-scheduling", "--enforce-eager", "--dtype", "float16"])
+    assert (args.cuda_graph_max_tokens, args.enable_prefix_caching, args.overlap_scheduling, args.enforce_eager,
+            args.dtype, args.max_num_seqs) == (64, False, False, True, "float16", None)

@@ -15,13 +15,13 @@ import time
 
 import pytest
 
-from asyncllm.testing import free_port, stop_process
+from helpers import free_port, stop_process
 
 httpx = pytest.importorskip("httpx", reason="the server tests need the test extras (httpx)")
 pytest.importorskip("starlette", reason="the server tests need asyncllm[server] (starlette)")
 pytest.importorskip("uvicorn", reason="the server tests need asyncllm[server] (uvicorn)")
 
-from test_server import serve_command, wait_healthy  # noqa: E402
+from helpers import serve_command, wait_healthy  # noqa: E402
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 MESSAGES = [{"role": "user", "content": "Hi"}]

@@ -47,11 +47,6 @@ FILTER_WINDOW = 200
 STOPS = ["e", "the", ".", "\n", "，", "ing", "a b", "🚀"]
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def rss_mb() -> float:
     with open("/proc/self/status") as f:
         for line in f:

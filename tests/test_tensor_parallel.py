@@ -1,7 +1,7 @@
 """Tensor parallelism on CPU (gloo), tp=2 against tp=1 on tiny random-weight checkpoints.
 
 Every engine here is a real multi-process one: rank 0 in the test process, rank 1 spawned (or, for
-the env:// rendezvous, started by the test with `python -m asyncllm.tensor_parallel`). Start-up
+the env:// rendezvous, started by the test with `python -m asyncllm.cli tp-worker`). Start-up
 costs several seconds per engine, so each test makes the few it needs. Every wait is bounded:
 anyio.fail_after in the async tests, timeouts on joins, and pytest-timeout for the rest.
 """
@@ -27,7 +27,8 @@ from asyncllm.async_engine import AsyncLLMEngine
 from asyncllm.errors import EngineDeadError
 from asyncllm.llm import LLM
 from asyncllm.sampling_params import SamplingParams
-from asyncllm.testing import build_tiny_checkpoint, free_port
+from asyncllm.testing import build_tiny_checkpoint
+from helpers import free_port
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -190,7 +191,7 @@ def test_vocabulary_that_two_ranks_do_not_divide_is_padded(tmp_path, tokenizer_d
     """vocab_size 31999 over two ranks: 16000 rows each, the last one zero padding, whose logit is
     dropped after the gather. Greedy tokens and logits equal tp=1's, and the sampler sees exactly
     vocab_size columns. The last prompt ends with the last id, held by rank 1."""
-    from asyncllm.testing import generate_with_logits
+    from helpers import generate_with_logits
     model_dir = build_tiny_checkpoint(str(tmp_path / "odd-vocab"), "qwen3", tokenizer_dir, seed=6, vocab_size=31999)
     prompts = [PROMPTS[1], PROMPTS[2][:-1] + [31998]]
     with LLM(model_dir, **BASE) as llm:
@@ -349,7 +350,7 @@ def test_env_rendezvous_with_a_separately_started_rank(checkpoints, reference, m
     rendezvous = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
     log = open(tmp_path / "rank1.log", "w")
     options = [f"--{k.replace('_', '-')}={v}" for k, v in OPTIONS[name].items()]
-    rank1 = subprocess.Popen([sys.executable, "-m", "asyncllm.tensor_parallel", "--model", checkpoints[name],
+    rank1 = subprocess.Popen([sys.executable, "-m", "asyncllm.cli", "tp-worker", "--model", checkpoints[name],
                               *options], env=dict(os.environ, RANK="1", **rendezvous), stdout=log,
                              stderr=subprocess.STDOUT)
     try:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from asyncllm.testing import free_port, stop_process
+from helpers import free_port, stop_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"

@@ -4,7 +4,46 @@ A backend owns the paged KV cache views, turns a step's ForwardBatch into whatev
 kernels want (prepare_metadata), and, for CUDA graphs, owns the static metadata buffers that a
 captured decode step reads (prepare_for_capture / prepare_for_replay). The runner never looks
 inside.
+
+This module is the registry. The GPU backends are imported when asked for: they import Triton
+or FlashAttention, which CPU users need not have.
 """
-from asyncllm.attention.base import AttentionBackend, ForwardBatch, create_attention_backend
+from __future__ import annotations
+
+import torch
+
+from asyncllm.attention.base import AttentionBackend, ForwardBatch
+from asyncllm.attention.torch_ref import TorchAttentionBackend
 
 __all__ = ["AttentionBackend", "ForwardBatch", "create_attention_backend"]
+
+
+def create_attention_backend(name: str, device: torch.device, **kwargs) -> AttentionBackend:
+    if name == "auto":
+        name = _auto_backend(device)
+    if name == "torch":
+        return TorchAttentionBackend(**kwargs)
+    if device.type != "cuda":
+        raise ValueError(f"Config.attention_backend: {name!r} needs a CUDA device; use 'torch' or 'auto' on CPU")
+    if name == "triton":
+        from asyncllm.attention.triton_backend import TritonAttentionBackend
+        return TritonAttentionBackend(**kwargs)
+    if name == "fa4":
+        from asyncllm.attention.flash_attn_backend import FA4AttentionBackend
+        return FA4AttentionBackend(**kwargs)
+    if name == "fa2":
+        from asyncllm.attention.flash_attn_backend import FA2AttentionBackend
+        return FA2AttentionBackend(**kwargs)
+    raise ValueError(f"Config.attention_backend: unknown backend {name!r}")
+
+
+def _auto_backend(device: torch.device) -> str:
+    # triton even where FA4 is installed: on the H200 our kernels serve faster end to end (mixed-step
+    # CUDA graphs; FA4's eager prefill makes its TTFT 14 ms against 2) -- docs/BENCHMARKS.md
+    if device.type != "cuda":
+        return "torch"
+    try:
+        import triton  # noqa: F401
+        return "triton"
+    except ImportError:
+        return "torch"

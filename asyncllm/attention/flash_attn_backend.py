@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from asyncllm.attention.base import AttentionBackend, ForwardBatch, PagedGraphBuffers
+from asyncllm.attention.base import AttentionBackend, ForwardBatch
+from asyncllm.attention.graph_buffers import PagedGraphBuffers
 
 
 def _store_kvcache():
@@ -49,7 +50,7 @@ class FA4AttentionBackend(_FlashAttnBackend):
             from flash_attn.cute import flash_attn_varlen_func
         except ImportError as e:
             raise ValueError("Config.attention_backend: 'fa4' needs FlashAttention-4 "
-                             "(pip install 'asyncllm[fa4]', module flash_attn.cute)") from e
+                             "(pip install 'asyncllm-engine[fa4]', module flash_attn.cute)") from e
         super().__init__(*args, **kwargs)
         if self.k_caches[0].dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"Config.dtype: FlashAttention-4 needs float16 or bfloat16, got {self.k_caches[0].dtype}")

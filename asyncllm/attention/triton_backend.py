@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncllm.attention.base import AttentionBackend, ForwardBatch, PagedGraphBuffers
+from asyncllm.attention.base import AttentionBackend, ForwardBatch
+from asyncllm.attention.graph_buffers import PagedGraphBuffers
 from asyncllm.kernels import choose_num_splits, decode_workspace_numel, paged_attention, store_kvcache
 from asyncllm.kernels.paged_attention import DEFAULT_NUM_SMS
 
@@ -66,10 +67,7 @@ class TritonAttentionBackend(AttentionBackend):
                 batch: ForwardBatch) -> torch.Tensor:
         k_cache, v_cache = self.k_caches[layer_id], self.v_caches[layer_id]
         store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
-        meta = batch.attn_metadata
-        if not isinstance(meta, TritonAttentionMetadata):
-            self.prepare_metadata(batch)
-            meta = batch.attn_metadata
+        meta = batch.attn_metadata  # set once per step by prepare_metadata or prepare_for_capture
         return paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
                                batch.max_query_len, batch.max_seq_len, self.scale,
                                num_splits=meta.num_splits, workspace=meta.workspace, num_sms=self.num_sms)

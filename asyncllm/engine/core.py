@@ -12,7 +12,8 @@ from asyncllm.config import Config
 from asyncllm.engine.block_manager import BlockManager
 from asyncllm.engine.scheduler import Scheduler, SchedulerOutput
 from asyncllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
-from asyncllm.model_runner import LaunchedStep, ModelRunner
+from asyncllm.runner.model_runner import LaunchedStep, ModelRunner
+from asyncllm.runner.tp_workers import TensorParallelWorkers
 from asyncllm.models.checkpoint import check_tokenizer
 from asyncllm.sampling_params import SamplingParams
 
@@ -49,7 +50,9 @@ class EngineCore:
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model, trust_remote_code=False)
         check_tokenizer(self.tokenizer, config.hf_config, config.model)
-        self.runner = ModelRunner(config, weights=weights)
+        # rank 0 of a tensor-parallel engine starts the other ranks; the runner steps them from then on
+        workers = TensorParallelWorkers(config) if config.tensor_parallel_size > 1 else None
+        self.runner = ModelRunner(config, weights=weights, workers=workers)
         self.block_manager = BlockManager(self.runner.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)

@@ -33,10 +33,6 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
-    @property
-    def is_decode_only(self) -> bool:
-        return self.num_batched_tokens == len(self.scheduled)
-
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int):

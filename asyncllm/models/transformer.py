@@ -1,8 +1,9 @@
 """The pre-norm decoder-only transformer shared by Qwen3, Qwen2 and Llama.
 
-The three differ only in two switches, set by the registry from the architecture name:
+The three differ only in three switches, set by the registry from the architecture name:
 Qwen3 normalises each q and k head with RMSNorm before rotary (qk_norm); Qwen2 has biases on
-the q/k/v projections (qkv_bias); Llama has neither. Parameter names follow Hugging Face's, except
+the q/k/v projections (qkv_bias); the output projection has one where the config's
+attention_bias asks (o_bias, as q/k/v then do too). Llama has none of them by default. Parameter names follow Hugging Face's, except
 that q/k/v and gate/up are fused (packed_modules_mapping says how checkpoint tensors map in).
 """
 from __future__ import annotations
@@ -13,7 +14,6 @@ from torch import nn
 from asyncllm.attention.base import ForwardBatch
 from asyncllm.distributed import get_tp_size
 from asyncllm.layers.activation import SiluAndMul
-from asyncllm.layers.attention import Attention
 from asyncllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from asyncllm.layers.fused import fused_ops_for
 from asyncllm.layers.layernorm import RMSNorm
@@ -39,31 +39,41 @@ class DecoderAttention(nn.Module):
                                           config.num_key_value_heads, bias=qkv_bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias)
         self.rotary_emb = rotary_emb  # one cache for all layers (DecoderModel's)
-        self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim)
+        self.layer_id = layer_id  # this layer's slice of the paged KV cache
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # chosen once, by where the weights live (the runner builds the model on its device)
+        self._fused = fused_ops_for(self.o_proj.weight)
+        self._norm_rope = self._norm_rope_native if self._fused is None else self._norm_rope_fused
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
-        fused = fused_ops_for(qkv)
-        if fused is not None:
-            # q/k norm and rotary in one kernel, in place on the projection's q and k columns
-            norm_args = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else ()
-            fused.qk_norm_rope_(qkv, positions, self.rotary_emb.cos_sin_cache, self.num_heads, self.num_kv_heads,
-                                self.head_dim, *norm_args)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if fused is None:
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v, batch)
+        q, k, v = self._norm_rope(positions, qkv)
+        out = batch.attn_backend.forward(self.layer_id, q, k, v, batch)
         return self.o_proj(out.flatten(1, -1))
+
+    def _split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return (q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim),
+                v.view(-1, self.num_kv_heads, self.head_dim))
+
+    def _norm_rope_fused(self, positions: torch.Tensor, qkv: torch.Tensor):
+        # q/k norm and rotary in one kernel, in place on the projection's q and k columns
+        norm_args = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else ()
+        self._fused.qk_norm_rope_(qkv, positions, self.rotary_emb.cos_sin_cache, self.num_heads,
+                                  self.num_kv_heads, self.head_dim, *norm_args)
+        return self._split_heads(qkv)
+
+    def _norm_rope_native(self, positions: torch.Tensor, qkv: torch.Tensor):
+        # the PyTorch path (CPU, no Triton) and the fused kernel's reference
+        q, k, v = self._split_heads(qkv)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return q, k, v
 
 
 class DecoderMLP(nn.Module):

@@ -13,13 +13,14 @@ import torch
 
 from asyncllm.attention import ForwardBatch, create_attention_backend
 from asyncllm.config import Config
-from asyncllm.cuda_graph import CudaGraphRunner
+from asyncllm.runner.cuda_graph import CudaGraphRunner
 from asyncllm.distributed import get_tp_size
 from asyncllm.engine.scheduler import SchedulerOutput
 from asyncllm.engine.sequence import PENDING_TOKEN
 from asyncllm.layers.sampler import Sampler, SamplingTensors
 from asyncllm.models.checkpoint import iter_safetensors, load_weights
 from asyncllm.models.registry import create_model
+from asyncllm.runner.tp_protocol import agree_on_min
 
 logger = logging.getLogger("asyncllm")
 
@@ -74,8 +75,10 @@ class LaunchedStep:
 
 
 class ModelRunner:
-    def __init__(self, config: Config, weights=None, rank: int = 0, step_group=None):
-        self.workers = None
+    def __init__(self, config: Config, weights=None, rank: int = 0, step_group=None, workers=None):
+        """Rank 0 of a tensor-parallel engine gets the started workers (tp_workers.TensorParallelWorkers)
+        and steps through their group; a worker rank gets its step_group."""
+        self.workers = workers
         try:
             self._init(config, weights, rank, step_group)
         except BaseException:
@@ -92,12 +95,7 @@ class ModelRunner:
             raise RuntimeError("Config.tensor_parallel_size: torch.distributed is initialized in this process (by a "
                                "tensor-parallel engine that still runs?); a tensor_parallel_size=1 engine cannot be "
                                "built beside it")
-        # rank 0 of a tensor-parallel engine starts the other ranks and joins their process group
-        self.workers = None
-        if config.tensor_parallel_size > 1 and rank == 0:
-            # imported here: `python -m asyncllm.tensor_parallel` must find it not yet imported
-            from asyncllm.tensor_parallel import TensorParallelWorkers
-            self.workers = TensorParallelWorkers(config)
+        if self.workers is not None:
             step_group = self.workers.group
         self.step_group = step_group
         self.device = torch.device(config.device, torch.cuda.current_device()) if config.device == "cuda" \
@@ -105,7 +103,6 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.block_size = config.kvcache_block_size
         self._staging: dict[torch.dtype, tuple] = {}  # dtype -> (host buffer, its last copy's event)
-        self.graph_runner = None
         torch.manual_seed(config.seed)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -123,7 +120,6 @@ class ModelRunner:
         self.vocab_size = hf.vocab_size
         self.num_kvcache_blocks = self._decide_num_blocks()
         if self.step_group is not None:
-            from asyncllm.tensor_parallel import agree_on_min
             self.num_kvcache_blocks = agree_on_min(self.num_kvcache_blocks, self.step_group)
         kv_shape = (2, self.num_layers, self.num_kvcache_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_cache = torch.zeros(kv_shape, dtype=self.dtype, device=self.device)
@@ -187,8 +183,9 @@ class ModelRunner:
             logits = torch.randn(rows, self.vocab_size, device=self.device)
             ones = torch.ones(rows, device=self.device)
             rows_index = torch.arange(rows, device=self.device)
-            self.sampler(logits, SamplingTensors(ones, rows_index, ones.long() * 50, ones * 0.9, ones * 0.05, [],
-                                                 False))
+            self.sampler(logits, SamplingTensors(temperatures=ones, filter_rows=rows_index, top_ks=ones.long() * 50,
+                                                 top_ps=ones * 0.9, min_ps=ones * 0.05, seeded_rows=[],
+                                                 all_greedy=False))
             del logits, ones
         torch.cuda.synchronize()
         del probe_cache, self.attn_backend, batch
@@ -328,10 +325,6 @@ class ModelRunner:
                 batch.input_ids[at] = prev.sampled[rows]
             logits = self._forward(batch)
         return LaunchedStep(sched, self.sampler(logits, self.prepare_sampling(sched)))
-
-    def execute(self, sched: SchedulerOutput) -> list[int]:
-        """Run one step to the end; the sampled token of each sequence that samples, in schedule order."""
-        return self.launch(sched, None).token_ids()
 
     def release_cuda_graphs(self) -> None:
         """Drop the CUDA graphs (and their memory); later steps run eagerly."""

@@ -1,0 +1,67 @@
+"""The model a Config names, read once by the engine before it builds anything: a .gguf file
+converted into its cache directory, the checkpoint's config loaded and checked against the
+settings (tensor-parallel splits, the CPU KV cache's size), max_model_len clipped to the model's
+positions, and dtype 'auto' settled."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from asyncllm.config import DTYPES, Config, config_error
+from asyncllm.models.checkpoint import load_hf_config
+from asyncllm.models.gguf import resolve_model_path
+
+
+def resolve_config(config: Config) -> Config:
+    """Fill in config's model-dependent fields (model, hf_config, max_model_len, torch_dtype), in place."""
+    if os.path.isfile(config.model):  # a .gguf file: its converted cache directory
+        config.model = resolve_model_path(config.model)
+    hf = config.hf_config = load_hf_config(config.model)
+    max_pos = getattr(hf, "max_position_embeddings", None) or config.max_model_len
+    config.max_model_len = min(config.max_model_len, max_pos)
+    if config.tensor_parallel_size > 1:
+        _check_tensor_parallel_split(hf, config.tensor_parallel_size)
+    if config.dtype != "auto":
+        config.torch_dtype = DTYPES[config.dtype]
+    elif config.device == "cpu":
+        config.torch_dtype = torch.float32
+    else:
+        ckpt = getattr(hf, "torch_dtype", None) or getattr(hf, "dtype", None)
+        if isinstance(ckpt, str):
+            ckpt = DTYPES.get(ckpt)
+        config.torch_dtype = ckpt if ckpt in (torch.float16, torch.bfloat16, torch.float32) else torch.bfloat16
+    if config.device == "cpu":
+        _check_cpu_kv_cache(config)
+    return config
+
+
+def _check_tensor_parallel_split(hf, size: int) -> None:
+    heads = hf.num_attention_heads
+    if heads % size:
+        raise config_error("tensor_parallel_size", f"num_attention_heads={heads} is not divisible by {size}")
+    kv_heads = getattr(hf, "num_key_value_heads", None) or heads
+    if kv_heads % size and size % kv_heads:
+        # neither split across ranks nor replicated evenly: ranks would attend to the wrong KV heads
+        raise config_error("tensor_parallel_size", f"num_key_value_heads={kv_heads} neither divides nor is "
+                                                   f"divisible by {size}")
+    intermediate = getattr(hf, "intermediate_size", 0)
+    if intermediate % size:
+        raise config_error("tensor_parallel_size", f"intermediate_size={intermediate} is not divisible by {size}")
+
+
+def _check_cpu_kv_cache(config: Config) -> None:
+    """A CPU KV cache larger than the machine's memory fails (or is OOM-killed) deep in torch: say so here."""
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return
+    hf = config.hf_config
+    kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    per_block = 2 * hf.num_hidden_layers * config.kvcache_block_size * kv_heads * head_dim * config.torch_dtype.itemsize
+    name, size = ("num_kvcache_blocks", config.num_kvcache_blocks * per_block) if config.num_kvcache_blocks != -1 \
+        else ("cpu_kvcache_bytes", config.cpu_kvcache_bytes)
+    if size > memory:
+        raise config_error(name, f"a KV cache of {size / 2**30:.1f} GiB does not fit in this machine's "
+                                 f"{memory / 2**30:.1f} GiB of memory")

@@ -1,0 +1,168 @@
+"""Helpers several test files share (fixtures shared by all of them are in conftest.py); the tiny
+checkpoints tests and benchmarks both build are in asyncllm/testing.py."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+
+@pytest.fixture(params=["asyncio", "trio"], name="anyio_backend")
+def anyio_asyncio_and_trio(request):
+    """Import into a test file to run its async tests on both (conftest's anyio_backend: asyncio only)."""
+    return request.param
+
+
+def seed_every_test(seed: int):
+    """An autouse fixture seeding torch before each test of the file that assigns it."""
+    @pytest.fixture(autouse=True)
+    def _seed():
+        torch.manual_seed(seed)
+    return _seed
+
+
+def engine_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "asyncllm-engine" and t.is_alive()]
+
+
+def assert_all_blocks_free(engine) -> None:
+    """Every KV block of an LLM (or an EngineCore) is back in the free pool, none referenced."""
+    bm = getattr(engine, "core", engine).block_manager
+    assert bm.num_free_blocks == bm.num_total_blocks
+    assert all(block.ref_count == 0 for block in bm.blocks)
+
+
+def serve_command() -> list[str]:
+    script = shutil.which("asyncllm", path=os.path.dirname(sys.executable))
+    return [script] if script else [sys.executable, "-m", "asyncllm.cli"]
+
+
+def wait_healthy(base: str, proc: subprocess.Popen, log_path: str, timeout: float = 180.0) -> None:
+    import httpx
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the server exited with {proc.returncode}:\n{open(log_path).read()[-4000:]}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise AssertionError(f"the server was not healthy after {timeout} s:\n{open(log_path).read()[-4000:]}")
+
+
+def free_port() -> int:
+    """A loopback TCP port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_process(proc) -> None:
+    """Stop a server subprocess as Ctrl-C would, and kill it if it does not exit in 20 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# ---- comparing two engines' greedy runs (GPU tests: bf16, tensor parallelism) --------------------
+def generate_with_logits(llm, prompts: list[list[int]], params) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+    """llm.generate(prompts, params), plus the logits each request sampled from at each of its steps
+    (float32, on the device), in prompt order. A step recomputed after preemption keeps the logits it
+    first had. Prompts must differ from each other: requests are matched to prompts by their ids."""
+    runner = llm.core.runner
+    captured: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}
+    launch, sampler_forward = runner.launch, runner.sampler.forward
+
+    def capturing_launch(sched, prev):
+        # before the launch, a sequence's length counts the token this step samples from these logits
+        rows = [item.seq for item in sched.scheduled if item.samples]
+
+        def capture(logits, sampling):
+            for row, seq in enumerate(rows):
+                key = (tuple(seq.token_ids[:seq.num_prompt_tokens]), seq.num_completion_tokens)
+                captured.setdefault(key, logits[row].float().clone())
+            return sampler_forward(logits, sampling)
+        runner.sampler.forward = capture
+        try:
+            return launch(sched, prev)
+        finally:
+            runner.sampler.forward = sampler_forward
+
+    if len({tuple(p) for p in prompts}) != len(prompts):
+        raise ValueError("prompts: every prompt must differ (requests are matched to prompts by their ids)")
+    runner.launch = capturing_launch
+    try:
+        tokens = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        del runner.launch  # the bound method again
+    logits = [[captured[(tuple(p), step)] for step in range(len(t))] for p, t in zip(prompts, tokens)]
+    return tokens, logits
+
+
+def random_prompts(n: int, seed: int, lo: int = 5, hi: int = 300) -> list[list[int]]:
+    """n prompts of random ids below 100,000, with lengths drawn from [lo, hi)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 100000, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def first_divergence(a: list[int], b: list[int]) -> int:
+    """Index of the first token where a and b differ (the shorter length if one is a prefix)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def assert_greedy_runs_match(reference: tuple, other: tuple, logits_rtol: float) -> dict:
+    """Two greedy runs of the same prompts (tokens, logits per step, from generate_with_logits) agree
+    up to rounding: at every step both saw the same tokens so far, the logits differ by at most
+    logits_rtol (relative L2 norm), and where the chosen tokens differ the reference ranked the two
+    within a near-tie (a gap under 5 * logits_rtol of its logits' standard deviation) -- rounding
+    may flip such a choice, a real bug moves the logits past the tolerance. Returns statistics."""
+    ref_tokens, ref_logits = reference
+    tokens, logits = other
+    if len(ref_tokens) != len(tokens):
+        raise AssertionError(f"{len(ref_tokens)} reference sequences, {len(tokens)} compared")
+    problems, divergences, worst_rtol = [], [], 0.0
+    for i, (ra, rl, oa, ol) in enumerate(zip(ref_tokens, ref_logits, tokens, logits)):
+        if len(ra) != len(oa):
+            problems.append(f"sequence {i}: {len(ra)} tokens vs {len(oa)}")
+            continue
+        diverge = first_divergence(ra, oa)
+        divergences.append(diverge)
+        for step in range(min(diverge + 1, len(ra))):  # the steps where both had the same context
+            rtol = ((ol[step] - rl[step]).norm() / rl[step].norm()).item()
+            worst_rtol = max(worst_rtol, rtol)
+            if not rtol <= logits_rtol:
+                problems.append(f"sequence {i} step {step}: logits differ by {rtol:.2e} (relative), "
+                                f"over {logits_rtol:.0e}")
+                break
+        else:
+            if diverge < len(ra):
+                ref_logits_there = rl[diverge]
+                gap = (ref_logits_there[ra[diverge]] - ref_logits_there[oa[diverge]]).item()
+                scale = ref_logits_there.std().item()
+                if gap > 5 * logits_rtol * scale:
+                    problems.append(f"sequence {i} step {diverge}: token {oa[diverge]} instead of {ra[diverge]}, "
+                                    f"which led by {gap:.3g} (logits' std {scale:.3g}): not a near-tie")
+    if problems:
+        raise AssertionError("greedy runs differ beyond rounding:\n  " + "\n  ".join(problems))
+    total = sum(len(t) for t in ref_tokens)
+    num_identical = sum(d == len(t) for d, t in zip(divergences, tokens))
+    return dict(num_sequences=len(tokens), num_identical=num_identical, first_divergences=divergences,
+                worst_logits_rtol=worst_rtol,
+                token_agreement=sum(x == y for a, b in zip(ref_tokens, tokens) for x, y in zip(a, b)) / max(total, 1),
+                summary=f"{num_identical}/{len(tokens)} sequences identical, first divergences {divergences}, "
+                        f"worst logits error {worst_rtol:.1e}")
