@@ -49,7 +49,7 @@ class RequestResult:
     prompt_token_ids: list[int] = field(default_factory=list)
 
 
-def _current_loop_waiter() -> tuple[Callable[[Callable[[], None]], None], "asyncio.Event | trio.Event"]:
+def _current_loop_waiter() -> tuple[Callable[[Callable[[], None]], None], object]:
     """For a read about to wait: the current event loop's thread-safe, non-blocking 'run this soon',
     and a new event of that loop's library (its own event: anyio.Event looks the library up on every
     creation, a cost paid per token here)."""
