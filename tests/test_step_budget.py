@@ -281,3 +281,89 @@ async def test_a_decoding_stream_is_not_stalled_by_long_prompts(tiny_qwen3, anyi
     # per-request metrics still add up
     assert len(metrics.inter_token_latencies) == metrics.num_completion_tokens - 1 == 39
     assert 0 <= metrics.queue_time <= metrics.time_to_first_token <= metrics.e2e_latency
+
+
+# ---- random workloads: priorities, a tiny budget and a tiny cache still finish everything -------------
+@pytest.mark.parametrize("shard", range(2))
+def test_random_workloads_with_priorities_and_a_tiny_budget_terminate(shard):
+    from test_scheduler import FakeEngine  # the scheduler tests' fake engine and invariant checks
+
+    class ReadmittingFakeEngine(FakeEngine):
+        def check(self, out, decoding_before):
+            # a decoder preempted for lack of blocks and readmitted in the same step recomputes its
+            # KV: that is a prefill, rightly after the decodes
+            recomputing = {id(item.seq) for item in out.scheduled[out.num_decodes:]}
+            super().check(out, decoding_before - recomputing)
+
+    preemptions = 0
+    for seed in range(shard * 40, (shard + 1) * 40):
+        rng = random.Random(seed)
+        num_blocks = rng.choice([4, 6, 8, 12])
+        eng = ReadmittingFakeEngine(num_blocks=num_blocks, budget=rng.choice([16, 64, 512]),
+                         max_num_seqs=rng.choice([1, 3, 64]), prefix_caching=rng.random() < 0.5)
+        eng.sched.budget_policy = FixedBudget(rng.choice([1, 5, 16, 40]), min_chunk=BS)
+        total = 0
+        for _ in range(rng.randrange(3, 12)):
+            prompt_len = rng.randrange(1, min(80, num_blocks * BS - 1))
+            max_new = rng.randrange(1, min(30, num_blocks * BS - prompt_len + 1) + 1)
+            seq = eng.add(prompt_len, max_new)
+            seq.priority = rng.choice([-1, 0, 0, 2])
+            seq.sort_key = (seq.priority, seq.sort_key[1])
+            total += prompt_len + max_new
+        eng.sched.waiting.sort(key=lambda s: s.sort_key)
+        # FakeEngine.step checks that the first running sequence in (priority, arrival) order is
+        # scheduled every step: nothing livelocks, whatever the priorities
+        eng.run(max_steps=50 * total + 100)
+        assert len(eng.finished) == len(eng.max_new)
+        preemptions += eng.sched.num_preemptions
+    assert preemptions > 0
+
+
+# ---- the CUDA timing path, with fake events: read only once completed, in order, never waited on ----
+class FakeEvent:
+    clock = 0.0
+    completed_up_to = 0.0
+
+    def __init__(self, enable_timing: bool = False):
+        assert enable_timing
+        self.time = None
+
+    def record(self):
+        FakeEvent.clock += 1.0
+        self.time = FakeEvent.clock
+
+    def query(self) -> bool:
+        return self.time <= FakeEvent.completed_up_to
+
+    def elapsed_time(self, end) -> float:
+        assert self.query() and end.query(), "read before it completed"
+        return end.time - self.time
+
+    def synchronize(self):
+        raise AssertionError("the step timer must never wait on the device")
+
+
+def test_cuda_step_timer_reads_events_once_they_completed(monkeypatch):
+    import torch
+
+    from asyncllm.engine.step_budget import StepTimer
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    seen = []
+
+    class Recorder:
+        def observe(self, p, d, ms):
+            seen.append((p, d, ms))
+    timer = StepTimer(Recorder(), torch.device("cuda"))
+    for p in (100, 200, 300):
+        started = timer.start()
+        FakeEvent.clock += p / 100  # the step's device work
+        timer.stop(started, p, 4)
+    FakeEvent.completed_up_to = 0.0
+    timer.collect()
+    assert seen == []
+    FakeEvent.completed_up_to = 5.5  # the first step's end event (at 3.0) done, the second's (at 7.0) not
+    timer.collect()
+    assert seen == [(100, 4, 2.0)]
+    FakeEvent.completed_up_to = 1e9
+    timer.collect()
+    assert seen == [(100, 4, 2.0), (200, 4, 3.0), (300, 4, 4.0)]

@@ -87,17 +87,25 @@ class Scheduler:
         self.num_preemptions += 1
         bisect.insort(self.waiting, seq, key=_sort_key)
 
-    def _reserve(self, seq: Sequence, num_tokens: int, scheduled_ids: set[int]) -> bool:
-        """Find blocks for num_tokens more tokens of a running seq, preempting unscheduled ones from the
-        end of the running order (the highest priority value, newest first).
+    def _reserve(self, seq: Sequence, num_tokens: int, scheduled_ids: set[int], out: SchedulerOutput) -> bool:
+        """Find blocks for num_tokens more tokens of a running seq, preempting from the end of the
+        running order (the highest priority value, newest first) until seq itself is the last.
+
+        A victim already scheduled in this step (a decode behind an older or higher-priority prefill,
+        which fair chunking or priority let ahead) is taken out of the step first: otherwise the
+        prefill would be the one preempted, for a sequence that comes after it. Decodes reserve in
+        running order, so only a prefill's reservation can meet a scheduled victim.
 
         Returns False when seq itself had to be preempted.
         """
         bm = self.block_manager
         while bm.num_blocks_needed(seq, num_tokens) > bm.num_free_blocks:
-            victim = next((s for s in reversed(self.running) if id(s) not in scheduled_ids), None)
-            if victim is None:
-                return False
+            victim = self.running[-1]
+            if id(victim) in scheduled_ids:
+                index = next(i for i, item in enumerate(out.scheduled) if item.seq is victim)
+                out.num_batched_tokens -= out.scheduled.pop(index).num_tokens
+                out.num_decodes -= index < out.num_decodes
+                scheduled_ids.discard(id(victim))
             self._preempt(victim)
             if victim is seq:
                 return False
@@ -121,6 +129,10 @@ class Scheduler:
         if first is None or first.num_uncomputed_tokens >= num_tokens:
             return budget
         half = budget // 2
+        if self.block_manager.num_free_blocks * self.block_manager.block_size < num_tokens + half:
+            # a tight cache: first come first served. Shorter prompts let ahead would decode in blocks
+            # this one needs, and it would be preempted for them
+            return budget
         left_for_them = first.num_uncomputed_tokens
         for seq in followers:
             if left_for_them >= half:
@@ -146,7 +158,7 @@ class Scheduler:
         for seq in [s for s in self.running if s.num_uncomputed_tokens == 1 and len(s) < s.max_len]:
             if budget == 0:
                 break
-            if seq.status == SequenceStatus.RUNNING and self._reserve(seq, 1, scheduled_ids):
+            if seq.status == SequenceStatus.RUNNING and self._reserve(seq, 1, scheduled_ids, out):
                 take(seq, 1)
         out.num_decodes = len(out.scheduled)
         if self.budget_policy is not None:
@@ -163,7 +175,7 @@ class Scheduler:
             num_tokens = self._fair_chunk(seq.num_uncomputed_tokens, budget, followers)
             fit = self._tokens_that_fit(seq, num_tokens)
             if fit == 0:
-                if self._reserve(seq, 1, scheduled_ids):
+                if self._reserve(seq, 1, scheduled_ids, out):
                     fit = self._tokens_that_fit(seq, num_tokens)
                 else:
                     continue
