@@ -3,12 +3,12 @@
 Every step fills one token budget: running decodes first (one token each), then the next chunks
 of prompts already being prefilled, then new requests from the queue. A sequence's work in a step
 is just "the next n of its uncomputed tokens", so decodes, prefill chunks and prefix-cache hits are
-one mechanism. When blocks run out the newest running sequence is preempted (its KV dropped, to be
-recomputed later), so the oldest one always makes progress and nothing deadlocks.
+one mechanism. When blocks run out the last running sequence in order is preempted (its KV dropped,
+to be recomputed later), so the first one always makes progress and nothing deadlocks.
 
 Order is (priority, arrival) everywhere: the waiting queue and the running list are kept sorted by
 it, so admission takes the lowest priority value first and preemption takes the highest-valued,
-newest one. With a budget policy (engine/step_budget.py) the prefill chunks of a step are capped
+newest one; with equal priorities that is first come first served and newest preempted first. With a budget policy (engine/step_budget.py) the prefill chunks of a step are capped
 by a per-step budget, and chunking is fair: a prefill that cannot finish in this step leaves up to
 half of what is left to the next one when that one is shorter.
 """
