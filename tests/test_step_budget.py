@@ -367,3 +367,15 @@ def test_cuda_step_timer_reads_events_once_they_completed(monkeypatch):
     FakeEvent.completed_up_to = 1e9
     timer.collect()
     assert seen == [(100, 4, 2.0), (200, 4, 3.0), (300, 4, 4.0)]
+
+
+def test_priority_reaches_the_scheduler_through_the_engine(tiny_qwen3):
+    with LLM(tiny_qwen3, max_num_seqs=1, **ENGINE_KW) as llm:
+        core = llm.core
+        ids = [core.add_request([11, 22, 33], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True,
+                                                              priority=p)).request_id for p in (1, 1, 0)]
+        order = []
+        while core.has_unfinished():
+            order += [e.seq.request_id for e in core.step() if e.finish_reason is not None]
+        order += [e.seq.request_id for e in core.drain() if e.finish_reason is not None]
+    assert order == [ids[2], ids[0], ids[1]]

@@ -8,9 +8,11 @@ to be recomputed later), so the first one always makes progress and nothing dead
 
 Order is (priority, arrival) everywhere: the waiting queue and the running list are kept sorted by
 it, so admission takes the lowest priority value first and preemption takes the highest-valued,
-newest one; with equal priorities that is first come first served and newest preempted first. With a budget policy (engine/step_budget.py) the prefill chunks of a step are capped
-by a per-step budget, and chunking is fair: a prefill that cannot finish in this step leaves up to
-half of what is left to the next one when that one is shorter.
+newest one; with equal priorities that is first come first served and newest preempted first.
+
+With a budget policy (engine/step_budget.py) the prefill chunks of a step are capped by a per-step
+budget, and chunking is fair: a prefill that cannot finish in this step leaves up to half of the
+budget to the ones after it when the next one is shorter.
 """
 from __future__ import annotations
 
