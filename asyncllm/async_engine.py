@@ -20,6 +20,7 @@ import anyio
 from asyncllm.detokenizer import TextAssembler
 from asyncllm.engine.core import EngineCore, check_text
 from asyncllm.engine.options import make_config
+from asyncllm.engine.step_budget import STREAMING_TARGET_STEP_MS
 from asyncllm.errors import EngineDeadError, QueueFullError
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.streams import RequestChannel, RequestMetrics, RequestResult, RequestStream, wake
@@ -31,6 +32,8 @@ class AsyncLLMEngine:
     """Embeddable async engine. Use as `async with AsyncLLMEngine(model_dir, **config) as engine:`."""
 
     def __init__(self, model: str | None = None, **config_kwargs):
+        # streams first: a bounded step time (target_step_ms=None asks for throughput first, as LLM)
+        config_kwargs.setdefault("target_step_ms", STREAMING_TARGET_STEP_MS)
         self.config = make_config(model, config_kwargs)
         self._cv = threading.Condition()
         self._inbox: collections.deque = collections.deque()

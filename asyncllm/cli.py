@@ -28,6 +28,8 @@ _CONFIG_HELP = {
     "max_queued_requests": "requests allowed to wait for a slot; more get 429 (0 = unbounded)",
     "enforce_eager": "no CUDA graphs",
     "overlap_scheduling": "launch each step before reading the previous one's tokens; auto = on with CUDA",
+    "target_step_ms": "while streams decode, take prefill only up to what keeps a step within this many ms "
+                      "(0 = throughput first); auto = 8 for serving",
 }
 _CONFIG_ALIASES = {"enable_prefix_caching": ["--prefix-caching"]}  # --no-prefix-caching, as before
 
@@ -73,11 +75,13 @@ def add_config_options(group, skip: tuple[str, ...] = ()) -> list[str]:
         flags = ["--" + f.name.replace("_", "-"), *_CONFIG_ALIASES.get(f.name, [])]
         help = f"{_CONFIG_HELP[f.name]}; " if f.name in _CONFIG_HELP else ""
         help += f"default {f.default!r}" if f.default is not None else "default: auto"
-        if isinstance(f.default, bool) or f.default is None:  # None: overlap_scheduling's bool | None
+        annotation = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        if isinstance(f.default, bool) or annotation.startswith("bool"):  # bool | None: auto by default
             group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
                                help=help)
         else:
-            group.add_argument(*flags, dest=f.name, type=type(f.default), default=None, help=help,
+            value_type = type(f.default) if f.default is not None else float if annotation.startswith("float") else str
+            group.add_argument(*flags, dest=f.name, type=value_type, default=None, help=help,
                                choices=choices.get(f.name))
         names.append(f.name)
     return names

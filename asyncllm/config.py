@@ -71,6 +71,11 @@ class Config:
     # launch step N+1 before reading step N's sampled tokens, so the host's work for a step runs while
     # the device computes the previous one. None: on where the device runs asynchronously (CUDA)
     overlap_scheduling: bool | None = None
+    # latency under load: while streams decode, a step takes prefill chunks only up to what keeps it
+    # within this many ms, by a step-time model learned from the engine's own steps
+    # (engine/step_budget.py). None or 0: throughput first, prefill takes all that max_num_batched_tokens
+    # leaves. LLM's default is None; AsyncLLMEngine's is STREAMING_TARGET_STEP_MS
+    target_step_ms: float | None = None
     # filled in from the checkpoint by models.resolve.resolve_config; not user settings
     hf_config: Any = field(default=None, repr=False, init=False)
     torch_dtype: torch.dtype | None = field(default=None, repr=False, init=False)
@@ -100,6 +105,12 @@ class Config:
                 _fail(name, f"expected a bool, got {getattr(self, name)!r}")
         if self.overlap_scheduling is not None and not isinstance(self.overlap_scheduling, bool):
             _fail("overlap_scheduling", f"expected a bool or None (auto), got {self.overlap_scheduling!r}")
+        if self.target_step_ms is not None:
+            if isinstance(self.target_step_ms, bool) or not isinstance(self.target_step_ms, (int, float)) \
+                    or not (0 <= self.target_step_ms < float("inf")):
+                _fail("target_step_ms", f"must be None or a finite number of ms >= 0 (None or 0 = throughput "
+                                        f"first), got {self.target_step_ms!r}")
+            self.target_step_ms = float(self.target_step_ms) or None
         self.dtype = _dtype_name(self.dtype)
         if self.attention_backend not in ATTENTION_BACKENDS:
             _fail("attention_backend", f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")

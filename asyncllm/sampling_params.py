@@ -33,6 +33,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     seed: int | None = None
+    # scheduling order, as vLLM's: lower values are admitted first and preempted last; ties go
+    # first come first served
+    priority: int = 0
 
     def __post_init__(self) -> None:
         def fail(name: str, message: str) -> None:
@@ -69,6 +72,8 @@ class SamplingParams:
             fail("seed", f"expected an int or None, got {_short_repr(self.seed)}")
         if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:  # torch.Generator's range
             fail("seed", f"must be in [-2**63, 2**64), got {_short_repr(self.seed)}")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            fail("priority", f"expected an int (lower is scheduled first), got {_short_repr(self.priority)}")
         if isinstance(self.stop_token_ids, int) and not isinstance(self.stop_token_ids, bool):
             self.stop_token_ids = [self.stop_token_ids]
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(

@@ -12,6 +12,7 @@ from asyncllm.config import Config
 from asyncllm.engine.block_manager import BlockManager
 from asyncllm.engine.scheduler import Scheduler, SchedulerOutput
 from asyncllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from asyncllm.engine.step_budget import StepBudget, StepTimeModel, StepTimer
 from asyncllm.runner.model_runner import LaunchedStep, ModelRunner
 from asyncllm.runner.tp_workers import TensorParallelWorkers
 from asyncllm.models.checkpoint import check_tokenizer
@@ -55,7 +56,15 @@ class EngineCore:
         self.runner = ModelRunner(config, weights=weights, workers=workers)
         self.block_manager = BlockManager(self.runner.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        # every step is timed and modelled, with a target or without (stats show the step time)
+        self.step_model = StepTimeModel()
+        self.step_timer = StepTimer(self.step_model, self.runner.device)
+        # a chunk of one KV block: the least a waiting prefill advances per step; a full block is
+        # hashed (prefix cache) as soon as it is computed
+        self.step_budget = StepBudget(config.target_step_ms, config.max_num_batched_tokens,
+                                      config.kvcache_block_size, self.step_model) if config.target_step_ms else None
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
+                                   self.step_budget)
         # a sequence can never outgrow the whole cache, so that is a length limit too
         self.max_seq_len = min(config.max_model_len, self.block_manager.num_total_blocks * config.kvcache_block_size)
         self.vocab_size = config.hf_config.vocab_size
@@ -167,6 +176,7 @@ class EngineCore:
             return [] if launched is None else self._resolve(launched)
         except BaseException:
             self._in_flight = None  # its requests are ended by whoever handles this
+            self.step_timer.reset()
             raise
 
     def drain(self) -> list[StepEvent]:
@@ -175,7 +185,9 @@ class EngineCore:
         return [] if launched is None else self._resolve(launched)
 
     def _launch(self, sched: SchedulerOutput) -> LaunchedStep:
+        started = self.step_timer.start()
         launched = self.runner.launch(sched, self._in_flight)
+        self.step_timer.stop(started, sched.num_batched_tokens - sched.num_decodes, sched.num_decodes)
         self.scheduler.commit(sched)
         self._last_sched = sched
         row = 0
@@ -191,6 +203,7 @@ class EngineCore:
     def _resolve(self, launched: LaunchedStep) -> list[StepEvent]:
         sched = launched.sched
         token_ids = launched.token_ids()
+        self.step_timer.collect()
         sampling = [item for item in sched.scheduled if item.samples]
         if len(token_ids) != len(sampling):  # a runner bug; caught here, not as a wrong token for someone
             raise RuntimeError(f"the step sampled {len(token_ids)} tokens for {len(sampling)} sampling rows")
@@ -228,8 +241,7 @@ class EngineCore:
         sched = self._last_sched
         if sched is None:
             return None
-        num_decode = sum(1 for item in sched.scheduled if item.num_tokens == 1 and item.samples)
-        return sched.num_batched_tokens - num_decode, num_decode
+        return sched.num_batched_tokens - sched.num_decodes, sched.num_decodes
 
     def close(self) -> None:
         """Release what outlives Python's garbage collection: tensor-parallel worker processes."""
@@ -246,4 +258,19 @@ class EngineCore:
             "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
+            **self._step_time_stats(),
+        }
+
+    def _step_time_stats(self) -> dict:
+        """The latency policy's state: its target, the last step's prefill budget and step time."""
+        model, budget = self.step_model, self.step_budget
+        last = self.last_step
+        return {
+            "target_step_ms": self.config.target_step_ms,
+            # None without a target: prefill takes what the decodes leave of max_num_batched_tokens
+            "prefill_budget": budget.last_budget if budget is not None else None,
+            "step_ms": model.last_step_ms,
+            "predicted_step_ms": model.predict(*last) if model.ready and last is not None else None,
+            "step_model": {"ms": model.a, "ms_per_prefill_token": model.b, "ms_per_decode": model.c}
+            if model.ready else None,
         }

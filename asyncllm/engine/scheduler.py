@@ -3,13 +3,23 @@
 Every step fills one token budget: running decodes first (one token each), then the next chunks
 of prompts already being prefilled, then new requests from the queue. A sequence's work in a step
 is just "the next n of its uncomputed tokens", so decodes, prefill chunks and prefix-cache hits are
-one mechanism. When blocks run out the newest running sequence is preempted (its KV dropped, to be
-recomputed later), so the oldest one always makes progress and nothing deadlocks.
+one mechanism. When blocks run out the last running sequence in order is preempted (its KV dropped,
+to be recomputed later), so the first one always makes progress and nothing deadlocks.
+
+Order is (priority, arrival) everywhere: the waiting queue and the running list are kept sorted by
+it, so admission takes the lowest priority value first and preemption takes the highest-valued,
+newest one; with equal priorities that is first come first served and newest preempted first.
+
+With a budget policy (engine/step_budget.py) the prefill chunks of a step are capped by a per-step
+budget, and chunking is fair: a prefill that cannot finish in this step leaves up to half of the
+budget to the ones after it when the next one is shorter.
 """
 from __future__ import annotations
 
+import bisect
+import itertools
+import operator
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from asyncllm.engine.block_manager import BlockManager
@@ -28,6 +38,7 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     num_batched_tokens: int = 0
+    num_decodes: int = 0  # sequences that take one decode token this step
 
     @property
     def is_empty(self) -> bool:
@@ -35,12 +46,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int):
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 budget_policy=None):
         self.block_manager = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # admission order: the last is the newest
+        # None: prefill takes whatever the decodes leave of max_num_batched_tokens (throughput
+        # first); else its prefill_budget(num_decodes) caps the step's prefill tokens (a StepBudget)
+        self.budget_policy = budget_policy
+        self.waiting: list[Sequence] = []  # sorted by seq.sort_key: (priority, arrival)
+        self.running: list[Sequence] = []  # sorted by seq.sort_key: the last is the first preempted
         self.num_preemptions = 0
 
     @property
@@ -48,7 +63,7 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        bisect.insort(self.waiting, seq, key=_sort_key)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence (finished or aborted) wherever it is, and free its blocks at once."""
@@ -68,18 +83,27 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        bisect.insort(self.waiting, seq, key=_sort_key)
 
-    def _reserve(self, seq: Sequence, num_tokens: int, scheduled_ids: set[int]) -> bool:
-        """Find blocks for num_tokens more tokens of a running seq, preempting newer unscheduled ones.
+    def _reserve(self, seq: Sequence, num_tokens: int, scheduled_ids: set[int], out: SchedulerOutput) -> bool:
+        """Find blocks for num_tokens more tokens of a running seq, preempting from the end of the
+        running order (the highest priority value, newest first) until seq itself is the last.
+
+        A victim already scheduled in this step (a decode behind an older or higher-priority prefill,
+        which fair chunking or priority let ahead) is taken out of the step first: otherwise the
+        prefill would be the one preempted, for a sequence that comes after it. Decodes reserve in
+        running order, so only a prefill's reservation can meet a scheduled victim.
 
         Returns False when seq itself had to be preempted.
         """
         bm = self.block_manager
         while bm.num_blocks_needed(seq, num_tokens) > bm.num_free_blocks:
-            victim = next((s for s in reversed(self.running) if id(s) not in scheduled_ids), None)
-            if victim is None:
-                return False
+            victim = self.running[-1]
+            if id(victim) in scheduled_ids:
+                index = next(i for i, item in enumerate(out.scheduled) if item.seq is victim)
+                out.num_batched_tokens -= out.scheduled.pop(index).num_tokens
+                out.num_decodes -= index < out.num_decodes
+                scheduled_ids.discard(id(victim))
             self._preempt(victim)
             if victim is seq:
                 return False
@@ -90,6 +114,29 @@ class Scheduler:
         """How many of num_tokens fit in seq's current blocks plus the free ones."""
         capacity = (len(seq.block_table) + self.block_manager.num_free_blocks) * seq.block_size
         return max(0, min(num_tokens, capacity - seq.num_computed_tokens))
+
+    def _fair_chunk(self, num_tokens: int, budget: int, followers) -> int:
+        """num_tokens of a prefill, at most budget. One that cannot finish in this step, with a
+        shorter prefill next in order, leaves the prefills after it (followers, in order) as much
+        as they can take of up to half of the budget: short prompts are not stuck behind a long
+        one for its whole length, and the long one still advances every step. Equal prompts keep
+        first come first served. Looks at no more followers than it takes to fill that half."""
+        if num_tokens <= budget or self.budget_policy is None:
+            return min(num_tokens, budget)
+        first = next(followers, None)
+        if first is None or first.num_uncomputed_tokens >= num_tokens:
+            return budget
+        half = budget // 2
+        if self.block_manager.num_free_blocks * self.block_manager.block_size < num_tokens + half:
+            # a tight cache: first come first served. Shorter prompts let ahead would decode in blocks
+            # this one needs, and it would be preempted for them
+            return budget
+        left_for_them = first.num_uncomputed_tokens
+        for seq in followers:
+            if left_for_them >= half:
+                break
+            left_for_them += seq.num_uncomputed_tokens
+        return budget - min(left_for_them, half)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -109,18 +156,24 @@ class Scheduler:
         for seq in [s for s in self.running if s.num_uncomputed_tokens == 1 and len(s) < s.max_len]:
             if budget == 0:
                 break
-            if seq.status == SequenceStatus.RUNNING and self._reserve(seq, 1, scheduled_ids):
+            if seq.status == SequenceStatus.RUNNING and self._reserve(seq, 1, scheduled_ids, out):
                 take(seq, 1)
+        out.num_decodes = len(out.scheduled)
+        if self.budget_policy is not None:
+            # decodes always run; what prefill may take on top of them follows from the target step time
+            budget = min(budget, self.budget_policy.prefill_budget(out.num_decodes))
         # 2. the next chunks of prompts already admitted
-        for seq in [s for s in self.running if s.num_uncomputed_tokens > 1]:
+        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        for i, seq in enumerate(prefills):
             if budget == 0:
                 break
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted above
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            followers = itertools.chain(itertools.islice(prefills, i + 1, None), self.waiting)
+            num_tokens = self._fair_chunk(seq.num_uncomputed_tokens, budget, followers)
             fit = self._tokens_that_fit(seq, num_tokens)
             if fit == 0:
-                if self._reserve(seq, 1, scheduled_ids):
+                if self._reserve(seq, 1, scheduled_ids, out):
                     fit = self._tokens_that_fit(seq, num_tokens)
                 else:
                     continue
@@ -131,11 +184,12 @@ class Scheduler:
             seq = self.waiting[0]
             if not seq.block_table:
                 self.block_manager.match_prefix(seq)
-            num_tokens = self._tokens_that_fit(seq, min(seq.num_uncomputed_tokens, budget))
+            followers = itertools.islice(self.waiting, 1, None)
+            num_tokens = self._tokens_that_fit(seq, self._fair_chunk(seq.num_uncomputed_tokens, budget, followers))
             if num_tokens == 0:
                 self.block_manager.free(seq)
                 break
-            self.waiting.popleft()
+            del self.waiting[0]
             self.block_manager.allocate(seq, num_tokens)
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
@@ -143,7 +197,7 @@ class Scheduler:
                 self.block_manager.num_prefix_query_tokens += len(seq)
                 self.block_manager.num_prefix_hit_tokens += seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            bisect.insort(self.running, seq, key=_sort_key)
             take(seq, num_tokens)
         return out
 
@@ -152,3 +206,5 @@ class Scheduler:
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_tokens
             self.block_manager.commit_computed(item.seq)
+
+_sort_key = operator.attrgetter("sort_key")

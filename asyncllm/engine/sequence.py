@@ -1,6 +1,7 @@
 """A request as the engine core sees it: token ids, KV progress and its block table."""
 from __future__ import annotations
 
+import itertools
 import time
 from enum import Enum, auto
 
@@ -10,6 +11,8 @@ from asyncllm.sampling_params import SamplingParams
 # stands for a token that a step still in flight on the device is sampling: the next step takes its
 # value on the device (the host learns it once that step's results are read)
 PENDING_TOKEN = -1
+
+_arrival_counter = itertools.count()  # ties of time.monotonic() must not make the order arbitrary
 
 
 class SequenceStatus(Enum):
@@ -40,6 +43,10 @@ class Sequence:
         self.finish_reason: str | None = None
         # metrics
         self.arrival_time = time.monotonic()
+        # the scheduler's order for admission and (reversed) preemption: lower priority value first,
+        # then first come first served; computed once, compared on every insertion
+        self.priority = params.priority
+        self.sort_key = (params.priority, next(_arrival_counter))
         self.first_scheduled_time: float | None = None
         self.num_cached_prompt_tokens = 0
         self.num_preemptions = 0
