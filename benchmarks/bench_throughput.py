@@ -154,6 +154,9 @@ def strip_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
 def main(argv=None) -> dict:
     parser = make_parser(__doc__)
     add_engine_args(parser, multi_backend=True)
+    parser.add_argument("--target-step-ms", default="default",
+                        help="Config.target_step_ms: a number, none (throughput first), or default (each API's own: "
+                             "LLM None, AsyncLLMEngine 8 ms)")
     parser.add_argument("--mode", default="all", help="comma-separated of sync, stream, generate; or all (default)")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--max-input", type=int, default=1024, help="longest prompt (shortest: 100)")

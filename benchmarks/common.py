@@ -143,6 +143,9 @@ def engine_kwargs(args, backend: str) -> dict:
                   max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size)
     if args.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    target = getattr(args, "target_step_ms", "default")
+    if isinstance(target, str) and target != "default" and "," not in target:
+        kwargs["target_step_ms"] = None if target == "none" else float(target)
     if getattr(args, "overlap", "auto") in ("on", "off"):
         kwargs["overlap_scheduling"] = args.overlap == "on"
     return kwargs

@@ -103,6 +103,7 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.block_size = config.kvcache_block_size
         self._staging: dict[torch.dtype, tuple] = {}  # dtype -> (host buffer, its last copy's event)
+        self.graph_runner = None  # captured last; the memory probe below runs the model eagerly
         torch.manual_seed(config.seed)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -124,7 +125,6 @@ class ModelRunner:
         kv_shape = (2, self.num_layers, self.num_kvcache_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_cache = torch.zeros(kv_shape, dtype=self.dtype, device=self.device)
         self.attn_backend = self._create_backend(self.kv_cache)
-        self.graph_runner = None
         if self.device.type == "cuda" and not config.enforce_eager and self.attn_backend.supports_cuda_graphs:
             self.graph_runner = CudaGraphRunner(
                 self.model, self.attn_backend, min(config.max_num_seqs, 512), config.max_model_len, self.device,
