@@ -81,8 +81,8 @@ def plan(args, ckpt: dict[str, str]) -> list[Step]:
                                        "--device", args.device], budget * scale)
 
     backend = "triton" if args.device == "cuda" else "torch"
-    # a latency-minded token budget for serving: a step's prefill chunks stay small enough for a CUDA graph
-    serving_budget = ["--max-num-batched-tokens", "2048"]
+    # the engine's defaults (a bounded step time) against throughput first, on the same workload
+    serving_budget = ["--target-step-ms", "default,none"]
     steps = [build(small, 90),
              # sync, stream and generate, overlapped and not: six processes, one after another
              bench(f"throughput-{small}", "throughput", small, 200, "--backends", backend, "--mode", "all",
