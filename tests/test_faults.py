@@ -194,10 +194,11 @@ async def test_exception_in_one_consumer_aborts_only_its_request(tiny_qwen3):
     assert all(n < 100 for n in aborted.values()), aborted
 
 
-async def test_consumer_that_never_reads_does_not_block_others(tiny_qwen3):
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+async def test_consumer_that_never_reads_does_not_block_others(tiny_qwen3, overlap):
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     with anyio.fail_after(TIMEOUT):
-        async with AsyncLLMEngine(tiny_qwen3, **ENGINE_KW) as engine:
+        async with AsyncLLMEngine(tiny_qwen3, **ENGINE_KW, overlap_scheduling=overlap) as engine:
             unread = engine.stream([9, 8, 7, 6], params)  # referenced, never iterated (yet)
             results = []
 
@@ -221,11 +222,12 @@ async def test_consumer_that_never_reads_does_not_block_others(tiny_qwen3):
 
 
 # ---- shutdown while streams are active ------------------------------------------------------------
-@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
-async def test_shutdown_while_streaming_ends_every_stream(tiny_qwen3, anyio_backend):
+# trio with steps overlapped: shutdown with a step in flight
+@pytest.mark.parametrize("anyio_backend, overlap", [("asyncio", False), ("trio", True)])
+async def test_shutdown_while_streaming_ends_every_stream(tiny_qwen3, anyio_backend, overlap):
     ends = {}
     with anyio.fail_after(TIMEOUT):
-        engine = AsyncLLMEngine(tiny_qwen3, **ENGINE_KW)
+        engine = AsyncLLMEngine(tiny_qwen3, **ENGINE_KW, overlap_scheduling=overlap)
         await engine.start()
         try:
             async def consume(name: str, stream, first: anyio.Event) -> None:
