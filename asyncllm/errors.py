@@ -6,5 +6,9 @@ class EngineDeadError(AsyncLLMError):
     """The engine's step loop has failed or stopped; no request can be served any more."""
 
 
+class PromptTooLongError(AsyncLLMError, ValueError):
+    """The prompt leaves no room to generate within the engine's length limit."""
+
+
 class QueueFullError(AsyncLLMError):
     """More requests are queued than max_queued_requests allows; retry later."""

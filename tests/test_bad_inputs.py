@@ -22,7 +22,7 @@ import anyio
 import numpy as np
 import pytest
 
-from asyncllm import LLM, Config
+from asyncllm import LLM, Config, PromptTooLongError
 from asyncllm.async_engine import AsyncLLMEngine
 from asyncllm.sampling_params import SamplingParams
 from helpers import assert_all_blocks_free
@@ -119,9 +119,9 @@ BAD_INPUTS: list[Bad] = [
     Bad(GEN, f"prompts=[[1, {VOCAB}]] (= vocab_size)", dict(prompts=[[1, VOCAB]]), ValueError, "prompts[0][1]",
         "vocabulary"),
     Bad(GEN, "prompts=[[1, 10**30]]", dict(prompts=[[1, 10**30]]), ValueError, "prompts[0][1]", "vocabulary"),
-    Bad(GEN, f"prompts=[[1] * {MAX_MODEL_LEN}] (= max_model_len)", dict(prompts=[[1] * MAX_MODEL_LEN]), ValueError,
-        "prompts[0]", "max_model_len"),
-    Bad(GEN, 'prompts=["ok", "word " * 2000]', dict(prompts=["ok", "word " * 2000]), ValueError, "prompts[1]",
+    Bad(GEN, f"prompts=[[1] * {MAX_MODEL_LEN}] (= max_model_len)", dict(prompts=[[1] * MAX_MODEL_LEN]),
+        PromptTooLongError, "prompts[0]", "max_model_len"),
+    Bad(GEN, 'prompts=["ok", "word " * 2000]', dict(prompts=["ok", "word " * 2000]), PromptTooLongError, "prompts[1]",
         "max_model_len"),
     Bad(GEN, 'sampling_params={"temperature": 0}', dict(prompts=["ok"], sampling_params={"temperature": 0}),
         TypeError, "sampling_params", "SamplingParams"),
@@ -141,7 +141,7 @@ BAD_INPUTS: list[Bad] = [
     Bad(STREAM, "prompt=[np.int64(1)]", dict(prompt=[np.int64(1)]), TypeError, "prompt[0]", "int"),
     Bad(STREAM, "prompt=[-5]", dict(prompt=[-5]), ValueError, "prompt[0]", "vocabulary"),
     Bad(STREAM, f"prompt=[{VOCAB}]", dict(prompt=[VOCAB]), ValueError, "prompt[0]", "vocabulary"),
-    Bad(STREAM, f"prompt=[1] * {MAX_MODEL_LEN}", dict(prompt=[1] * MAX_MODEL_LEN), ValueError, "prompt",
+    Bad(STREAM, f"prompt=[1] * {MAX_MODEL_LEN}", dict(prompt=[1] * MAX_MODEL_LEN), PromptTooLongError, "prompt",
         "max_model_len"),
     Bad(STREAM, 'sampling_params={"max_tokens": 4}', dict(prompt="Hi", sampling_params={"max_tokens": 4}),
         TypeError, "sampling_params", "SamplingParams"),
@@ -152,7 +152,7 @@ BAD_INPUTS: list[Bad] = [
     Bad(STREAM, 'request_id=""', dict(prompt="Hi", request_id=""), ValueError, "request_id"),
     Bad(STREAM, "request_id=7", dict(prompt="Hi", request_id=7), ValueError, "request_id"),
     Bad(AGEN, 'prompt=["Hi", "there"] (a batch)', dict(prompt=["Hi", "there"]), TypeError, "prompt[0]", "int"),
-    Bad(AGEN, 'prompt="word " * 2000', dict(prompt="word " * 2000), ValueError, "prompt", "max_model_len"),
+    Bad(AGEN, 'prompt="word " * 2000', dict(prompt="word " * 2000), PromptTooLongError, "prompt", "max_model_len"),
     # ---- AsyncLLMEngine.chat ----
     Bad(CHAT, 'messages="Hi"', dict(messages="Hi"), ValueError, "messages", "list"),
     Bad(CHAT, "messages=[]", dict(messages=[]), ValueError, "messages", "non-empty"),
@@ -166,7 +166,8 @@ BAD_INPUTS: list[Bad] = [
     Bad(CHAT, 'messages=[{"role": "user", "content": "\\ud800"}]', dict(messages=[{"role": "user", "content": "\ud800"}]),
         ValueError, "messages[0]", "surrogate"),
     Bad(CHAT, 'messages=[{"role": "user", "content": "word " * 2000}]',
-        dict(messages=[{"role": "user", "content": "word " * 2000}]), ValueError, "messages", "max_model_len"),
+        dict(messages=[{"role": "user", "content": "word " * 2000}]), PromptTooLongError, "messages",
+        "max_model_len"),
     Bad(CHAT, 'sampling_params="greedy"', dict(messages=MSG, sampling_params="greedy"), TypeError, "sampling_params"),
     # ---- the OpenAI server's JSON (400s with an OpenAI error body; `param` names the field) ----
     Bad(HTTP_CMPL, 'body b\'{"prompt": "\\xff"}\' (invalid UTF-8)', b'{"prompt": "\xff\xfe"}', 400, "JSON"),

@@ -128,6 +128,7 @@ def test_errors_name_the_field_the_client_sent(http):
     long_chat = {"messages": [{"role": "user", "content": "word " * 5000}], "max_tokens": 2}
     error = assert_openai_error(http.post(CHAT, json=long_chat), 400, "messages")
     assert error["message"].startswith("'messages'") and "prompt" not in error["message"], error
+    assert error["code"] == "context_length_exceeded", error
 
 
 def test_every_error_has_the_openai_shape(http):
@@ -165,6 +166,7 @@ def test_huge_prompt_is_refused_by_its_length_before_tokenizing(http):
         del server.engine.tokenizer.encode
     assert calls == [], "the prompt was tokenized before being refused"
     assert "max_model_len" in error["message"] and "max_model_len" in error_chat["message"]
+    assert error["code"] == error_chat["code"] == "context_length_exceeded"
 
 
 # ---- a real server: connection limits, and an event loop that keeps answering ------------------------------

@@ -13,6 +13,7 @@ from asyncllm.engine.block_manager import BlockManager
 from asyncllm.engine.scheduler import Scheduler, SchedulerOutput
 from asyncllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from asyncllm.engine.step_budget import StepBudget, StepTimeModel, StepTimer
+from asyncllm.errors import PromptTooLongError
 from asyncllm.runner.model_runner import LaunchedStep, ModelRunner
 from asyncllm.runner.tp_workers import TensorParallelWorkers
 from asyncllm.models.checkpoint import check_tokenizer
@@ -96,7 +97,7 @@ class EngineCore:
                 raise ValueError(f"{argument}: the prompt is empty")
             check_text(prompt, argument)
             if len(prompt) > self.max_prompt_chars:
-                raise ValueError(f"{argument}: {len(prompt)} characters cannot fit in max_model_len "
+                raise PromptTooLongError(f"{argument}: {len(prompt)} characters cannot fit in max_model_len "
                                  f"({self.max_seq_len} tokens)")
             token_ids = self.tokenizer.encode(prompt)
             if not token_ids:
@@ -127,7 +128,7 @@ class EngineCore:
         params = params.snapshot()
         if len(prompt_token_ids) >= self.max_seq_len:
             what = "max_model_len" if self.max_seq_len == self.config.max_model_len else "the KV cache's capacity"
-            raise ValueError(f"{argument}: {len(prompt_token_ids)} tokens leave no room to generate within "
+            raise PromptTooLongError(f"{argument}: {len(prompt_token_ids)} tokens leave no room to generate within "
                              f"{what} ({self.max_seq_len} tokens)")
         return params
 

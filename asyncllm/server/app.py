@@ -139,22 +139,14 @@ class OpenAIServer:
                 return APIError(500, "internal server error").response()
         return endpoint
 
-    # ---- prompts: long ones are refused by length before tokenizing, and rendered off the event loop ----
-    def _check_prompt_chars(self, num_chars: int, field: str) -> None:
-        if num_chars > self.engine.max_prompt_chars:
-            raise APIError(400, f"'{field}': {num_chars} characters cannot fit in max_model_len "
-                                f"({self.engine.max_seq_len} tokens)",
-                           param=field, code="context_length_exceeded")
-
-    def _check_prompt_tokens(self, num_tokens: int, field: str) -> None:
-        max_seq_len = self.engine.max_seq_len
-        if num_tokens >= max_seq_len:
-            raise APIError(400, f"'{field}': {num_tokens} tokens leave no room to generate within max_model_len "
-                                f"({max_seq_len} tokens)", param=field, code="context_length_exceeded")
-
+    # ---- prompts: long ones are refused by length before tokenizing (the engine's checks), and rendered
+    # and tokenized off the event loop ----
     async def _chat_prompt_ids(self, messages: list[dict], template_kwargs: dict) -> list[int]:
         self._check_engine()
-        self._check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
+        num_chars = sum(len(m["content"]) for m in messages)
+        if num_chars > self.engine.max_prompt_chars:  # the text to render: the engine sees only its tokens
+            raise APIError(400, f"'messages': {num_chars} characters cannot fit in max_model_len "
+                                f"({self.engine.max_seq_len} tokens)", param="messages", code="context_length_exceeded")
         render = functools.partial(self.engine.apply_chat_template, messages, **template_kwargs)
         try:
             prompt_ids = await anyio.to_thread.run_sync(render)
@@ -163,20 +155,16 @@ class OpenAIServer:
         except Exception as e:  # noqa: BLE001 - a template error (jinja) caused by the request
             raise APIError(400, f"the chat template failed on these messages: {e}", param="messages",
                            code="invalid_value") from None
-        self._check_prompt_tokens(len(prompt_ids), "messages")
         return prompt_ids
 
     async def _completion_prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if not isinstance(prompt, str):
             return prompt  # token ids: the engine checks them against the vocabulary
         self._check_engine()
-        self._check_prompt_chars(len(prompt), "prompt")  # here too: a refusal needs no thread
         try:
-            prompt_ids = await anyio.to_thread.run_sync(self.engine.encode, prompt, "prompt")
+            return await anyio.to_thread.run_sync(self.engine.encode, prompt, "prompt")
         except (ValueError, TypeError) as e:
             raise field_error("prompt", e) from None
-        self._check_prompt_tokens(len(prompt_ids), "prompt")
-        return prompt_ids
 
     # ---- answering ----
     def _submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, field: str):

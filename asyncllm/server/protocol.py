@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from starlette.responses import JSONResponse
 
+from asyncllm.errors import PromptTooLongError
 from asyncllm.sampling_params import SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
@@ -119,7 +120,8 @@ def field_error(field: str, error: Exception, argument: str | None = None) -> AP
             break
     else:
         message = f"'{field}': {message}"
-    return APIError(400, message, param=field, code="invalid_value")
+    code = "context_length_exceeded" if isinstance(error, PromptTooLongError) else "invalid_value"
+    return APIError(400, message, param=field, code=code)
 
 
 def sampling_params(body: dict, max_tokens_field: str, default_max_tokens: int,
