@@ -293,7 +293,7 @@ class AsyncLLMEngine:
                 channel.put([], None, ValueError(f"request_id: {channel.request_id!r} is already in use"))
                 return
             try:
-                seq = self._core.add_request(prompt_token_ids, params, channel.request_id)
+                seq = self._core.add_checked_request(prompt_token_ids, params, channel.request_id)  # _submit checked
             except (ValueError, TypeError) as e:
                 channel.put([], None, e)
                 return

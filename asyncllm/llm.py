@@ -60,9 +60,10 @@ class LLM:
         prompts = normalize_prompts(prompts)
         params = normalize_params(sampling_params, len(prompts))
         token_lists = [self.core.encode_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
-        for i, (ids, p) in enumerate(zip(token_lists, params)):
-            self.core.check_request(ids, p, f"prompts[{i}]")  # all checked before any is queued
-        seqs = [self.core.add_request(ids, p) for ids, p in zip(token_lists, params)]
+        # all checked before any is queued; each request keeps its checked snapshot
+        params = [self.core.check_request(ids, p, f"prompts[{i}]")
+                  for i, (ids, p) in enumerate(zip(token_lists, params))]
+        seqs = [self.core.add_checked_request(ids, p) for ids, p in zip(token_lists, params)]
         assemblers = {s.request_id: TextAssembler(self.tokenizer, s.token_ids, s.params)
                       for s in seqs if s.params.stop}
         pending = {s.request_id for s in seqs}

@@ -10,6 +10,10 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _as_finite_float(value) -> float | None:
     """value as a float, or None when it is not a finite number (an int too large for a float too)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -56,7 +60,7 @@ class SamplingParams:
             fail("min_p", f"must be in [0, 1], got {self.min_p}")
         for name in ("top_k", "max_tokens"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
+            if not _is_int(value):
                 fail(name, f"expected an int, got {_short_repr(value)}")
         if self.top_k == 0 or self.top_k < -1:
             fail("top_k", f"must be -1 (disabled) or >= 1, got {_short_repr(self.top_k)}")
@@ -68,16 +72,16 @@ class SamplingParams:
             fail("ignore_eos", f"expected a bool, got {_short_repr(self.ignore_eos)}")
         if not isinstance(self.include_stop_str_in_output, bool):
             fail("include_stop_str_in_output", f"expected a bool, got {_short_repr(self.include_stop_str_in_output)}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+        if self.seed is not None and not _is_int(self.seed):
             fail("seed", f"expected an int or None, got {_short_repr(self.seed)}")
         if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:  # torch.Generator's range
             fail("seed", f"must be in [-2**63, 2**64), got {_short_repr(self.seed)}")
-        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+        if not _is_int(self.priority):
             fail("priority", f"expected an int (lower is scheduled first), got {_short_repr(self.priority)}")
-        if isinstance(self.stop_token_ids, int) and not isinstance(self.stop_token_ids, bool):
+        if _is_int(self.stop_token_ids):
             self.stop_token_ids = [self.stop_token_ids]
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+                _is_int(t) and t >= 0 for t in self.stop_token_ids):
             fail("stop_token_ids", f"expected a list of non-negative ints, got {_short_repr(self.stop_token_ids)}")
         self.stop_token_ids = list(self.stop_token_ids)
         if isinstance(self.stop, str):

@@ -178,13 +178,13 @@ async def test_concurrent_streams_cancelled_by_every_route(make_engine, monkeypa
 
     with anyio.fail_after(TIMEOUT):
         async with make_engine() as engine:
-            add_request = engine._core.add_request
+            add_request = engine._core.add_checked_request
 
             def recording_add_request(prompt_token_ids, params, request_id=None):
                 seq = add_request(prompt_token_ids, params, request_id)
                 seqs[request_id] = seq
                 return seq
-            monkeypatch.setattr(engine._core, "add_request", recording_add_request)
+            monkeypatch.setattr(engine._core, "add_checked_request", recording_add_request)
 
             async def consume(stream, run, on_kth=None):
                 async for out in stream:

@@ -138,7 +138,12 @@ class EngineCore:
         return f"req-{uuid.uuid4().hex}"
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
-        params = self.check_request(prompt_token_ids, params)
+        """Check a request and queue it."""
+        return self.add_checked_request(prompt_token_ids, self.check_request(prompt_token_ids, params), request_id)
+
+    def add_checked_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                            request_id: str | None = None) -> Sequence:
+        """Queue a request whose params are what check_request returned for it (its own snapshot)."""
         if request_id is None:
             request_id = self.new_request_id()
         if request_id in self.requests:
