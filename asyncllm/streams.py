@@ -13,7 +13,6 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-
 from asyncllm.detokenizer import TextAssembler
 
 
