@@ -195,3 +195,23 @@ def test_overlapped_steps_match_serial_steps(model_dir, backend):
         del overlapped
         if dtype == "float32":  # bf16 rounding follows the batch's shape, which overlap changes
             assert sampled == base_sampled
+
+
+def test_step_time_model_is_calibrated_at_start(model_dir):
+    """With a target step time the CUDA engine measures prefill steps before its first request, so a
+    burst on a fresh engine is paced by a fitted model (its first real steps compile kernels and are
+    not learned from); the paced run gives the unpaced run's tokens (float32)."""
+    ps = random_prompts(12, seed=5, hi=600)
+    llm = get_llm(model_dir, "triton", dtype="float32", target_step_ms=1.0, max_num_batched_tokens=4096)
+    model = llm.core.step_model
+    assert model.fitted and model.b > 0 and model.c == 0  # prefill-only calibration; decodes learned online
+    per_token_ms = model.b
+    paced = run(llm, ps)
+    stats = llm.core.stats()
+    assert stats["prefill_budget"] < 4096
+    print(f"calibrated {per_token_ms * 1e3:.2f} us per prefill token; after the run a={model.a:.2f} ms "
+          f"b={model.b * 1e3:.2f} us c={model.c * 1e3:.1f} us, budget {stats['prefill_budget']}")
+    assert_all_blocks_free(llm)
+    del llm, model
+    unpaced = run(get_llm(model_dir, "triton", dtype="float32", max_num_batched_tokens=4096), ps)
+    assert_equivalent(unpaced, paced, "float32")

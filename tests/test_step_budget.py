@@ -61,22 +61,35 @@ def test_one_outlier_step_barely_moves_the_model_and_coefficients_stay_non_negat
 def test_the_budget_follows_the_model():
     model = trained_model()
     budget = StepBudget(target_ms=10.0, max_num_batched_tokens=16384, min_chunk=BS, model=model)
-    few, many = budget.prefill_budget(8), budget.prefill_budget(128)
+    few, many = budget.prefill_budget(8, 0), budget.prefill_budget(128, 0)
     assert many < few
     # the step it plans costs about the target: decodes plus the budget's prefill tokens
     assert true_cost(few, 8) == pytest.approx(10.0, rel=0.05)
-    assert StepBudget(20.0, 16384, BS, model).prefill_budget(8) > few
-    # decodes alone over the target: prefill still progresses by one chunk per step
-    assert budget.prefill_budget(1000) == BS
+    assert StepBudget(20.0, 16384, BS, model).prefill_budget(8, 0) > few
+    # decodes alone over the target: prefill still gets half of the target's time (never less than a chunk)
+    assert budget.prefill_budget(1000, 0) == int(0.5 * 10.0 / model.b)
+    assert true_cost(budget.prefill_budget(1000, 0), 0) - true_cost(0, 0) == pytest.approx(5.0, rel=0.05)
+    assert StepBudget(1e-3, 16384, BS, model).prefill_budget(1000, 0) == BS
     # a target far above what the largest step costs: max_num_batched_tokens
-    assert StepBudget(1e6, 16384, BS, model).prefill_budget(8) == 16384
+    assert StepBudget(1e6, 16384, BS, model).prefill_budget(8, 0) == 16384
     # not fitted yet, or never seen a prefill step (its cost per token unknown): the throughput-first budget
-    assert StepBudget(10.0, 16384, BS, StepTimeModel()).prefill_budget(8) == 16384
+    assert StepBudget(10.0, 16384, BS, StepTimeModel()).prefill_budget(8, 0) == 16384
     decode_only = StepTimeModel()
     for d in range(1, 100):
         decode_only.observe(0, d, true_cost(0, d))
     assert not decode_only.ready
-    assert StepBudget(10.0, 16384, BS, decode_only).prefill_budget(8) == 16384
+    assert StepBudget(10.0, 16384, BS, decode_only).prefill_budget(8, 0) == 16384
+
+
+def test_the_budget_is_planned_for_the_decodes_that_waiting_prompts_add():
+    """A burst of 64 prompts on an idle engine gets the budget that 64 decoding streams leave, not
+    the idle engine's: the pace it is prefilled at is one the full engine can keep up."""
+    model = trained_model()
+    budget = StepBudget(target_ms=10.0, max_num_batched_tokens=16384, min_chunk=BS, model=model, max_num_seqs=100)
+    assert budget.prefill_budget(0, 64) == budget.prefill_budget(64, 0) == budget.prefill_budget(32, 32)
+    assert budget.prefill_budget(0, 64) < budget.prefill_budget(0, 1)
+    # no more streams than max_num_seqs can decode at once
+    assert budget.prefill_budget(0, 500) == budget.prefill_budget(100, 0) == budget.prefill_budget(0, 100)
 
 
 # ---- scheduler-level: a fixed budget, no model ----------------------------------------------------
@@ -84,7 +97,7 @@ class FixedBudget:
     def __init__(self, tokens: int, min_chunk: int = BS):
         self.tokens, self.min_chunk = tokens, min_chunk
 
-    def prefill_budget(self, num_decodes: int) -> int:
+    def prefill_budget(self, num_decodes: int, num_prompts: int) -> int:
         return self.tokens
 
 
@@ -380,3 +393,16 @@ def test_priority_reaches_the_scheduler_through_the_engine(tiny_qwen3):
             order += [e.seq.request_id for e in core.step() if e.finish_reason is not None]
         order += [e.seq.request_id for e in core.drain() if e.finish_reason is not None]
     assert order == [ids[2], ids[0], ids[1]]
+
+
+def test_a_calibrated_model_is_ready_before_any_step():
+    """Prefill-only calibration steps give a and b at once; decodes are then learned online, and the
+    first online steps are no longer skipped (the calibration was the warm-up)."""
+    model = StepTimeModel()
+    model.calibrate([(p, true_cost(p, 0)) for p in (256, 1024, 4096)])
+    assert model.ready and model.a == pytest.approx(1.5, rel=0.01) and model.b == pytest.approx(0.004, rel=0.01)
+    assert model.c == 0
+    for _ in range(30):
+        for d in (8, 32, 64):
+            model.observe(0, d, true_cost(0, d))
+    assert model.c == pytest.approx(0.03, rel=0.05) and model.b == pytest.approx(0.004, rel=0.05)

@@ -52,7 +52,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         # None: prefill takes whatever the decodes leave of max_num_batched_tokens (throughput
-        # first); else its prefill_budget(num_decodes) caps the step's prefill tokens (a StepBudget)
+        # first); else its prefill_budget(num_decodes, num_prompts) caps the step's prefill tokens (a StepBudget)
         self.budget_policy = budget_policy
         self.waiting: list[Sequence] = []  # sorted by seq.sort_key: (priority, arrival)
         self.running: list[Sequence] = []  # sorted by seq.sort_key: the last is the first preempted
@@ -159,11 +159,12 @@ class Scheduler:
             if seq.status == SequenceStatus.RUNNING and self._reserve(seq, 1, scheduled_ids, out):
                 take(seq, 1)
         out.num_decodes = len(out.scheduled)
-        if self.budget_policy is not None:
-            # decodes always run; what prefill may take on top of them follows from the target step time
-            budget = min(budget, self.budget_policy.prefill_budget(out.num_decodes))
-        # 2. the next chunks of prompts already admitted
         prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        if self.budget_policy is not None:
+            # decodes always run; what prefill may take on top of them follows from the target step
+            # time, planned for the decodes that the prompts being prefilled and waiting will add
+            budget = min(budget, self.budget_policy.prefill_budget(out.num_decodes, len(prefills) + len(self.waiting)))
+        # 2. the next chunks of prompts already admitted
         for i, seq in enumerate(prefills):
             if budget == 0:
                 break

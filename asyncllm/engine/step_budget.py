@@ -7,12 +7,23 @@ step time and a model of what a step costs, learned online from the engine's own
 
     predicted_ms(p, d) = a + b * p + c * d      p: prefill tokens, d: decoding sequences
 
-    prefill_budget(d)  = clamp((target_ms - a - c * d) / b, min_chunk, max_num_batched_tokens)
+    prefill_budget = clamp((target_ms - a - c * (d + w)) / b, share * target_ms / b, max_num_batched_tokens)
 
-The floor (min_chunk) keeps prefill progressing every step while anything waits, even when the
-decodes alone already cost more than the target. The cost of the KV read per decode grows with
-context length; the model has no term for it: its exponential forgetting lets c follow the
-current mix of contexts instead, which costs nothing per step.
+w counts the prompts not yet decoding (being prefilled or waiting; d + w at most max_num_seqs):
+the budget is planned for the decodes the engine is about to run, not only those it runs now.
+Sized for today's decodes alone, it is largest exactly when a burst arrives (few streams decode
+yet), so the burst is prefilled faster than a full engine can go on prefilling; the streams then
+finish, and their follow-ups (a chat's next turn, a client's next request) come back as a wave
+at that faster pace, which the smaller budget of the full engine cannot absorb: the queue, and
+with it the time to first token, grows with every wave. Planned for d + w, the pace is the same
+from a burst's first step to the steady state, and arrivals find a short queue. (On the H200,
+64 closed-loop clients of 1,024-token prompts: TTFT p50 105 ms sized for d, see BENCHMARKS.md.)
+
+The floor, share (1/2) of the target's time, keeps prefill moving when the decodes alone cost more
+than the target (the target cannot hold then; the queue must not stall behind it), and never less
+than one chunk (min_chunk), so a waiting prefill advances every step. The cost of the KV read per
+decode grows with context length; the model has no term for it: its exponential forgetting lets c
+follow the current mix of contexts instead, which costs nothing per step.
 """
 from __future__ import annotations
 
@@ -90,6 +101,22 @@ class StepTimeModel:
             return
         if self.fitted:
             step_ms = min(step_ms, 3.0 * self.predict(num_prefill_tokens, num_decodes) + 0.5)
+        self._add(num_prefill_tokens, num_decodes, step_ms)
+        if self.num_observations - self.skip_first >= self.min_observations:
+            self._fit()
+
+    def calibrate(self, prefill_steps: list[tuple[int, float]]) -> None:
+        """Start from measured prefill-only steps, (tokens, ms) of varied sizes taken after a
+        warm-up: the cost per prefill token is then known before the first request, so a burst
+        that arrives at a fresh engine is already paced. (Learned online alone, the first
+        prefill steps are the skipped ones, which compile kernels.) The cost per decode is left
+        to the online steps: the calibration steps have none."""
+        for num_tokens, step_ms in prefill_steps:
+            self._add(num_tokens, 0, step_ms)
+        self.num_observations = max(self.num_observations, self.skip_first)
+        self._fit()
+
+    def _add(self, num_prefill_tokens: int, num_decodes: int, step_ms: float) -> None:
         x = (1.0, num_prefill_tokens * _P_SCALE, num_decodes * _D_SCALE)
         keep = self.decay
         for i in range(3):
@@ -97,8 +124,6 @@ class StepTimeModel:
             for j in range(3):
                 row[j] = keep * row[j] + x[i] * x[j]
             self._xy[i] = keep * self._xy[i] + x[i] * step_ms
-        if self.num_observations - self.skip_first >= self.min_observations:
-            self._fit()
 
     def _fit(self) -> None:
         ridge = 1e-6 * (self._xx[0][0] + self._xx[1][1] + self._xx[2][2])
@@ -132,21 +157,29 @@ class StepBudget:
     model the cost per prefill token sooner than small ones would.
     """
 
+    # the least time of a step that prefill gets while anything waits, as a share of the target
+    PREFILL_SHARE = 0.5
+
     def __init__(self, target_ms: float, max_num_batched_tokens: int, min_chunk: int,
-                 model: StepTimeModel | None = None):
+                 model: StepTimeModel | None = None, max_num_seqs: int | None = None):
         self.target_ms = target_ms
         self.max_tokens = max_num_batched_tokens
         self.min_chunk = min(min_chunk, max_num_batched_tokens)
+        self.max_num_seqs = max_num_seqs
         self.model = model if model is not None else StepTimeModel()
         self.last_budget = max_num_batched_tokens
 
-    def prefill_budget(self, num_decodes: int) -> int:
-        """Called once per step by the scheduler, after it took the decodes: a few multiplications."""
+    def prefill_budget(self, num_decodes: int, num_prompts: int) -> int:
+        """Called once per step by the scheduler, after it took the decodes: a few multiplications.
+        num_prompts: the prompts not yet decoding (being prefilled or waiting)."""
         model = self.model
         if not model.ready:
             budget = self.max_tokens
         else:
-            tokens = (self.target_ms - model.a - model.c * num_decodes) / model.b
+            planned = num_decodes + num_prompts
+            if self.max_num_seqs is not None:
+                planned = min(planned, self.max_num_seqs)
+            tokens = max(self.target_ms - model.a - model.c * planned, self.PREFILL_SHARE * self.target_ms) / model.b
             budget = self.max_tokens if tokens >= self.max_tokens else max(self.min_chunk, int(tokens))
         self.last_budget = budget
         return budget

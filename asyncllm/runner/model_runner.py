@@ -167,15 +167,7 @@ class ModelRunner:
         num_tokens = self.config.max_num_batched_tokens
         seq_len = min(self.config.max_model_len, num_tokens)
         num_seqs = max(1, min(self.config.max_num_seqs, num_tokens // seq_len))
-        query_lens = [seq_len] * num_seqs
-        # every block-table entry points at the probe cache's one block; slot -1 stores nothing
-        blocks_per_seq = (seq_len + self.block_size - 1) // self.block_size
-        batch, _ = self._make_batch(StepInputs(
-            input_ids=np.zeros(seq_len * num_seqs, dtype=np.int64),
-            positions=np.tile(np.arange(seq_len), num_seqs), slot_mapping=np.full(seq_len * num_seqs, -1),
-            query_lens=np.array(query_lens, dtype=np.int32), seq_lens=np.array(query_lens, dtype=np.int32),
-            block_tables=np.zeros((num_seqs, blocks_per_seq), dtype=np.int32),
-            logits_indices=np.cumsum(query_lens) - 1))
+        batch = self._synthetic_prefill(num_seqs, seq_len)
         with torch.inference_mode():
             self._forward(batch)
             # the sampler's worst case too: every sequence sampling with top-k/top-p sorting
@@ -198,6 +190,42 @@ class ModelRunner:
         logger.info("GPU memory: %.1f GiB total, %.1f GiB in use, %.1f GiB activation peak, %.1f GiB for the "
                     "KV cache", total / 2**30, used / 2**30, (peak - current) / 2**30, max(budget, 0) / 2**30)
         return int(budget // self.kv_bytes_per_block)
+
+    def _synthetic_prefill(self, num_seqs: int, seq_len: int) -> ForwardBatch:
+        """A prefill of num_seqs whole prompts of seq_len tokens that stores nothing (slot -1) and
+        whose block tables all point at block 0: for measuring, never for results."""
+        query_lens = [seq_len] * num_seqs
+        blocks_per_seq = (seq_len + self.block_size - 1) // self.block_size
+        batch, _ = self._make_batch(StepInputs(
+            input_ids=np.zeros(seq_len * num_seqs, dtype=np.int64),
+            positions=np.tile(np.arange(seq_len), num_seqs), slot_mapping=np.full(seq_len * num_seqs, -1),
+            query_lens=np.array(query_lens, dtype=np.int32), seq_lens=np.array(query_lens, dtype=np.int32),
+            block_tables=np.zeros((num_seqs, blocks_per_seq), dtype=np.int32),
+            logits_indices=np.cumsum(query_lens) - 1))
+        return batch
+
+    @torch.inference_mode()
+    def time_prefill_steps(self, sizes: list[int], prompt_len: int = 1024, repeats: int = 3) -> list[tuple[int, float]]:
+        """(tokens, ms) of prefill steps of about each size, in prompts of prompt_len tokens, on the
+        device (CUDA events; the first run of each size, which may compile kernels, untimed).
+        One rank only: under tensor parallelism the workers would not join the forward."""
+        if self.device.type != "cuda" or self.workers is not None:
+            raise RuntimeError("time_prefill_steps needs one CUDA device")
+        timings = []
+        for size in sizes:
+            seq_len = max(1, min(size, prompt_len, self.config.max_model_len))
+            batch = self._synthetic_prefill(max(1, size // seq_len), seq_len)
+            self._forward(batch)
+            times = []
+            for _ in range(repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                self._forward(batch)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            timings.append((batch.num_tokens, sorted(times)[len(times) // 2]))
+        return timings
 
     # ---- one step ------------------------------------------------------------------------------
     def _upload(self, arrays: list[np.ndarray], dtype: torch.dtype) -> list[torch.Tensor]:
