@@ -6,6 +6,7 @@ answers, the field the client sent.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 
 from starlette.responses import JSONResponse
@@ -17,6 +18,8 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completio
 MAX_STOP_STRINGS = 16
 
 MISSING = object()
+
+logger = logging.getLogger("asyncllm.server")
 
 
 class APIError(Exception):
@@ -95,6 +98,7 @@ COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 
 
 def check_fields(body: dict, known: set[str], neutral: dict) -> None:
+    """Fields this server does not implement: 400 unless at their neutral value; unknown fields: ignored."""
     for name, value in body.items():
         if name in known:
             continue
@@ -103,8 +107,25 @@ def check_fields(body: dict, known: set[str], neutral: dict) -> None:
                 continue
             raise APIError(400, f"'{name}'={json.dumps(value)[:80]} is not supported by this server; "
                                 f"leave it out", param=name, code="unsupported_parameter")
-        raise APIError(400, f"Unrecognized request argument supplied: {name}", param=name,
-                       code="unknown_parameter")
+        warn_unknown_field(name)
+
+
+# Field names already warned about: one warning per name per process, as vLLM does. Bounded, so
+# that clients sending ever new names cannot grow it (or the log) without end.
+_warned_fields: set[str] = set()
+MAX_WARNED_FIELDS = 256
+
+
+def warn_unknown_field(name: str) -> None:
+    """An unknown request field is ignored (clients and frameworks send newer OpenAI fields), with
+    one logged warning per field name."""
+    if name in _warned_fields or len(_warned_fields) >= MAX_WARNED_FIELDS:
+        return
+    _warned_fields.add(name)
+    logger.warning("ignoring the unknown request field %r (warned once per field name)", name[:100])
+    if len(_warned_fields) == MAX_WARNED_FIELDS:
+        logger.warning("%d unknown field names seen: further ones are ignored without a warning",
+                       MAX_WARNED_FIELDS)
 
 
 def field_error(field: str, error: Exception, argument: str | None = None) -> APIError:

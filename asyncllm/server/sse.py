@@ -25,21 +25,32 @@ class EventStreamResponse(StreamingResponse):
     """
 
     media_type = "text/event-stream"
+    KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: clients skip it
 
     def __init__(self, content: AsyncIterator, status_code: int = 200, headers: dict | None = None,
-                 on_close: Callable[[], Awaitable] | None = None):
+                 on_close: Callable[[], Awaitable] | None = None, keepalive_interval: float | None = None):
         """on_close: awaited last, in every case, even when the client left before the body started
-        (then the generator never ran, so its own finally never runs): pass the engine stream's aclose."""
+        (then the generator never ran, so its own finally never runs): pass the engine stream's aclose.
+        keepalive_interval: after this many seconds without an event, a comment line (KEEPALIVE)
+        is sent, so that proxies and clients with read timeouts do not drop a stream that waits
+        in the queue or behind a long prefill; None: never."""
+        if keepalive_interval is not None and not keepalive_interval > 0:
+            raise ValueError(f"keepalive_interval: expected a positive number of seconds or None, "
+                             f"got {keepalive_interval!r}")
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})}
         super().__init__(content, status_code=status_code, headers=headers)
         self.on_close = on_close
+        self.keepalive_interval = keepalive_interval
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             async with anyio.create_task_group() as tasks:
                 async def run_body() -> None:
                     try:
-                        await self.stream_response(send)
+                        if self.keepalive_interval is None:
+                            await self.stream_response(send)
+                        else:
+                            await self._stream_with_keepalive(send)
                     except (OSError, ClientDisconnect):  # the client is gone
                         pass
                     except Exception:  # noqa: BLE001 - the status line is sent; nothing to answer with
@@ -56,6 +67,33 @@ class EventStreamResponse(StreamingResponse):
                     await aclose()
                 if self.on_close is not None:
                     await self.on_close()
+
+    async def _stream_with_keepalive(self, send) -> None:
+        """stream_response, with a KEEPALIVE comment after each keepalive_interval without an event.
+        The body is iterated in this task only; the timer task shares `send` under a lock."""
+        interval = self.keepalive_interval
+        lock = anyio.Lock()
+        last_sent = anyio.current_time()
+
+        async def send_chunk(chunk: bytes) -> None:
+            nonlocal last_sent
+            async with lock:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                last_sent = anyio.current_time()
+
+        async def keep_alive() -> None:
+            while True:
+                await anyio.sleep(max(0.0, last_sent + interval - anyio.current_time()))
+                if anyio.current_time() - last_sent >= interval:
+                    await send_chunk(self.KEEPALIVE)
+
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(keep_alive)
+            async for chunk in self.body_iterator:
+                await send_chunk(chunk if isinstance(chunk, (bytes, memoryview)) else chunk.encode(self.charset))
+            tasks.cancel_scope.cancel()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def sse(data) -> str:
