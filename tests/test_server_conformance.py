@@ -92,6 +92,9 @@ def test_unknown_fields_pass_with_one_warning_per_name(http, caplog):
     for name in names:
         warnings = [rec for rec in caplog.records if name in rec.getMessage()]
         assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING, caplog.text
+    r = http.post(CHAT, json={"messages": MESSAGES, "max_tokens": 2, "stream": True,
+                              "stream_options": {"include_usage": True, names[0]: True}})
+    assert r.status_code == 200 and '"usage": {"prompt_tokens"' in r.text, r.text
     # a known field the server does not implement is still refused, naming it
     assert_openai_error(http.post(CHAT, json={"messages": MESSAGES, "echo_twice": 1, "presence_penalty": 0.5}),
                         400, "presence_penalty")
@@ -163,6 +166,21 @@ def test_tokenize_messages_is_what_chat_completions_counts(http, tokenizer):
 ])
 def test_tokenize_refusals(http, path, body, status, param):
     assert_openai_error(http.post(path, json=body), status, param)
+
+
+def test_odd_values_of_tokenize_fields_are_never_a_500(http):
+    odd_values = [None, -1, 0, 2 ** 64, 1e308, "", "x", [], [1, "a"], [-5], {}, {"a": 1}, True]
+    statuses = {}
+    for path, base, fields in (
+            ("/tokenize", {"prompt": "Hi"}, ["prompt", "add_special_tokens", "return_token_strs", "model"]),
+            ("/tokenize", {"messages": MESSAGES}, ["messages", "add_generation_prompt", "continue_final_message",
+                                                   "chat_template_kwargs", "add_special_tokens"]),
+            ("/detokenize", {"tokens": [1, 2]}, ["tokens", "model"])):
+        for field in fields:
+            for value in odd_values:
+                status = http.post(path, json={**base, field: value}).status_code
+                statuses.setdefault(status, []).append(f"{path} {field}={value!r}"[:60])
+    assert set(statuses) <= {200, 400, 404}, {s: v[:5] for s, v in statuses.items()}
 
 
 # ---- error bodies ----------------------------------------------------------------------------------

@@ -185,10 +185,8 @@ def stream_options(body: dict) -> bool:
     if stream is not True:
         raise APIError(400, "'stream_options' is only allowed with stream=true", param="stream_options",
                        code="invalid_value")
-    unknown = set(options) - {"include_usage", "continuous_usage_stats"}
-    if unknown:
-        raise APIError(400, f"'stream_options': unknown field(s) {sorted(unknown)}", param="stream_options",
-                       code="unknown_parameter")
+    for name in sorted(set(options) - {"include_usage", "continuous_usage_stats"}):
+        warn_unknown_field(f"stream_options.{name}")  # e.g. newer OpenAI options: ignored, as top-level fields
     include = options.get("include_usage", False)
     if not isinstance(include, bool):
         raise APIError(400, "'stream_options.include_usage': expected a boolean",
