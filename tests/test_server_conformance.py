@@ -28,7 +28,7 @@ prometheus_parser = pytest.importorskip("prometheus_client.parser", reason="the 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 MESSAGES = [{"role": "user", "content": "Hi"}]
 MODEL_NAME = "tiny"
-SMALL_CONTEXT = 64  # max_model_len of the in-process engine: requests that fill it are quick
+SMALL_CONTEXT = 32  # max_model_len of the in-process engine: requests that fill it are quick
 
 
 def assert_openai_error(response, status: int, param: str | None = ..., code: str | None = ...) -> dict:
@@ -232,6 +232,9 @@ def test_engine_death_is_openai_shaped_whole_and_streamed(tiny_qwen3):
         assert_openai_error(http.post(CHAT, json={"messages": MESSAGES, "max_tokens": 5}), 503, None,
                             "engine_unavailable")
         assert_openai_error(http.get("/health"), 503, None, "engine_unavailable")
+        for path, body in ((COMPLETIONS, {"prompt": [1, 2, 3]}), ("/detokenize", {"tokens": [1, 2]}),
+                           ("/tokenize", {"prompt": "Hi"})):
+            assert_openai_error(http.post(path, json=body), 503, None, "engine_unavailable")
         m = parse_metrics(http.get("/metrics").text, MODEL_NAME)
         assert m['asyncllm_requests_total{finish_reason="error"}'] == 1
 

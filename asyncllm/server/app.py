@@ -138,6 +138,10 @@ class OpenAIServer(TokenizationEndpoints):
                 if auth:
                     self._check_auth(request)
                 return await handler(request)
+            except EngineDeadError as e:  # the engine died between a route's check and its use of the engine
+                e = APIError(503, f"the engine is not available: {e}", code="engine_unavailable")
+                self.metrics.observe_rejection(e.status)
+                return e.response()
             except APIError as e:
                 if e.status in (429, 503):
                     self.metrics.observe_rejection(e.status)
@@ -225,15 +229,15 @@ class OpenAIServer(TokenizationEndpoints):
             raise APIError(503, f"the engine failed: {error}", code="engine_unavailable")
         return "".join(parts), stream.finish_reason or "abort"
 
-    def _check_context(self, body: dict, max_tokens_field: str, prompt_ids: list[int],
+    def _check_context(self, body: dict, max_tokens_field: str, prompt_ids: list[int], room: int,
                        params: SamplingParams) -> None:
-        """The one check of the prompt and max_tokens against the context (the engine's max_seq_len):
-        a prompt with no room left is the engine's PromptTooLongError at submission; a max_tokens
-        that the client sent and that runs past the context is a 400 here."""
-        room = self.engine.max_seq_len - len(prompt_ids)
+        """The one check of the prompt and max_tokens against the context (room: what the engine's
+        max_seq_len leaves after the prompt): a prompt with no room left is the engine's
+        PromptTooLongError at submission; a max_tokens that the client sent and that runs past the
+        context is a 400 here."""
         if room < 1 or params.max_tokens <= room:
             return
-        field = max_tokens_field if body.get(max_tokens_field) is not None else "max_tokens"
+        field = protocol.max_tokens_field_sent(body, max_tokens_field)
         raise APIError(400, f"'{field}': {params.max_tokens} tokens after a prompt of {len(prompt_ids)} tokens "
                             f"exceed this model's context of {self.engine.max_seq_len} tokens; ask for at most "
                             f"{room}", param=field, code="context_length_exceeded")
@@ -243,10 +247,11 @@ class OpenAIServer(TokenizationEndpoints):
         """What chat and completions share: sampling, submission, and the answer streamed or whole.
         default_max_tokens: when the request has none; capped by the room the prompt leaves (None: that room)."""
         include_usage = protocol.stream_options(body)
-        room = max(1, self.engine.max_seq_len - len(prompt_ids))
-        default_max_tokens = room if default_max_tokens is None else max(1, min(default_max_tokens, room))
+        self._check_engine()
+        room = self.engine.max_seq_len - len(prompt_ids)
+        default_max_tokens = max(1, room if default_max_tokens is None else min(default_max_tokens, room))
         params = protocol.sampling_params(body, max_tokens_field, default_max_tokens, self.max_tokens_limit)
-        self._check_context(body, max_tokens_field, prompt_ids, params)
+        self._check_context(body, max_tokens_field, prompt_ids, room, params)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         stream = self._submit(prompt_ids, params, request_id, "messages" if chat else "prompt")
         base = {"id": request_id, "object": "chat.completion" if chat else "text_completion",

@@ -145,6 +145,11 @@ def field_error(field: str, error: Exception, argument: str | None = None) -> AP
     return APIError(400, message, param=field, code=code)
 
 
+def max_tokens_field_sent(body: dict, max_tokens_field: str) -> str:
+    """The field that carries max_tokens: max_tokens_field (chat: max_completion_tokens) if sent, else max_tokens."""
+    return max_tokens_field if body.get(max_tokens_field) is not None else "max_tokens"
+
+
 def sampling_params(body: dict, max_tokens_field: str, default_max_tokens: int,
                     max_tokens_limit: int | None) -> SamplingParams:
     """SamplingParams from the request's fields; SamplingParams is the one that checks them."""
@@ -152,7 +157,7 @@ def sampling_params(body: dict, max_tokens_field: str, default_max_tokens: int,
     if n is not MISSING and n != 1:
         raise APIError(400, f"'n'={n} is not supported: this server returns one choice (n=1)",
                        param="n", code="unsupported_value")
-    field = max_tokens_field if body.get(max_tokens_field) is not None else "max_tokens"
+    field = max_tokens_field_sent(body, max_tokens_field)
     max_tokens = expect(body, field, is_int, "an integer")  # compared with the limit below: an int first
     if max_tokens is MISSING:
         max_tokens = default_max_tokens if max_tokens_limit is None else min(default_max_tokens, max_tokens_limit)
