@@ -278,6 +278,37 @@ async def test_event_stream_sends_keepalive_comments_while_the_body_waits():
         EventStreamResponse(body(), keepalive_interval=0)
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("error, logged", [(OSError("the client is gone"), False), (ValueError("a bug"), True)])
+async def test_event_stream_with_keepalive_handles_body_errors_as_without(error, logged, caplog):
+    import anyio
+
+    from asyncllm.server import EventStreamResponse
+
+    async def body():
+        yield "data: 1\n\n"
+        raise error
+
+    async def send(message):
+        pass
+
+    async def receive():
+        await anyio.sleep_forever()
+
+    closed = []
+
+    async def on_close():
+        closed.append(True)
+
+    with caplog.at_level(logging.ERROR, logger="asyncllm.server"), anyio.fail_after(30):
+        await EventStreamResponse(body(), on_close=on_close, keepalive_interval=10)(
+            {"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+    assert closed == [True]
+    assert ("error while streaming a response" in caplog.text) == logged, caplog.text
+    if logged:  # the error itself, not a task group around it
+        assert [r.exc_info[0] for r in caplog.records if r.exc_info] == [ValueError], caplog.text
+
+
 # ---- a real server: keep-alive while queued, Retry-After, the log, metrics, uvicorn's 503 -------------
 @pytest.fixture(scope="module")
 def server(tiny_qwen3, tmp_path_factory):

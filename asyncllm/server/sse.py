@@ -88,11 +88,16 @@ class EventStreamResponse(StreamingResponse):
                     await send_chunk(self.KEEPALIVE)
 
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        async with anyio.create_task_group() as tasks:
-            tasks.start_soon(keep_alive)
-            async for chunk in self.body_iterator:
-                await send_chunk(chunk if isinstance(chunk, (bytes, memoryview)) else chunk.encode(self.charset))
-            tasks.cancel_scope.cancel()
+        try:
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(keep_alive)
+                async for chunk in self.body_iterator:
+                    await send_chunk(chunk if isinstance(chunk, (bytes, memoryview)) else chunk.encode(self.charset))
+                tasks.cancel_scope.cancel()
+        except BaseExceptionGroup as group:  # the task group wraps even one error: raise it as stream_response would
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
