@@ -70,22 +70,39 @@ class EventStreamResponse(StreamingResponse):
 
     async def _stream_with_keepalive(self, send) -> None:
         """stream_response, with a KEEPALIVE comment after each keepalive_interval without an event.
-        The body is iterated in this task only; the timer task shares `send` under a lock."""
+        The body is iterated in this task only; a timer task sends the comments. Both run on one
+        event loop, so plain flags keep their sends apart: no lock, whose acquire would yield to
+        the loop once per chunk of every stream."""
         interval = self.keepalive_interval
-        lock = anyio.Lock()
         last_sent = anyio.current_time()
+        body_sending = False
+        keepalive_sent: anyio.Event | None = None  # set when the comment in flight has gone
 
         async def send_chunk(chunk: bytes) -> None:
-            nonlocal last_sent
-            async with lock:
+            nonlocal last_sent, body_sending
+            while keepalive_sent is not None:
+                await keepalive_sent.wait()
+            body_sending = True
+            try:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                last_sent = anyio.current_time()
+            finally:
+                body_sending = False
+            last_sent = anyio.current_time()
 
         async def keep_alive() -> None:
+            nonlocal last_sent, keepalive_sent
             while True:
-                await anyio.sleep(max(0.0, last_sent + interval - anyio.current_time()))
-                if anyio.current_time() - last_sent >= interval:
-                    await send_chunk(self.KEEPALIVE)
+                remaining = last_sent + interval - anyio.current_time()
+                if remaining > 0 or body_sending:  # a send held up by a slow client counts as activity
+                    await anyio.sleep(remaining if remaining > 0 else interval)
+                    continue
+                keepalive_sent = anyio.Event()
+                try:
+                    await send({"type": "http.response.body", "body": self.KEEPALIVE, "more_body": True})
+                    last_sent = anyio.current_time()
+                finally:
+                    keepalive_sent.set()
+                    keepalive_sent = None
 
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         try:
