@@ -21,6 +21,7 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_BODY_TIMEOUT = 30.0
 DEFAULT_TIMEOUT_KEEP_ALIVE = 5.0
+DEFAULT_SSE_KEEPALIVE_INTERVAL = 10.0  # = asyncllm.server.DEFAULT_SSE_KEEPALIVE_INTERVAL (not imported: optional)
 MAX_DEFAULT_CONCURRENCY = 1024
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 _CONFIG_HELP = {
@@ -128,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "they run on this server, so by default they get 400")
     http.add_argument("--max-tokens-limit", type=_positive_int, default=None,
                       help="largest max_tokens a request may ask for, larger ones get 400 (default: the context)")
+    http.add_argument("--sse-keepalive-interval", type=_positive_float, default=DEFAULT_SSE_KEEPALIVE_INTERVAL,
+                      help="seconds a stream may wait (queue, long prefill) before it sends a ': keep-alive' "
+                           f"comment (default {DEFAULT_SSE_KEEPALIVE_INTERVAL:g})")
     http.add_argument("--graceful-shutdown-timeout", type=float, default=5.0,
                       help="seconds to let open requests finish on shutdown before they are aborted (default 5)")
     http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -167,7 +171,7 @@ def serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from asyncllm.server import create_app
-        from asyncllm.server.connections import HeadTimeoutH11Protocol
+        from asyncllm.server.connections import HeadTimeoutH11Protocol, answer_over_limit_in_openai_shape
     except ImportError as e:
         print(f"asyncllm serve needs the server extra: pip install 'asyncllm-engine[server]' ({e})", file=sys.stderr)
         return 2
@@ -197,7 +201,9 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     app = create_app(engine, name, api_key, max_body_bytes=args.max_body_bytes,
                      max_tokens_limit=args.max_tokens_limit, body_timeout=args.body_timeout,
-                     trust_request_chat_template=args.trust_request_chat_template)
+                     trust_request_chat_template=args.trust_request_chat_template,
+                     sse_keepalive_interval=args.sse_keepalive_interval)
+    answer_over_limit_in_openai_shape()
     if args.host not in LOOPBACK_HOSTS and api_key is None:
         logging.getLogger("asyncllm.server").warning(
             "serving on %s without an API key: anyone who can reach this port can use the model", args.host)

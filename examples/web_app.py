@@ -8,6 +8,11 @@ server. The page POSTs the prompt to /generate and reads the answer as server-se
 fetch + ReadableStream. Stop aborts that fetch: the browser drops the connection, the server's
 response task is cancelled, and cancelling the task that reads an engine stream aborts the request,
 so its KV blocks are free before the engine's next step. GET /stats shows engine.stats().
+
+GET /metrics is Prometheus text from the app's own registry: the engine's collectors
+(asyncllm.server.EngineMetrics: engine state at scrape time, request latencies as requests end)
+beside a metric of the app's own. If the engine dies mid-answer, the stream sends an error event
+and the page shows it.
 """
 from __future__ import annotations
 
@@ -15,13 +20,14 @@ import argparse
 from contextlib import asynccontextmanager
 
 import uvicorn
+from prometheus_client import CollectorRegistry, Counter
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse
+from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from asyncllm import AsyncLLMEngine, EngineDeadError, QueueFullError, SamplingParams
-from asyncllm.server import EventStreamResponse, sse
+from asyncllm.server import EngineMetrics, EventStreamResponse, sse
 
 PAGE = """<!doctype html>
 <html lang="en">
@@ -100,7 +106,8 @@ async function generate(event) {
         if (data.finish_reason) setStatus("done", `done (${data.finish_reason}, ${tokens} tokens)`);
       }
     }
-    if ($("status").dataset.state === "generating") setStatus("done", "done");
+    // a stream that ends without a finish_reason was cut off, not done
+    if ($("status").dataset.state === "generating") throw new Error("the answer ended early");
   } catch (err) {
     if (err.name === "AbortError") setStatus("stopped", "stopped");
     else setStatus("error", "error: " + err.message);
@@ -125,6 +132,10 @@ $("prompt").addEventListener("keydown", (e) => {
 def create_app(model: str | None = None, *, max_tokens: int = 256, max_tokens_limit: int = 4096,
                ignore_eos: bool = False, **engine_options) -> Starlette:
     engine = AsyncLLMEngine(model, **engine_options)
+    # the app's own registry: the engine's metrics and the app's side by side on one /metrics
+    registry = CollectorRegistry()
+    metrics = EngineMetrics(engine, "web-app", registry=registry)
+    page_views = Counter("web_app_page_views", "Times the page was served.", registry=registry)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -132,6 +143,7 @@ def create_app(model: str | None = None, *, max_tokens: int = 256, max_tokens_li
             yield
 
     async def page(request: Request) -> HTMLResponse:
+        page_views.inc()
         return HTMLResponse(PAGE.replace("__MAX_TOKENS__", str(max_tokens)))
 
     async def generate(request: Request):
@@ -144,31 +156,51 @@ def create_app(model: str | None = None, *, max_tokens: int = 256, max_tokens_li
                                     max_tokens=min(int(body.get("max_tokens") or max_tokens), max_tokens_limit))
             stream = engine.chat([{"role": "user", "content": prompt}], params)
         except QueueFullError as e:
-            return JSONResponse({"error": str(e)}, status_code=429)
+            metrics.observe_rejection(429)
+            return JSONResponse({"error": str(e)}, status_code=429, headers={"Retry-After": "1"})
         except EngineDeadError as e:
+            metrics.observe_rejection(503)
             return JSONResponse({"error": str(e)}, status_code=503)
         except (ValueError, TypeError, KeyError) as e:
             return JSONResponse({"error": f"bad request: {e}"}, status_code=400)
+
+        ending = {"failed": False, "recorded": False}
 
         async def events():
             # When the browser goes away (Stop aborts the fetch), this generator is cancelled or
             # closed; leaving `async with stream` then aborts the request in the engine.
             async with stream:
                 yield sse({"id": stream.request_id})
-                async for out in stream:
-                    if out.text:
-                        yield sse({"text": out.text})
-                    if out.finish_reason:
-                        yield sse({"finish_reason": out.finish_reason, "tokens": len(stream.token_ids)})
+                try:
+                    async for out in stream:
+                        if out.text:
+                            yield sse({"text": out.text})
+                        if out.finish_reason:
+                            yield sse({"finish_reason": out.finish_reason, "tokens": len(stream.token_ids)})
+                except EngineDeadError as e:  # the page must say so, not "done"
+                    ending["failed"] = True
+                    yield sse({"error": f"the engine failed: {e}"})
 
-        # on_close: also covers a browser gone before the body started (the generator never ran)
-        return EventStreamResponse(events(), on_close=stream.aclose)
+        async def close() -> None:
+            # also covers a browser gone before the body started (the generator never ran)
+            await stream.aclose()
+            if not ending["recorded"]:
+                ending["recorded"] = True
+                metrics.observe_request(stream, "error" if ending["failed"] else stream.finish_reason or "abort")
+
+        return EventStreamResponse(events(), on_close=close, keepalive_interval=10.0)
 
     async def stats(request: Request) -> JSONResponse:
         return JSONResponse(engine.stats())
 
-    return Starlette(routes=[Route("/", page), Route("/generate", generate, methods=["POST"]),
-                             Route("/stats", stats)], lifespan=lifespan)
+    async def metrics_page(request: Request) -> Response:
+        content, media_type = metrics.render()
+        return Response(content, media_type=media_type)
+
+    app = Starlette(routes=[Route("/", page), Route("/generate", generate, methods=["POST"]),
+                            Route("/stats", stats), Route("/metrics", metrics_page)], lifespan=lifespan)
+    app.state.engine = engine
+    return app
 
 
 def main() -> None:

@@ -1,10 +1,12 @@
 """examples/web_app.py driven in headless Chromium (Debian's /usr/bin/chromium) through Playwright."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -112,4 +114,54 @@ def test_stream_into_the_page_and_stop(web_app, browser):
     page.wait_for_function("document.getElementById('status').dataset.state === 'done'", timeout=60_000)
     assert page.inner_text("#status") == "done (length, 5 tokens)"
     assert output() and output() != stopped_text
+    page.close()
+
+
+@pytest.fixture
+def web_app_in_process(tiny_qwen3):
+    """examples/web_app.py's app under uvicorn in a thread of this process, so a test can reach its engine."""
+    uvicorn = pytest.importorskip("uvicorn")
+    spec = importlib.util.spec_from_file_location("web_app_example", os.path.join(ROOT, "examples", "web_app.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    app = module.create_app(tiny_qwen3, ignore_eos=True, num_kvcache_blocks=64, max_model_len=4096)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="web-app-uvicorn", daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.started or not thread.is_alive(), 180, "web_app to start", 0.25)
+        assert server.started, "uvicorn did not start"
+        yield f"http://127.0.0.1:{port}", app.state.engine
+    finally:
+        server.should_exit = True
+        thread.join(60)
+
+
+def test_engine_death_mid_stream_shows_an_error(web_app_in_process, browser):
+    from prometheus_client.parser import text_string_to_metric_families
+    base, engine = web_app_in_process
+    page = browser.new_page()
+    page.goto(base + "/")
+    page.fill("#prompt", "Tell me a long story about the sea.")
+    page.fill("#max-tokens", "2000")
+    page.click("#send")
+    wait_until(lambda: page.inner_text("#output"), 60, "the first text")
+
+    def failing_step():
+        raise RuntimeError("injected step failure")
+
+    engine._core.step = failing_step  # the engine thread's next step fails: the engine dies mid-answer
+    page.wait_for_function("document.getElementById('status').dataset.state === 'error'", timeout=30_000)
+    assert "the engine failed" in page.inner_text("#status"), page.inner_text("#status")
+    assert page.is_enabled("#send") and not page.is_enabled("#stop")
+
+    # the app's /metrics: the engine's collectors beside the app's own counter, parsed by prometheus_client
+    samples = {(s.name, s.labels.get("finish_reason")): s.value
+               for family in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=10).text)
+               for s in family.samples}
+    assert samples[("asyncllm_requests_total", "error")] == 1
+    assert samples[("asyncllm_requests_total", "stop")] == 0
+    assert samples[("web_app_page_views_total", None)] == 1
+    assert ("process_cpu_seconds_total", None) not in samples  # the app's registry: only what it registered
     page.close()

@@ -268,6 +268,9 @@ class EngineCore:
             "num_total_blocks": bm.num_total_blocks,
             "block_size": bm.block_size,
             "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
+            # cumulative prompt tokens: looked up in the prefix cache, and found there
+            "prefix_cache_queries": bm.num_prefix_query_tokens,
+            "prefix_cache_hits": bm.num_prefix_hit_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
             **self._step_time_stats(),

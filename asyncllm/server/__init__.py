@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP server around AsyncLLMEngine (Starlette; run it with `asyncllm serve`).
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (streaming as server-sent events ending
-in `data: [DONE]`, or one JSON body), GET /v1/models, GET /health, GET /metrics (Prometheus text).
+in `data: [DONE]`, with `: keep-alive` comments while a stream waits; or one JSON body), GET /v1/models,
+POST /tokenize and /detokenize (vLLM's shapes), GET /health, GET /metrics (prometheus_client).
 
     app = create_app(engine, "my-model", api_key="secret")   # engine started by the app's lifespan
     uvicorn.run(app, host="127.0.0.1", port=8000)            # unless the caller started it already
@@ -10,19 +11,24 @@ Request fields map to SamplingParams: max_tokens / max_completion_tokens, temper
 (a string or a list), seed, plus the extensions top_k, min_p, ignore_eos, stop_token_ids,
 include_stop_str_in_output and (chat) chat_template_kwargs. n must be 1. Fields this server does
 not implement (logprobs, tools, echo, best_of, penalties, ...) are accepted only at their neutral
-value; anything else, and any unknown field, is a 400 with an OpenAI-style error body. A chat
-template sent by the client is refused unless the operator trusts request templates.
+value, else a 400; an unknown field is ignored with one logged warning per field name (clients
+send newer OpenAI fields). A max_tokens that runs past the context is a 400. Every error has an
+OpenAI-style body; a 429 (the queue is full) has Retry-After. A chat template sent by the client
+is refused unless the operator trusts request templates.
 
 A client that disconnects, mid-stream or while waiting for a non-streamed answer, aborts its
 request: the engine frees its KV blocks before its next step.
 
-Modules: protocol (request fields, error bodies), metrics, sse (event streams), app (routes),
-connections (uvicorn connection limits).
+Modules: protocol (request fields, error bodies), errors (Starlette's and uvicorn's own errors),
+metrics (EngineCollector, EngineMetrics: also for apps that embed the engine), sse (event streams),
+tokenization (/tokenize, /detokenize), app (routes), connections (uvicorn connection limits).
 """
-from asyncllm.server.app import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, OpenAIServer, create_app
-from asyncllm.server.metrics import ServerMetrics
+from asyncllm.server.app import (DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, DEFAULT_SSE_KEEPALIVE_INTERVAL,
+                                 OpenAIServer, create_app)
+from asyncllm.server.metrics import EngineCollector, EngineMetrics, RequestMetricsRecorder
 from asyncllm.server.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS, APIError
 from asyncllm.server.sse import EventStreamResponse, sse
 
 __all__ = ["APIError", "COMPLETIONS_DEFAULT_MAX_TOKENS", "DEFAULT_BODY_TIMEOUT", "DEFAULT_MAX_BODY_BYTES",
-           "EventStreamResponse", "OpenAIServer", "ServerMetrics", "create_app", "sse"]
+           "DEFAULT_SSE_KEEPALIVE_INTERVAL", "EngineCollector", "EngineMetrics", "EventStreamResponse", "OpenAIServer",
+           "RequestMetricsRecorder", "create_app", "sse"]

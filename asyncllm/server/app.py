@@ -12,34 +12,41 @@ from contextlib import asynccontextmanager
 
 import anyio
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from asyncllm.errors import EngineDeadError, QueueFullError
 from asyncllm.sampling_params import SamplingParams
 import asyncllm.server.protocol as protocol
-from asyncllm.server.metrics import ServerMetrics
+from asyncllm.server.errors import RETRY_AFTER_SECONDS, exception_handlers
+from asyncllm.server.metrics import EngineMetrics
 from asyncllm.server.protocol import APIError, field_error, is_int
 from asyncllm.server.sse import EventStreamResponse, await_disconnect, chunk_events, usage
+from asyncllm.server.tokenization import TokenizationEndpoints
 
 logger = logging.getLogger("asyncllm.server")
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds for a whole request body to arrive
+DEFAULT_SSE_KEEPALIVE_INTERVAL = 10.0  # seconds without an event before a stream sends a comment
 
 
-class OpenAIServer:
+class OpenAIServer(TokenizationEndpoints):
     def __init__(self, engine, model_name: str, api_key: str | None = None, *,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_tokens_limit: int | None = None,
-                 body_timeout: float = DEFAULT_BODY_TIMEOUT, trust_request_chat_template: bool = False):
+                 body_timeout: float = DEFAULT_BODY_TIMEOUT, trust_request_chat_template: bool = False,
+                 sse_keepalive_interval: float | None = DEFAULT_SSE_KEEPALIVE_INTERVAL):
         if max_tokens_limit is not None and (not is_int(max_tokens_limit) or max_tokens_limit < 1):
             raise ValueError(f"max_tokens_limit: expected a positive int or None, got {max_tokens_limit!r}")
         if not is_int(max_body_bytes) or max_body_bytes < 1:
             raise ValueError(f"max_body_bytes: expected a positive int, got {max_body_bytes!r}")
         if not isinstance(body_timeout, (int, float)) or not body_timeout > 0:
             raise ValueError(f"body_timeout: expected a positive number of seconds, got {body_timeout!r}")
+        if sse_keepalive_interval is not None and (not isinstance(sse_keepalive_interval, (int, float))
+                                                   or not sse_keepalive_interval > 0):
+            raise ValueError(f"sse_keepalive_interval: expected a positive number of seconds or None, "
+                             f"got {sse_keepalive_interval!r}")
         if api_key == "":  # e.g. --api-key "$KEY" with KEY unset: never a way to turn auth off
             raise ValueError("api_key: empty; pass None for no authentication")
         self.engine = engine
@@ -50,7 +57,8 @@ class OpenAIServer:
         self.max_tokens_limit = max_tokens_limit
         self.body_timeout = body_timeout
         self.trust_request_chat_template = trust_request_chat_template
-        self.metrics = ServerMetrics()
+        self.sse_keepalive_interval = sse_keepalive_interval
+        self.metrics = EngineMetrics(engine, model_name)  # its own registry: several apps in a process
         self.created = int(time.time())
 
     # ---- plumbing ----
@@ -130,13 +138,17 @@ class OpenAIServer:
                 if auth:
                     self._check_auth(request)
                 return await handler(request)
+            except EngineDeadError as e:  # the engine died between a route's check and its use of the engine
+                e = APIError(503, f"the engine is not available: {e}", code="engine_unavailable")
+                self.metrics.observe_rejection(e.status)
+                return e.response()
             except APIError as e:
                 if e.status in (429, 503):
                     self.metrics.observe_rejection(e.status)
                 return e.response()
             except Exception:  # noqa: BLE001 - answered as a 500 with an OpenAI body
                 logger.exception("unhandled error in %s", request.url.path)
-                return APIError(500, "internal server error").response()
+                return APIError(500, "internal server error", code="internal_error").response()
         return endpoint
 
     # ---- prompts: long ones are refused by length before tokenizing (the engine's checks), and rendered
@@ -173,7 +185,8 @@ class OpenAIServer:
         try:
             return self.engine.stream(prompt_ids, params, request_id=request_id)
         except QueueFullError as e:
-            raise APIError(429, f"the server is busy: {e}", code="queue_full") from None
+            raise APIError(429, f"the server is busy: {e}", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
         except EngineDeadError as e:
             raise APIError(503, f"the engine is not available: {e}", code="engine_unavailable") from None
         except (ValueError, TypeError) as e:
@@ -216,11 +229,29 @@ class OpenAIServer:
             raise APIError(503, f"the engine failed: {error}", code="engine_unavailable")
         return "".join(parts), stream.finish_reason or "abort"
 
+    def _check_context(self, body: dict, max_tokens_field: str, prompt_ids: list[int], room: int,
+                       params: SamplingParams) -> None:
+        """The one check of the prompt and max_tokens against the context (room: what the engine's
+        max_seq_len leaves after the prompt): a prompt with no room left is the engine's
+        PromptTooLongError at submission; a max_tokens that the client sent and that runs past the
+        context is a 400 here."""
+        if room < 1 or params.max_tokens <= room:
+            return
+        field = protocol.max_tokens_field_sent(body, max_tokens_field)
+        raise APIError(400, f"'{field}': {params.max_tokens} tokens after a prompt of {len(prompt_ids)} tokens "
+                            f"exceed this model's context of {self.engine.max_seq_len} tokens; ask for at most "
+                            f"{room}", param=field, code="context_length_exceeded")
+
     async def _answer(self, request: Request, body: dict, prompt_ids: list[int], *, chat: bool,
-                      max_tokens_field: str, default_max_tokens: int) -> Response:
-        """What chat and completions share: sampling, submission, and the answer streamed or whole."""
+                      max_tokens_field: str, default_max_tokens: int | None) -> Response:
+        """What chat and completions share: sampling, submission, and the answer streamed or whole.
+        default_max_tokens: when the request has none; capped by the room the prompt leaves (None: that room)."""
         include_usage = protocol.stream_options(body)
+        self._check_engine()
+        room = self.engine.max_seq_len - len(prompt_ids)
+        default_max_tokens = max(1, room if default_max_tokens is None else min(default_max_tokens, room))
         params = protocol.sampling_params(body, max_tokens_field, default_max_tokens, self.max_tokens_limit)
+        self._check_context(body, max_tokens_field, prompt_ids, room, params)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         stream = self._submit(prompt_ids, params, request_id, "messages" if chat else "prompt")
         base = {"id": request_id, "object": "chat.completion" if chat else "text_completion",
@@ -238,7 +269,8 @@ class OpenAIServer:
 
             first = chunk(None, None, delta={"role": "assistant", "content": ""}) if chat else None
             close = self._closer(stream)
-            return EventStreamResponse(chunk_events(stream, close, chunk, first, include_usage), on_close=close)
+            return EventStreamResponse(chunk_events(stream, close, chunk, first, include_usage), on_close=close,
+                                       keepalive_interval=self.sse_keepalive_interval)
         text, finish_reason = await self._collect(request, stream)
         answer = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
         return JSONResponse({**base, "choices": [{"index": 0, **answer, "logprobs": None,
@@ -250,9 +282,8 @@ class OpenAIServer:
         messages = protocol.messages(body)
         template_kwargs = protocol.chat_template_kwargs(body, self.trust_request_chat_template)
         prompt_ids = await self._chat_prompt_ids(messages, template_kwargs)
-        room = max(1, self.engine.max_seq_len - len(prompt_ids))
         return await self._answer(request, body, prompt_ids, chat=True, max_tokens_field="max_completion_tokens",
-                                  default_max_tokens=room)
+                                  default_max_tokens=None)
 
     async def completions(self, request: Request) -> Response:
         body = await self._request_body(request, protocol.COMPLETION_FIELDS, protocol.NEUTRAL_COMPLETIONS)
@@ -278,8 +309,8 @@ class OpenAIServer:
         return JSONResponse({"status": "ok"})
 
     async def metrics_endpoint(self, request: Request) -> Response:
-        return PlainTextResponse(self.metrics.render(self.engine.stats()),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+        content, media_type = self.metrics.render()
+        return Response(content, media_type=media_type)
 
     def routes(self) -> list[Route]:
         e = self._endpoint
@@ -288,6 +319,8 @@ class OpenAIServer:
             Route("/v1/completions", e(self.completions), methods=["POST"]),
             Route("/v1/models", e(self.models), methods=["GET"]),
             Route("/v1/models/{model:path}", e(self.model), methods=["GET"]),
+            Route("/tokenize", e(self.tokenize), methods=["POST"]),
+            Route("/detokenize", e(self.detokenize), methods=["POST"]),
             Route("/health", e(self.health, auth=False), methods=["GET"]),
             Route("/metrics", e(self.metrics_endpoint, auth=False), methods=["GET"]),
         ]
@@ -296,6 +329,7 @@ class OpenAIServer:
 def create_app(engine, model_name: str, api_key: str | None = None, *,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_tokens_limit: int | None = None,
                body_timeout: float = DEFAULT_BODY_TIMEOUT, trust_request_chat_template: bool = False,
+               sse_keepalive_interval: float | None = DEFAULT_SSE_KEEPALIVE_INTERVAL,
                manage_engine: bool | None = None) -> Starlette:
     """The OpenAI-compatible Starlette app for `engine` (an AsyncLLMEngine).
 
@@ -303,10 +337,12 @@ def create_app(engine, model_name: str, api_key: str | None = None, *,
     does; None (default) = the lifespan starts it if it is not started yet, and then owns it.
     The API key, when set, guards /v1/*; /health and /metrics stay open for probes and scrapers.
     trust_request_chat_template: render chat templates that requests bring (they run on this server).
+    sse_keepalive_interval: seconds a stream may go without an event before it sends a comment (None: never).
     """
     server = OpenAIServer(engine, model_name, api_key, max_body_bytes=max_body_bytes,
                           max_tokens_limit=max_tokens_limit, body_timeout=body_timeout,
-                          trust_request_chat_template=trust_request_chat_template)
+                          trust_request_chat_template=trust_request_chat_template,
+                          sse_keepalive_interval=sse_keepalive_interval)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -322,10 +358,6 @@ def create_app(engine, model_name: str, api_key: str | None = None, *,
             if owns:
                 await engine.shutdown(drain=False)
 
-    async def http_error(request: Request, exc: HTTPException) -> Response:
-        return APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}").response()
-
-    app = Starlette(routes=server.routes(), lifespan=lifespan,
-                    exception_handlers={HTTPException: http_error})
+    app = Starlette(routes=server.routes(), lifespan=lifespan, exception_handlers=exception_handlers())
     app.state.server = server
     return app

@@ -1,9 +1,13 @@
-"""Connection limits uvicorn lacks: a connection must send its first request head in time."""
+"""Connection limits uvicorn lacks: a connection must send its first request head in time; and the
+503 uvicorn answers past its own limit, in OpenAI's shape."""
 from __future__ import annotations
 
 import asyncio
 
+from uvicorn.protocols.http import h11_impl
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from asyncllm.server.errors import service_unavailable
 
 
 class HeadTimeoutH11Protocol(H11Protocol):
@@ -22,3 +26,10 @@ class HeadTimeoutH11Protocol(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._head_deadline.cancel()
         super().connection_lost(exc)
+
+
+def answer_over_limit_in_openai_shape() -> None:
+    """Make uvicorn's h11 protocol answer its --limit-concurrency 503 with an OpenAI error body.
+    uvicorn takes that ASGI app from a module global of h11_impl, so it is swapped there; only
+    `asyncllm serve` calls this, for the process it owns."""
+    h11_impl.service_unavailable = service_unavailable

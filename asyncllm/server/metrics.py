@@ -1,106 +1,138 @@
-"""Prometheus metrics: the engine's gauges and request-level counters and histograms, as text.
+"""Prometheus metrics through prometheus_client, for `asyncllm serve` and for apps that embed the engine.
 
-prometheus_client is not a dependency of this project (and not installed where it runs), so the
-few histograms it needs are written here.
+    metrics = EngineMetrics(engine, "my-model")          # its own registry, with process metrics
+    metrics = EngineMetrics(engine, "my-model", registry=prometheus_client.REGISTRY)  # into the app's
+    ...
+    metrics.observe_request(stream, stream.finish_reason or "abort")   # as each request ends
+    body, content_type = metrics.render()                               # a /metrics response
+
+EngineCollector reads engine.stats() when scraped (gauges, and the engine's own counters), so the
+engine keeps no Prometheus objects and never imports this module; RequestMetricsRecorder keeps the
+request-level counters and histograms, fed from each stream's RequestMetrics as it ends. Every
+metric carries a model_name label; the names are the ones the hand-written text had.
 """
 from __future__ import annotations
 
-import bisect
-import threading
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+               0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 
 
-class _Histogram:
-    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]):
-        self.name, self.help, self.buckets = name, help_text, buckets
-        self.counts = [0] * (len(buckets) + 1)  # the last one: above every bucket
-        self.sum = 0.0
-        self.count = 0
+class EngineCollector(Collector):
+    """The engine's state, read from engine.stats() at each scrape: register it into any
+    CollectorRegistry (`registry.register(EngineCollector(engine, "my-model"))`)."""
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
+    def __init__(self, engine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
 
-    def render(self, out: list[str]) -> None:
-        out += [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        cumulative = 0
-        for bound, count in zip(self.buckets, self.counts):
-            cumulative += count
-            out.append(f'{self.name}_bucket{{le="{bound}"}} {cumulative}')
-        out.append(f'{self.name}_bucket{{le="+Inf"}} {self.count}')
-        out.append(f"{self.name}_sum {self.sum!r}")
-        out.append(f"{self.name}_count {self.count}")
+    def collect(self):
+        stats = self.engine.stats()
+        labels = [self.model_name]
+        total = stats.get("num_total_blocks", 0)
+        in_use = total - stats.get("num_free_blocks", 0)
+
+        def family(kind, name: str, help_text: str, value):
+            metric = kind(name, help_text, labels=["model_name"])
+            metric.add_metric(labels, value)
+            return metric
+
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        yield family(gauge, "asyncllm_num_requests_waiting", "Requests queued in the scheduler, not yet running.",
+                     stats.get("num_waiting", 0))
+        yield family(gauge, "asyncllm_num_pending_commands",
+                     "Submissions and aborts not yet taken in by the engine thread.", stats.get("num_inbox", 0))
+        yield family(gauge, "asyncllm_num_requests_running", "Requests being generated.", stats.get("num_running", 0))
+        yield family(gauge, "asyncllm_kv_blocks_in_use", "KV-cache blocks held by requests.", in_use)
+        yield family(gauge, "asyncllm_kv_blocks_total", "KV-cache blocks in all.", total)
+        yield family(gauge, "asyncllm_kv_cache_usage_ratio", "Fraction of the KV-cache blocks in use.",
+                     in_use / total if total else 0.0)
+        yield family(gauge, "asyncllm_prefix_cache_hit_rate", "Fraction of prompt tokens served from the prefix cache.",
+                     float(stats.get("prefix_cache_hit_rate", 0.0)))
+        # counters: the *_total sample names are what the hand-written text had
+        yield family(counter, "asyncllm_num_preemptions", "Requests preempted for lack of KV blocks.",
+                     stats.get("num_preemptions", 0))
+        yield family(counter, "asyncllm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                     stats.get("prefix_cache_queries", 0))
+        yield family(counter, "asyncllm_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                     stats.get("prefix_cache_hits", 0))
 
 
-class ServerMetrics:
-    """Request-level metrics, fed as requests end, rendered with the engine's gauges."""
+class RequestMetricsRecorder:
+    """Request-level counters and histograms in `registry`, fed as requests end or are refused."""
 
-    FINISH_REASONS = ("stop", "length", "abort", "error")
+    def __init__(self, model_name: str, registry: CollectorRegistry):
+        def labelled(metric_type, name: str, help_text: str, **kwargs):
+            return metric_type(name, help_text, ["model_name"], registry=registry, **kwargs).labels(model_name)
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.ttft = _Histogram("asyncllm_time_to_first_token_seconds", "Time from arrival to the first token.",
-                               (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                                7.5, 10.0, 20.0, 40.0, 80.0))
-        self.itl = _Histogram("asyncllm_inter_token_latency_seconds", "Time between a request's token deliveries.",
-                              (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
-                               0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0))
-        self.e2e = _Histogram("asyncllm_e2e_request_latency_seconds", "Time from arrival to the last token.",
-                              (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0))
-        self.finished = dict.fromkeys(self.FINISH_REASONS, 0)
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.rejected: dict[int, int] = {}
+        self.ttft = labelled(Histogram, "asyncllm_time_to_first_token_seconds", "Time from arrival to the first token.",
+                             buckets=TTFT_BUCKETS)
+        self.itl = labelled(Histogram, "asyncllm_inter_token_latency_seconds",
+                            "Time between a request's token deliveries.", buckets=ITL_BUCKETS)
+        self.e2e = labelled(Histogram, "asyncllm_e2e_request_latency_seconds", "Time from arrival to the last token.",
+                            buckets=E2E_BUCKETS)
+        self.queue_time = labelled(Histogram, "asyncllm_request_queue_time_seconds",
+                                   "Time from arrival to first being scheduled.", buckets=QUEUE_BUCKETS)
+        self.prompt_tokens = labelled(Counter, "asyncllm_prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = labelled(Counter, "asyncllm_generation_tokens", "Tokens generated for finished requests.")
+        finished = Counter("asyncllm_requests", "Finished requests by finish reason.", ["model_name", "finish_reason"],
+                           registry=registry)
+        self.finished = {reason: finished.labels(model_name, reason) for reason in FINISH_REASONS}
+        self._finished_family = finished
+        self._rejected = Counter("asyncllm_requests_rejected", "Requests refused before generation, by HTTP status.",
+                                 ["model_name", "status"], registry=registry)
+        self.model_name = model_name
 
     def observe_request(self, stream, finish_reason: str) -> None:
+        """Record a request that ended (stream: a RequestStream, finished or aborted)."""
+        counter = self.finished.get(finish_reason)
+        if counter is None:
+            counter = self.finished[finish_reason] = self._finished_family.labels(self.model_name, finish_reason)
+        counter.inc()
+        self.prompt_tokens.inc(len(stream.prompt_token_ids))
+        self.generation_tokens.inc(len(stream.token_ids))
         m = stream.metrics
-        with self._lock:
-            self.finished[finish_reason] = self.finished.get(finish_reason, 0) + 1
-            self.prompt_tokens += len(stream.prompt_token_ids)
-            self.generation_tokens += len(stream.token_ids)
-            if m is None:
-                return
-            if m.time_to_first_token is not None:
-                self.ttft.observe(m.time_to_first_token)
-            for gap in list(m.inter_token_latencies):
-                self.itl.observe(gap)
-            if m.e2e_latency is not None:
-                self.e2e.observe(m.e2e_latency)
+        if m is None:
+            return
+        if m.queue_time is not None:
+            self.queue_time.observe(m.queue_time)
+        if m.time_to_first_token is not None:
+            self.ttft.observe(m.time_to_first_token)
+        for gap in list(m.inter_token_latencies):
+            self.itl.observe(gap)
+        if m.e2e_latency is not None:
+            self.e2e.observe(m.e2e_latency)
 
     def observe_rejection(self, status: int) -> None:
-        with self._lock:
-            self.rejected[status] = self.rejected.get(status, 0) + 1
+        self._rejected.labels(self.model_name, str(status)).inc()
 
-    def render(self, stats: dict) -> str:
-        out: list[str] = []
 
-        def gauge(name: str, help_text: str, value, kind: str = "gauge") -> None:
-            out.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"])
+class EngineMetrics(RequestMetricsRecorder):
+    """An engine's metrics, ready to serve: EngineCollector and the request-level metrics in one
+    registry. Without a registry, a new one that also has the process, GC and platform collectors
+    (prometheus_client's default registry has those already, so they are not added to a given one)."""
 
-        total = stats.get("num_total_blocks", 0)
-        gauge("asyncllm_num_requests_waiting", "Requests queued in the scheduler, not yet running.",
-              stats.get("num_waiting", 0))
-        gauge("asyncllm_num_pending_commands", "Submissions and aborts not yet taken in by the engine thread.",
-              stats.get("num_inbox", 0))
-        gauge("asyncllm_num_requests_running", "Requests being generated.", stats.get("num_running", 0))
-        gauge("asyncllm_kv_blocks_in_use", "KV-cache blocks held by requests.", total - stats.get("num_free_blocks", 0))
-        gauge("asyncllm_kv_blocks_total", "KV-cache blocks in all.", total)
-        gauge("asyncllm_kv_cache_usage_ratio", "Fraction of the KV-cache blocks in use.",
-              (total - stats.get("num_free_blocks", 0)) / total if total else 0.0)
-        gauge("asyncllm_prefix_cache_hit_rate", "Fraction of prompt tokens served from the prefix cache.",
-              float(stats.get("prefix_cache_hit_rate", 0.0)))
-        gauge("asyncllm_num_preemptions_total", "Requests preempted for lack of KV blocks.",
-              stats.get("num_preemptions", 0), "counter")
-        with self._lock:
-            out += ["# HELP asyncllm_requests_total Finished requests by finish reason.",
-                    "# TYPE asyncllm_requests_total counter"]
-            out += [f'asyncllm_requests_total{{finish_reason="{r}"}} {n}' for r, n in self.finished.items()]
-            out += ["# HELP asyncllm_requests_rejected_total Requests refused before generation, by HTTP status.",
-                    "# TYPE asyncllm_requests_rejected_total counter"]
-            out += [f'asyncllm_requests_rejected_total{{status="{s}"}} {n}' for s, n in sorted(self.rejected.items())]
-            gauge("asyncllm_prompt_tokens_total", "Prompt tokens of finished requests.", self.prompt_tokens, "counter")
-            gauge("asyncllm_generation_tokens_total", "Tokens generated for finished requests.",
-                  self.generation_tokens, "counter")
-            for histogram in (self.ttft, self.itl, self.e2e):
-                histogram.render(out)
-        return "\n".join(out) + "\n"
+    def __init__(self, engine, model_name: str, registry: CollectorRegistry | None = None):
+        if registry is None:
+            registry = CollectorRegistry()
+            ProcessCollector(registry=registry)
+            GCCollector(registry=registry)
+            PlatformCollector(registry=registry)
+        self.registry = registry
+        super().__init__(model_name, registry)
+        registry.register(EngineCollector(engine, model_name))
+
+    def render(self) -> tuple[bytes, str]:
+        """The registry in Prometheus' text format, and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -6,6 +6,7 @@ answers, the field the client sent.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 
 from starlette.responses import JSONResponse
@@ -17,6 +18,8 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completio
 MAX_STOP_STRINGS = 16
 
 MISSING = object()
+
+logger = logging.getLogger("asyncllm.server")
 
 
 class APIError(Exception):
@@ -95,6 +98,7 @@ COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 
 
 def check_fields(body: dict, known: set[str], neutral: dict) -> None:
+    """Fields this server does not implement: 400 unless at their neutral value; unknown fields: ignored."""
     for name, value in body.items():
         if name in known:
             continue
@@ -103,8 +107,25 @@ def check_fields(body: dict, known: set[str], neutral: dict) -> None:
                 continue
             raise APIError(400, f"'{name}'={json.dumps(value)[:80]} is not supported by this server; "
                                 f"leave it out", param=name, code="unsupported_parameter")
-        raise APIError(400, f"Unrecognized request argument supplied: {name}", param=name,
-                       code="unknown_parameter")
+        warn_unknown_field(name)
+
+
+# Field names already warned about: one warning per name per process, as vLLM does. Bounded, so
+# that clients sending ever new names cannot grow it (or the log) without end.
+_warned_fields: set[str] = set()
+MAX_WARNED_FIELDS = 256
+
+
+def warn_unknown_field(name: str) -> None:
+    """An unknown request field is ignored (clients and frameworks send newer OpenAI fields), with
+    one logged warning per field name."""
+    if name in _warned_fields or len(_warned_fields) >= MAX_WARNED_FIELDS:
+        return
+    _warned_fields.add(name)
+    logger.warning("ignoring the unknown request field %r (warned once per field name)", name[:100])
+    if len(_warned_fields) == MAX_WARNED_FIELDS:
+        logger.warning("%d unknown field names seen: further ones are ignored without a warning",
+                       MAX_WARNED_FIELDS)
 
 
 def field_error(field: str, error: Exception, argument: str | None = None) -> APIError:
@@ -124,6 +145,11 @@ def field_error(field: str, error: Exception, argument: str | None = None) -> AP
     return APIError(400, message, param=field, code=code)
 
 
+def max_tokens_field_sent(body: dict, max_tokens_field: str) -> str:
+    """The field that carries max_tokens: max_tokens_field (chat: max_completion_tokens) if sent, else max_tokens."""
+    return max_tokens_field if body.get(max_tokens_field) is not None else "max_tokens"
+
+
 def sampling_params(body: dict, max_tokens_field: str, default_max_tokens: int,
                     max_tokens_limit: int | None) -> SamplingParams:
     """SamplingParams from the request's fields; SamplingParams is the one that checks them."""
@@ -131,7 +157,7 @@ def sampling_params(body: dict, max_tokens_field: str, default_max_tokens: int,
     if n is not MISSING and n != 1:
         raise APIError(400, f"'n'={n} is not supported: this server returns one choice (n=1)",
                        param="n", code="unsupported_value")
-    field = max_tokens_field if body.get(max_tokens_field) is not None else "max_tokens"
+    field = max_tokens_field_sent(body, max_tokens_field)
     max_tokens = expect(body, field, is_int, "an integer")  # compared with the limit below: an int first
     if max_tokens is MISSING:
         max_tokens = default_max_tokens if max_tokens_limit is None else min(default_max_tokens, max_tokens_limit)
@@ -164,10 +190,8 @@ def stream_options(body: dict) -> bool:
     if stream is not True:
         raise APIError(400, "'stream_options' is only allowed with stream=true", param="stream_options",
                        code="invalid_value")
-    unknown = set(options) - {"include_usage", "continuous_usage_stats"}
-    if unknown:
-        raise APIError(400, f"'stream_options': unknown field(s) {sorted(unknown)}", param="stream_options",
-                       code="unknown_parameter")
+    for name in sorted(set(options) - {"include_usage", "continuous_usage_stats"}):
+        warn_unknown_field(f"stream_options.{name}")  # e.g. newer OpenAI options: ignored, as top-level fields
     include = options.get("include_usage", False)
     if not isinstance(include, bool):
         raise APIError(400, "'stream_options.include_usage': expected a boolean",

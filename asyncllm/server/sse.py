@@ -25,21 +25,32 @@ class EventStreamResponse(StreamingResponse):
     """
 
     media_type = "text/event-stream"
+    KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: clients skip it
 
     def __init__(self, content: AsyncIterator, status_code: int = 200, headers: dict | None = None,
-                 on_close: Callable[[], Awaitable] | None = None):
+                 on_close: Callable[[], Awaitable] | None = None, keepalive_interval: float | None = None):
         """on_close: awaited last, in every case, even when the client left before the body started
-        (then the generator never ran, so its own finally never runs): pass the engine stream's aclose."""
+        (then the generator never ran, so its own finally never runs): pass the engine stream's aclose.
+        keepalive_interval: after this many seconds without an event, a comment line (KEEPALIVE)
+        is sent, so that proxies and clients with read timeouts do not drop a stream that waits
+        in the queue or behind a long prefill; None: never."""
+        if keepalive_interval is not None and not keepalive_interval > 0:
+            raise ValueError(f"keepalive_interval: expected a positive number of seconds or None, "
+                             f"got {keepalive_interval!r}")
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})}
         super().__init__(content, status_code=status_code, headers=headers)
         self.on_close = on_close
+        self.keepalive_interval = keepalive_interval
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             async with anyio.create_task_group() as tasks:
                 async def run_body() -> None:
                     try:
-                        await self.stream_response(send)
+                        if self.keepalive_interval is None:
+                            await self.stream_response(send)
+                        else:
+                            await self._stream_with_keepalive(send)
                     except (OSError, ClientDisconnect):  # the client is gone
                         pass
                     except Exception:  # noqa: BLE001 - the status line is sent; nothing to answer with
@@ -56,6 +67,55 @@ class EventStreamResponse(StreamingResponse):
                     await aclose()
                 if self.on_close is not None:
                     await self.on_close()
+
+    async def _stream_with_keepalive(self, send) -> None:
+        """stream_response, with a KEEPALIVE comment after each keepalive_interval without an event.
+        The body is iterated in this task only; a timer task sends the comments. Both run on one
+        event loop, so plain flags keep their sends apart: no lock, whose acquire would yield to
+        the loop once per chunk of every stream."""
+        interval = self.keepalive_interval
+        last_sent = anyio.current_time()
+        body_sending = False
+        keepalive_sent: anyio.Event | None = None  # set when the comment in flight has gone
+
+        async def send_chunk(chunk: bytes) -> None:
+            nonlocal last_sent, body_sending
+            while keepalive_sent is not None:
+                await keepalive_sent.wait()
+            body_sending = True
+            try:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            finally:
+                body_sending = False
+            last_sent = anyio.current_time()
+
+        async def keep_alive() -> None:
+            nonlocal last_sent, keepalive_sent
+            while True:
+                remaining = last_sent + interval - anyio.current_time()
+                if remaining > 0 or body_sending:  # a send held up by a slow client counts as activity
+                    await anyio.sleep(remaining if remaining > 0 else interval)
+                    continue
+                keepalive_sent = anyio.Event()
+                try:
+                    await send({"type": "http.response.body", "body": self.KEEPALIVE, "more_body": True})
+                    last_sent = anyio.current_time()
+                finally:
+                    keepalive_sent.set()
+                    keepalive_sent = None
+
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        try:
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(keep_alive)
+                async for chunk in self.body_iterator:
+                    await send_chunk(chunk if isinstance(chunk, (bytes, memoryview)) else chunk.encode(self.charset))
+                tasks.cancel_scope.cancel()
+        except BaseExceptionGroup as group:  # the task group wraps even one error: raise it as stream_response would
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def sse(data) -> str:
