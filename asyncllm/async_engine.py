@@ -335,7 +335,7 @@ class AsyncLLMEngine:
             if event.request_finished:
                 del self._channels[event.seq.request_id]
             waiting = channel.put_quietly(event.new_token_ids, event.finish_reason, None, event.seq.index,
-                                          event.logprobs, event.stop_reason)
+                                          event.logprobs, event.stop_reason, event.prompt_logprobs)
             if waiting is not None:
                 waker, waiter = waiting
                 to_wake.setdefault(waker, []).append(waiter)

@@ -128,5 +128,9 @@ class LLM:
         token_logprobs = logprobs.get(key)
         if token_logprobs is not None:
             decode_logprobs(self.tokenizer, token_logprobs)
-        return {"text": text, "token_ids": seq.completion_token_ids, "finish_reason": finish_reason,
-                "index": seq.index, "stop_reason": stop_reason, "logprobs": token_logprobs}
+        output = {"text": text, "token_ids": seq.completion_token_ids, "finish_reason": finish_reason,
+                  "index": seq.index, "stop_reason": stop_reason, "logprobs": token_logprobs}
+        if seq.prompt_logprobs is not None:
+            decode_logprobs(self.tokenizer, seq.prompt_logprobs[1:])
+            output["prompt_logprobs"] = seq.prompt_logprobs
+        return output

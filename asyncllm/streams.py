@@ -41,6 +41,8 @@ class StreamOutput:
     index: int = 0  # which of the request's n sequences
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the request asked
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (EOS: None)
+    # prompt_logprobs: with the first item of index 0, one entry per prompt token (None for the first)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -54,7 +56,7 @@ class RequestResult:
     index: int = 0
     logprobs: list[TokenLogprob] | None = None
     stop_reason: int | str | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # not produced yet (prompt_logprobs is refused)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked: one per prompt token (None for the first)
 
 
 @dataclass
@@ -65,6 +67,7 @@ class SequenceDelta:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     stop_reason: int | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def _current_loop_waiter() -> tuple[Callable[[Callable[[], None]], None], object]:
@@ -120,15 +123,17 @@ class RequestChannel:
 
     # engine thread
     def put(self, token_ids: list[int], finish_reason: str | None, error: BaseException | None = None,
-            index: int | None = None, logprobs: list[TokenLogprob] | None = None, stop_reason: int | None = None) -> None:
-        waiting = self.put_quietly(token_ids, finish_reason, error, index, logprobs, stop_reason)
+            index: int | None = None, logprobs: list[TokenLogprob] | None = None, stop_reason: int | None = None,
+            prompt_logprobs: list | None = None) -> None:
+        waiting = self.put_quietly(token_ids, finish_reason, error, index, logprobs, stop_reason, prompt_logprobs)
         if waiting is not None:
             waker, waiter = waiting
             wake({waker: [waiter]})
 
     def put_quietly(self, token_ids: list[int], finish_reason: str | None, error: BaseException | None = None,
                     index: int | None = None, logprobs: list[TokenLogprob] | None = None,
-                    stop_reason: int | None = None) -> tuple[Callable, object] | None:
+                    stop_reason: int | None = None, prompt_logprobs: list | None = None,
+                    ) -> tuple[Callable, object] | None:
         """Hand over one sequence's tokens (index None: an ending for every sequence still open);
         returns (its loop's waker, waiter) if the consumer is waiting (the caller wakes it)."""
         with self._lock:
@@ -147,6 +152,8 @@ class RequestChannel:
                     delta.token_ids.extend(token_ids)
                     if logprobs is not None:
                         delta.logprobs = (delta.logprobs or []) + logprobs
+                    if prompt_logprobs is not None:
+                        delta.prompt_logprobs = prompt_logprobs
                     if finish_reason is not None:
                         delta.finish_reason, delta.stop_reason = finish_reason, stop_reason
                         self._open[i] = False
@@ -203,6 +210,7 @@ class RequestStream:
         self.request_id = channel.request_id
         self.prompt_token_ids = prompt_token_ids
         self.finish_reason: str | None = None  # set once every sequence has finished
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -227,7 +235,7 @@ class RequestStream:
         """Sequence index's result, once it has finished (text: its whole text)."""
         seq = self._sequences[index]
         return RequestResult(self.request_id, text, seq.token_ids, seq.finish_reason, self.metrics,
-                             self.prompt_token_ids, index, seq.logprobs, seq.stop_reason)
+                             self.prompt_token_ids, index, seq.logprobs, seq.stop_reason, self.prompt_logprobs)
 
     @property
     def metrics(self) -> RequestMetrics | None:
@@ -262,6 +270,9 @@ class RequestStream:
         if delta.logprobs is not None:
             decode_logprobs(assembler.tokenizer, delta.logprobs)
             seq.logprobs = (seq.logprobs or []) + delta.logprobs
+        if delta.prompt_logprobs is not None:
+            decode_logprobs(assembler.tokenizer, delta.prompt_logprobs[1:])
+            self.prompt_logprobs = delta.prompt_logprobs
         text = assembler.add(token_ids)
         if assembler.stopped and finish_reason is None:
             self._finish(self.request_id, "stop", self._channel, delta.index)
@@ -276,7 +287,7 @@ class RequestStream:
             if self._num_open == 0:
                 self.finish_reason = finish_reason
         return StreamOutput(self.request_id, text, token_ids, finish_reason, delta.index, delta.logprobs,
-                            seq.stop_reason)
+                            seq.stop_reason, delta.prompt_logprobs)
 
     def _abort(self) -> None:
         if self.finish_reason is None:

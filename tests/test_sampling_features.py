@@ -220,3 +220,24 @@ def test_n_with_preemption_and_a_small_cache(tiny_qwen3):
     assert len(outs) == 4 and all(len(o["token_ids"]) == 24 for o in outs)
     assert len({tuple(o["token_ids"]) for o in outs}) == 1  # greedy: four equal answers
     assert llm.core.scheduler.num_preemptions > 0
+
+
+# ---- prompt_logprobs ------------------------------------------------------------------------------
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_prompt_logprobs_are_hf_log_softmax(tiny_qwen3, hf_model, overlap):
+    # small chunks and a prefix already cached: every prompt position is still scored, once
+    llm = LLM(tiny_qwen3, kvcache_block_size=16, num_kvcache_blocks=64, max_num_batched_tokens=32,
+              overlap_scheduling=overlap)
+    run(llm, PROMPTS, SamplingParams(max_tokens=2))  # fills the prefix cache
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=3, n=2)
+    outputs = run(llm, PROMPTS, params)
+    for prompt, outs in zip(PROMPTS, outputs):
+        scored = outs[0]["prompt_logprobs"]
+        assert "prompt_logprobs" not in outs[1]  # the prompt is scored once, with the first sequence
+        with torch.inference_mode():
+            expected = hf_model(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)
+        assert len(scored) == len(prompt) and scored[0] is None
+        for position, entry in enumerate(scored[1:]):
+            assert entry.token_id == prompt[position + 1]
+            assert entry.logprob == pytest.approx(expected[position, prompt[position + 1]].item(), abs=1e-4)
+            assert [t for t, _ in entry.top] == expected[position].topk(3).indices.tolist()

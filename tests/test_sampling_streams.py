@@ -96,3 +96,13 @@ async def test_stop_string_ends_only_its_sequence_and_reports_stop_reason(tiny_q
             assert result.finish_reason == "stop" and result.stop_reason == stop_id
             assert result.token_ids == plain.token_ids[:5]
             await idle(engine)
+
+
+async def test_generate_returns_prompt_logprobs(tiny_qwen3, overlap):
+    with anyio.fail_after(TIMEOUT):
+        async with AsyncLLMEngine(tiny_qwen3, overlap_scheduling=overlap, **ENGINE_KW) as engine:
+            result = await engine.generate(PROMPT, SamplingParams(max_tokens=2, prompt_logprobs=1, logprobs=1))
+            assert len(result.prompt_logprobs) == len(PROMPT) and result.prompt_logprobs[0] is None
+            assert [e.token_id for e in result.prompt_logprobs[1:]] == PROMPT[1:]
+            assert all(isinstance(e.token, str) and len(e.top) == 1 for e in result.prompt_logprobs[1:])
+            await idle(engine)

@@ -34,6 +34,7 @@ class StepEvent:
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked
     stop_reason: int | None = None  # the stop token id that ended it (EOS: None, as vLLM)
     request_finished: bool = False  # every sequence of the request has finished (n == 1: finish_reason set)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first token, when the request asked
 
 
 def check_text(text: str, argument: str) -> None:
@@ -136,8 +137,6 @@ class EngineCore:
             self.check_token_ids(list(params.logit_bias), "SamplingParams.logit_bias")
         if params.allowed_token_ids is not None:
             self.check_token_ids(params.allowed_token_ids, "SamplingParams.allowed_token_ids")
-        if params.prompt_logprobs is not None:
-            raise ValueError("SamplingParams.prompt_logprobs: not supported yet by this engine")
         if len(prompt_token_ids) >= self.max_seq_len:
             what = "max_model_len" if self.max_seq_len == self.config.max_model_len else "the KV cache's capacity"
             raise PromptTooLongError(f"{argument}: {len(prompt_token_ids)} tokens leave no room to generate within "
@@ -177,7 +176,9 @@ class EngineCore:
             seed = params.seed
             if seed is not None:  # each sequence its own stream, reproducible: seed + index (wrapped)
                 seed = seed + index if seed + index < 1 << 64 else seed + index - (1 << 64)
-            params = dataclasses.replace(params, n=1, seed=seed)
+            # the first sequence alone computes the prompt, and scores it if asked
+            params = dataclasses.replace(params, n=1, seed=seed,
+                                         prompt_logprobs=params.prompt_logprobs if index == 0 else None)
         seq = Sequence(request_id, prompt_token_ids, params, self.config.kvcache_block_size, self.max_seq_len)
         seq.index = index
         if params.min_tokens:
@@ -289,6 +290,9 @@ class EngineCore:
         if len(token_ids) != len(sampling):  # a runner bug; caught here, not as a wrong token for someone
             raise RuntimeError(f"the step sampled {len(token_ids)} tokens for {len(sampling)} sampling rows")
         self.num_steps += 1
+        prompt_logprobs = launched.prompt_logprobs()
+        if prompt_logprobs is not None:
+            self._add_prompt_logprobs(launched.prompt_plan, prompt_logprobs)
         logprobs = launched.logprobs()
         if logprobs is not None:
             logprobs = self._token_logprobs(launched.logprob_ks, token_ids, logprobs)
@@ -315,8 +319,22 @@ class EngineCore:
                     event.stop_reason = token_id
             if logprobs is not None and logprobs[row] is not None:
                 event.logprobs = [logprobs[row]]
+            if seq.prompt_logprobs is not None and item.token_index == seq.num_prompt_tokens:
+                event.prompt_logprobs = seq.prompt_logprobs
             events.append(event)
         return events
+
+    @staticmethod
+    def _add_prompt_logprobs(plan, host) -> None:
+        """Append the prompt positions' scores to their sequences' prompt_logprobs."""
+        chosen, ranks, top_ids, top_logprobs = host
+        row = 0
+        for seq, count, k in plan.spans:
+            if not seq.is_finished:
+                seq.prompt_logprobs.extend(
+                    TokenLogprob(plan.targets[j], chosen[j], ranks[j], list(zip(top_ids[j][:k], top_logprobs[j][:k])))
+                    for j in range(row, row + count))
+            row += count
 
     @staticmethod
     def _token_logprobs(ks: list[int], token_ids: list[int], host) -> list[TokenLogprob | None]:

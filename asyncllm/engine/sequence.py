@@ -60,6 +60,11 @@ class Sequence:
         # set by the engine when the request is added: what the sampler bans for it
         self.early_stop_ids: list[int] = []  # EOS and stop ids, banned while under min_tokens
         self.bad_word_ids: list[list[int]] = []  # each bad word's token ids (with and without a leading space)
+        # prompt_logprobs: one entry per prompt token (None for the first, which nothing scores), filled
+        # in as prefill steps resolve; the runner's count of positions already planned in a step
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
+        self.num_prompt_logprobs_planned = 0
+        self.adjusts_logits = params.adjusts_logits  # fixed for its life: the sampler asks every step
 
     def __len__(self) -> int:
         return len(self.token_ids)

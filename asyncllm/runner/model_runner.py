@@ -17,10 +17,10 @@ from asyncllm.runner.cuda_graph import CudaGraphRunner
 from asyncllm.distributed import get_tp_size
 from asyncllm.engine.scheduler import SchedulerOutput
 from asyncllm.engine.sequence import PENDING_TOKEN
-from asyncllm.layers.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingTensors
+from asyncllm.layers.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingTensors, gather_logprobs
 from asyncllm.models.checkpoint import iter_safetensors, load_weights
 from asyncllm.models.registry import create_model
-from asyncllm.runner.sampling_inputs import SamplingInputs
+from asyncllm.runner.sampling_inputs import PromptLogprobsPlan, SamplingInputs, plan_prompt_logprobs
 from asyncllm.runner.tp_protocol import agree_on_min
 
 logger = logging.getLogger("asyncllm")
@@ -67,14 +67,15 @@ class LaunchedStep:
     device for the next step to read, and are copied to the host without blocking it (with the
     log-probabilities of the rows that asked)."""
 
-    def __init__(self, sched: SchedulerOutput, output: SamplerOutput, logprob_ks: list[int] | None = None):
+    def __init__(self, sched: SchedulerOutput, output: SamplerOutput, logprob_ks: list[int] | None = None,
+                 prompt_logprobs: LogprobsTensors | None = None, prompt_plan: PromptLogprobsPlan | None = None):
         self.sched = sched
         self.sampled = output.token_ids  # (S,) int64, on the device
         self.logprob_ks = logprob_ks  # per sampling row: the top-k it asked for, -1 none; None: no row asked
+        self.prompt_plan = prompt_plan  # the prompt positions scored in this step, if any
         self._host = _to_host(self.sampled)
-        lp = output.logprobs
-        self._host_logprobs = None if lp is None else LogprobsTensors(*map(_to_host, (
-            lp.chosen, lp.ranks, lp.top_ids, lp.top_logprobs)))
+        self._host_logprobs, self._host_prompt_logprobs = (None if lp is None else LogprobsTensors(*map(_to_host, (
+            lp.chosen, lp.ranks, lp.top_ids, lp.top_logprobs))) for lp in (output.logprobs, prompt_logprobs))
         self._copied = None
         if self.sampled.device.type == "cuda":
             self._copied = torch.cuda.Event()
@@ -93,6 +94,15 @@ class LaunchedStep:
         if self._copied is not None:
             self._copied.synchronize()
         lp = self._host_logprobs
+        return lp.chosen.tolist(), lp.ranks.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist()
+
+    def prompt_logprobs(self) -> tuple[list[float], list[int], list[list[int]], list[list[float]]] | None:
+        """The same for the prompt positions of prompt_plan, in its row order."""
+        if self._host_prompt_logprobs is None:
+            return None
+        if self._copied is not None:
+            self._copied.synchronize()
+        lp = self._host_prompt_logprobs
         return lp.chosen.tolist(), lp.ranks.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist()
 
 
@@ -330,6 +340,10 @@ class ModelRunner:
         """Queue one step's forward and sampling. Inputs still PENDING_TOKEN are the ids prev sampled:
         they are filled in on the device, so the host never waits for prev."""
         inputs, pending_at, pending_rows = self.build_inputs(sched)
+        num_sampling = len(inputs.logits_indices)
+        prompt_plan = plan_prompt_logprobs(sched.scheduled)
+        if prompt_plan is not None:  # prompt positions' logits too, after the sampling rows
+            inputs.logits_indices = np.concatenate([inputs.logits_indices, prompt_plan.token_rows])
         if len(pending_at):
             assert prev is not None, "a pending token without the step that samples it"
         if self.workers is not None:
@@ -344,8 +358,14 @@ class ModelRunner:
                 at, rows = extra
                 batch.input_ids[at] = prev.sampled[rows]
             logits = self._forward(batch)
+        prompt_logprobs = None
+        if prompt_plan is not None:
+            targets = torch.tensor(prompt_plan.targets, dtype=torch.int64).to(self.device, non_blocking=True)
+            prompt_logprobs = gather_logprobs(logits[num_sampling:].float().log_softmax(dim=-1), targets,
+                                              prompt_plan.num_top)
+            logits = logits[:num_sampling]
         sampling, logprob_ks = self.prepare_sampling(sched)
-        return LaunchedStep(sched, self.sampler(logits, sampling), logprob_ks)
+        return LaunchedStep(sched, self.sampler(logits, sampling), logprob_ks, prompt_logprobs, prompt_plan)
 
     def release_cuda_graphs(self) -> None:
         """Drop the CUDA graphs (and their memory); later steps run eagerly."""

@@ -7,11 +7,47 @@ row asks builds nothing more than before. Penalties keep each sequence's token c
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
+from asyncllm.engine.scheduler import ScheduledSeq
 from asyncllm.engine.sequence import PENDING_TOKEN, Sequence
 from asyncllm.layers.logits_adjustments import LogitsAdjustments, TokenCounts
 from asyncllm.layers.sampler import SamplingTensors
+
+
+@dataclass
+class PromptLogprobsPlan:
+    """The prompt positions of one step whose logits give prompt log-probabilities: position p's
+    logits score prompt token p + 1."""
+    token_rows: np.ndarray  # (R,) int64: their rows among the step's tokens
+    targets: list[int]  # (R,) the prompt tokens they score
+    spans: list[tuple[Sequence, int, int]]  # (sequence, rows, top-k asked), in row order
+    num_top: int
+
+
+def plan_prompt_logprobs(scheduled: list[ScheduledSeq]) -> PromptLogprobsPlan | None:
+    """The step's prompt positions not yet scored for requests with prompt_logprobs (a preempted
+    request recomputing its prompt is not scored twice); None when there are none."""
+    rows, targets, spans, offset = [], [], [], 0
+    for item in scheduled:
+        seq = item.seq
+        k = seq.params.prompt_logprobs
+        if k is not None:
+            start = seq.num_computed_tokens
+            lo = max(start, seq.num_prompt_logprobs_planned)
+            hi = min(start + item.num_tokens, seq.num_prompt_tokens - 1)
+            if hi > lo:
+                rows.extend(range(offset + lo - start, offset + hi - start))
+                targets.extend(seq.token_ids[lo + 1:hi + 1])
+                spans.append((seq, hi - lo, k))
+                seq.num_prompt_logprobs_planned = hi
+        offset += item.num_tokens
+    if not rows:
+        return None
+    return PromptLogprobsPlan(np.asarray(rows, dtype=np.int64), targets, spans, max(k for _, _, k in spans))
 
 
 class SamplingInputs:
@@ -34,7 +70,7 @@ class SamplingInputs:
                     seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed)
                 seeded_rows.append((row, seq.generator))
         tensors = SamplingTensors.build(params, self.vocab_size, self.device, seeded_rows)
-        if any(p.adjusts_logits for p in params):
+        if any(seq.adjusts_logits for seq in seqs):
             tensors.adjustments = self._adjustments(seqs)
         logprob_ks = None
         if any(p.logprobs is not None for p in params):
@@ -49,9 +85,9 @@ class SamplingInputs:
         ban_rows, ban_tokens = [], []
         allow_rows, allow_pair_rows, allow_pair_tokens = [], [], []
         for row, seq in enumerate(seqs):
-            p = seq.params
-            if not p.adjusts_logits:
+            if not seq.adjusts_logits:
                 continue
+            p = seq.params
             if p.uses_penalties:
                 if seq.penalty_slot is None:
                     outputs = [t for t in seq.completion_token_ids if t != PENDING_TOKEN]
