@@ -1,7 +1,6 @@
 """Per-request generation settings."""
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -187,10 +186,8 @@ class SamplingParams:
     def snapshot(self) -> "SamplingParams":
         """A validated copy that owns its lists: what a request keeps, so that changing these
         params after submission cannot reach the engine thread."""
-        return dataclasses.replace(self, stop_token_ids=list(self.stop_token_ids), stop=list(self.stop),
-                                   logit_bias=copy.copy(self.logit_bias),
-                                   allowed_token_ids=copy.copy(self.allowed_token_ids),
-                                   bad_words=copy.copy(self.bad_words))
+        # __post_init__ validates again and rebuilds every container (lists, the logit_bias dict)
+        return dataclasses.replace(self)
 
     @property
     def adjusts_logits(self) -> bool:
