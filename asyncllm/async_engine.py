@@ -348,7 +348,7 @@ class AsyncLLMEngine:
         if metrics.queue_time is None and seq.first_scheduled_time is not None:
             metrics.queue_time = seq.first_scheduled_time - metrics.arrival_time
             metrics.num_cached_tokens = seq.num_cached_prompt_tokens
-        if num_new_tokens:
+        if num_new_tokens and seq.index == 0:  # n > 1: token timing follows the first sequence
             if metrics.time_to_first_token is None:
                 metrics.time_to_first_token = now - metrics.arrival_time
             else:
