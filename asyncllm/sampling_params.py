@@ -58,7 +58,8 @@ class SamplingParams:
     # Hugging Face's: a token in the prompt or the output has its logit divided by this when
     # positive, multiplied when negative; 1 = off
     repetition_penalty: float = 1.0
-    # EOS and stop_token_ids cannot end the output before this many tokens
+    # EOS and stop_token_ids cannot end the output before this many tokens (unlike vLLM, a stop
+    # string still can)
     min_tokens: int = 0
     # token id -> value added to its logit (OpenAI's logit_bias; -100 bans, +100 nearly forces)
     logit_bias: dict[int, float] | None = None
@@ -66,7 +67,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     # words that must not be generated (encoded by the engine, with and without a leading space)
     bad_words: list[str] | None = None
-    skip_special_tokens: bool = True
+    skip_special_tokens: bool = True  # leave special tokens out of the text
+    # accepted for vLLM compatibility; the fast tokenizers this engine loads decode the same either way
     spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
