@@ -64,7 +64,9 @@ class Sequence:
         # in as prefill steps resolve; the runner's count of positions already planned in a step
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         self.num_prompt_logprobs_planned = 0
-        self.adjusts_logits = params.adjusts_logits  # fixed for its life: the sampler asks every step
+        # fixed for its life: the sampler asks every step (plain requests answer one question)
+        self.adjusts_logits = params.adjusts_logits
+        self.needs_sampling_extras = self.adjusts_logits or params.logprobs is not None
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -70,6 +70,8 @@ class SamplingInputs:
                     seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed)
                 seeded_rows.append((row, seq.generator))
         tensors = SamplingTensors.build(params, self.vocab_size, self.device, seeded_rows)
+        if not any(seq.needs_sampling_extras for seq in seqs):
+            return tensors, None
         if any(seq.adjusts_logits for seq in seqs):
             tensors.adjustments = self._adjustments(seqs)
         logprob_ks = None
