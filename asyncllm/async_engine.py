@@ -152,24 +152,27 @@ class AsyncLLMEngine:
         return self._core.encode_prompt(token_ids, "messages")
 
     async def generate(self, prompt, sampling_params: SamplingParams | None = None, *,
-                       request_id: str | None = None) -> RequestResult:
+                       request_id: str | None = None) -> RequestResult | list[RequestResult]:
+        """The whole answer: a RequestResult, or with n > 1 a list of n of them, in index order."""
         self._check_alive()
         # no consumer sees the deltas: decode the text once at the end unless stop strings need it
         stream = self._submit(self._core.encode_prompt(prompt), sampling_params, request_id,
                               incremental_text=False)
-        text_parts = []
+        text_parts: dict[int, list[str]] = {}
         async for out in stream:
-            text_parts.append(out.text)
-        return RequestResult(stream.request_id, "".join(text_parts), stream.token_ids, stream.finish_reason,
-                             stream.metrics, stream.prompt_token_ids)
+            text_parts.setdefault(out.index, []).append(out.text)
+        results = [stream.result(i, "".join(text_parts.get(i, ()))) for i in range(stream.num_sequences)]
+        return results[0] if len(results) == 1 else results
 
     def abort(self, request_id: str) -> None:
         """Abort a request; its blocks are free before the next step. Unknown or finished ids: no-op."""
-        self._post(("finish", request_id, "abort", None))
+        self._post(("finish", request_id, "abort", None, None))
 
-    def _finish(self, request_id: str, reason: str, channel: RequestChannel | None = None) -> None:
-        # with its channel, a stream ends only its own request, never another one that has its id
-        self._post(("finish", request_id, reason, channel))
+    def _finish(self, request_id: str, reason: str, channel: RequestChannel | None = None,
+                index: int | None = None) -> None:
+        # with its channel, a stream ends only its own request, never another one that has its id;
+        # index ends one of its n sequences (a stop string), None all of them
+        self._post(("finish", request_id, reason, channel, index))
 
     def _submit(self, prompt_token_ids: list[int], params: SamplingParams | None, request_id: str | None,
                 argument: str = "prompt", incremental_text: bool = True):
@@ -184,9 +187,11 @@ class AsyncLLMEngine:
             if limit and queued >= limit:
                 raise QueueFullError(f"{limit} requests are already queued (max_queued_requests); retry later")
         # without incremental text and stop strings nobody looks at the tokens before the end
-        channel = RequestChannel(request_id, wake_on_finish_only=not incremental_text and not params.stop)
-        assembler = TextAssembler(self._core.tokenizer, prompt_token_ids, params, incremental=incremental_text)
-        stream = RequestStream(self._finish, channel, assembler, prompt_token_ids)
+        channel = RequestChannel(request_id, wake_on_finish_only=not incremental_text and not params.stop,
+                                 num_sequences=params.n)
+        assemblers = [TextAssembler(self._core.tokenizer, prompt_token_ids, params, incremental=incremental_text)
+                      for _ in range(params.n)]
+        stream = RequestStream(self._finish, channel, assemblers, prompt_token_ids)
         self._post(("add", channel, prompt_token_ids, params))
         return stream
 
@@ -300,21 +305,24 @@ class AsyncLLMEngine:
             channel.metrics = RequestMetrics(arrival_time=seq.arrival_time, num_prompt_tokens=len(prompt_token_ids))
             self._channels[channel.request_id] = channel
         elif kind == "finish":
-            _, request_id, reason, channel = command
+            _, request_id, reason, channel, index = command
             if request_id in self._channels and (channel is None or channel is self._channels[request_id]):
-                self._end(request_id, reason)
+                self._end(request_id, reason, index)
 
-    def _end(self, request_id: str, reason: str) -> None:
-        seq = self._core.finish_request(request_id, reason)
-        channel = self._channels.pop(request_id)
+    def _end(self, request_id: str, reason: str, index: int | None = None) -> None:
+        """End a request (index None) or one of its n sequences."""
+        seq = self._core.finish_request(request_id, reason, index)
+        channel = self._channels[request_id]
+        if seq is None or seq.request_finished:
+            del self._channels[request_id]
         if seq is not None:
             self._record(channel, seq, time.monotonic(), 0)
-        self._endings.append((channel, reason))  # sent once the stats show the request gone
+        self._endings.append((channel, reason, index))  # sent once the stats show the request gone
 
     def _send_endings(self) -> None:
         endings, self._endings = self._endings, []
-        for channel, reason in endings:
-            channel.put([], reason)
+        for channel, reason, index in endings:
+            channel.put([], reason, index=index)
 
     def _deliver(self, events) -> None:
         now = time.monotonic()
@@ -324,9 +332,10 @@ class AsyncLLMEngine:
             if channel is None:
                 continue
             self._record(channel, event.seq, now, len(event.new_token_ids))
-            if event.finish_reason is not None:
+            if event.request_finished:
                 del self._channels[event.seq.request_id]
-            waiting = channel.put_quietly(event.new_token_ids, event.finish_reason)
+            waiting = channel.put_quietly(event.new_token_ids, event.finish_reason, None, event.seq.index,
+                                          event.logprobs, event.stop_reason, event.prompt_logprobs)
             if waiting is not None:
                 waker, waiter = waiting
                 to_wake.setdefault(waker, []).append(waiter)
@@ -339,13 +348,14 @@ class AsyncLLMEngine:
         if metrics.queue_time is None and seq.first_scheduled_time is not None:
             metrics.queue_time = seq.first_scheduled_time - metrics.arrival_time
             metrics.num_cached_tokens = seq.num_cached_prompt_tokens
-        if num_new_tokens:
+        if num_new_tokens and seq.index == 0:  # n > 1: token timing follows the first sequence
             if metrics.time_to_first_token is None:
                 metrics.time_to_first_token = now - metrics.arrival_time
             else:
                 metrics.inter_token_latencies.append(now - channel.last_token_time)
             channel.last_token_time = now
-        metrics.num_completion_tokens = seq.num_completion_tokens
+        metrics.num_completion_tokens = seq.num_completion_tokens if seq.group is None else \
+            sum(s.num_completion_tokens for s in seq.group)
         metrics.num_preemptions = seq.num_preemptions
         metrics.e2e_latency = now - metrics.arrival_time
 

@@ -19,7 +19,15 @@ except ImportError:  # tokenizers < 0.20.4
 _CONTEXT_TOKENS = 5
 
 
-def _decode_stream(tokenizer, context_ids: list[int]):
+def decode_logprobs(tokenizer, logprobs) -> None:
+    """Fill in the text of each TokenLogprob's token and top tokens (each token decoded alone)."""
+    for entry in logprobs:
+        ids = [entry.token_id, *(token_id for token_id, _ in entry.top)]
+        texts = tokenizer.batch_decode([[token_id] for token_id in ids])
+        entry.token, entry.top_tokens = texts[0], texts[1:]
+
+
+def _decode_stream(tokenizer, context_ids: list[int], skip_special_tokens: bool = True):
     """A DecodeStream primed with context_ids that gives exactly what the Python path below gives
     (the same release rule, in Rust), or None where it cannot."""
     backend = getattr(tokenizer, "backend_tokenizer", None)  # fast tokenizers only
@@ -27,10 +35,10 @@ def _decode_stream(tokenizer, context_ids: list[int]):
     if DecodeStream is None or backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return None
     # a prompt ending mid-character: DecodeStream would release the context's text with the output
-    if context_ids and tokenizer.decode(context_ids, skip_special_tokens=True).endswith("\ufffd"):
+    if context_ids and tokenizer.decode(context_ids, skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
         return None
     try:
-        return DecodeStream(ids=context_ids, skip_special_tokens=True)
+        return DecodeStream(ids=context_ids, skip_special_tokens=skip_special_tokens)
     except TypeError:  # tokenizers < 0.22: no ids= (and no steps of several ids)
         return None
 
@@ -38,14 +46,16 @@ def _decode_stream(tokenizer, context_ids: list[int]):
 class IncrementalDetokenizer:
     """Releases the text of the tokens added, each character once its last byte has arrived."""
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], decode_stream: bool = True):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], decode_stream: bool = True,
+                 skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         # the tokens of the text released last (first the context), then those not released yet:
         # the new text is the decode of all of them minus the decode of the first ones
         self.window = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.num_released_in_window = len(self.window)
         # False: decode in Python with tokenizer.decode (the reference the Rust path is tested against)
-        self._stream = _decode_stream(tokenizer, self.window) if decode_stream else None
+        self._stream = _decode_stream(tokenizer, self.window, skip_special_tokens) if decode_stream else None
 
     def add(self, new_token_ids: list[int]) -> str:
         """Text made final by these tokens."""
@@ -74,9 +84,9 @@ class IncrementalDetokenizer:
         return full_text[len(prefix_text):] if full_text.startswith(prefix_text) else ""
 
     def _decode_window(self) -> tuple[str, str]:
-        decode = self.tokenizer.decode
-        return (decode(self.window[:self.num_released_in_window], skip_special_tokens=True),
-                decode(self.window, skip_special_tokens=True))
+        decode, skip = self.tokenizer.decode, self.skip_special_tokens
+        return (decode(self.window[:self.num_released_in_window], skip_special_tokens=skip),
+                decode(self.window, skip_special_tokens=skip))
 
     def _next_window(self) -> None:
         """The tokens not released yet were just released (DecodeStream moves on the same way)."""
@@ -135,7 +145,9 @@ class TextAssembler:
     """One request's text: detokenizes, finds stop strings, decides what can be shown yet."""
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams, incremental: bool = True):
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+        self.tokenizer = tokenizer
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids,
+                                                  skip_special_tokens=params.skip_special_tokens)
         # a caller that wants only the final text (and has no stop strings) skips per-step decoding
         self.incremental = incremental or bool(params.stop)
         self._undecoded: list[int] = []
@@ -147,6 +159,7 @@ class TextAssembler:
         self._held = ""  # final text that could be the start of a stop string
         self.num_released = 0  # chars handed out
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the text
 
     @property
     def text(self) -> str:
@@ -192,6 +205,7 @@ class TextAssembler:
             index, stop = stop_at
             self._held = pending[:index + len(stop) if self.include_stop else index]
             self.stopped = True
+            self.stop_string = stop
             return self._release(len(self._held))
         self._held = pending
         return self._release(len(pending) if final else len(pending) - hold_back)

@@ -6,7 +6,7 @@ import weakref
 
 from tqdm.auto import tqdm
 
-from asyncllm.detokenizer import TextAssembler
+from asyncllm.detokenizer import TextAssembler, decode_logprobs
 from asyncllm.engine.core import EngineCore
 from asyncllm.engine.options import make_config
 from asyncllm.sampling_params import SamplingParams
@@ -56,18 +56,24 @@ class LLM:
         self.close()
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[dict]:
+                 use_tqdm: bool = True) -> list[dict | list[dict]]:
+        """One dict per prompt ({"text", "token_ids", "finish_reason", "index", "stop_reason",
+        "logprobs"}); a prompt whose params have n > 1 gets a list of n such dicts, in index order."""
         prompts = normalize_prompts(prompts)
         params = normalize_params(sampling_params, len(prompts))
         token_lists = [self.core.encode_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         # all checked before any is queued; each request keeps its checked snapshot
         params = [self.core.check_request(ids, p, f"prompts[{i}]")
                   for i, (ids, p) in enumerate(zip(token_lists, params))]
-        seqs = [self.core.add_checked_request(ids, p) for ids, p in zip(token_lists, params)]
-        assemblers = {s.request_id: TextAssembler(self.tokenizer, s.token_ids, s.params)
+        leaders = [self.core.add_checked_request(ids, p) for ids, p in zip(token_lists, params)]
+        seqs = [seq for leader in leaders for seq in (leader.group or [leader])]
+        # per sequence: (request id, index) -> its text assembler (stop strings) and log-probs
+        assemblers = {(s.request_id, s.index): TextAssembler(self.tokenizer, s.token_ids, s.params)
                       for s in seqs if s.params.stop}
-        pending = {s.request_id for s in seqs}
-        bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        logprobs = {(s.request_id, s.index): [] for s in seqs if s.params.logprobs is not None}
+        stop_reasons = {}
+        pending = {s.request_id for s in leaders}
+        bar = tqdm(total=len(leaders), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         try:
             while pending:
                 start = time.perf_counter()
@@ -75,14 +81,19 @@ class LLM:
                 elapsed = time.perf_counter() - start
                 for event in events:
                     seq = event.seq
-                    assembler = assemblers.get(seq.request_id)
+                    key = (seq.request_id, seq.index)
+                    if event.logprobs is not None:
+                        logprobs[key].extend(event.logprobs)
+                    assembler = assemblers.get(key)
                     finish = event.finish_reason
                     if assembler is not None:
                         assembler.add(event.new_token_ids)
                         if assembler.stopped and finish is None:
-                            self.core.finish_request(seq.request_id, "stop")
+                            self.core.finish_request(seq.request_id, "stop", seq.index)
                             finish = "stop"
-                    if finish is not None and seq.request_id in pending:
+                    if finish is not None:
+                        stop_reasons[key] = event.stop_reason
+                    if seq.request_finished and seq.request_id in pending:
                         pending.discard(seq.request_id)
                         bar.update(1)
                 if use_tqdm and self.core.last_step is not None:
@@ -95,14 +106,31 @@ class LLM:
                 self.core.finish_request(request_id)
             bar.close()
         outputs = []
-        for seq in seqs:
-            assembler = assemblers.get(seq.request_id)
-            finish_reason = seq.finish_reason
-            if assembler is not None:
-                assembler.finish()
-                text = assembler.text
-                finish_reason = assembler.finish_reason(finish_reason)
-            else:
-                text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True)
-            outputs.append({"text": text, "token_ids": seq.completion_token_ids, "finish_reason": finish_reason})
+        for leader in leaders:
+            results = [self._output(seq, assemblers, logprobs, stop_reasons) for seq in leader.group or [leader]]
+            outputs.append(results[0] if len(results) == 1 else results)
         return outputs
+
+    def _output(self, seq, assemblers: dict, logprobs: dict, stop_reasons: dict) -> dict:
+        """One sequence's result: nano-vllm's text and token_ids, and what asyncllm adds."""
+        key = (seq.request_id, seq.index)
+        assembler = assemblers.get(key)
+        finish_reason = seq.finish_reason
+        stop_reason = stop_reasons.get(key)
+        if assembler is not None:
+            assembler.finish()
+            text = assembler.text
+            finish_reason = assembler.finish_reason(finish_reason)
+            if assembler.stopped:
+                stop_reason = assembler.stop_string
+        else:
+            text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+        token_logprobs = logprobs.get(key)
+        if token_logprobs is not None:
+            decode_logprobs(self.tokenizer, token_logprobs)
+        output = {"text": text, "token_ids": seq.completion_token_ids, "finish_reason": finish_reason,
+                  "index": seq.index, "stop_reason": stop_reason, "logprobs": token_logprobs}
+        if seq.prompt_logprobs is not None:
+            decode_logprobs(self.tokenizer, seq.prompt_logprobs[1:])
+            output["prompt_logprobs"] = seq.prompt_logprobs
+        return output

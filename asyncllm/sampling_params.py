@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 # bounds that keep stop-string matching cheap for everyone sharing the engine thread's loop
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs and vLLM's default max_logprobs
+MAX_N = 128  # sequences per request: each holds its own KV blocks and batch rows
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value
+MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty
 
 
 def _is_int(value) -> bool:
@@ -40,10 +44,41 @@ class SamplingParams:
     # scheduling order, as vLLM's: lower values are admitted first and preempted last; ties go
     # first come first served
     priority: int = 0
+    # sequences generated from the prompt, which is prefilled once and shared (vLLM's n)
+    n: int = 1
+    # the chosen token's log-probability and this many top alternatives, per generated token; the
+    # model's raw distribution, before penalties, biases and temperature (vLLM's default)
+    logprobs: int | None = None
+    # the same for each prompt token after the first
+    prompt_logprobs: int | None = None
+    # OpenAI's: subtract presence_penalty once from every token already generated, and
+    # frequency_penalty once per time it was generated
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Hugging Face's: a token in the prompt or the output has its logit divided by this when
+    # positive, multiplied when negative; 1 = off
+    repetition_penalty: float = 1.0
+    # EOS and stop_token_ids cannot end the output before this many tokens (unlike vLLM, a stop
+    # string still can)
+    min_tokens: int = 0
+    # token id -> value added to its logit (OpenAI's logit_bias; -100 bans, +100 nearly forces)
+    logit_bias: dict[int, float] | None = None
+    # only these token ids may be generated
+    allowed_token_ids: list[int] | None = None
+    # words that must not be generated (encoded by the engine, with and without a leading space)
+    bad_words: list[str] | None = None
+    skip_special_tokens: bool = True  # leave special tokens out of the text
+    # accepted for vLLM compatibility; the fast tokenizers this engine loads decode the same either way
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         def fail(name: str, message: str) -> None:
             raise ValueError(f"SamplingParams.{name}: {message}")
+
+        self._check_original_fields(fail)
+        self._check_new_fields(fail)
+
+    def _check_original_fields(self, fail) -> None:
 
         for name in ("temperature", "top_p", "min_p"):
             value = _as_finite_float(getattr(self, name))
@@ -97,10 +132,75 @@ class SamplingParams:
             fail("stop", f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters, got one of {longest}")
         self.stop = list(self.stop)
 
+    def _check_new_fields(self, fail) -> None:
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            fail("n", f"expected an int in [1, {MAX_N}], got {_short_repr(self.n)}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                fail(name, f"expected None or an int in [0, {MAX_LOGPROBS}], got {_short_repr(value)}")
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = _as_finite_float(getattr(self, name))
+            if value is None:
+                fail(name, f"expected a finite number, got {_short_repr(getattr(self, name))}")
+            setattr(self, name, value)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                fail(name, f"must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {getattr(self, name)}")
+        if self.repetition_penalty <= 0:
+            fail("repetition_penalty", f"must be > 0 (1 = off), got {self.repetition_penalty}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            fail("min_tokens", f"expected an int >= 0, got {_short_repr(self.min_tokens)}")
+        if self.min_tokens > self.max_tokens:
+            fail("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                fail("logit_bias", f"expected a dict of token id -> bias, got {_short_repr(self.logit_bias)}")
+            bias = {}
+            for token_id, value in self.logit_bias.items():
+                if not _is_int(token_id) or token_id < 0:
+                    fail("logit_bias", f"keys must be token ids (ints >= 0), got {_short_repr(token_id)}")
+                number = _as_finite_float(value)
+                if number is None or not -MAX_LOGIT_BIAS <= number <= MAX_LOGIT_BIAS:
+                    fail("logit_bias", f"the bias of token {token_id} must be a number in [-{MAX_LOGIT_BIAS:g}, "
+                         f"{MAX_LOGIT_BIAS:g}], got {_short_repr(value)}")
+                bias[token_id] = number
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not all(
+                    _is_int(t) and t >= 0 for t in self.allowed_token_ids):
+                fail("allowed_token_ids", f"expected a list of token ids (ints >= 0), got "
+                     f"{_short_repr(self.allowed_token_ids)}")
+            if not self.allowed_token_ids:
+                fail("allowed_token_ids", "the list is empty: no token could be generated")
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str):
+                self.bad_words = [self.bad_words]
+            if not isinstance(self.bad_words, (list, tuple)) or not all(
+                    isinstance(w, str) and w.strip() for w in self.bad_words):
+                fail("bad_words", f"expected a list of non-blank strings, got {_short_repr(self.bad_words)}")
+            self.bad_words = list(self.bad_words)
+        for name in ("skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, f"expected a bool, got {_short_repr(getattr(self, name))}")
+
     def snapshot(self) -> "SamplingParams":
         """A validated copy that owns its lists: what a request keeps, so that changing these
         params after submission cannot reach the engine thread."""
+        # __post_init__ validates again and rebuilds every container (lists, the logit_bias dict)
         return dataclasses.replace(self)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler changes this request's logits before sampling (penalties, biases, masks)."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+                or self.min_tokens > 0 or self.logit_bias is not None or self.allowed_token_ids is not None
+                or bool(self.bad_words))
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:

@@ -9,11 +9,13 @@ Detokenization and stop strings run here, in the consumer's read.
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from asyncllm.detokenizer import TextAssembler
+from asyncllm.detokenizer import TextAssembler, decode_logprobs
+from asyncllm.outputs import TokenLogprob
 
 
 @dataclass
@@ -31,11 +33,16 @@ class RequestMetrics:
 
 @dataclass
 class StreamOutput:
-    """One item of a stream: what is new since the previous item."""
+    """One item of a stream: what is new since the previous item of the same sequence (index)."""
     request_id: str
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # None until the last item: "stop", "length" or "abort"
+    finish_reason: str | None = None  # None until the sequence's last item: "stop", "length" or "abort"
+    index: int = 0  # which of the request's n sequences
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the request asked
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it (EOS: None)
+    # prompt_logprobs: with the first item of index 0, one entry per prompt token (None for the first)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -46,6 +53,21 @@ class RequestResult:
     finish_reason: str
     metrics: RequestMetrics
     prompt_token_ids: list[int] = field(default_factory=list)
+    index: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    stop_reason: int | str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked: one per prompt token (None for the first)
+
+
+@dataclass
+class SequenceDelta:
+    """What one sequence of a request has new since the consumer's last read."""
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def _current_loop_waiter() -> tuple[Callable[[Callable[[], None]], None], object]:
@@ -82,15 +104,16 @@ class RequestChannel:
     stream: a stream made in one loop (or thread) and read in another must still be woken.
     """
 
-    def __init__(self, request_id: str, wake_on_finish_only: bool = False):
+    def __init__(self, request_id: str, wake_on_finish_only: bool = False, num_sequences: int = 1):
         self.request_id = request_id
         # a consumer that only wants the whole answer (generate() without stop strings) is woken
         # once, at the end, not once per step: with hundreds of such requests the per-step wake-ups
         # cost the event loop more than the engine thread's own work
         self.wake_on_finish_only = wake_on_finish_only
         self._lock = threading.Lock()
-        self._token_ids: list[int] = []
-        self._finish_reason: str | None = None
+        self._deltas: dict[int, SequenceDelta] = {}  # by sequence index, not yet read
+        self._open = [True] * num_sequences  # sequences that may still get tokens
+        self._num_open = num_sequences
         self._error: BaseException | None = None
         self._waiter = None  # the waiting read's event
         self._waiter_waker: Callable | None = None  # the waiting read's event loop
@@ -99,63 +122,120 @@ class RequestChannel:
         self.last_token_time: float | None = None  # engine thread's bookkeeping for inter-token gaps
 
     # engine thread
-    def put(self, token_ids: list[int], finish_reason: str | None, error: BaseException | None = None) -> None:
-        waiting = self.put_quietly(token_ids, finish_reason, error)
+    def put(self, token_ids: list[int], finish_reason: str | None, error: BaseException | None = None,
+            index: int | None = None, logprobs: list[TokenLogprob] | None = None, stop_reason: int | None = None,
+            prompt_logprobs: list | None = None) -> None:
+        waiting = self.put_quietly(token_ids, finish_reason, error, index, logprobs, stop_reason, prompt_logprobs)
         if waiting is not None:
             waker, waiter = waiting
             wake({waker: [waiter]})
 
-    def put_quietly(self, token_ids: list[int], finish_reason: str | None,
-                    error: BaseException | None = None) -> tuple[Callable, object] | None:
-        """Hand over tokens; returns (its loop's waker, waiter) if the consumer is waiting (the caller
-        wakes it)."""
+    def put_quietly(self, token_ids: list[int], finish_reason: str | None, error: BaseException | None = None,
+                    index: int | None = None, logprobs: list[TokenLogprob] | None = None,
+                    stop_reason: int | None = None, prompt_logprobs: list | None = None,
+                    ) -> tuple[Callable, object] | None:
+        """Hand over one sequence's tokens (index None: an ending for every sequence still open);
+        returns (its loop's waker, waiter) if the consumer is waiting (the caller wakes it)."""
         with self._lock:
             if self.closed:
                 return None
-            self._token_ids.extend(token_ids)
-            if finish_reason is not None or error is not None:
-                self._finish_reason = finish_reason
+            if error is not None:
                 self._error = error
                 self.closed = True
-            elif self.wake_on_finish_only:
-                return None
+            else:
+                for i in range(len(self._open)) if index is None else (index,):
+                    if not self._open[i]:
+                        continue
+                    delta = self._deltas.get(i)
+                    if delta is None:
+                        delta = self._deltas[i] = SequenceDelta(i)
+                    delta.token_ids.extend(token_ids)
+                    if logprobs is not None:
+                        delta.logprobs = (delta.logprobs or []) + logprobs
+                    if prompt_logprobs is not None:
+                        delta.prompt_logprobs = prompt_logprobs
+                    if finish_reason is not None:
+                        delta.finish_reason, delta.stop_reason = finish_reason, stop_reason
+                        self._open[i] = False
+                        self._num_open -= 1
+                if self._num_open == 0:
+                    self.closed = True
+                elif self.wake_on_finish_only:
+                    return None
             waiter, self._waiter = self._waiter, None
         return None if waiter is None else (self._waiter_waker, waiter)
 
     # consumer
-    async def get(self) -> tuple[list[int], str | None]:
+    async def get(self) -> list[SequenceDelta]:
+        """What is new, by sequence index; [] once the channel is closed and everything was read."""
         while True:
             with self._lock:
                 if self._error is not None:
                     raise self._error
-                if self._token_ids or self.closed:
-                    token_ids, self._token_ids = self._token_ids, []
-                    return token_ids, self._finish_reason
+                if self._deltas or self.closed:
+                    deltas, self._deltas = self._deltas, {}
+                    return [deltas[i] for i in sorted(deltas)]
                 self._waiter_waker, waiter = _current_loop_waiter()
                 self._waiter = waiter
             await waiter.wait()
+
+
+class _SequenceState:
+    """The consumer's side of one of a request's sequences."""
+    __slots__ = ("assembler", "token_ids", "logprobs", "finish_reason", "stop_reason")
+
+    def __init__(self, assembler: TextAssembler):
+        self.assembler = assembler
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
 
 
 class RequestStream:
     """The async iterator returned by AsyncLLMEngine.stream().
 
     Ending it early in any way (cancelling the task that reads it, a timeout, break, aclose(), or
-    dropping it) aborts the request, and the engine frees its KV blocks before its next step.
+    dropping it) aborts the request (all of its n sequences), and the engine frees its KV blocks
+    before its next step. With n > 1 the items of the sequences interleave, each tagged with its index.
     """
 
-    def __init__(self, finish: Callable[[str, str, RequestChannel], None], channel: RequestChannel,
-                 assembler: TextAssembler, prompt_token_ids: list[int]):
-        self._finish = finish  # the engine's: end the request (reason "stop" or "abort")
+    def __init__(self, finish: Callable[..., None], channel: RequestChannel,
+                 assemblers: list[TextAssembler], prompt_token_ids: list[int]):
+        self._finish = finish  # the engine's: end the request or one sequence (reason "stop" or "abort")
         self._channel = channel
-        self._assembler = assembler
+        self._sequences = [_SequenceState(assembler) for assembler in assemblers]
+        self._num_open = len(assemblers)
+        self._ready: collections.deque[StreamOutput] = collections.deque()
         self.request_id = channel.request_id
         self.prompt_token_ids = prompt_token_ids
-        self.token_ids: list[int] = []
-        self.finish_reason: str | None = None
+        self.finish_reason: str | None = None  # set once every sequence has finished
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The first sequence's tokens so far (the only one unless n > 1)."""
+        return self._sequences[0].token_ids
 
     @property
     def text(self) -> str:
-        return self._assembler.text[:self._assembler.num_released]
+        assembler = self._sequences[0].assembler
+        return assembler.text[:assembler.num_released]
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._sequences)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        """Tokens generated so far, all sequences together."""
+        return sum(len(seq.token_ids) for seq in self._sequences)
+
+    def result(self, index: int, text: str) -> RequestResult:
+        """Sequence index's result, once it has finished (text: its whole text)."""
+        seq = self._sequences[index]
+        return RequestResult(self.request_id, text, seq.token_ids, seq.finish_reason, self.metrics,
+                             self.prompt_token_ids, index, seq.logprobs, seq.stop_reason, self.prompt_logprobs)
 
     @property
     def metrics(self) -> RequestMetrics | None:
@@ -165,24 +245,49 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> StreamOutput:
-        if self.finish_reason is not None:
-            raise StopAsyncIteration
-        try:
-            token_ids, finish_reason = await self._channel.get()
-        except BaseException:
-            self._abort()
-            raise
-        self.token_ids.extend(token_ids)
-        text = self._assembler.add(token_ids)
-        if self._assembler.stopped and finish_reason is None:
-            self._finish(self.request_id, "stop", self._channel)
+        while not self._ready:
+            if self.finish_reason is not None:
+                raise StopAsyncIteration
+            try:
+                deltas = await self._channel.get()
+            except BaseException:
+                self._abort()
+                raise
+            if not deltas:  # closed with nothing left: cannot happen while a sequence is open
+                self.finish_reason = self.finish_reason or "abort"
+            for delta in deltas:
+                out = self._take(delta)
+                if out is not None:
+                    self._ready.append(out)
+        return self._ready.popleft()
+
+    def _take(self, delta: SequenceDelta) -> StreamOutput | None:
+        seq = self._sequences[delta.index]
+        if seq.finish_reason is not None:
+            return None  # after a stop string the consumer found: the engine's late tokens and its ending
+        token_ids, finish_reason, assembler = delta.token_ids, delta.finish_reason, seq.assembler
+        seq.token_ids.extend(token_ids)
+        if delta.logprobs is not None:
+            decode_logprobs(assembler.tokenizer, delta.logprobs)
+            seq.logprobs = (seq.logprobs or []) + delta.logprobs
+        if delta.prompt_logprobs is not None:
+            decode_logprobs(assembler.tokenizer, delta.prompt_logprobs[1:])
+            self.prompt_logprobs = delta.prompt_logprobs
+        text = assembler.add(token_ids)
+        if assembler.stopped and finish_reason is None:
+            self._finish(self.request_id, "stop", self._channel, delta.index)
             finish_reason = "stop"
         if finish_reason is not None:
-            text += self._assembler.finish()
+            text += assembler.finish()
             # a stop string found in the last token (or in the final flush) still says "stop"
-            self.finish_reason = self._assembler.finish_reason(finish_reason)
-            finish_reason = self.finish_reason
-        return StreamOutput(self.request_id, text, token_ids, finish_reason)
+            seq.finish_reason = assembler.finish_reason(finish_reason)
+            seq.stop_reason = assembler.stop_string if assembler.stopped else delta.stop_reason
+            finish_reason = seq.finish_reason
+            self._num_open -= 1
+            if self._num_open == 0:
+                self.finish_reason = finish_reason
+        return StreamOutput(self.request_id, text, token_ids, finish_reason, delta.index, delta.logprobs,
+                            seq.stop_reason, delta.prompt_logprobs)
 
     def _abort(self) -> None:
         if self.finish_reason is None:

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_throughput.py [--backends triton,fa4] [--mode sync,stream,generate|all]
                                           [--overlap auto|on|off|both] [--json PATH]
+                                          [--features plain,penalties+logprobs]
 
 256 requests, prompts of 100..1024 random tokens, 100..1024 output tokens each (EOS ignored),
 temperature 0.6. nano-vllm's one short warm-up request, plus --warmup-requests short ones of
@@ -13,10 +14,16 @@ and read by its own `async for out in engine.stream(...)` task, which reads out.
 out.token_ids -- the path apps take. generate: the same with `await engine.generate(...)` (woken
 once per request). With more than one mode or overlap setting, each runs in its own process, one
 after another, and the table gives each row's ratio to sync with the same overlap setting.
+
+Features: each comma-separated item is one run whose requests all use the '+'-joined sampling
+features: plain (none), penalties (presence 0.5, frequency 0.5, repetition 1.1), logprobs (5 top
+alternatives per token). The "/ plain" column is each row's ratio to the plain run of the same
+backend, mode and overlap setting (e.g. --features plain,penalties+logprobs --mode sync).
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -32,6 +39,18 @@ from asyncllm.kernels import compiled_variants
 
 WARMUP_PROMPT = "Benchmark: "  # nano-vllm's warm-up request
 MODES = ["sync", "stream", "generate"]
+FEATURES = {"plain": {}, "penalties": dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1),
+            "logprobs": dict(logprobs=5)}
+
+
+def with_features(params: list[SamplingParams], features: str) -> list[SamplingParams]:
+    """params with the '+'-joined features of FEATURES turned on."""
+    changes = {}
+    for name in features.split("+"):
+        if name not in FEATURES:
+            raise SystemExit(f"--features: unknown {name!r}; choose '+'-joined names of {sorted(FEATURES)}")
+        changes.update(FEATURES[name])
+    return [dataclasses.replace(p, **changes) for p in params] if changes else params
 
 
 def run_sync(model_dir: str, kwargs: dict, prompts, params, warmup, device: str) -> dict:
@@ -119,22 +138,25 @@ def run_generate(*args, profile: bool = False) -> dict:
 
 RUNNERS = {"sync": run_sync, "stream": run_stream, "generate": run_generate}
 COLUMNS = [("backend", "backend"), ("TP", "tensor_parallel_size"), ("mode", "mode"), ("overlap", "overlap"),
+           ("features", "features"),
            ("requests", "num_requests"), ("output tokens", "total_tokens"), ("time (s)", "elapsed_s", "{:.2f}"),
            ("throughput (tok/s)", "throughput_tok_s", "{:,.0f}"), ("/ sync", "sync_ratio", "{:.3f}"),
+           ("/ plain", "plain_ratio", "{:.3f}"),
            ("preemptions", "num_preemptions"), ("steps", "num_steps"), ("JIT compiles", "jit_compiles"),
            ("error", "error")]
 
 
-def run_in_child(argv: list[str], backend: str, mode: str, overlap: str) -> list[dict]:
-    """This script for one backend, mode and overlap setting, in a fresh process: no engine or
-    allocator state of one mode colours the next."""
+def run_in_child(argv: list[str], backend: str, mode: str, overlap: str, features: str) -> list[dict]:
+    """This script for one backend, mode, overlap setting and feature set, in a fresh process: no
+    engine or allocator state of one run colours the next."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         child = [sys.executable, os.path.abspath(__file__), *argv, "--backends", backend, "--mode", mode,
-                 "--overlap", overlap, "--json", out]
+                 "--overlap", overlap, "--features", features, "--json", out]
         subprocess.run(child, check=False)
         if not os.path.exists(out):
-            return [dict(backend=backend, mode=mode, overlap=overlap, error="the child process wrote no result")]
+            return [dict(backend=backend, mode=mode, overlap=overlap, features=features,
+                         error="the child process wrote no result")]
         with open(out) as f:
             return json.load(f)["results"]
 
@@ -158,6 +180,9 @@ def main(argv=None) -> dict:
                         help="Config.target_step_ms: a number, none (throughput first), or default (each API's own: "
                              "LLM None, AsyncLLMEngine 8 ms)")
     parser.add_argument("--mode", default="all", help="comma-separated of sync, stream, generate; or all (default)")
+    parser.add_argument("--features", default="plain",
+                        help="comma-separated runs, each '+'-joined sampling features of plain, penalties, logprobs "
+                             "(e.g. plain,penalties+logprobs)")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--max-input", type=int, default=1024, help="longest prompt (shortest: 100)")
     parser.add_argument("--max-output", type=int, default=1024, help="largest max_tokens (smallest: 100)")
@@ -173,36 +198,45 @@ def main(argv=None) -> dict:
     if unknown:
         parser.error(f"--mode: unknown {sorted(unknown)}; choose from {MODES}")
     overlaps = ["off", "on"] if args.overlap == "both" else [args.overlap]
-    settings = [(mode, overlap) for overlap in overlaps for mode in modes]
+    feature_sets = args.features.split(",")
+    settings = [(mode, overlap, features) for overlap in overlaps for mode in modes for features in feature_sets]
     report = Report("throughput", args)
     prompts, params = bench_requests(args.num_requests, args.seed, args.max_input, args.max_output)
     total_tokens = sum(p.max_tokens for p in params)
     if len(settings) > 1 or len(args.backends) > 1:
-        child_argv = strip_options(raw_argv, ("--backends", "--mode", "--overlap", "--json"))
+        child_argv = strip_options(raw_argv, ("--backends", "--mode", "--overlap", "--features", "--json"))
         for backend in args.backends:
-            for mode, overlap in settings:
-                for row in run_in_child(child_argv, backend, mode, overlap):
+            for mode, overlap, features in settings:
+                for row in run_in_child(child_argv, backend, mode, overlap, features):
                     report.add(row)
     else:
-        (mode, overlap), backend = settings[0], args.backends[0]
+        (mode, overlap, features), backend = settings[0], args.backends[0]
+        params = with_features(params, features)
         warmup = warmup_requests(args.warmup_requests, args.max_input, args.seed + 1)
         with checkpoint_from_args(args) as model_dir:
             kwargs = engine_kwargs(args, backend)
             try:
                 extra = {"profile": True} if args.profile_loop and mode != "sync" else {}
                 stats = RUNNERS[mode](model_dir, kwargs, prompts, params, warmup, args.device, **extra)
-                report.add(dict(backend=backend, mode=mode, overlap=overlap, shape=args.shape,
+                report.add(dict(backend=backend, mode=mode, overlap=overlap, features=features, shape=args.shape,
                                 tensor_parallel_size=args.tensor_parallel_size, num_requests=len(prompts),
                                 total_tokens=total_tokens, throughput_tok_s=total_tokens / stats["elapsed_s"], **stats))
             except Exception as exc:  # one failing backend (e.g. FA4 not built here) must not end the run
-                report.add(dict(backend=backend, mode=mode, overlap=overlap, error=f"{type(exc).__name__}: {exc}"))
+                report.add(dict(backend=backend, mode=mode, overlap=overlap, features=features,
+                                error=f"{type(exc).__name__}: {exc}"))
                 print(f"{backend} {mode}: FAILED {type(exc).__name__}: {exc}")
     rows = report.data["results"]
     for row in rows:
         sync = next((r for r in rows if r.get("mode") == "sync" and r.get("backend") == row.get("backend")
-                     and r.get("overlap") == row.get("overlap") and r.get("throughput_tok_s")), None)
+                     and r.get("overlap") == row.get("overlap") and r.get("features") == row.get("features")
+                     and r.get("throughput_tok_s")), None)
         if sync and row.get("throughput_tok_s"):
             row["sync_ratio"] = row["throughput_tok_s"] / sync["throughput_tok_s"]
+        plain = next((r for r in rows if r.get("features") == "plain" and r.get("backend") == row.get("backend")
+                      and r.get("overlap") == row.get("overlap") and r.get("mode") == row.get("mode")
+                      and r.get("throughput_tok_s")), None)
+        if plain and row.get("throughput_tok_s"):
+            row["plain_ratio"] = row["throughput_tok_s"] / plain["throughput_tok_s"]
     report.finish(f"Throughput, {args.shape}, nano-vllm workload ({len(prompts)} requests)", COLUMNS)
     return report.data
 

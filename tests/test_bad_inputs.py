@@ -188,7 +188,8 @@ BAD_INPUTS: list[Bad] = [
         400, "messages[0].role"),
     Bad(HTTP_CHAT, '{"messages": [{"role": "user", "content": "\\udcff"}]}',
         b'{"messages": [{"role": "user", "content": "\\udcff"}]}', 400, "messages", "surrogate"),
-    Bad(HTTP_CHAT, '{"n": 2}', dict(messages=MSG, n=2), 400, "n"),
+    Bad(HTTP_CHAT, '{"n": 0}', dict(messages=MSG, n=0), 400, "n"),
+    Bad(HTTP_CHAT, '{"logit_bias": {"x": 1}}', dict(messages=MSG, logit_bias={"x": 1}), 400, "logit_bias"),
 ]
 
 

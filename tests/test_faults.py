@@ -33,8 +33,8 @@ def record_finishes(engine: AsyncLLMEngine) -> list[tuple[str, str, int]]:
     finishes = []
     finish_request = engine._core.finish_request
 
-    def recording(request_id, reason="abort"):
-        seq = finish_request(request_id, reason)
+    def recording(request_id, reason="abort", index=None):
+        seq = finish_request(request_id, reason, index)
         if seq is not None:
             finishes.append((request_id, reason, seq.num_completion_tokens))
         return seq

@@ -215,3 +215,94 @@ def test_step_time_model_is_calibrated_at_start(model_dir):
     del llm, model
     unpaced = run(get_llm(model_dir, "triton", dtype="float32", max_num_batched_tokens=4096), ps)
     assert_equivalent(unpaced, paced, "float32")
+
+
+# ---- sampling features: penalties and logprobs --------------------------------------------------------
+PENALTIES = dict(presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=0.7)
+
+
+def reference_penalized(logits: torch.Tensor, prompt: list[int], history: list[int]) -> torch.Tensor:
+    """One step's logits with PENALTIES applied by their definitions (HF's repetition penalty over
+    prompt and output, then OpenAI's frequency and presence penalties over the output)."""
+    out = logits.float().clone()
+    seen = torch.tensor(sorted(set(prompt) | set(history)), dtype=torch.int64, device=out.device)
+    x = out[seen]
+    out[seen] = torch.where(x > 0, x / PENALTIES["repetition_penalty"], x * PENALTIES["repetition_penalty"])
+    if history:
+        counts = torch.bincount(torch.tensor(history, device=out.device), minlength=out.shape[0]).float()
+        out -= PENALTIES["frequency_penalty"] * counts + PENALTIES["presence_penalty"] * (counts > 0)
+    return out
+
+
+def penalized_run(prompts, tokens, logits) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+    return tokens, [[reference_penalized(step, p, t[:i]) for i, step in enumerate(steps)]
+                    for p, t, steps in zip(prompts, tokens, logits)]
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "torch"])
+def test_penalties_and_logprobs_match_hf_in_bf16(model_dir, hf_model, backend):
+    """Greedy with presence, frequency and repetition penalties, and logprobs=5, in bf16 against HF
+    (repetition_penalty plus an OpenAI-penalty logits processor): tokens equal but for near-ties of
+    the penalized logits, and logprobs equal the log-softmax of HF's raw logits within bf16 rounding."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class OpenAIPenalties(LogitsProcessor):
+        def __init__(self, prompt_len: int):
+            self.prompt_len = prompt_len
+
+        def __call__(self, input_ids, scores):
+            counts = torch.bincount(input_ids[0, self.prompt_len:], minlength=scores.shape[-1]).float()
+            return scores - PENALTIES["frequency_penalty"] * counts - PENALTIES["presence_penalty"] * (counts > 0)
+
+    ps = random_prompts(6, seed=11)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5, **PENALTIES)
+    llm = get_llm(model_dir, backend, dtype="bfloat16")
+    ours_tokens, ours_logits = generate_with_logits(llm, ps, params)
+    assert_all_blocks_free(llm)
+    ours_logprobs = [o["logprobs"] for o in llm.generate(ps, params, use_tqdm=False)]
+    hf_tokens, hf_logits = [], []
+    with torch.no_grad():
+        for p in ps:
+            out = hf_model.generate(torch.tensor([p], device="cuda"), max_new_tokens=24, min_new_tokens=24,
+                                    do_sample=False, repetition_penalty=PENALTIES["repetition_penalty"],
+                                    logits_processor=LogitsProcessorList([OpenAIPenalties(len(p))]),
+                                    output_logits=True, return_dict_in_generate=True)
+            hf_tokens.append(out.sequences[0, len(p):].tolist())
+            hf_logits.append([step[0].float() for step in out.logits])
+    stats = assert_greedy_runs_match(penalized_run(ps, hf_tokens, hf_logits),
+                                     penalized_run(ps, ours_tokens, ours_logits), 3e-2)
+    print(f"penalties, bf16: {stats['summary']}")
+    for i, (entries, tokens) in enumerate(zip(ours_logprobs, ours_tokens)):
+        for step, entry in enumerate(entries[:stats["first_divergences"][i]]):
+            # exactly the log-softmax of the logits we sampled from (raw, before the penalties)
+            own = ours_logits[i][step].log_softmax(-1)
+            assert entry.logprob == pytest.approx(own[tokens[step]].item(), abs=1e-3)
+            assert [t for t, _ in entry.top] == own.topk(5).indices.tolist() or \
+                max(abs(own[t].item() - lp) for t, lp in entry.top) < 1e-3  # ties may order differently
+            # and HF's within what the logits' bf16 difference allows: log_softmax moves each entry by
+            # at most twice the largest change of its input (assert_greedy_runs_match bounded the logits)
+            reference = hf_logits[i][step].log_softmax(-1)
+            tolerance = 2 * (ours_logits[i][step] - hf_logits[i][step]).abs().max().item() + 1e-3
+            assert max(abs(reference[t].item() - lp) for t, lp in [(entry.token_id, entry.logprob), *entry.top]) \
+                <= tolerance
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "torch"])
+def test_penalties_and_logprobs_with_graphs_and_overlap_match_eager_serial(model_dir, backend):
+    """The sampler runs after the CUDA graph, and with overlapped steps its token counts must take
+    step N's ids on the device before step N+1 samples: the same tokens and logprobs as eager, serial."""
+    dtype = exact_dtype(backend)
+    ps = random_prompts(16, seed=12)
+    params = [SamplingParams(temperature=0.8, max_tokens=32, ignore_eos=True, seed=i, logprobs=3,
+                             **PENALTIES) for i in range(len(ps))]
+    fast = get_llm(model_dir, backend, dtype=dtype, overlap_scheduling=True)
+    assert fast.core.overlap and fast.core.runner.graph_runner is not None
+    got = fast.generate(ps, params, use_tqdm=False)
+    assert_all_blocks_free(fast)
+    del fast
+    slow = get_llm(model_dir, backend, dtype=dtype, overlap_scheduling=False, enforce_eager=True)
+    want = slow.generate(ps, params, use_tqdm=False)
+    if dtype == "float32":  # bf16 rounding follows the batch's shape
+        assert [o["token_ids"] for o in got] == [o["token_ids"] for o in want]
+        for g, w in zip(got, want):
+            assert [e.logprob for e in g["logprobs"]] == pytest.approx([e.logprob for e in w["logprobs"]], abs=2e-3)

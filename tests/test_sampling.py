@@ -19,7 +19,7 @@ def tensors(params: list[SamplingParams], vocab: int, generators: dict[int, torc
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators=None) -> torch.Tensor:
-    return sampler(logits, tensors(params, logits.shape[-1], generators))
+    return sampler(logits, tensors(params, logits.shape[-1], generators)).token_ids
 
 
 def frequencies(tokens: torch.Tensor, vocab: int) -> torch.Tensor:

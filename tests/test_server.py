@@ -277,10 +277,16 @@ BAD_REQUESTS = [
     ("seed-out-of-range", CHAT, with_(seed=2 ** 64), 400, "seed"),  # would kill the engine thread
     ("seed-a-float", CHAT, with_(seed=1.5), 400, "seed"),
     ("stream-not-a-bool", CHAT, with_(stream="yes"), 400, "stream"),
-    ("n-2", CHAT, with_(n=2), 400, "n"),
-    ("logprobs", CHAT, with_(logprobs=True), 400, "logprobs"),
+    ("n-0", CHAT, with_(n=0), 400, "n"),
+    ("logprobs-a-number", CHAT, with_(logprobs=3), 400, "logprobs"),
+    ("top-logprobs-without-logprobs", CHAT, with_(top_logprobs=2), 400, "top_logprobs"),
+    ("top-logprobs-21", CHAT, with_(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+    ("logit-bias-key", CHAT, with_(logit_bias={"abc": 1}), 400, "logit_bias"),
+    ("logit-bias-out-of-vocab", CHAT, with_(logit_bias={"999999999": 1}), 400, "logit_bias"),
+    ("min-tokens-negative", CHAT, with_(min_tokens=-1), 400, "min_tokens"),
     ("tools", CHAT, with_(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
-    ("presence-penalty", CHAT, with_(presence_penalty=0.5), 400, "presence_penalty"),
+    ("presence-penalty", CHAT, with_(presence_penalty=2.5), 400, "presence_penalty"),
+    ("completions-logprobs-21", COMPLETIONS, json.dumps({"prompt": "a", "logprobs": 21}), 400, "logprobs"),
     ("wrong-model", CHAT, with_(model="gpt-4o"), 404, "model"),
     ("body-too-large", CHAT, with_(messages=[{"role": "user", "content": "x" * (1 << 20)}]), 413, None),
     ("prompt-missing", COMPLETIONS, json.dumps({"model": MODEL_NAME}), 400, "prompt"),
@@ -306,7 +312,63 @@ def test_bad_requests_get_openai_errors(server, path, body, status, param):
 def test_neutral_values_of_unsupported_fields_are_accepted(client):
     r = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=2, n=1, logprobs=False,
                                        presence_penalty=0, frequency_penalty=0, user="u1")
-    assert r.choices[0].finish_reason in ("length", "stop")
+    assert r.choices[0].finish_reason in ("length", "stop") and r.choices[0].logprobs is None
+
+
+# ---- n, logprobs, penalties, logit_bias ----------------------------------------------------------
+def test_chat_n_and_logprobs(server, client):
+    r = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=5, n=2, logprobs=True,
+                                       top_logprobs=3, presence_penalty=0.5, frequency_penalty=0.5, seed=1,
+                                       extra_body={"ignore_eos": True, "repetition_penalty": 1.1, "min_tokens": 2})
+    assert [c.index for c in r.choices] == [0, 1] and r.usage.completion_tokens == 10
+    for choice in r.choices:
+        assert choice.finish_reason == "length" and len(choice.logprobs.content) == 5
+        for entry in choice.logprobs.content:
+            assert isinstance(entry.token, str) and entry.logprob <= 0 and entry.bytes == list(entry.token.encode())
+            assert len(entry.top_logprobs) == 3
+            assert entry.top_logprobs[0].logprob >= entry.top_logprobs[-1].logprob
+    # streamed: the chunks of both choices, each with its index and its tokens' logprobs
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=4, n=2,
+                                                 logprobs=True, top_logprobs=1, stream=True,
+                                                 extra_body={"ignore_eos": True}))
+    tokens, finishes = {0: 0, 1: 0}, {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            if choice.logprobs is not None:
+                tokens[choice.index] += len(choice.logprobs.content)
+                assert all(len(e.top_logprobs) == 1 for e in choice.logprobs.content)
+            if choice.finish_reason is not None:
+                finishes[choice.index] = choice.finish_reason
+    assert tokens == {0: 4, 1: 4} and finishes == {0: "length", 1: "length"}
+    wait_idle(server["base"])
+
+
+def test_completions_logprobs_and_logit_bias(server, client, tokenizer):
+    forced = tokenizer.encode(" cat", add_special_tokens=False)[0]
+    r = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=4, logprobs=2, temperature=1.0,
+                                  logit_bias={str(forced): 100}, extra_body={"ignore_eos": True})
+    choice = r.choices[0]
+    assert choice.text == " cat" * 4
+    lp = choice.logprobs
+    assert lp.tokens == [" cat"] * 4 and len(lp.token_logprobs) == 4 and lp.text_offset == [0, 4, 8, 12]
+    assert all(isinstance(top, dict) and " cat" in top and len(top) <= 3 for top in lp.top_logprobs)
+    # streamed, text_offset counts on across chunks
+    offsets = []
+    for chunk in client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=3, logprobs=0,
+                                           logit_bias={str(forced): 100}, stream=True,
+                                           extra_body={"ignore_eos": True}):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            offsets += chunk.choices[0].logprobs.text_offset
+    assert offsets == [0, 4, 8]
+    wait_idle(server["base"])
+
+
+def test_repetition_penalty_in_the_extra_body_changes_greedy_output(client):
+    def text(**extra) -> str:
+        r = client.completions.create(model=MODEL_NAME, prompt="Hello, my name is", max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True, **extra})
+        return r.choices[0].text
+    assert text(repetition_penalty=0.3) != text()
 
 
 def test_api_key_required(server):

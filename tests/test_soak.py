@@ -176,8 +176,8 @@ async def soak(model: str, num_requests: int, seed: int = 0) -> dict:
         tokenizer = engine.tokenizer
         finish_request = engine._core.finish_request
 
-        def recording_finish_request(request_id, reason="abort"):
-            seq = finish_request(request_id, reason)
+        def recording_finish_request(request_id, reason="abort", index=None):
+            seq = finish_request(request_id, reason, index)
             if seq is not None:
                 engine_finishes.append((request_id, reason))
             return seq

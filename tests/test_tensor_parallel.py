@@ -187,6 +187,25 @@ def test_llm_tp2_matches_tp1(name, checkpoints, reference):
     assert_all_ended(baseline)
 
 
+def test_sampling_features_tp2_match_tp1(checkpoints):
+    """Penalties, logprobs, prompt_logprobs and n > 1 under tensor parallelism: rank 0 samples from
+    the gathered logits, and its token counts and forks behave as with one rank."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, repetition_penalty=0.5, presence_penalty=0.5,
+                            frequency_penalty=0.3, logprobs=2, prompt_logprobs=1, n=2)
+    with LLM(checkpoints["qwen3"], **OPTIONS["qwen3"]) as llm:
+        expected = llm.generate(PROMPTS[1:3], params, use_tqdm=False)
+    baseline = live_children()
+    with LLM(checkpoints["qwen3"], tensor_parallel_size=2, overlap_scheduling=True, **OPTIONS["qwen3"]) as llm:
+        outputs = llm.generate(PROMPTS[1:3], params, use_tqdm=False)
+    assert_all_ended(baseline)
+    for got, want in zip(outputs, expected):
+        assert [o["token_ids"] for o in got] == [o["token_ids"] for o in want]
+        for g, w in zip(got, want):
+            assert [e.logprob for e in g["logprobs"]] == pytest.approx([e.logprob for e in w["logprobs"]], abs=1e-4)
+        assert [e.logprob for e in got[0]["prompt_logprobs"][1:]] == pytest.approx(
+            [e.logprob for e in want[0]["prompt_logprobs"][1:]], abs=1e-4)
+
+
 def test_vocabulary_that_two_ranks_do_not_divide_is_padded(tmp_path, tokenizer_dir):
     """vocab_size 31999 over two ranks: 16000 rows each, the last one zero padding, whose logit is
     dropped after the gather. Greedy tokens and logits equal tp=1's, and the sampler sees exactly

@@ -99,6 +99,17 @@ class BlockManager:
         for _ in range(needed):
             seq.block_table.append(self._take_free_block())
 
+    def fork(self, parent: Sequence, child: Sequence, num_blocks: int) -> None:
+        """Give child (a sequence with no blocks) parent's first num_blocks blocks, computed and
+        shared: one more reference each, no copy."""
+        assert not child.block_table and child.num_computed_tokens == 0
+        assert parent.num_computed_tokens >= num_blocks * self.block_size
+        for block_id in parent.block_table[:num_blocks]:
+            self._share_block(block_id)
+        child.block_table = parent.block_table[:num_blocks]
+        child.block_hashes = parent.block_hashes[:num_blocks]
+        child.num_computed_tokens = num_blocks * self.block_size
+
     def free(self, seq: Sequence) -> None:
         # reversed: a sequence's tail blocks are freed first, so they are also reused first,
         # and its shared prefix blocks survive longest

@@ -2,9 +2,11 @@
 AsyncLLMEngine drive this same object; it knows nothing of threads or event loops."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -17,6 +19,7 @@ from asyncllm.errors import PromptTooLongError
 from asyncllm.runner.model_runner import LaunchedStep, ModelRunner
 from asyncllm.runner.tp_workers import TensorParallelWorkers
 from asyncllm.models.checkpoint import check_tokenizer
+from asyncllm.outputs import TokenLogprob
 from asyncllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("asyncllm")
@@ -25,9 +28,13 @@ logger = logging.getLogger("asyncllm")
 @dataclass
 class StepEvent:
     """What happened to one request in one step: a new token and/or its end."""
-    seq: Sequence
+    seq: Sequence  # seq.index tells which of an n > 1 request's sequences
     new_token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked
+    stop_reason: int | None = None  # the stop token id that ended it (EOS: None, as vLLM)
+    request_finished: bool = False  # every sequence of the request has finished (n == 1: finish_reason set)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first token, when the request asked
 
 
 def check_text(text: str, argument: str) -> None:
@@ -132,6 +139,10 @@ class EngineCore:
         # a snapshot: fields set on the caller's object later would otherwise reach a step and
         # fail there, killing the engine for every request
         params = params.snapshot()
+        if params.logit_bias is not None:
+            self.check_token_ids(list(params.logit_bias), "SamplingParams.logit_bias")
+        if params.allowed_token_ids is not None:
+            self.check_token_ids(params.allowed_token_ids, "SamplingParams.allowed_token_ids")
         if len(prompt_token_ids) >= self.max_seq_len:
             what = "max_model_len" if self.max_seq_len == self.config.max_model_len else "the KV cache's capacity"
             raise PromptTooLongError(f"{argument}: {len(prompt_token_ids)} tokens leave no room to generate within "
@@ -154,19 +165,82 @@ class EngineCore:
             request_id = self.new_request_id()
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        seq = Sequence(request_id, prompt_token_ids, params, self.config.kvcache_block_size, self.max_seq_len)
+        seq = self._new_sequence(request_id, prompt_token_ids, params, 0)
+        if params.n > 1:
+            # the first sequence prefills the prompt; the others wait in its forks until then
+            seq.forks = [self._new_sequence(request_id, prompt_token_ids, params, i) for i in range(1, params.n)]
+            seq.group = [seq, *seq.forks]
+            for child in seq.forks:
+                child.group = seq.group
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
 
-    def finish_request(self, request_id: str, reason: str = "abort") -> Sequence | None:
-        """End a request now (abort, or a stop string found by the caller); its blocks are freed at once.
-        Unknown or finished ids are ignored."""
-        seq = self.requests.pop(request_id, None)
-        if seq is not None:
-            self.scheduler.finish(seq, reason)
-            del seq.token_ids[seq.num_resolved_tokens:]  # tokens still in flight are dropped, never delivered
+    def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      index: int) -> Sequence:
+        if params.n > 1:
+            seed = params.seed
+            if seed is not None:  # each sequence its own stream, reproducible: seed + index (wrapped)
+                seed = seed + index if seed + index < 1 << 64 else seed + index - (1 << 64)
+            # the first sequence alone computes the prompt, and scores it if asked
+            params = dataclasses.replace(params, n=1, seed=seed,
+                                         prompt_logprobs=params.prompt_logprobs if index == 0 else None)
+        seq = Sequence(request_id, prompt_token_ids, params, self.config.kvcache_block_size, self.max_seq_len)
+        seq.index = index
+        if params.min_tokens:
+            eos = set() if params.ignore_eos else self.eos_token_ids
+            seq.early_stop_ids = sorted(eos | set(params.stop_token_ids))
+        if params.bad_words:
+            seq.bad_word_ids = self._encode_bad_words(params.bad_words)
         return seq
+
+    def _encode_bad_words(self, words: list[str]) -> list[list[int]]:
+        """Each word's token ids, as it reads at the start of a text and after a space (vLLM's way)."""
+        encoded = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in encoded:
+                    encoded.append(ids)
+        return encoded
+
+    def _fork(self, seq: Sequence) -> None:
+        """seq (an n > 1 request's first sequence) has its prompt computed: the other sequences take
+        its full prompt blocks (shared, reference-counted) and recompute only the rest (the last
+        partial block, or the last full one: each needs its own logits of the last prompt token)."""
+        num_shared = (seq.num_prompt_tokens - 1) // self.block_manager.block_size
+        now = time.monotonic()
+        for child in seq.forks:
+            self.block_manager.fork(seq, child, num_shared)
+            child.first_scheduled_time = now
+            child.num_cached_prompt_tokens = child.num_computed_tokens
+            self.scheduler.add(child)
+        seq.forks = []
+
+    def _end(self, seq: Sequence, reason: str) -> None:
+        """End one sequence: its blocks and its sampler state are freed."""
+        self.scheduler.finish(seq, reason)
+        self.runner.release_sequence(seq)
+
+    def finish_request(self, request_id: str, reason: str = "abort", index: int | None = None) -> Sequence | None:
+        """End a request now (abort, or a stop string found by the caller); its blocks are freed at once.
+        Unknown or finished ids are ignored. With n > 1, index ends one of its sequences (None: all);
+        returns the request's first sequence."""
+        leader = self.requests.get(request_id)
+        if leader is None:
+            return None
+        for seq in leader.group or [leader]:
+            if index is not None and seq.index != index or seq.is_finished:
+                continue
+            if seq in leader.forks:  # not forked yet: it holds nothing
+                leader.forks.remove(seq)
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+                continue
+            self._end(seq, reason)
+            del seq.token_ids[seq.num_resolved_tokens:]  # tokens still in flight are dropped, never delivered
+        if leader.request_finished:
+            del self.requests[request_id]
+        return leader
 
     # ---- the step -----------------------------------------------------------------------------
     # A step is launched (inputs built, forward and sampling queued on the device) and later
@@ -206,6 +280,8 @@ class EngineCore:
         for item in sched.scheduled:
             if item.samples:
                 seq = item.seq
+                if seq.forks:
+                    self._fork(seq)
                 item.token_index = len(seq.token_ids)
                 seq.token_ids.append(PENDING_TOKEN)
                 seq.sample_row = row
@@ -220,9 +296,15 @@ class EngineCore:
         if len(token_ids) != len(sampling):  # a runner bug; caught here, not as a wrong token for someone
             raise RuntimeError(f"the step sampled {len(token_ids)} tokens for {len(sampling)} sampling rows")
         self.num_steps += 1
+        prompt_logprobs = launched.prompt_logprobs()
+        if prompt_logprobs is not None:
+            self._add_prompt_logprobs(launched.prompt_plan, prompt_logprobs)
+        logprobs = launched.logprobs()
+        if logprobs is not None:
+            logprobs = self._token_logprobs(launched.logprob_ks, token_ids, logprobs)
         events = []
         block_size = self.block_manager.block_size
-        for item, token_id in zip(sampling, token_ids):
+        for row, (item, token_id) in enumerate(zip(sampling, token_ids)):
             seq = item.seq
             if seq.status == SequenceStatus.FINISHED:
                 continue  # ended while this step was in flight: its token is dropped, never delivered
@@ -230,18 +312,57 @@ class EngineCore:
             reason = self._finish_reason(seq, token_id, item.token_index + 1)
             if reason is not None:
                 del seq.token_ids[item.token_index + 1:]  # a later step's token in flight, if any
-                self.requests.pop(seq.request_id, None)
-                self.scheduler.finish(seq, reason)
+                self._end(seq, reason)
+                if seq.request_finished:
+                    self.requests.pop(seq.request_id, None)
             elif (item.token_index + 1) % block_size == 0 and seq.num_computed_tokens > item.token_index:
                 # the token closes a block whose KV a later step already computed: it can be hashed now
                 self.block_manager.commit_computed(seq)
-            events.append(StepEvent(seq, [token_id], reason))
+            event = StepEvent(seq, [token_id], reason)
+            if reason is not None:
+                event.request_finished = seq.request_finished
+                if reason == "stop" and token_id in seq.params.stop_token_ids and not self._is_eos(seq, token_id):
+                    event.stop_reason = token_id
+            if logprobs is not None and logprobs[row] is not None:
+                event.logprobs = [logprobs[row]]
+            if seq.prompt_logprobs is not None and item.token_index == seq.num_prompt_tokens:
+                event.prompt_logprobs = seq.prompt_logprobs
+            events.append(event)
         return events
+
+    @staticmethod
+    def _add_prompt_logprobs(plan, host) -> None:
+        """Append the prompt positions' scores to their sequences' prompt_logprobs."""
+        chosen, ranks, top_ids, top_logprobs = host
+        row = 0
+        for seq, count, k in plan.spans:
+            if not seq.is_finished:
+                seq.prompt_logprobs.extend(
+                    TokenLogprob(plan.targets[j], chosen[j], ranks[j], list(zip(top_ids[j][:k], top_logprobs[j][:k])))
+                    for j in range(row, row + count))
+            row += count
+
+    @staticmethod
+    def _token_logprobs(ks: list[int], token_ids: list[int], host) -> list[TokenLogprob | None]:
+        """Each sampling row's TokenLogprob (None for rows that did not ask)."""
+        chosen, ranks, top_ids, top_logprobs = host
+        out, j = [], 0
+        for k, token_id in zip(ks, token_ids):
+            if k < 0:
+                out.append(None)
+                continue
+            out.append(TokenLogprob(token_id, chosen[j], ranks[j], list(zip(top_ids[j][:k], top_logprobs[j][:k]))))
+            j += 1
+        return out
+
+    def _is_eos(self, seq: Sequence, token_id: int) -> bool:
+        return not seq.params.ignore_eos and token_id in self.eos_token_ids
 
     def _finish_reason(self, seq: Sequence, token_id: int, length: int) -> str | None:
         """Why seq ends with token_id as its length-th token, if it does."""
         params = seq.params
-        if (not params.ignore_eos and token_id in self.eos_token_ids) or token_id in params.stop_token_ids:
+        if (self._is_eos(seq, token_id) or token_id in params.stop_token_ids) and \
+                length - seq.num_prompt_tokens > params.min_tokens:
             return "stop"
         if length >= seq.max_len:  # the scheduler plans no step past this length either
             return "length"

@@ -25,6 +25,10 @@ from dataclasses import dataclass, field
 from asyncllm.engine.block_manager import BlockManager
 from asyncllm.engine.sequence import Sequence, SequenceStatus
 
+# prompt tokens a step may compute for requests with prompt_logprobs: each is a row of logits over the
+# whole vocabulary (float32), memory the KV-cache sizing does not set aside beyond this many rows
+MAX_SCORED_PROMPT_TOKENS = 256
+
 
 @dataclass
 class ScheduledSeq:
@@ -141,6 +145,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        scoring_left = MAX_SCORED_PROMPT_TOKENS  # prompt_logprobs rows left in this step
         scheduled_ids: set[int] = set()
 
         def take(seq: Sequence, num_tokens: int) -> None:
@@ -172,6 +177,10 @@ class Scheduler:
                 continue  # preempted above
             followers = itertools.chain(itertools.islice(prefills, i + 1, None), self.waiting)
             num_tokens = self._fair_chunk(seq.num_uncomputed_tokens, budget, followers)
+            if seq.prompt_logprobs is not None:
+                num_tokens = min(num_tokens, scoring_left)
+                if num_tokens == 0:
+                    continue
             fit = self._tokens_that_fit(seq, num_tokens)
             if fit == 0:
                 if self._reserve(seq, 1, scheduled_ids, out):
@@ -180,13 +189,18 @@ class Scheduler:
                     continue
             self.block_manager.allocate(seq, fit)
             take(seq, fit)
+            if seq.prompt_logprobs is not None:
+                scoring_left -= fit
         # 3. new (or preempted) requests, first come first served; no preemption on their behalf
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not seq.block_table:
+            if not seq.block_table and seq.prompt_logprobs is None:  # prompt_logprobs: every position computed
                 self.block_manager.match_prefix(seq)
             followers = itertools.islice(self.waiting, 1, None)
             num_tokens = self._tokens_that_fit(seq, self._fair_chunk(seq.num_uncomputed_tokens, budget, followers))
+            if seq.prompt_logprobs is not None:
+                num_tokens = min(num_tokens, scoring_left)
+                scoring_left -= num_tokens
             if num_tokens == 0:
                 self.block_manager.free(seq)
                 break

@@ -51,6 +51,22 @@ class Sequence:
         self.num_cached_prompt_tokens = 0
         self.num_preemptions = 0
         self.generator = None  # the sampler's own RNG for seeded requests, made on first use
+        self.penalty_slot: int | None = None  # the runner's token-count slot, while it uses penalties
+        # n > 1: the index among its request's sequences, and all of them (the first one prefills the
+        # prompt and holds the others, not yet forked from it, in forks)
+        self.index = 0
+        self.group: list[Sequence] | None = None
+        self.forks: list[Sequence] = []
+        # set by the engine when the request is added: what the sampler bans for it
+        self.early_stop_ids: list[int] = []  # EOS and stop ids, banned while under min_tokens
+        self.bad_word_ids: list[list[int]] = []  # each bad word's token ids (with and without a leading space)
+        # prompt_logprobs: one entry per prompt token (None for the first, which nothing scores), filled
+        # in as prefill steps resolve; the runner's count of positions already planned in a step
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
+        self.num_prompt_logprobs_planned = 0
+        # fixed for its life: the sampler asks every step (plain requests answer one question)
+        self.adjusts_logits = params.adjusts_logits
+        self.needs_sampling_extras = self.adjusts_logits or params.logprobs is not None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -78,6 +94,26 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
+
+    def banned_token_ids(self, num_generated: int) -> list[int]:
+        """Tokens this sequence may not sample as its completion token number num_generated: stop
+        tokens under min_tokens, and a bad word's last token once the tokens before it are generated
+        (compared with the tokens the host knows: with overlapped steps, a bad word of several
+        tokens whose prefix ends in the token still in flight is not caught)."""
+        banned = list(self.early_stop_ids) if num_generated < self.params.min_tokens else []
+        for word in self.bad_word_ids:
+            if len(word) == 1:
+                banned.append(word[0])
+            elif len(word) - 1 <= num_generated and self.token_ids[len(self.token_ids) - len(word) + 1:] == word[:-1]:
+                banned.append(word[-1])
+        return banned
+
+    @property
+    def request_finished(self) -> bool:
+        """Whether every sequence of its request has finished (n > 1: all n, forked or not)."""
+        if self.group is None:
+            return self.is_finished
+        return all(seq.is_finished for seq in self.group)
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size

@@ -3,6 +3,10 @@
 Sampling uses the exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) i.i.d. draws a token
 with probability p, with no cumulative sums or searches. Requests with a seed draw their E from
 their own generator, so their output does not depend on what else shares the batch.
+
+Requests may adjust their logits first (layers/logits_adjustments.py) and ask for log-probabilities:
+those are the model's raw distribution (log_softmax of the logits before any adjustment or
+temperature, as vLLM's default), computed only for the rows that asked.
 """
 from __future__ import annotations
 
@@ -11,7 +15,23 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from asyncllm.layers.logits_adjustments import LogitsAdjustments
 from asyncllm.sampling_params import SamplingParams
+
+
+@dataclass
+class LogprobsTensors:
+    """Log-probabilities of the rows that asked, on the device."""
+    chosen: torch.Tensor  # (L,) float32: the sampled token's
+    ranks: torch.Tensor  # (L,) int64: 1 + how many tokens had a higher log-probability
+    top_ids: torch.Tensor  # (L, K) int64: the K most likely tokens, K = the most any row asked for
+    top_logprobs: torch.Tensor  # (L, K) float32
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # (B,) int64
+    logprobs: LogprobsTensors | None = None  # for SamplingTensors.logprob_rows
 
 
 @dataclass
@@ -23,6 +43,9 @@ class SamplingTensors:
     min_ps: torch.Tensor | None  # (B,) float32; None when no row uses min-p
     seeded_rows: list[tuple[int, torch.Generator]]  # rows that draw from their own generator
     all_greedy: bool
+    adjustments: LogitsAdjustments | None = None  # None when no row adjusts its logits
+    logprob_rows: torch.Tensor | None = None  # (L,) int64: rows that want log-probabilities; None if none
+    num_top_logprobs: int = 0  # the most top alternatives any of them asked for
 
     @classmethod
     def build(cls, params: list[SamplingParams], vocab_size: int, device: torch.device,
@@ -49,8 +72,23 @@ class SamplingTensors:
 
 
 class Sampler(nn.Module):
-    def forward(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    def forward(self, logits: torch.Tensor, params: SamplingTensors) -> SamplerOutput:
         logits = logits.float()
+        raw_logprobs = None
+        if params.logprob_rows is not None:
+            raw_logprobs = logits[params.logprob_rows].log_softmax(dim=-1)
+        if params.adjustments is not None:
+            logits = params.adjustments.apply(logits)
+        token_ids = self._sample(logits, params)
+        if params.adjustments is not None:
+            params.adjustments.count_sampled(token_ids)
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, token_ids[params.logprob_rows], params.num_top_logprobs)
+        return SamplerOutput(token_ids, logprobs)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
         greedy_tokens = logits.argmax(dim=-1)
         if params.all_greedy:
             return greedy_tokens
@@ -69,6 +107,14 @@ class Sampler(nn.Module):
             noise[row].exponential_(generator=generator)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(temperatures > 0, sampled, greedy_tokens)
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> LogprobsTensors:
+    """The chosen tokens' log-probabilities and ranks, and the num_top best of each row."""
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (logprobs[:, :0], token_ids[:, None][:, :0])
+    return LogprobsTensors(chosen.squeeze(1), ranks, top_ids, top_logprobs)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None) -> torch.Tensor:

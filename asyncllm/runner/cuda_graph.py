@@ -119,6 +119,8 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
 
     def _key(self, batch: ForwardBatch) -> tuple[str, int] | None:
+        if batch.logits_indices.shape[0] > batch.num_seqs:
+            return None  # logits of prompt positions too (prompt_logprobs): graphs compute one row per sequence
         if batch.is_decode_only and batch.num_seqs <= self.max_batch_size:
             return "decode", self.batch_sizes[bisect.bisect_left(self.batch_sizes, batch.num_seqs)]
         if batch.num_tokens <= self.max_mixed_tokens:

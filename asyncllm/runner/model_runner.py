@@ -17,9 +17,10 @@ from asyncllm.runner.cuda_graph import CudaGraphRunner
 from asyncllm.distributed import get_tp_size
 from asyncllm.engine.scheduler import SchedulerOutput
 from asyncllm.engine.sequence import PENDING_TOKEN
-from asyncllm.layers.sampler import Sampler, SamplingTensors
+from asyncllm.layers.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingTensors, gather_logprobs
 from asyncllm.models.checkpoint import iter_safetensors, load_weights
 from asyncllm.models.registry import create_model
+from asyncllm.runner.sampling_inputs import PromptLogprobsPlan, SamplingInputs, plan_prompt_logprobs
 from asyncllm.runner.tp_protocol import agree_on_min
 
 logger = logging.getLogger("asyncllm")
@@ -52,26 +53,57 @@ class StepInputs:
                           parts[5].astype(np.int32).reshape(num_seqs, max_blocks), parts[6])
 
 
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy on the host, queued without waiting (pinned memory) on CUDA."""
+    if tensor.device.type != "cuda":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
+
+
 class LaunchedStep:
     """A step whose forward and sampling are queued on the device: its sampled ids stay on the
-    device for the next step to read, and are copied to the host without blocking it."""
+    device for the next step to read, and are copied to the host without blocking it (with the
+    log-probabilities of the rows that asked)."""
 
-    def __init__(self, sched: SchedulerOutput, sampled: torch.Tensor):
+    def __init__(self, sched: SchedulerOutput, output: SamplerOutput, logprob_ks: list[int] | None = None,
+                 prompt_logprobs: LogprobsTensors | None = None, prompt_plan: PromptLogprobsPlan | None = None):
         self.sched = sched
-        self.sampled = sampled  # (S,) int64, on the device
-        if sampled.device.type == "cuda":
-            self._host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
-            self._host.copy_(sampled, non_blocking=True)
+        self.sampled = output.token_ids  # (S,) int64, on the device
+        self.logprob_ks = logprob_ks  # per sampling row: the top-k it asked for, -1 none; None: no row asked
+        self.prompt_plan = prompt_plan  # the prompt positions scored in this step, if any
+        self._host = _to_host(self.sampled)
+        self._host_logprobs, self._host_prompt_logprobs = (None if lp is None else LogprobsTensors(*map(_to_host, (
+            lp.chosen, lp.ranks, lp.top_ids, lp.top_logprobs))) for lp in (output.logprobs, prompt_logprobs))
+        self._copied = None
+        if self.sampled.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
-        else:
-            self._host, self._copied = sampled, None
 
     def token_ids(self) -> list[int]:
         """The sampled ids on the host (waits for the device to finish the step)."""
         if self._copied is not None:
             self._copied.synchronize()
         return self._host.tolist()
+
+    def logprobs(self) -> tuple[list[float], list[int], list[list[int]], list[list[float]]] | None:
+        """(chosen log-prob, rank, top ids, top log-probs) of each row that asked, in row order."""
+        if self._host_logprobs is None:
+            return None
+        if self._copied is not None:
+            self._copied.synchronize()
+        lp = self._host_logprobs
+        return lp.chosen.tolist(), lp.ranks.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist()
+
+    def prompt_logprobs(self) -> tuple[list[float], list[int], list[list[int]], list[list[float]]] | None:
+        """The same for the prompt positions of prompt_plan, in its row order."""
+        if self._host_prompt_logprobs is None:
+            return None
+        if self._copied is not None:
+            self._copied.synchronize()
+        lp = self._host_prompt_logprobs
+        return lp.chosen.tolist(), lp.ranks.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist()
 
 
 class ModelRunner:
@@ -115,6 +147,7 @@ class ModelRunner:
         load_weights(self.model, weights if weights is not None else iter_safetensors(config.model))
         self.model.eval()
         self.sampler = Sampler()
+        self.sampling_inputs = SamplingInputs(hf.vocab_size, self.device)
         self.num_layers = hf.num_hidden_layers
         attn = self.model.model.layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -177,7 +210,7 @@ class ModelRunner:
             rows_index = torch.arange(rows, device=self.device)
             self.sampler(logits, SamplingTensors(temperatures=ones, filter_rows=rows_index, top_ks=ones.long() * 50,
                                                  top_ps=ones * 0.9, min_ps=ones * 0.05, seeded_rows=[],
-                                                 all_greedy=False))
+                                                 all_greedy=False, logprob_rows=rows_index, num_top_logprobs=20))
             del logits, ones
         torch.cuda.synchronize()
         del probe_cache, self.attn_backend, batch
@@ -317,15 +350,12 @@ class ModelRunner:
                             block_tables, np.asarray(logits_indices, dtype=np.int64))
         return inputs, np.asarray(pending_at, dtype=np.int64), np.asarray(pending_rows, dtype=np.int64)
 
-    def prepare_sampling(self, sched: SchedulerOutput) -> SamplingTensors:
-        seqs = [item.seq for item in sched.scheduled if item.samples]
-        seeded_rows = []
-        for row, seq in enumerate(seqs):
-            if seq.params.seed is not None and seq.params.temperature > 0:
-                if seq.generator is None:
-                    seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed)
-                seeded_rows.append((row, seq.generator))
-        return SamplingTensors.build([seq.params for seq in seqs], self.vocab_size, self.device, seeded_rows)
+    def prepare_sampling(self, sched: SchedulerOutput) -> tuple[SamplingTensors, list[int] | None]:
+        return self.sampling_inputs.build([item.seq for item in sched.scheduled if item.samples])
+
+    def release_sequence(self, seq) -> None:
+        """A sequence finished: drop what sampling kept for it."""
+        self.sampling_inputs.release(seq)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
@@ -343,6 +373,10 @@ class ModelRunner:
         """Queue one step's forward and sampling. Inputs still PENDING_TOKEN are the ids prev sampled:
         they are filled in on the device, so the host never waits for prev."""
         inputs, pending_at, pending_rows = self.build_inputs(sched)
+        num_sampling = len(inputs.logits_indices)
+        prompt_plan = plan_prompt_logprobs(sched.scheduled)
+        if prompt_plan is not None:  # prompt positions' logits too, after the sampling rows
+            inputs.logits_indices = np.concatenate([inputs.logits_indices, prompt_plan.token_rows])
         if len(pending_at):
             assert prev is not None, "a pending token without the step that samples it"
         if self.workers is not None:
@@ -357,7 +391,14 @@ class ModelRunner:
                 at, rows = extra
                 batch.input_ids[at] = prev.sampled[rows]
             logits = self._forward(batch)
-        return LaunchedStep(sched, self.sampler(logits, self.prepare_sampling(sched)))
+        prompt_logprobs = None
+        if prompt_plan is not None:
+            targets = torch.tensor(prompt_plan.targets, dtype=torch.int64).to(self.device, non_blocking=True)
+            prompt_logprobs = gather_logprobs(logits[num_sampling:].float().log_softmax(dim=-1), targets,
+                                              prompt_plan.num_top)
+            logits = logits[:num_sampling]
+        sampling, logprob_ks = self.prepare_sampling(sched)
+        return LaunchedStep(sched, self.sampler(logits, sampling), logprob_ks, prompt_logprobs, prompt_plan)
 
     def release_cuda_graphs(self) -> None:
         """Drop the CUDA graphs (and their memory); later steps run eagerly."""

@@ -19,6 +19,7 @@ from starlette.routing import Route
 from asyncllm.errors import EngineDeadError, QueueFullError
 from asyncllm.sampling_params import SamplingParams
 import asyncllm.server.protocol as protocol
+from asyncllm.server.choices import ChoiceShaper
 from asyncllm.server.errors import RETRY_AFTER_SECONDS, exception_handlers
 from asyncllm.server.metrics import EngineMetrics
 from asyncllm.server.protocol import APIError, field_error, is_int
@@ -190,6 +191,9 @@ class OpenAIServer(TokenizationEndpoints):
         except EngineDeadError as e:
             raise APIError(503, f"the engine is not available: {e}", code="engine_unavailable") from None
         except (ValueError, TypeError) as e:
+            if str(e).startswith("SamplingParams."):  # a field the engine checks against the model (token ids)
+                name = str(e).removeprefix("SamplingParams.").split(":")[0].split("[")[0]
+                raise field_error(name, e) from None
             raise field_error(field, e, "prompt") from None
 
     def _closer(self, stream) -> Callable[..., Awaitable[None]]:
@@ -204,9 +208,10 @@ class OpenAIServer(TokenizationEndpoints):
                 self.metrics.observe_request(stream, reason or stream.finish_reason or "abort")
         return close
 
-    async def _collect(self, request: Request, stream) -> tuple[str, str]:
-        """The whole answer; a client that disconnects meanwhile aborts the request."""
-        parts: list[str] = []
+    async def _collect(self, request: Request, stream) -> list:
+        """The whole answer, a RequestResult per choice; a client that disconnects meanwhile aborts
+        the request."""
+        parts: dict[int, list[str]] = {i: [] for i in range(stream.num_sequences)}
         error = None
         close = self._closer(stream)
         try:
@@ -218,7 +223,7 @@ class OpenAIServer(TokenizationEndpoints):
                 tasks.start_soon(watch)
                 try:
                     async for out in stream:
-                        parts.append(out.text)
+                        parts[out.index].append(out.text)
                 except EngineDeadError as e:
                     error = e
                 tasks.cancel_scope.cancel()
@@ -227,7 +232,10 @@ class OpenAIServer(TokenizationEndpoints):
                 await close("error" if error is not None else None)
         if error is not None:
             raise APIError(503, f"the engine failed: {error}", code="engine_unavailable")
-        return "".join(parts), stream.finish_reason or "abort"
+        results = [stream.result(i, "".join(texts)) for i, texts in parts.items()]
+        for result in results:
+            result.finish_reason = result.finish_reason or "abort"
+        return results
 
     def _check_context(self, body: dict, max_tokens_field: str, prompt_ids: list[int], room: int,
                        params: SamplingParams) -> None:
@@ -250,31 +258,35 @@ class OpenAIServer(TokenizationEndpoints):
         self._check_engine()
         room = self.engine.max_seq_len - len(prompt_ids)
         default_max_tokens = max(1, room if default_max_tokens is None else min(default_max_tokens, room))
-        params = protocol.sampling_params(body, max_tokens_field, default_max_tokens, self.max_tokens_limit)
+        params = protocol.sampling_params(body, max_tokens_field, default_max_tokens, self.max_tokens_limit, chat=chat)
         self._check_context(body, max_tokens_field, prompt_ids, room, params)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         stream = self._submit(prompt_ids, params, request_id, "messages" if chat else "prompt")
         base = {"id": request_id, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": self.model_name}
+        shaper = ChoiceShaper(chat, params.logprobs is not None)
         if body.get("stream"):
             usage_field = {"usage": None} if include_usage else {}
 
-            def chunk(text: str | None, finish_reason: str | None, delta: dict | None = None) -> dict:
-                if chat:
-                    delta = delta if delta is not None else {} if text is None else {"content": text}
-                    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-                    return {**base, "object": "chat.completion.chunk", "choices": [choice], **usage_field}
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-                return {**base, "choices": [choice], **usage_field}
+            def chunk(text: str | None, finish_reason: str | None, out=None, delta: dict | None = None,
+                      index: int = 0) -> dict:
+                if out is not None:
+                    index = out.index
+                choice = shaper.chunk_choice(index, text, finish_reason, delta=delta,
+                                             logprobs=None if out is None or finish_reason else out.logprobs,
+                                             stop_reason=None if out is None else out.stop_reason)
+                kind = {"object": "chat.completion.chunk"} if chat else {}
+                return {**base, **kind, "choices": [choice], **usage_field}
 
-            first = chunk(None, None, delta={"role": "assistant", "content": ""}) if chat else None
+            first = [chunk(None, None, delta={"role": "assistant", "content": ""}, index=i)
+                     for i in range(params.n)] if chat else []
             close = self._closer(stream)
             return EventStreamResponse(chunk_events(stream, close, chunk, first, include_usage), on_close=close,
                                        keepalive_interval=self.sse_keepalive_interval)
-        text, finish_reason = await self._collect(request, stream)
-        answer = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-        return JSONResponse({**base, "choices": [{"index": 0, **answer, "logprobs": None,
-                                                  "finish_reason": finish_reason}], "usage": usage(stream)})
+        results = await self._collect(request, stream)
+        return JSONResponse({**base, "choices": [
+            shaper.choice(r.index, r.text, r.finish_reason, r.stop_reason, r.logprobs) for r in results],
+            "usage": usage(stream)})
 
     # ---- endpoints ----
     async def chat_completions(self, request: Request) -> Response:

@@ -65,18 +65,12 @@ def expect(body: dict, name: str, check: Callable[[object], bool], what: str):
 
 # Fields OpenAI clients send that this server does not implement: accepted only at a neutral value.
 NEUTRAL_CHAT = {
-    "logprobs": lambda v: v is False or v is None,
-    "top_logprobs": lambda v: v == 0,
     "tools": lambda v: v == [],
     "tool_choice": lambda v: v == "none",
     "functions": lambda v: v == [],
     "function_call": lambda v: v == "none",
     "parallel_tool_calls": lambda v: isinstance(v, bool),  # meaningless without tools
     "response_format": lambda v: v == {"type": "text"},
-    "frequency_penalty": lambda v: v == 0,
-    "presence_penalty": lambda v: v == 0,
-    "repetition_penalty": lambda v: v == 1,
-    "logit_bias": lambda v: v == {},
     "store": lambda v: v is False,
     "modalities": lambda v: v == ["text"],
     "user": lambda v: isinstance(v, str),  # an end-user id for abuse tracking: accepted, unused
@@ -84,16 +78,20 @@ NEUTRAL_CHAT = {
     "service_tier": lambda v: isinstance(v, str),
 }
 NEUTRAL_COMPLETIONS = {name: check for name, check in NEUTRAL_CHAT.items()
-                       if name not in ("top_logprobs", "tools", "tool_choice", "functions", "function_call",
+                       if name not in ("tools", "tool_choice", "functions", "function_call",
                                        "parallel_tool_calls", "response_format", "store", "modalities")}
-NEUTRAL_COMPLETIONS.update(logprobs=lambda v: v is None, echo=lambda v: v is False, best_of=lambda v: v == 1,
+NEUTRAL_COMPLETIONS.update(echo=lambda v: v is False, best_of=lambda v: v == 1,
                            suffix=lambda v: v == "")
 
-# request field -> SamplingParams field; max_tokens is handled apart (the server's limit and default)
+# request field -> SamplingParams field; max_tokens is handled apart (the server's limit and default),
+# and so are logprobs (chat: logprobs + top_logprobs) and logit_bias (JSON keys are strings)
 SAMPLING_FIELDS = {name: name for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop",
-                                           "stop_token_ids", "ignore_eos", "include_stop_str_in_output")}
-COMMON_FIELDS = {"model", "stream", "stream_options", "n", "max_tokens", *SAMPLING_FIELDS}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "chat_template_kwargs", "chat_template"}
+                                           "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "n",
+                                           "presence_penalty", "frequency_penalty", "repetition_penalty",
+                                           "min_tokens", "skip_special_tokens", "spaces_between_special_tokens")}
+COMMON_FIELDS = {"model", "stream", "stream_options", "max_tokens", "logprobs", "logit_bias", *SAMPLING_FIELDS}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "chat_template_kwargs", "chat_template",
+                               "top_logprobs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 
 
@@ -150,13 +148,33 @@ def max_tokens_field_sent(body: dict, max_tokens_field: str) -> str:
     return max_tokens_field if body.get(max_tokens_field) is not None else "max_tokens"
 
 
+def logprobs_field(body: dict, chat: bool) -> tuple[str, object] | None:
+    """(the field the client sent, SamplingParams.logprobs) from the request: chat's logprobs (a
+    boolean) with top_logprobs, or completions' logprobs (how many top alternatives)."""
+    if not chat:
+        return None if body.get("logprobs") is None else ("logprobs", body["logprobs"])
+    wanted = expect(body, "logprobs", lambda v: isinstance(v, bool), "a boolean")
+    top = body.get("top_logprobs")
+    if wanted is not True:
+        if top is not None:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value")
+        return None
+    return ("top_logprobs", top) if top is not None else ("logprobs", 0)
+
+
+def logit_bias_field(body: dict):
+    """logit_bias with its JSON (string) keys as token ids where they are integers; other keys are
+    passed on for SamplingParams to refuse."""
+    bias = body.get("logit_bias")
+    if not isinstance(bias, dict):
+        return bias
+    return {int(key) if isinstance(key, str) and key.strip().isdecimal() else key: value
+            for key, value in bias.items()}
+
+
 def sampling_params(body: dict, max_tokens_field: str, default_max_tokens: int,
-                    max_tokens_limit: int | None) -> SamplingParams:
+                    max_tokens_limit: int | None, chat: bool = True) -> SamplingParams:
     """SamplingParams from the request's fields; SamplingParams is the one that checks them."""
-    n = expect(body, "n", is_int, "an integer")
-    if n is not MISSING and n != 1:
-        raise APIError(400, f"'n'={n} is not supported: this server returns one choice (n=1)",
-                       param="n", code="unsupported_value")
     field = max_tokens_field_sent(body, max_tokens_field)
     max_tokens = expect(body, field, is_int, "an integer")  # compared with the limit below: an int first
     if max_tokens is MISSING:
@@ -166,6 +184,11 @@ def sampling_params(body: dict, max_tokens_field: str, default_max_tokens: int,
                        param=field, code="invalid_value")
     sent = {field: ("max_tokens", max_tokens)}
     sent.update((name, (arg, body[name])) for name, arg in SAMPLING_FIELDS.items() if body.get(name) is not None)
+    logprobs = logprobs_field(body, chat)
+    if logprobs is not None:
+        sent[logprobs[0]] = ("logprobs", logprobs[1])
+    if body.get("logit_bias") is not None:
+        sent["logit_bias"] = ("logit_bias", logit_bias_field(body))
     stop = body.get("stop")
     if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
         raise APIError(400, f"'stop': at most {MAX_STOP_STRINGS} stop strings", param="stop", code="invalid_value")

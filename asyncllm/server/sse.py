@@ -131,25 +131,26 @@ async def await_disconnect(receive) -> None:
 
 
 def usage(stream) -> dict:
-    prompt, completion = len(stream.prompt_token_ids), len(stream.token_ids)
+    prompt, completion = len(stream.prompt_token_ids), stream.num_completion_tokens
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 async def chunk_events(stream, close: Callable[[str | None], Awaitable[None]],
-                       make_chunk: Callable[[str | None, str | None], dict], first: dict | None,
+                       make_chunk: Callable[..., dict], first: list[dict],
                        include_usage: bool) -> AsyncIterator[str]:
-    """The SSE body of an OpenAI streamed answer: `first`, chunks built by make_chunk(text,
-    finish_reason), the usage chunk if asked for, then [DONE]. close(finish_reason) runs last."""
+    """The SSE body of an OpenAI streamed answer: the `first` chunks, chunks built by
+    make_chunk(text, finish_reason, stream item) (a choice's new text and its tokens' logprobs,
+    then its finish), the usage chunk if asked for, then [DONE]. close(finish_reason) runs last."""
     finish_reason = None
     try:
-        if first is not None:
-            yield sse(first)
+        for chunk in first:
+            yield sse(chunk)
         async for out in stream:
-            if out.text:
-                yield sse(make_chunk(out.text, None))
+            if out.text or out.logprobs:
+                yield sse(make_chunk(out.text, None, out))
             if out.finish_reason is not None:
                 finish_reason = out.finish_reason
-                yield sse(make_chunk(None, out.finish_reason))
+                yield sse(make_chunk(None, out.finish_reason, out))
         if include_usage:
             chunk = make_chunk(None, None)
             chunk["choices"], chunk["usage"] = [], usage(stream)

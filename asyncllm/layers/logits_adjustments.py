@@ -1,0 +1,125 @@
+"""What requests change in their logits before sampling: penalties, logit biases, banned and allowed
+tokens. Batched over the rows that ask, on the logits' device; rows that ask for nothing are not touched.
+
+Penalties read each sequence's token counts from TokenCounts, which stays on the device and is
+updated in place from the sampled ids tensor right after each step samples: a step launched before
+the previous one's ids reach the host (the overlapped loop) already sees them counted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class TokenCounts:
+    """Per-sequence token statistics for penalties, one slot (row) per sequence that uses them:
+    counts of generated tokens (presence, frequency) and which tokens the prompt has (repetition)."""
+
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.vocab_size = vocab_size
+        self.device = device
+        self.output_counts = torch.zeros((0, vocab_size), dtype=torch.int32, device=device)
+        self.in_prompt = torch.zeros((0, vocab_size), dtype=torch.bool, device=device)
+        self.free_slots: list[int] = []
+
+    @property
+    def capacity(self) -> int:
+        return self.output_counts.shape[0]
+
+    def acquire(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> int:
+        """A slot holding these tokens (a sequence's first sampling step that needs penalties)."""
+        if not self.free_slots:
+            self._grow()
+        slot = self.free_slots.pop()
+        self.output_counts[slot].zero_()
+        self.in_prompt[slot].zero_()
+        if prompt_token_ids:
+            ids = torch.tensor(prompt_token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+            self.in_prompt[slot, ids] = True
+        if output_token_ids:
+            ids = torch.tensor(output_token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+            self.output_counts[slot].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+        return slot
+
+    def release(self, slot: int) -> None:
+        # steps still queued may add to it: they run before any later step that reuses the slot
+        self.free_slots.append(slot)
+
+    def _grow(self) -> None:
+        """Double the slots (rare: the number of sequences with penalties at once only grows so far)."""
+        old = self.capacity
+        new = max(8, 2 * old)
+        counts = torch.zeros((new, self.vocab_size), dtype=torch.int32, device=self.device)
+        in_prompt = torch.zeros((new, self.vocab_size), dtype=torch.bool, device=self.device)
+        counts[:old] = self.output_counts
+        in_prompt[:old] = self.in_prompt
+        self.output_counts, self.in_prompt = counts, in_prompt
+        self.free_slots.extend(range(new - 1, old - 1, -1))
+
+    def count(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Add one sampled token to each slot, on the device."""
+        self.output_counts.index_put_((slots, token_ids), torch.ones_like(token_ids, dtype=torch.int32),
+                                      accumulate=True)
+
+
+@dataclass
+class LogitsAdjustments:
+    """One step's adjustments; a None group means no row of the step uses it. Rows are the step's
+    sampling rows; (row, token) pairs are flattened into equal-length tensors."""
+    # penalties: the rows that have one, their TokenCounts slots and their three penalties
+    penalty_rows: torch.Tensor | None = None  # (P,) int64
+    penalty_slots: torch.Tensor | None = None  # (P,) int64
+    presence: torch.Tensor | None = None  # (P,) float32
+    frequency: torch.Tensor | None = None  # (P,) float32
+    repetition: torch.Tensor | None = None  # (P,) float32
+    token_counts: TokenCounts | None = None
+    # logit_bias entries
+    bias_rows: torch.Tensor | None = None  # (E,) int64
+    bias_tokens: torch.Tensor | None = None  # (E,) int64
+    bias_values: torch.Tensor | None = None  # (E,) float32
+    # tokens a row may not take this step (EOS before min_tokens, bad words)
+    ban_rows: torch.Tensor | None = None  # (K,) int64
+    ban_tokens: torch.Tensor | None = None  # (K,) int64
+    # rows restricted to a list of tokens: every other token of theirs is masked
+    allow_rows: torch.Tensor | None = None  # (A,) int64, each row once
+    allow_pair_rows: torch.Tensor | None = None  # (M,) int64: index into allow_rows
+    allow_pair_tokens: torch.Tensor | None = None  # (M,) int64
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Adjusted float32 logits (a new tensor: the input may be a CUDA graph's output buffer)."""
+        logits = logits.clone()
+        if self.allow_rows is not None:
+            allowed = torch.zeros((len(self.allow_rows), logits.shape[1]), dtype=torch.bool, device=logits.device)
+            allowed[self.allow_pair_rows, self.allow_pair_tokens] = True
+            rows = logits[self.allow_rows].masked_fill(~allowed, float("-inf"))
+            logits.index_copy_(0, self.allow_rows, rows)
+        if self.bias_rows is not None:
+            logits.index_put_((self.bias_rows, self.bias_tokens), self.bias_values, accumulate=True)
+        if self.ban_rows is not None:
+            logits[self.ban_rows, self.ban_tokens] = float("-inf")
+        if self.penalty_rows is not None:
+            counts = self.token_counts
+            rows = self.penalty_rows
+            logits.index_copy_(0, rows, apply_penalties(
+                logits[rows], counts.output_counts[self.penalty_slots], counts.in_prompt[self.penalty_slots],
+                self.presence, self.frequency, self.repetition))
+        return logits
+
+    def count_sampled(self, sampled: torch.Tensor) -> None:
+        """Count the step's sampled tokens for the rows with penalties (before the next step reads them)."""
+        if self.penalty_rows is not None:
+            self.token_counts.count(self.penalty_slots, sampled[self.penalty_rows])
+
+
+def apply_penalties(logits: torch.Tensor, output_counts: torch.Tensor, in_prompt: torch.Tensor,
+                    presence: torch.Tensor, frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
+    """Repetition (Hugging Face: prompt and output tokens), then frequency and presence (OpenAI:
+    output tokens) penalties on (P, V) float32 logits."""
+    generated = output_counts > 0
+    seen = generated | in_prompt
+    repetition = repetition.unsqueeze(1)
+    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, penalized, logits)
+    logits = logits - frequency.unsqueeze(1) * output_counts
+    return logits - presence.unsqueeze(1) * generated

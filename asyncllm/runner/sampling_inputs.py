@@ -1,0 +1,137 @@
+"""One step's sampling settings as device tensors (SamplingTensors), from its sampling sequences.
+
+Everything a request may ask beyond plain sampling (penalties, biases, banned or allowed tokens,
+log-probabilities) is gathered in one pass over the step's rows that ask for it; a step where no
+row asks builds nothing more than before. Penalties keep each sequence's token counts on the device
+(TokenCounts) from its first sampling step until it finishes: the engine calls release().
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from asyncllm.engine.scheduler import ScheduledSeq
+from asyncllm.engine.sequence import PENDING_TOKEN, Sequence
+from asyncllm.layers.logits_adjustments import LogitsAdjustments, TokenCounts
+from asyncllm.layers.sampler import SamplingTensors
+
+
+@dataclass
+class PromptLogprobsPlan:
+    """The prompt positions of one step whose logits give prompt log-probabilities: position p's
+    logits score prompt token p + 1."""
+    token_rows: np.ndarray  # (R,) int64: their rows among the step's tokens
+    targets: list[int]  # (R,) the prompt tokens they score
+    spans: list[tuple[Sequence, int, int]]  # (sequence, rows, top-k asked), in row order
+    num_top: int
+
+
+def plan_prompt_logprobs(scheduled: list[ScheduledSeq]) -> PromptLogprobsPlan | None:
+    """The step's prompt positions not yet scored for requests with prompt_logprobs (a preempted
+    request recomputing its prompt is not scored twice); None when there are none."""
+    rows, targets, spans, offset = [], [], [], 0
+    for item in scheduled:
+        seq = item.seq
+        k = seq.params.prompt_logprobs
+        if k is not None:
+            start = seq.num_computed_tokens
+            lo = max(start, seq.num_prompt_logprobs_planned)
+            hi = min(start + item.num_tokens, seq.num_prompt_tokens - 1)
+            if hi > lo:
+                rows.extend(range(offset + lo - start, offset + hi - start))
+                targets.extend(seq.token_ids[lo + 1:hi + 1])
+                spans.append((seq, hi - lo, k))
+                seq.num_prompt_logprobs_planned = hi
+        offset += item.num_tokens
+    if not rows:
+        return None
+    return PromptLogprobsPlan(np.asarray(rows, dtype=np.int64), targets, spans, max(k for _, _, k in spans))
+
+
+class SamplingInputs:
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.vocab_size = vocab_size
+        self.device = device
+        self.token_counts = TokenCounts(vocab_size, device)
+
+    def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+    def build(self, seqs: list[Sequence]) -> tuple[SamplingTensors, list[int] | None]:
+        """The step's SamplingTensors, and for each row the top-k it asked for (None: no row asked for
+        log-probabilities; -1: this row did not)."""
+        params = [seq.params for seq in seqs]
+        seeded_rows = []
+        for row, seq in enumerate(seqs):
+            if seq.params.seed is not None and seq.params.temperature > 0:
+                if seq.generator is None:
+                    seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed)
+                seeded_rows.append((row, seq.generator))
+        tensors = SamplingTensors.build(params, self.vocab_size, self.device, seeded_rows)
+        if not any(seq.needs_sampling_extras for seq in seqs):
+            return tensors, None
+        if any(seq.adjusts_logits for seq in seqs):
+            tensors.adjustments = self._adjustments(seqs)
+        logprob_ks = None
+        if any(p.logprobs is not None for p in params):
+            logprob_ks = [-1 if p.logprobs is None else p.logprobs for p in params]
+            tensors.logprob_rows = self._to_device([row for row, k in enumerate(logprob_ks) if k >= 0], torch.int64)
+            tensors.num_top_logprobs = max(logprob_ks)
+        return tensors, logprob_ks
+
+    def _adjustments(self, seqs: list[Sequence]) -> LogitsAdjustments:
+        penalty_rows, slots, presence, frequency, repetition = [], [], [], [], []
+        bias_rows, bias_tokens, bias_values = [], [], []
+        ban_rows, ban_tokens = [], []
+        allow_rows, allow_pair_rows, allow_pair_tokens = [], [], []
+        for row, seq in enumerate(seqs):
+            if not seq.adjusts_logits:
+                continue
+            p = seq.params
+            if p.uses_penalties:
+                if seq.penalty_slot is None:
+                    outputs = [t for t in seq.completion_token_ids if t != PENDING_TOKEN]
+                    seq.penalty_slot = self.token_counts.acquire(seq.token_ids[:seq.num_prompt_tokens], outputs)
+                penalty_rows.append(row)
+                slots.append(seq.penalty_slot)
+                presence.append(p.presence_penalty)
+                frequency.append(p.frequency_penalty)
+                repetition.append(p.repetition_penalty)
+            if p.logit_bias:
+                bias_rows.extend([row] * len(p.logit_bias))
+                bias_tokens.extend(p.logit_bias)
+                bias_values.extend(p.logit_bias.values())
+            # the token sampled now is the completion's token number len(seq) - num_prompt_tokens
+            banned = seq.banned_token_ids(len(seq.token_ids) - seq.num_prompt_tokens)
+            if banned:
+                ban_rows.extend([row] * len(banned))
+                ban_tokens.extend(banned)
+            if p.allowed_token_ids is not None:
+                allow_pair_rows.extend([len(allow_rows)] * len(p.allowed_token_ids))
+                allow_pair_tokens.extend(p.allowed_token_ids)
+                allow_rows.append(row)
+        out = LogitsAdjustments()
+        int64, float32 = torch.int64, torch.float32
+        if penalty_rows:
+            out.penalty_rows, out.penalty_slots = self._to_device(penalty_rows, int64), self._to_device(slots, int64)
+            out.presence, out.frequency, out.repetition = (
+                self._to_device(values, float32) for values in (presence, frequency, repetition))
+            out.token_counts = self.token_counts
+        if bias_rows:
+            out.bias_rows, out.bias_tokens = self._to_device(bias_rows, int64), self._to_device(bias_tokens, int64)
+            out.bias_values = self._to_device(bias_values, float32)
+        if ban_rows:
+            out.ban_rows, out.ban_tokens = self._to_device(ban_rows, int64), self._to_device(ban_tokens, int64)
+        if allow_rows:
+            out.allow_rows = self._to_device(allow_rows, int64)
+            out.allow_pair_rows = self._to_device(allow_pair_rows, int64)
+            out.allow_pair_tokens = self._to_device(allow_pair_tokens, int64)
+        return out
+
+    def release(self, seq: Sequence) -> None:
+        """seq has finished: its token-count slot, if any, goes back to the pool."""
+        if seq.penalty_slot is not None:
+            self.token_counts.release(seq.penalty_slot)
+            seq.penalty_slot = None

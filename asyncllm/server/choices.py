@@ -1,0 +1,78 @@
+"""OpenAI choice shapes for what a request generated: the per-index choices and their logprobs
+(chat: logprobs.content[] with token, logprob, bytes, top_logprobs; completions: tokens,
+token_logprobs, top_logprobs, text_offset), whole and as stream chunks."""
+from __future__ import annotations
+
+from asyncllm.outputs import TokenLogprob
+
+MIN_LOGPROB = -9999.0  # JSON has no -Infinity: a token the model gives no chance to is reported at this (vLLM's)
+
+
+def _logprob(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
+def _chat_token(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": _logprob(logprob), "bytes": list(token.encode("utf-8"))}
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> dict:
+    return {"content": [{**_chat_token(e.token, e.logprob),
+                         "top_logprobs": [_chat_token(text, lp) for text, (_, lp) in zip(e.top_tokens, e.top)]}
+                        for e in entries], "refusal": None}
+
+
+class CompletionLogprobs:
+    """Completions' logprobs of one choice, chunk by chunk: text_offset counts on from chunk to chunk."""
+
+    def __init__(self):
+        self.offset = 0
+
+    def shape(self, entries: list[TokenLogprob]) -> dict:
+        tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+        for e in entries:
+            tokens.append(e.token)
+            token_logprobs.append(_logprob(e.logprob))
+            top = {text: _logprob(lp) for text, (_, lp) in zip(e.top_tokens, e.top)}
+            top.setdefault(e.token, _logprob(e.logprob))  # the chosen token too, as vLLM and OpenAI list it
+            top_logprobs.append(top)
+            text_offset.append(self.offset)
+            self.offset += len(e.token)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": text_offset}
+
+
+class ChoiceShaper:
+    """One request's choices: whole (choice) or as stream chunks (chunk_choice), by index."""
+
+    def __init__(self, chat: bool, wants_logprobs: bool):
+        self.chat = chat
+        self.wants_logprobs = wants_logprobs
+        self._completion_logprobs: dict[int, CompletionLogprobs] = {}
+
+    def _logprobs(self, index: int, entries: list[TokenLogprob] | None) -> dict | None:
+        if not self.wants_logprobs or entries is None:
+            return None
+        if self.chat:
+            return chat_logprobs(entries)
+        return self._completion_logprobs.setdefault(index, CompletionLogprobs()).shape(entries)
+
+    def choice(self, index: int, text: str, finish_reason: str, stop_reason, logprobs) -> dict:
+        """A whole answer's choice."""
+        answer = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+        return {"index": index, **answer, "logprobs": self._logprobs(index, logprobs if logprobs is not None else []),
+                "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+    def chunk_choice(self, index: int, text: str | None, finish_reason: str | None, logprobs=None,
+                     delta: dict | None = None, stop_reason=None) -> dict:
+        """A stream chunk's choice: new text (with its tokens' logprobs), or the finish."""
+        choice = {"index": index}
+        if self.chat:
+            choice["delta"] = delta if delta is not None else {} if text is None else {"content": text}
+        else:
+            choice["text"] = text or ""
+        choice["logprobs"] = self._logprobs(index, logprobs)
+        choice["finish_reason"] = finish_reason
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason
+        return choice

@@ -1,0 +1,124 @@
+"""The sampler's logits adjustments and log-probabilities on random logits and token histories,
+against plain-PyTorch loops written from the definitions (OpenAI's presence and frequency penalties,
+Hugging Face's repetition penalty), including token counts kept on the device across steps."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from asyncllm.engine.sequence import Sequence
+from asyncllm.layers.sampler import Sampler
+from asyncllm.runner.sampling_inputs import SamplingInputs
+from asyncllm.sampling_params import SamplingParams
+from helpers import seed_every_test
+
+V = 64
+_seed = seed_every_test(0)
+
+
+def reference_adjust(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    out = logits.clone()
+    for row, seq in enumerate(seqs):
+        p = seq.params
+        prompt, output = seq.token_ids[:seq.num_prompt_tokens], seq.completion_token_ids
+        if p.allowed_token_ids is not None:
+            keep = out[row, p.allowed_token_ids].clone()
+            out[row] = float("-inf")
+            out[row, p.allowed_token_ids] = keep
+        for token, bias in (p.logit_bias or {}).items():
+            out[row, token] += bias
+        if len(output) < p.min_tokens:
+            out[row, seq.early_stop_ids] = float("-inf")
+        for token in set(prompt) | set(output):
+            x = out[row, token]
+            out[row, token] = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+        for token in output:
+            out[row, token] -= p.frequency_penalty
+        for token in set(output):
+            out[row, token] -= p.presence_penalty
+    return out
+
+
+def random_seq(i: int, rng: random.Random, **params) -> Sequence:
+    prompt = [rng.randrange(V) for _ in range(rng.randrange(1, 12))]
+    seq = Sequence(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=100, **params), block_size=16)
+    seq.token_ids += [rng.randrange(V) for _ in range(rng.randrange(0, 12))]  # a history already generated
+    return seq
+
+
+def test_penalties_match_the_reference_across_steps():
+    rng = random.Random(0)
+    seqs = [random_seq(i, rng, presence_penalty=rng.uniform(-2, 2), frequency_penalty=rng.uniform(-2, 2),
+                       repetition_penalty=rng.uniform(0.5, 2.0)) for i in range(5)]
+    seqs.insert(2, random_seq(9, rng))  # a row with no penalty between them: left alone
+    inputs, sampler = SamplingInputs(V, torch.device("cpu")), Sampler()
+    for step in range(6):
+        logits = torch.randn(len(seqs), V) * 3
+        tensors, _ = inputs.build(seqs)
+        adjusted = tensors.adjustments.apply(logits)
+        torch.testing.assert_close(adjusted, reference_adjust(logits, seqs))
+        assert torch.equal(adjusted[2], logits[2])
+        sampled = sampler(logits, tensors).token_ids  # counts the sampled tokens on the device
+        assert torch.equal(sampled, adjusted.argmax(-1))
+        for seq, token in zip(seqs, sampled.tolist()):
+            seq.token_ids.append(token)
+    assert inputs.token_counts.capacity >= 5 and len(inputs.token_counts.free_slots) == inputs.token_counts.capacity - 5
+    for seq in seqs:
+        inputs.release(seq)
+    assert len(inputs.token_counts.free_slots) == inputs.token_counts.capacity
+
+
+def test_bias_bans_allowed_and_min_tokens_match_the_reference():
+    rng = random.Random(1)
+    seqs = [random_seq(0, rng, logit_bias={3: 5.0, 7: -100.0}),
+            random_seq(1, rng, allowed_token_ids=[1, 2, 40]),
+            random_seq(2, rng, min_tokens=50),
+            random_seq(3, rng, min_tokens=1, logit_bias={5: 1.5}, repetition_penalty=1.3, allowed_token_ids=[5, 6])]
+    for seq in seqs[2:]:
+        seq.early_stop_ids = [0, 63]
+    tensors, _ = SamplingInputs(V, torch.device("cpu")).build(seqs)
+    logits = torch.randn(len(seqs), V)
+    torch.testing.assert_close(tensors.adjustments.apply(logits), reference_adjust(logits, seqs))
+
+
+def test_logprobs_of_the_rows_that_asked():
+    seqs = [Sequence(f"r{i}", [1, 2], SamplingParams(temperature=1.0, logprobs=k), block_size=16)
+            for i, k in enumerate([3, None, 0, 5])]
+    tensors, ks = SamplingInputs(V, torch.device("cpu")).build(seqs)
+    assert ks == [3, -1, 0, 5] and tensors.logprob_rows.tolist() == [0, 2, 3] and tensors.num_top_logprobs == 5
+    logits = torch.randn(4, V)
+    out = Sampler()(logits, tensors)
+    expected = logits[[0, 2, 3]].log_softmax(-1)
+    chosen = out.token_ids[[0, 2, 3]]
+    torch.testing.assert_close(out.logprobs.chosen, expected.gather(1, chosen[:, None]).squeeze(1))
+    assert out.logprobs.ranks.tolist() == [int((row > row[t]).sum()) + 1 for row, t in zip(expected, chosen.tolist())]
+    torch.testing.assert_close(out.logprobs.top_logprobs, expected.topk(5).values)
+
+
+def test_plain_requests_build_nothing_extra():
+    seqs = [Sequence("r", [1, 2], SamplingParams(temperature=0.7, top_k=5), block_size=16)]
+    tensors, ks = SamplingInputs(V, torch.device("cpu")).build(seqs)
+    assert tensors.adjustments is None and tensors.logprob_rows is None and ks is None
+
+
+@pytest.mark.parametrize("bad", [dict(n=0), dict(logprobs=21), dict(prompt_logprobs=-1), dict(presence_penalty=2.5),
+                                 dict(frequency_penalty=float("nan")), dict(repetition_penalty=0),
+                                 dict(min_tokens=-1), dict(min_tokens=65), dict(logit_bias={"1": 1.0}),
+                                 dict(logit_bias={1: 101}), dict(logit_bias=[1]), dict(allowed_token_ids=[]),
+                                 dict(allowed_token_ids=[-1]), dict(bad_words=[" "]), dict(skip_special_tokens="no"),
+                                 dict(spaces_between_special_tokens=None)])
+def test_bad_values_name_the_field(bad):
+    name = next(iter(bad))
+    with pytest.raises(ValueError, match=f"SamplingParams.{name}:"):
+        SamplingParams(**bad)
+
+
+def test_snapshot_owns_its_containers():
+    params = SamplingParams(logit_bias={1: 1.0}, allowed_token_ids=[1, 2], bad_words=["x"])
+    snap = params.snapshot()
+    params.logit_bias[2] = 5.0
+    params.allowed_token_ids.append(3)
+    params.bad_words.append("y")
+    assert snap.logit_bias == {1: 1.0} and snap.allowed_token_ids == [1, 2] and snap.bad_words == ["x"]
