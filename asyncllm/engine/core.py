@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import uuid
 from dataclasses import dataclass
 
@@ -18,6 +19,8 @@ from asyncllm.runner.model_runner import LaunchedStep, ModelRunner
 from asyncllm.runner.tp_workers import TensorParallelWorkers
 from asyncllm.models.checkpoint import check_tokenizer
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.structured.grammar import GrammarCompiler
+from asyncllm.structured.step_masks import StepConstraints
 
 logger = logging.getLogger("asyncllm")
 
@@ -78,6 +81,11 @@ class EngineCore:
         self._last_sched: SchedulerOutput | None = None
         self.overlap = config.overlap_scheduling
         self._in_flight: LaunchedStep | None = None  # launched, not yet resolved (overlap only)
+        # constrained decoding: the compiler is made on the first constrained request (xgrammar reads
+        # the whole vocabulary); requests with a grammar, pruned once finished
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._grammar_compiler_lock = threading.Lock()
+        self._constrained: list[Sequence] = []
 
     def _find_eos_token_ids(self) -> set[int]:
         ids = _as_id_set(getattr(self.config.hf_config, "eos_token_id", None))
@@ -126,11 +134,21 @@ class EngineCore:
         # a snapshot: fields set on the caller's object later would otherwise reach a step and
         # fail there, killing the engine for every request
         params = params.snapshot()
+        if params.structured_output is not None:
+            # compiled here, in the caller's thread, and cached: the engine thread finds it compiled
+            self.grammar_compiler.compile(params.structured_output)
         if len(prompt_token_ids) >= self.max_seq_len:
             what = "max_model_len" if self.max_seq_len == self.config.max_model_len else "the KV cache's capacity"
             raise PromptTooLongError(f"{argument}: {len(prompt_token_ids)} tokens leave no room to generate within "
                              f"{what} ({self.max_seq_len} tokens)")
         return params
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        with self._grammar_compiler_lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            return self._grammar_compiler
 
     @staticmethod
     def new_request_id() -> str:
@@ -149,6 +167,9 @@ class EngineCore:
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         seq = Sequence(request_id, prompt_token_ids, params, self.config.kvcache_block_size, self.max_seq_len)
+        if params.structured_output is not None:
+            seq.grammar = self.grammar_compiler.new_state(params.structured_output)
+            self._constrained.append(seq)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -192,7 +213,11 @@ class EngineCore:
 
     def _launch(self, sched: SchedulerOutput) -> LaunchedStep:
         started = self.step_timer.start()
-        launched = self.runner.launch(sched, self._in_flight)
+        constraints = None
+        if self._constrained:  # requests without a grammar pay this one check
+            self._constrained = [seq for seq in self._constrained if not seq.is_finished]
+            constraints = StepConstraints.of(sched)
+        launched = self.runner.launch(sched, self._in_flight, constraints=constraints)
         self.step_timer.stop(started, sched.num_batched_tokens - sched.num_decodes, sched.num_decodes)
         self.scheduler.commit(sched)
         self._last_sched = sched
@@ -237,6 +262,12 @@ class EngineCore:
         params = seq.params
         if (not params.ignore_eos and token_id in self.eos_token_ids) or token_id in params.stop_token_ids:
             return "stop"
+        if seq.grammar is not None:
+            seq.grammar.catch_up(seq)
+            if seq.grammar.is_terminated:  # the output is complete: the grammar allows nothing more
+                return "stop"
+            if seq.grammar.failed:
+                return "abort"
         if length >= seq.max_len:  # the scheduler plans no step past this length either
             return "length"
         return None

@@ -51,6 +51,7 @@ class Sequence:
         self.num_cached_prompt_tokens = 0
         self.num_preemptions = 0
         self.generator = None  # the sampler's own RNG for seeded requests, made on first use
+        self.grammar = None  # structured.grammar.GrammarState of a constrained request
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -23,6 +23,10 @@ class SamplingTensors:
     min_ps: torch.Tensor | None  # (B,) float32; None when no row uses min-p
     seeded_rows: list[tuple[int, torch.Generator]]  # rows that draw from their own generator
     all_greedy: bool
+    # constrained decoding: the rows held to a grammar, and their allowed tokens as bits (bit j of
+    # word w allows token 32*w + j); None when no row is constrained
+    mask_rows: torch.Tensor | None = None  # (M,) int64
+    token_bitmask: torch.Tensor | None = None  # (M, ceil(V / 32)) int32
 
     @classmethod
     def build(cls, params: list[SamplingParams], vocab_size: int, device: torch.device,
@@ -51,6 +55,10 @@ class SamplingTensors:
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
         logits = logits.float()
+        if params.mask_rows is not None:
+            # before everything: greedy, temperature, top-k/p and min-p all see only allowed tokens
+            rows = params.mask_rows
+            logits = logits.index_copy(0, rows, apply_token_bitmask(logits[rows], params.token_bitmask))
         greedy_tokens = logits.argmax(dim=-1)
         if params.all_greedy:
             return greedy_tokens
@@ -86,3 +94,10 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps
         remove |= (mass_above >= top_ps.unsqueeze(1)) & (top_ps < 1.0).unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits (M, V) with the tokens whose bit is 0 in bitmask (M, ceil(V / 32)) int32 set to -inf."""
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :logits.shape[-1]].bool()
+    return logits.masked_fill(~allowed, float("-inf"))

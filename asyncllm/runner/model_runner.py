@@ -103,6 +103,7 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.block_size = config.kvcache_block_size
         self._staging: dict[torch.dtype, tuple] = {}  # dtype -> (host buffer, its last copy's event)
+        self._bitmask_staging: tuple | None = None  # (host buffer, its last copy's event): constrained steps
         self.graph_runner = None  # captured last; the memory probe below runs the model eagerly
         torch.manual_seed(config.seed)
         default_dtype = torch.get_default_dtype()
@@ -306,9 +307,13 @@ class ModelRunner:
         return self._forward(self._make_batch(inputs)[0])
 
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput, prev: LaunchedStep | None) -> LaunchedStep:
+    def launch(self, sched: SchedulerOutput, prev: LaunchedStep | None, constraints=None) -> LaunchedStep:
         """Queue one step's forward and sampling. Inputs still PENDING_TOKEN are the ids prev sampled:
-        they are filled in on the device, so the host never waits for prev."""
+        they are filled in on the device, so the host never waits for prev.
+
+        constraints (structured.step_masks.StepConstraints, or None): rows held to a grammar. Their
+        bitmask is filled on the host after the forward is queued, so it overlaps the forward; a row
+        whose last token prev is still sampling waits for prev's ids (not for this step's forward)."""
         inputs, pending_at, pending_rows = self.build_inputs(sched)
         if len(pending_at):
             assert prev is not None, "a pending token without the step that samples it"
@@ -324,7 +329,31 @@ class ModelRunner:
                 at, rows = extra
                 batch.input_ids[at] = prev.sampled[rows]
             logits = self._forward(batch)
-        return LaunchedStep(sched, self.sampler(logits, self.prepare_sampling(sched)))
+        sampling = self.prepare_sampling(sched)
+        if constraints is not None:
+            sampling.mask_rows, sampling.token_bitmask = self._constraint_masks(constraints, prev)
+        return LaunchedStep(sched, self.sampler(logits, sampling))
+
+    def _constraint_masks(self, constraints, prev: LaunchedStep | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The constrained rows and their bitmask, on the device."""
+        num_rows, words = len(constraints.rows), (self.vocab_size + 31) // 32
+        staging, copied = self._bitmask_staging or (None, None)
+        if copied is not None:
+            copied.synchronize()  # the last constrained step's copy out of the buffer
+        if staging is None or staging.shape[0] < num_rows:
+            staging = torch.empty((max(num_rows, 64), words), dtype=torch.int32,
+                                  pin_memory=self.device.type == "cuda")
+        host = staging[:num_rows]
+        constraints.fill(host, prev.token_ids if prev is not None else None)
+        rows = torch.tensor(constraints.rows, dtype=torch.int64)
+        if self.device.type == "cuda":
+            bitmask = host.to(self.device, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        else:
+            bitmask = host.clone()
+        self._bitmask_staging = (staging, copied)
+        return rows.to(self.device), bitmask
 
     def release_cuda_graphs(self) -> None:
         """Drop the CUDA graphs (and their memory); later steps run eagerly."""

@@ -1,0 +1,46 @@
+"""A step's token bitmask for its constrained rows, filled on the host while the forward runs."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from asyncllm.engine.scheduler import SchedulerOutput
+from asyncllm.engine.sequence import PENDING_TOKEN
+
+
+class StepConstraints:
+    """The sampling rows of one step whose requests have a grammar."""
+
+    __slots__ = ("rows", "seqs")
+
+    def __init__(self, rows: list[int], seqs: list):
+        self.rows = rows  # indices among the step's sampling rows
+        self.seqs = seqs  # their sequences (each with a GrammarState in seq.grammar)
+
+    @classmethod
+    def of(cls, sched: SchedulerOutput) -> "StepConstraints | None":
+        """None when no sampling row is constrained (the sampler then builds no mask)."""
+        rows, seqs = [], []
+        row = 0
+        for item in sched.scheduled:
+            if item.samples:
+                if item.seq.grammar is not None:
+                    rows.append(row)
+                    seqs.append(item.seq)
+                row += 1
+        return cls(rows, seqs) if rows else None
+
+    def fill(self, bitmask: torch.Tensor, prev_token_ids: Callable[[], list[int]] | None) -> None:
+        """Fill bitmask (len(rows), words) for this step. A sequence whose last token the previous
+        step is still sampling (overlapped steps) needs its value first: prev_token_ids() gives the
+        previous step's sampled ids, waiting for that step only when some row needs them."""
+        prev_ids = None
+        for i, seq in enumerate(self.seqs):
+            pending_value = None
+            if seq.token_ids[-1] == PENDING_TOKEN:
+                if prev_ids is None:
+                    prev_ids = prev_token_ids()
+                pending_value = prev_ids[seq.sample_row]
+            seq.grammar.catch_up(seq, pending_value)
+            seq.grammar.fill(bitmask, i)
