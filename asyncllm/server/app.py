@@ -20,6 +20,8 @@ from starlette.routing import Route
 from asyncllm.errors import EngineDeadError, QueueFullError
 from asyncllm.sampling_params import SamplingParams
 import asyncllm.server.protocol as protocol
+from asyncllm.server import tool_calls
+from asyncllm.server.constraints import requested_constraint
 from asyncllm.server.metrics import ServerMetrics
 from asyncllm.server.protocol import APIError, field_error, is_int
 from asyncllm.server.sse import EventStreamResponse, await_disconnect, chunk_events, usage
@@ -167,8 +169,10 @@ class OpenAIServer:
             raise field_error("prompt", e) from None
 
     # ---- answering ----
-    def _submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, field: str):
-        """engine.stream with the engine's exceptions mapped to HTTP errors (429, 400, 503)."""
+    def _submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, field: str,
+                constraint_field: str | None = None):
+        """engine.stream with the engine's exceptions mapped to HTTP errors (429, 400, 503);
+        constraint_field: the request field that brought params.structured_output."""
         self._check_engine()
         try:
             return self.engine.stream(prompt_ids, params, request_id=request_id)
@@ -177,6 +181,8 @@ class OpenAIServer:
         except EngineDeadError as e:
             raise APIError(503, f"the engine is not available: {e}", code="engine_unavailable") from None
         except (ValueError, TypeError) as e:
+            if constraint_field is not None and str(e).startswith("SamplingParams.structured_output:"):
+                raise field_error(constraint_field, e, "structured_output") from None
             raise field_error(field, e, "prompt") from None
 
     def _closer(self, stream) -> Callable[..., Awaitable[None]]:
@@ -217,18 +223,32 @@ class OpenAIServer:
         return "".join(parts), stream.finish_reason or "abort"
 
     async def _answer(self, request: Request, body: dict, prompt_ids: list[int], *, chat: bool,
-                      max_tokens_field: str, default_max_tokens: int) -> Response:
+                      max_tokens_field: str, default_max_tokens: int,
+                      tools: tuple[tool_calls.ToolRequest, tool_calls.ToolCallFormat] | None = None) -> Response:
         """What chat and completions share: sampling, submission, and the answer streamed or whole."""
         include_usage = protocol.stream_options(body)
-        params = protocol.sampling_params(body, max_tokens_field, default_max_tokens, self.max_tokens_limit)
+        constraint, constraint_field = requested_constraint(body)
+        if tools is not None and tools[0].forced:
+            if constraint is not None:
+                raise APIError(400, f"'{constraint_field}': tool_choice forces a tool call; leave it out",
+                               param=constraint_field, code="invalid_value")
+            constraint, constraint_field = tools[0].constraint(), "tools"
+        params = protocol.sampling_params(body, max_tokens_field, default_max_tokens, self.max_tokens_limit,
+                                          constraint)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        stream = self._submit(prompt_ids, params, request_id, "messages" if chat else "prompt")
+        stream = self._submit(prompt_ids, params, request_id, "messages" if chat else "prompt", constraint_field)
         base = {"id": request_id, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": self.model_name}
         if body.get("stream"):
             usage_field = {"usage": None} if include_usage else {}
 
-            def chunk(text: str | None, finish_reason: str | None, delta: dict | None = None) -> dict:
+            calls_stream = tool_calls.ToolCallStream(*tools) if tools is not None else None
+
+            def chunk(text: str | None, finish_reason: str | None, delta: dict | None = None) -> dict | None:
+                if calls_stream is not None and delta is None:
+                    text, delta, finish_reason = _tool_call_delta(calls_stream, text, finish_reason)
+                    if delta is None and finish_reason is None:
+                        return None  # held back: it may be part of a tool call
                 if chat:
                     delta = delta if delta is not None else {} if text is None else {"content": text}
                     choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
@@ -241,6 +261,11 @@ class OpenAIServer:
             return EventStreamResponse(chunk_events(stream, close, chunk, first, include_usage), on_close=close)
         text, finish_reason = await self._collect(request, stream)
         answer = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+        if tools is not None:
+            content, calls = tool_calls.parse_output(text, *tools)
+            if calls:
+                answer["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         return JSONResponse({**base, "choices": [{"index": 0, **answer, "logprobs": None,
                                                   "finish_reason": finish_reason}], "usage": usage(stream)})
 
@@ -249,10 +274,14 @@ class OpenAIServer:
         body = await self._request_body(request, protocol.CHAT_FIELDS, protocol.NEUTRAL_CHAT)
         messages = protocol.messages(body)
         template_kwargs = protocol.chat_template_kwargs(body, self.trust_request_chat_template)
-        prompt_ids = await self._chat_prompt_ids(messages, template_kwargs)
+        tools = tool_calls.tool_request(body)
+        call_format, renders_tools = tool_calls.format_for_template(
+            template_kwargs.get("chat_template") or self.engine.chat_template)
+        messages, tool_kwargs = tool_calls.render_messages(messages, tools, renders_tools)
+        prompt_ids = await self._chat_prompt_ids(messages, {**template_kwargs, **tool_kwargs})
         room = max(1, self.engine.max_seq_len - len(prompt_ids))
         return await self._answer(request, body, prompt_ids, chat=True, max_tokens_field="max_completion_tokens",
-                                  default_max_tokens=room)
+                                  default_max_tokens=room, tools=(tools, call_format) if tools is not None else None)
 
     async def completions(self, request: Request) -> Response:
         body = await self._request_body(request, protocol.COMPLETION_FIELDS, protocol.NEUTRAL_COMPLETIONS)
@@ -291,6 +320,21 @@ class OpenAIServer:
             Route("/health", e(self.health, auth=False), methods=["GET"]),
             Route("/metrics", e(self.metrics_endpoint, auth=False), methods=["GET"]),
         ]
+
+
+def _tool_call_delta(calls_stream: tool_calls.ToolCallStream, text: str | None,
+                     finish_reason: str | None) -> tuple[str | None, dict | None, str | None]:
+    """(text, delta, finish_reason) of a chunk of an answer that may call tools: content passes
+    until a call may begin; at the end the calls come in one delta, with finish_reason tool_calls."""
+    if finish_reason is None:
+        content = calls_stream.feed(text or "")
+        return None, ({"content": content} if content else None), None
+    content, calls = calls_stream.finish()
+    delta = {"content": content} if content else {}
+    if calls:
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+        finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+    return None, delta, finish_reason
 
 
 def create_app(engine, model_name: str, api_key: str | None = None, *,

@@ -79,14 +79,15 @@ async def chunk_events(stream, close: Callable[[str | None], Awaitable[None]],
                        make_chunk: Callable[[str | None, str | None], dict], first: dict | None,
                        include_usage: bool) -> AsyncIterator[str]:
     """The SSE body of an OpenAI streamed answer: `first`, chunks built by make_chunk(text,
-    finish_reason), the usage chunk if asked for, then [DONE]. close(finish_reason) runs last."""
+    finish_reason) (None: nothing to send yet), the usage chunk if asked for, then [DONE].
+    close(finish_reason) runs last."""
     finish_reason = None
     try:
         if first is not None:
             yield sse(first)
         async for out in stream:
-            if out.text:
-                yield sse(make_chunk(out.text, None))
+            if out.text and (chunk := make_chunk(out.text, None)) is not None:
+                yield sse(chunk)
             if out.finish_reason is not None:
                 finish_reason = out.finish_reason
                 yield sse(make_chunk(None, out.finish_reason))
