@@ -1,7 +1,7 @@
 """Offline throughput on nano-vllm's bench.py workload (random weights, random token ids).
 
     python benchmarks/bench_throughput.py [--backends triton,fa4] [--mode sync,stream,generate|all]
-                                          [--overlap auto|on|off|both] [--json PATH]
+                                          [--overlap auto|on|off|both] [--structured none|json|both] [--json PATH]
 
 256 requests, prompts of 100..1024 random tokens, 100..1024 output tokens each (EOS ignored),
 temperature 0.6. nano-vllm's one short warm-up request, plus --warmup-requests short ones of
@@ -13,10 +13,17 @@ and read by its own `async for out in engine.stream(...)` task, which reads out.
 out.token_ids -- the path apps take. generate: the same with `await engine.generate(...)` (woken
 once per request). With more than one mode or overlap setting, each runs in its own process, one
 after another, and the table gives each row's ratio to sync with the same overlap setting.
+
+--structured json: every request (warm-up ones too, so the grammar compile is not timed) is held to
+STRUCTURED_SCHEMA, an object whose first field is a string of at least 20,000 characters: on random
+weights every request still runs to its max_tokens (the total is the same as unconstrained), and
+every step fills a dense mask (inside a JSON string nearly every token is allowed), the common
+case. --structured both runs it and the unconstrained run; "/ free" is the ratio between them.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -29,9 +36,19 @@ from common import (Report, add_engine_args, bench_requests, checkpoint_from_arg
 
 from asyncllm import LLM, AsyncLLMEngine, SamplingParams
 from asyncllm.kernels import compiled_variants
+from asyncllm.structured import StructuredOutput
 
 WARMUP_PROMPT = "Benchmark: "  # nano-vllm's warm-up request
 MODES = ["sync", "stream", "generate"]
+STRUCTURED_SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "minLength": 20000},
+                                                      "id": {"type": "integer"}}, "required": ["text", "id"]}
+
+
+def constrain(params: list[SamplingParams], structured: str) -> list[SamplingParams]:
+    if structured == "none":
+        return params
+    spec = StructuredOutput(json=STRUCTURED_SCHEMA)
+    return [dataclasses.replace(p, structured_output=spec) for p in params]
 
 
 def run_sync(model_dir: str, kwargs: dict, prompts, params, warmup, device: str) -> dict:
@@ -121,20 +138,22 @@ RUNNERS = {"sync": run_sync, "stream": run_stream, "generate": run_generate}
 COLUMNS = [("backend", "backend"), ("TP", "tensor_parallel_size"), ("mode", "mode"), ("overlap", "overlap"),
            ("requests", "num_requests"), ("output tokens", "total_tokens"), ("time (s)", "elapsed_s", "{:.2f}"),
            ("throughput (tok/s)", "throughput_tok_s", "{:,.0f}"), ("/ sync", "sync_ratio", "{:.3f}"),
+           ("structured", "structured"), ("/ free", "free_ratio", "{:.3f}"),
            ("preemptions", "num_preemptions"), ("steps", "num_steps"), ("JIT compiles", "jit_compiles"),
            ("error", "error")]
 
 
-def run_in_child(argv: list[str], backend: str, mode: str, overlap: str) -> list[dict]:
+def run_in_child(argv: list[str], backend: str, mode: str, overlap: str, structured: str = "none") -> list[dict]:
     """This script for one backend, mode and overlap setting, in a fresh process: no engine or
     allocator state of one mode colours the next."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         child = [sys.executable, os.path.abspath(__file__), *argv, "--backends", backend, "--mode", mode,
-                 "--overlap", overlap, "--json", out]
+                 "--overlap", overlap, "--structured", structured, "--json", out]
         subprocess.run(child, check=False)
         if not os.path.exists(out):
-            return [dict(backend=backend, mode=mode, overlap=overlap, error="the child process wrote no result")]
+            return [dict(backend=backend, mode=mode, overlap=overlap, structured=structured,
+                         error="the child process wrote no result")]
         with open(out) as f:
             return json.load(f)["results"]
 
@@ -164,6 +183,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--profile-loop", action="store_true",
                         help="stream/generate: print a cProfile of the event loop's thread over the timed run "
                              "(slows it: not for the throughput figures)")
+    parser.add_argument("--structured", default="none", choices=["none", "json", "both"],
+                        help="hold every request to a JSON schema (both: with and without, compared)")
     parser.add_argument("--warmup-requests", type=int, default=64,
                         help="short requests run before timing (0: only nano-vllm's single warm-up prompt)")
     raw_argv = list(sys.argv[1:] if argv is None else argv)
@@ -173,36 +194,47 @@ def main(argv=None) -> dict:
     if unknown:
         parser.error(f"--mode: unknown {sorted(unknown)}; choose from {MODES}")
     overlaps = ["off", "on"] if args.overlap == "both" else [args.overlap]
-    settings = [(mode, overlap) for overlap in overlaps for mode in modes]
+    structured_settings = ["none", "json"] if args.structured == "both" else [args.structured]
+    settings = [(mode, overlap, structured) for overlap in overlaps for mode in modes
+                for structured in structured_settings]
     report = Report("throughput", args)
     prompts, params = bench_requests(args.num_requests, args.seed, args.max_input, args.max_output)
     total_tokens = sum(p.max_tokens for p in params)
     if len(settings) > 1 or len(args.backends) > 1:
-        child_argv = strip_options(raw_argv, ("--backends", "--mode", "--overlap", "--json"))
+        child_argv = strip_options(raw_argv, ("--backends", "--mode", "--overlap", "--structured", "--json"))
         for backend in args.backends:
-            for mode, overlap in settings:
-                for row in run_in_child(child_argv, backend, mode, overlap):
+            for mode, overlap, structured in settings:
+                for row in run_in_child(child_argv, backend, mode, overlap, structured):
                     report.add(row)
     else:
-        (mode, overlap), backend = settings[0], args.backends[0]
-        warmup = warmup_requests(args.warmup_requests, args.max_input, args.seed + 1)
+        (mode, overlap, structured), backend = settings[0], args.backends[0]
+        params = constrain(params, structured)
+        warmup_prompts, warmup_params = warmup_requests(args.warmup_requests, args.max_input, args.seed + 1)
+        warmup = warmup_prompts, constrain(warmup_params, structured)
         with checkpoint_from_args(args) as model_dir:
             kwargs = engine_kwargs(args, backend)
             try:
                 extra = {"profile": True} if args.profile_loop and mode != "sync" else {}
                 stats = RUNNERS[mode](model_dir, kwargs, prompts, params, warmup, args.device, **extra)
-                report.add(dict(backend=backend, mode=mode, overlap=overlap, shape=args.shape,
+                report.add(dict(backend=backend, mode=mode, overlap=overlap, structured=structured, shape=args.shape,
                                 tensor_parallel_size=args.tensor_parallel_size, num_requests=len(prompts),
                                 total_tokens=total_tokens, throughput_tok_s=total_tokens / stats["elapsed_s"], **stats))
             except Exception as exc:  # one failing backend (e.g. FA4 not built here) must not end the run
-                report.add(dict(backend=backend, mode=mode, overlap=overlap, error=f"{type(exc).__name__}: {exc}"))
+                report.add(dict(backend=backend, mode=mode, overlap=overlap, structured=structured,
+                                error=f"{type(exc).__name__}: {exc}"))
                 print(f"{backend} {mode}: FAILED {type(exc).__name__}: {exc}")
     rows = report.data["results"]
     for row in rows:
         sync = next((r for r in rows if r.get("mode") == "sync" and r.get("backend") == row.get("backend")
+                     and r.get("structured") == row.get("structured")
                      and r.get("overlap") == row.get("overlap") and r.get("throughput_tok_s")), None)
         if sync and row.get("throughput_tok_s"):
             row["sync_ratio"] = row["throughput_tok_s"] / sync["throughput_tok_s"]
+        free = next((r for r in rows if r.get("structured") == "none" and r.get("mode") == row.get("mode")
+                     and r.get("backend") == row.get("backend") and r.get("overlap") == row.get("overlap")
+                     and r.get("throughput_tok_s")), None)
+        if free and row.get("throughput_tok_s"):
+            row["free_ratio"] = row["throughput_tok_s"] / free["throughput_tok_s"]
     report.finish(f"Throughput, {args.shape}, nano-vllm workload ({len(prompts)} requests)", COLUMNS)
     return report.data
 

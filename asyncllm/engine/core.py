@@ -216,7 +216,7 @@ class EngineCore:
         constraints = None
         if self._constrained:  # requests without a grammar pay this one check
             self._constrained = [seq for seq in self._constrained if not seq.is_finished]
-            constraints = StepConstraints.of(sched)
+            constraints = StepConstraints.of(sched, self._grammar_compiler)
         launched = self.runner.launch(sched, self._in_flight, constraints=constraints)
         self.step_timer.stop(started, sched.num_batched_tokens - sched.num_decodes, sched.num_decodes)
         self.scheduler.commit(sched)

@@ -7,19 +7,21 @@ import torch
 
 from asyncllm.engine.scheduler import SchedulerOutput
 from asyncllm.engine.sequence import PENDING_TOKEN
+from asyncllm.structured.grammar import GrammarCompiler
 
 
 class StepConstraints:
     """The sampling rows of one step whose requests have a grammar."""
 
-    __slots__ = ("rows", "seqs")
+    __slots__ = ("rows", "seqs", "compiler")
 
-    def __init__(self, rows: list[int], seqs: list):
+    def __init__(self, rows: list[int], seqs: list, compiler: GrammarCompiler):
         self.rows = rows  # indices among the step's sampling rows
         self.seqs = seqs  # their sequences (each with a GrammarState in seq.grammar)
+        self.compiler = compiler
 
     @classmethod
-    def of(cls, sched: SchedulerOutput) -> "StepConstraints | None":
+    def of(cls, sched: SchedulerOutput, compiler: GrammarCompiler) -> "StepConstraints | None":
         """None when no sampling row is constrained (the sampler then builds no mask)."""
         rows, seqs = [], []
         row = 0
@@ -29,7 +31,7 @@ class StepConstraints:
                     rows.append(row)
                     seqs.append(item.seq)
                 row += 1
-        return cls(rows, seqs) if rows else None
+        return cls(rows, seqs, compiler) if rows else None
 
     def fill(self, bitmask: torch.Tensor, prev_token_ids: Callable[[], list[int]] | None) -> None:
         """Fill bitmask (len(rows), words) for this step. A sequence whose last token the previous
@@ -43,4 +45,4 @@ class StepConstraints:
                     prev_ids = prev_token_ids()
                 pending_value = prev_ids[seq.sample_row]
             seq.grammar.catch_up(seq, pending_value)
-            seq.grammar.fill(bitmask, i)
+        self.compiler.fill_bitmask([seq.grammar for seq in self.seqs], bitmask)
