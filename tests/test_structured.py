@@ -162,8 +162,16 @@ def test_every_applied_bitmask_is_the_reference_matchers_token_by_token(llms, mo
     launch = llm.core.runner.launch
 
     def remembering_launch(sched, prev, **kwargs):
-        llm.core.runner.current_sched = sched
-        return launch(sched, prev, **kwargs)
+        launched = launch(sched, prev, **kwargs)
+        sample = launched._sample  # a constrained step's sampling runs later: it must see its own sched
+        if sample is not None:
+            def sample_with_sched():
+                llm.core.runner.current_sched = sched
+                return sample()
+            launched._sample = sample_with_sched
+        else:
+            llm.core.runner.current_sched = sched
+        return launched
     monkeypatch.setattr(llm.core.runner, "launch", remembering_launch)
     monkeypatch.setattr(llm.core.runner, "sampler", recording_sampler)
     specs = [StructuredOutput(**s) for s in SPECS]

@@ -58,7 +58,10 @@ class Sampler(nn.Module):
         if params.mask_rows is not None:
             # before everything: greedy, temperature, top-k/p and min-p all see only allowed tokens
             rows = params.mask_rows
-            logits = logits.index_copy(0, rows, apply_token_bitmask(logits[rows], params.token_bitmask))
+            if len(rows) == len(logits):  # every row (rows are in order): no gather and scatter
+                logits = apply_token_bitmask(logits, params.token_bitmask)
+            else:
+                logits = logits.index_copy(0, rows, apply_token_bitmask(logits[rows], params.token_bitmask))
         greedy_tokens = logits.argmax(dim=-1)
         if params.all_greedy:
             return greedy_tokens
@@ -98,6 +101,9 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """logits (M, V) with the tokens whose bit is 0 in bitmask (M, ceil(V / 32)) int32 set to -inf."""
-    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :logits.shape[-1]].bool()
+    # unpacked by bytes (a quarter of the temporaries of unpacking int32 words): on little-endian
+    # hosts and GPUs, token 8 * b + j is bit j of byte b
+    shifts = torch.arange(8, device=bitmask.device, dtype=torch.uint8)
+    allowed = ((bitmask.contiguous().view(torch.uint8).unsqueeze(-1) >> shifts) & 1).flatten(1)
+    allowed = allowed[:, :logits.shape[-1]].bool()
     return logits.masked_fill(~allowed, float("-inf"))

@@ -6,6 +6,7 @@ graph buffers) sits behind the AttentionBackend it creates.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,10 +55,19 @@ class StepInputs:
 
 class LaunchedStep:
     """A step whose forward and sampling are queued on the device: its sampled ids stay on the
-    device for the next step to read, and are copied to the host without blocking it."""
+    device for the next step to read, and are copied to the host without blocking it.
 
-    def __init__(self, sched: SchedulerOutput, sampled: torch.Tensor):
+    A step with constrained rows may leave its sampling pending (its bitmask is being filled on a
+    worker thread): `sample` queues it, and is called before anything reads the sampled ids or
+    queues later work on the device."""
+
+    def __init__(self, sched: SchedulerOutput, sampled: torch.Tensor | None = None, sample=None):
         self.sched = sched
+        self._sample = sample  # () -> the sampled ids; None once they are queued
+        if sampled is not None:
+            self._queued(sampled)
+
+    def _queued(self, sampled: torch.Tensor) -> None:
         self.sampled = sampled  # (S,) int64, on the device
         if sampled.device.type == "cuda":
             self._host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
@@ -67,11 +77,23 @@ class LaunchedStep:
         else:
             self._host, self._copied = sampled, None
 
+    def queue_sampling(self) -> None:
+        """Queue the step's sampling if it is still pending (idempotent)."""
+        if self._sample is not None:
+            sample, self._sample = self._sample, None
+            self._queued(sample())
+
     def token_ids(self) -> list[int]:
         """The sampled ids on the host (waits for the device to finish the step)."""
+        self.queue_sampling()
         if self._copied is not None:
             self._copied.synchronize()
         return self._host.tolist()
+
+
+def _fill_in_inference_mode(constraints, host: torch.Tensor) -> None:
+    with torch.inference_mode():  # per thread: the buffer is an inference tensor
+        constraints.fill(host)
 
 
 class ModelRunner:
@@ -104,6 +126,7 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         self._staging: dict[torch.dtype, tuple] = {}  # dtype -> (host buffer, its last copy's event)
         self._bitmask_staging: tuple | None = None  # (host buffer, its last copy's event): constrained steps
+        self._bitmask_filler: ThreadPoolExecutor | None = None  # fills a step's bitmask beside the engine thread
         self.graph_runner = None  # captured last; the memory probe below runs the model eagerly
         torch.manual_seed(config.seed)
         default_dtype = torch.get_default_dtype()
@@ -314,6 +337,8 @@ class ModelRunner:
         constraints (structured.step_masks.StepConstraints, or None): rows held to a grammar. Their
         bitmask is filled on the host after the forward is queued, so it overlaps the forward; a row
         whose last token prev is still sampling waits for prev's ids (not for this step's forward)."""
+        if prev is not None:
+            prev.queue_sampling()  # the device runs prev's sampling before this step's forward
         inputs, pending_at, pending_rows = self.build_inputs(sched)
         if len(pending_at):
             assert prev is not None, "a pending token without the step that samples it"
@@ -330,30 +355,46 @@ class ModelRunner:
                 batch.input_ids[at] = prev.sampled[rows]
             logits = self._forward(batch)
         sampling = self.prepare_sampling(sched)
-        if constraints is not None:
-            sampling.mask_rows, sampling.token_bitmask = self._constraint_masks(constraints, prev)
-        return LaunchedStep(sched, self.sampler(logits, sampling))
+        if constraints is None:
+            return LaunchedStep(sched, self.sampler(logits, sampling))
+        # constrained rows: advance their matchers here (it may wait for prev's ids), then fill the
+        # bitmask on a worker thread (xgrammar releases the GIL) while this thread resolves prev and
+        # plans the next step; the sampling is queued once the next step needs it
+        constraints.catch_up(prev.token_ids if prev is not None else None)
+        host = self._bitmask_host(len(constraints.rows))
+        if self._bitmask_filler is None:
+            self._bitmask_filler = ThreadPoolExecutor(1, thread_name_prefix="asyncllm-bitmask")
+        filled = self._bitmask_filler.submit(_fill_in_inference_mode, constraints, host)
 
-    def _constraint_masks(self, constraints, prev: LaunchedStep | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The constrained rows and their bitmask, on the device."""
-        num_rows, words = len(constraints.rows), (self.vocab_size + 31) // 32
+        @torch.inference_mode()
+        def sample() -> torch.Tensor:
+            filled.result()
+            sampling.mask_rows, sampling.token_bitmask = self._upload_bitmask(constraints.rows, host)
+            return self.sampler(logits, sampling)
+        return LaunchedStep(sched, sample=sample)
+
+    def _bitmask_host(self, num_rows: int) -> torch.Tensor:
+        """A host buffer (pinned on GPU) for num_rows rows of a bitmask, free to overwrite."""
+        words = (self.vocab_size + 31) // 32
         staging, copied = self._bitmask_staging or (None, None)
         if copied is not None:
             copied.synchronize()  # the last constrained step's copy out of the buffer
         if staging is None or staging.shape[0] < num_rows:
             staging = torch.empty((max(num_rows, 64), words), dtype=torch.int32,
                                   pin_memory=self.device.type == "cuda")
-        host = staging[:num_rows]
-        constraints.fill(host, prev.token_ids if prev is not None else None)
-        rows = torch.tensor(constraints.rows, dtype=torch.int64)
+            self._bitmask_staging = (staging, None)
+        return staging[:num_rows]
+
+    def _upload_bitmask(self, rows: list[int], host: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The constrained rows and their bitmask, on the device."""
         if self.device.type == "cuda":
             bitmask = host.to(self.device, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record()
         else:
-            bitmask = host.clone()
-        self._bitmask_staging = (staging, copied)
-        return rows.to(self.device), bitmask
+            bitmask, copied = host.clone(), None
+        self._bitmask_staging = (self._bitmask_staging[0], copied)
+        return torch.tensor(rows, dtype=torch.int64).to(self.device), bitmask
 
     def release_cuda_graphs(self) -> None:
         """Drop the CUDA graphs (and their memory); later steps run eagerly."""
@@ -364,6 +405,9 @@ class ModelRunner:
     def close(self) -> None:
         """Stop tensor-parallel workers, if any. Idempotent."""
         self.release_cuda_graphs()  # first: graphs holding NCCL work would stall the group's teardown
+        if self._bitmask_filler is not None:
+            self._bitmask_filler.shutdown(wait=True)
+            self._bitmask_filler = None
         if self.workers is not None:
             self.workers.close()
             self.step_group = None  # it holds the rendezvous store, whose port a new engine may reuse
