@@ -218,7 +218,7 @@ def test_constrained_sampling_on_cuda(model_dir, backend):
     plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     results = {}
     for overlap in (False, True):
-        llm = get_llm(model_dir, backend, dtype="float32", overlap_scheduling=overlap)
+        llm = get_llm(model_dir, backend, dtype="float32", overlap_scheduling=overlap, num_kvcache_blocks=256)
         outputs = llm.generate(ps + ps[:4], params + [plain] * 4, use_tqdm=False)
         assert_all_blocks_free(llm)
         alone = generate(llm, ps[:4], plain)

@@ -394,7 +394,8 @@ class ModelRunner:
         else:
             bitmask, copied = host.clone(), None
         self._bitmask_staging = (self._bitmask_staging[0], copied)
-        return torch.tensor(rows, dtype=torch.int64).to(self.device), bitmask
+        # non_blocking: a blocking copy from pageable memory would wait for this step's forward
+        return torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True), bitmask
 
     def release_cuda_graphs(self) -> None:
         """Drop the CUDA graphs (and their memory); later steps run eagerly."""
