@@ -103,8 +103,11 @@ def tool_request(body: dict) -> ToolRequest | None:
             raise APIError(400, f"'tools[{i}].function.parameters': expected a JSON schema object",
                            param=f"tools[{i}].function.parameters", code="invalid_type")
         names.append(function["name"])
-    parallel = body.get("parallel_tool_calls", True)
-    parallel = True if parallel is None else bool(parallel)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise APIError(400, f"'parallel_tool_calls': expected a boolean, got {type_name(parallel)}",
+                       param="parallel_tool_calls", code="invalid_type")
+    parallel = parallel is not False
     if choice is None or choice in ("auto", "none", "required"):
         choice = choice or "auto"
         return None if choice == "none" else ToolRequest(tools, choice, parallel=parallel)
