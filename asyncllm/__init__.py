@@ -5,7 +5,8 @@ from asyncllm.errors import EngineDeadError, PromptTooLongError, QueueFullError
 from asyncllm.llm import LLM
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.streams import RequestResult, StreamOutput
+from asyncllm.structured import StructuredOutput
 
-__all__ = ["AsyncLLMEngine", "StreamOutput", "RequestResult", "LLM", "Config", "SamplingParams", "EngineDeadError",
-           "PromptTooLongError", "QueueFullError"]
+__all__ = ["AsyncLLMEngine", "StreamOutput", "RequestResult", "LLM", "Config", "SamplingParams", "StructuredOutput",
+           "EngineDeadError", "PromptTooLongError", "QueueFullError"]
 __version__ = "0.1.0"

@@ -131,6 +131,11 @@ class AsyncLLMEngine:
         return self._submit(self.apply_chat_template(messages, **chat_template_kwargs), sampling_params, request_id,
                             "messages")
 
+    @property
+    def chat_template(self) -> str | None:
+        """The tokenizer's chat template (the server reads which tool-call format it uses)."""
+        return getattr(self._core.tokenizer, "chat_template", None)
+
     def apply_chat_template(self, messages, **chat_template_kwargs) -> list[int]:
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages: expected a non-empty list of {'role': ..., 'content': ...} dicts")

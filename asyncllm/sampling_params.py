@@ -1,9 +1,12 @@
 """Per-request generation settings."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from dataclasses import dataclass, field
+
+from asyncllm.structured.spec import StructuredOutput
 
 # bounds that keep stop-string matching cheap for everyone sharing the engine thread's loop
 MAX_STOP_STRINGS = 64
@@ -70,6 +73,9 @@ class SamplingParams:
     skip_special_tokens: bool = True  # leave special tokens out of the text
     # accepted for vLLM compatibility; the fast tokenizers this engine loads decode the same either way
     spaces_between_special_tokens: bool = True
+    # constrained decoding: the output must match a JSON schema, any JSON object, a regex, a choice
+    # or a grammar (a StructuredOutput, or a dict of its fields)
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         def fail(name: str, message: str) -> None:
@@ -131,6 +137,14 @@ class SamplingParams:
         if longest > MAX_STOP_STRING_CHARS:
             fail("stop", f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters, got one of {longest}")
         self.stop = list(self.stop)
+        if isinstance(self.structured_output, dict):
+            try:
+                self.structured_output = StructuredOutput.coerce(self.structured_output)
+            except (TypeError, ValueError) as e:
+                fail("structured_output", str(e))
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            fail("structured_output", f"expected a StructuredOutput, a dict of its fields or None, got "
+                                      f"{_short_repr(self.structured_output)}")
 
     def _check_new_fields(self, fail) -> None:
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
@@ -188,8 +202,9 @@ class SamplingParams:
     def snapshot(self) -> "SamplingParams":
         """A validated copy that owns its lists: what a request keeps, so that changing these
         params after submission cannot reach the engine thread."""
-        # __post_init__ validates again and rebuilds every container (lists, the logit_bias dict)
-        return dataclasses.replace(self)
+        # __post_init__ validates again and rebuilds every container (lists, the logit_bias dict); the
+        # schema dict too: the caller may change it after submission
+        return dataclasses.replace(self, structured_output=copy.deepcopy(self.structured_output))
 
     @property
     def adjusts_logits(self) -> bool:

@@ -36,6 +36,7 @@ from common import (Report, add_engine_args, bench_requests, checkpoint_from_arg
 
 from asyncllm import LLM, AsyncLLMEngine, SamplingParams
 from asyncllm.kernels import compiled_variants
+from asyncllm.structured import StructuredOutput
 
 WARMUP_PROMPT = "Benchmark: "  # nano-vllm's warm-up request
 MODES = ["sync", "stream", "generate"]
@@ -181,8 +182,8 @@ def main(argv=None) -> dict:
                              "LLM None, AsyncLLMEngine 8 ms)")
     parser.add_argument("--mode", default="all", help="comma-separated of sync, stream, generate; or all (default)")
     parser.add_argument("--features", default="plain",
-                        help="comma-separated runs, each '+'-joined sampling features of plain, penalties, logprobs "
-                             "(e.g. plain,penalties+logprobs)")
+                        help="comma-separated runs, each '+'-joined sampling features of plain, penalties, logprobs, "
+                             "json (e.g. plain,penalties+logprobs,json)")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--max-input", type=int, default=1024, help="longest prompt (shortest: 100)")
     parser.add_argument("--max-output", type=int, default=1024, help="largest max_tokens (smallest: 100)")
@@ -212,7 +213,8 @@ def main(argv=None) -> dict:
     else:
         (mode, overlap, features), backend = settings[0], args.backends[0]
         params = with_features(params, features)
-        warmup = warmup_requests(args.warmup_requests, args.max_input, args.seed + 1)
+        warmup_prompts, warmup_params = warmup_requests(args.warmup_requests, args.max_input, args.seed + 1)
+        warmup = warmup_prompts, with_features(warmup_params, features)  # a grammar's compile is not timed
         with checkpoint_from_args(args) as model_dir:
             kwargs = engine_kwargs(args, backend)
             try:

@@ -87,7 +87,7 @@ def generate_with_logits(llm, prompts: list[list[int]], params) -> tuple[list[li
     captured: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}
     launch, sampler_forward = runner.launch, runner.sampler.forward
 
-    def capturing_launch(sched, prev):
+    def capturing_launch(sched, prev, **kwargs):
         # before the launch, a sequence's length counts the token this step samples from these logits
         rows = [item.seq for item in sched.scheduled if item.samples]
 
@@ -98,7 +98,7 @@ def generate_with_logits(llm, prompts: list[list[int]], params) -> tuple[list[li
             return sampler_forward(logits, sampling)
         runner.sampler.forward = capture
         try:
-            return launch(sched, prev)
+            return launch(sched, prev, **kwargs)
         finally:
             runner.sampler.forward = sampler_forward
 

@@ -12,7 +12,7 @@ import pytest
 
 from asyncllm.async_engine import AsyncLLMEngine
 from asyncllm.llm import LLM
-from asyncllm.runner.model_runner import LaunchedStep
+from asyncllm.runner.launched_step import LaunchedStep
 from asyncllm.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
 from helpers import anyio_asyncio_and_trio  # noqa: F401 - a fixture: both event loops
 

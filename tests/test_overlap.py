@@ -121,11 +121,11 @@ def test_a_failed_step_leaves_nothing_in_flight(llms, monkeypatch):
     launch = llm.core.runner.launch
     calls = []
 
-    def failing_launch(sched, prev):
+    def failing_launch(sched, prev, **kwargs):
         calls.append(1)
         if len(calls) == 5:
             raise RuntimeError("device fell over")
-        return launch(sched, prev)
+        return launch(sched, prev, **kwargs)
     monkeypatch.setattr(llm.core.runner, "launch", failing_launch)
     with pytest.raises(RuntimeError, match="device fell over"):
         llm.generate(PROMPTS[:4], params, use_tqdm=False)

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -16,11 +17,14 @@ from asyncllm.engine.scheduler import Scheduler, SchedulerOutput
 from asyncllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from asyncllm.engine.step_budget import StepBudget, StepTimeModel, StepTimer
 from asyncllm.errors import PromptTooLongError
-from asyncllm.runner.model_runner import LaunchedStep, ModelRunner
+from asyncllm.runner.launched_step import LaunchedStep
+from asyncllm.runner.model_runner import ModelRunner
 from asyncllm.runner.tp_workers import TensorParallelWorkers
 from asyncllm.models.checkpoint import check_tokenizer
 from asyncllm.outputs import TokenLogprob
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.structured.grammar import GrammarCompiler
+from asyncllm.structured.step_masks import StepConstraints
 
 logger = logging.getLogger("asyncllm")
 
@@ -91,6 +95,11 @@ class EngineCore:
         self._last_sched: SchedulerOutput | None = None
         self.overlap = config.overlap_scheduling
         self._in_flight: LaunchedStep | None = None  # launched, not yet resolved (overlap only)
+        # constrained decoding: the compiler is made on the first constrained request (xgrammar reads
+        # the whole vocabulary); requests with a grammar, pruned once finished
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._grammar_compiler_lock = threading.Lock()
+        self._constrained: list[Sequence] = []
 
     def _find_eos_token_ids(self) -> set[int]:
         ids = _as_id_set(getattr(self.config.hf_config, "eos_token_id", None))
@@ -143,11 +152,21 @@ class EngineCore:
             self.check_token_ids(list(params.logit_bias), "SamplingParams.logit_bias")
         if params.allowed_token_ids is not None:
             self.check_token_ids(params.allowed_token_ids, "SamplingParams.allowed_token_ids")
+        if params.structured_output is not None:
+            # compiled here, in the caller's thread, and cached: the engine thread finds it compiled
+            self.grammar_compiler.compile(params.structured_output)
         if len(prompt_token_ids) >= self.max_seq_len:
             what = "max_model_len" if self.max_seq_len == self.config.max_model_len else "the KV cache's capacity"
             raise PromptTooLongError(f"{argument}: {len(prompt_token_ids)} tokens leave no room to generate within "
                              f"{what} ({self.max_seq_len} tokens)")
         return params
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        with self._grammar_compiler_lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            return self._grammar_compiler
 
     @staticmethod
     def new_request_id() -> str:
@@ -192,6 +211,9 @@ class EngineCore:
             seq.early_stop_ids = sorted(eos | set(params.stop_token_ids))
         if params.bad_words:
             seq.bad_word_ids = self._encode_bad_words(params.bad_words)
+        if params.structured_output is not None:  # each of n sequences follows the grammar on its own
+            seq.grammar = self.grammar_compiler.new_state(params.structured_output)
+            self._constrained.append(seq)
         return seq
 
     def _encode_bad_words(self, words: list[str]) -> list[list[int]]:
@@ -272,7 +294,11 @@ class EngineCore:
 
     def _launch(self, sched: SchedulerOutput) -> LaunchedStep:
         started = self.step_timer.start()
-        launched = self.runner.launch(sched, self._in_flight)
+        constraints = None
+        if self._constrained:  # requests without a grammar pay this one check
+            self._constrained = [seq for seq in self._constrained if not seq.is_finished]
+            constraints = StepConstraints.of(sched, self._grammar_compiler)
+        launched = self.runner.launch(sched, self._in_flight, constraints=constraints)
         self.step_timer.stop(started, sched.num_batched_tokens - sched.num_decodes, sched.num_decodes)
         self.scheduler.commit(sched)
         self._last_sched = sched
@@ -364,6 +390,12 @@ class EngineCore:
         if (self._is_eos(seq, token_id) or token_id in params.stop_token_ids) and \
                 length - seq.num_prompt_tokens > params.min_tokens:
             return "stop"
+        if seq.grammar is not None:
+            seq.grammar.catch_up(seq)
+            if seq.grammar.is_terminated:  # the output is complete: the grammar allows nothing more
+                return "stop"
+            if seq.grammar.failed:
+                return "abort"
         if length >= seq.max_len:  # the scheduler plans no step past this length either
             return "length"
         return None

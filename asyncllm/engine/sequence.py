@@ -67,6 +67,7 @@ class Sequence:
         # fixed for its life: the sampler asks every step (plain requests answer one question)
         self.adjusts_logits = params.adjusts_logits
         self.needs_sampling_extras = self.adjusts_logits or params.logprobs is not None
+        self.grammar = None  # structured.grammar.GrammarState of a constrained request
 
     def __len__(self) -> int:
         return len(self.token_ids)

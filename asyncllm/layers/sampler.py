@@ -46,6 +46,10 @@ class SamplingTensors:
     adjustments: LogitsAdjustments | None = None  # None when no row adjusts its logits
     logprob_rows: torch.Tensor | None = None  # (L,) int64: rows that want log-probabilities; None if none
     num_top_logprobs: int = 0  # the most top alternatives any of them asked for
+    # constrained decoding: the rows held to a grammar, and their allowed tokens as bits (bit j of
+    # word w allows token 32*w + j); None when no row is constrained
+    mask_rows: torch.Tensor | None = None  # (M,) int64
+    token_bitmask: torch.Tensor | None = None  # (M, ceil(V / 32)) int32
 
     @classmethod
     def build(cls, params: list[SamplingParams], vocab_size: int, device: torch.device,
@@ -79,6 +83,14 @@ class Sampler(nn.Module):
             raw_logprobs = logits[params.logprob_rows].log_softmax(dim=-1)
         if params.adjustments is not None:
             logits = params.adjustments.apply(logits)
+        if params.mask_rows is not None:
+            # after the adjustments (a logit_bias cannot lift a token the grammar forbids) and before
+            # everything else: greedy, temperature, top-k/p and min-p all see only allowed tokens
+            rows = params.mask_rows
+            if len(rows) == len(logits):  # every row (rows are in order): no gather and scatter
+                logits = apply_token_bitmask(logits, params.token_bitmask)
+            else:
+                logits = logits.index_copy(0, rows, apply_token_bitmask(logits[rows], params.token_bitmask))
         token_ids = self._sample(logits, params)
         if params.adjustments is not None:
             params.adjustments.count_sampled(token_ids)
@@ -132,3 +144,13 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps
         remove |= (mass_above >= top_ps.unsqueeze(1)) & (top_ps < 1.0).unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits (M, V) with the tokens whose bit is 0 in bitmask (M, ceil(V / 32)) int32 set to -inf."""
+    # unpacked by bytes (a quarter of the temporaries of unpacking int32 words): on little-endian
+    # hosts and GPUs, token 8 * b + j is bit j of byte b
+    shifts = torch.arange(8, device=bitmask.device, dtype=torch.uint8)
+    allowed = ((bitmask.contiguous().view(torch.uint8).unsqueeze(-1) >> shifts) & 1).flatten(1)
+    allowed = allowed[:, :logits.shape[-1]].bool()
+    return logits.masked_fill(~allowed, float("-inf"))

@@ -17,10 +17,12 @@ from asyncllm.runner.cuda_graph import CudaGraphRunner
 from asyncllm.distributed import get_tp_size
 from asyncllm.engine.scheduler import SchedulerOutput
 from asyncllm.engine.sequence import PENDING_TOKEN
-from asyncllm.layers.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingTensors, gather_logprobs
+from asyncllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors, gather_logprobs
 from asyncllm.models.checkpoint import iter_safetensors, load_weights
 from asyncllm.models.registry import create_model
-from asyncllm.runner.sampling_inputs import PromptLogprobsPlan, SamplingInputs, plan_prompt_logprobs
+from asyncllm.runner.launched_step import LaunchedStep
+from asyncllm.runner.sampling_inputs import SamplingInputs, plan_prompt_logprobs
+from asyncllm.runner.step_bitmask import StepBitmasks
 from asyncllm.runner.tp_protocol import agree_on_min
 
 logger = logging.getLogger("asyncllm")
@@ -51,59 +53,6 @@ class StepInputs:
         parts = np.split(packed[4:4 + sum(sizes)], np.cumsum(sizes)[:-1])
         return StepInputs(parts[0], parts[1], parts[2], parts[3].astype(np.int32), parts[4].astype(np.int32),
                           parts[5].astype(np.int32).reshape(num_seqs, max_blocks), parts[6])
-
-
-def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy on the host, queued without waiting (pinned memory) on CUDA."""
-    if tensor.device.type != "cuda":
-        return tensor
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
-    return host
-
-
-class LaunchedStep:
-    """A step whose forward and sampling are queued on the device: its sampled ids stay on the
-    device for the next step to read, and are copied to the host without blocking it (with the
-    log-probabilities of the rows that asked)."""
-
-    def __init__(self, sched: SchedulerOutput, output: SamplerOutput, logprob_ks: list[int] | None = None,
-                 prompt_logprobs: LogprobsTensors | None = None, prompt_plan: PromptLogprobsPlan | None = None):
-        self.sched = sched
-        self.sampled = output.token_ids  # (S,) int64, on the device
-        self.logprob_ks = logprob_ks  # per sampling row: the top-k it asked for, -1 none; None: no row asked
-        self.prompt_plan = prompt_plan  # the prompt positions scored in this step, if any
-        self._host = _to_host(self.sampled)
-        self._host_logprobs, self._host_prompt_logprobs = (None if lp is None else LogprobsTensors(*map(_to_host, (
-            lp.chosen, lp.ranks, lp.top_ids, lp.top_logprobs))) for lp in (output.logprobs, prompt_logprobs))
-        self._copied = None
-        if self.sampled.device.type == "cuda":
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-
-    def token_ids(self) -> list[int]:
-        """The sampled ids on the host (waits for the device to finish the step)."""
-        if self._copied is not None:
-            self._copied.synchronize()
-        return self._host.tolist()
-
-    def logprobs(self) -> tuple[list[float], list[int], list[list[int]], list[list[float]]] | None:
-        """(chosen log-prob, rank, top ids, top log-probs) of each row that asked, in row order."""
-        if self._host_logprobs is None:
-            return None
-        if self._copied is not None:
-            self._copied.synchronize()
-        lp = self._host_logprobs
-        return lp.chosen.tolist(), lp.ranks.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist()
-
-    def prompt_logprobs(self) -> tuple[list[float], list[int], list[list[int]], list[list[float]]] | None:
-        """The same for the prompt positions of prompt_plan, in its row order."""
-        if self._host_prompt_logprobs is None:
-            return None
-        if self._copied is not None:
-            self._copied.synchronize()
-        lp = self._host_prompt_logprobs
-        return lp.chosen.tolist(), lp.ranks.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist()
 
 
 class ModelRunner:
@@ -152,6 +101,7 @@ class ModelRunner:
         attn = self.model.model.layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.vocab_size = hf.vocab_size
+        self.bitmasks = StepBitmasks(self.vocab_size, self.device)  # constrained steps' token masks
         self.num_kvcache_blocks = self._decide_num_blocks()
         if self.step_group is not None:
             self.num_kvcache_blocks = agree_on_min(self.num_kvcache_blocks, self.step_group)
@@ -369,9 +319,15 @@ class ModelRunner:
         return self._forward(self._make_batch(inputs)[0])
 
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput, prev: LaunchedStep | None) -> LaunchedStep:
+    def launch(self, sched: SchedulerOutput, prev: LaunchedStep | None, constraints=None) -> LaunchedStep:
         """Queue one step's forward and sampling. Inputs still PENDING_TOKEN are the ids prev sampled:
-        they are filled in on the device, so the host never waits for prev."""
+        they are filled in on the device, so the host never waits for prev.
+
+        constraints (structured.step_masks.StepConstraints, or None): rows held to a grammar. Their
+        bitmask is filled on the host after the forward is queued, so it overlaps the forward; a row
+        whose last token prev is still sampling waits for prev's ids (not for this step's forward)."""
+        if prev is not None:
+            prev.queue_sampling()  # the device runs prev's sampling before this step's forward
         inputs, pending_at, pending_rows = self.build_inputs(sched)
         num_sampling = len(inputs.logits_indices)
         prompt_plan = plan_prompt_logprobs(sched.scheduled)
@@ -398,7 +354,19 @@ class ModelRunner:
                                               prompt_plan.num_top)
             logits = logits[:num_sampling]
         sampling, logprob_ks = self.prepare_sampling(sched)
-        return LaunchedStep(sched, self.sampler(logits, sampling), logprob_ks, prompt_logprobs, prompt_plan)
+        if constraints is None:
+            return LaunchedStep(sched, self.sampler(logits, sampling), logprob_ks, prompt_logprobs, prompt_plan)
+        # constrained rows: advance their matchers here (it may wait for prev's ids), then fill the
+        # bitmask on a worker thread (xgrammar releases the GIL) while this thread resolves prev and
+        # plans the next step; the sampling is queued once the next step needs it
+        constraints.catch_up(prev.token_ids if prev is not None else None)
+        upload_bitmask = self.bitmasks.fill(constraints)
+
+        @torch.inference_mode()
+        def sample() -> SamplerOutput:
+            sampling.mask_rows, sampling.token_bitmask = upload_bitmask()
+            return self.sampler(logits, sampling)
+        return LaunchedStep(sched, None, logprob_ks, prompt_logprobs, prompt_plan, sample=sample)
 
     def release_cuda_graphs(self) -> None:
         """Drop the CUDA graphs (and their memory); later steps run eagerly."""
@@ -409,6 +377,7 @@ class ModelRunner:
     def close(self) -> None:
         """Stop tensor-parallel workers, if any. Idempotent."""
         self.release_cuda_graphs()  # first: graphs holding NCCL work would stall the group's teardown
+        self.bitmasks.close()
         if self.workers is not None:
             self.workers.close()
             self.step_group = None  # it holds the rendezvous store, whose port a new engine may reuse

@@ -19,7 +19,9 @@ from starlette.routing import Route
 from asyncllm.errors import EngineDeadError, QueueFullError
 from asyncllm.sampling_params import SamplingParams
 import asyncllm.server.protocol as protocol
+from asyncllm.server import tool_calls
 from asyncllm.server.choices import ChoiceShaper
+from asyncllm.server.constraints import requested_constraint
 from asyncllm.server.errors import RETRY_AFTER_SECONDS, exception_handlers
 from asyncllm.server.metrics import EngineMetrics
 from asyncllm.server.protocol import APIError, field_error, is_int
@@ -180,8 +182,10 @@ class OpenAIServer(TokenizationEndpoints):
             raise field_error("prompt", e) from None
 
     # ---- answering ----
-    def _submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, field: str):
-        """engine.stream with the engine's exceptions mapped to HTTP errors (429, 400, 503)."""
+    def _submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, field: str,
+                constraint_field: str | None = None):
+        """engine.stream with the engine's exceptions mapped to HTTP errors (429, 400, 503);
+        constraint_field: the request field that brought params.structured_output."""
         self._check_engine()
         try:
             return self.engine.stream(prompt_ids, params, request_id=request_id)
@@ -191,6 +195,8 @@ class OpenAIServer(TokenizationEndpoints):
         except EngineDeadError as e:
             raise APIError(503, f"the engine is not available: {e}", code="engine_unavailable") from None
         except (ValueError, TypeError) as e:
+            if constraint_field is not None and str(e).startswith("SamplingParams.structured_output:"):
+                raise field_error(constraint_field, e, "structured_output") from None
             if str(e).startswith("SamplingParams."):  # a field the engine checks against the model (token ids)
                 name = str(e).removeprefix("SamplingParams.").split(":")[0].split("[")[0]
                 raise field_error(name, e) from None
@@ -251,27 +257,43 @@ class OpenAIServer(TokenizationEndpoints):
                             f"{room}", param=field, code="context_length_exceeded")
 
     async def _answer(self, request: Request, body: dict, prompt_ids: list[int], *, chat: bool,
-                      max_tokens_field: str, default_max_tokens: int | None) -> Response:
+                      max_tokens_field: str, default_max_tokens: int | None,
+                      tools: tuple[tool_calls.ToolRequest, tool_calls.ToolCallFormat] | None = None) -> Response:
         """What chat and completions share: sampling, submission, and the answer streamed or whole.
         default_max_tokens: when the request has none; capped by the room the prompt leaves (None: that room)."""
         include_usage = protocol.stream_options(body)
         self._check_engine()
+        constraint, constraint_field = requested_constraint(body)
+        if tools is not None and tools[0].forced:
+            if constraint is not None:
+                raise APIError(400, f"'{constraint_field}': tool_choice forces a tool call; leave it out",
+                               param=constraint_field, code="invalid_value")
+            constraint, constraint_field = tools[0].constraint(), "tools"
         room = self.engine.max_seq_len - len(prompt_ids)
         default_max_tokens = max(1, room if default_max_tokens is None else min(default_max_tokens, room))
-        params = protocol.sampling_params(body, max_tokens_field, default_max_tokens, self.max_tokens_limit, chat=chat)
+        params = protocol.sampling_params(body, max_tokens_field, default_max_tokens, self.max_tokens_limit,
+                                          chat=chat, structured_output=constraint)
+        if tools is not None and params.n > 1:
+            raise APIError(400, "'n' > 1 with tools is not supported", param="n", code="unsupported_value")
         self._check_context(body, max_tokens_field, prompt_ids, room, params)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        stream = self._submit(prompt_ids, params, request_id, "messages" if chat else "prompt")
+        stream = self._submit(prompt_ids, params, request_id, "messages" if chat else "prompt", constraint_field)
         base = {"id": request_id, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": self.model_name}
         shaper = ChoiceShaper(chat, params.logprobs is not None)
         if body.get("stream"):
             usage_field = {"usage": None} if include_usage else {}
 
+            calls_stream = tool_calls.ToolCallStream(*tools) if tools is not None else None
+
             def chunk(text: str | None, finish_reason: str | None, out=None, delta: dict | None = None,
-                      index: int = 0) -> dict:
+                      index: int = 0) -> dict | None:
                 if out is not None:
                     index = out.index
+                if calls_stream is not None and delta is None:
+                    text, delta, finish_reason = _tool_call_delta(calls_stream, text, finish_reason)
+                    if delta is None and finish_reason is None:
+                        return None  # held back: it may be part of a tool call
                 choice = shaper.chunk_choice(index, text, finish_reason, delta=delta,
                                              logprobs=None if out is None or finish_reason else out.logprobs,
                                              stop_reason=None if out is None else out.stop_reason)
@@ -284,18 +306,27 @@ class OpenAIServer(TokenizationEndpoints):
             return EventStreamResponse(chunk_events(stream, close, chunk, first, include_usage), on_close=close,
                                        keepalive_interval=self.sse_keepalive_interval)
         results = await self._collect(request, stream)
-        return JSONResponse({**base, "choices": [
-            shaper.choice(r.index, r.text, r.finish_reason, r.stop_reason, r.logprobs) for r in results],
-            "usage": usage(stream)})
+        choices = [shaper.choice(r.index, r.text, r.finish_reason, r.stop_reason, r.logprobs) for r in results]
+        if tools is not None:  # n == 1
+            content, calls = tool_calls.parse_output(results[0].text, *tools)
+            if calls:
+                choices[0]["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                if choices[0]["finish_reason"] == "stop":
+                    choices[0]["finish_reason"] = "tool_calls"
+        return JSONResponse({**base, "choices": choices, "usage": usage(stream)})
 
     # ---- endpoints ----
     async def chat_completions(self, request: Request) -> Response:
         body = await self._request_body(request, protocol.CHAT_FIELDS, protocol.NEUTRAL_CHAT)
         messages = protocol.messages(body)
         template_kwargs = protocol.chat_template_kwargs(body, self.trust_request_chat_template)
-        prompt_ids = await self._chat_prompt_ids(messages, template_kwargs)
+        tools = tool_calls.tool_request(body)
+        call_format, renders_tools = tool_calls.format_for_template(
+            template_kwargs.get("chat_template") or self.engine.chat_template)
+        messages, tool_kwargs = tool_calls.render_messages(messages, tools, renders_tools)
+        prompt_ids = await self._chat_prompt_ids(messages, {**template_kwargs, **tool_kwargs})
         return await self._answer(request, body, prompt_ids, chat=True, max_tokens_field="max_completion_tokens",
-                                  default_max_tokens=None)
+                                  default_max_tokens=None, tools=(tools, call_format) if tools is not None else None)
 
     async def completions(self, request: Request) -> Response:
         body = await self._request_body(request, protocol.COMPLETION_FIELDS, protocol.NEUTRAL_COMPLETIONS)
@@ -336,6 +367,21 @@ class OpenAIServer(TokenizationEndpoints):
             Route("/health", e(self.health, auth=False), methods=["GET"]),
             Route("/metrics", e(self.metrics_endpoint, auth=False), methods=["GET"]),
         ]
+
+
+def _tool_call_delta(calls_stream: tool_calls.ToolCallStream, text: str | None,
+                     finish_reason: str | None) -> tuple[str | None, dict | None, str | None]:
+    """(text, delta, finish_reason) of a chunk of an answer that may call tools: content passes
+    until a call may begin; at the end the calls come in one delta, with finish_reason tool_calls."""
+    if finish_reason is None:
+        content = calls_stream.feed(text or "")
+        return None, ({"content": content} if content else None), None
+    content, calls = calls_stream.finish()
+    delta = {"content": content} if content else {}
+    if calls:
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+        finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+    return None, delta, finish_reason
 
 
 def create_app(engine, model_name: str, api_key: str | None = None, *,

@@ -65,12 +65,8 @@ def expect(body: dict, name: str, check: Callable[[object], bool], what: str):
 
 # Fields OpenAI clients send that this server does not implement: accepted only at a neutral value.
 NEUTRAL_CHAT = {
-    "tools": lambda v: v == [],
-    "tool_choice": lambda v: v == "none",
     "functions": lambda v: v == [],
     "function_call": lambda v: v == "none",
-    "parallel_tool_calls": lambda v: isinstance(v, bool),  # meaningless without tools
-    "response_format": lambda v: v == {"type": "text"},
     "store": lambda v: v is False,
     "modalities": lambda v: v == ["text"],
     "user": lambda v: isinstance(v, str),  # an end-user id for abuse tracking: accepted, unused
@@ -89,9 +85,13 @@ SAMPLING_FIELDS = {name: name for name in ("temperature", "top_p", "top_k", "min
                                            "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "n",
                                            "presence_penalty", "frequency_penalty", "repetition_penalty",
                                            "min_tokens", "skip_special_tokens", "spaces_between_special_tokens")}
-COMMON_FIELDS = {"model", "stream", "stream_options", "max_tokens", "logprobs", "logit_bias", *SAMPLING_FIELDS}
+# constraints (server/constraints.py maps them)
+CONSTRAINT_FIELDS = {"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar"}
+COMMON_FIELDS = {"model", "stream", "stream_options", "max_tokens", "logprobs", "logit_bias", *SAMPLING_FIELDS,
+                 *CONSTRAINT_FIELDS}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "chat_template_kwargs", "chat_template",
-                               "top_logprobs"}
+                               "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 
 
@@ -173,8 +173,9 @@ def logit_bias_field(body: dict):
 
 
 def sampling_params(body: dict, max_tokens_field: str, default_max_tokens: int,
-                    max_tokens_limit: int | None, chat: bool = True) -> SamplingParams:
-    """SamplingParams from the request's fields; SamplingParams is the one that checks them."""
+                    max_tokens_limit: int | None, chat: bool = True, structured_output=None) -> SamplingParams:
+    """SamplingParams from the request's fields; SamplingParams is the one that checks them.
+    structured_output: what the constraint fields asked for (server/constraints.py)."""
     field = max_tokens_field_sent(body, max_tokens_field)
     max_tokens = expect(body, field, is_int, "an integer")  # compared with the limit below: an int first
     if max_tokens is MISSING:
@@ -199,7 +200,7 @@ def sampling_params(body: dict, max_tokens_field: str, default_max_tokens: int,
         except (ValueError, TypeError, OverflowError) as e:
             raise field_error(name, e, argument) from None
     try:
-        return SamplingParams(**dict(sent.values()))
+        return SamplingParams(**dict(sent.values()), structured_output=structured_output)
     except (ValueError, TypeError, OverflowError) as e:  # a combination of fields
         raise APIError(400, str(e).removeprefix("SamplingParams."), code="invalid_value") from None
 
@@ -238,16 +239,21 @@ def messages(body: dict) -> list[dict]:
             raise APIError(400, f"'{where}': expected an object, got {type_name(message)}", param=where,
                            code="invalid_type")
         role = message.get("role")
-        if role not in ("system", "developer", "user", "assistant"):
-            detail = "tool messages need tool calling, which this server does not support" \
-                if role in ("tool", "function") else "expected one of 'system', 'developer', 'user', 'assistant'"
-            raise APIError(400, f"'{where}.role': invalid value {json.dumps(role)}: {detail}",
-                           param=f"{where}.role", code="invalid_value")
-        unknown = set(message) - {"role", "content", "name"}
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise APIError(400, f"'{where}.role': invalid value {json.dumps(role)}: expected one of 'system', "
+                                "'developer', 'user', 'assistant', 'tool'", param=f"{where}.role", code="invalid_value")
+        unknown = set(message) - {"role", "content", "name", "tool_calls", "tool_call_id"}
         if unknown:
             raise APIError(400, f"'{where}': unsupported field(s) {sorted(unknown)}", param=where,
                            code="unsupported_parameter")
         content = message.get("content")
+        tool_calls = message.get("tool_calls")
+        if tool_calls is not None and (role != "assistant" or not isinstance(tool_calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) for c in tool_calls)):
+            raise APIError(400, f"'{where}.tool_calls': expected an array of calls in an assistant message",
+                           param=f"{where}.tool_calls", code="invalid_value")
+        if content is None and tool_calls:
+            content = ""  # an assistant turn that only called tools
         if isinstance(content, list):  # content parts: text only
             texts = []
             for j, part in enumerate(content):
@@ -259,7 +265,8 @@ def messages(body: dict) -> list[dict]:
         if not isinstance(content, str):
             raise APIError(400, f"'{where}.content': expected a string or an array of text parts, got "
                                 f"{type_name(content)}", param=f"{where}.content", code="invalid_type")
-        result.append({"role": "system" if role == "developer" else role, "content": content})
+        result.append({"role": "system" if role == "developer" else role, "content": content,
+                       **{key: message[key] for key in ("tool_calls", "tool_call_id") if key in message}})
     return result
 
 

@@ -140,19 +140,20 @@ async def chunk_events(stream, close: Callable[[str | None], Awaitable[None]],
                        include_usage: bool) -> AsyncIterator[str]:
     """The SSE body of an OpenAI streamed answer: the `first` chunks, chunks built by
     make_chunk(text, finish_reason, stream item) (a choice's new text and its tokens' logprobs,
-    then its finish), the usage chunk if asked for, then [DONE]. close(finish_reason) runs last."""
+    then its finish; None: nothing to send yet), the usage chunk if asked for, then [DONE].
+    close(finish_reason) runs last."""
     finish_reason = None
     try:
         for chunk in first:
             yield sse(chunk)
         async for out in stream:
-            if out.text or out.logprobs:
-                yield sse(make_chunk(out.text, None, out))
+            if (out.text or out.logprobs) and (chunk := make_chunk(out.text, None, out)) is not None:
+                yield sse(chunk)
             if out.finish_reason is not None:
                 finish_reason = out.finish_reason
                 yield sse(make_chunk(None, out.finish_reason, out))
         if include_usage:
-            chunk = make_chunk(None, None)
+            chunk = make_chunk(None, None, delta={})  # a delta: never held back
             chunk["choices"], chunk["usage"] = [], usage(stream)
             yield sse(chunk)
         yield sse("[DONE]")

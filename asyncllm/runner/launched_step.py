@@ -1,0 +1,89 @@
+"""A launched step: its forward and sampling queued on the device, its results read back later.
+
+The sampled ids stay on the device for the next step's inputs; a copy to pinned host memory is
+queued beside them, with one event, so the engine thread reads them (and the log-probabilities
+of the rows that asked) only when it resolves the step, never blocking a launch.
+"""
+from __future__ import annotations
+
+import torch
+
+from asyncllm.engine.scheduler import SchedulerOutput
+from asyncllm.layers.sampler import LogprobsTensors, SamplerOutput
+from asyncllm.runner.sampling_inputs import PromptLogprobsPlan
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy on the host, queued without waiting (pinned memory) on CUDA."""
+    if tensor.device.type != "cuda":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
+
+
+def _logprobs_to_host(lp: LogprobsTensors) -> LogprobsTensors:
+    return LogprobsTensors(*map(_to_host, (lp.chosen, lp.ranks, lp.top_ids, lp.top_logprobs)))
+
+
+class LaunchedStep:
+    """A step whose forward and sampling are queued on the device: its sampled ids stay on the
+    device for the next step to read, and are copied to the host without blocking it (with the
+    log-probabilities of the rows that asked).
+
+    A step with constrained rows may leave its sampling pending (its bitmask is being filled on a
+    worker thread): `sample` queues it, and is called before anything reads the sampled ids or
+    queues later work on the device."""
+
+    def __init__(self, sched: SchedulerOutput, output: SamplerOutput | None = None, logprob_ks: list[int] | None = None,
+                 prompt_logprobs: LogprobsTensors | None = None, prompt_plan: PromptLogprobsPlan | None = None,
+                 sample=None):
+        self.sched = sched
+        self.logprob_ks = logprob_ks  # per sampling row: the top-k it asked for, -1 none; None: no row asked
+        self.prompt_plan = prompt_plan  # the prompt positions scored in this step, if any
+        self._host_prompt_logprobs = None if prompt_logprobs is None else _logprobs_to_host(prompt_logprobs)
+        self._sample = sample  # () -> the SamplerOutput; None once it is queued
+        if output is not None:
+            self._queued(output)
+
+    def _queued(self, output: SamplerOutput) -> None:
+        self.sampled = output.token_ids  # (S,) int64, on the device
+        self._host = _to_host(self.sampled)
+        self._host_logprobs = None if output.logprobs is None else _logprobs_to_host(output.logprobs)
+        self._copied = None
+        if self.sampled.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def queue_sampling(self) -> None:
+        """Queue the step's sampling if it is still pending (idempotent)."""
+        if self._sample is not None:
+            sample, self._sample = self._sample, None
+            self._queued(sample())
+
+    def token_ids(self) -> list[int]:
+        """The sampled ids on the host (waits for the device to finish the step)."""
+        self.queue_sampling()
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._host.tolist()
+
+    def logprobs(self) -> tuple[list[float], list[int], list[list[int]], list[list[float]]] | None:
+        """(chosen log-prob, rank, top ids, top log-probs) of each row that asked, in row order."""
+        self.queue_sampling()
+        if self._host_logprobs is None:
+            return None
+        if self._copied is not None:
+            self._copied.synchronize()
+        lp = self._host_logprobs
+        return lp.chosen.tolist(), lp.ranks.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist()
+
+    def prompt_logprobs(self) -> tuple[list[float], list[int], list[list[int]], list[list[float]]] | None:
+        """The same for the prompt positions of prompt_plan, in its row order."""
+        self.queue_sampling()
+        if self._host_prompt_logprobs is None:
+            return None
+        if self._copied is not None:
+            self._copied.synchronize()
+        lp = self._host_prompt_logprobs
+        return lp.chosen.tolist(), lp.ranks.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist()

@@ -1,0 +1,80 @@
+"""What a request's output must match: StructuredOutput, checked when it is made."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Exactly one of:
+    json: a JSON schema (a dict, or its JSON text); json_object: True for any JSON object;
+    regex: a regular expression; choice: the outputs allowed, as strings; grammar: an EBNF grammar
+    (xgrammar's dialect, the GBNF of llama.cpp, with a `root` rule)."""
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    # (kind, canonical text): what compiled grammars are cached by
+    key: tuple[str, str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        def fail(name: str, message: str) -> None:
+            raise ValueError(f"StructuredOutput.{name}: {message}")
+
+        given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"StructuredOutput: give exactly one of {', '.join(KINDS)}; got "
+                             f"{', '.join(given) if given else 'none'}")
+        kind = given[0]
+        if kind == "json":
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    fail("json", f"not valid JSON: {e}")
+            if not isinstance(schema, (dict, bool)):
+                fail("json", f"expected a JSON schema (an object), got {type(schema).__name__}")
+            text = json.dumps(schema, ensure_ascii=False)  # key order kept: properties come out in it
+        elif kind == "json_object":
+            if self.json_object is not True:
+                fail("json_object", f"expected True, got {self.json_object!r}")
+            text = ""
+        elif kind == "choice":
+            choice = self.choice
+            if not isinstance(choice, (list, tuple)) or not choice or not all(
+                    isinstance(c, str) and c for c in choice):
+                fail("choice", f"expected a non-empty list of non-empty strings, got {_short(choice)}")
+            object.__setattr__(self, "choice", list(choice))
+            text = json.dumps(list(choice), ensure_ascii=False)
+        else:  # regex, grammar
+            value = getattr(self, kind)
+            if not isinstance(value, str) or not value:
+                fail(kind, f"expected a non-empty string, got {_short(value)}")
+            text = value
+        object.__setattr__(self, "key", (kind, text))
+
+    @property
+    def kind(self) -> str:
+        return self.key[0]
+
+    @classmethod
+    def coerce(cls, value) -> "StructuredOutput":
+        """A StructuredOutput from itself or a dict of its fields (vLLM's structured_outputs shape)."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = set(value) - set(KINDS)
+            if unknown:
+                raise ValueError(f"StructuredOutput: unknown field(s) {sorted(unknown)}; known: {list(KINDS)}")
+            return cls(**value)
+        raise ValueError(f"expected a StructuredOutput or a dict of its fields, got {type(value).__name__}")
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

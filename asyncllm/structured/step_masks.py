@@ -1,0 +1,53 @@
+"""A step's token bitmask for its constrained rows, filled on the host while the forward runs."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from asyncllm.engine.scheduler import SchedulerOutput
+from asyncllm.engine.sequence import PENDING_TOKEN
+from asyncllm.structured.grammar import GrammarCompiler
+
+
+class StepConstraints:
+    """The sampling rows of one step whose requests have a grammar."""
+
+    __slots__ = ("rows", "seqs", "states", "compiler")
+
+    def __init__(self, rows: list[int], seqs: list, compiler: GrammarCompiler):
+        self.rows = rows  # indices among the step's sampling rows
+        self.seqs = seqs  # their sequences (each with a GrammarState in seq.grammar)
+        self.states = [seq.grammar for seq in seqs]
+        self.compiler = compiler
+
+    @classmethod
+    def of(cls, sched: SchedulerOutput, compiler: GrammarCompiler) -> "StepConstraints | None":
+        """None when no sampling row is constrained (the sampler then builds no mask)."""
+        rows, seqs = [], []
+        row = 0
+        for item in sched.scheduled:
+            if item.samples:
+                if item.seq.grammar is not None:
+                    rows.append(row)
+                    seqs.append(item.seq)
+                row += 1
+        return cls(rows, seqs, compiler) if rows else None
+
+    def catch_up(self, prev_token_ids: Callable[[], list[int]] | None) -> None:
+        """Advance every row's matcher to its sequence's last token. A sequence whose last token the
+        previous step is still sampling (overlapped steps) needs its value: prev_token_ids() gives
+        the previous step's sampled ids, waiting for that step only when some row needs them."""
+        prev_ids = None
+        for seq in self.seqs:
+            pending_value = None
+            if seq.token_ids[-1] == PENDING_TOKEN:
+                if prev_ids is None:
+                    prev_ids = prev_token_ids()
+                pending_value = prev_ids[seq.sample_row]
+            seq.grammar.catch_up(seq, pending_value)
+
+    def fill(self, bitmask: torch.Tensor) -> None:
+        """Fill bitmask (len(rows), words) after catch_up. Touches only the matchers, not the
+        sequences: it may run on another thread while the engine resolves the previous step."""
+        self.compiler.fill_bitmask(self.states, bitmask)
