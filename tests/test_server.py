@@ -289,6 +289,7 @@ BAD_REQUESTS = [
     ("tools-without-a-name", CHAT, with_(tools=[{"type": "function", "function": {}}]), 400, "tools[0]"),
     ("response-format-unknown", CHAT, with_(response_format={"type": "xml"}), 400, "response_format.type"),
     ("guided-regex-invalid", CHAT, with_(guided_regex="(("), 400, "guided_regex"),
+    ("tools-with-n-2", CHAT, with_(tools=[{"type": "function", "function": {"name": "f"}}], n=2), 400, "n"),
     ("presence-penalty", CHAT, with_(presence_penalty=2.5), 400, "presence_penalty"),
     ("completions-logprobs-21", COMPLETIONS, json.dumps({"prompt": "a", "logprobs": 21}), 400, "logprobs"),
     ("wrong-model", CHAT, with_(model="gpt-4o"), 404, "model"),

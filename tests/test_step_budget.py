@@ -406,27 +406,3 @@ def test_a_calibrated_model_is_ready_before_any_step():
         for d in (8, 32, 64):
             model.observe(0, d, true_cost(0, d))
     assert model.c == pytest.approx(0.03, rel=0.05) and model.b == pytest.approx(0.004, rel=0.05)
-
-
-def test_a_step_that_replays_a_padded_graph_fills_its_bucket():
-    """A mixed CUDA graph of 1,536 tokens costs the same for 1,100 real tokens as for 1,536: the
-    budget grows to fill the bucket its step lands in, and only then; beyond the graphs, or at the
-    throughput-first budget, it is unchanged."""
-    from asyncllm.runner.cuda_graph import graph_token_sizes
-    sizes = graph_token_sizes(2048)
-
-    def bucket(n: int) -> int:
-        return next((s for s in sizes if s >= n), n)
-
-    model = trained_model()
-    plain = StepBudget(10.0, 16384, BS, model)
-    padded = StepBudget(10.0, 16384, BS, model, step_cost_tokens=bucket)
-    for decodes in (0, 8, 64, 128, 1000):
-        tokens = plain.prefill_budget(decodes, 0)
-        filled = padded.prefill_budget(decodes, 0)
-        assert filled == bucket(decodes + tokens) - decodes >= tokens
-        if decodes + tokens > 2048:
-            assert filled == tokens
-    assert any(padded.prefill_budget(d, 0) > plain.prefill_budget(d, 0) for d in (0, 8, 64, 128))
-    unfitted = StepBudget(10.0, 16384, BS, StepTimeModel(), step_cost_tokens=bucket)
-    assert unfitted.prefill_budget(8, 0) == 16384

@@ -214,6 +214,24 @@ def test_overlapped_and_serial_constrained_outputs_are_equal(llms):
     assert serial == overlapped
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_each_of_n_sequences_follows_the_grammar_on_its_own(llms, overlap):
+    """n > 1 with a constraint: every sequence has its own matcher (one shared would advance once per
+    sibling's token and derail the others), and the mask comes after the logits adjustments: a
+    +100 logit_bias on every token cannot lift one the grammar forbids."""
+    llm = llms(overlap)
+    for spec in ({"regex": REGEX}, {"json": SCHEMA}):
+        params = constrained(spec, temperature=1.0, seed=3, n=4, presence_penalty=0.5, max_tokens=96,
+                             logit_bias={token: 100.0 for token in range(0, 2000, 7)})
+        [outputs] = llm.generate(["pick one"], params, use_tqdm=False)
+        assert [o["index"] for o in outputs] == [0, 1, 2, 3]
+        for out in outputs:
+            check_output(spec, out["text"])
+            assert out["finish_reason"] == "stop"
+        assert len({tuple(o["token_ids"]) for o in outputs}) > 1  # four draws, not one copied
+    assert_all_blocks_free(llm)
+
+
 def test_unconstrained_requests_are_unchanged_beside_constrained_ones(llms):
     llm = llms(True)
     plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -74,8 +74,8 @@ class EngineCore:
         # a chunk of one KV block: the least a waiting prefill advances per step; a full block is
         # hashed (prefix cache) as soon as it is computed
         self.step_budget = StepBudget(config.target_step_ms, config.max_num_batched_tokens,
-                                      config.kvcache_block_size, self.step_model, config.max_num_seqs,
-                                      self.runner.step_cost_tokens) if config.target_step_ms else None
+                                      config.kvcache_block_size, self.step_model,
+                                      config.max_num_seqs) if config.target_step_ms else None
         if self.step_budget is not None and self.runner.device.type == "cuda" and config.tensor_parallel_size == 1:
             # a fresh engine's first steps compile kernels, so their times teach nothing: measure
             # prefill steps now, after a warm-up, and start with a fitted model

@@ -19,9 +19,6 @@ with it the time to first token, grows with every wave. Planned for d + w, the p
 from a burst's first step to the steady state, and arrivals find a short queue. (On the H200,
 64 closed-loop clients of 1,024-token prompts: TTFT p50 105 ms sized for d, see BENCHMARKS.md.)
 
-A step that replays a mixed CUDA graph computes the graph's whole token bucket (1,024 -> 1,536),
-so the budget is rounded up to fill the bucket the step lands in: those tokens cost nothing more.
-
 The floor, share (1/2) of the target's time, keeps prefill moving when the decodes alone cost more
 than the target (the target cannot hold then; the queue must not stall behind it), and never less
 than one chunk (min_chunk), so a waiting prefill advances every step. The cost of the KV read per
@@ -32,7 +29,6 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -165,11 +161,8 @@ class StepBudget:
     PREFILL_SHARE = 0.5
 
     def __init__(self, target_ms: float, max_num_batched_tokens: int, min_chunk: int,
-                 model: StepTimeModel | None = None, max_num_seqs: int | None = None,
-                 step_cost_tokens: Callable[[int], int] | None = None):
+                 model: StepTimeModel | None = None, max_num_seqs: int | None = None):
         self.target_ms = target_ms
-        # tokens a step of n tokens computes (a CUDA graph pads to its bucket); None: n
-        self.step_cost_tokens = step_cost_tokens
         self.max_tokens = max_num_batched_tokens
         self.min_chunk = min(min_chunk, max_num_batched_tokens)
         self.max_num_seqs = max_num_seqs
@@ -188,9 +181,6 @@ class StepBudget:
                 planned = min(planned, self.max_num_seqs)
             tokens = max(self.target_ms - model.a - model.c * planned, self.PREFILL_SHARE * self.target_ms) / model.b
             budget = self.max_tokens if tokens >= self.max_tokens else max(self.min_chunk, int(tokens))
-            if self.step_cost_tokens is not None and budget < self.max_tokens:
-                # the step's graph computes its whole bucket anyway: prefill may fill it for free
-                budget = min(self.step_cost_tokens(num_decodes + budget) - num_decodes, self.max_tokens)
         self.last_budget = budget
         return budget
 

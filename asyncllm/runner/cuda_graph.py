@@ -129,13 +129,6 @@ class CudaGraphRunner:
                 return "mixed", size
         return None
 
-    def mixed_graph_tokens(self, num_tokens: int) -> int | None:
-        """The token count of the mixed graph a step of num_tokens replays (None: it runs eagerly).
-        Such a step costs its graph's size, whatever the real count."""
-        if not 0 < num_tokens <= self.max_mixed_tokens:
-            return None
-        return self.token_sizes[bisect.bisect_left(self.token_sizes, num_tokens)]
-
     def can_run(self, batch: ForwardBatch) -> bool:
         return self._key(batch) is not None
 

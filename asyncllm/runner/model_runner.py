@@ -174,11 +174,6 @@ class ModelRunner:
                     "KV cache", total / 2**30, used / 2**30, (peak - current) / 2**30, max(budget, 0) / 2**30)
         return int(budget // self.kv_bytes_per_block)
 
-    def step_cost_tokens(self, num_tokens: int) -> int:
-        """The tokens a step of num_tokens computes: its mixed CUDA graph's size where it replays one."""
-        padded = self.graph_runner.mixed_graph_tokens(num_tokens) if self.graph_runner is not None else None
-        return num_tokens if padded is None else padded
-
     def _synthetic_prefill(self, num_seqs: int, seq_len: int) -> ForwardBatch:
         """A prefill of num_seqs whole prompts of seq_len tokens that stores nothing (slot -1) and
         whose block tables all point at block 0: for measuring, never for results."""
