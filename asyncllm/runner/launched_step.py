@@ -32,8 +32,8 @@ class LaunchedStep:
     log-probabilities of the rows that asked).
 
     A step with constrained rows may leave its sampling pending (its bitmask is being filled on a
-    worker thread): `sample` queues it, and is called before anything reads the sampled ids or
-    queues later work on the device."""
+    worker thread): queue_sampling() queues it, before anything reads the sampled ids or queues
+    later work on the device."""
 
     def __init__(self, sched: SchedulerOutput, output: SamplerOutput | None = None, logprob_ks: list[int] | None = None,
                  prompt_logprobs: LogprobsTensors | None = None, prompt_plan: PromptLogprobsPlan | None = None,
