@@ -266,3 +266,31 @@ def test_min_tokens_holds_off_a_stop_string(llms, tiny_qwen3, overlap):
         assert out["text"] == (text if start == -1 else text[:start])
         assert out["finish_reason"] == ("length" if start == -1 else "stop")
         assert len(out["token_ids"]) > min_tokens
+
+
+def contains(tokens: list[int], word: list[int]) -> bool:
+    return any(tokens[i:i + len(word)] == word for i in range(len(tokens) - len(word) + 1))
+
+
+def test_bad_word_whose_prefix_ends_in_the_token_in_flight(llms):
+    # overlapped steps: step N+1 is built before N's token reaches the host; a two-token bad word
+    # whose first token is that one is banned on the device (before: it was missed)
+    serial, overlapped = llms(False), llms(True)
+    tokenizer = serial.tokenizer
+    params = dict(temperature=0, max_tokens=N, ignore_eos=True)
+    for prompt in PROMPTS:
+        free = run(serial, [prompt], SamplingParams(**params))[0]["token_ids"]
+        for k in range(1, N - 1):
+            pair, text = free[k:k + 2], tokenizer.decode(free[k:k + 2])
+            encodings = [tokenizer.encode(t, add_special_tokens=False) for t in (text.lstrip(), " " + text.lstrip())]
+            if pair in encodings and all(len(e) > 1 for e in encodings):
+                break
+        else:
+            continue
+        banned = SamplingParams(**params, bad_words=[text])
+        a = run(serial, [prompt], banned)[0]["token_ids"]
+        b = run(overlapped, [prompt], banned)[0]["token_ids"]
+        assert a == b and a[:k + 1] == free[:k + 1] and a[k + 1] != free[k + 1]
+        assert not any(contains(b, e) for e in encodings)
+        return
+    pytest.fail("no generated pair of tokens reads back as itself")
