@@ -353,12 +353,13 @@ class AsyncLLMEngine:
         if metrics.queue_time is None and seq.first_scheduled_time is not None:
             metrics.queue_time = seq.first_scheduled_time - metrics.arrival_time
             metrics.num_cached_tokens = seq.num_cached_prompt_tokens
-        if num_new_tokens and seq.index == 0:  # n > 1: token timing follows the first sequence
-            if metrics.time_to_first_token is None:
+        if num_new_tokens:
+            if metrics.time_to_first_token is None:  # n > 1: the first token of any sequence
                 metrics.time_to_first_token = now - metrics.arrival_time
-            else:
-                metrics.inter_token_latencies.append(now - channel.last_token_time)
-            channel.last_token_time = now
+            last = channel.last_token_times[seq.index]
+            if last is not None:  # n > 1: every sequence's gaps, not only the first's
+                metrics.inter_token_latencies.append(now - last)
+            channel.last_token_times[seq.index] = now
         metrics.num_completion_tokens = seq.num_completion_tokens if seq.group is None else \
             sum(s.num_completion_tokens for s in seq.group)
         metrics.num_preemptions = seq.num_preemptions

@@ -109,6 +109,16 @@ class _StopMatcher:
         self.matched = 0
         self._borders = [0]  # [i]: length of the longest proper prefix of stop[:i + 1] that is also its suffix
 
+    def skip(self, text: str) -> None:
+        """Feed text in which no occurrence counts (under min_tokens), keeping the partial match at its end."""
+        while text:
+            end = self.feed(text)
+            if end == -1:
+                return
+            # an occurrence that does not count: go on from its longest proper border, as KMP does
+            self.matched = self._border(len(self.stop) - 1)
+            text = text[end:]
+
     def feed(self, text: str) -> int:
         """Index in text just past the first occurrence of the stop string that ends in it, or -1."""
         stop, matched = self.stop, self.matched
@@ -153,6 +163,8 @@ class TextAssembler:
         self._undecoded: list[int] = []
         self._matchers = [_StopMatcher(stop) for stop in params.stop]
         self.include_stop = params.include_stop_str_in_output
+        # vLLM's rule: a stop string counts only if it ends in a token past the first min_tokens
+        self._stop_ignoring_tokens = params.min_tokens if params.stop else 0
         # the final text so far (stop-truncated once a stop is found) is _released + _held; the
         # released part is kept in pieces, so that a read costs nothing per character already out
         self._released: list[str] = []
@@ -175,6 +187,11 @@ class TextAssembler:
         if not self.incremental:
             self._undecoded.extend(new_token_ids)
             return ""
+        if self._stop_ignoring_tokens:  # under min_tokens: stop strings ending in these tokens do not count
+            ignoring, new_token_ids = new_token_ids[:self._stop_ignoring_tokens], new_token_ids[self._stop_ignoring_tokens:]
+            self._stop_ignoring_tokens -= len(ignoring)
+            text = self._append(self.detokenizer.add(ignoring), final=False, stops_count=False)
+            return text + self._append(self.detokenizer.add(new_token_ids), final=False) if new_token_ids else text
         return self._append(self.detokenizer.add(new_token_ids), final=False)
 
     def finish(self) -> str:
@@ -183,17 +200,21 @@ class TextAssembler:
             return ""
         text = self.detokenizer.add(self._undecoded) if self._undecoded else ""
         self._undecoded = []
-        return self._append(text + self.detokenizer.flush(), final=True)
+        return self._append(text + self.detokenizer.flush(), final=True, stops_count=not self._stop_ignoring_tokens)
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
         """The request's finish reason: a stop string wins, also one that came with the last token."""
         return "stop" if self.stopped else engine_reason
 
-    def _append(self, new_text: str, final: bool) -> str:
+    def _append(self, new_text: str, final: bool, stops_count: bool = True) -> str:
         pending = self._held + new_text
         hold_back = 0
         stop_at = None  # (index in pending, stop string) of the earliest stop string; the first listed on a tie
         for matcher in self._matchers:
+            if not stops_count:
+                matcher.skip(new_text)
+                hold_back = max(hold_back, matcher.matched)
+                continue
             end = matcher.feed(new_text)
             if end != -1:
                 # it started within what was held back for it, which is in self._held

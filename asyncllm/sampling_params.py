@@ -61,8 +61,8 @@ class SamplingParams:
     # Hugging Face's: a token in the prompt or the output has its logit divided by this when
     # positive, multiplied when negative; 1 = off
     repetition_penalty: float = 1.0
-    # EOS and stop_token_ids cannot end the output before this many tokens (unlike vLLM, a stop
-    # string still can)
+    # EOS, stop_token_ids and stop strings cannot end the output before this many tokens (as vLLM:
+    # a stop string counts only if it ends in a later token)
     min_tokens: int = 0
     # token id -> value added to its logit (OpenAI's logit_bias; -100 bans, +100 nearly forces)
     logit_bias: dict[int, float] | None = None

@@ -23,7 +23,8 @@ class RequestMetrics:
     arrival_time: float  # time.monotonic() at submission
     queue_time: float | None = None  # submission -> first scheduled
     time_to_first_token: float | None = None
-    inter_token_latencies: list[float] = field(default_factory=list)  # gaps between engine steps' tokens
+    # gaps between engine steps' tokens, of every sequence (n > 1: each sequence's own gaps, as vLLM's children)
+    inter_token_latencies: list[float] = field(default_factory=list)
     e2e_latency: float | None = None
     num_prompt_tokens: int = 0
     num_completion_tokens: int = 0
@@ -119,7 +120,8 @@ class RequestChannel:
         self._waiter_waker: Callable | None = None  # the waiting read's event loop
         self.closed = False  # the engine will send nothing more
         self.metrics: RequestMetrics | None = None
-        self.last_token_time: float | None = None  # engine thread's bookkeeping for inter-token gaps
+        # engine thread's bookkeeping for inter-token gaps: each sequence's last delivery (n > 1: each its own)
+        self.last_token_times: list[float | None] = [None] * num_sequences
 
     # engine thread
     def put(self, token_ids: list[int], finish_reason: str | None, error: BaseException | None = None,

@@ -360,3 +360,43 @@ def test_stop_strings_released_text_matches_brute_force_at_every_read(tokenizer,
     assert released == assembler.text
     assert assembler.stopped == any(stop in text for stop in stops)
     assert released == (reference_release(text, stops, include) if assembler.stopped else text)
+
+
+# ---- min_tokens holds off stop strings (vLLM's rule) ---------------------------------------------
+def reference_min_tokens_stop(tokenizer, ids: list[int], stop: str, min_tokens: int) -> str | None:
+    """The text up to the first occurrence of stop that ends past the first min_tokens tokens' text
+    (vLLM checks stop strings only once more than min_tokens tokens are out), or None."""
+    text, protected = tokenizer.decode(ids), len(tokenizer.decode(ids[:min_tokens]))
+    start = text.find(stop)
+    while start != -1 and start + len(stop) <= protected:
+        start = text.find(stop, start + 1)
+    return None if start == -1 else text[:start]
+
+
+@pytest.mark.parametrize("seed", [None, 0, 1, 2])
+@pytest.mark.parametrize("stop, min_tokens", [("o", 0), ("o", 3), ("o", 6), ("the", 7), ("dog", 9), ("dog", 10),
+                                              ("fox jumps", 4), ("fox jumps", 5)])
+def test_min_tokens_holds_off_stop_strings(tokenizer, prompt_ids, seed, stop, min_tokens):
+    ids = tokenizer.encode(FOX)
+    assert len(ids) == 9 and tokenizer.decode(ids) == FOX
+    assembler, deltas = assemble(tokenizer, prompt_ids, FOX, seed, stop=[stop], min_tokens=min_tokens, max_tokens=16)
+    expected = reference_min_tokens_stop(tokenizer, ids, stop, min_tokens)
+    assert assembler.stopped == (expected is not None)
+    assert "".join(deltas) == assembler.text == (FOX if expected is None else expected)
+
+
+def test_min_tokens_stop_string_overlapping_itself(tokenizer, prompt_ids):
+    # "a a" occurs at every other character: one ending inside the first tokens is skipped, the next counts
+    text = "a a a a a a a a"
+    ids = tokenizer.encode(text)
+    for min_tokens in range(len(ids)):
+        for seed in (None, 3):
+            assembler, deltas = assemble(tokenizer, prompt_ids, text, seed, stop=["a a"], min_tokens=min_tokens)
+            expected = reference_min_tokens_stop(tokenizer, ids, "a a", min_tokens)
+            assert "".join(deltas) == (text if expected is None else expected), (min_tokens, seed)
+
+
+def test_without_min_tokens_a_stop_string_in_the_first_tokens_ends_it(tokenizer, prompt_ids):
+    # the behaviour before: the same request without min_tokens stops at the first "o"
+    assembler, deltas = assemble(tokenizer, prompt_ids, FOX, stop=["o"])
+    assert assembler.stopped and "".join(deltas) == "The quick br"

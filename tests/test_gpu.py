@@ -349,3 +349,34 @@ def test_constrained_sampling_on_cuda(model_dir, backend):
                 assert out["text"] in spec.choice
         results[overlap] = [o["token_ids"] for o in outputs]
     assert results[False] == results[True]
+
+
+@pytest.mark.parametrize("backend", ["triton"])
+def test_bad_words_hanging_on_the_token_in_flight_with_graphs_and_overlap(model_dir, backend):
+    """A two-token bad word whose first token is step N's, still in flight when step N+1 is built, is
+    banned on the device from N's sampled ids: no output has any bad word's encoding in its tokens."""
+    llm = get_llm(model_dir, backend, overlap_scheduling=True)
+    assert llm.core.overlap
+    tokenizer = llm.tokenizer
+    ps = random_prompts(8, seed=21)
+    greedy = dict(temperature=0, max_tokens=24, ignore_eos=True)
+    free = [o["token_ids"] for o in llm.generate(ps, SamplingParams(**greedy), use_tqdm=False)]
+    params, words = [], []
+    for tokens in free:
+        text = None
+        for k in range(1, len(tokens) - 1):
+            candidate = tokenizer.decode(tokens[k:k + 2])
+            encodings = [tokenizer.encode(t, add_special_tokens=False) for t in (candidate.lstrip(),
+                                                                                  " " + candidate.lstrip())]
+            if tokens[k:k + 2] in encodings and all(len(e) > 1 for e in encodings):
+                text = candidate
+                break
+        params.append(SamplingParams(**greedy, bad_words=[text] if text else None))
+        words.append(encodings if text else [])
+    assert sum(1 for w in words if w) >= 4
+    outs = llm.generate(ps, params, use_tqdm=False)
+    assert_all_blocks_free(llm)
+    for out, encodings in zip(outs, words):
+        tokens = out["token_ids"]
+        for e in encodings:
+            assert not any(tokens[i:i + len(e)] == e for i in range(len(tokens) - len(e) + 1))

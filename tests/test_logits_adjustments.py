@@ -122,3 +122,38 @@ def test_snapshot_owns_its_containers():
     params.allowed_token_ids.append(3)
     params.bad_words.append("y")
     assert snap.logit_bias == {1: 1.0} and snap.allowed_token_ids == [1, 2] and snap.bad_words == ["x"]
+
+
+def bad_word_bans(history: list[int], words: list[list[int]]) -> set[int]:
+    """Reference: the last tokens of the words whose other tokens end the generated history (as vLLM,
+    a bad word's other tokens are looked for among the generated tokens only)."""
+    return {w[-1] for w in words
+            if len(w) == 1 or (len(w) - 1 <= len(history) and history[len(history) - len(w) + 1:] == w[:-1])}
+
+
+@pytest.mark.parametrize("pending_value", [7, 8, 9])
+def test_bad_word_hanging_on_the_token_in_flight_is_banned_on_the_device(pending_value):
+    from asyncllm.engine.sequence import PENDING_TOKEN
+    words = [[5], [7, 11], [3, 7, 12], [4, 7, 13], [8, 14], [3, 8, 9, 15], [2, 3, 8, 16]]
+    seqs = []
+    for i in range(3):  # its pending token is row 2 - i of the previous step's ids
+        seq = Sequence(f"r{i}", [1, 2], SamplingParams(temperature=0, max_tokens=100, bad_words=["x"]), block_size=16)
+        seq.token_ids += [3, PENDING_TOKEN]
+        seq.bad_word_ids = words
+        seq.sample_row = 2 - i
+        seqs.append(seq)
+    values = [pending_value, 7 + (pending_value - 6) % 3, 7 + (pending_value - 5) % 3]  # each of 7, 8, 9 once
+    prev_sampled = torch.tensor(values[::-1], dtype=torch.int64)  # seq i's pending token is values[i]
+    tensors, _ = SamplingInputs(V, torch.device("cpu")).build(seqs, prev_sampled)
+    adjusted = tensors.adjustments.apply(torch.zeros(3, V))
+    for row in range(3):
+        # what the host would ban once it knew the pending token ([2, 3, 8, 16] starts in the prompt)
+        expected = bad_word_bans([3, values[row]], words)
+        assert {t for t in range(V) if adjusted[row, t] == float("-inf")} == expected
+        assert not adjusted[row].isnan().any()
+    expected = bad_word_bans([3, pending_value], words)
+    # the host bans alone (the last token known) still apply, without a previous step
+    seqs[0].token_ids[-1] = pending_value
+    tensors, _ = SamplingInputs(V, torch.device("cpu")).build(seqs[:1])
+    adjusted = tensors.adjustments.apply(torch.zeros(1, V))
+    assert {t for t in range(V) if adjusted[0, t] == float("-inf")} == expected

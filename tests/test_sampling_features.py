@@ -241,3 +241,56 @@ def test_prompt_logprobs_are_hf_log_softmax(tiny_qwen3, hf_model, overlap):
             assert entry.token_id == prompt[position + 1]
             assert entry.logprob == pytest.approx(expected[position, prompt[position + 1]].item(), abs=1e-4)
             assert [t for t, _ in entry.top] == expected[position].topk(3).indices.tolist()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_min_tokens_holds_off_a_stop_string(llms, tiny_qwen3, overlap):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    llm, prompt = llms(overlap), PROMPTS[0]
+    free = run(llm, [prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    tokens, text = free["token_ids"], free["text"]
+    # a stop string the output has within its first 3 tokens' text, and again later or not
+    first3 = tokenizer.decode(tokens[:3])
+    stop = first3[-2:] if len(first3.strip()) >= 2 else first3
+    assert stop and text.startswith(first3)
+    early = run(llm, [prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]))[0]
+    assert early["finish_reason"] == "stop" and len(early["token_ids"]) <= 3  # without min_tokens: it ends there
+    for min_tokens in (3, 6):
+        out = run(llm, [prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop],
+                                                min_tokens=min_tokens))[0]
+        protected = len(tokenizer.decode(tokens[:min_tokens]))
+        start = text.find(stop)
+        while start != -1 and start + len(stop) <= protected:
+            start = text.find(stop, start + 1)
+        assert out["text"] == (text if start == -1 else text[:start])
+        assert out["finish_reason"] == ("length" if start == -1 else "stop")
+        assert len(out["token_ids"]) > min_tokens
+
+
+def contains(tokens: list[int], word: list[int]) -> bool:
+    return any(tokens[i:i + len(word)] == word for i in range(len(tokens) - len(word) + 1))
+
+
+def test_bad_word_whose_prefix_ends_in_the_token_in_flight(llms):
+    # overlapped steps: step N+1 is built before N's token reaches the host; a two-token bad word
+    # whose first token is that one is banned on the device (before: it was missed)
+    serial, overlapped = llms(False), llms(True)
+    tokenizer = serial.tokenizer
+    params = dict(temperature=0, max_tokens=N, ignore_eos=True)
+    for prompt in PROMPTS:
+        free = run(serial, [prompt], SamplingParams(**params))[0]["token_ids"]
+        for k in range(1, N - 1):
+            pair, text = free[k:k + 2], tokenizer.decode(free[k:k + 2])
+            encodings = [tokenizer.encode(t, add_special_tokens=False) for t in (text.lstrip(), " " + text.lstrip())]
+            if pair in encodings and all(len(e) > 1 for e in encodings):
+                break
+        else:
+            continue
+        banned = SamplingParams(**params, bad_words=[text])
+        a = run(serial, [prompt], banned)[0]["token_ids"]
+        b = run(overlapped, [prompt], banned)[0]["token_ids"]
+        assert a == b and a[:k + 1] == free[:k + 1] and a[k + 1] != free[k + 1]
+        assert not any(contains(b, e) for e in encodings)
+        return
+    pytest.fail("no generated pair of tokens reads back as itself")

@@ -96,18 +96,28 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
-    def banned_token_ids(self, num_generated: int) -> list[int]:
+    def banned_token_ids(self, num_generated: int) -> tuple[list[int], list[tuple[int, int]]]:
         """Tokens this sequence may not sample as its completion token number num_generated: stop
-        tokens under min_tokens, and a bad word's last token once the tokens before it are generated
-        (compared with the tokens the host knows: with overlapped steps, a bad word of several
-        tokens whose prefix ends in the token still in flight is not caught)."""
+        tokens under min_tokens, and a bad word's last token once the tokens before it are generated.
+        Second, the bans that hang on the token still in flight (overlapped steps: the last token is
+        PENDING_TOKEN): (token it must turn out to be, token then banned), decided on the device."""
         banned = list(self.early_stop_ids) if num_generated < self.params.min_tokens else []
+        if_pending_is: list[tuple[int, int]] = []
+        if not self.bad_word_ids:
+            return banned, if_pending_is
+        ids = self.token_ids
+        pending = ids[-1] == PENDING_TOKEN
         for word in self.bad_word_ids:
             if len(word) == 1:
                 banned.append(word[0])
-            elif len(word) - 1 <= num_generated and self.token_ids[len(self.token_ids) - len(word) + 1:] == word[:-1]:
-                banned.append(word[-1])
-        return banned
+            elif len(word) - 1 <= num_generated:
+                start = len(ids) - len(word) + 1
+                if not pending:
+                    if ids[start:] == word[:-1]:
+                        banned.append(word[-1])
+                elif ids[start:-1] == word[:-2]:  # the rest of the prefix hangs on the pending token
+                    if_pending_is.append((word[-2], word[-1]))
+        return banned, if_pending_is
 
     @property
     def request_finished(self) -> bool:

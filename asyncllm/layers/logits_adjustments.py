@@ -81,6 +81,12 @@ class LogitsAdjustments:
     # tokens a row may not take this step (EOS before min_tokens, bad words)
     ban_rows: torch.Tensor | None = None  # (K,) int64
     ban_tokens: torch.Tensor | None = None  # (K,) int64
+    # bans that hang on the token still in flight (overlapped steps): (row, token) banned where the
+    # row's pending token (read from the previous step's sampled ids, on the device) is pending_ban_if
+    pending_ban_rows: torch.Tensor | None = None  # (B,) int64
+    pending_ban_tokens: torch.Tensor | None = None  # (B,) int64
+    pending_ban_values: torch.Tensor | None = None  # (B,) int64: the pending tokens
+    pending_ban_if: torch.Tensor | None = None  # (B,) int64
     # rows restricted to a list of tokens: every other token of theirs is masked
     allow_rows: torch.Tensor | None = None  # (A,) int64, each row once
     allow_pair_rows: torch.Tensor | None = None  # (M,) int64: index into allow_rows
@@ -98,6 +104,11 @@ class LogitsAdjustments:
             logits.index_put_((self.bias_rows, self.bias_tokens), self.bias_values, accumulate=True)
         if self.ban_rows is not None:
             logits[self.ban_rows, self.ban_tokens] = float("-inf")
+        if self.pending_ban_rows is not None:  # no host sync: add -inf where it holds, 0 elsewhere
+            hit = self.pending_ban_values == self.pending_ban_if
+            logits.index_put_((self.pending_ban_rows, self.pending_ban_tokens),
+                              torch.zeros_like(hit, dtype=logits.dtype).masked_fill(hit, float("-inf")),
+                              accumulate=True)
         if self.penalty_rows is not None:
             counts = self.token_counts
             rows = self.penalty_rows

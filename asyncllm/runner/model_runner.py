@@ -295,8 +295,10 @@ class ModelRunner:
                             block_tables, np.asarray(logits_indices, dtype=np.int64))
         return inputs, np.asarray(pending_at, dtype=np.int64), np.asarray(pending_rows, dtype=np.int64)
 
-    def prepare_sampling(self, sched: SchedulerOutput) -> tuple[SamplingTensors, list[int] | None]:
-        return self.sampling_inputs.build([item.seq for item in sched.scheduled if item.samples])
+    def prepare_sampling(self, sched: SchedulerOutput, prev: LaunchedStep | None = None
+                         ) -> tuple[SamplingTensors, list[int] | None]:
+        return self.sampling_inputs.build([item.seq for item in sched.scheduled if item.samples],
+                                          None if prev is None else prev.sampled)
 
     def release_sequence(self, seq) -> None:
         """A sequence finished: drop what sampling kept for it."""
@@ -348,7 +350,7 @@ class ModelRunner:
             prompt_logprobs = gather_logprobs(logits[num_sampling:].float().log_softmax(dim=-1), targets,
                                               prompt_plan.num_top)
             logits = logits[:num_sampling]
-        sampling, logprob_ks = self.prepare_sampling(sched)
+        sampling, logprob_ks = self.prepare_sampling(sched, prev)
         if constraints is None:
             return LaunchedStep(sched, self.sampler(logits, sampling), logprob_ks, prompt_logprobs, prompt_plan)
         # constrained rows: advance their matchers here (it may wait for prev's ids), then fill the

@@ -59,9 +59,11 @@ class SamplingInputs:
     def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
-    def build(self, seqs: list[Sequence]) -> tuple[SamplingTensors, list[int] | None]:
+    def build(self, seqs: list[Sequence], prev_sampled: torch.Tensor | None = None
+              ) -> tuple[SamplingTensors, list[int] | None]:
         """The step's SamplingTensors, and for each row the top-k it asked for (None: no row asked for
-        log-probabilities; -1: this row did not)."""
+        log-probabilities; -1: this row did not). prev_sampled: the ids (on the device) of the step
+        in flight, which samples the rows' PENDING_TOKENs (overlapped steps)."""
         params = [seq.params for seq in seqs]
         seeded_rows = []
         for row, seq in enumerate(seqs):
@@ -73,7 +75,7 @@ class SamplingInputs:
         if not any(seq.needs_sampling_extras for seq in seqs):
             return tensors, None
         if any(seq.adjusts_logits for seq in seqs):
-            tensors.adjustments = self._adjustments(seqs)
+            tensors.adjustments = self._adjustments(seqs, prev_sampled)
         logprob_ks = None
         if any(p.logprobs is not None for p in params):
             logprob_ks = [-1 if p.logprobs is None else p.logprobs for p in params]
@@ -81,10 +83,11 @@ class SamplingInputs:
             tensors.num_top_logprobs = max(logprob_ks)
         return tensors, logprob_ks
 
-    def _adjustments(self, seqs: list[Sequence]) -> LogitsAdjustments:
+    def _adjustments(self, seqs: list[Sequence], prev_sampled: torch.Tensor | None) -> LogitsAdjustments:
         penalty_rows, slots, presence, frequency, repetition = [], [], [], [], []
         bias_rows, bias_tokens, bias_values = [], [], []
         ban_rows, ban_tokens = [], []
+        pending_rows, pending_tokens, pending_sample_rows, pending_values = [], [], [], []
         allow_rows, allow_pair_rows, allow_pair_tokens = [], [], []
         for row, seq in enumerate(seqs):
             if not seq.adjusts_logits:
@@ -104,10 +107,15 @@ class SamplingInputs:
                 bias_tokens.extend(p.logit_bias)
                 bias_values.extend(p.logit_bias.values())
             # the token sampled now is the completion's token number len(seq) - num_prompt_tokens
-            banned = seq.banned_token_ids(len(seq.token_ids) - seq.num_prompt_tokens)
+            banned, if_pending_is = seq.banned_token_ids(len(seq.token_ids) - seq.num_prompt_tokens)
             if banned:
                 ban_rows.extend([row] * len(banned))
                 ban_tokens.extend(banned)
+            for pending_value, token in if_pending_is:  # seq.sample_row: its row in prev_sampled
+                pending_rows.append(row)
+                pending_tokens.append(token)
+                pending_sample_rows.append(seq.sample_row)
+                pending_values.append(pending_value)
             if p.allowed_token_ids is not None:
                 allow_pair_rows.extend([len(allow_rows)] * len(p.allowed_token_ids))
                 allow_pair_tokens.extend(p.allowed_token_ids)
@@ -124,6 +132,12 @@ class SamplingInputs:
             out.bias_values = self._to_device(bias_values, float32)
         if ban_rows:
             out.ban_rows, out.ban_tokens = self._to_device(ban_rows, int64), self._to_device(ban_tokens, int64)
+        if pending_rows:
+            assert prev_sampled is not None, "a ban that hangs on a pending token without the step that samples it"
+            out.pending_ban_rows, out.pending_ban_tokens = (self._to_device(pending_rows, int64),
+                                                            self._to_device(pending_tokens, int64))
+            out.pending_ban_values = prev_sampled[self._to_device(pending_sample_rows, int64)]
+            out.pending_ban_if = self._to_device(pending_values, int64)
         if allow_rows:
             out.allow_rows = self._to_device(allow_rows, int64)
             out.allow_pair_rows = self._to_device(allow_pair_rows, int64)

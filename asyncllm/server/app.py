@@ -20,7 +20,7 @@ from asyncllm.errors import EngineDeadError, QueueFullError
 from asyncllm.sampling_params import SamplingParams
 import asyncllm.server.protocol as protocol
 from asyncllm.server import tool_calls
-from asyncllm.server.choices import ChoiceShaper
+from asyncllm.server.choices import ChoiceShaper, prompt_logprobs_field
 from asyncllm.server.constraints import requested_constraint
 from asyncllm.server.errors import RETRY_AFTER_SECONDS, exception_handlers
 from asyncllm.server.metrics import EngineMetrics
@@ -273,6 +273,9 @@ class OpenAIServer(TokenizationEndpoints):
         default_max_tokens = max(1, room if default_max_tokens is None else min(default_max_tokens, room))
         params = protocol.sampling_params(body, max_tokens_field, default_max_tokens, self.max_tokens_limit,
                                           chat=chat, structured_output=constraint)
+        if params.prompt_logprobs and body.get("stream"):  # as vLLM: the prompt's logprobs come whole or not at all
+            raise APIError(400, "'prompt_logprobs' is not available with 'stream': true", param="prompt_logprobs",
+                           code="unsupported_value")
         if tools is not None and params.n > 1:
             raise APIError(400, "'n' > 1 with tools is not supported", param="n", code="unsupported_value")
         self._check_context(body, max_tokens_field, prompt_ids, room, params)
@@ -313,7 +316,13 @@ class OpenAIServer(TokenizationEndpoints):
                 choices[0]["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
                 if choices[0]["finish_reason"] == "stop":
                     choices[0]["finish_reason"] = "tool_calls"
-        return JSONResponse({**base, "choices": choices, "usage": usage(stream)})
+        extra = {}
+        if params.prompt_logprobs is not None:  # vLLM's field (completions: also in each choice, as vLLM has it)
+            extra["prompt_logprobs"] = prompt_logprobs_field(results[0].prompt_logprobs)
+            if not chat:
+                for choice in choices:
+                    choice["prompt_logprobs"] = extra["prompt_logprobs"]
+        return JSONResponse({**base, "choices": choices, "usage": usage(stream), **extra})
 
     # ---- endpoints ----
     async def chat_completions(self, request: Request) -> Response:

@@ -22,6 +22,20 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict:
                         for e in entries], "refusal": None}
 
 
+def prompt_logprobs_field(entries: list[TokenLogprob | None] | None) -> list[dict | None] | None:
+    """vLLM's prompt_logprobs: None for the first prompt token, then per token a dict from token id (a
+    string in JSON) to its logprob, rank and decoded_token: the prompt's own token first, then the top ones."""
+    if entries is None:
+        return None
+
+    def position(e: TokenLogprob) -> dict:
+        out = {str(e.token_id): {"logprob": _logprob(e.logprob), "rank": e.rank, "decoded_token": e.token}}
+        for rank, ((token_id, lp), text) in enumerate(zip(e.top, e.top_tokens), start=1):
+            out.setdefault(str(token_id), {"logprob": _logprob(lp), "rank": rank, "decoded_token": text})
+        return out
+    return [None if e is None else position(e) for e in entries]
+
+
 class CompletionLogprobs:
     """Completions' logprobs of one choice, chunk by chunk: text_offset counts on from chunk to chunk."""
 

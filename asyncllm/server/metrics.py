@@ -101,7 +101,7 @@ class RequestMetricsRecorder:
             counter = self.finished[finish_reason] = self._finished_family.labels(self.model_name, finish_reason)
         counter.inc()
         self.prompt_tokens.inc(len(stream.prompt_token_ids))
-        self.generation_tokens.inc(len(stream.token_ids))
+        self.generation_tokens.inc(stream.num_completion_tokens)  # all n sequences' tokens
         m = stream.metrics
         if m is None:
             return

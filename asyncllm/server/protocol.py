@@ -84,7 +84,8 @@ NEUTRAL_COMPLETIONS.update(echo=lambda v: v is False, best_of=lambda v: v == 1,
 SAMPLING_FIELDS = {name: name for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop",
                                            "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "n",
                                            "presence_penalty", "frequency_penalty", "repetition_penalty",
-                                           "min_tokens", "skip_special_tokens", "spaces_between_special_tokens")}
+                                           "min_tokens", "skip_special_tokens", "spaces_between_special_tokens",
+                                           "prompt_logprobs")}
 # constraints (server/constraints.py maps them)
 CONSTRAINT_FIELDS = {"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                      "guided_grammar"}
