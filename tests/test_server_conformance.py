@@ -99,6 +99,34 @@ def test_unknown_fields_pass_with_one_warning_per_name(http, caplog):
     assert_openai_error(http.post(CHAT, json={"messages": MESSAGES, "echo_twice": 1, "store": True}), 400, "store")
 
 
+def test_unknown_fields_of_messages_pass_with_one_warning_per_name(http, caplog):
+    name = f"x_vendor_{uuid.uuid4().hex[:8]}"
+    messages = [{"role": "system", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}],
+                 name: 1},
+                {"role": "user", "name": "ann", "content": [{"type": "text", "text": "Hi"}], name: {"a": 1}},
+                {"role": "assistant", "content": None, "refusal": "no", "audio": None},
+                {"role": "user", "content": "Hi again", name: None}]
+    with caplog.at_level(logging.WARNING, logger="asyncllm.server"):
+        for _ in range(2):
+            r = http.post(CHAT, json={"messages": messages, "max_tokens": 1})
+            assert r.status_code == 200, r.text
+    for field in (name, "refusal", "audio"):
+        warnings = [rec for rec in caplog.records if f"messages[].{field}" in rec.getMessage()]
+        assert len(warnings) <= 1 and (field != name or len(warnings) == 1), caplog.text
+    # the same prompt as the messages with the unknown fields left out and the parts joined
+    plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+             {"role": "assistant", "content": ""}, {"role": "user", "content": "Hi again"}]
+    counts = [http.post("/tokenize", json={"model": MODEL_NAME, "messages": m}).json()["tokens"]
+              for m in (messages, plain)]
+    assert counts[0] == counts[1]
+    # known fields of the wrong type are still refused, naming them
+    for bad, param in (({"role": "user", "content": "Hi", "name": 5}, "messages[0].name"),
+                       ({"role": "tool", "content": "1", "tool_call_id": ["x"]}, "messages[0].tool_call_id"),
+                       ({"role": "user", "content": [{"type": "image_url", "image_url": {}}]}, "messages[0].content[0]"),
+                       ({"role": "user", "content": {"text": "Hi"}}, "messages[0].content")):
+        assert_openai_error(http.post(CHAT, json={"messages": [bad], "max_tokens": 1}), 400, param)
+
+
 # ---- max_tokens against the context ----------------------------------------------------------------
 @pytest.mark.parametrize("path, field", [(CHAT, "max_tokens"), (CHAT, "max_completion_tokens"),
                                          (COMPLETIONS, "max_tokens")])

@@ -1,6 +1,7 @@
 """The OpenAI-compatible Starlette app: routes, request plumbing, and the engine calls."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hmac
 import json
@@ -27,6 +28,7 @@ from asyncllm.server.metrics import EngineMetrics
 from asyncllm.server.protocol import APIError, field_error, is_int
 from asyncllm.server.sse import EventStreamResponse, await_disconnect, chunk_events, usage
 from asyncllm.server.tokenization import TokenizationEndpoints
+from asyncllm.server.tool_call_stream import ToolCallStream
 
 logger = logging.getLogger("asyncllm.server")
 
@@ -278,6 +280,10 @@ class OpenAIServer(TokenizationEndpoints):
                            code="unsupported_value")
         if tools is not None and params.n > 1:
             raise APIError(400, "'n' > 1 with tools is not supported", param="n", code="unsupported_value")
+        if tools is not None and tools[0].choice == "auto" and not tools[0].parallel and tools[1].end:
+            # parallel_tool_calls false: the first call's closing marker ends the answer (parse_output
+            # accepts a call left open at the end)
+            params = dataclasses.replace(params, stop=[*params.stop, tools[1].end])
         self._check_context(body, max_tokens_field, prompt_ids, room, params)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         stream = self._submit(prompt_ids, params, request_id, "messages" if chat else "prompt", constraint_field)
@@ -287,7 +293,7 @@ class OpenAIServer(TokenizationEndpoints):
         if body.get("stream"):
             usage_field = {"usage": None} if include_usage else {}
 
-            calls_stream = tool_calls.ToolCallStream(*tools) if tools is not None else None
+            calls_stream = ToolCallStream(*tools) if tools is not None else None
 
             def chunk(text: str | None, finish_reason: str | None, out=None, delta: dict | None = None,
                       index: int = 0) -> dict | None:
@@ -378,19 +384,20 @@ class OpenAIServer(TokenizationEndpoints):
         ]
 
 
-def _tool_call_delta(calls_stream: tool_calls.ToolCallStream, text: str | None,
+def _tool_call_delta(calls_stream: ToolCallStream, text: str | None,
                      finish_reason: str | None) -> tuple[str | None, dict | None, str | None]:
-    """(text, delta, finish_reason) of a chunk of an answer that may call tools: content passes
-    until a call may begin; at the end the calls come in one delta, with finish_reason tool_calls."""
+    """(text, delta, finish_reason) of a chunk of an answer that may call tools: content until a
+    call begins, then each call's name and its arguments in pieces; finish_reason tool_calls."""
     if finish_reason is None:
-        content = calls_stream.feed(text or "")
-        return None, ({"content": content} if content else None), None
-    content, calls = calls_stream.finish()
+        content, calls = calls_stream.feed(text or "")
+        called = False
+    else:
+        content, calls, called = calls_stream.finish()
+        finish_reason = "tool_calls" if called and finish_reason == "stop" else finish_reason
     delta = {"content": content} if content else {}
     if calls:
-        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
-        finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
-    return None, delta, finish_reason
+        delta["tool_calls"] = calls
+    return None, (delta if delta or finish_reason is not None else None), finish_reason
 
 
 def create_app(engine, model_name: str, api_key: str | None = None, *,

@@ -224,6 +224,9 @@ def stream_options(body: dict) -> bool:
     return include
 
 
+MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id"}  # others: ignored with a warning
+
+
 def messages(body: dict) -> list[dict]:
     if body.get("messages") is None:
         raise APIError(400, "'messages' is required", param="messages", code="missing_required_parameter")
@@ -243,18 +246,20 @@ def messages(body: dict) -> list[dict]:
         if role not in ("system", "developer", "user", "assistant", "tool"):
             raise APIError(400, f"'{where}.role': invalid value {json.dumps(role)}: expected one of 'system', "
                                 "'developer', 'user', 'assistant', 'tool'", param=f"{where}.role", code="invalid_value")
-        unknown = set(message) - {"role", "content", "name", "tool_calls", "tool_call_id"}
-        if unknown:
-            raise APIError(400, f"'{where}': unsupported field(s) {sorted(unknown)}", param=where,
-                           code="unsupported_parameter")
+        for name in sorted(set(message) - MESSAGE_FIELDS):  # e.g. "refusal", "audio", vendor fields
+            warn_unknown_field(f"messages[].{name}")
+        for name in ("name", "tool_call_id"):
+            if message.get(name) is not None and not isinstance(message[name], str):
+                raise APIError(400, f"'{where}.{name}': expected a string, got {type_name(message[name])}",
+                               param=f"{where}.{name}", code="invalid_type")
         content = message.get("content")
         tool_calls = message.get("tool_calls")
         if tool_calls is not None and (role != "assistant" or not isinstance(tool_calls, list) or not all(
                 isinstance(c, dict) and isinstance(c.get("function"), dict) for c in tool_calls)):
             raise APIError(400, f"'{where}.tool_calls': expected an array of calls in an assistant message",
                            param=f"{where}.tool_calls", code="invalid_value")
-        if content is None and tool_calls:
-            content = ""  # an assistant turn that only called tools
+        if content is None and role == "assistant":
+            content = ""  # an assistant turn that only called tools (or refused)
         if isinstance(content, list):  # content parts: text only
             texts = []
             for j, part in enumerate(content):

@@ -16,6 +16,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from asyncllm.server.json_scan import ObjectScan, scan_array_of_objects, scan_object, skip_whitespace
 from asyncllm.server.protocol import APIError, type_name
 from asyncllm.structured import StructuredOutput
 
@@ -27,6 +28,11 @@ class ToolCallFormat:
     start: str  # what opens a call ("" = the call is a bare JSON object)
     end: str  # what closes it ("" = the end of the JSON object)
     arguments_key: str  # the JSON key of the arguments
+
+    @property
+    def argument_keys(self) -> tuple[str, ...]:
+        """The keys a call's arguments are looked up by, in order (models mix up the two names)."""
+        return tuple(dict.fromkeys((self.arguments_key, "arguments", "parameters")))
 
 
 FORMATS = {
@@ -169,17 +175,34 @@ def new_call(name: str, arguments) -> dict:
 
 
 def parse_output(text: str, tools: ToolRequest, fmt: ToolCallFormat) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls) of a whole answer."""
+    """(content, tool_calls) of a whole answer. Arguments are the raw JSON text the model wrote, as
+    streaming sends it piece by piece."""
     if tools.forced:
         try:
             value = json.loads(text)
             if tools.choice == "named":
-                return None, [new_call(tools.named, value)]
-            return None, [new_call(c["name"], c["parameters"]) for c in value]
+                return None, [new_call(tools.named, text.strip())]
+            scans = scan_array_of_objects(text, skip_whitespace(text, 0))
+            if len(scans) != len(value):
+                raise ValueError("not an array of calls")
+            return None, [new_call(c["name"], _raw_value(text, scan, ("parameters",)))
+                          for c, scan in zip(value, scans)]
         except (ValueError, TypeError, KeyError):  # cut short by max_tokens: no call to return
             return text, []
     known = {t["function"]["name"] for t in tools.tools}
-    return _parse_auto(text, fmt, known)
+    calls = _parse_auto(text, fmt, known)
+    if not tools.parallel and len(calls[1]) > 1:
+        return calls[0], calls[1][:1]
+    return calls
+
+
+def _raw_value(text: str, scan: ObjectScan, keys: tuple[str, ...]) -> str:
+    """The raw text of the first complete value among `keys` ("{}": none)."""
+    for key in keys:
+        start, end = scan.fields.get(key, (0, None))
+        if end is not None:
+            return text[start:end]
+    return "{}"
 
 
 def _parse_auto(text: str, fmt: ToolCallFormat, known: set[str]) -> tuple[str | None, list[dict]]:
@@ -203,50 +226,11 @@ def _parse_auto(text: str, fmt: ToolCallFormat, known: set[str]) -> tuple[str | 
 
 
 def _call_from_json(text: str, fmt: ToolCallFormat, known: set[str]) -> dict | None:
+    body = text.strip()
     try:
-        value = json.loads(text.strip())
+        value = json.loads(body)
     except ValueError:
         return None
     if not isinstance(value, dict) or value.get("name") not in known:
         return None
-    arguments = value.get(fmt.arguments_key, value.get("arguments", value.get("parameters", {})))
-    return new_call(value["name"], arguments)
-
-
-class ToolCallStream:
-    """Streams an answer that may hold tool calls: content is passed on until a call may begin
-    (a forced call: never), the rest is held and parsed at the end."""
-
-    def __init__(self, tools: ToolRequest, fmt: ToolCallFormat):
-        self.tools, self.fmt = tools, fmt
-        self.text = ""
-        self.sent = 0  # characters of text already streamed as content
-        self.holding = tools.forced  # from `sent` on, everything waits for the end
-
-    def feed(self, delta: str) -> str:
-        """The content that may be sent now."""
-        self.text += delta
-        if self.holding:
-            return ""
-        if not self.fmt.start:  # a bare JSON call is the whole message: decided by its first character
-            head = self.text.lstrip()
-            if not head:
-                return ""
-            self.holding = head[0] in "{<"
-            end = self.sent if self.holding else len(self.text)
-        else:
-            end = self.text.find(self.fmt.start, self.sent)
-            self.holding = end != -1
-            if end == -1:  # hold back a tail that may be the start of the marker
-                end = len(self.text)
-                for k in range(min(len(self.fmt.start) - 1, len(self.text) - self.sent), 0, -1):
-                    if self.fmt.start.startswith(self.text[-k:]):
-                        end -= k
-                        break
-        out, self.sent = self.text[self.sent:end], end
-        return out
-
-    def finish(self) -> tuple[str, list[dict]]:
-        """(the content still to send, the tool calls) once the answer is complete."""
-        _, calls = parse_output(self.text, self.tools, self.fmt)
-        return ("", calls) if calls else (self.text[self.sent:], [])
+    return new_call(value["name"], _raw_value(body, scan_object(body, 0), fmt.argument_keys))
