@@ -359,25 +359,21 @@ class EngineCore:
     @staticmethod
     def _add_prompt_logprobs(plan, host) -> None:
         """Append the prompt positions' scores to their sequences' prompt_logprobs."""
-        chosen, ranks, top_ids, top_logprobs = host
         row = 0
         for seq, count, k in plan.spans:
             if not seq.is_finished:
-                seq.prompt_logprobs.extend(
-                    TokenLogprob(plan.targets[j], chosen[j], ranks[j], list(zip(top_ids[j][:k], top_logprobs[j][:k])))
-                    for j in range(row, row + count))
+                seq.prompt_logprobs.extend(_token_logprob(host, j, plan.targets[j], k) for j in range(row, row + count))
             row += count
 
     @staticmethod
     def _token_logprobs(ks: list[int], token_ids: list[int], host) -> list[TokenLogprob | None]:
         """Each sampling row's TokenLogprob (None for rows that did not ask)."""
-        chosen, ranks, top_ids, top_logprobs = host
         out, j = [], 0
         for k, token_id in zip(ks, token_ids):
             if k < 0:
                 out.append(None)
                 continue
-            out.append(TokenLogprob(token_id, chosen[j], ranks[j], list(zip(top_ids[j][:k], top_logprobs[j][:k]))))
+            out.append(_token_logprob(host, j, token_id, k))
             j += 1
         return out
 
@@ -442,3 +438,10 @@ class EngineCore:
             "step_model": {"ms": model.a, "ms_per_prefill_token": model.b, "ms_per_decode": model.c}
             if model.ready else None,
         }
+
+
+def _token_logprob(host, j: int, token_id: int, k: int) -> TokenLogprob:
+    """Row j of a step's host logprobs (chosen, ranks, top ids, top log-probs) as token_id's TokenLogprob
+    with its k best alternatives."""
+    chosen, ranks, top_ids, top_logprobs = host
+    return TokenLogprob(token_id, chosen[j], ranks[j], list(zip(top_ids[j][:k], top_logprobs[j][:k])))

@@ -61,29 +61,28 @@ class LaunchedStep:
             sample, self._sample = self._sample, None
             self._queued(sample())
 
-    def token_ids(self) -> list[int]:
-        """The sampled ids on the host (waits for the device to finish the step)."""
+    def _on_host(self) -> None:
+        """Wait until the step's copies to the host have landed (queuing its sampling first)."""
         self.queue_sampling()
         if self._copied is not None:
             self._copied.synchronize()
+
+    def token_ids(self) -> list[int]:
+        """The sampled ids on the host (waits for the device to finish the step)."""
+        self._on_host()
         return self._host.tolist()
 
     def logprobs(self) -> tuple[list[float], list[int], list[list[int]], list[list[float]]] | None:
         """(chosen log-prob, rank, top ids, top log-probs) of each row that asked, in row order."""
-        self.queue_sampling()
-        if self._host_logprobs is None:
-            return None
-        if self._copied is not None:
-            self._copied.synchronize()
-        lp = self._host_logprobs
-        return lp.chosen.tolist(), lp.ranks.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist()
+        self.queue_sampling()  # it makes _host_logprobs
+        return self._as_lists(self._host_logprobs)
 
     def prompt_logprobs(self) -> tuple[list[float], list[int], list[list[int]], list[list[float]]] | None:
         """The same for the prompt positions of prompt_plan, in its row order."""
-        self.queue_sampling()
-        if self._host_prompt_logprobs is None:
+        return self._as_lists(self._host_prompt_logprobs)
+
+    def _as_lists(self, lp: LogprobsTensors | None):
+        if lp is None:
             return None
-        if self._copied is not None:
-            self._copied.synchronize()
-        lp = self._host_prompt_logprobs
+        self._on_host()
         return lp.chosen.tolist(), lp.ranks.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist()
