@@ -17,7 +17,10 @@ after another, and the table gives each row's ratio to sync with the same overla
 
 Features: each comma-separated item is one run whose requests all use the '+'-joined sampling
 features: plain (none), penalties (presence 0.5, frequency 0.5, repetition 1.1), logprobs (5 top
-alternatives per token). The "/ plain" column is each row's ratio to the plain run of the same
+alternatives per token), json (every request, warm-up ones too so that the grammar compile is not
+timed, held to a JSON schema whose first field is a string of at least 20,000 characters: on random
+weights every request still runs to its max_tokens, and every step fills a dense mask, the common
+case inside a JSON string). The "/ plain" column is each row's ratio to the plain run of the same
 backend, mode and overlap setting (e.g. --features plain,penalties+logprobs --mode sync).
 """
 from __future__ import annotations
@@ -41,7 +44,10 @@ from asyncllm.structured import StructuredOutput
 WARMUP_PROMPT = "Benchmark: "  # nano-vllm's warm-up request
 MODES = ["sync", "stream", "generate"]
 FEATURES = {"plain": {}, "penalties": dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1),
-            "logprobs": dict(logprobs=5)}
+            "logprobs": dict(logprobs=5),
+            "json": dict(structured_output=StructuredOutput(json={
+                "type": "object", "properties": {"text": {"type": "string", "minLength": 20000}, "id": {"type": "integer"}},
+                "required": ["text", "id"]}))}
 
 
 def with_features(params: list[SamplingParams], features: str) -> list[SamplingParams]:
