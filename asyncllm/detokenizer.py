@@ -7,6 +7,8 @@ final text.
 """
 from __future__ import annotations
 
+import weakref
+
 from asyncllm.sampling_params import SamplingParams
 
 try:
@@ -19,12 +21,34 @@ except ImportError:  # tokenizers < 0.20.4
 _CONTEXT_TOKENS = 5
 
 
+# each tokenizer's token texts, decoded alone, as logprobs show them: a request with logprobs=5
+# needs six per token, and one transformers decode call costs more than the step's share of a token
+_token_texts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def decode_logprobs(tokenizer, logprobs) -> None:
-    """Fill in the text of each TokenLogprob's token and top tokens (each token decoded alone)."""
+    """Give each TokenLogprob the texts of its token and top tokens (each token decoded alone)."""
+    texts = _token_texts.get(tokenizer)
+    if texts is None:
+        texts = _token_texts.setdefault(tokenizer, {})
+    missing = set()
     for entry in logprobs:
-        ids = [entry.token_id, *(token_id for token_id, _ in entry.top)]
-        texts = tokenizer.batch_decode([[token_id] for token_id in ids])
-        entry.token, entry.top_tokens = texts[0], texts[1:]
+        missing.add(entry.token_id)
+        missing.update(entry.top_ids.tolist() if hasattr(entry.top_ids, "tolist") else entry.top_ids)
+    missing = sorted(token_id for token_id in missing if token_id not in texts)
+    if missing:
+        texts.update(zip(missing, _decode_each(tokenizer, missing)))
+    for entry in logprobs:
+        entry.set_texts(texts)
+
+
+def _decode_each(tokenizer, token_ids: list[int]) -> list[str]:
+    """Each token's text alone: by the Rust backend where transformers would add nothing to it
+    (no clean-up of spaces), ten times faster than transformers' batch_decode."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return backend.decode_batch([[token_id] for token_id in token_ids], skip_special_tokens=False)
+    return tokenizer.batch_decode([[token_id] for token_id in token_ids])
 
 
 def _decode_stream(tokenizer, context_ids: list[int], skip_special_tokens: bool = True):

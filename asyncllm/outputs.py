@@ -2,17 +2,48 @@
 makes these, the API layers pass them on)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 
 
-@dataclass
 class TokenLogprob:
     """One generated (or prompt) token's log-probability under the model's raw distribution (before
-    penalties, biases and temperature), its rank there, and the top alternatives asked for."""
-    token_id: int
-    logprob: float
-    rank: int  # 1 = the most likely token
-    top: list[tuple[int, float]]  # (token id, log-prob), most likely first; as many as were asked for
-    # decoded text of token_id and of each top token, filled in where text is made (streams, LLM)
-    token: str | None = None
-    top_tokens: list[str] | None = None
+    penalties, biases and temperature), its rank there, and the top alternatives asked for.
+
+    One object per token and nothing more: the alternatives stay in the step's arrays (top_ids and
+    top_logprobs may be rows of them) and `top` / `top_tokens` are made when read. A request with
+    logprobs=5 would otherwise leave eight tracked objects per token, and the garbage collector's
+    passes over them cost more than the rest of the step's host work."""
+    __slots__ = ("token_id", "logprob", "rank", "top_ids", "top_logprobs", "token", "_texts")
+
+    def __init__(self, token_id: int, logprob: float, rank: int, top_ids: Sequence[int] = (),
+                 top_logprobs: Sequence[float] = ()):
+        self.token_id = token_id
+        self.logprob = logprob
+        self.rank = rank  # 1 = the most likely token
+        self.top_ids = top_ids  # most likely first; as many as were asked for
+        self.top_logprobs = top_logprobs
+        self.token: str | None = None  # decoded text of token_id, filled in where text is made (streams, LLM)
+        self._texts: Mapping[int, str] | None = None
+
+    @property
+    def top(self) -> list[tuple[int, float]]:
+        """(token id, log-prob) of each top alternative, most likely first."""
+        return list(zip(_as_list(self.top_ids), _as_list(self.top_logprobs)))
+
+    @property
+    def top_tokens(self) -> list[str] | None:
+        """The decoded text of each top alternative (None until the texts are set)."""
+        return None if self._texts is None else [self._texts[token_id] for token_id in _as_list(self.top_ids)]
+
+    def set_texts(self, texts: Mapping[int, str]) -> None:
+        """Decoded texts by token id, holding this token's and its alternatives'."""
+        self.token = texts[self.token_id]
+        self._texts = texts
+
+    def __repr__(self) -> str:
+        return (f"TokenLogprob(token_id={self.token_id}, logprob={self.logprob}, rank={self.rank}, top={self.top}, "
+                f"token={self.token!r})")
+
+
+def _as_list(values: Sequence) -> list:
+    return values.tolist() if hasattr(values, "tolist") else list(values)

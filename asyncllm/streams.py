@@ -153,7 +153,9 @@ class RequestChannel:
                         delta = self._deltas[i] = SequenceDelta(i)
                     delta.token_ids.extend(token_ids)
                     if logprobs is not None:
-                        delta.logprobs = (delta.logprobs or []) + logprobs
+                        if delta.logprobs is None:
+                            delta.logprobs = []
+                        delta.logprobs.extend(logprobs)  # a consumer behind by many steps: no quadratic copying
                     if prompt_logprobs is not None:
                         delta.prompt_logprobs = prompt_logprobs
                     if finish_reason is not None:
@@ -271,7 +273,9 @@ class RequestStream:
         seq.token_ids.extend(token_ids)
         if delta.logprobs is not None:
             decode_logprobs(assembler.tokenizer, delta.logprobs)
-            seq.logprobs = (seq.logprobs or []) + delta.logprobs
+            if seq.logprobs is None:
+                seq.logprobs = []
+            seq.logprobs.extend(delta.logprobs)
         if delta.prompt_logprobs is not None:
             decode_logprobs(assembler.tokenizer, delta.prompt_logprobs[1:])
             self.prompt_logprobs = delta.prompt_logprobs

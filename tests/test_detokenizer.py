@@ -400,3 +400,25 @@ def test_without_min_tokens_a_stop_string_in_the_first_tokens_ends_it(tokenizer,
     # the behaviour before: the same request without min_tokens stops at the first "o"
     assembler, deltas = assemble(tokenizer, prompt_ids, FOX, stop=["o"])
     assert assembler.stopped and "".join(deltas) == "The quick br"
+
+
+@pytest.mark.parametrize("clean_up_spaces", [False, True], ids=["rust", "transformers"])
+def test_logprob_token_texts_are_each_token_decoded_alone(tokenizer, clean_up_spaces):
+    """The cached texts of logprobs entries equal tokenizer.decode([id]), through the Rust batch
+    decode and through transformers' (which cleans up spaces, so ' .' reads '.'), misses and hits."""
+    from asyncllm.detokenizer import _token_texts, decode_logprobs
+    from asyncllm.outputs import TokenLogprob
+
+    _token_texts.pop(tokenizer, None)
+    tokenizer.clean_up_tokenization_spaces = clean_up_spaces
+    try:
+        ids = tokenizer.encode("Hello , world . ¿Qué tal? 日本語 <|im_end|>") + [tokenizer.eos_token_id]
+        for _ in range(2):  # the second pass reads only the cache
+            entries = [TokenLogprob(t, -1.0, 1, ids[::-1], [-2.0] * len(ids)) for t in ids]
+            decode_logprobs(tokenizer, entries)
+            for entry in entries:
+                assert entry.token == tokenizer.decode([entry.token_id])
+                assert entry.top_tokens == [tokenizer.decode([u]) for u, _ in entry.top]
+    finally:
+        tokenizer.clean_up_tokenization_spaces = False
+        _token_texts.pop(tokenizer, None)

@@ -749,3 +749,48 @@ def test_fused_qk_norm_rope_matches_layers(dtype, qk_norm):
         limit = 5e-3 if CUDA else 3e-2
         assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < limit
     assert torch.equal(qkv[:, q_size + kv_size:], v_before)  # v untouched
+
+
+# ----------------------------------------------------------------------------- logits ops
+
+def test_penalties_kernel_matches_reference_and_leaves_other_rows():
+    """In place on the penalised rows only: rows not listed are poisoned with NaN and must stay so."""
+    from asyncllm.kernels.logits_ops import apply_penalties_
+    from asyncllm.layers.logits_adjustments import apply_penalties
+
+    vocab, slots = (151936, 9) if CUDA else (3000, 5)
+    counts = torch.randint(0, 4, (slots, vocab), device=DEVICE, dtype=torch.int32)
+    counts *= torch.rand(slots, vocab, device=DEVICE) < 0.05  # most tokens never generated
+    in_prompt = torch.rand(slots, vocab, device=DEVICE) < 0.05
+    rows = torch.tensor([3, 0, 5], device=DEVICE)
+    slot_of_row = torch.tensor([4, 1, 2], device=DEVICE)
+    presence, frequency, repetition = (torch.tensor(v, device=DEVICE) for v in
+                                       ([0.5, -1.0, 2.0], [0.3, 0.0, -0.7], [1.3, 0.6, 1.0]))
+    logits = torch.full((6, vocab), float("nan"), device=DEVICE)
+    logits[rows] = 4 * torch.randn(len(rows), vocab, device=DEVICE)
+    expected = apply_penalties(logits[rows], counts[slot_of_row], in_prompt[slot_of_row], presence, frequency,
+                               repetition)
+    apply_penalties_(logits, rows, slot_of_row, counts, in_prompt, presence, frequency, repetition)
+    torch.testing.assert_close(logits[rows], expected, rtol=1e-6, atol=1e-6)
+    others = [r for r in range(6) if r not in rows.tolist()]
+    assert logits[others].isnan().all()
+
+
+@pytest.mark.parametrize("every_row", [True, False])
+def test_token_bitmask_kernel_matches_reference(every_row):
+    """Forbidden tokens become -inf; allowed ones keep their exact value; unlisted rows are untouched
+    (poisoned with NaN); the vocabulary is not a multiple of 32."""
+    from asyncllm.kernels.logits_ops import apply_token_bitmask_
+
+    vocab = 151936 + 5 if CUDA else 3000 + 5
+    rows = torch.arange(4, device=DEVICE) if every_row else torch.tensor([1, 4, 6, 7], device=DEVICE)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (4, (vocab + 31) // 32), dtype=torch.int32, device=DEVICE)
+    values = torch.randn(4, vocab, device=DEVICE)
+    logits = torch.full((4 if every_row else 9, vocab), float("nan"), device=DEVICE)
+    logits[rows] = values
+    apply_token_bitmask_(logits, None if every_row else rows, bitmask)
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, device=DEVICE, dtype=torch.int32)) & 1
+    allowed = bits.flatten(1)[:, :vocab].bool()
+    torch.testing.assert_close(logits[rows], values.masked_fill(~allowed, float("-inf")), rtol=0, atol=0)
+    others = [r for r in range(len(logits)) if r not in rows.tolist()]
+    assert logits[others].isnan().all()

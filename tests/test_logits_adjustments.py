@@ -18,6 +18,13 @@ V = 64
 _seed = seed_every_test(0)
 
 
+
+def adjust(adjustments, logits: torch.Tensor) -> torch.Tensor:
+    """The adjusted logits, leaving the input as it was (apply_ works in place)."""
+    out = logits.clone()
+    adjustments.apply_(out)
+    return out
+
 def reference_adjust(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     out = logits.clone()
     for row, seq in enumerate(seqs):
@@ -57,7 +64,7 @@ def test_penalties_match_the_reference_across_steps():
     for step in range(6):
         logits = torch.randn(len(seqs), V) * 3
         tensors, _ = inputs.build(seqs)
-        adjusted = tensors.adjustments.apply(logits)
+        adjusted = adjust(tensors.adjustments, logits)
         torch.testing.assert_close(adjusted, reference_adjust(logits, seqs))
         assert torch.equal(adjusted[2], logits[2])
         sampled = sampler(logits, tensors).token_ids  # counts the sampled tokens on the device
@@ -80,7 +87,7 @@ def test_bias_bans_allowed_and_min_tokens_match_the_reference():
         seq.early_stop_ids = [0, 63]
     tensors, _ = SamplingInputs(V, torch.device("cpu")).build(seqs)
     logits = torch.randn(len(seqs), V)
-    torch.testing.assert_close(tensors.adjustments.apply(logits), reference_adjust(logits, seqs))
+    torch.testing.assert_close(adjust(tensors.adjustments, logits), reference_adjust(logits, seqs))
 
 
 def test_logprobs_of_the_rows_that_asked():
@@ -145,7 +152,7 @@ def test_bad_word_hanging_on_the_token_in_flight_is_banned_on_the_device(pending
     values = [pending_value, 7 + (pending_value - 6) % 3, 7 + (pending_value - 5) % 3]  # each of 7, 8, 9 once
     prev_sampled = torch.tensor(values[::-1], dtype=torch.int64)  # seq i's pending token is values[i]
     tensors, _ = SamplingInputs(V, torch.device("cpu")).build(seqs, prev_sampled)
-    adjusted = tensors.adjustments.apply(torch.zeros(3, V))
+    adjusted = adjust(tensors.adjustments, torch.zeros(3, V))
     for row in range(3):
         # what the host would ban once it knew the pending token ([2, 3, 8, 16] starts in the prompt)
         expected = bad_word_bans([3, values[row]], words)
@@ -155,5 +162,5 @@ def test_bad_word_hanging_on_the_token_in_flight_is_banned_on_the_device(pending
     # the host bans alone (the last token known) still apply, without a previous step
     seqs[0].token_ids[-1] = pending_value
     tensors, _ = SamplingInputs(V, torch.device("cpu")).build(seqs[:1])
-    adjusted = tensors.adjustments.apply(torch.zeros(1, V))
+    adjusted = adjust(tensors.adjustments, torch.zeros(1, V))
     assert {t for t in range(V) if adjusted[0, t] == float("-inf")} == expected

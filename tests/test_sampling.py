@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from asyncllm.layers.sampler import Sampler, SamplingTensors, _apply_top_k_top_p
+from asyncllm.layers.sampler import Sampler, SamplingTensors, _apply_top_k_top_p, gather_logprobs
 from asyncllm.sampling_params import SamplingParams
 from helpers import seed_every_test
 
@@ -185,3 +185,16 @@ def test_sampling_params_accepts_and_normalizes_good_values():
     assert p.greedy and p.stop_token_ids == [1, 2] and p.stop == ["x"]
     assert SamplingParams(stop_token_ids=5).stop_token_ids == [5]
     assert not SamplingParams().greedy
+
+
+def test_logprobs_from_logits_equal_log_softmax():
+    """Chosen log-probabilities, ranks and top alternatives read off the logits equal those of log_softmax."""
+    logits = 4 * torch.randn(5, 3000)
+    chosen = torch.tensor([0, 17, 2999, 1500, 3])
+    reference = logits.log_softmax(dim=-1)
+    got = gather_logprobs(logits, chosen, 4)
+    torch.testing.assert_close(got.chosen, reference.gather(1, chosen[:, None]).squeeze(1))
+    assert torch.equal(got.ranks, (reference > reference.gather(1, chosen[:, None])).sum(-1) + 1)
+    top = reference.topk(4, dim=-1)
+    assert torch.equal(got.top_ids, top.indices)
+    torch.testing.assert_close(got.top_logprobs, top.values)

@@ -14,7 +14,7 @@ import torch
 import xgrammar
 
 from asyncllm.engine.sequence import PENDING_TOKEN
-from asyncllm.layers.sampler import Sampler, SamplingTensors, apply_token_bitmask
+from asyncllm.layers.sampler import Sampler, SamplingTensors, apply_token_bitmask_
 from asyncllm.llm import LLM
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.structured import StructuredOutput
@@ -117,7 +117,15 @@ def test_apply_token_bitmask_matches_xgrammar_reference():
     bitmask = torch.randint(-2**31, 2**31 - 1, (5, (vocab + 31) // 32), dtype=torch.int32)
     reference = logits.clone()
     xgrammar.apply_token_bitmask_inplace(reference, bitmask)
-    assert torch.equal(apply_token_bitmask(logits, bitmask), reference)
+    every_row = logits.clone()
+    apply_token_bitmask_(every_row, torch.arange(5), bitmask)
+    assert torch.equal(every_row, reference)
+    some_rows = torch.cat([logits, logits])  # rows 1, 4, 6, 7 held to masks 0..3, the others left alone
+    rows = torch.tensor([1, 4, 6, 7])
+    apply_token_bitmask_(some_rows, rows, bitmask[:4])
+    expected = torch.cat([logits, logits])
+    expected[rows] = torch.where(reference[:4].isinf(), reference[:4], expected[rows])
+    assert torch.equal(some_rows, expected)
 
 
 def test_sampler_masks_only_the_constrained_rows_before_greedy_and_sampling():

@@ -444,4 +444,4 @@ def _token_logprob(host, j: int, token_id: int, k: int) -> TokenLogprob:
     """Row j of a step's host logprobs (chosen, ranks, top ids, top log-probs) as token_id's TokenLogprob
     with its k best alternatives."""
     chosen, ranks, top_ids, top_logprobs = host
-    return TokenLogprob(token_id, chosen[j], ranks[j], list(zip(top_ids[j][:k], top_logprobs[j][:k])))
+    return TokenLogprob(token_id, chosen[j], ranks[j], top_ids[j, :k], top_logprobs[j, :k])

@@ -8,20 +8,33 @@ from __future__ import annotations
 
 import torch
 
-_fused_ops = None
+_fused_ops = _logits_ops = None
 _looked = False
 
 
+def _load() -> None:
+    global _fused_ops, _logits_ops, _looked
+    _looked = True
+    try:
+        from asyncllm.kernels import fused_ops, logits_ops
+        _fused_ops, _logits_ops = fused_ops, logits_ops
+    except ImportError:  # no Triton: every layer keeps its PyTorch path
+        pass
+
+
 def fused_ops_for(x: torch.Tensor):
-    """The fused-kernels module if x can use it, else None."""
-    global _fused_ops, _looked
+    """The fused-kernels module (kernels/fused_ops.py) if x can use it, else None."""
     if not x.is_cuda:
         return None
     if not _looked:
-        _looked = True
-        try:
-            from asyncllm.kernels import fused_ops
-            _fused_ops = fused_ops
-        except ImportError:  # no Triton: every layer keeps its PyTorch path
-            _fused_ops = None
+        _load()
     return _fused_ops
+
+
+def logits_ops_for(logits: torch.Tensor):
+    """The in-place logits kernels (kernels/logits_ops.py) if logits can use them, else None."""
+    if not logits.is_cuda:
+        return None
+    if not _looked:
+        _load()
+    return _logits_ops

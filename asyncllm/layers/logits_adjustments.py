@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncllm.layers.fused import logits_ops_for
+
 
 class TokenCounts:
     """Per-sequence token statistics for penalties, one slot (row) per sequence that uses them:
@@ -92,9 +94,8 @@ class LogitsAdjustments:
     allow_pair_rows: torch.Tensor | None = None  # (M,) int64: index into allow_rows
     allow_pair_tokens: torch.Tensor | None = None  # (M,) int64
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """Adjusted float32 logits (a new tensor: the input may be a CUDA graph's output buffer)."""
-        logits = logits.clone()
+    def apply_(self, logits: torch.Tensor) -> None:
+        """Adjust float32 logits in place (the sampler's own copy, never a CUDA graph's output buffer)."""
         if self.allow_rows is not None:
             allowed = torch.zeros((len(self.allow_rows), logits.shape[1]), dtype=torch.bool, device=logits.device)
             allowed[self.allow_pair_rows, self.allow_pair_tokens] = True
@@ -110,12 +111,15 @@ class LogitsAdjustments:
                               torch.zeros_like(hit, dtype=logits.dtype).masked_fill(hit, float("-inf")),
                               accumulate=True)
         if self.penalty_rows is not None:
-            counts = self.token_counts
-            rows = self.penalty_rows
-            logits.index_copy_(0, rows, apply_penalties(
-                logits[rows], counts.output_counts[self.penalty_slots], counts.in_prompt[self.penalty_slots],
-                self.presence, self.frequency, self.repetition))
-        return logits
+            counts, rows, slots = self.token_counts, self.penalty_rows, self.penalty_slots
+            kernels = logits_ops_for(logits)
+            if kernels is not None:
+                kernels.apply_penalties_(logits, rows, slots, counts.output_counts, counts.in_prompt,
+                                         self.presence, self.frequency, self.repetition)
+            else:
+                logits.index_copy_(0, rows, apply_penalties(
+                    logits[rows], counts.output_counts[slots], counts.in_prompt[slots],
+                    self.presence, self.frequency, self.repetition))
 
     def count_sampled(self, sampled: torch.Tensor) -> None:
         """Count the step's sampled tokens for the rows with penalties (before the next step reads them)."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from asyncllm.layers.fused import logits_ops_for
 from asyncllm.layers.logits_adjustments import LogitsAdjustments
 from asyncllm.sampling_params import SamplingParams
 
@@ -77,26 +78,28 @@ class SamplingTensors:
 
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, params: SamplingTensors) -> SamplerOutput:
+        model_logits = logits
         logits = logits.float()
-        raw_logprobs = None
+        raw = None  # the model's logits of the rows that want log-probabilities, never adjusted
         if params.logprob_rows is not None:
-            raw_logprobs = logits[params.logprob_rows].log_softmax(dim=-1)
-        if params.adjustments is not None:
-            logits = params.adjustments.apply(logits)
-        if params.mask_rows is not None:
-            # after the adjustments (a logit_bias cannot lift a token the grammar forbids) and before
-            # everything else: greedy, temperature, top-k/p and min-p all see only allowed tokens
-            rows = params.mask_rows
-            if len(rows) == len(logits):  # every row (rows are in order): no gather and scatter
-                logits = apply_token_bitmask(logits, params.token_bitmask)
-            else:
-                logits = logits.index_copy(0, rows, apply_token_bitmask(logits[rows], params.token_bitmask))
+            rows = params.logprob_rows
+            raw = logits if len(rows) == len(logits) else logits[rows]
+        if params.adjustments is not None or params.mask_rows is not None:
+            # changed in place below: never a CUDA graph's output buffer, nor the raw rows
+            if raw is logits or logits.data_ptr() == model_logits.data_ptr():
+                logits = logits.clone()
+            if params.adjustments is not None:
+                params.adjustments.apply_(logits)
+            if params.mask_rows is not None:
+                # after the adjustments (a logit_bias cannot lift a token the grammar forbids) and before
+                # everything else: greedy, temperature, top-k/p and min-p all see only allowed tokens
+                apply_token_bitmask_(logits, params.mask_rows, params.token_bitmask)
         token_ids = self._sample(logits, params)
         if params.adjustments is not None:
             params.adjustments.count_sampled(token_ids)
         logprobs = None
-        if raw_logprobs is not None:
-            logprobs = gather_logprobs(raw_logprobs, token_ids[params.logprob_rows], params.num_top_logprobs)
+        if raw is not None:
+            logprobs = gather_logprobs(raw, token_ids[params.logprob_rows], params.num_top_logprobs)
         return SamplerOutput(token_ids, logprobs)
 
     @staticmethod
@@ -121,11 +124,15 @@ class Sampler(nn.Module):
         return torch.where(temperatures > 0, sampled, greedy_tokens)
 
 
-def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> LogprobsTensors:
-    """The chosen tokens' log-probabilities and ranks, and the num_top best of each row."""
+def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> LogprobsTensors:
+    """From float32 logits (L, V): the chosen tokens' log-probabilities and ranks, and the num_top
+    best of each row."""
+    # one fused log_softmax pass; logsumexp alone is several, with (L, V) temporaries
+    logprobs = logits.log_softmax(dim=-1)
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))
     ranks = (logprobs > chosen).sum(dim=-1) + 1
-    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (logprobs[:, :0], token_ids[:, None][:, :0])
+    # torch.topk beat a two-round chunked selection (0.59 against 1.19 ms, 256 rows of 151,936 on the H200)
+    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
     return LogprobsTensors(chosen.squeeze(1), ranks, top_ids, top_logprobs)
 
 
@@ -146,11 +153,20 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """logits (M, V) with the tokens whose bit is 0 in bitmask (M, ceil(V / 32)) int32 set to -inf."""
+def apply_token_bitmask_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: in logits row rows[i], each token whose bit is 0 in bitmask[i] ((M, ceil(V / 32))
+    int32; bit j of word w is token 32 * w + j) is -inf."""
+    every_row = len(rows) == len(logits)  # rows are in order: no gather and scatter
+    kernels = logits_ops_for(logits)
+    if kernels is not None:
+        kernels.apply_token_bitmask_(logits, None if every_row else rows, bitmask)
+        return
     # unpacked by bytes (a quarter of the temporaries of unpacking int32 words): on little-endian
     # hosts and GPUs, token 8 * b + j is bit j of byte b
     shifts = torch.arange(8, device=bitmask.device, dtype=torch.uint8)
     allowed = ((bitmask.contiguous().view(torch.uint8).unsqueeze(-1) >> shifts) & 1).flatten(1)
-    allowed = allowed[:, :logits.shape[-1]].bool()
-    return logits.masked_fill(~allowed, float("-inf"))
+    forbidden = ~allowed[:, :logits.shape[-1]].bool()
+    if every_row:
+        logits.masked_fill_(forbidden, float("-inf"))
+    else:
+        logits.index_copy_(0, rows, logits[rows].masked_fill(forbidden, float("-inf")))

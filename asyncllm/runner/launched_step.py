@@ -6,6 +6,7 @@ of the rows that asked) only when it resolves the step, never blocking a launch.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from asyncllm.engine.scheduler import SchedulerOutput
@@ -72,12 +73,12 @@ class LaunchedStep:
         self._on_host()
         return self._host.tolist()
 
-    def logprobs(self) -> tuple[list[float], list[int], list[list[int]], list[list[float]]] | None:
+    def logprobs(self) -> tuple[list[float], list[int], np.ndarray, np.ndarray] | None:
         """(chosen log-prob, rank, top ids, top log-probs) of each row that asked, in row order."""
         self.queue_sampling()  # it makes _host_logprobs
         return self._as_lists(self._host_logprobs)
 
-    def prompt_logprobs(self) -> tuple[list[float], list[int], list[list[int]], list[list[float]]] | None:
+    def prompt_logprobs(self) -> tuple[list[float], list[int], np.ndarray, np.ndarray] | None:
         """The same for the prompt positions of prompt_plan, in its row order."""
         return self._as_lists(self._host_prompt_logprobs)
 
@@ -85,4 +86,6 @@ class LaunchedStep:
         if lp is None:
             return None
         self._on_host()
-        return lp.chosen.tolist(), lp.ranks.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist()
+        # the top alternatives stay arrays (copied: the pinned buffers go back to their pool), whose
+        # rows the TokenLogprobs keep: no Python objects per alternative
+        return (lp.chosen.tolist(), lp.ranks.tolist(), lp.top_ids.numpy().copy(), lp.top_logprobs.numpy().copy())

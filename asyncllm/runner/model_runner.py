@@ -17,6 +17,7 @@ from asyncllm.runner.cuda_graph import CudaGraphRunner
 from asyncllm.distributed import get_tp_size
 from asyncllm.engine.scheduler import SchedulerOutput
 from asyncllm.engine.sequence import PENDING_TOKEN
+from asyncllm.layers.logits_adjustments import LogitsAdjustments, TokenCounts
 from asyncllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors, gather_logprobs
 from asyncllm.models.checkpoint import iter_safetensors, load_weights
 from asyncllm.models.registry import create_model
@@ -158,10 +159,20 @@ class ModelRunner:
             logits = torch.randn(rows, self.vocab_size, device=self.device)
             ones = torch.ones(rows, device=self.device)
             rows_index = torch.arange(rows, device=self.device)
-            self.sampler(logits, SamplingTensors(temperatures=ones, filter_rows=rows_index, top_ks=ones.long() * 50,
-                                                 top_ps=ones * 0.9, min_ps=ones * 0.05, seeded_rows=[],
-                                                 all_greedy=False, logprob_rows=rows_index, num_top_logprobs=20))
-            del logits, ones
+            # with penalties and a grammar's mask on every row (one token-count slot: the kernels
+            # are compiled here, not in the first step that needs them)
+            counts = TokenCounts(self.vocab_size, self.device)
+            same_slot = torch.full((rows,), counts.acquire([], []), device=self.device)
+            penalties = LogitsAdjustments(penalty_rows=rows_index, penalty_slots=same_slot, presence=ones,
+                                          frequency=ones, repetition=ones, token_counts=counts)
+            every_token = torch.full((rows, self.bitmasks.words), -1, dtype=torch.int32, device=self.device)
+            for mask_rows in (rows_index, rows_index[:1]):
+                self.sampler(logits, SamplingTensors(
+                    temperatures=ones, filter_rows=rows_index, top_ks=ones.long() * 50, top_ps=ones * 0.9,
+                    min_ps=ones * 0.05, seeded_rows=[], all_greedy=False, adjustments=penalties,
+                    logprob_rows=rows_index, num_top_logprobs=20, mask_rows=mask_rows,
+                    token_bitmask=every_token[:len(mask_rows)]))
+            del logits, ones, counts, penalties, every_token
         torch.cuda.synchronize()
         del probe_cache, self.attn_backend, batch
         peak = torch.cuda.max_memory_allocated()
@@ -347,7 +358,7 @@ class ModelRunner:
         prompt_logprobs = None
         if prompt_plan is not None:
             targets = torch.tensor(prompt_plan.targets, dtype=torch.int64).to(self.device, non_blocking=True)
-            prompt_logprobs = gather_logprobs(logits[num_sampling:].float().log_softmax(dim=-1), targets,
+            prompt_logprobs = gather_logprobs(logits[num_sampling:].float(), targets,
                                               prompt_plan.num_top)
             logits = logits[:num_sampling]
         sampling, logprob_ks = self.prepare_sampling(sched, prev)
