@@ -161,6 +161,7 @@ def measure(args, report: Report) -> None:
         llm = LLM(model_dir, **engine_kwargs(args, args.backend))
         for n in sorted(set(prompt_lens + [args.tpot_prompt_len])):  # warm-up: every shape, and decode steps
             generate_time(llm, rng, n, 8, args.device)
+        report.set("skinny_gemm_choices", skinny_linear.describe_choices())  # rank 0's, made at start-up
         for n in prompt_lens:
             times = [generate_time(llm, rng, n, 1, args.device) for _ in range(args.reps)]
             report.add(dict(metric="TTFT", **setting, prompt_len=n, median_ms=ms(median(times)),

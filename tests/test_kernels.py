@@ -882,6 +882,8 @@ def test_linear_layers_take_skinny_gemm_only_for_few_rows(monkeypatch):
     finally:
         skinny_linear.set_enabled(True)
     assert all(config is not None for config in skinny_linear.choices().values())
+    assert "3 rows x (40, 48) + bias" not in skinny_linear.describe_choices()  # keyed by rows rounded up
+    assert skinny_linear.describe_choices()["4 rows x (40, 48) + bias"].startswith("fma ")
     x17 = torch.randn(17, 48, device=DEVICE).to(dtype)
     assert torch.equal(column(x17), F.linear(x17, column.weight, column.bias))
 

@@ -44,8 +44,14 @@ def is_enabled() -> bool:
 
 
 def choices() -> dict[tuple, object]:
-    """The per-shape decisions made so far (for benchmarks and logs)."""
+    """The per-shape decisions made so far."""
     return dict(_choices)
+
+
+def describe_choices() -> dict[str, str]:
+    """The decisions made so far, readably: "4 rows x (N, K)[ + bias]" -> the tiling, or cuBLAS."""
+    return {f"{rows} rows x ({n}, {k}){' + bias' if has_bias else ''}": "cuBLAS" if config is None else config.label()
+            for (_, _, rows, n, k, has_bias), config in sorted(_choices.items(), key=lambda item: item[0][2:])}
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
