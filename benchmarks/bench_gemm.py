@@ -32,7 +32,7 @@ def bench_cublas(x: torch.Tensor, weight: torch.Tensor, library: str) -> float:
     torch.backends.cuda.preferred_blas_library(library)
     try:
         torch.nn.functional.linear(x, weight)  # any per-library set-up, untimed
-        return do_bench(lambda: torch.nn.functional.linear(x, weight), warmup=5, rep=20)
+        return do_bench(lambda: torch.nn.functional.linear(x, weight), warmup=5, rep=20, return_mode="median")
     finally:
         torch.backends.cuda.preferred_blas_library("cublas")
 
@@ -58,8 +58,8 @@ def bench_shape(model: str, layer: str, n: int, k: int, rows: list[int], sweep: 
         row["cublas_ms"] = bench_cublas(x, weight, "cublas")
         row["cublaslt_ms"] = bench_cublas(x, weight, "cublaslt")
         timed = candidates if sweep else candidates[:MAX_CANDIDATES]
-        times = {c.label(): do_bench(lambda c=c: kernels.skinny_gemm(x, weight, None, c), warmup=5, rep=20)
-                 for c in timed}
+        times = {c.label(): do_bench(lambda c=c: kernels.skinny_gemm(x, weight, None, c), warmup=5, rep=20,
+                                     return_mode="median") for c in timed}
         best = min(timed, key=lambda c: times[c.label()])
         row["ours_config"] = best.label()
         row["ours_ms"] = times[best.label()]
@@ -72,6 +72,10 @@ def bench_shape(model: str, layer: str, n: int, k: int, rows: list[int], sweep: 
             row[f"{name}_tbps"] = weight_bytes / (row[f"{name}_ms"] * 1e-3) / 1e12
         row["cublas_over_ours"] = row["cublas_ms"] / row["ours_ms"]
         results.append(row)
+        # a line per row as it comes, so that a run cut short by a timeout still shows what it measured
+        print(f"{model} {layer} ({n}, {k}) rows {num_rows}: cuBLAS {row['cublas_ms'] * 1e3:.1f} us, "
+              f"ours {row['ours_ms'] * 1e3:.1f} us ({row['ours_config']}), engine picks {row['engine_picks']}",
+              flush=True)
     return results
 
 
@@ -96,7 +100,7 @@ def copy_bandwidth_tbps() -> float:
     from triton.testing import do_bench
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=5, rep=20)
+    ms = do_bench(lambda: dst.copy_(src), warmup=5, rep=20, return_mode="median")
     return 2 * src.numel() / (ms * 1e-3) / 1e12  # read + write
 
 
