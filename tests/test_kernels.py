@@ -917,3 +917,30 @@ def test_skinny_linear_decides_outside_capture_and_replays(monkeypatch):
         graph.replay()
         torch.testing.assert_close(y.float(), skinny_reference(x, weight, None).float(), rtol=2 ** -7, atol=1e-3)
     assert len(skinny_linear.choices()) == 1, "the graph's capture must not decide again"
+
+
+def test_skinny_choice_needs_a_clear_gain_and_skips_tilings_that_fail(monkeypatch):
+    """choose_fastest keeps cuBLAS unless a tiling is MIN_GAIN faster, and a tiling that fails to
+    compile or run (on some GPU) drops out of the race instead of failing the engine's start-up."""
+    from types import SimpleNamespace
+
+    from asyncllm.kernels.skinny_gemm import SkinnyConfig
+    from asyncllm.layers import skinny_linear
+
+    good, bad, better = (SkinnyConfig(False, 2, 64, 1, 4), SkinnyConfig(True, 128, 128, 1, 4),
+                         SkinnyConfig(False, 4, 32, 1, 4))
+
+    def fake_gemm(x, weight, bias, config):
+        if config == bad:
+            raise RuntimeError("out of resources: shared memory")
+        return x
+
+    kernels = SimpleNamespace(skinny_gemm=fake_gemm)
+    x, weight = torch.zeros(1, 8), torch.zeros(4, 8)
+    timings = []
+    monkeypatch.setattr(skinny_linear, "time_calls", lambda calls, device: timings[:len(calls)])
+    timings[:] = [1.0, 0.9, 0.5]  # cuBLAS, good, better (bad is not timed)
+    assert skinny_linear.choose_fastest(kernels, x, weight, None, [good, bad, better]) == better
+    timings[:] = [1.0, 0.99, 0.98]  # within noise of cuBLAS
+    assert skinny_linear.choose_fastest(kernels, x, weight, None, [good, bad, better]) is None
+    assert skinny_linear.choose_fastest(kernels, x, weight, None, [bad]) is None

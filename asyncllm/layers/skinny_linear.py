@@ -90,11 +90,25 @@ def _num_sms(device: torch.device) -> int:
 
 def choose_fastest(kernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    candidates: list) -> object:
-    """The fastest of cuBLAS (None) and the kernel's candidate configs on these tensors."""
-    times = time_calls([lambda: F.linear(x, weight, bias)]
-                       + [lambda c=c: kernels.skinny_gemm(x, weight, bias, c) for c in candidates], x.device)
+    """The fastest of cuBLAS (None) and the kernel's candidate configs on these tensors. A
+    candidate that fails to compile or run here (a tile past this GPU's shared memory, no bf16
+    MMA) is left out, with a warning: cuBLAS is always there to fall back on."""
+    usable, calls = [], []
+    for config in candidates:
+        call = lambda config=config: kernels.skinny_gemm(x, weight, bias, config)  # noqa: E731
+        try:
+            call()  # the compile
+        except Exception as exc:  # noqa: BLE001 - any failure only drops this tiling
+            logger.warning("skinny GEMM tiling %s for (%d, %d) left out: %s: %s", config.label(), weight.shape[0],
+                           weight.shape[1], type(exc).__name__, str(exc)[:200])
+            continue
+        usable.append(config)
+        calls.append(call)
+    if not usable:
+        return None
+    times = time_calls([lambda: F.linear(x, weight, bias)] + calls, x.device)
     best = min(range(1, len(times)), key=times.__getitem__)
-    return candidates[best - 1] if times[best] < (1 - MIN_GAIN) * times[0] else None
+    return usable[best - 1] if times[best] < (1 - MIN_GAIN) * times[0] else None
 
 
 def time_calls(calls: list, device: torch.device, reps: int = TIMING_REPS) -> list[float]:
