@@ -685,78 +685,6 @@ def test_kernels_compile_for_sm90():
     assert int(result.stdout.split()[-1]) >= 12
 
 
-# ----------------------------------------------------------------------------- fused ops
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_rms_norm_and_silu_match_layers(dtype):
-    from asyncllm.kernels.fused_ops import fused_add_rms_norm, rms_norm, silu_and_mul
-    from asyncllm.layers.activation import SiluAndMul
-    from asyncllm.layers.layernorm import RMSNorm
-
-    hidden = 4096 if CUDA else 96
-    norm = RMSNorm(hidden, eps=1e-6).to(DEVICE)
-    norm.weight.data = torch.randn(hidden, device=DEVICE).to(dtype)
-    x = torch.randn(5, hidden, device=DEVICE).to(dtype)
-    residual = torch.randn(5, hidden, device=DEVICE).to(dtype)
-    # a reduction order or rsqrt/exp differing in the last fp32 bit can flip the rounding of the
-    # normed value and then of the weighted product: allow two ulps of the output dtype
-    tol = dict(rtol=2e-2, atol=2e-2) if dtype != torch.float32 else dict(rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(rms_norm(x, norm.weight, 1e-6), norm.forward_native(x), **tol)
-    out, new_residual = fused_add_rms_norm(x, residual, norm.weight, 1e-6)
-    ref_out, ref_residual = norm.forward_native(x, residual)
-    torch.testing.assert_close(out, ref_out, **tol)
-    if CUDA or dtype != torch.bfloat16:
-        assert torch.equal(new_residual, ref_residual)
-    else:  # the interpreter truncates fp32 -> bf16 where compiled code rounds to nearest
-        torch.testing.assert_close(new_residual, ref_residual, rtol=1e-2, atol=1e-2)
-
-    gate_up = torch.randn(2, 3, 2 * (11008 if CUDA else 80), device=DEVICE).to(dtype)
-    torch.testing.assert_close(silu_and_mul(gate_up), SiluAndMul().forward_native(gate_up), **tol)
-
-
-@pytest.mark.parametrize("qk_norm", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_qk_norm_rope_matches_layers(dtype, qk_norm):
-    """One kernel for Qwen3's q/k RMSNorm and rotary (or rotary alone, Llama/Qwen2) against the
-    modules' own PyTorch code, in place on the fused projection with v left alone."""
-    from asyncllm.kernels.fused_ops import qk_norm_rope_
-    from asyncllm.layers.layernorm import RMSNorm
-    from asyncllm.layers.rotary import RotaryEmbedding
-
-    head_dim, num_heads, num_kv_heads, tokens = (128, 16, 8, 300) if CUDA else (64, 4, 2, 7)
-    rotary = RotaryEmbedding(head_dim, 4096, 1e6).to(DEVICE)
-    q_norm, k_norm = RMSNorm(head_dim, eps=1e-6).to(DEVICE), RMSNorm(head_dim, eps=1e-6).to(DEVICE)
-    for norm in (q_norm, k_norm):
-        norm.weight.data = (1 + 0.5 * torch.randn(head_dim, device=DEVICE)).to(dtype)
-    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    qkv = (3 * torch.randn(tokens, q_size + 2 * kv_size, device=DEVICE)).to(dtype)
-    q = qkv[:, :q_size].reshape(tokens, num_heads, head_dim)
-    k = qkv[:, q_size:q_size + kv_size].reshape(tokens, num_kv_heads, head_dim)
-    if qk_norm:
-        q, k = q_norm.forward_native(q), k_norm.forward_native(k)
-    positions = torch.randint(0, 4096, (tokens,), device=DEVICE)
-    ref_q, ref_k = rotary(positions, q, k)
-    v_before = qkv[:, q_size + kv_size:].clone()
-    norm_args = (q_norm.weight, k_norm.weight, 1e-6) if qk_norm else ()
-    qk_norm_rope_(qkv, positions, rotary.cos_sin_cache, num_heads, num_kv_heads, head_dim, *norm_args)
-    got_q = qkv[:, :q_size].view(tokens, num_heads, head_dim)
-    got_k = qkv[:, q_size:q_size + kv_size].view(tokens, num_kv_heads, head_dim)
-    for got, ref in ((got_q, ref_q), (got_k, ref_k)):
-        if dtype == torch.float32:  # the math itself: equal up to fp32 operation order
-            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-            continue
-        # bf16: the kernel rounds where the modules round, but compiled code may contract or
-        # reorder fp32 steps between roundings, so a rounding can flip; where rotary cancels
-        # (x1*cos - x2*sin near 0) one flipped ulp of an input-sized product is a large relative
-        # error. Bound each element by a few ulps of its own size and of the inputs' (|x| ~ 3 here),
-        # and the whole. The interpreter truncates where compiled code rounds: the whole only.
-        if CUDA:
-            torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=3 * 2 ** -7)
-        limit = 5e-3 if CUDA else 3e-2
-        assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < limit
-    assert torch.equal(qkv[:, q_size + kv_size:], v_before)  # v untouched
-
-
 # ----------------------------------------------------------------------------- skinny GEMM
 
 # (N, K) of Qwen3-0.6B's and -8B's linear layers at TP=1: qkv, o_proj, gate_up, down, lm_head
@@ -944,3 +872,75 @@ def test_skinny_choice_needs_a_clear_gain_and_skips_tilings_that_fail(monkeypatc
     timings[:] = [1.0, 0.99, 0.98]  # within noise of cuBLAS
     assert skinny_linear.choose_fastest(kernels, x, weight, None, [good, bad, better]) is None
     assert skinny_linear.choose_fastest(kernels, x, weight, None, [bad]) is None
+
+
+# ----------------------------------------------------------------------------- fused ops
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_rms_norm_and_silu_match_layers(dtype):
+    from asyncllm.kernels.fused_ops import fused_add_rms_norm, rms_norm, silu_and_mul
+    from asyncllm.layers.activation import SiluAndMul
+    from asyncllm.layers.layernorm import RMSNorm
+
+    hidden = 4096 if CUDA else 96
+    norm = RMSNorm(hidden, eps=1e-6).to(DEVICE)
+    norm.weight.data = torch.randn(hidden, device=DEVICE).to(dtype)
+    x = torch.randn(5, hidden, device=DEVICE).to(dtype)
+    residual = torch.randn(5, hidden, device=DEVICE).to(dtype)
+    # a reduction order or rsqrt/exp differing in the last fp32 bit can flip the rounding of the
+    # normed value and then of the weighted product: allow two ulps of the output dtype
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype != torch.float32 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rms_norm(x, norm.weight, 1e-6), norm.forward_native(x), **tol)
+    out, new_residual = fused_add_rms_norm(x, residual, norm.weight, 1e-6)
+    ref_out, ref_residual = norm.forward_native(x, residual)
+    torch.testing.assert_close(out, ref_out, **tol)
+    if CUDA or dtype != torch.bfloat16:
+        assert torch.equal(new_residual, ref_residual)
+    else:  # the interpreter truncates fp32 -> bf16 where compiled code rounds to nearest
+        torch.testing.assert_close(new_residual, ref_residual, rtol=1e-2, atol=1e-2)
+
+    gate_up = torch.randn(2, 3, 2 * (11008 if CUDA else 80), device=DEVICE).to(dtype)
+    torch.testing.assert_close(silu_and_mul(gate_up), SiluAndMul().forward_native(gate_up), **tol)
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_qk_norm_rope_matches_layers(dtype, qk_norm):
+    """One kernel for Qwen3's q/k RMSNorm and rotary (or rotary alone, Llama/Qwen2) against the
+    modules' own PyTorch code, in place on the fused projection with v left alone."""
+    from asyncllm.kernels.fused_ops import qk_norm_rope_
+    from asyncllm.layers.layernorm import RMSNorm
+    from asyncllm.layers.rotary import RotaryEmbedding
+
+    head_dim, num_heads, num_kv_heads, tokens = (128, 16, 8, 300) if CUDA else (64, 4, 2, 7)
+    rotary = RotaryEmbedding(head_dim, 4096, 1e6).to(DEVICE)
+    q_norm, k_norm = RMSNorm(head_dim, eps=1e-6).to(DEVICE), RMSNorm(head_dim, eps=1e-6).to(DEVICE)
+    for norm in (q_norm, k_norm):
+        norm.weight.data = (1 + 0.5 * torch.randn(head_dim, device=DEVICE)).to(dtype)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = (3 * torch.randn(tokens, q_size + 2 * kv_size, device=DEVICE)).to(dtype)
+    q = qkv[:, :q_size].reshape(tokens, num_heads, head_dim)
+    k = qkv[:, q_size:q_size + kv_size].reshape(tokens, num_kv_heads, head_dim)
+    if qk_norm:
+        q, k = q_norm.forward_native(q), k_norm.forward_native(k)
+    positions = torch.randint(0, 4096, (tokens,), device=DEVICE)
+    ref_q, ref_k = rotary(positions, q, k)
+    v_before = qkv[:, q_size + kv_size:].clone()
+    norm_args = (q_norm.weight, k_norm.weight, 1e-6) if qk_norm else ()
+    qk_norm_rope_(qkv, positions, rotary.cos_sin_cache, num_heads, num_kv_heads, head_dim, *norm_args)
+    got_q = qkv[:, :q_size].view(tokens, num_heads, head_dim)
+    got_k = qkv[:, q_size:q_size + kv_size].view(tokens, num_kv_heads, head_dim)
+    for got, ref in ((got_q, ref_q), (got_k, ref_k)):
+        if dtype == torch.float32:  # the math itself: equal up to fp32 operation order
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+            continue
+        # bf16: the kernel rounds where the modules round, but compiled code may contract or
+        # reorder fp32 steps between roundings, so a rounding can flip; where rotary cancels
+        # (x1*cos - x2*sin near 0) one flipped ulp of an input-sized product is a large relative
+        # error. Bound each element by a few ulps of its own size and of the inputs' (|x| ~ 3 here),
+        # and the whole. The interpreter truncates where compiled code rounds: the whole only.
+        if CUDA:
+            torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=3 * 2 ** -7)
+        limit = 5e-3 if CUDA else 3e-2
+        assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < limit
+    assert torch.equal(qkv[:, q_size + kv_size:], v_before)  # v untouched
