@@ -1,6 +1,7 @@
 """Batch-1 latency through LLM.generate: time to first token and time per output token.
 
-    python benchmarks/bench_latency.py [--shape 0.6b|8b] [--backend triton] [--json PATH]
+    python benchmarks/bench_latency.py [--shape 0.6b|8b] [--backend triton] [--skinny-gemm on|off|both]
+                                       [--json PATH]
 
 TTFT: wall time of generate([prompt], max_tokens=1, greedy) for 128- and 1024-token prompts,
 median of --reps after a warm-up. TPOT: (time of max_tokens=N+1 - time of max_tokens=1) / N for a
@@ -13,17 +14,29 @@ shard (each GPU reads its own), so the utilisation is per GPU.
 TPOT (stream): the same prompt length and N through one `async for out in engine.stream(...)` of an
 AsyncLLMEngine (started after the LLM is gone): (time of the last item - time of the first) / the
 tokens after the first -- what a chat app's single user sees.
+
+--skinny-gemm: decode's linear layers through the skinny-GEMM kernel where it beats cuBLAS (on:
+ASYNCLLM_SKINNY_GEMM=1), or cuBLAS only (off, the engine's default); both runs each setting in its own
+process, one after the other, on one checkpoint, and the table gives each row's ratio to off's.
 """
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import random
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
 
 from common import (Report, add_engine_args, checkpoint_from_args, engine_kwargs, make_parser,
-                    measure_copy_bandwidth, median, ms, parse_args, random_prompt, release_memory, timed)
+                    measure_copy_bandwidth, median, ms, parse_args, random_prompt, release_memory, strip_options,
+                    timed)
 
 from asyncllm import LLM, AsyncLLMEngine, SamplingParams
+from asyncllm.layers import skinny_linear
 
 
 def weight_bytes_per_step(model) -> int:
@@ -67,9 +80,45 @@ async def stream_tpots(model_dir: str, kwargs: dict, rng: random.Random, prompt_
     return tpots
 
 
-COLUMNS = [("metric", "metric"), ("prompt tokens", "prompt_len"), ("median (ms)", "median_ms", "{:.3f}"),
-           ("min (ms)", "min_ms", "{:.3f}"), ("runs", "runs"), ("GB/s", "achieved_gb_s", "{:.0f}"),
-           ("bandwidth util.", "bandwidth_util", "{:.1%}")]
+COLUMNS = [("metric", "metric"), ("skinny GEMM", "skinny_gemm"), ("prompt tokens", "prompt_len"),
+           ("median (ms)", "median_ms", "{:.3f}"), ("min (ms)", "min_ms", "{:.3f}"), ("/ off", "off_ratio", "{:.3f}"),
+           ("runs", "runs"), ("GB/s", "achieved_gb_s", "{:.0f}"), ("bandwidth util.", "bandwidth_util", "{:.1%}")]
+
+
+def run_in_child(argv: list[str], setting: str, model_dir: str) -> dict:
+    """This script with one --skinny-gemm setting, in a fresh process: the setting holds from the
+    start (tensor-parallel workers read it from the environment), and no state of one run colours
+    the next."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--skinny-gemm", setting,
+                        "--model-dir", model_dir, "--json", out], check=False)
+        if not os.path.exists(out):
+            return dict(results=[dict(metric="-", skinny_gemm=setting, error="the child process wrote no result")])
+        with open(out) as f:
+            return json.load(f)
+
+
+def compare_skinny_gemm(raw_argv: list[str], args, report: Report) -> None:
+    """--skinny-gemm both: off then on, each in its own process, on one checkpoint."""
+    child_argv = strip_options(raw_argv, ("--skinny-gemm", "--model-dir", "--json"))
+    model_dir = args.model_dir or tempfile.mkdtemp(prefix=f"asyncllm-bench-{args.shape}-")
+    try:
+        for setting in ("off", "on"):
+            data = run_in_child(child_argv, setting, model_dir)
+            if "copy_bandwidth_gb_s" in data:
+                report.set("copy_bandwidth_gb_s", data["copy_bandwidth_gb_s"])
+            for row in data["results"]:
+                report.add(row)
+    finally:
+        if not args.model_dir:
+            shutil.rmtree(model_dir, ignore_errors=True)
+    rows = report.data["results"]
+    for row in rows:
+        off = next((r for r in rows if r.get("skinny_gemm") == "off" and r.get("metric") == row.get("metric")
+                    and r.get("prompt_len") == row.get("prompt_len") and r.get("median_ms")), None)
+        if off and row.get("median_ms"):
+            row["off_ratio"] = row["median_ms"] / off["median_ms"]
 
 
 def main(argv=None) -> dict:
@@ -80,21 +129,43 @@ def main(argv=None) -> dict:
     parser.add_argument("--tpot-tokens", type=int, default=128, help="N: output tokens timed for TPOT")
     parser.add_argument("--tpot-prompt-len", type=int, default=128)
     parser.add_argument("--tpot-reps", type=int, default=3)
+    parser.add_argument("--skinny-gemm", default="off", choices=["on", "off", "both"],
+                        help="decode's linear layers through the skinny-GEMM kernel where it is faster (on), cuBLAS "
+                             "only (off), or each in its own process (both)")
     parser.set_defaults(max_num_seqs=8)  # batch 1 only: fewer CUDA graphs to capture at start-up
-    args = parse_args(parser, argv)
+    raw_argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(parser, raw_argv)
+    report = Report("latency", args)
+    tp = f", TP={args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
+    if args.skinny_gemm == "both":
+        compare_skinny_gemm(raw_argv, args, report)
+        copy_gb_s = report.data.get("copy_bandwidth_gb_s", 0)
+        report.finish(f"Batch-1 latency, {args.shape}, {args.backend}{tp}, skinny GEMM off and on "
+                      f"(copy bandwidth {copy_gb_s:,.0f} GB/s)", COLUMNS)
+        return report.data
+    os.environ["ASYNCLLM_SKINNY_GEMM"] = "1" if args.skinny_gemm == "on" else "0"  # for tensor-parallel workers
+    skinny_linear.set_enabled(args.skinny_gemm == "on")
+    measure(args, report)
+    report.finish(f"Batch-1 latency, {args.shape}, {args.backend}{tp}, skinny GEMM {args.skinny_gemm} "
+                  f"(copy bandwidth {report.data['copy_bandwidth_gb_s']:,.0f} GB/s)", COLUMNS)
+    return report.data
+
+
+def measure(args, report: Report) -> None:
     prompt_lens = [int(n) for n in args.ttft_prompt_lens.split(",")]
     rng = random.Random(args.seed)
-    report = Report("latency", args)
     copy_bw = measure_copy_bandwidth(args.device)
     report.set("copy_bandwidth_gb_s", copy_bw / 1e9)
+    setting = dict(skinny_gemm=args.skinny_gemm)
     with checkpoint_from_args(args) as model_dir:
         llm = LLM(model_dir, **engine_kwargs(args, args.backend))
         for n in sorted(set(prompt_lens + [args.tpot_prompt_len])):  # warm-up: every shape, and decode steps
             generate_time(llm, rng, n, 8, args.device)
+        report.set("skinny_gemm_choices", skinny_linear.describe_choices())  # rank 0's, made at start-up
         for n in prompt_lens:
             times = [generate_time(llm, rng, n, 1, args.device) for _ in range(args.reps)]
-            report.add(dict(metric="TTFT", prompt_len=n, median_ms=ms(median(times)), min_ms=ms(min(times)),
-                            runs=len(times)))
+            report.add(dict(metric="TTFT", **setting, prompt_len=n, median_ms=ms(median(times)),
+                            min_ms=ms(min(times)), runs=len(times)))
         n = args.tpot_tokens
         tpots = [(generate_time(llm, rng, args.tpot_prompt_len, n + 1, args.device)
                   - generate_time(llm, rng, args.tpot_prompt_len, 1, args.device)) / n for _ in range(args.tpot_reps)]
@@ -103,20 +174,16 @@ def main(argv=None) -> dict:
         kv = kv_bytes_per_token(runner) * (args.tpot_prompt_len + n / 2)  # the average context of the N steps
         tpot = median(tpots)
         achieved = (weights + kv) / tpot
-        report.add(dict(metric="TPOT", prompt_len=args.tpot_prompt_len, median_ms=ms(tpot), min_ms=ms(min(tpots)),
-                        runs=len(tpots), output_tokens=n, weight_bytes=weights, kv_bytes=kv,
+        report.add(dict(metric="TPOT", **setting, prompt_len=args.tpot_prompt_len, median_ms=ms(tpot),
+                        min_ms=ms(min(tpots)), runs=len(tpots), output_tokens=n, weight_bytes=weights, kv_bytes=kv,
                         achieved_gb_s=achieved / 1e9, bandwidth_util=achieved / copy_bw))
         llm = runner = None  # noqa: F841 - the async engine below sizes its KV cache from the memory left
         release_memory()
         stream = asyncio.run(stream_tpots(model_dir, engine_kwargs(args, args.backend), rng, args.tpot_prompt_len, n,
                                           args.tpot_reps))
-        report.add(dict(metric="TPOT (stream)", prompt_len=args.tpot_prompt_len, median_ms=ms(median(stream)),
-                        min_ms=ms(min(stream)), runs=len(stream), output_tokens=n))
+        report.add(dict(metric="TPOT (stream)", **setting, prompt_len=args.tpot_prompt_len,
+                        median_ms=ms(median(stream)), min_ms=ms(min(stream)), runs=len(stream), output_tokens=n))
         release_memory()
-    tp = f", TP={args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
-    report.finish(f"Batch-1 latency, {args.shape}, {args.backend}{tp} "
-                  f"(copy bandwidth {copy_bw / 1e9:,.0f} GB/s)", COLUMNS)
-    return report.data
 
 
 if __name__ == "__main__":

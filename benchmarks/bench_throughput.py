@@ -35,7 +35,7 @@ import tempfile
 import time
 
 from common import (Report, add_engine_args, bench_requests, checkpoint_from_args, engine_kwargs, jit_compiled_since,
-                    make_parser, parse_args, release_memory, synchronize, timed, warmup_requests)
+                    make_parser, parse_args, release_memory, strip_options, synchronize, timed, warmup_requests)
 
 from asyncllm import LLM, AsyncLLMEngine, SamplingParams
 from asyncllm.kernels import compiled_variants
@@ -166,18 +166,6 @@ def run_in_child(argv: list[str], backend: str, mode: str, overlap: str, feature
                          error="the child process wrote no result")]
         with open(out) as f:
             return json.load(f)["results"]
-
-
-def strip_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
-    kept, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in names:
-            skip = True
-        elif not any(arg.startswith(name + "=") for name in names):
-            kept.append(arg)
-    return kept
 
 
 def main(argv=None) -> dict:

@@ -138,6 +138,19 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
     return args
 
 
+def strip_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    """argv without the options `names` and their values (for a child run that sets them itself)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in names:
+            skip = True
+        elif not any(arg.startswith(name + "=") for name in names):
+            kept.append(arg)
+    return kept
+
+
 def engine_kwargs(args, backend: str) -> dict:
     kwargs = dict(attention_backend=backend, enforce_eager=args.enforce_eager, device=args.device,
                   max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size)

@@ -580,6 +580,7 @@ def _record_launches(configs: list[dict]) -> list:
     kv_store_mod = importlib.import_module("asyncllm.kernels.kv_store")
     attention_mod = importlib.import_module("asyncllm.kernels.paged_attention")
     fused_mod = importlib.import_module("asyncllm.kernels.fused_ops")
+    skinny_mod = importlib.import_module("asyncllm.kernels.skinny_gemm")
     calls = []
 
     class Recorder:
@@ -589,7 +590,7 @@ def _record_launches(configs: list[dict]) -> list:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: calls.append((self.kernel, args, kwargs))
 
-    patched = [(mod, name) for mod in (kv_store_mod, attention_mod, fused_mod)
+    patched = [(mod, name) for mod in (kv_store_mod, attention_mod, fused_mod, skinny_mod)
                for name, value in vars(mod).items() if isinstance(value, JITFunction) and name.endswith("_kernel")]
     originals = [getattr(mod, name) for mod, name in patched]
     for mod, name in patched:
@@ -608,6 +609,10 @@ def _record_launches(configs: list[dict]) -> list:
         cos_sin = torch.randn(64, 128)
         fused_mod.qk_norm_rope_(qkv, torch.arange(4), cos_sin, 16, 8, 128, x[0, :128], x[0, :128], 1e-6)
         fused_mod.qk_norm_rope_(qkv, torch.arange(4), cos_sin, 16, 8, 128)
+        weight, rows = torch.randn(1024, 2048, dtype=torch.bfloat16), torch.randn(16, 2048, dtype=torch.bfloat16)
+        for num_rows in (1, 3, 16):  # the FMA loop (1 row, 4-row tiles) and the dot loop, split-K and bias
+            for config in skinny_mod.candidate_configs(num_rows, 1024, 2048, 132):
+                skinny_mod.skinny_gemm(rows[:num_rows], weight, weight[0, :1024], config)
     finally:
         for (mod, name), original in zip(patched, originals):
             setattr(mod, name, original)
@@ -676,7 +681,199 @@ def test_kernels_compile_for_sm90():
     result = subprocess.run([sys.executable, "-c", script, os.path.dirname(__file__)], env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert int(result.stdout.split()[-1]) >= 9  # decode x2, reduce, prefill, store, rms norm, silu, qk x2
+    # decode x2, reduce, prefill, store, rms norm, silu, qk x2, skinny GEMM (FMA, dot, split-K reduce)
+    assert int(result.stdout.split()[-1]) >= 12
+
+
+# ----------------------------------------------------------------------------- skinny GEMM
+
+# (N, K) of Qwen3-0.6B's and -8B's linear layers at TP=1: qkv, o_proj, gate_up, down, lm_head
+MODEL_GEMM_SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024),
+                     (6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096)]
+
+
+def skinny_reference(x, weight, bias):
+    y = x.float() @ weight.float().T
+    return (y + bias.float() if bias is not None else y).to(x.dtype)
+
+
+def check_skinny(x, weight, bias, configs):
+    from asyncllm.kernels.skinny_gemm import skinny_gemm
+    ref = skinny_reference(x, weight, bias).float()
+    for config in configs:
+        out = torch.full((x.shape[0], weight.shape[0]), float("nan"), dtype=x.dtype, device=DEVICE)  # poisoned
+        result = skinny_gemm(x, weight, bias, config, out=out)
+        assert not result.isnan().any(), f"{config}: NaN in the output"
+        # fp32 sums in another order, then one rounding to bf16 (the interpreter truncates): one or two ulps
+        torch.testing.assert_close(result.float(), ref, rtol=2 ** -6, atol=1e-3, msg=lambda m: f"{config}: {m}")
+
+
+@pytest.mark.parametrize("num_rows", [1, 3, 16])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_skinny_gemm_matches_reference(num_rows, has_bias):
+    """Every candidate tiling, split-K with ragged and empty splits, N and K that no block divides."""
+    from asyncllm.kernels.skinny_gemm import FMA_MAX_ROWS, SkinnyConfig, candidate_configs
+    dtype = torch.bfloat16
+    n, k = (1000, 1500) if CUDA else (37, 200)
+    x = torch.randn(num_rows, k, device=DEVICE).to(dtype)
+    weight = torch.randn(n, k, device=DEVICE).to(dtype)
+    bias = torch.randn(n, device=DEVICE).to(dtype) if has_bias else None
+    configs = candidate_configs(num_rows, n, k, num_sms=132 if CUDA else 8)
+    for dot in (True, False) if num_rows <= FMA_MAX_ROWS else (True,):  # a K tail; 8 splits of 7 tiles
+        configs += [SkinnyConfig(dot, 16, 64, 3, 4), SkinnyConfig(dot, 16 if dot else 2, 32, 8, 4)]
+    assert {config.dot for config in configs} == ({True, False} if num_rows <= FMA_MAX_ROWS else {True})
+    check_skinny(x, weight, bias, configs)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("n,k", MODEL_GEMM_SHAPES)
+def test_skinny_gemm_model_shapes(n, k):
+    from asyncllm.kernels.skinny_gemm import candidate_configs
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    weight = (torch.randn(n, k, device=DEVICE) / k ** 0.5).to(torch.bfloat16)
+    for num_rows in (1, 3, 16):
+        x = torch.randn(num_rows, k, device=DEVICE).to(torch.bfloat16)
+        check_skinny(x, weight, None, candidate_configs(num_rows, n, k, num_sms))
+    x = torch.randn(8, k, device=DEVICE).to(torch.float16)  # fp16 and a bias too
+    bias = torch.randn(n, device=DEVICE).to(torch.float16)
+    check_skinny(x, weight.half(), bias, candidate_configs(8, n, k, num_sms)[:1])
+
+
+def test_skinny_candidate_configs_are_valid():
+    from asyncllm.kernels.skinny_gemm import FMA_MAX_ROWS, MAX_ROWS, block_rows, candidate_configs
+    for n, k in MODEL_GEMM_SHAPES + [(37, 200), (8, 16)]:
+        for num_rows in range(1, MAX_ROWS + 1):
+            configs = candidate_configs(num_rows, n, k, 132)
+            assert configs[0].dot == (num_rows > FMA_MAX_ROWS)
+            for config in configs:
+                for size in (config.block_n, config.block_k, config.split_k):
+                    assert size & (size - 1) == 0, config
+                assert config.block_n >= (16 if config.dot else 2), config
+                assert 16 <= config.block_k and 1 <= config.split_k <= 16, config
+                if not config.dot:  # the FMA loop's fp32 tile stays within ~64 registers per thread
+                    assert num_rows <= FMA_MAX_ROWS, config
+                    tile = block_rows(num_rows, dot=False) * config.block_n * config.block_k
+                    assert tile <= 64 * 32 * config.num_warps, config
+
+
+def test_linear_layers_take_skinny_gemm_only_for_few_rows(monkeypatch):
+    """The layers route 1..16 rows of bf16/fp16 through the kernel, and everything else (more
+    rows, fp32, the kernel switched off, a device the kernel does not serve) through F.linear.
+    CPU tensors count as a kernel device here, so the kernel runs through the interpreter."""
+    import torch.nn.functional as F
+
+    from asyncllm.kernels import skinny_gemm as skinny_mod
+    from asyncllm.layers import skinny_linear
+    from asyncllm.layers.embed_head import ParallelLMHead
+    from asyncllm.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    calls = []
+    real = skinny_mod.skinny_gemm
+    monkeypatch.setattr(skinny_mod, "skinny_gemm", lambda *args, **kw: calls.append(1) or real(*args, **kw))
+    monkeypatch.setattr(skinny_linear, "_choices", {})
+    monkeypatch.setattr(skinny_linear, "_enabled", True)  # off by default (ASYNCLLM_SKINNY_GEMM=1 turns it on)
+    dtype = torch.bfloat16
+    column = ColumnParallelLinear(48, 40, bias=True).to(DEVICE, dtype)
+    row = RowParallelLinear(48, 24, bias=True).to(DEVICE, dtype)
+    head = ParallelLMHead(50, 48).to(DEVICE, dtype)
+    for layer in (column, row, head):
+        for param in layer.parameters():
+            param.data.normal_()
+
+    def expect(layer, x, kernel: bool):
+        calls.clear()
+        y = layer(x)
+        assert len(calls) == (1 if kernel else 0), (type(layer).__name__, tuple(x.shape), x.dtype)
+        enabled = skinny_linear.is_enabled()
+        skinny_linear.set_enabled(False)
+        try:
+            ref = layer(x)  # F.linear
+        finally:
+            skinny_linear.set_enabled(enabled)
+        # the row-parallel layer adds its bias after rounding the product: an ulp of the product
+        # (|y| ~ 8 here, ulp 1/32) shows where the bias cancels it
+        torch.testing.assert_close(y.float(), ref.float(), rtol=2 ** -6, atol=2 ** -5)
+
+    x3 = torch.randn(3, 48, device=DEVICE).to(dtype)
+    expect(column, x3, kernel=CUDA)  # on CPU: not a kernel device by default
+    monkeypatch.setattr(skinny_linear, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
+    for layer in (column, row, head):
+        expect(layer, x3, kernel=True)
+        expect(layer, torch.randn(2, 8, 48, device=DEVICE).to(dtype), kernel=True)  # 16 rows
+        expect(layer, torch.randn(17, 48, device=DEVICE).to(dtype), kernel=False)
+    column32 = ColumnParallelLinear(48, 40).to(DEVICE)
+    column32.weight.data.normal_()
+    expect(column32, x3.float(), kernel=False)
+    skinny_linear.set_enabled(False)
+    try:
+        expect(row, x3, kernel=False)
+    finally:
+        skinny_linear.set_enabled(True)
+    assert all(config is not None for config in skinny_linear.choices().values())
+    assert "3 rows x (40, 48) + bias" not in skinny_linear.describe_choices()  # keyed by rows rounded up
+    assert skinny_linear.describe_choices()["4 rows x (40, 48) + bias"].startswith("fma ")
+    x17 = torch.randn(17, 48, device=DEVICE).to(dtype)
+    assert torch.equal(column(x17), F.linear(x17, column.weight, column.bias))
+
+
+@gpu
+@needs_cuda
+def test_skinny_linear_decides_outside_capture_and_replays(monkeypatch):
+    """A shape first met inside a CUDA-graph capture keeps cuBLAS there and is left undecided; an
+    eager call times and decides it; a graph captured after that replays the decision, right."""
+    import torch.nn.functional as F
+
+    from asyncllm.layers import skinny_linear
+
+    monkeypatch.setattr(skinny_linear, "_choices", {})
+    monkeypatch.setattr(skinny_linear, "_enabled", True)
+    weight = (torch.randn(4096, 1024, device=DEVICE) / 32).to(torch.bfloat16)
+    x = torch.randn(2, 1024, device=DEVICE).to(torch.bfloat16)
+    F.linear(x, weight)  # cuBLAS's lazy set-up, outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        skinny_linear.linear(x, weight)
+    assert skinny_linear.choices() == {}
+    skinny_linear.linear(x, weight)
+    (config,) = skinny_linear.choices().values()  # the kernel's tiling, or None where cuBLAS was faster
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = skinny_linear.linear(x, weight)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.testing.assert_close(y.float(), skinny_reference(x, weight, None).float(), rtol=2 ** -7, atol=1e-3)
+    assert len(skinny_linear.choices()) == 1, "the graph's capture must not decide again"
+
+
+def test_skinny_choice_needs_a_clear_gain_and_skips_tilings_that_fail(monkeypatch):
+    """choose_fastest keeps cuBLAS unless a tiling is MIN_GAIN faster, and a tiling that fails to
+    compile or run (on some GPU) drops out of the race instead of failing the engine's start-up."""
+    from types import SimpleNamespace
+
+    from asyncllm.kernels.skinny_gemm import SkinnyConfig
+    from asyncllm.layers import skinny_linear
+
+    good, bad, better = (SkinnyConfig(False, 2, 64, 1, 4), SkinnyConfig(True, 128, 128, 1, 4),
+                         SkinnyConfig(False, 4, 32, 1, 4))
+
+    def fake_gemm(x, weight, bias, config):
+        if config == bad:
+            raise RuntimeError("out of resources: shared memory")
+        return x
+
+    kernels = SimpleNamespace(skinny_gemm=fake_gemm)
+    x, weight = torch.zeros(1, 8), torch.zeros(4, 8)
+    timings = []
+    monkeypatch.setattr(skinny_linear, "time_calls", lambda calls, device: timings[:len(calls)])
+    timings[:] = [1.0, 0.9, 0.5]  # cuBLAS, good, better (bad is not timed)
+    assert skinny_linear.choose_fastest(kernels, x, weight, None, [good, bad, better]) == better
+    timings[:] = [1.0, 0.99, 0.98]  # within noise of cuBLAS
+    assert skinny_linear.choose_fastest(kernels, x, weight, None, [good, bad, better]) is None
+    assert skinny_linear.choose_fastest(kernels, x, weight, None, [bad]) is None
 
 
 # ----------------------------------------------------------------------------- fused ops

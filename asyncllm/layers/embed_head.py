@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncllm.distributed import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
+from asyncllm.layers import skinny_linear
 from asyncllm.layers.linear import check_loaded_shape
 
 
@@ -42,6 +43,6 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = all_gather_last_dim(F.linear(hidden_states, self.weight))
+        logits = all_gather_last_dim(skinny_linear.linear(hidden_states, self.weight))
         # the padding rows' columns (zero logits) would be sampled as ids the tokenizer does not have
         return logits[..., :self.vocab_size] if logits.shape[-1] != self.vocab_size else logits

@@ -7,10 +7,10 @@ full checkpoint tensor and keeps this rank's shard, so loading needs no knowledg
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from asyncllm.distributed import all_reduce, get_tp_rank, get_tp_size
+from asyncllm.layers import skinny_linear
 
 
 class WeightShapeError(ValueError):
@@ -61,7 +61,7 @@ class LinearBase(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return skinny_linear.linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -116,6 +116,6 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the bias is added once, after the partial sums are reduced
-        y = F.linear(x, self.weight)
+        y = skinny_linear.linear(x, self.weight)
         y = all_reduce(y)
         return y + self.bias if self.bias is not None else y

@@ -1,0 +1,232 @@
+"""y = x @ W^T (+ bias) for a few rows of x: decode's linear layers, which stream their weights.
+
+At batch 1..16 a linear layer reads its whole weight matrix to compute a handful of outputs per
+row: the time is the weight bytes over memory bandwidth, and cuBLAS's kernels for these skinny
+shapes reach about a third of copy bandwidth on the H200 (docs/BENCHMARKS.md). Here each program
+owns BLOCK_N output features and streams their weight rows in wide contiguous tiles along K,
+accumulating in fp32; x's few rows are re-read from L2.
+
+Two inner loops, a choice of the tiling (SkinnyConfig.dot):
+- FMA (up to 4 rows): the products x[m, k] * W[n, k] are accumulated elementwise in a
+  (BLOCK_M, BLOCK_N, BLOCK_K) fp32 tile and reduced over K once, after the loop, so the loop is
+  loads and FMAs only, no cross-thread reductions.
+- dot (1..16 rows): tl.dot of the weight tile with x^T (x padded to 16 rows), the weight rows as
+  the MMA's M dimension, so the tensor cores do the 16-wide products; Triton pipelines its loads.
+When the outputs are too few to give every SM programs (o_proj, down at 0.6B), split-K gives each
+program a K range; the fp32 partial sums go to a workspace and a second small kernel adds them
+(no atomics: deterministic, and nothing to zero first).
+
+Tilings come from candidate_configs, a small fixed rule per (rows, N, K) and its neighbours; the
+layer that uses this kernel (asyncllm.layers.skinny_linear) times the first few against cuBLAS once
+per shape, outside graph capture, and benchmarks/bench_gemm.py times them all.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from asyncllm.kernels.host import cdiv, next_power_of_2
+# the interpreter's bf16 tl.dot workaround, shared with the attention kernels
+from asyncllm.kernels.paged_attention import _dot, _dot_config
+
+MAX_ROWS = 16  # the dot loop's row tile; more rows go to cuBLAS, which is compute-efficient there
+FMA_MAX_ROWS = 4  # the FMA loop's accumulators grow with the rows: above this, the dot loop only
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    dot: bool  # the inner loop: tl.dot (any row count) or FMA (up to FMA_MAX_ROWS rows)
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int = 3
+
+    def label(self) -> str:
+        return (f"{'dot' if self.dot else 'fma'} n{self.block_n} k{self.block_k} s{self.split_k} "
+                f"w{self.num_warps} st{self.num_stages}")
+
+
+@triton.jit
+def _store_result(acc, rows_m, rows_n, M, N, bias_ptr, out_ptr, partial_ptr, stride_om, pid_k,
+                  SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+    mask = (rows_m[:, None] < M) & (rows_n[None, :] < N)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rows_n, mask=rows_n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rows_m[:, None] * stride_om + rows_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=mask)
+    else:  # this split's fp32 partial sums, at partial[pid_k, m, n]
+        offsets = (pid_k * M + rows_m[:, None]).to(tl.int64) * N + rows_n[None, :]
+        tl.store(partial_ptr + offsets, acc, mask=mask)
+
+
+@triton.jit
+def _skinny_fma_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                       k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    # 3-D index vectors: x tiles are (BLOCK_M, 1, BLOCK_K), weight tiles (1, BLOCK_N, BLOCK_K); their
+    # product broadcasts in registers with no layout conversion
+    m3 = tl.arange(0, BLOCK_M)[:, None, None]
+    n3 = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[None, :, None]
+    k3 = tl.arange(0, BLOCK_K)[None, None, :]
+    x_ptrs = x_ptr + m3 * stride_xm + k3
+    w_ptrs = w_ptr + n3.to(tl.int64) * stride_wn + k3
+    m_mask = m3 < M
+    n_mask = n3 < N
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs + k0, mask=m_mask, other=0.0)
+            w = tl.load(w_ptrs + k0, mask=n_mask, other=0.0)
+        else:
+            k_mask = k0 + k3 < k_end
+            x = tl.load(x_ptrs + k0, mask=m_mask & k_mask, other=0.0)
+            w = tl.load(w_ptrs + k0, mask=n_mask & k_mask, other=0.0)
+        acc += x.to(tl.float32) * w.to(tl.float32)
+    rows_m = tl.arange(0, BLOCK_M)
+    rows_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    _store_result(tl.sum(acc, 2), rows_m, rows_n, M, N, bias_ptr, out_ptr, partial_ptr, stride_om, pid_k,
+                  SPLIT_K, HAS_BIAS)
+
+
+@triton.jit
+def _skinny_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                       k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       UPCAST_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows_m = tl.arange(0, BLOCK_M)
+    rows_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_K)
+    xt_ptrs = x_ptr + rows_m[None, :] * stride_xm + cols[:, None]  # x^T tiles, (BLOCK_K, BLOCK_M)
+    w_ptrs = w_ptr + rows_n.to(tl.int64)[:, None] * stride_wn + cols[None, :]
+    m_mask = (rows_m < M)[None, :]
+    n_mask = (rows_n < N)[:, None]
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # y^T: the weight rows are the MMA's M
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            xt = tl.load(xt_ptrs + k0, mask=m_mask, other=0.0)
+            w = tl.load(w_ptrs + k0, mask=n_mask, other=0.0)
+        else:
+            xt = tl.load(xt_ptrs + k0, mask=m_mask & (k0 + cols < k_end)[:, None], other=0.0)
+            w = tl.load(w_ptrs + k0, mask=n_mask & (k0 + cols < k_end)[None, :], other=0.0)
+        acc += _dot(w, xt, UPCAST_DOT, PRECISION)
+    _store_result(tl.trans(acc), rows_m, rows_n, M, N, bias_ptr, out_ptr, partial_ptr, stride_om, pid_k,
+                  SPLIT_K, HAS_BIAS)
+
+
+@triton.jit
+def _split_k_reduce_kernel(partial_ptr, bias_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr,
+                           BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for split in tl.static_range(SPLIT_K):
+        acc += tl.load(partial_ptr + (split * M + row).to(tl.int64) * N + cols, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def block_rows(num_rows: int, dot: bool) -> int:
+    """The row tile: a power of two for the FMA loop, 16 (the MMA's least) for the dot loop."""
+    return MAX_ROWS if dot else next_power_of_2(num_rows)
+
+
+def _floor_power_of_2(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def _rule(num_rows: int, n: int, k: int, num_sms: int, dot: bool, num_warps: int) -> SkinnyConfig:
+    """Two programs per SM from narrower output tiles, and at least one by split-K (whose second
+    kernel costs a launch and a round trip of the partial sums). Each program's weight tile is as
+    large as ~64 fp32 accumulators per thread allow in the FMA loop (BLOCK_M*BLOCK_N*BLOCK_K of
+    them), so that every SM has its share of the matrix in flight at once; the dot loop's
+    accumulators are few, and Triton pipelines its loads num_stages deep instead."""
+    target = 2 * num_sms
+    if dot:  # the MMA needs 16 weight rows
+        block_n = max(16, min(64, _floor_power_of_2(n // target)))
+        block_k = min(256, max(16, next_power_of_2(k)))
+    else:
+        budget = 64 * 32 * num_warps // block_rows(num_rows, dot)  # weight elements per tile
+        least_k = max(128, 512 // block_rows(num_rows, dot))  # rows of at least 256 contiguous bytes
+        block_n = max(2, min(budget // least_k, _floor_power_of_2(n // target)))
+        block_k = max(16, min(budget // block_n, _floor_power_of_2(k)))
+    split = 1
+    while cdiv(n, block_n) * split < num_sms and split < 8 and cdiv(k, block_k) >= 2 * split:
+        split *= 2
+    return SkinnyConfig(dot, block_n, block_k, split, num_warps)
+
+
+def candidate_configs(num_rows: int, n: int, k: int, num_sms: int) -> list[SkinnyConfig]:
+    """A few tilings for rows x (n, k), best guesses first: the rule's choice for the row
+    count's own loop (FMA up to FMA_MAX_ROWS rows), the dot loop's (for few rows), then the
+    neighbours of the first: the same tile area wider or narrower, another split, 8 warps."""
+    fma = num_rows <= FMA_MAX_ROWS
+    first = _rule(num_rows, n, k, num_sms, dot=not fma, num_warps=4)
+    least_n = 16 if first.dot else 2
+    configs = [first]
+    if fma:
+        configs.append(_rule(num_rows, n, k, num_sms, dot=True, num_warps=4))
+    if first.block_k >= 32:
+        configs.append(replace(first, block_n=first.block_n * 2, block_k=first.block_k // 2))
+    if first.block_n // 2 >= least_n and first.block_k * 2 <= max(16, _floor_power_of_2(k)):
+        configs.append(replace(first, block_n=first.block_n // 2, block_k=first.block_k * 2))
+    more_splits = cdiv(k, first.block_k) >= 2 * first.split_k
+    configs.append(replace(first, split_k=first.split_k * 2 if more_splits else 1))
+    configs.append(_rule(num_rows, n, k, num_sms, dot=first.dot, num_warps=8))
+    unique = []
+    for config in configs:
+        if config not in unique:
+            unique.append(config)
+    return unique
+
+
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) with at most MAX_ROWS rows, weight (N, K) row-major, bias (N,) or None: the
+    (..., N) result in x's dtype, as F.linear gives it."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    num_rows = x2.shape[0]
+    assert num_rows <= MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1
+    if out is None:
+        out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return out.view(*x.shape[:-1], n)
+    split = config.split_k
+    k_per_split = cdiv(cdiv(k, config.block_k), split) * config.block_k
+    partial = torch.empty((split, num_rows, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    bias_arg = bias if bias is not None else weight  # unused when HAS_BIAS is off
+    assert config.dot or num_rows <= FMA_MAX_ROWS, "the FMA loop is for up to FMA_MAX_ROWS rows"
+    if not config.dot:
+        kernel, dot_args = _skinny_fma_kernel, {}
+    else:
+        upcast, precision = _dot_config(x.dtype)
+        kernel, dot_args = _skinny_dot_kernel, dict(UPCAST_DOT=upcast, PRECISION=precision)
+    kernel[(cdiv(n, config.block_n), split)](
+        x2, weight, bias_arg, out, partial, num_rows, n, k, x2.stride(0), weight.stride(0), out.stride(0),
+        k_per_split, BLOCK_M=block_rows(num_rows, config.dot), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        SPLIT_K=split, EVEN_K=k % config.block_k == 0, HAS_BIAS=bias is not None, num_warps=config.num_warps,
+        num_stages=config.num_stages, **dot_args)
+    if split > 1:
+        block = min(1024, next_power_of_2(n))
+        _split_k_reduce_kernel[(num_rows, cdiv(n, block))](
+            partial, bias_arg, out, num_rows, n, out.stride(0), SPLIT_K=split, BLOCK=block, HAS_BIAS=bias is not None,
+            num_warps=4)
+    return out.view(*x.shape[:-1], n)

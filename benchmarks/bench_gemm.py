@@ -1,0 +1,138 @@
+"""Decode's skinny GEMMs: our Triton kernel (asyncllm.kernels.skinny_gemm) against cuBLAS. CUDA only.
+
+    python benchmarks/bench_gemm.py [--json results.json] [--rows 1,2,4,8,16] [--sweep]
+
+For each linear layer of Qwen3-0.6B and -8B at TP=1 and each row count: y = x @ W^T in bf16 by
+F.linear (cuBLAS, torch's default BLAS), by F.linear with
+torch.backends.cuda.preferred_blas_library("cublaslt"), and by ours with the tiling the engine
+would pick (the fastest of the candidates it times, asyncllm.layers.skinny_linear). Timing is
+triton.testing.do_bench's median, which zeroes a 256 MB buffer before every repetition, so each
+call starts from a cold L2, as decode meets its weights. TB/s counts the weight bytes only (x and
+y are a few KB). "err" is the largest absolute difference from the fp32 product, ours and
+cuBLAS's. With --sweep, every candidate tiling is timed and listed too (for tuning the rule).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+# (model, layer, N = out features, K = in features) at TP=1
+SHAPES = [("0.6B", "qkv", 4096, 1024), ("0.6B", "o_proj", 1024, 2048), ("0.6B", "gate_up", 6144, 1024),
+          ("0.6B", "down", 1024, 3072), ("0.6B", "lm_head", 151936, 1024),
+          ("8B", "qkv", 6144, 4096), ("8B", "o_proj", 4096, 4096), ("8B", "gate_up", 24576, 4096),
+          ("8B", "down", 4096, 12288), ("8B", "lm_head", 151936, 4096)]
+DTYPE = torch.bfloat16
+
+
+def bench_cublas(x: torch.Tensor, weight: torch.Tensor, library: str) -> float:
+    from triton.testing import do_bench
+    torch.backends.cuda.preferred_blas_library(library)
+    try:
+        torch.nn.functional.linear(x, weight)  # any per-library set-up, untimed
+        return do_bench(lambda: torch.nn.functional.linear(x, weight), warmup=5, rep=20, return_mode="median")
+    finally:
+        torch.backends.cuda.preferred_blas_library("cublas")
+
+
+def bench_shape(model: str, layer: str, n: int, k: int, rows: list[int], sweep: bool) -> list[dict]:
+    from triton.testing import do_bench
+
+    from asyncllm.kernels import skinny_gemm as kernels
+    from asyncllm.layers.skinny_linear import MAX_CANDIDATES, choose_fastest
+
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    weight = (torch.randn(n, k, device="cuda") / k ** 0.5).to(DTYPE)
+    weight_bytes = weight.numel() * weight.element_size()
+    results = []
+    for num_rows in rows:
+        x = torch.randn(num_rows, k, device="cuda").to(DTYPE)
+        ref = x.float() @ weight.float().T
+        candidates = kernels.candidate_configs(num_rows, n, k, num_sms)
+        # the engine's pick among its first candidates; None (cuBLAS won there) still reports our best
+        picked = choose_fastest(kernels, x, weight, None, candidates[:MAX_CANDIDATES])
+        row = dict(model=model, layer=layer, n=n, k=k, rows=num_rows, weight_bytes=weight_bytes,
+                   engine_picks="cuBLAS" if picked is None else picked.label())
+        row["cublas_ms"] = bench_cublas(x, weight, "cublas")
+        row["cublaslt_ms"] = bench_cublas(x, weight, "cublaslt")
+        timed = candidates if sweep else candidates[:MAX_CANDIDATES]
+        times = {c.label(): do_bench(lambda c=c: kernels.skinny_gemm(x, weight, None, c), warmup=5, rep=20,
+                                     return_mode="median") for c in timed}
+        best = min(timed, key=lambda c: times[c.label()])
+        row["ours_config"] = best.label()
+        row["ours_ms"] = times[best.label()]
+        row["rule_ms"] = times[candidates[0].label()]  # the rule's first choice, untimed selection
+        if sweep:
+            row["sweep_ms"] = times
+        row["ours_err"] = (kernels.skinny_gemm(x, weight, None, best).float() - ref).abs().max().item()
+        row["cublas_err"] = (torch.nn.functional.linear(x, weight).float() - ref).abs().max().item()
+        for name in ("cublas", "cublaslt", "ours"):
+            row[f"{name}_tbps"] = weight_bytes / (row[f"{name}_ms"] * 1e-3) / 1e12
+        row["cublas_over_ours"] = row["cublas_ms"] / row["ours_ms"]
+        results.append(row)
+        # a line per row as it comes, so that a run cut short by a timeout still shows what it measured
+        print(f"{model} {layer} ({n}, {k}) rows {num_rows}: cuBLAS {row['cublas_ms'] * 1e3:.1f} us, "
+              f"ours {row['ours_ms'] * 1e3:.1f} us ({row['ours_config']}), engine picks {row['engine_picks']}",
+              flush=True)
+    return results
+
+
+def print_table(rows: list[dict], copy_tbps: float) -> None:
+    print("| shape | rows | cuBLAS us | cublasLt us | ours us | ours (rule) us | cuBLAS TB/s | ours TB/s | "
+          "cuBLAS/ours | ours tiling | engine picks | err ours | err cuBLAS |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|")
+    for r in rows:
+        print(f"| {r['model']} {r['layer']} ({r['n']}, {r['k']}) | {r['rows']} | {r['cublas_ms'] * 1e3:.1f} | "
+              f"{r['cublaslt_ms'] * 1e3:.1f} | {r['ours_ms'] * 1e3:.1f} | {r['rule_ms'] * 1e3:.1f} | "
+              f"{r['cublas_tbps']:.2f} | {r['ours_tbps']:.2f} | {r['cublas_over_ours']:.2f} | {r['ours_config']} | "
+              f"{r['engine_picks']} | {r['ours_err']:.1e} | {r['cublas_err']:.1e} |")
+    print(f"\ncopy bandwidth {copy_tbps:.2f} TB/s")
+    for r in rows:
+        if "sweep_ms" in r:
+            sweep = ", ".join(f"{label}: {ms * 1e3:.1f}" for label, ms in sorted(r["sweep_ms"].items(),
+                                                                               key=lambda item: item[1]))
+            print(f"  {r['model']} {r['layer']} rows {r['rows']}: {sweep}")
+
+
+def copy_bandwidth_tbps() -> float:
+    from triton.testing import do_bench
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=5, rep=20, return_mode="median")
+    return 2 * src.numel() / (ms * 1e-3) / 1e12  # read + write
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--rows", default="1,2,4,8,16", help="comma-separated row counts (1..16)")
+    parser.add_argument("--sweep", action="store_true", help="time every candidate tiling, not only the first few")
+    parser.add_argument("--models", default="0.6B,8B", help="comma-separated: 0.6B, 8B")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_gemm.py needs a CUDA GPU")
+    torch.manual_seed(0)
+    rows = [int(r) for r in args.rows.split(",")]
+    models = args.models.split(",")
+    start = time.perf_counter()
+    copy_tbps = copy_bandwidth_tbps()
+    results = []
+    for model, layer, n, k in SHAPES:
+        if model in models:
+            results.extend(bench_shape(model, layer, n, k, rows, args.sweep))
+            torch.cuda.empty_cache()  # the last shape's weight
+    print(f"\n{torch.cuda.get_device_name(0)}, {DTYPE}, cold L2\n")
+    print_table(results, copy_tbps)
+    print(f"\n{time.perf_counter() - start:.1f} s")
+    if args.json:
+        import triton
+        meta = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
+                    dtype=str(DTYPE), copy_bandwidth_tbps=copy_tbps)
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, results=results), f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
