@@ -6,7 +6,8 @@ Each row times one Sampler call (everything after the model's logits: the float 
 masks, temperature, top-k/p, the exponential race, log-probabilities) with triton.testing.do_bench
 (median, cold L2). Rows: greedy; sampled (temperature 0.6); sampled with top-k 50 / top-p 0.9;
 sampled with penalties (presence, frequency, repetition; the Triton kernel, and the PyTorch path it
-replaces); with logprobs=5; with a grammar's bitmask on every row (the Triton kernel, and the PyTorch unpacking).
+replaces); with logprobs=5 (log_softmax + torch.topk, and kernels/logits_ops.chunked_logprobs, which
+reads the logits once, not yet wired in); with a grammar's bitmask on every row (the Triton kernel, and the PyTorch unpacking).
 """
 from __future__ import annotations
 
@@ -18,9 +19,14 @@ import triton.testing
 
 from asyncllm.layers import logits_adjustments, sampler as sampler_module
 from asyncllm.layers.logits_adjustments import LogitsAdjustments, TokenCounts
-from asyncllm.layers.sampler import Sampler, SamplingTensors
+from asyncllm.kernels.logits_ops import chunked_logprobs
+from asyncllm.layers.sampler import LogprobsTensors, Sampler, SamplingTensors, gather_logprobs
 
 VOCAB = 151936
+
+
+def one_read_logprobs(logits, token_ids, num_top):
+    return LogprobsTensors(*chunked_logprobs(logits, token_ids, num_top))
 
 
 def cases(batch: int, device: torch.device):
@@ -44,6 +50,8 @@ def cases(batch: int, device: torch.device):
     yield "sampled + penalties (kernel)", sampled(adjustments=penalties), None
     yield "sampled + penalties (PyTorch)", sampled(adjustments=penalties), "no-kernels"
     yield "sampled + logprobs=5", sampled(logprob_rows=rows, num_top_logprobs=5), None
+    yield "sampled + logprobs=5 (one-read kernel, not wired in)", sampled(logprob_rows=rows, num_top_logprobs=5), \
+        "one-read-logprobs"
     yield "sampled + bitmask (kernel)", sampled(mask_rows=rows, token_bitmask=bitmask), None
     yield "sampled + bitmask (PyTorch)", sampled(mask_rows=rows, token_bitmask=bitmask), "no-kernels"
 
@@ -68,6 +76,7 @@ def main() -> None:
                 variant = None
             logits_adjustments.logits_ops_for = sampler_module.logits_ops_for = (
                 (lambda x: None) if variant == "no-kernels" else kernels_for)
+            sampler_module.gather_logprobs = one_read_logprobs if variant == "one-read-logprobs" else gather_logprobs
             with torch.inference_mode():
                 ms = triton.testing.do_bench(lambda: sampler(logits, params), warmup=20, rep=100)
             results.append(dict(batch=batch, case=name, ms=ms))
@@ -75,6 +84,7 @@ def main() -> None:
             if any(part and part in name for part in args.profile.split(",")):
                 profile(lambda: sampler(logits, params), f"batch {batch}, {name}")
     logits_adjustments.logits_ops_for = sampler_module.logits_ops_for = kernels_for
+    sampler_module.gather_logprobs = gather_logprobs
     print("\n| case | " + " | ".join(f"batch {b} (us)" for b in args.batches.split(",")) + " |")
     print("|---|" + "---|" * len(args.batches.split(",")))
     for name in dict.fromkeys(r["case"] for r in results):

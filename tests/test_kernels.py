@@ -991,3 +991,23 @@ def test_token_bitmask_kernel_matches_reference(every_row):
     torch.testing.assert_close(logits[rows], values.masked_fill(~allowed, float("-inf")), rtol=0, atol=0)
     others = [r for r in range(len(logits)) if r not in rows.tolist()]
     assert logits[others].isnan().all()
+
+
+@pytest.mark.parametrize("num_top", [0, 1, 5, 20])
+def test_chunked_logprobs_match_log_softmax(num_top):
+    """The one-read log-probabilities against log_softmax + torch.topk (gather_logprobs): chosen
+    log-probs and top values close, ranks and top ids equal (no ties: random logits), a vocabulary
+    that is not a multiple of the chunk, and the best token in the last, partial chunk."""
+    from asyncllm.kernels.logits_ops import chunked_logprobs
+    from asyncllm.layers.sampler import gather_logprobs
+
+    vocab = 151936 if CUDA else 9000 + 7
+    logits = 4 * torch.randn(5, vocab, device=DEVICE)
+    logits[1, vocab - 1] = 30.0
+    token_ids = torch.tensor([0, vocab - 1, 17, vocab // 2, 4096], device=DEVICE)
+    chosen, ranks, top_ids, top_logprobs = chunked_logprobs(logits, token_ids, num_top)
+    expected = gather_logprobs(logits, token_ids, num_top)
+    torch.testing.assert_close(chosen, expected.chosen, rtol=1e-5, atol=1e-5)
+    assert torch.equal(ranks, expected.ranks)
+    assert torch.equal(top_ids, expected.top_ids)
+    torch.testing.assert_close(top_logprobs, expected.top_logprobs, rtol=1e-5, atol=1e-5)

@@ -85,3 +85,59 @@ def apply_token_bitmask_(logits: torch.Tensor, rows: torch.Tensor | None, bitmas
     _token_bitmask_kernel[(n_rows, cdiv(n_cols, _BLOCK))](
         logits, logits.stride(0), bitmask if rows is None else rows, bitmask, bitmask.stride(0), n_cols,
         ALL_ROWS=rows is None, BLOCK=_BLOCK, num_warps=8)
+
+
+# ---- log-probabilities in one read of the logits (not wired in yet: see chunked_logprobs) ----
+
+_LOGPROB_BLOCK = 4096
+
+
+@triton.jit
+def _logprob_partials_kernel(logits_ptr, stride_l, token_ids_ptr, part_max_ptr, part_sum_ptr, part_greater_ptr,
+                             top_values_ptr, top_ids_ptr, n_cols, num_chunks, num_top,
+                             BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(logits_ptr + row * stride_l + cols, mask=mask, other=float("-inf"))
+    chosen = tl.load(logits_ptr + row * stride_l + tl.load(token_ids_ptr + row))
+    part = row * num_chunks + chunk
+    chunk_max = tl.max(x, 0)
+    tl.store(part_max_ptr + part, chunk_max)
+    tl.store(part_sum_ptr + part, tl.sum(tl.exp(x - chunk_max), 0))
+    tl.store(part_greater_ptr + part, tl.sum((x > chosen).to(tl.int32), 0))
+    # the chunk's num_top best, one max-reduction each (num_top <= 20)
+    for i in range(num_top):
+        best = tl.max(x, 0)
+        at = tl.min(tl.where(mask & (x == best), cols, n_cols), 0)
+        tl.store(top_values_ptr + part * num_top + i, best)
+        tl.store(top_ids_ptr + part * num_top + i, tl.minimum(at, n_cols - 1).to(tl.int64))
+        x = tl.where(cols == at, float("-inf"), x)
+
+
+def chunked_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int):
+    """(chosen log-probs, ranks, top ids, top log-probs) of float32 logits (L, V) as
+    layers.sampler.gather_logprobs gives them, reading the logits once: each chunk of a row gives
+    its max, sum of exponentials, count above the chosen token and its num_top best, then a few
+    small PyTorch ops combine the chunks. Not used by the sampler until it has measured faster on
+    a GPU than log_softmax + torch.topk (docs/BENCHMARKS.md, run H)."""
+    assert logits.dtype == torch.float32 and logits.stride(1) == 1 and 0 <= num_top
+    num_rows, n_cols = logits.shape
+    num_chunks = cdiv(n_cols, _LOGPROB_BLOCK)
+    device = logits.device
+    part_max = torch.empty((num_rows, num_chunks), dtype=torch.float32, device=device)
+    part_sum = torch.empty_like(part_max)
+    part_greater = torch.empty((num_rows, num_chunks), dtype=torch.int32, device=device)
+    top_values = torch.empty((num_rows, num_chunks * num_top), dtype=torch.float32, device=device)
+    top_ids = torch.empty((num_rows, num_chunks * num_top), dtype=torch.int64, device=device)
+    if num_rows:
+        _logprob_partials_kernel[(num_rows, num_chunks)](
+            logits, logits.stride(0), token_ids, part_max, part_sum, part_greater, top_values, top_ids,
+            n_cols, num_chunks, num_top, BLOCK=_LOGPROB_BLOCK, num_warps=8)
+    row_max = part_max.amax(dim=1, keepdim=True)
+    log_total = row_max + (part_sum * (part_max - row_max).exp()).sum(dim=1, keepdim=True).log()
+    chosen = logits.gather(1, token_ids.unsqueeze(1)) - log_total
+    ranks = part_greater.sum(dim=1, dtype=torch.int64) + 1
+    best_values, best = top_values.topk(num_top, dim=-1)
+    return chosen.squeeze(1), ranks, top_ids.gather(1, best), best_values - log_total
