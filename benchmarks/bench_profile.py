@@ -12,18 +12,22 @@ decode of --batch sequences with --context tokens each) it reports, as medians o
   the forward with no host work at all.
 Then a torch.profiler table per step: kernels by device time and their count per step. Last, the
 whole throughput workload through EngineCore.step as configured (overlapped or not): its wall time
-against the device time of its steps; wall - gpu is host time the device waited for. A step is
+against the device time of its steps; wall - gpu is host time the device waited for. With
+--workload-features plain,logprobs,... the workload runs once per feature set, to tell whether a
+feature's cost is the device's or the host's (json: a constrained step's sampling is queued after
+the step's end event, once its mask is filled, so its device time leaves the sampling out). A step is
 host-bound when wall >> gpu, launch-bound when the kernel count times a few microseconds is near
 gpu, and bandwidth-bound when gpu is near (bytes read / copy bandwidth).
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 
 import torch
 from common import (Report, add_engine_args, bench_requests, checkpoint_from_args, engine_kwargs, format_table,
-                    make_parser, median, parse_args, random_prompt, release_memory)
+                    make_parser, median, parse_args, random_prompt, release_memory, with_features)
 
 from asyncllm import LLM, SamplingParams
 
@@ -131,24 +135,29 @@ def drain(core) -> None:
         core.finish_request(request_id)
 
 
-def profile_workload(core, num_requests: int, device: str) -> list[dict]:
+def profile_workload(core, num_requests: int, device: str, features: str = "plain") -> list[dict]:
     """The throughput benchmark's workload through EngineCore.step, as the engine is configured
-    (overlapped or not): wall time against the device time of each launched step (CUDA events from
-    before its inputs' copy to after its sampling), summed by kind of step. A step's device time
-    includes any wait for the host to queue its own kernels, so wall - gpu is the least host time
-    the device sat idle for."""
+    (overlapped or not), its requests with the sampling features given (common.FEATURES): wall
+    time against the device time of each launched step (CUDA events from before its inputs' copy
+    to after its sampling), summed by kind of step. A step's device time includes any wait for the
+    host to queue its own kernels, so wall - gpu is the least host time the device sat idle for."""
     prompts, params = bench_requests(num_requests)
+    params = with_features(params, features)
+    if features != "plain":  # untimed: a grammar's compile, the features' first kernels
+        core.add_request(prompts[0][:16], dataclasses.replace(params[0], max_tokens=4))
+        while core.has_unfinished():
+            core.step()
     for prompt, p in zip(prompts, params):
         core.add_request(prompt, p)
     cuda = device == "cuda"
     launched_steps = []
     launch = core.runner.launch
 
-    def timed_launch(sched, prev):
+    def timed_launch(sched, prev, constraints=None):
         start = torch.cuda.Event(enable_timing=True) if cuda else None
         if cuda:
             start.record()
-        launched = launch(sched, prev)
+        launched = launch(sched, prev, constraints=constraints)
         end = torch.cuda.Event(enable_timing=True) if cuda else None
         if cuda:
             end.record()
@@ -175,7 +184,10 @@ def profile_workload(core, num_requests: int, device: str) -> list[dict]:
         row["gpu"] += start.elapsed_time(end) / 1e3 if cuda else 0.0
     rows = list(totals.values())
     gpu = sum(r["gpu"] for r in rows)
-    return rows + [{"kind": f"all (overlap {'on' if core.overlap else 'off'})", "steps": len(launched_steps),
+    for row in rows:
+        row["features"] = features
+    return rows + [{"kind": f"all (overlap {'on' if core.overlap else 'off'})", "features": features,
+                    "steps": len(launched_steps),
                     "tokens": sum(r["tokens"] for r in rows), "gpu": gpu, "wall": wall,
                     "host_idle": wall - gpu if cuda else None}]
 
@@ -185,7 +197,7 @@ COLUMNS = [("step", "step"), ("seqs", "num_seqs"), ("tokens", "num_tokens"), ("k
     [(f"{p} (ms)", p, "{:.3f}") for p in PARTS]
 
 
-WORKLOAD_COLUMNS = [("steps", "kind"), ("count", "steps"), ("tokens", "tokens"), ("wall (s)", "wall", "{:.3f}"),
+WORKLOAD_COLUMNS = [("features", "features"), ("steps", "kind"), ("count", "steps"), ("tokens", "tokens"), ("wall (s)", "wall", "{:.3f}"),
                     ("gpu (s)", "gpu", "{:.3f}"), ("wall - gpu (s)", "host_idle", "{:.3f}")]
 
 
@@ -199,6 +211,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--rows", type=int, default=12, help="kernels listed per profiled step")
     parser.add_argument("--workload", type=int, default=256, metavar="N",
                         help="also time every step of the nano-vllm bench workload of N requests (0: skip)")
+    parser.add_argument("--workload-features", default="plain",
+                        help="comma-separated runs of the workload, each with the '+'-joined sampling features of "
+                             "common.FEATURES (e.g. plain,logprobs,penalties+logprobs,json): device against host time")
     parser.add_argument("--cprofile", action="store_true",
                         help="also print the Python functions that take the host time of each step (cProfile)")
     args = parse_args(parser, argv)
@@ -253,7 +268,8 @@ def main(argv=None) -> dict:
             tables.append(f"#### {name}\n\n{table}")
             print(f"\n#### {name}\n\n{table}", flush=True)
         if args.workload:
-            workload_rows = profile_workload(core, args.workload, args.device)
+            workload_rows = [row for features in args.workload_features.split(",")
+                             for row in profile_workload(core, args.workload, args.device, features)]
             report.set("workload", workload_rows)
             print("\n" + format_table(workload_rows, WORKLOAD_COLUMNS), flush=True)
             tables.append(f"#### nano-vllm workload, {args.workload} requests\n\n"

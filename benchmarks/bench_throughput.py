@@ -26,7 +26,6 @@ backend, mode and overlap setting (e.g. --features plain,penalties+logprobs --mo
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import os
 import subprocess
@@ -39,27 +38,9 @@ from common import (Report, add_engine_args, bench_requests, checkpoint_from_arg
 
 from asyncllm import LLM, AsyncLLMEngine, SamplingParams
 from asyncllm.kernels import compiled_variants
-from asyncllm.structured import StructuredOutput
 
 WARMUP_PROMPT = "Benchmark: "  # nano-vllm's warm-up request
 MODES = ["sync", "stream", "generate"]
-FEATURES = {"plain": {}, "penalties": dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1),
-            "logprobs": dict(logprobs=5),
-            "json": dict(structured_output=StructuredOutput(json={
-                "type": "object", "properties": {"text": {"type": "string", "minLength": 20000}, "id": {"type": "integer"}},
-                "required": ["text", "id"]}))}
-
-
-def with_features(params: list[SamplingParams], features: str) -> list[SamplingParams]:
-    """params with the '+'-joined features of FEATURES turned on."""
-    changes = {}
-    for name in features.split("+"):
-        if name not in FEATURES:
-            raise SystemExit(f"--features: unknown {name!r}; choose '+'-joined names of {sorted(FEATURES)}")
-        changes.update(FEATURES[name])
-    return [dataclasses.replace(p, **changes) for p in params] if changes else params
-
-
 def run_sync(model_dir: str, kwargs: dict, prompts, params, warmup, device: str) -> dict:
     llm = LLM(model_dir, **kwargs)
     llm.generate([WARMUP_PROMPT], SamplingParams(), use_tqdm=False)

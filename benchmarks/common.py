@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -27,6 +28,7 @@ if REPO_ROOT not in sys.path:  # run as `python benchmarks/x.py` without install
     sys.path.insert(0, REPO_ROOT)
 
 from asyncllm import SamplingParams  # noqa: E402
+from asyncllm.structured import StructuredOutput  # noqa: E402
 from asyncllm.testing import QWEN3_0_6B, QWEN3_8B, TINY_SHAPE, build_tiny_checkpoint  # noqa: E402
 
 SHAPES = {"tiny": TINY_SHAPE, "0.6b": QWEN3_0_6B, "8b": QWEN3_8B}
@@ -179,6 +181,26 @@ def bench_requests(num: int = 256, seed: int = 0, max_input: int = 1024,
     params = [SamplingParams(temperature=0.6, ignore_eos=True,
                              max_tokens=rng.randint(min(100, max_output), max_output)) for _ in range(num)]
     return prompts, params
+
+
+# sampling features a benchmark's requests can turn on ("+"-joined): json holds every request to a
+# schema whose first field is a string of at least 20,000 characters, so that on random weights
+# each still runs to its max_tokens and every step fills a dense mask
+FEATURES = {"plain": {}, "penalties": dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1),
+            "logprobs": dict(logprobs=5),
+            "json": dict(structured_output=StructuredOutput(json={
+                "type": "object", "properties": {"text": {"type": "string", "minLength": 20000}, "id": {"type": "integer"}},
+                "required": ["text", "id"]}))}
+
+
+def with_features(params: list[SamplingParams], features: str) -> list[SamplingParams]:
+    """params with the '+'-joined features of FEATURES turned on (bench_throughput, bench_profile)."""
+    changes = {}
+    for name in features.split("+"):
+        if name not in FEATURES:
+            raise SystemExit(f"--features: unknown {name!r}; choose '+'-joined names of {sorted(FEATURES)}")
+        changes.update(FEATURES[name])
+    return [dataclasses.replace(p, **changes) for p in params] if changes else params
 
 
 def warmup_requests(num: int = 64, max_input: int = 1024, seed: int = 1) -> tuple[list, list[SamplingParams]]:
