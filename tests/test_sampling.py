@@ -198,3 +198,25 @@ def test_logprobs_from_logits_equal_log_softmax():
     top = reference.topk(4, dim=-1)
     assert torch.equal(got.top_ids, top.indices)
     torch.testing.assert_close(got.top_logprobs, top.values)
+
+
+def test_adjustments_and_masks_leave_the_models_float32_logits_alone():
+    """The sampler adjusts its own copy in place: float32 logits (a CUDA graph's output buffer, or
+    a float32 model's) come out unchanged, and logprobs stay the raw distribution's."""
+    from asyncllm.layers.logits_adjustments import LogitsAdjustments
+
+    logits = torch.randn(3, 64)
+    before = logits.clone()
+    rows = torch.arange(3)
+    adjustments = LogitsAdjustments(ban_rows=torch.tensor([0, 1, 2]), ban_tokens=torch.tensor([5, 6, 7]),
+                                    bias_rows=torch.tensor([1]), bias_tokens=torch.tensor([9]),
+                                    bias_values=torch.tensor([50.0]))
+    bitmask = torch.full((3, 2), -1, dtype=torch.int32)
+    bitmask[2, 0] = 0  # row 2 may not take tokens 0..31
+    params = SamplingTensors(None, None, None, None, None, [], True, adjustments=adjustments, logprob_rows=rows,
+                             num_top_logprobs=2, mask_rows=rows, token_bitmask=bitmask)
+    out = Sampler()(logits, params)
+    assert torch.equal(logits, before)
+    assert out.token_ids[1].item() == 9  # the bias applied to the sampler's copy
+    assert out.token_ids[2].item() >= 32
+    torch.testing.assert_close(out.logprobs.chosen, before.log_softmax(-1).gather(1, out.token_ids[:, None])[:, 0])
