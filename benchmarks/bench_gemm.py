@@ -7,7 +7,9 @@ F.linear (cuBLAS, torch's default BLAS), by F.linear with
 torch.backends.cuda.preferred_blas_library("cublaslt"), and by ours with the tiling the engine
 would pick (the fastest of the candidates it times, asyncllm.layers.skinny_linear). Timing is
 triton.testing.do_bench's median, which zeroes a 256 MB buffer before every repetition, so each
-call starts from a cold L2, as decode meets its weights. TB/s counts the weight bytes only (x and
+call starts from a cold L2, as decode meets its weights; the "graph" columns time cuBLAS and our
+best tiling as CUDA-graph replays (skinny_linear.time_calls, as the engine's choice does; decode
+runs in graphs, where Triton's Python launch time is gone), also from a cold L2. TB/s counts the weight bytes only (x and
 y are a few KB). "err" is the largest absolute difference from the fp32 product, ours and
 cuBLAS's. With --sweep, every candidate tiling is timed and listed too (for tuning the rule).
 """
@@ -41,7 +43,7 @@ def bench_shape(model: str, layer: str, n: int, k: int, rows: list[int], sweep: 
     from triton.testing import do_bench
 
     from asyncllm.kernels import skinny_gemm as kernels
-    from asyncllm.layers.skinny_linear import MAX_CANDIDATES, choose_fastest
+    from asyncllm.layers.skinny_linear import MAX_CANDIDATES, choose_fastest, time_calls
 
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     weight = (torch.randn(n, k, device="cuda") / k ** 0.5).to(DTYPE)
@@ -66,27 +68,36 @@ def bench_shape(model: str, layer: str, n: int, k: int, rows: list[int], sweep: 
         row["rule_ms"] = times[candidates[0].label()]  # the rule's first choice, untimed selection
         if sweep:
             row["sweep_ms"] = times
+        # as decode runs them: CUDA-graph replays (no launch cost), as the engine's choice times them
+        row["cublas_graph_ms"], row["ours_graph_ms"] = time_calls(
+            [lambda: torch.nn.functional.linear(x, weight), lambda: kernels.skinny_gemm(x, weight, None, best)],
+            x.device)
         row["ours_err"] = (kernels.skinny_gemm(x, weight, None, best).float() - ref).abs().max().item()
         row["cublas_err"] = (torch.nn.functional.linear(x, weight).float() - ref).abs().max().item()
         for name in ("cublas", "cublaslt", "ours"):
             row[f"{name}_tbps"] = weight_bytes / (row[f"{name}_ms"] * 1e-3) / 1e12
         row["cublas_over_ours"] = row["cublas_ms"] / row["ours_ms"]
+        row["graph_cublas_over_ours"] = row["cublas_graph_ms"] / row["ours_graph_ms"]
         results.append(row)
         # a line per row as it comes, so that a run cut short by a timeout still shows what it measured
         print(f"{model} {layer} ({n}, {k}) rows {num_rows}: cuBLAS {row['cublas_ms'] * 1e3:.1f} us, "
-              f"ours {row['ours_ms'] * 1e3:.1f} us ({row['ours_config']}), engine picks {row['engine_picks']}",
-              flush=True)
+              f"ours {row['ours_ms'] * 1e3:.1f} us ({row['ours_config']}); in graphs cuBLAS "
+              f"{row['cublas_graph_ms'] * 1e3:.1f} us, ours {row['ours_graph_ms'] * 1e3:.1f} us; "
+              f"engine picks {row['engine_picks']}", flush=True)
     return results
 
 
 def print_table(rows: list[dict], copy_tbps: float) -> None:
     print("| shape | rows | cuBLAS us | cublasLt us | ours us | ours (rule) us | cuBLAS TB/s | ours TB/s | "
-          "cuBLAS/ours | ours tiling | engine picks | err ours | err cuBLAS |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|")
+          "cuBLAS/ours | graph: cuBLAS us | graph: ours us | graph: cuBLAS/ours | ours tiling | engine picks | "
+          "err ours | err cuBLAS |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|")
     for r in rows:
         print(f"| {r['model']} {r['layer']} ({r['n']}, {r['k']}) | {r['rows']} | {r['cublas_ms'] * 1e3:.1f} | "
               f"{r['cublaslt_ms'] * 1e3:.1f} | {r['ours_ms'] * 1e3:.1f} | {r['rule_ms'] * 1e3:.1f} | "
-              f"{r['cublas_tbps']:.2f} | {r['ours_tbps']:.2f} | {r['cublas_over_ours']:.2f} | {r['ours_config']} | "
+              f"{r['cublas_tbps']:.2f} | {r['ours_tbps']:.2f} | {r['cublas_over_ours']:.2f} | "
+              f"{r['cublas_graph_ms'] * 1e3:.1f} | {r['ours_graph_ms'] * 1e3:.1f} | {r['graph_cublas_over_ours']:.2f} | "
+              f"{r['ours_config']} | "
               f"{r['engine_picks']} | {r['ours_err']:.1e} | {r['cublas_err']:.1e} |")
     print(f"\ncopy bandwidth {copy_tbps:.2f} TB/s")
     for r in rows:

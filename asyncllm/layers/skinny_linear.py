@@ -128,9 +128,13 @@ def choose_fastest(kernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
 
 def time_calls(calls: list, device: torch.device, reps: int = TIMING_REPS) -> list[float]:
     """Median device ms of each call, each run from a cold L2 (as decode meets its weights, the
-    model being far larger than L2), the calls interleaved so that clock drift hits all alike."""
+    model being far larger than L2), the calls interleaved so that clock drift hits all alike.
+    Each call is timed as a CUDA-graph replay where it can be captured: decode runs in graphs, and
+    a few-microsecond kernel's eager timing can hold the tens of microseconds of Triton's Python
+    launch (bench_gemm's eager figures swung 7.6 to 25.7 us on one shape, docs/BENCHMARKS.md run H)."""
     for call in calls:  # compile and warm up
         call()
+    calls = [_graph_replay(call, device) for call in calls]
     l2_bytes = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)
     flush = torch.empty(2 * l2_bytes // 4, dtype=torch.int32, device=device)
     events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
@@ -144,3 +148,18 @@ def time_calls(calls: list, device: torch.device, reps: int = TIMING_REPS) -> li
             end.record()
     torch.cuda.synchronize(device)
     return [sorted(start.elapsed_time(end) for start, end in call_events)[reps // 2] for call_events in events]
+
+
+def _graph_replay(call, device: torch.device):
+    """call captured in a CUDA graph of its own, as its replay; call itself where capture fails."""
+    try:
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call()
+        graph.replay()
+        return graph.replay
+    except Exception as exc:  # noqa: BLE001 - timing eagerly is still a measurement
+        logger.warning("skinny GEMM timing: capture failed (%s: %s); timing eagerly", type(exc).__name__,
+                       str(exc)[:200])
+        return call
