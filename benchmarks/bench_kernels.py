@@ -1,7 +1,7 @@
 """Paged attention: our Triton kernels vs FlashAttention-2 (torch's built-in) and FlashAttention-4
 (flash_attn.cute, when installed). CUDA only.
 
-    python benchmarks/bench_kernels.py [--json results.json] [--no-fa4] [--budget-s 60]
+    python benchmarks/bench_kernels.py [--json results.json] [--no-fa4] [--budget-s 60] [--grid]
 
 Timing is triton.testing.do_bench's median, which zeroes a 256 MB buffer before every repetition,
 so each call starts from a cold L2 (50 MB on H200) even when its KV would fit there. FA2 has no
@@ -23,6 +23,8 @@ DTYPE = torch.bfloat16
 # (batch, context, block_size): each sequence decodes one token over `context` cached tokens
 DECODE_CASES = [(1, 1024, 128), (1, 8192, 128), (16, 1024, 128), (64, 1024, 128), (64, 1024, 16),
                 (64, 1024, 256), (256, 1024, 128), (64, 4096, 128)]
+# --grid: issue 22's kernel table, decode at batches 1/8/64/256 and contexts 128/1k/8k (block 128)
+GRID_DECODE_CASES = [(batch, context, 128) for batch in (1, 8, 64, 256) for context in (128, 1024, 8192)]
 # (batch, new tokens, cached context, block_size)
 PREFILL_CASES = [(1, 1024, 1024, 128), (16, 1024, 1024, 128), (4, 4096, 4096, 128)]
 
@@ -148,6 +150,8 @@ def main() -> None:
     parser.add_argument("--no-fa4", action="store_true", help="skip FlashAttention-4")
     parser.add_argument("--budget-s", type=float, default=60.0,
                         help="stop timing FA4 (whose first call per shape JIT-compiles) past this many seconds")
+    parser.add_argument("--grid", action="store_true",
+                        help="decode over batches 1/8/64/256 x contexts 128/1k/8k instead of the default cases")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs a CUDA GPU")
@@ -157,7 +161,7 @@ def main() -> None:
         print(f"FlashAttention-4 unavailable: {fa4_error}")
     start = time.perf_counter()
     rows = []
-    cases = [("decode", b, 1, ctx, bs) for b, ctx, bs in DECODE_CASES]
+    cases = [("decode", b, 1, ctx, bs) for b, ctx, bs in (GRID_DECODE_CASES if args.grid else DECODE_CASES)]
     cases += [("prefill", b, q, ctx, bs) for b, q, ctx, bs in PREFILL_CASES]
     for kind, batch, query_len, context, block_size in cases:
         use_fa4 = time.perf_counter() - start < args.budget_s
