@@ -1,10 +1,8 @@
 """The synchronous API, compatible with nano-vllm's LLM.generate."""
 from __future__ import annotations
 
-import gc
 import time
 import weakref
-from contextlib import contextmanager
 
 from tqdm.auto import tqdm
 
@@ -75,47 +73,43 @@ class LLM:
         logprobs = {(s.request_id, s.index): [] for s in seqs if s.params.logprobs is not None}
         stop_reasons = {}
         pending = {s.request_id for s in leaders}
-        # the outputs (one TokenLogprob per token where asked) live until the call returns; the
-        # collector's full passes over the whole process, which they would trigger again and again,
-        # wait until then (a step leaves no reference cycles behind: tests/test_sampling_features.py)
-        with _collector_paused():
-            bar = tqdm(total=len(leaders), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
-            try:
-                while pending:
-                    start = time.perf_counter()
-                    events = self.core.step()
-                    elapsed = time.perf_counter() - start
-                    for event in events:
-                        seq = event.seq
-                        key = (seq.request_id, seq.index)
-                        if event.logprobs is not None:
-                            logprobs[key].extend(event.logprobs)
-                        assembler = assemblers.get(key)
-                        finish = event.finish_reason
-                        if assembler is not None:
-                            assembler.add(event.new_token_ids)
-                            if assembler.stopped and finish is None:
-                                self.core.finish_request(seq.request_id, "stop", seq.index)
-                                finish = "stop"
-                        if finish is not None:
-                            stop_reasons[key] = event.stop_reason
-                        if seq.request_finished and seq.request_id in pending:
-                            pending.discard(seq.request_id)
-                            bar.update(1)
-                    if use_tqdm and self.core.last_step is not None:
-                        num_prefill, num_decode = self.core.last_step
-                        rate = (num_prefill if num_prefill else num_decode) / max(elapsed, 1e-9)
-                        bar.set_postfix_str(f"{'Prefill' if num_prefill else 'Decode'}: {rate:.0f} tok/s")
-                self.core.drain()  # a step still in flight holds only finished requests' extra rows
-            finally:
-                for request_id in pending:
-                    self.core.finish_request(request_id)
-                bar.close()
-            outputs = []
-            for leader in leaders:
-                results = [self._output(seq, assemblers, logprobs, stop_reasons) for seq in leader.group or [leader]]
-                outputs.append(results[0] if len(results) == 1 else results)
-            return outputs
+        bar = tqdm(total=len(leaders), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        try:
+            while pending:
+                start = time.perf_counter()
+                events = self.core.step()
+                elapsed = time.perf_counter() - start
+                for event in events:
+                    seq = event.seq
+                    key = (seq.request_id, seq.index)
+                    if event.logprobs is not None:
+                        logprobs[key].extend(event.logprobs)
+                    assembler = assemblers.get(key)
+                    finish = event.finish_reason
+                    if assembler is not None:
+                        assembler.add(event.new_token_ids)
+                        if assembler.stopped and finish is None:
+                            self.core.finish_request(seq.request_id, "stop", seq.index)
+                            finish = "stop"
+                    if finish is not None:
+                        stop_reasons[key] = event.stop_reason
+                    if seq.request_finished and seq.request_id in pending:
+                        pending.discard(seq.request_id)
+                        bar.update(1)
+                if use_tqdm and self.core.last_step is not None:
+                    num_prefill, num_decode = self.core.last_step
+                    rate = (num_prefill if num_prefill else num_decode) / max(elapsed, 1e-9)
+                    bar.set_postfix_str(f"{'Prefill' if num_prefill else 'Decode'}: {rate:.0f} tok/s")
+            self.core.drain()  # a step still in flight holds only finished requests' extra rows
+        finally:
+            for request_id in pending:
+                self.core.finish_request(request_id)
+            bar.close()
+        outputs = []
+        for leader in leaders:
+            results = [self._output(seq, assemblers, logprobs, stop_reasons) for seq in leader.group or [leader]]
+            outputs.append(results[0] if len(results) == 1 else results)
+        return outputs
 
     def _output(self, seq, assemblers: dict, logprobs: dict, stop_reasons: dict) -> dict:
         """One sequence's result: nano-vllm's text and token_ids, and what asyncllm adds."""
@@ -140,15 +134,3 @@ class LLM:
             decode_logprobs(self.tokenizer, seq.prompt_logprobs[1:])
             output["prompt_logprobs"] = seq.prompt_logprobs
         return output
-
-
-@contextmanager
-def _collector_paused():
-    """Python's cyclic garbage collector off for the block (as it was before, after it)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()

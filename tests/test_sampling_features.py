@@ -3,7 +3,6 @@
 blocks; each with the overlapped step loop and without it."""
 from __future__ import annotations
 
-import gc
 import random
 
 import pytest
@@ -295,23 +294,3 @@ def test_bad_word_whose_prefix_ends_in_the_token_in_flight(llms):
         assert not any(contains(b, e) for e in encodings)
         return
     pytest.fail("no generated pair of tokens reads back as itself")
-
-
-@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
-def test_generate_pauses_the_collector_and_leaves_no_cyclic_garbage(llms, overlap):
-    """LLM.generate holds Python's cyclic collector off while it runs; that is safe only if its steps
-    leave no reference cycles (which would pile up meanwhile): none, with every feature that makes
-    per-token objects. The collector's state is as the caller left it."""
-    llm = llms(overlap)
-    params = SamplingParams(temperature=0.8, seed=1, max_tokens=N, ignore_eos=True, logprobs=3, prompt_logprobs=2,
-                            presence_penalty=0.3, repetition_penalty=1.2, stop=["zz"], n=2)
-    gc.collect()
-    gc.disable()
-    try:
-        run(llm, PROMPTS, params)
-        assert not gc.isenabled()
-        assert gc.collect() == 0
-    finally:
-        gc.enable()
-    run(llm, PROMPTS[:1], params)
-    assert gc.isenabled()
