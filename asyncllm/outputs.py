@@ -40,6 +40,14 @@ class TokenLogprob:
         self.token = texts[self.token_id]
         self._texts = texts
 
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, TokenLogprob):
+            return NotImplemented
+        return (self.token_id, self.logprob, self.rank, self.top, self.token) == \
+            (other.token_id, other.logprob, other.rank, other.top, other.token)
+
+    __hash__ = None  # mutable (its texts are set later), as the dataclass it replaced
+
     def __repr__(self) -> str:
         return (f"TokenLogprob(token_id={self.token_id}, logprob={self.logprob}, rank={self.rank}, top={self.top}, "
                 f"token={self.token!r})")

@@ -422,3 +422,21 @@ def test_logprob_token_texts_are_each_token_decoded_alone(tokenizer, clean_up_sp
     finally:
         tokenizer.clean_up_tokenization_spaces = False
         _token_texts.pop(tokenizer, None)
+
+
+def test_token_logprob_reads_its_alternatives_from_array_rows_and_compares_by_value():
+    import numpy as np
+
+    from asyncllm.outputs import TokenLogprob
+
+    ids, logprobs = np.array([[7, 3, 9], [1, 2, 4]]), np.array([[-0.5, -1.5, -2.5], [-0.1, -0.2, -0.3]],
+                                                                dtype=np.float32)
+    entry = TokenLogprob(7, -0.5, 1, ids[0, :2], logprobs[0, :2])
+    assert entry.top == [(7, -0.5), (3, -1.5)] and all(type(t) is int and type(lp) is float for t, lp in entry.top)
+    assert entry.top_tokens is None and entry.token is None
+    entry.set_texts({7: "a", 3: "b"})
+    assert entry.token == "a" and entry.top_tokens == ["a", "b"]
+    same = TokenLogprob(7, -0.5, 1, [7, 3], [-0.5, -1.5])
+    same.set_texts({7: "a", 3: "b"})
+    assert entry == same and entry != TokenLogprob(7, -0.5, 2, [7, 3], [-0.5, -1.5])
+    assert "top=[(7, -0.5), (3, -1.5)]" in repr(entry)
