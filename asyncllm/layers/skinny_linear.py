@@ -17,6 +17,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from asyncllm.layers.fused import kernel_module
 
 logger = logging.getLogger("asyncllm")
 
@@ -29,8 +30,6 @@ MIN_GAIN = 0.03  # the kernel must be this much faster than cuBLAS: a tie within
 
 _enabled = os.environ.get("ASYNCLLM_SKINNY_GEMM", "0") == "1"  # off until measured on a GPU (issue 22)
 _UNDECIDED = object()
-_kernels = None  # asyncllm.kernels.skinny_gemm once looked up (None: not yet, or no Triton)
-_looked = False
 # (device, dtype, rows rounded up to a power of two, N, K, has bias) -> the kernel's SkinnyConfig, or None for cuBLAS
 _choices: dict[tuple, object] = {}
 
@@ -61,7 +60,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if rows and _enabled and x.device.type in KERNEL_DEVICE_TYPES and x.dtype in KERNEL_DTYPES \
             and weight.dtype == x.dtype and weight.stride(-1) == 1:
-        kernels = _kernels if _looked else _load_kernels()
+        kernels = kernel_module("skinny_gemm")
         if kernels is not None and rows <= kernels.MAX_ROWS:
             key = (x.device, x.dtype, 1 << (rows - 1).bit_length(), weight.shape[0], weight.shape[1], bias is not None)
             config = _choices.get(key, _UNDECIDED)
@@ -70,19 +69,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             if config is not None:
                 return kernels.skinny_gemm(x, weight, bias, config)
     return F.linear(x, weight, bias)
-
-
-def _load_kernels():
-    """The kernel module, imported on the first call that could use it, as layers/fused.py does:
-    CPU users never import Triton, and tests can still choose Triton's interpreter first."""
-    global _kernels, _looked
-    _looked = True
-    try:
-        from asyncllm.kernels import skinny_gemm
-        _kernels = skinny_gemm
-    except ImportError:  # no Triton: F.linear everywhere
-        _kernels = None
-    return _kernels
 
 
 def _decide(key: tuple, kernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
