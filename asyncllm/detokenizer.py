@@ -28,14 +28,12 @@ _token_texts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def decode_logprobs(tokenizer, logprobs) -> None:
     """Give each TokenLogprob the texts of its token and top tokens (each token decoded alone)."""
-    texts = _token_texts.get(tokenizer)
-    if texts is None:
-        texts = _token_texts.setdefault(tokenizer, {})
-    missing = set()
+    texts = _token_texts.setdefault(tokenizer, {})
+    wanted = set()
     for entry in logprobs:
-        missing.add(entry.token_id)
-        missing.update(entry.top_ids.tolist() if hasattr(entry.top_ids, "tolist") else entry.top_ids)
-    missing = sorted(token_id for token_id in missing if token_id not in texts)
+        wanted.add(entry.token_id)
+        wanted.update(entry.top_token_ids)
+    missing = [token_id for token_id in wanted if token_id not in texts]
     if missing:
         texts.update(zip(missing, _decode_each(tokenizer, missing)))
     for entry in logprobs:

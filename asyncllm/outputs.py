@@ -28,12 +28,17 @@ class TokenLogprob:
     @property
     def top(self) -> list[tuple[int, float]]:
         """(token id, log-prob) of each top alternative, most likely first."""
-        return list(zip(_as_list(self.top_ids), _as_list(self.top_logprobs)))
+        return list(zip(self.top_token_ids, _as_list(self.top_logprobs)))
+
+    @property
+    def top_token_ids(self) -> list[int]:
+        """The top alternatives' token ids, most likely first."""
+        return _as_list(self.top_ids)
 
     @property
     def top_tokens(self) -> list[str] | None:
         """The decoded text of each top alternative (None until the texts are set)."""
-        return None if self._texts is None else [self._texts[token_id] for token_id in _as_list(self.top_ids)]
+        return None if self._texts is None else [self._texts[token_id] for token_id in self.top_token_ids]
 
     def set_texts(self, texts: Mapping[int, str]) -> None:
         """Decoded texts by token id, holding this token's and its alternatives'."""
