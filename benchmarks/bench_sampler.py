@@ -2,12 +2,14 @@
 
     python benchmarks/bench_sampler.py [--batches 1,64,256] [--json PATH]
 
-Each row times one Sampler call (everything after the model's logits: the float cast, adjustments,
-masks, temperature, top-k/p, the exponential race, log-probabilities) with triton.testing.do_bench
-(median, cold L2). Rows: greedy; sampled (temperature 0.6); sampled with top-k 50 / top-p 0.9;
-sampled with penalties (presence, frequency, repetition; the Triton kernel, and the PyTorch path it
-replaces); with logprobs=5 (log_softmax + torch.topk, and kernels/logits_ops.chunked_logprobs, which
-reads the logits once, not yet wired in); with a grammar's bitmask on every row (the Triton kernel, and the PyTorch unpacking).
+Each row times one Sampler call on bf16 logits (everything after the model's logits: the float cast,
+adjustments, masks, temperature, top-k/p, the exponential race, log-probabilities) with
+triton.testing.do_bench (median, cold L2). Rows: greedy; sampled (temperature 0.6) with the one-read
+kernel (kernels/logits_ops.sample) and with the PyTorch race it replaces; sampled with top-k 50 /
+top-p 0.9; with penalties (presence, frequency, repetition; the Triton kernel, and the PyTorch path);
+with logprobs=5 (kernels/logits_ops.chunked_logprobs, and log_softmax + torch.topk); with a grammar's
+bitmask on every row (the Triton kernel, and the PyTorch unpacking). "PyTorch" rows switch every
+logits kernel off.
 """
 from __future__ import annotations
 
@@ -19,14 +21,9 @@ import triton.testing
 
 from asyncllm.layers import logits_adjustments, sampler as sampler_module
 from asyncllm.layers.logits_adjustments import LogitsAdjustments, TokenCounts
-from asyncllm.kernels.logits_ops import chunked_logprobs
-from asyncllm.layers.sampler import LogprobsTensors, Sampler, SamplingTensors, gather_logprobs
+from asyncllm.layers.sampler import Sampler, SamplingTensors, gather_logprobs, log_softmax_logprobs
 
 VOCAB = 151936
-
-
-def one_read_logprobs(logits, token_ids, num_top):
-    return LogprobsTensors(*chunked_logprobs(logits, token_ids, num_top))
 
 
 def cases(batch: int, device: torch.device):
@@ -35,7 +32,7 @@ def cases(batch: int, device: torch.device):
 
     def sampled(**extra):
         return SamplingTensors(temperatures=ones * 0.6, filter_rows=None, top_ks=None, top_ps=None, min_ps=None,
-                               seeded_rows=[], all_greedy=False, **extra)
+                               seeded_rows=[], all_greedy=False, keys=rows * 7919, **extra)
 
     counts = TokenCounts(VOCAB, device)
     slots = torch.tensor([counts.acquire(torch.randint(0, VOCAB, (512,)).tolist(),
@@ -44,14 +41,15 @@ def cases(batch: int, device: torch.device):
                                   repetition=ones * 1.1, token_counts=counts)
     bitmask = torch.randint(-2**31, 2**31 - 1, (batch, (VOCAB + 31) // 32), dtype=torch.int32, device=device)
     yield "greedy", SamplingTensors(None, None, None, None, None, [], True), None
-    yield "sampled", sampled(), None
+    yield "sampled (one-read kernel)", sampled(), None
+    yield "sampled (PyTorch race)", sampled(), "no-kernels"
     yield "sampled, top-k 50 + top-p 0.9", sampled(), dict(filter_rows=rows, top_ks=(ones * 50).long(),
                                                            top_ps=ones * 0.9)
-    yield "sampled + penalties (kernel)", sampled(adjustments=penalties), None
+    yield "sampled + penalties (kernels)", sampled(adjustments=penalties), None
     yield "sampled + penalties (PyTorch)", sampled(adjustments=penalties), "no-kernels"
-    yield "sampled + logprobs=5", sampled(logprob_rows=rows, num_top_logprobs=5), None
-    yield "sampled + logprobs=5 (one-read kernel, not wired in)", sampled(logprob_rows=rows, num_top_logprobs=5), \
-        "one-read-logprobs"
+    yield "sampled + logprobs=5 (kernels)", sampled(logprob_rows=rows, num_top_logprobs=5), None
+    yield "sampled + logprobs=5 (log_softmax + topk)", sampled(logprob_rows=rows, num_top_logprobs=5), \
+        "torch-logprobs"
     yield "sampled + bitmask (kernel)", sampled(mask_rows=rows, token_bitmask=bitmask), None
     yield "sampled + bitmask (PyTorch)", sampled(mask_rows=rows, token_bitmask=bitmask), "no-kernels"
 
@@ -76,7 +74,7 @@ def main() -> None:
                 variant = None
             logits_adjustments.logits_ops_for = sampler_module.logits_ops_for = (
                 (lambda x: None) if variant == "no-kernels" else kernels_for)
-            sampler_module.gather_logprobs = one_read_logprobs if variant == "one-read-logprobs" else gather_logprobs
+            sampler_module.gather_logprobs = log_softmax_logprobs if variant == "torch-logprobs" else gather_logprobs
             with torch.inference_mode():
                 ms = triton.testing.do_bench(lambda: sampler(logits, params), warmup=20, rep=100)
             results.append(dict(batch=batch, case=name, ms=ms))

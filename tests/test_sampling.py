@@ -6,20 +6,24 @@ import math
 import pytest
 import torch
 
-from asyncllm.layers.sampler import Sampler, SamplingTensors, _apply_top_k_top_p, gather_logprobs
+from asyncllm.layers.sampler import Sampler, SamplingTensors, _apply_top_k_top_p, gather_logprobs, noise_key
 from asyncllm.sampling_params import SamplingParams
 from helpers import seed_every_test
 
 sampler = Sampler()
 
 
-def tensors(params: list[SamplingParams], vocab: int, generators: dict[int, torch.Generator] | None = None):
-    """What ModelRunner.prepare_sampling builds, for a list of per-row params."""
-    return SamplingTensors.build(params, vocab, torch.device("cpu"), sorted((generators or {}).items()))
+def tensors(params: list[SamplingParams], vocab: int, seeded_keys: dict[int, int] | None = None):
+    """What ModelRunner.prepare_sampling builds, for a list of per-row params; seeded_keys: row -> the
+    noise key of a row with a seed (other rows get random keys)."""
+    keys = torch.randint(-2**63, 2**63 - 1, (len(params),)).tolist()
+    for row, key in (seeded_keys or {}).items():
+        keys[row] = key
+    return SamplingTensors.build(params, vocab, torch.device("cpu"), keys, sorted((seeded_keys or {}).items()))
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators=None) -> torch.Tensor:
-    return sampler(logits, tensors(params, logits.shape[-1], generators)).token_ids
+def sample(logits: torch.Tensor, params: list[SamplingParams], seeded_keys=None) -> torch.Tensor:
+    return sampler(logits, tensors(params, logits.shape[-1], seeded_keys)).token_ids
 
 
 def frequencies(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -134,24 +138,24 @@ def test_top_p_disabled_row_is_untouched_by_other_rows_top_p():
     assert torch.isinf(out[1]).any()
 
 
-def test_seeded_generators_reproducible_and_batch_independent():
+def test_seeded_rows_reproducible_and_batch_independent():
+    """A seeded row's noise key depends on its seed and token index alone (noise_key): the same
+    draws alone or in any row of a batch of differently sampled rows."""
     vocab = 1000
     logits = torch.randn(1, vocab)
     params = SamplingParams(temperature=1.0, seed=123)
 
     def draw_alone(seed, steps=20):
-        gen = torch.Generator().manual_seed(seed)
-        return [int(sample(logits, [params], {0: gen})) for _ in range(steps)]
+        return [int(sample(logits, [params], {0: noise_key(seed, step)})) for step in range(steps)]
 
     def draw_in_batch(seed, row, batch, steps=20):
-        gen = torch.Generator().manual_seed(seed)
         out = []
-        for _ in range(steps):
+        for step in range(steps):
             batch_logits = torch.randn(batch, vocab)
             batch_logits[row] = logits[0]
             others = [SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.01)] * batch
             others[row] = params
-            out.append(int(sample(batch_logits, others, {row: gen})[row]))
+            out.append(int(sample(batch_logits, others, {row: noise_key(seed, step)})[row]))
         return out
 
     alone = draw_alone(123)
@@ -160,6 +164,13 @@ def test_seeded_generators_reproducible_and_batch_independent():
     assert alone == draw_in_batch(123, row=0, batch=2)
     assert alone != draw_alone(124)
     assert len(set(alone)) > 5  # it is really sampling
+
+
+def test_noise_keys_are_int64_and_spread():
+    keys = [noise_key(seed, index) for seed in (0, 1, -(2**63), 2**64 - 1) for index in range(50)]
+    assert all(-(2**63) <= key < 2**63 for key in keys)
+    assert len(set(keys)) == len(keys)
+    assert noise_key(5, 3) == noise_key(5, 3) and noise_key(5, 3) != noise_key(6, 3)
 
 
 # ---- SamplingParams validation ----------------------------------------------------------------

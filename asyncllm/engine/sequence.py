@@ -50,7 +50,6 @@ class Sequence:
         self.first_scheduled_time: float | None = None
         self.num_cached_prompt_tokens = 0
         self.num_preemptions = 0
-        self.generator = None  # the sampler's own RNG for seeded requests, made on first use
         self.penalty_slot: int | None = None  # the runner's token-count slot, while it uses penalties
         # n > 1: the index among its request's sequences, and all of them (the first one prefills the
         # prompt and holds the others, not yet forked from it, in forks)

@@ -1,10 +1,13 @@
-"""In-place kernels on a step's float32 logits, with the math of asyncllm.layers, used on CUDA.
+"""Kernels on a step's logits, with the math of asyncllm.layers, used on CUDA.
 
+- sample: the exponential race (layers/sampler.py) in one read of the logits, its noise drawn
+  in the kernel from a Philox stream keyed per row.
+- chunked_logprobs: log-probabilities, ranks and top alternatives in one read.
 - apply_penalties_: repetition, frequency and presence penalties of the rows that have them, each
   row reading its token counts from its TokenCounts slot (layers/logits_adjustments.py).
 - apply_token_bitmask_: a grammar's allowed tokens, packed 32 to an int32 word, -inf elsewhere.
 
-In PyTorch each is a dozen full passes over (rows, vocabulary) temporaries, gathered rows and
+In PyTorch each is several to a dozen full passes over (rows, vocabulary) temporaries, gathered rows and
 scattered results (some 3 GB a step at 256 rows of Qwen3's 151,936 tokens); here each reads its
 inputs once and writes only what changes.
 """
@@ -87,7 +90,7 @@ def apply_token_bitmask_(logits: torch.Tensor, rows: torch.Tensor | None, bitmas
         ALL_ROWS=rows is None, BLOCK=_BLOCK, num_warps=8)
 
 
-# ---- log-probabilities in one read of the logits (not wired in yet: see chunked_logprobs) ----
+# ---- log-probabilities in one read of the logits ----
 
 _LOGPROB_BLOCK = 4096
 
@@ -120,8 +123,7 @@ def chunked_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
     """(chosen log-probs, ranks, top ids, top log-probs) of float32 logits (L, V) as
     layers.sampler.gather_logprobs gives them, reading the logits once: each chunk of a row gives
     its max, sum of exponentials, count above the chosen token and its num_top best, then a few
-    small PyTorch ops combine the chunks. Not used by the sampler until it has measured faster on
-    a GPU than log_softmax + torch.topk (docs/BENCHMARKS.md, run H)."""
+    small PyTorch ops combine the chunks."""
     assert logits.dtype == torch.float32 and logits.stride(1) == 1 and 0 <= num_top
     num_rows, n_cols = logits.shape
     num_chunks = cdiv(n_cols, _LOGPROB_BLOCK)
@@ -141,3 +143,114 @@ def chunked_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
     ranks = part_greater.sum(dim=1, dtype=torch.int64) + 1
     best_values, best = top_values.topk(num_top, dim=-1)
     return chosen.squeeze(1), ranks, top_ids.gather(1, best), best_values - log_total
+
+
+# ---- sampling in one read of the logits: the exponential race with Philox noise ----
+
+_SAMPLE_QUARTER = 1024  # one Philox call gives 4 draws: a chunk is 4 quarters of this many tokens
+
+
+@triton.jit
+def _chunk_uniforms(key, chunk, QUARTER: tl.constexpr):
+    """The uniform draws of chunk `chunk` of a row with Philox key `key`: four blocks, block q for
+    tokens chunk * 4 * QUARTER + q * QUARTER + [0, QUARTER). One pure function of (key, token)."""
+    return tl.rand4x(key, chunk * QUARTER + tl.arange(0, QUARTER))
+
+
+@triton.jit
+def _quarter_best(logits_ptr, row_offset, start, n_cols, u, inv_scale, sampled, QUARTER: tl.constexpr):
+    cols = start + tl.arange(0, QUARTER)
+    mask = cols < n_cols
+    x = tl.load(logits_ptr + row_offset + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    # argmax(x / T - log(-log u)) = argmax(p / E), E = -log u ~ Exp(1): a draw from softmax(x / T)
+    race = x * inv_scale - tl.log(-tl.log(u))
+    score = tl.where(mask, tl.where(sampled, race, x), float("-inf"))
+    best = tl.max(score, 0)
+    return best, tl.min(tl.where(score == best, cols, n_cols), 0)
+
+
+@triton.jit
+def _sample_chunks_kernel(logits_ptr, stride_l, temperatures_ptr, keys_ptr, part_score_ptr, part_id_ptr,
+                          n_cols, num_chunks, QUARTER: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    temperature = tl.load(temperatures_ptr + row)
+    sampled = temperature > 0
+    inv_scale = 1.0 / tl.where(sampled, temperature, 1.0)
+    u0, u1, u2, u3 = _chunk_uniforms(tl.load(keys_ptr + row), chunk, QUARTER)
+    start = chunk * 4 * QUARTER
+    row_offset = row * stride_l
+    best, at = _quarter_best(logits_ptr, row_offset, start, n_cols, u0, inv_scale, sampled, QUARTER)
+    b1, a1 = _quarter_best(logits_ptr, row_offset, start + QUARTER, n_cols, u1, inv_scale, sampled, QUARTER)
+    b2, a2 = _quarter_best(logits_ptr, row_offset, start + 2 * QUARTER, n_cols, u2, inv_scale, sampled, QUARTER)
+    b3, a3 = _quarter_best(logits_ptr, row_offset, start + 3 * QUARTER, n_cols, u3, inv_scale, sampled, QUARTER)
+    # strictly greater: on a tie the lower token wins, as torch.argmax's first maximum
+    at = tl.where(b1 > best, a1, at)
+    best = tl.maximum(best, b1)
+    at = tl.where(b2 > best, a2, at)
+    best = tl.maximum(best, b2)
+    at = tl.where(b3 > best, a3, at)
+    best = tl.maximum(best, b3)
+    part = row * num_chunks + chunk
+    tl.store(part_score_ptr + part, best)
+    tl.store(part_id_ptr + part, at)
+
+
+@triton.jit
+def _sample_pick_kernel(part_score_ptr, part_id_ptr, token_ids_ptr, num_chunks, n_cols, CHUNKS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    chunks = tl.arange(0, CHUNKS)
+    mask = chunks < num_chunks
+    scores = tl.load(part_score_ptr + row * num_chunks + chunks, mask=mask, other=float("-inf"))
+    ids = tl.load(part_id_ptr + row * num_chunks + chunks, mask=mask, other=n_cols)
+    best = tl.max(scores, 0)
+    # chunks hold ascending tokens, so the lowest id among the best is the first maximum; a row of
+    # -inf only (every token forbidden) gives token 0, as torch.argmax would
+    token = tl.min(tl.where(mask & (scores == best), ids, n_cols), 0)
+    tl.store(token_ids_ptr + row, tl.where(token < n_cols, token, 0).to(tl.int64))
+
+
+def sample(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """(B,) int64 token ids from logits (B, V) (float32 or bf16): row i draws from softmax(logits[i] /
+    temperatures[i]) with the Philox stream of keys[i] (int64), or takes the argmax where temperatures[i]
+    is 0. The logits are read once: each chunk of a row races its tokens' scaled logits against Gumbel
+    noise, then one small kernel picks each row's winner. The same (key, logits) always give the same
+    token, whatever else is in the batch."""
+    assert logits.stride(1) == 1 and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    num_rows, n_cols = logits.shape
+    chunk_cols = 4 * _SAMPLE_QUARTER
+    num_chunks = cdiv(n_cols, chunk_cols)
+    token_ids = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    if num_rows == 0:
+        return token_ids
+    part_score = torch.empty((num_rows, num_chunks), dtype=torch.float32, device=logits.device)
+    part_id = torch.empty((num_rows, num_chunks), dtype=torch.int32, device=logits.device)
+    _sample_chunks_kernel[(num_rows, num_chunks)](
+        logits, logits.stride(0), temperatures, keys, part_score, part_id, n_cols, num_chunks,
+        QUARTER=_SAMPLE_QUARTER, num_warps=4)
+    _sample_pick_kernel[(num_rows,)](part_score, part_id, token_ids, num_chunks, n_cols,
+                                     CHUNKS=triton.next_power_of_2(num_chunks), num_warps=1)
+    return token_ids
+
+
+@triton.jit
+def _uniforms_kernel(keys_ptr, out_ptr, stride_o, n_cols, QUARTER: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    u0, u1, u2, u3 = _chunk_uniforms(tl.load(keys_ptr + row), chunk, QUARTER)
+    start = chunk * 4 * QUARTER + tl.arange(0, QUARTER)
+    base = out_ptr + row * stride_o
+    tl.store(base + start, u0, mask=start < n_cols)
+    tl.store(base + start + QUARTER, u1, mask=start + QUARTER < n_cols)
+    tl.store(base + start + 2 * QUARTER, u2, mask=start + 2 * QUARTER < n_cols)
+    tl.store(base + start + 3 * QUARTER, u3, mask=start + 3 * QUARTER < n_cols)
+
+
+def sample_uniforms(keys: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """(B, n_cols) float32: the uniform draws `sample` races with for each row's key, for checking it
+    against PyTorch."""
+    out = torch.empty((len(keys), n_cols), dtype=torch.float32, device=keys.device)
+    if len(keys):
+        _uniforms_kernel[(len(keys), cdiv(n_cols, 4 * _SAMPLE_QUARTER))](keys, out, out.stride(0), n_cols,
+                                                                           QUARTER=_SAMPLE_QUARTER)
+    return out

@@ -97,7 +97,7 @@ class ModelRunner:
         load_weights(self.model, weights if weights is not None else iter_safetensors(config.model))
         self.model.eval()
         self.sampler = Sampler()
-        self.sampling_inputs = SamplingInputs(hf.vocab_size, self.device)
+        self.sampling_inputs = SamplingInputs(hf.vocab_size, self.device, config.seed)
         self.num_layers = hf.num_hidden_layers
         attn = self.model.model.layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -172,6 +172,10 @@ class ModelRunner:
                     min_ps=ones * 0.05, seeded_rows=[], all_greedy=False, adjustments=penalties,
                     logprob_rows=rows_index, num_top_logprobs=20, mask_rows=mask_rows,
                     token_bitmask=every_token[:len(mask_rows)]))
+            # and the one-read path of rows without top-k/p or min-p (its kernels compiled here too)
+            self.sampler(logits, SamplingTensors(
+                temperatures=ones, filter_rows=None, top_ks=None, top_ps=None, min_ps=None, seeded_rows=[],
+                all_greedy=False, keys=rows_index, logprob_rows=rows_index, num_top_logprobs=20))
             del logits, ones, counts, penalties, every_token
         torch.cuda.synchronize()
         del probe_cache, self.attn_backend, batch

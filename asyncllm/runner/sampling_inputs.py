@@ -15,7 +15,7 @@ import torch
 from asyncllm.engine.scheduler import ScheduledSeq
 from asyncllm.engine.sequence import PENDING_TOKEN, Sequence
 from asyncllm.layers.logits_adjustments import LogitsAdjustments, TokenCounts
-from asyncllm.layers.sampler import SamplingTensors
+from asyncllm.layers.sampler import SamplingTensors, noise_key
 
 
 @dataclass
@@ -51,9 +51,10 @@ def plan_prompt_logprobs(scheduled: list[ScheduledSeq]) -> PromptLogprobsPlan | 
 
 
 class SamplingInputs:
-    def __init__(self, vocab_size: int, device: torch.device):
+    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0):
         self.vocab_size = vocab_size
         self.device = device
+        self.key_source = np.random.default_rng(seed)  # unseeded rows' noise keys
         self.token_counts = TokenCounts(vocab_size, device)
 
     def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
@@ -65,13 +66,17 @@ class SamplingInputs:
         log-probabilities; -1: this row did not). prev_sampled: the ids (on the device) of the step
         in flight, which samples the rows' PENDING_TOKENs (overlapped steps)."""
         params = [seq.params for seq in seqs]
-        seeded_rows = []
-        for row, seq in enumerate(seqs):
-            if seq.params.seed is not None and seq.params.temperature > 0:
-                if seq.generator is None:
-                    seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed)
-                seeded_rows.append((row, seq.generator))
-        tensors = SamplingTensors.build(params, self.vocab_size, self.device, seeded_rows)
+        keys, seeded_rows = None, []
+        if any(p.temperature > 0 for p in params):
+            # unseeded rows: consecutive keys from a fresh random base each step
+            base = int(self.key_source.integers(-(1 << 63), (1 << 63) - len(seqs)))
+            keys = base + np.arange(len(seqs), dtype=np.int64)
+            for row, seq in enumerate(seqs):
+                if seq.params.seed is not None and seq.params.temperature > 0:
+                    # the token sampled now is the completion's token number len(seq) - num_prompt_tokens
+                    keys[row] = key = noise_key(seq.params.seed, len(seq.token_ids) - seq.num_prompt_tokens)
+                    seeded_rows.append((row, key))
+        tensors = SamplingTensors.build(params, self.vocab_size, self.device, keys, seeded_rows)
         if not any(seq.needs_sampling_extras for seq in seqs):
             return tensors, None
         if any(seq.adjusts_logits for seq in seqs):
