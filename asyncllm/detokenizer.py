@@ -21,21 +21,28 @@ except ImportError:  # tokenizers < 0.20.4
 _CONTEXT_TOKENS = 5
 
 
-# each tokenizer's token texts, decoded alone, as logprobs show them: a request with logprobs=5
-# needs six per token, and one transformers decode call costs more than the step's share of a token
-_token_texts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+class TokenTexts(dict):
+    """A tokenizer's token texts by id, each decoded alone (as logprobs show them) on its first
+    lookup: a request with logprobs=5 names six tokens per step, most never read, and 134,000
+    tokens' worth decoded up front cost LLM.generate 5 % of a throughput run."""
+
+    def __init__(self, tokenizer):
+        super().__init__()
+        self._tokenizer = weakref.ref(tokenizer)  # the cache is the tokenizer's: it must not keep it alive
+
+    def __missing__(self, token_id: int) -> str:
+        text = self[token_id] = _decode_each(self._tokenizer(), [token_id])[0]
+        return text
+
+
+_token_texts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its TokenTexts
 
 
 def decode_logprobs(tokenizer, logprobs) -> None:
-    """Give each TokenLogprob the texts of its token and top tokens (each token decoded alone)."""
-    texts = _token_texts.setdefault(tokenizer, {})
-    wanted = set()
-    for entry in logprobs:
-        wanted.add(entry.token_id)
-        wanted.update(entry.top_token_ids)
-    missing = [token_id for token_id in wanted if token_id not in texts]
-    if missing:
-        texts.update(zip(missing, _decode_each(tokenizer, missing)))
+    """Give each TokenLogprob its tokenizer's texts (decoded when first read)."""
+    texts = _token_texts.get(tokenizer)
+    if texts is None:
+        texts = _token_texts[tokenizer] = TokenTexts(tokenizer)
     for entry in logprobs:
         entry.set_texts(texts)
 

@@ -13,7 +13,7 @@ class TokenLogprob:
     top_logprobs may be rows of them) and `top` / `top_tokens` are made when read. A request with
     logprobs=5 would otherwise leave eight tracked objects per token, and the garbage collector's
     passes over them cost more than the rest of the step's host work."""
-    __slots__ = ("token_id", "logprob", "rank", "top_ids", "top_logprobs", "token", "_texts")
+    __slots__ = ("token_id", "logprob", "rank", "top_ids", "top_logprobs", "_texts")
 
     def __init__(self, token_id: int, logprob: float, rank: int, top_ids: Sequence[int] = (),
                  top_logprobs: Sequence[float] = ()):
@@ -22,8 +22,12 @@ class TokenLogprob:
         self.rank = rank  # 1 = the most likely token
         self.top_ids = top_ids  # most likely first; as many as were asked for
         self.top_logprobs = top_logprobs
-        self.token: str | None = None  # decoded text of token_id, filled in where text is made (streams, LLM)
         self._texts: Mapping[int, str] | None = None
+
+    @property
+    def token(self) -> str | None:
+        """The decoded text of token_id (None until the texts are set, where text is made: streams, LLM)."""
+        return None if self._texts is None else self._texts[self.token_id]
 
     @property
     def top(self) -> list[tuple[int, float]]:
@@ -41,8 +45,7 @@ class TokenLogprob:
         return None if self._texts is None else [self._texts[token_id] for token_id in self.top_token_ids]
 
     def set_texts(self, texts: Mapping[int, str]) -> None:
-        """Decoded texts by token id, holding this token's and its alternatives'."""
-        self.token = texts[self.token_id]
+        """Decoded texts by token id (detokenizer.TokenTexts: each decoded on first lookup)."""
         self._texts = texts
 
     def __eq__(self, other) -> bool:
