@@ -5,7 +5,8 @@
 
 TTFT: wall time of generate([prompt], max_tokens=1, greedy) for 128- and 1024-token prompts,
 median of --reps after a warm-up. TPOT: (time of max_tokens=N+1 - time of max_tokens=1) / N for a
---tpot-prompt-len prompt, median of --tpot-reps. Every run uses a fresh random prompt, so the
+--tpot-prompt-len prompt, median of --tpot-reps, at each of --temperatures (greedy and sampled at
+0.6 by default: sampling runs after the CUDA graph). Every run uses a fresh random prompt, so the
 prefix cache never serves one. Bandwidth utilisation: the bytes a decode step must read (weights
 except the embedding table, plus the lm_head; K and V of the average context) / TPOT, over the
 measured device-to-device copy bandwidth. With --tensor-parallel-size N the bytes are one rank's
@@ -13,7 +14,7 @@ shard (each GPU reads its own), so the utilisation is per GPU.
 
 TPOT (stream): the same prompt length and N through one `async for out in engine.stream(...)` of an
 AsyncLLMEngine (started after the LLM is gone): (time of the last item - time of the first) / the
-tokens after the first -- what a chat app's single user sees.
+tokens after the first -- what a chat app's single user sees; at each temperature too.
 
 --skinny-gemm: decode's linear layers through the skinny-GEMM kernel where it beats cuBLAS (on:
 ASYNCLLM_SKINNY_GEMM=1), or cuBLAS only (off, the engine's default); both runs each setting in its own
@@ -55,32 +56,39 @@ def kv_bytes_per_token(runner) -> int:
     return 2 * runner.num_layers * runner.num_kv_heads * runner.head_dim * runner.dtype.itemsize
 
 
-def generate_time(llm: LLM, rng: random.Random, prompt_len: int, max_tokens: int, device: str) -> float:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+def generate_time(llm: LLM, rng: random.Random, prompt_len: int, max_tokens: int, device: str,
+                  temperature: float = 0.0) -> float:
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
     prompt = random_prompt(rng, prompt_len)
     return timed(lambda: llm.generate([prompt], params, use_tqdm=False), device)[1]
 
 
 async def stream_tpots(model_dir: str, kwargs: dict, rng: random.Random, prompt_len: int, num_tokens: int,
-                       reps: int) -> list[float]:
-    params = SamplingParams(temperature=0, max_tokens=num_tokens + 1, ignore_eos=True)
+                       reps: int, temperatures: list[float]) -> dict[float, list[float]]:
     async with AsyncLLMEngine(model_dir, **kwargs) as engine:
         await engine.generate(random_prompt(rng, prompt_len), SamplingParams(max_tokens=8, ignore_eos=True))
-        tpots = []
-        for _ in range(reps):
-            first = last = None
-            count = 0
-            async for out in engine.stream(random_prompt(rng, prompt_len), params):
-                last = time.perf_counter()
-                if first is None:
-                    first, count = last, len(out.token_ids) - 1
-                else:
-                    count += len(out.token_ids)
-            tpots.append((last - first) / count)
+        return {t: await stream_tpot_runs(engine, rng, prompt_len, num_tokens, reps, t) for t in temperatures}
+
+
+async def stream_tpot_runs(engine: AsyncLLMEngine, rng: random.Random, prompt_len: int, num_tokens: int, reps: int,
+                           temperature: float) -> list[float]:
+    params = SamplingParams(temperature=temperature, max_tokens=num_tokens + 1, ignore_eos=True)
+    tpots = []
+    for _ in range(reps):
+        first = last = None
+        count = 0
+        async for out in engine.stream(random_prompt(rng, prompt_len), params):
+            last = time.perf_counter()
+            if first is None:
+                first, count = last, len(out.token_ids) - 1
+            else:
+                count += len(out.token_ids)
+        tpots.append((last - first) / count)
     return tpots
 
 
-COLUMNS = [("metric", "metric"), ("skinny GEMM", "skinny_gemm"), ("prompt tokens", "prompt_len"),
+COLUMNS = [("metric", "metric"), ("skinny GEMM", "skinny_gemm"), ("temperature", "temperature"),
+           ("prompt tokens", "prompt_len"),
            ("median (ms)", "median_ms", "{:.3f}"), ("min (ms)", "min_ms", "{:.3f}"), ("/ off", "off_ratio", "{:.3f}"),
            ("runs", "runs"), ("GB/s", "achieved_gb_s", "{:.0f}"), ("bandwidth util.", "bandwidth_util", "{:.1%}")]
 
@@ -116,7 +124,8 @@ def compare_skinny_gemm(raw_argv: list[str], args, report: Report) -> None:
     rows = report.data["results"]
     for row in rows:
         off = next((r for r in rows if r.get("skinny_gemm") == "off" and r.get("metric") == row.get("metric")
-                    and r.get("prompt_len") == row.get("prompt_len") and r.get("median_ms")), None)
+                    and r.get("prompt_len") == row.get("prompt_len") and r.get("temperature") == row.get("temperature")
+                    and r.get("median_ms")), None)
         if off and row.get("median_ms"):
             row["off_ratio"] = row["median_ms"] / off["median_ms"]
 
@@ -129,6 +138,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--tpot-tokens", type=int, default=128, help="N: output tokens timed for TPOT")
     parser.add_argument("--tpot-prompt-len", type=int, default=128)
     parser.add_argument("--tpot-reps", type=int, default=3)
+    parser.add_argument("--temperatures", default="0,0.6",
+                        help="comma-separated sampling temperatures of the TPOT rows (0: greedy)")
     parser.add_argument("--skinny-gemm", default="off", choices=["on", "off", "both"],
                         help="decode's linear layers through the skinny-GEMM kernel where it is faster (on), cuBLAS "
                              "only (off), or each in its own process (both)")
@@ -167,22 +178,27 @@ def measure(args, report: Report) -> None:
             report.add(dict(metric="TTFT", **setting, prompt_len=n, median_ms=ms(median(times)),
                             min_ms=ms(min(times)), runs=len(times)))
         n = args.tpot_tokens
-        tpots = [(generate_time(llm, rng, args.tpot_prompt_len, n + 1, args.device)
-                  - generate_time(llm, rng, args.tpot_prompt_len, 1, args.device)) / n for _ in range(args.tpot_reps)]
+        temperatures = [float(t) for t in args.temperatures.split(",")]
         runner = llm.core.runner
         weights = weight_bytes_per_step(runner.model)
         kv = kv_bytes_per_token(runner) * (args.tpot_prompt_len + n / 2)  # the average context of the N steps
-        tpot = median(tpots)
-        achieved = (weights + kv) / tpot
-        report.add(dict(metric="TPOT", **setting, prompt_len=args.tpot_prompt_len, median_ms=ms(tpot),
-                        min_ms=ms(min(tpots)), runs=len(tpots), output_tokens=n, weight_bytes=weights, kv_bytes=kv,
-                        achieved_gb_s=achieved / 1e9, bandwidth_util=achieved / copy_bw))
+        for temperature in temperatures:
+            tpots = [(generate_time(llm, rng, args.tpot_prompt_len, n + 1, args.device, temperature)
+                      - generate_time(llm, rng, args.tpot_prompt_len, 1, args.device, temperature)) / n
+                     for _ in range(args.tpot_reps)]
+            tpot = median(tpots)
+            achieved = (weights + kv) / tpot
+            report.add(dict(metric="TPOT", **setting, temperature=temperature, prompt_len=args.tpot_prompt_len,
+                            median_ms=ms(tpot), min_ms=ms(min(tpots)), runs=len(tpots), output_tokens=n,
+                            weight_bytes=weights, kv_bytes=kv, achieved_gb_s=achieved / 1e9,
+                            bandwidth_util=achieved / copy_bw))
         llm = runner = None  # noqa: F841 - the async engine below sizes its KV cache from the memory left
         release_memory()
-        stream = asyncio.run(stream_tpots(model_dir, engine_kwargs(args, args.backend), rng, args.tpot_prompt_len, n,
-                                          args.tpot_reps))
-        report.add(dict(metric="TPOT (stream)", **setting, prompt_len=args.tpot_prompt_len,
-                        median_ms=ms(median(stream)), min_ms=ms(min(stream)), runs=len(stream), output_tokens=n))
+        streams = asyncio.run(stream_tpots(model_dir, engine_kwargs(args, args.backend), rng, args.tpot_prompt_len, n,
+                                           args.tpot_reps, temperatures))
+        for temperature, stream in streams.items():
+            report.add(dict(metric="TPOT (stream)", **setting, temperature=temperature, prompt_len=args.tpot_prompt_len,
+                            median_ms=ms(median(stream)), min_ms=ms(min(stream)), runs=len(stream), output_tokens=n))
         release_memory()
 
 

@@ -30,6 +30,7 @@ from common import (Report, add_engine_args, bench_requests, checkpoint_from_arg
                     make_parser, median, parse_args, random_prompt, release_memory, with_features)
 
 from asyncllm import LLM, SamplingParams
+from asyncllm.runner.launched_step import LaunchedStep
 
 
 def timed_step(core, device: str) -> dict:
@@ -140,7 +141,10 @@ def profile_workload(core, num_requests: int, device: str, features: str = "plai
     (overlapped or not), its requests with the sampling features given (common.FEATURES): wall
     time against the device time of each launched step (CUDA events from before its inputs' copy
     to after its sampling), summed by kind of step. A step's device time includes any wait for the
-    host to queue its own kernels, so wall - gpu is the least host time the device sat idle for."""
+    host to queue its own kernels, so wall - gpu is the least host time the device sat idle for. host
+    waits: the time the engine thread sat blocked on the device's results (LaunchedStep._on_host);
+    near 0 means the host is the bottleneck (the device's work is done before the host asks for
+    it), near wall the device."""
     prompts, params = bench_requests(num_requests)
     params = with_features(params, features)
     if features != "plain":  # untimed: a grammar's compile, the features' first kernels
@@ -165,6 +169,14 @@ def profile_workload(core, num_requests: int, device: str, features: str = "plai
         launched_steps.append(("decode only" if decode_only else "with prefill", sched.num_batched_tokens, start, end))
         return launched
     core.runner.launch = timed_launch
+    waits = [0.0]
+    on_host = LaunchedStep._on_host
+
+    def timed_on_host(step):
+        t = time.perf_counter()
+        on_host(step)
+        waits[0] += time.perf_counter() - t
+    LaunchedStep._on_host = timed_on_host
     try:
         if cuda:
             torch.cuda.synchronize()
@@ -176,6 +188,7 @@ def profile_workload(core, num_requests: int, device: str, features: str = "plai
         wall = time.perf_counter() - t0
     finally:
         del core.runner.launch  # the bound method again
+        LaunchedStep._on_host = on_host
     totals: dict[str, dict] = {}
     for kind, num_tokens, start, end in launched_steps:
         row = totals.setdefault(kind, {"kind": kind, "steps": 0, "tokens": 0, "gpu": 0.0})
@@ -189,7 +202,7 @@ def profile_workload(core, num_requests: int, device: str, features: str = "plai
     return rows + [{"kind": f"all (overlap {'on' if core.overlap else 'off'})", "features": features,
                     "steps": len(launched_steps),
                     "tokens": sum(r["tokens"] for r in rows), "gpu": gpu, "wall": wall,
-                    "host_idle": wall - gpu if cuda else None}]
+                    "host_idle": wall - gpu if cuda else None, "host_waits": waits[0]}]
 
 
 PARTS = ["wall", "gpu", "schedule", "launch", "wait", "resolve", "graph_replay"]
@@ -198,7 +211,8 @@ COLUMNS = [("step", "step"), ("seqs", "num_seqs"), ("tokens", "num_tokens"), ("k
 
 
 WORKLOAD_COLUMNS = [("features", "features"), ("steps", "kind"), ("count", "steps"), ("tokens", "tokens"), ("wall (s)", "wall", "{:.3f}"),
-                    ("gpu (s)", "gpu", "{:.3f}"), ("wall - gpu (s)", "host_idle", "{:.3f}")]
+                    ("gpu (s)", "gpu", "{:.3f}"), ("wall - gpu (s)", "host_idle", "{:.3f}"),
+                    ("host waits (s)", "host_waits", "{:.3f}")]
 
 
 def main(argv=None) -> dict:

@@ -34,7 +34,8 @@ import tempfile
 import time
 
 from common import (Report, add_engine_args, bench_requests, checkpoint_from_args, engine_kwargs, jit_compiled_since,
-                    make_parser, parse_args, release_memory, strip_options, synchronize, timed, warmup_requests)
+                    make_parser, parse_args, release_memory, strip_options, synchronize, timed, warmup_requests,
+                    with_features)
 
 from asyncllm import LLM, AsyncLLMEngine, SamplingParams
 from asyncllm.kernels import compiled_variants

@@ -1,0 +1,54 @@
+"""The benchmark scripts run end to end on CPU with the tiny model, so a broken script shows here and
+not first on the GPU machine, whose time is scarce. Only that they run and report rows without
+errors is checked: their figures mean something only on a GPU."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, BENCHMARKS)
+
+import bench_latency  # noqa: E402
+import bench_profile  # noqa: E402
+import bench_throughput  # noqa: E402
+from common import make_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return make_checkpoint("tiny", str(tmp_path_factory.mktemp("bench-tiny")), device="cpu")
+
+
+def rows_without_errors(data: dict) -> list[dict]:
+    rows = data["results"]
+    assert rows, "no rows"
+    errors = [row for row in rows if row.get("error")]
+    assert not errors, errors
+    return rows
+
+
+def test_bench_throughput_runs_with_every_feature(tiny_model):
+    data = bench_throughput.main(["--model-dir", tiny_model, "--device", "cpu", "--num-requests", "2",
+                                  "--max-input", "100", "--max-output", "100", "--warmup-requests", "1",
+                                  "--mode", "sync", "--features", "penalties+logprobs+json"])
+    (row,) = rows_without_errors(data)
+    assert row["total_tokens"] > 0 and row["throughput_tok_s"] > 0
+
+
+def test_bench_latency_runs_greedy_and_sampled(tiny_model):
+    data = bench_latency.main(["--model-dir", tiny_model, "--device", "cpu", "--ttft-prompt-lens", "16", "--reps",
+                               "1", "--tpot-tokens", "2", "--tpot-prompt-len", "16", "--tpot-reps", "1"])
+    rows = rows_without_errors(data)
+    assert {(row["metric"], row.get("temperature")) for row in rows} >= {
+        ("TPOT", 0.0), ("TPOT", 0.6), ("TPOT (stream)", 0.0), ("TPOT (stream)", 0.6)}
+
+
+def test_bench_profile_runs_with_its_workload(tiny_model):
+    data = bench_profile.main(["--model-dir", tiny_model, "--device", "cpu", "--reps", "1", "--batch", "2",
+                               "--context", "16", "--prefill-len", "16", "--workload", "2",
+                               "--workload-features", "plain,logprobs"])
+    rows_without_errors(data)
+    assert [row["features"] for row in data["workload"] if row["kind"].startswith("all")] == ["plain", "logprobs"]
