@@ -34,6 +34,7 @@ if not CUDA and not _AOT_SUBPROCESS:
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 INF = float("inf")
+MASS_TOL = 1e-3 if CUDA else 1e-4  # float32 sums over 151,936 tokens (CUDA) or a few thousand
 
 _seed = seed_every_test(22)
 
@@ -83,10 +84,10 @@ def scaled(logits, temperatures):
     return logits.float() / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)
 
 
-def assert_same_kept(logits, temperatures, top_ks, top_ps, min_ps, got, ref, mass_tol=1e-4):
+def assert_same_kept(logits, temperatures, top_ks, top_ps, min_ps, got, ref):
     """The kept sets z >= cutoff agree, except for tokens at a boundary within float32 rounding: a
-    token whose mass strictly above it (float64) is within mass_tol of top_p, or whose z is within
-    rounding of max z + log(min_p). Greedy rows get -inf; rows with top-k alone agree exactly."""
+    token whose mass strictly above it (float64) is within MASS_TOL of top_p, or whose z is within
+    rounding of max z + log(min_p); few of them. Greedy rows get -inf; top-k alone agrees exactly."""
     assert not got.isnan().any(), "NaN cutoffs"
     z = scaled(logits, temperatures)
     assert (got[temperatures <= 0] == -INF).all()
@@ -96,7 +97,8 @@ def assert_same_kept(logits, temperatures, top_ks, top_ps, min_ps, got, ref, mas
         differ = ((z[row] >= got[row]) ^ (z[row] >= ref[row])).nonzero().squeeze(1)
         if len(differ) == 0:
             continue
-        assert len(differ) <= 3, f"row {row}: {len(differ)} tokens differ ({got[row]} vs {ref[row]})"
+        few = max(3, z.shape[1] // 1000)  # flat rows: many tokens of tiny mass sit near the top-p boundary
+        assert len(differ) <= few, f"row {row}: {len(differ)} tokens differ ({got[row]} vs {ref[row]})"
         zz = z[row].double()
         k_cut = -INF
         if top_ks is not None and 0 < top_ks[row] < z.shape[1]:
@@ -106,7 +108,7 @@ def assert_same_kept(logits, temperatures, top_ks, top_ps, min_ps, got, ref, mas
             ambiguous = False
             if top_ps is not None and top_ps[row] < 1:
                 above = probs[zz > zz[token]].sum().item()
-                ambiguous |= abs(above - top_ps[row].item()) <= mass_tol
+                ambiguous |= abs(above - top_ps[row].item()) <= MASS_TOL
             if min_ps is not None and min_ps[row] > 0:
                 threshold = zz.max().item() + math.log(min_ps[row].item())
                 ambiguous |= abs(zz[token].item() - threshold) <= 1e-5 * max(1.0, abs(threshold))
@@ -171,8 +173,8 @@ def test_reference_semantics_on_ties_and_masks():
 FILTERS = ["k", "p", "m", "kp", "km", "pm", "kpm", ""]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("filters", FILTERS)
+@pytest.mark.parametrize("filters,dtype", [(f, d) for f in FILTERS for d in (torch.float32, torch.bfloat16)]
+                         + [("kpm", torch.float16)])
 def test_kernel_matches_reference(small_chunks, filters, dtype):
     """Every combination of filters (rows mixing limits, no-limit values and a greedy row), random,
     peaked, flat, half-masked and tied rows; the vocabulary is not a multiple of the chunk."""
@@ -242,11 +244,11 @@ def test_kernel_matches_reference_on_qwen3_vocab(num_rows, dtype):
         limits = (torch.tensor([0.7], device=DEVICE), torch.tensor([50], device=DEVICE),
                   torch.tensor([0.9], device=DEVICE), torch.tensor([0.05], device=DEVICE))
     got, _ = run_kernel(logits, *limits)
-    assert_same_kept(logits, *limits, got, filter_cutoffs_reference(logits, *limits), mass_tol=1e-3)
+    assert_same_kept(logits, *limits, got, filter_cutoffs_reference(logits, *limits))
     for single in ("k", "p", "m"):
         limits = settings(num_rows, vocab, single)
         got, _ = run_kernel(logits, *limits)
-        assert_same_kept(logits, *limits, got, filter_cutoffs_reference(logits, *limits), mass_tol=1e-3)
+        assert_same_kept(logits, *limits, got, filter_cutoffs_reference(logits, *limits))
 
 
 # ----------------------------------------------------------------------------- sm_90 compile check
