@@ -6,7 +6,8 @@
 TTFT: wall time of generate([prompt], max_tokens=1, greedy) for 128- and 1024-token prompts,
 median of --reps after a warm-up. TPOT: (time of max_tokens=N+1 - time of max_tokens=1) / N for a
 --tpot-prompt-len prompt, median of --tpot-reps, at each of --temperatures (greedy and sampled at
-0.6 by default: sampling runs after the CUDA graph). Every run uses a fresh random prompt, so the
+0.6 by default: sampling runs after the CUDA graph). On CUDA, the batch-1 decode graph's replay
+alone (bench_profile.graph_replay_time): the step's device time without sampling or host work. Every run uses a fresh random prompt, so the
 prefix cache never serves one. Bandwidth utilisation: the bytes a decode step must read (weights
 except the embedding table, plus the lm_head; K and V of the average context) / TPOT, over the
 measured device-to-device copy bandwidth. With --tensor-parallel-size N the bytes are one rank's
@@ -32,6 +33,7 @@ import sys
 import tempfile
 import time
 
+from bench_profile import graph_replay_time
 from common import (Report, add_engine_args, checkpoint_from_args, engine_kwargs, make_parser,
                     measure_copy_bandwidth, median, ms, parse_args, random_prompt, release_memory, strip_options,
                     timed)
@@ -192,6 +194,9 @@ def measure(args, report: Report) -> None:
                             median_ms=ms(tpot), min_ms=ms(min(tpots)), runs=len(tpots), output_tokens=n,
                             weight_bytes=weights, kv_bytes=kv, achieved_gb_s=achieved / 1e9,
                             bandwidth_util=achieved / copy_bw))
+        replay = graph_replay_time(runner, 1) if args.device == "cuda" else None
+        if replay is not None:  # the batch-1 forward's device time alone: the floor TPOT is held to
+            report.add(dict(metric="decode graph replay (device)", **setting, median_ms=ms(replay), runs=1))
         llm = runner = None  # noqa: F841 - the async engine below sizes its KV cache from the memory left
         release_memory()
         streams = asyncio.run(stream_tpots(model_dir, engine_kwargs(args, args.backend), rng, args.tpot_prompt_len, n,

@@ -5,8 +5,9 @@
 Each row times one Sampler call on bf16 logits (everything after the model's logits: the float cast,
 adjustments, masks, temperature, top-k/p, the exponential race, log-probabilities) with
 triton.testing.do_bench (median, cold L2). Rows: greedy; sampled (temperature 0.6) with the one-read
-kernel (kernels/logits_ops.sample) and with the PyTorch race it replaces; sampled with top-k 50 /
-top-p 0.9; with penalties (presence, frequency, repetition; the Triton kernel, and the PyTorch path);
+kernel (kernels/logits_ops.sample) and with the PyTorch race it replaces; sampled with top-k 50 +
+top-p 0.9 (the cutoff kernels of kernels/sampling_filters.py, and the sort-based reference) and
+with top-p 0.95 alone; with penalties (presence, frequency, repetition; the Triton kernel, and the PyTorch path);
 with logprobs=5 (kernels/logits_ops.chunked_logprobs, and log_softmax + torch.topk); with a grammar's
 bitmask on every row (the Triton kernel, and the PyTorch unpacking). "PyTorch" rows switch every
 logits kernel off.
@@ -19,7 +20,7 @@ import json
 import torch
 import triton.testing
 
-from asyncllm.layers import logits_adjustments, sampler as sampler_module
+from asyncllm.layers import logits_adjustments, sampler as sampler_module, sampling_filters
 from asyncllm.layers.logits_adjustments import LogitsAdjustments, TokenCounts
 from asyncllm.layers.sampler import Sampler, SamplingTensors, gather_logprobs, log_softmax_logprobs
 
@@ -31,7 +32,7 @@ def cases(batch: int, device: torch.device):
     rows = torch.arange(batch, device=device)
 
     def sampled(**extra):
-        return SamplingTensors(temperatures=ones * 0.6, filter_rows=None, top_ks=None, top_ps=None, min_ps=None,
+        return SamplingTensors(temperatures=ones * 0.6, top_ks=None, top_ps=None, min_ps=None,
                                seeded_rows=[], all_greedy=False, keys=rows * 7919, **extra)
 
     counts = TokenCounts(VOCAB, device)
@@ -40,11 +41,13 @@ def cases(batch: int, device: torch.device):
     penalties = LogitsAdjustments(penalty_rows=rows, penalty_slots=slots, presence=ones * 0.5, frequency=ones * 0.5,
                                   repetition=ones * 1.1, token_counts=counts)
     bitmask = torch.randint(-2**31, 2**31 - 1, (batch, (VOCAB + 31) // 32), dtype=torch.int32, device=device)
-    yield "greedy", SamplingTensors(None, None, None, None, None, [], True), None
+    yield "greedy", SamplingTensors(None, None, None, None, [], True), None
     yield "sampled (one-read kernel)", sampled(), None
     yield "sampled (PyTorch race)", sampled(), "no-kernels"
-    yield "sampled, top-k 50 + top-p 0.9", sampled(), dict(filter_rows=rows, top_ks=(ones * 50).long(),
-                                                           top_ps=ones * 0.9)
+    yield "sampled, top-k 50 + top-p 0.9 (kernels)", sampled(), dict(top_ks=(ones * 50).long(), top_ps=ones * 0.9)
+    yield "sampled, top-k 50 + top-p 0.9 (PyTorch)", sampled(), dict(top_ks=(ones * 50).long(), top_ps=ones * 0.9,
+                                                                     variant="no-kernels")
+    yield "sampled, top-p 0.95 (kernels)", sampled(), dict(top_ps=ones * 0.95)
     yield "sampled + penalties (kernels)", sampled(adjustments=penalties), None
     yield "sampled + penalties (PyTorch)", sampled(adjustments=penalties), "no-kernels"
     yield "sampled + logprobs=5 (kernels)", sampled(logprob_rows=rows, num_top_logprobs=5), None
@@ -70,18 +73,22 @@ def main() -> None:
         for name, params, variant in cases(batch, device):
             if isinstance(variant, dict):
                 for key, value in variant.items():
-                    setattr(params, key, value)
-                variant = None
+                    if key != "variant":
+                        setattr(params, key, value)
+                variant = variant.get("variant")
             logits_adjustments.logits_ops_for = sampler_module.logits_ops_for = (
                 (lambda x: None) if variant == "no-kernels" else kernels_for)
+            sampler_module.filter_cutoffs = (sampling_filters.filter_cutoffs_reference if variant == "no-kernels"
+                                             else sampling_filters.filter_cutoffs)
             sampler_module.gather_logprobs = log_softmax_logprobs if variant == "torch-logprobs" else gather_logprobs
             with torch.inference_mode():
-                ms = triton.testing.do_bench(lambda: sampler(logits, params), warmup=20, rep=100)
+                ms = triton.testing.do_bench(lambda: sampler(logits, params), warmup=20, rep=100, return_mode="median")
             results.append(dict(batch=batch, case=name, ms=ms))
             print(f"batch {batch:4d}  {name:48s} {ms * 1000:9.1f} us", flush=True)
             if any(part and part in name for part in args.profile.split(",")):
                 profile(lambda: sampler(logits, params), f"batch {batch}, {name}")
     logits_adjustments.logits_ops_for = sampler_module.logits_ops_for = kernels_for
+    sampler_module.filter_cutoffs = sampling_filters.filter_cutoffs
     sampler_module.gather_logprobs = gather_logprobs
     print("\n| case | " + " | ".join(f"batch {b} (us)" for b in args.batches.split(",")) + " |")
     print("|---|" + "---|" * len(args.batches.split(",")))

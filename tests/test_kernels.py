@@ -1057,6 +1057,35 @@ def test_sample_kernel_is_the_race_on_its_uniforms(dtype):
     assert len(mismatch) <= max(1, rows // 32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sample_kernel_keeps_to_the_cutoffs(dtype):
+    """With cutoffs (top-k / top-p / min-p's form) a sampled row draws only among tokens whose
+    logit / T (PyTorch's division) reaches its cutoff: the race on those alone, on the kernel's own
+    draws; the token at the cutoff itself stays eligible; greedy rows ignore their cutoff."""
+    from asyncllm.kernels.logits_ops import sample, sample_uniforms
+
+    vocab, rows = (151936, 16) if CUDA else (9000 + 7, 5)
+    logits = (3 * torch.randn(rows, vocab, device=DEVICE)).to(dtype)
+    temperatures = torch.rand(rows, device=DEVICE) + 0.5
+    temperatures[0] = 0.0
+    z = logits.float() / temperatures.clamp(min=1e-9).unsqueeze(1)
+    order = z.sort(dim=-1, descending=True).values
+    keep_counts = torch.tensor([5, 1, 2, 40, 3] * 4, device=DEVICE)[:rows]
+    cutoffs = order.gather(1, (keep_counts - 1).unsqueeze(1)).squeeze(1)  # each row's k-th largest z
+    cutoffs[0] = float("inf")  # a greedy row: ignored
+    keys = torch.randint(-2**63, 2**63 - 1, (rows,), dtype=torch.int64, device=DEVICE)
+    got = sample(logits, temperatures, keys, cutoffs)
+    u = sample_uniforms(keys, vocab)
+    race = z - torch.log(-torch.log(u))
+    race = race.masked_fill(z < cutoffs.unsqueeze(1), float("-inf"))
+    expected = torch.where(temperatures.unsqueeze(1) > 0, race, logits.float()).argmax(dim=-1)
+    assert torch.equal(got, expected)
+    assert got[0].item() == logits[0].float().argmax().item()
+    assert (z[1:].gather(1, got[1:].unsqueeze(1)).squeeze(1) >= cutoffs[1:]).all()
+    one = (keep_counts == 1).nonzero().flatten()
+    assert torch.equal(got[one], z[one].argmax(dim=-1))  # only the top token is left
+
+
 def test_sample_kernel_rows_depend_only_on_their_key():
     """A row's token depends on its key and logits, not on its place in the batch or its neighbours."""
     from asyncllm.kernels.logits_ops import sample
@@ -1105,4 +1134,30 @@ def test_sample_kernel_frequencies_follow_softmax():
     tokens = sample(logits, torch.full((rows,), temperature, device=DEVICE), keys)
     freq = torch.bincount(tokens, minlength=vocab).double() / rows
     p = (base / temperature).softmax(-1).double()
+    assert ((freq - p).abs() <= 5 * (p * (1 - p) / rows).sqrt() + 1e-9).all(), (freq, p)
+
+
+@needs_cuda
+@gpu
+def test_sampler_on_cuda_with_top_k_top_p_follows_the_kept_softmax():
+    """The whole CUDA path (cutoff kernels, then the one-read race): top-k 4 then top-p 0.8 on
+    logits linspace(-2, 2, 12) / 0.7: the tokens kept are those of the reference cutoffs, drawn
+    with their renormalised softmax probabilities (within 5 standard errors)."""
+    from asyncllm.layers.sampler import Sampler, SamplingTensors
+    from asyncllm.layers.sampling_filters import apply_cutoffs, filter_cutoffs_reference
+
+    rows, vocab, temperature = 200_000, 12, 0.7
+    base = torch.linspace(-2, 2, vocab, device=DEVICE)
+    logits = base.expand(rows, vocab).contiguous().to(torch.bfloat16)
+    temps = torch.full((rows,), temperature, device=DEVICE)
+    top_ks = torch.full((rows,), 4, dtype=torch.int64, device=DEVICE)
+    top_ps = torch.full((rows,), 0.8, device=DEVICE)
+    params = SamplingTensors(temperatures=temps, top_ks=top_ks, top_ps=top_ps, min_ps=None, seeded_rows=[],
+                             all_greedy=False, keys=torch.arange(rows, dtype=torch.int64, device=DEVICE) * 31 + 5)
+    tokens = Sampler()(logits, params).token_ids
+    z = logits[:1].float() / temperature
+    kept = apply_cutoffs(z, filter_cutoffs_reference(logits[:1], temps[:1], top_ks[:1], top_ps[:1]))[0]
+    p = kept.softmax(-1).double()
+    assert (p > 0).sum().item() in (2, 3)  # top-p 0.8 of the 4 largest
+    freq = torch.bincount(tokens, minlength=vocab).double() / rows
     assert ((freq - p).abs() <= 5 * (p * (1 - p) / rows).sqrt() + 1e-9).all(), (freq, p)

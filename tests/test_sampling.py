@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from asyncllm.layers.sampler import Sampler, SamplingTensors, _apply_top_k_top_p, gather_logprobs, noise_key
+from asyncllm.layers.sampler import Sampler, SamplingTensors, gather_logprobs, noise_key
+from asyncllm.layers.sampling_filters import apply_cutoffs, filter_cutoffs_reference
 from asyncllm.sampling_params import SamplingParams
 from helpers import seed_every_test
 
@@ -133,7 +134,7 @@ def test_rows_with_different_params_in_one_batch():
 def test_top_p_disabled_row_is_untouched_by_other_rows_top_p():
     # a large vocabulary whose float32 cumsum reaches 1.0 before its tail
     logits = torch.randn(2, 151936) * 3
-    out = _apply_top_k_top_p(logits, None, torch.tensor([1.0, 0.5]))
+    out = apply_cutoffs(logits, filter_cutoffs_reference(logits, torch.ones(2), top_ps=torch.tensor([1.0, 0.5])))
     assert torch.equal(out[0], logits[0])
     assert torch.isinf(out[1]).any()
 
@@ -224,7 +225,7 @@ def test_adjustments_and_masks_leave_the_models_float32_logits_alone():
                                     bias_values=torch.tensor([50.0]))
     bitmask = torch.full((3, 2), -1, dtype=torch.int32)
     bitmask[2, 0] = 0  # row 2 may not take tokens 0..31
-    params = SamplingTensors(None, None, None, None, None, [], True, adjustments=adjustments, logprob_rows=rows,
+    params = SamplingTensors(None, None, None, None, [], True, adjustments=adjustments, logprob_rows=rows,
                              num_top_logprobs=2, mask_rows=rows, token_bitmask=bitmask)
     out = Sampler()(logits, params)
     assert torch.equal(logits, before)

@@ -158,32 +158,44 @@ def _chunk_uniforms(key, chunk, QUARTER: tl.constexpr):
 
 
 @triton.jit
-def _quarter_best(logits_ptr, row_offset, start, n_cols, u, inv_scale, sampled, QUARTER: tl.constexpr):
+def _quarter_best(logits_ptr, row_offset, start, n_cols, u, temperature, sampled, cutoff,
+                  HAS_CUTOFFS: tl.constexpr, QUARTER: tl.constexpr):
     cols = start + tl.arange(0, QUARTER)
     mask = cols < n_cols
     x = tl.load(logits_ptr + row_offset + cols, mask=mask, other=float("-inf")).to(tl.float32)
-    # argmax(x / T - log(-log u)) = argmax(p / E), E = -log u ~ Exp(1): a draw from softmax(x / T)
-    race = x * inv_scale - tl.log(-tl.log(u))
+    scale = tl.where(sampled, temperature, 1.0)
+    if HAS_CUTOFFS:  # z rounded as PyTorch's x / T, which the cutoffs are values of (sampling_filters)
+        z = tl.math.div_rn(x, scale)
+    else:
+        z = x * (1.0 / scale)
+    # argmax(z - log(-log u)) = argmax(p / E), E = -log u ~ Exp(1): a draw from softmax(z)
+    race = z - tl.log(-tl.log(u))
+    if HAS_CUTOFFS:
+        race = tl.where(z >= cutoff, race, float("-inf"))
     score = tl.where(mask, tl.where(sampled, race, x), float("-inf"))
     best = tl.max(score, 0)
     return best, tl.min(tl.where(score == best, cols, n_cols), 0)
 
 
 @triton.jit
-def _sample_chunks_kernel(logits_ptr, stride_l, temperatures_ptr, keys_ptr, part_score_ptr, part_id_ptr,
-                          n_cols, num_chunks, QUARTER: tl.constexpr):
+def _sample_chunks_kernel(logits_ptr, stride_l, temperatures_ptr, keys_ptr, cutoffs_ptr, part_score_ptr,
+                          part_id_ptr, n_cols, num_chunks, HAS_CUTOFFS: tl.constexpr, QUARTER: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    temperature = tl.load(temperatures_ptr + row)
-    sampled = temperature > 0
-    inv_scale = 1.0 / tl.where(sampled, temperature, 1.0)
+    t = tl.load(temperatures_ptr + row)
+    sampled = t > 0
+    cutoff = float("-inf")
+    if HAS_CUTOFFS:
+        cutoff = tl.load(cutoffs_ptr + row)
     u0, u1, u2, u3 = _chunk_uniforms(tl.load(keys_ptr + row), chunk, QUARTER)
     start = chunk * 4 * QUARTER
-    row_offset = row * stride_l
-    best, at = _quarter_best(logits_ptr, row_offset, start, n_cols, u0, inv_scale, sampled, QUARTER)
-    b1, a1 = _quarter_best(logits_ptr, row_offset, start + QUARTER, n_cols, u1, inv_scale, sampled, QUARTER)
-    b2, a2 = _quarter_best(logits_ptr, row_offset, start + 2 * QUARTER, n_cols, u2, inv_scale, sampled, QUARTER)
-    b3, a3 = _quarter_best(logits_ptr, row_offset, start + 3 * QUARTER, n_cols, u3, inv_scale, sampled, QUARTER)
+    ro = row * stride_l
+    best, at = _quarter_best(logits_ptr, ro, start, n_cols, u0, t, sampled, cutoff, HAS_CUTOFFS, QUARTER)
+    b1, a1 = _quarter_best(logits_ptr, ro, start + QUARTER, n_cols, u1, t, sampled, cutoff, HAS_CUTOFFS, QUARTER)
+    b2, a2 = _quarter_best(logits_ptr, ro, start + 2 * QUARTER, n_cols, u2, t, sampled, cutoff, HAS_CUTOFFS,
+                           QUARTER)
+    b3, a3 = _quarter_best(logits_ptr, ro, start + 3 * QUARTER, n_cols, u3, t, sampled, cutoff, HAS_CUTOFFS,
+                           QUARTER)
     # strictly greater: on a tie the lower token wins, as torch.argmax's first maximum
     at = tl.where(b1 > best, a1, at)
     best = tl.maximum(best, b1)
@@ -210,12 +222,15 @@ def _sample_pick_kernel(part_score_ptr, part_id_ptr, token_ids_ptr, num_chunks, 
     tl.store(token_ids_ptr + row, tl.where(token < n_cols, token, 0).to(tl.int64))
 
 
-def sample(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+def sample(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor,
+           cutoffs: torch.Tensor | None = None) -> torch.Tensor:
     """(B,) int64 token ids from logits (B, V) (float32 or bf16): row i draws from softmax(logits[i] /
     temperatures[i]) with the Philox stream of keys[i] (int64), or takes the argmax where temperatures[i]
-    is 0. The logits are read once: each chunk of a row races its tokens' scaled logits against Gumbel
-    noise, then one small kernel picks each row's winner. The same (key, logits) always give the same
-    token, whatever else is in the batch."""
+    is 0. cutoffs (B,) float32, from top-k / top-p / min-p (kernels/sampling_filters.py): a sampled row
+    draws only among the tokens whose logit / T (rounded as PyTorch's division) is >= its cutoff. The
+    logits are read once: each chunk of a row races its tokens' scaled logits against Gumbel noise,
+    then one small kernel picks each row's winner. The same (key, logits) always give the same token,
+    whatever else is in the batch."""
     assert logits.stride(1) == 1 and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
     num_rows, n_cols = logits.shape
     chunk_cols = 4 * _SAMPLE_QUARTER
@@ -226,8 +241,8 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor)
     part_score = torch.empty((num_rows, num_chunks), dtype=torch.float32, device=logits.device)
     part_id = torch.empty((num_rows, num_chunks), dtype=torch.int32, device=logits.device)
     _sample_chunks_kernel[(num_rows, num_chunks)](
-        logits, logits.stride(0), temperatures, keys, part_score, part_id, n_cols, num_chunks,
-        QUARTER=_SAMPLE_QUARTER, num_warps=4)
+        logits, logits.stride(0), temperatures, keys, temperatures if cutoffs is None else cutoffs, part_score,
+        part_id, n_cols, num_chunks, HAS_CUTOFFS=cutoffs is not None, QUARTER=_SAMPLE_QUARTER, num_warps=4)
     _sample_pick_kernel[(num_rows,)](part_score, part_id, token_ids, num_chunks, n_cols,
                                      CHUNKS=triton.next_power_of_2(num_chunks), num_warps=1)
     return token_ids

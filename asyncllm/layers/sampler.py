@@ -6,7 +6,9 @@ request with a seed gets a key that depends only on its seed and the token's ind
 does not depend on what else shares the batch. On CUDA the race runs in one kernel that reads the
 logits once and draws the noise from a Philox stream of the key (kernels/logits_ops.sample); the
 PyTorch path here, the CPU's and the reference, draws seeded rows' noise from a generator seeded
-with the key, and the other rows' from the global generator.
+with the key, and the other rows' from the global generator. Top-k, top-p and min-p become one
+cutoff per row on logits / T (layers/sampling_filters.py, without sorting on CUDA): the race runs
+only among the tokens at or above it.
 
 Requests may adjust their logits first (layers/logits_adjustments.py) and ask for log-probabilities:
 those are the model's raw distribution (log_softmax of the logits before any adjustment or
@@ -21,6 +23,7 @@ from torch import nn
 
 from asyncllm.layers.fused import logits_ops_for
 from asyncllm.layers.logits_adjustments import LogitsAdjustments
+from asyncllm.layers.sampling_filters import apply_cutoffs, filter_cutoffs
 from asyncllm.sampling_params import SamplingParams
 
 
@@ -56,10 +59,9 @@ class SamplerOutput:
 @dataclass
 class SamplingTensors:
     temperatures: torch.Tensor | None  # (B,) float32; 0 = greedy; None when every row is greedy
-    filter_rows: torch.Tensor | None  # (F,) int64: the rows with top-k or top-p; None when no row has them
-    top_ks: torch.Tensor | None  # (F,) int64 for filter_rows; vocab size = no limit; None when unused
-    top_ps: torch.Tensor | None  # (F,) float32 for filter_rows; None when unused
-    min_ps: torch.Tensor | None  # (B,) float32; None when no row uses min-p
+    top_ks: torch.Tensor | None  # (B,) int64; vocab size = no limit; None when no row uses top-k
+    top_ps: torch.Tensor | None  # (B,) float32; 1.0 = no limit; None when no row uses top-p
+    min_ps: torch.Tensor | None  # (B,) float32; 0 = none; None when no row uses min-p
     seeded_rows: list[tuple[int, int]]  # (row, key) of the rows with a seed
     all_greedy: bool
     keys: torch.Tensor | None = None  # (B,) int64: each row's noise key; None when every row is greedy
@@ -80,22 +82,19 @@ class SamplingTensors:
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
         all_greedy = all(p.temperature == 0 for p in params)
-        temperatures = filter_rows = top_ks = top_ps = min_ps = key_tensor = None
+        temperatures = top_ks = top_ps = min_ps = key_tensor = None
         if not all_greedy:
             temperatures = to_device([p.temperature for p in params], torch.float32)
             key_tensor = (torch.randint(-2**63, 2**63 - 1, (len(params),), dtype=torch.int64).to(device)
                           if keys is None else to_device(keys, torch.int64))
-            rows = [i for i, p in enumerate(params) if p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0)]
-            if rows:
-                filtered = [params[i] for i in rows]
-                filter_rows = to_device(rows, torch.int64)
-                if any(p.top_k > 0 for p in filtered):
-                    top_ks = to_device([p.top_k if p.top_k > 0 else vocab_size for p in filtered], torch.int64)
-                if any(p.top_p < 1.0 for p in filtered):
-                    top_ps = to_device([p.top_p for p in filtered], torch.float32)
-            if any(p.min_p > 0 for p in params):
+            sampled = [p for p in params if p.temperature > 0]
+            if any(p.top_k > 0 for p in sampled):
+                top_ks = to_device([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64)
+            if any(p.top_p < 1.0 for p in sampled):
+                top_ps = to_device([p.top_p for p in params], torch.float32)
+            if any(p.min_p > 0 for p in sampled):
                 min_ps = to_device([p.min_p for p in params], torch.float32)
-        return cls(temperatures, filter_rows, top_ks, top_ps, min_ps, list(seeded_rows), all_greedy, keys=key_tensor)
+        return cls(temperatures, top_ks, top_ps, min_ps, list(seeded_rows), all_greedy, keys=key_tensor)
 
 
 class Sampler(nn.Module):
@@ -129,21 +128,19 @@ class Sampler(nn.Module):
     def _sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
         if params.all_greedy:
             return logits.argmax(dim=-1)
+        temperatures = params.temperatures
+        cutoffs = None  # top-k, top-p and min-p as one threshold per row on logits / T
+        if params.top_ks is not None or params.top_ps is not None or params.min_ps is not None:
+            cutoffs = filter_cutoffs(logits, temperatures, params.top_ks, params.top_ps, params.min_ps)
         kernels = logits_ops_for(logits)
-        if kernels is not None and params.filter_rows is None and params.min_ps is None:
-            return kernels.sample(logits, params.temperatures, params.keys)
+        if kernels is not None:
+            return kernels.sample(logits, temperatures, params.keys, cutoffs)
         logits = logits.float()
         greedy_tokens = logits.argmax(dim=-1)
-        temperatures = params.temperatures
         logits = logits / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)
-        if params.filter_rows is not None:
-            # sorting the vocabulary is the sampler's dearest step: only rows that asked for it
-            rows = params.filter_rows
-            logits = logits.index_copy(0, rows, _apply_top_k_top_p(logits[rows], params.top_ks, params.top_ps))
+        if cutoffs is not None:
+            logits = apply_cutoffs(logits, cutoffs)
         probs = logits.softmax(dim=-1)
-        if params.min_ps is not None:
-            threshold = params.min_ps.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
-            probs = probs.masked_fill(probs < threshold, 0.0)
         noise = torch.empty_like(probs).exponential_()
         for row, key in params.seeded_rows:
             noise[row].exponential_(generator=torch.Generator(noise.device).manual_seed(key))
@@ -174,23 +171,6 @@ def log_softmax_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top:
     # torch.topk beat a two-round chunked selection (0.59 against 1.19 ms, 256 rows of 151,936 on the H200)
     top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
     return LogprobsTensors(chosen.squeeze(1), ranks, top_ids, top_logprobs)
-
-
-def _apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None) -> torch.Tensor:
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if top_ks is not None:
-        ranks = torch.arange(logits.shape[-1], device=logits.device)
-        remove |= ranks.unsqueeze(0) >= top_ks.unsqueeze(1)
-    if top_ps is not None:
-        probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
-        # drop a token when the tokens ranked above it already reach top_p; the first always stays.
-        # Rows with top_p == 1 are left alone: float32 cumsum over a large vocab can reach 1.0
-        # before the tail, which would otherwise cut a row that did not ask for top-p.
-        mass_above = probs.cumsum(dim=-1) - probs
-        remove |= (mass_above >= top_ps.unsqueeze(1)) & (top_ps < 1.0).unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
 def apply_token_bitmask_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:

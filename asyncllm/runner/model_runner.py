@@ -154,7 +154,7 @@ class ModelRunner:
         batch = self._synthetic_prefill(num_seqs, seq_len)
         with torch.inference_mode():
             self._forward(batch)
-            # the sampler's worst case too: every sequence sampling with top-k/top-p sorting
+            # the sampler's worst case too: every sequence with top-k/top-p/min-p, penalties, logprobs
             rows = self.config.max_num_seqs
             logits = torch.randn(rows, self.vocab_size, device=self.device)
             ones = torch.ones(rows, device=self.device)
@@ -168,14 +168,15 @@ class ModelRunner:
             every_token = torch.full((rows, self.bitmasks.words), -1, dtype=torch.int32, device=self.device)
             for mask_rows in (rows_index, rows_index[:1]):
                 self.sampler(logits, SamplingTensors(
-                    temperatures=ones, filter_rows=rows_index, top_ks=ones.long() * 50, top_ps=ones * 0.9,
-                    min_ps=ones * 0.05, seeded_rows=[], all_greedy=False, adjustments=penalties,
+                    temperatures=ones, top_ks=ones.long() * 50, top_ps=ones * 0.9, min_ps=ones * 0.05,
+                    seeded_rows=[], all_greedy=False, keys=rows_index, adjustments=penalties,
                     logprob_rows=rows_index, num_top_logprobs=20, mask_rows=mask_rows,
                     token_bitmask=every_token[:len(mask_rows)]))
-            # and the one-read path of rows without top-k/p or min-p (its kernels compiled here too)
-            self.sampler(logits, SamplingTensors(
-                temperatures=ones, filter_rows=None, top_ks=None, top_ps=None, min_ps=None, seeded_rows=[],
-                all_greedy=False, keys=rows_index, logprob_rows=rows_index, num_top_logprobs=20))
+            # and the other common filter sets (each is a compile of the cutoff kernels), then none
+            for top_ks, top_ps in ((None, ones * 0.9), (ones.long() * 50, ones * 0.9), (None, None)):
+                self.sampler(logits, SamplingTensors(
+                    temperatures=ones, top_ks=top_ks, top_ps=top_ps, min_ps=None, seeded_rows=[],
+                    all_greedy=False, keys=rows_index, logprob_rows=rows_index, num_top_logprobs=20))
             del logits, ones, counts, penalties, every_token
         torch.cuda.synchronize()
         del probe_cache, self.attn_backend, batch
