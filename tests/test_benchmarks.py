@@ -7,6 +7,12 @@ import os
 import sys
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # the benchmarks import asyncllm.kernels (so Triton): the kernel tests collected after this module
+    # need Triton's interpreter chosen before its first import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 sys.path.insert(0, BENCHMARKS)

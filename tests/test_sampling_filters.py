@@ -132,7 +132,7 @@ def sort_based_top_k_top_p(z: torch.Tensor, top_ks: torch.Tensor | None, top_ps:
     sorted_z, order = z.sort(dim=-1, descending=True)
     remove = torch.zeros_like(sorted_z, dtype=torch.bool)
     if top_ks is not None:
-        remove |= torch.arange(z.shape[-1]).unsqueeze(0) >= top_ks.unsqueeze(1)
+        remove |= torch.arange(z.shape[-1], device=z.device).unsqueeze(0) >= top_ks.unsqueeze(1)
     if top_ps is not None:
         probs = sorted_z.masked_fill(remove, -INF).softmax(dim=-1)
         mass_above = probs.cumsum(dim=-1) - probs
@@ -144,7 +144,7 @@ def test_reference_matches_the_sort_based_sampler():
     """On random logits (no ties): the reference keeps the tokens that the sampler's former
     sort-based top-k/top-p, then min-p on the renormalised probabilities, kept."""
     num_rows, vocab = 24, 5000
-    logits = 3 * torch.randn(num_rows, vocab)
+    logits = 3 * torch.randn(num_rows, vocab, device=DEVICE)
     temperatures, top_ks, top_ps, min_ps = settings(num_rows, vocab, "kpm")
     temperatures[temperatures == 0] = 0.8
     z = scaled(logits, temperatures)
