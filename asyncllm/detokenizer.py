@@ -31,7 +31,7 @@ class TokenTexts(dict):
         self._tokenizer = weakref.ref(tokenizer)  # the cache is the tokenizer's: it must not keep it alive
 
     def __missing__(self, token_id: int) -> str:
-        text = self[token_id] = _decode_each(self._tokenizer(), [token_id])[0]
+        text = self[token_id] = _decode_alone(self._tokenizer(), token_id)
         return text
 
 
@@ -47,13 +47,13 @@ def decode_logprobs(tokenizer, logprobs) -> None:
         entry.set_texts(texts)
 
 
-def _decode_each(tokenizer, token_ids: list[int]) -> list[str]:
-    """Each token's text alone: by the Rust backend where transformers would add nothing to it
-    (no clean-up of spaces), ten times faster than transformers' batch_decode."""
+def _decode_alone(tokenizer, token_id: int) -> str:
+    """One token's text alone: by the Rust backend where transformers would add nothing to it (no
+    clean-up of spaces), skipping transformers' Python wrapper."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
-        return backend.decode_batch([[token_id] for token_id in token_ids], skip_special_tokens=False)
-    return tokenizer.batch_decode([[token_id] for token_id in token_ids])
+        return backend.decode([token_id], skip_special_tokens=False)
+    return tokenizer.decode([token_id])
 
 
 def _decode_stream(tokenizer, context_ids: list[int], skip_special_tokens: bool = True):

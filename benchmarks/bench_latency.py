@@ -7,8 +7,8 @@ TTFT: wall time of generate([prompt], max_tokens=1, greedy) for 128- and 1024-to
 median of --reps after a warm-up. TPOT: (time of max_tokens=N+1 - time of max_tokens=1) / N for a
 --tpot-prompt-len prompt, median of --tpot-reps, at each of --temperatures (greedy and sampled at
 0.6 by default: sampling runs after the CUDA graph). On CUDA, the batch-1 decode graph's replay
-alone (bench_profile.graph_replay_time): the step's device time without sampling or host work. Every run uses a fresh random prompt, so the
-prefix cache never serves one. Bandwidth utilisation: the bytes a decode step must read (weights
+alone (bench_profile.graph_replay_time): the step's device time without sampling or host work.
+Every run uses a fresh random prompt, so the prefix cache never serves one. Bandwidth utilisation: the bytes a decode step must read (weights
 except the embedding table, plus the lm_head; K and V of the average context) / TPOT, over the
 measured device-to-device copy bandwidth. With --tensor-parallel-size N the bytes are one rank's
 shard (each GPU reads its own), so the utilisation is per GPU.
@@ -34,7 +34,7 @@ import tempfile
 import time
 
 from bench_profile import graph_replay_time
-from common import (Report, add_engine_args, checkpoint_from_args, engine_kwargs, make_parser,
+from common import (Report, add_engine_args, add_ratios, checkpoint_from_args, engine_kwargs, make_parser,
                     measure_copy_bandwidth, median, ms, parse_args, random_prompt, release_memory, strip_options,
                     timed)
 
@@ -123,13 +123,8 @@ def compare_skinny_gemm(raw_argv: list[str], args, report: Report) -> None:
     finally:
         if not args.model_dir:
             shutil.rmtree(model_dir, ignore_errors=True)
-    rows = report.data["results"]
-    for row in rows:
-        off = next((r for r in rows if r.get("skinny_gemm") == "off" and r.get("metric") == row.get("metric")
-                    and r.get("prompt_len") == row.get("prompt_len") and r.get("temperature") == row.get("temperature")
-                    and r.get("median_ms")), None)
-        if off and row.get("median_ms"):
-            row["off_ratio"] = row["median_ms"] / off["median_ms"]
+    add_ratios(report.data["results"], "off_ratio", "median_ms", {"skinny_gemm": "off"},
+               ("metric", "prompt_len", "temperature"))
 
 
 def main(argv=None) -> dict:

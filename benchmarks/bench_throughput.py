@@ -33,9 +33,9 @@ import sys
 import tempfile
 import time
 
-from common import (Report, add_engine_args, bench_requests, checkpoint_from_args, engine_kwargs, jit_compiled_since,
-                    make_parser, parse_args, release_memory, strip_options, synchronize, timed, warmup_requests,
-                    with_features)
+from common import (Report, add_engine_args, add_ratios, bench_requests, checkpoint_from_args, engine_kwargs,
+                    jit_compiled_since, make_parser, parse_args, release_memory, strip_options, synchronize, timed,
+                    warmup_requests, with_features)
 
 from asyncllm import LLM, AsyncLLMEngine, SamplingParams
 from asyncllm.kernels import compiled_variants
@@ -204,17 +204,8 @@ def main(argv=None) -> dict:
                                 error=f"{type(exc).__name__}: {exc}"))
                 print(f"{backend} {mode}: FAILED {type(exc).__name__}: {exc}")
     rows = report.data["results"]
-    for row in rows:
-        sync = next((r for r in rows if r.get("mode") == "sync" and r.get("backend") == row.get("backend")
-                     and r.get("overlap") == row.get("overlap") and r.get("features") == row.get("features")
-                     and r.get("throughput_tok_s")), None)
-        if sync and row.get("throughput_tok_s"):
-            row["sync_ratio"] = row["throughput_tok_s"] / sync["throughput_tok_s"]
-        plain = next((r for r in rows if r.get("features") == "plain" and r.get("backend") == row.get("backend")
-                      and r.get("overlap") == row.get("overlap") and r.get("mode") == row.get("mode")
-                      and r.get("throughput_tok_s")), None)
-        if plain and row.get("throughput_tok_s"):
-            row["plain_ratio"] = row["throughput_tok_s"] / plain["throughput_tok_s"]
+    add_ratios(rows, "sync_ratio", "throughput_tok_s", {"mode": "sync"}, ("backend", "overlap", "features"))
+    add_ratios(rows, "plain_ratio", "throughput_tok_s", {"features": "plain"}, ("backend", "overlap", "mode"))
     report.finish(f"Throughput, {args.shape}, nano-vllm workload ({len(prompts)} requests)", COLUMNS)
     return report.data
 

@@ -243,6 +243,16 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return float(np.percentile(np.asarray(values, dtype=np.float64), q))
 
 
+def add_ratios(rows: list[dict], name: str, value: str, baseline: dict, same: tuple[str, ...]) -> None:
+    """row[name] = row[value] / the value of the first row that is `baseline` (key -> value) and agrees
+    with row on every key of `same` (e.g. each mode's throughput over sync's of the same backend)."""
+    for row in rows:
+        base = next((r for r in rows if r.get(value) and all(r.get(k) == v for k, v in baseline.items())
+                     and all(r.get(k) == row.get(k) for k in same)), None)
+        if base and row.get(value):
+            row[name] = row[value] / base[value]
+
+
 def median(values: Sequence[float]) -> float | None:
     return percentile(values, 50)
 

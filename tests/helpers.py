@@ -166,3 +166,19 @@ def assert_greedy_runs_match(reference: tuple, other: tuple, logits_rtol: float)
                 token_agreement=sum(x == y for a, b in zip(ref_tokens, tokens) for x, y in zip(a, b)) / max(total, 1),
                 summary=f"{num_identical}/{len(tokens)} sequences identical, first divergences {divergences}, "
                         f"worst logits error {worst_rtol:.1e}")
+
+
+def compile_for_sm90_in_subprocess(module: str, function: str) -> int:
+    """tests/<module>.<function>() in a fresh interpreter where Triton compiles for real
+    (TRITON_INTERPRET=0, ASYNCLLM_KERNELS_AOT=1): the CPU interpreter never compiles, so compile-only
+    errors surface on CPU this way. Returns the count the function printed; skips where Triton ships
+    no ptxas."""
+    import triton  # here, not at the top: test modules choose Triton's interpreter before its first import
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("triton ships no ptxas here")
+    env = dict(os.environ, TRITON_INTERPRET="0", ASYNCLLM_KERNELS_AOT="1")
+    script = f"import sys; sys.path.insert(0, sys.argv[1]); import {module}; print({module}.{function}())"
+    result = subprocess.run([sys.executable, "-c", script, os.path.dirname(os.path.abspath(__file__))], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return int(result.stdout.split()[-1])

@@ -23,7 +23,7 @@ from asyncllm.kernels import (choose_num_splits, decode_workspace_numel, paged_a
                               store_kvcache)
 from asyncllm.kernels.paged_attention import MAX_SPLITS  # noqa: E402
 from asyncllm.kernels.host import cdiv  # noqa: E402
-from helpers import seed_every_test  # noqa: E402
+from helpers import compile_for_sm90_in_subprocess, seed_every_test  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -670,19 +670,8 @@ def compile_all_for_sm90() -> int:
 def test_kernels_compile_for_sm90():
     """The CPU interpreter never compiles; build the real launch configurations for sm_90 (the
     H200) in a subprocess without TRITON_INTERPRET, so compile-only errors surface on CPU too."""
-    import subprocess
-    import sys
-    triton_dir = os.path.dirname(__import__("triton").__file__)
-    if not os.path.exists(os.path.join(triton_dir, "backends", "nvidia", "bin", "ptxas")):
-        pytest.skip("triton ships no ptxas here")
-    env = dict(os.environ, TRITON_INTERPRET="0", ASYNCLLM_KERNELS_AOT="1")
-    script = ("import sys; sys.path.insert(0, sys.argv[1]); import test_kernels; "
-              "print(test_kernels.compile_all_for_sm90())")
-    result = subprocess.run([sys.executable, "-c", script, os.path.dirname(__file__)], env=env,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
     # decode x2, reduce, prefill, store, rms norm, silu, qk x2, skinny GEMM (FMA, dot, split-K reduce)
-    assert int(result.stdout.split()[-1]) >= 12
+    assert compile_for_sm90_in_subprocess("test_kernels", "compile_all_for_sm90") >= 12
 
 
 # ----------------------------------------------------------------------------- skinny GEMM

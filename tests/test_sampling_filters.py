@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 from asyncllm.kernels import sampling_filters as kernels  # noqa: E402
 from asyncllm.layers.sampling_filters import (apply_cutoffs, filter_cutoffs,  # noqa: E402
                                               filter_cutoffs_reference)
-from helpers import seed_every_test  # noqa: E402
+from helpers import compile_for_sm90_in_subprocess, seed_every_test  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -292,15 +292,4 @@ def compile_filters_for_sm90() -> int:
 
 @pytest.mark.skipif(CUDA, reason="on CUDA the other tests compile the kernels for real")
 def test_filters_compile_for_sm90():
-    import subprocess
-    import sys
-    triton_dir = os.path.dirname(__import__("triton").__file__)
-    if not os.path.exists(os.path.join(triton_dir, "backends", "nvidia", "bin", "ptxas")):
-        pytest.skip("triton ships no ptxas here")
-    env = dict(os.environ, TRITON_INTERPRET="0", ASYNCLLM_KERNELS_AOT="1")
-    script = ("import sys; sys.path.insert(0, sys.argv[1]); import test_sampling_filters as t; "
-              "print(t.compile_filters_for_sm90())")
-    result = subprocess.run([sys.executable, "-c", script, os.path.dirname(__file__)], env=env,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert int(result.stdout.split()[-1]) == 2 * 2 * len(FILTERS)
+    assert compile_for_sm90_in_subprocess("test_sampling_filters", "compile_filters_for_sm90") == 2 * 2 * len(FILTERS)

@@ -133,7 +133,8 @@ def test_sampler_masks_only_the_constrained_rows_before_greedy_and_sampling():
     bitmask = torch.zeros(1, 2, dtype=torch.int32)
     bitmask[0, 1] = 1 << 5  # only token 37 allowed
     for temperature in (0.0, 1.0):
-        params = SamplingTensors.build([SamplingParams(temperature=temperature)] * 3, 64, torch.device("cpu"))
+        params = SamplingTensors.build([SamplingParams(temperature=temperature)] * 3, 64, torch.device("cpu"),
+                                       keys=[11, 12, 13])
         params.mask_rows, params.token_bitmask = torch.tensor([1]), bitmask
         tokens = Sampler()(logits, params).token_ids
         assert tokens[1] == 37

@@ -77,7 +77,7 @@ class SamplingTensors:
     def build(cls, params: list[SamplingParams], vocab_size: int, device: torch.device,
               keys: list[int] | None = None, seeded_rows: list[tuple[int, int]] = ()) -> "SamplingTensors":
         """Per-row settings as device tensors; only what some row uses is built. keys: each row's
-        noise key (int64); random ones where None."""
+        noise key (int64), given unless every row is greedy."""
         def to_device(values, dtype):
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
@@ -85,8 +85,8 @@ class SamplingTensors:
         temperatures = top_ks = top_ps = min_ps = key_tensor = None
         if not all_greedy:
             temperatures = to_device([p.temperature for p in params], torch.float32)
-            key_tensor = (torch.randint(-2**63, 2**63 - 1, (len(params),), dtype=torch.int64).to(device)
-                          if keys is None else to_device(keys, torch.int64))
+            assert keys is not None, "sampled rows need their noise keys"
+            key_tensor = to_device(keys, torch.int64)
             sampled = [p for p in params if p.temperature > 0]
             if any(p.top_k > 0 for p in sampled):
                 top_ks = to_device([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64)
@@ -149,7 +149,8 @@ class Sampler(nn.Module):
 
 
 # from this many rows on, CUDA reads the logits once for log-probabilities (kernels/logits_ops.
-# chunked_logprobs): 0.94 against 1.79 ms with sampling at 256 rows of 151,936, a tie at 64 (H200)
+# chunked_logprobs): a Sampler call with logprobs=5 took 0.48 against 1.33 ms at 256 rows of 151,936,
+# and tied at 64 (H200, docs/BENCHMARKS.md run I)
 ONE_READ_LOGPROBS_MIN_ROWS = 64
 
 
