@@ -332,18 +332,24 @@ class AsyncLLMEngine:
     def _deliver(self, events) -> None:
         now = time.monotonic()
         to_wake: dict[Callable, list] = {}
+        channels, record = self._channels, self._record
         for event in events:
-            channel = self._channels.get(event.seq.request_id)
+            seq = event.seq
+            channel = channels.get(seq.request_id)
             if channel is None:
                 continue
-            self._record(channel, event.seq, now, len(event.new_token_ids))
+            record(channel, seq, now, len(event.new_token_ids))
             if event.request_finished:
-                del self._channels[event.seq.request_id]
-            waiting = channel.put_quietly(event.new_token_ids, event.finish_reason, None, event.seq.index,
+                del channels[seq.request_id]
+            waiting = channel.put_quietly(event.new_token_ids, event.finish_reason, None, seq.index,
                                           event.logprobs, event.stop_reason, event.prompt_logprobs)
             if waiting is not None:
                 waker, waiter = waiting
-                to_wake.setdefault(waker, []).append(waiter)
+                waiters = to_wake.get(waker)
+                if waiters is None:
+                    to_wake[waker] = [waiter]
+                else:
+                    waiters.append(waiter)
         # one cross-thread call per event loop per step, not one per stream
         wake(to_wake)
 
@@ -354,14 +360,16 @@ class AsyncLLMEngine:
             metrics.queue_time = seq.first_scheduled_time - metrics.arrival_time
             metrics.num_cached_tokens = seq.num_cached_prompt_tokens
         if num_new_tokens:
-            if metrics.time_to_first_token is None:  # n > 1: the first token of any sequence
-                metrics.time_to_first_token = now - metrics.arrival_time
-            last = channel.last_token_times[seq.index]
+            last_times, index = channel.last_token_times, seq.index
+            last = last_times[index]
             if last is not None:  # n > 1: every sequence's gaps, not only the first's
                 metrics.inter_token_latencies.append(now - last)
-            channel.last_token_times[seq.index] = now
-        metrics.num_completion_tokens = seq.num_completion_tokens if seq.group is None else \
-            sum(s.num_completion_tokens for s in seq.group)
+            elif metrics.time_to_first_token is None:  # n > 1: the first token of any sequence
+                metrics.time_to_first_token = now - metrics.arrival_time
+            last_times[index] = now
+        group = seq.group
+        metrics.num_completion_tokens = len(seq.token_ids) - seq.num_prompt_tokens if group is None else \
+            sum(s.num_completion_tokens for s in group)
         metrics.num_preemptions = seq.num_preemptions
         metrics.e2e_latency = now - metrics.arrival_time
 

@@ -85,6 +85,7 @@ class IncrementalDetokenizer:
         self.num_released_in_window = len(self.window)
         # False: decode in Python with tokenizer.decode (the reference the Rust path is tested against)
         self._stream = _decode_stream(tokenizer, self.window, skip_special_tokens) if decode_stream else None
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)  # looked up once: add() runs per token
 
     def add(self, new_token_ids: list[int]) -> str:
         """Text made final by these tokens."""
@@ -93,7 +94,7 @@ class IncrementalDetokenizer:
         self.window.extend(new_token_ids)
         if self._stream is not None:
             try:
-                text = self._stream.step(self.tokenizer.backend_tokenizer, new_token_ids)
+                text = self._stream.step(self._backend, new_token_ids)
             except Exception:  # e.g. a decode that does not extend the last one: the Python path copes
                 self._stream = None
             else:
@@ -236,6 +237,11 @@ class TextAssembler:
         return "stop" if self.stopped else engine_reason
 
     def _append(self, new_text: str, final: bool, stops_count: bool = True) -> str:
+        if not self._matchers:  # no stop strings (most requests): nothing is ever held back
+            if new_text:
+                self._released.append(new_text)
+                self.num_released += len(new_text)
+            return new_text
         pending = self._held + new_text
         hold_back = 0
         stop_at = None  # (index in pending, stop string) of the earliest stop string; the first listed on a tie

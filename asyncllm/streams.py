@@ -60,11 +60,11 @@ class RequestResult:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked: one per prompt token (None for the first)
 
 
-@dataclass
+@dataclass(slots=True)
 class SequenceDelta:
     """What one sequence of a request has new since the consumer's last read."""
     index: int
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     stop_reason: int | None = None
@@ -73,12 +73,14 @@ class SequenceDelta:
 
 def _current_loop_waiter() -> tuple[Callable[[Callable[[], None]], None], object]:
     """For a read about to wait: the current event loop's thread-safe, non-blocking 'run this soon',
-    and a new event of that loop's library (its own event: anyio.Event looks the library up on every
-    creation, a cost paid per token here)."""
+    and a new waiter of that loop's library: an asyncio future (cheaper than an asyncio.Event, and
+    this is paid per token), or a trio.Event."""
     try:
-        return asyncio.get_running_loop().call_soon_threadsafe, asyncio.Event()
+        loop = asyncio.get_running_loop()
     except RuntimeError:
         pass
+    else:
+        return loop.call_soon_threadsafe, loop.create_future()
     try:
         import trio
         return trio.lowlevel.current_trio_token().run_sync_soon, trio.Event()
@@ -86,14 +88,23 @@ def _current_loop_waiter() -> tuple[Callable[[Callable[[], None]], None], object
         raise RuntimeError("asyncllm streams must be used from an asyncio or trio event loop") from None
 
 
+def _release(waiter) -> None:
+    """On the waiter's event loop: let the read that waits on it go on."""
+    if isinstance(waiter, asyncio.Future):
+        if not waiter.done():  # a read cancelled meanwhile has cancelled its future
+            waiter.set_result(None)
+    else:
+        waiter.set()
+
+
 def wake(waiters_by_loop: dict[Callable, list]) -> None:
-    """Set the waiting consumers' events: one callback per event loop, however many consumers."""
+    """Release the waiting consumers: one callback per event loop, however many consumers."""
     for waker, waiters in waiters_by_loop.items():
-        def set_all(waiters=waiters) -> None:
+        def release_all(waiters=waiters) -> None:
             for waiter in waiters:
-                waiter.set()
+                _release(waiter)
         try:
-            waker(set_all)
+            waker(release_all)
         except RuntimeError:
             pass  # that event loop is gone; nobody is left to wake
 
@@ -137,7 +148,8 @@ class RequestChannel:
                     stop_reason: int | None = None, prompt_logprobs: list | None = None,
                     ) -> tuple[Callable, object] | None:
         """Hand over one sequence's tokens (index None: an ending for every sequence still open);
-        returns (its loop's waker, waiter) if the consumer is waiting (the caller wakes it)."""
+        returns (its loop's waker, waiter) if the consumer is waiting (the caller wakes it).
+        Called per token of every stream: kept to a few dictionary and list operations."""
         with self._lock:
             if self.closed:
                 return None
@@ -150,8 +162,9 @@ class RequestChannel:
                         continue
                     delta = self._deltas.get(i)
                     if delta is None:
-                        delta = self._deltas[i] = SequenceDelta(i)
-                    delta.token_ids.extend(token_ids)
+                        delta = self._deltas[i] = SequenceDelta(i, list(token_ids))
+                    else:
+                        delta.token_ids.extend(token_ids)
                     if logprobs is not None:
                         if delta.logprobs is None:
                             delta.logprobs = []
@@ -166,8 +179,11 @@ class RequestChannel:
                     self.closed = True
                 elif self.wake_on_finish_only:
                     return None
-            waiter, self._waiter = self._waiter, None
-        return None if waiter is None else (self._waiter_waker, waiter)
+            waiter = self._waiter
+            if waiter is None:
+                return None
+            self._waiter = None
+        return self._waiter_waker, waiter
 
     # consumer
     async def get(self) -> list[SequenceDelta]:
@@ -178,10 +194,10 @@ class RequestChannel:
                     raise self._error
                 if self._deltas or self.closed:
                     deltas, self._deltas = self._deltas, {}
-                    return [deltas[i] for i in sorted(deltas)]
+                    return list(deltas.values()) if len(deltas) < 2 else [deltas[i] for i in sorted(deltas)]
                 self._waiter_waker, waiter = _current_loop_waiter()
                 self._waiter = waiter
-            await waiter.wait()
+            await (waiter if isinstance(waiter, asyncio.Future) else waiter.wait())
 
 
 class _SequenceState:

@@ -136,7 +136,8 @@ def drain(core) -> None:
         core.finish_request(request_id)
 
 
-def profile_workload(core, num_requests: int, device: str, features: str = "plain") -> list[dict]:
+def profile_workload(core, num_requests: int, device: str, features: str = "plain", cprofile_rows: int = 0
+                     ) -> list[dict]:
     """The throughput benchmark's workload through EngineCore.step, as the engine is configured
     (overlapped or not), its requests with the sampling features given (common.FEATURES): wall
     time against the device time of each launched step (CUDA events from before its inputs' copy
@@ -144,7 +145,8 @@ def profile_workload(core, num_requests: int, device: str, features: str = "plai
     host to queue its own kernels, so wall - gpu is the least host time the device sat idle for. host
     waits: the time the engine thread sat blocked on the device's results (LaunchedStep._on_host);
     near 0 means the host is the bottleneck (the device's work is done before the host asks for
-    it), near wall the device."""
+    it), near wall the device. cprofile_rows: also print the engine thread's Python functions over
+    the run by own time (the host work a feature adds), this many of them."""
     prompts, params = bench_requests(num_requests)
     params = with_features(params, features)
     if features != "plain":  # untimed: a grammar's compile, the features' first kernels
@@ -177,18 +179,33 @@ def profile_workload(core, num_requests: int, device: str, features: str = "plai
         on_host(step)
         waits[0] += time.perf_counter() - t
     LaunchedStep._on_host = timed_on_host
+    profiler = None
+    if cprofile_rows:
+        import cProfile
+        profiler = cProfile.Profile()
     try:
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
         while core.has_unfinished():
             core.step()
+        if profiler is not None:
+            profiler.disable()
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     finally:
         del core.runner.launch  # the bound method again
         LaunchedStep._on_host = on_host
+    if profiler is not None:
+        import io
+        import pstats
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(cprofile_rows)
+        print(f"\n#### cProfile of the workload ({features}, {len(launched_steps)} steps; wall {wall:.3f} s "
+              f"with the profiler on)\n```\n{text.getvalue().strip()}\n```", flush=True)
     totals: dict[str, dict] = {}
     for kind, num_tokens, start, end in launched_steps:
         row = totals.setdefault(kind, {"kind": kind, "steps": 0, "tokens": 0, "gpu": 0.0})
@@ -229,7 +246,8 @@ def main(argv=None) -> dict:
                         help="comma-separated runs of the workload, each with the '+'-joined sampling features of "
                              "common.FEATURES (e.g. plain,logprobs,penalties+logprobs,json): device against host time")
     parser.add_argument("--cprofile", action="store_true",
-                        help="also print the Python functions that take the host time of each step (cProfile)")
+                        help="also print the Python functions that take the host time of each step, and of each "
+                             "workload run (cProfile; the workload's wall time is then the profiled one)")
     args = parse_args(parser, argv)
     rng = random.Random(args.seed)
     report = Report("profile", args)
@@ -283,7 +301,8 @@ def main(argv=None) -> dict:
             print(f"\n#### {name}\n\n{table}", flush=True)
         if args.workload:
             workload_rows = [row for features in args.workload_features.split(",")
-                             for row in profile_workload(core, args.workload, args.device, features)]
+                             for row in profile_workload(core, args.workload, args.device, features,
+                                                         args.rows * 3 if args.cprofile else 0)]
             report.set("workload", workload_rows)
             print("\n" + format_table(workload_rows, WORKLOAD_COLUMNS), flush=True)
             tables.append(f"#### nano-vllm workload, {args.workload} requests\n\n"

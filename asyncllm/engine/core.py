@@ -29,7 +29,7 @@ from asyncllm.structured.step_masks import StepConstraints
 logger = logging.getLogger("asyncllm")
 
 
-@dataclass
+@dataclass(slots=True)
 class StepEvent:
     """What happened to one request in one step: a new token and/or its end."""
     seq: Sequence  # seq.index tells which of an n > 1 request's sequences
@@ -206,9 +206,9 @@ class EngineCore:
                                          prompt_logprobs=params.prompt_logprobs if index == 0 else None)
         seq = Sequence(request_id, prompt_token_ids, params, self.config.kvcache_block_size, self.max_seq_len)
         seq.index = index
+        seq.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         if params.min_tokens:
-            eos = set() if params.ignore_eos else self.eos_token_ids
-            seq.early_stop_ids = sorted(eos | set(params.stop_token_ids))
+            seq.early_stop_ids = sorted(seq.stop_ids)
         if params.bad_words:
             seq.bad_word_ids = self._encode_bad_words(params.bad_words)
         if params.structured_output is not None:  # each of n sequences follows the grammar on its own
@@ -335,7 +335,10 @@ class EngineCore:
             if seq.status == SequenceStatus.FINISHED:
                 continue  # ended while this step was in flight: its token is dropped, never delivered
             seq.token_ids[item.token_index] = token_id
-            reason = self._finish_reason(seq, token_id, item.token_index + 1)
+            length = item.token_index + 1
+            # most tokens end nothing: the full check only where one of its conditions can hold
+            reason = self._finish_reason(seq, token_id, length) if token_id in seq.stop_ids or \
+                length >= seq.max_len or seq.grammar is not None else None
             if reason is not None:
                 del seq.token_ids[item.token_index + 1:]  # a later step's token in flight, if any
                 self._end(seq, reason)

@@ -30,7 +30,7 @@ from asyncllm.engine.sequence import Sequence, SequenceStatus
 MAX_SCORED_PROMPT_TOKENS = 256
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # tokens whose KV this step computes
@@ -157,14 +157,27 @@ class Scheduler:
             scheduled_ids.add(id(seq))
 
         # 1. decodes, oldest first. One whose token in flight will be its last is left out: with
-        # overlapped steps it is still running when the next step is scheduled
-        for seq in [s for s in self.running if s.num_uncomputed_tokens == 1 and len(s) < s.max_len]:
-            if budget == 0:
-                break
-            if seq.status == SequenceStatus.RUNNING and self._reserve(seq, 1, scheduled_ids, out):
-                take(seq, 1)
-        out.num_decodes = len(out.scheduled)
-        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        # overlapped steps it is still running when the next step is scheduled. This loop runs for
+        # every decoding sequence every step, so it is written for speed: a decode needs a new block
+        # (and maybe a preemption) only when its last block is full, once every block_size tokens
+        block_size, running = self.block_manager.block_size, SequenceStatus.RUNNING
+        prefills = []  # running sequences with more than one token to compute, in running order
+        for seq in list(self.running):  # a copy: preemption below removes from self.running
+            num_computed = seq.num_computed_tokens
+            length = len(seq.token_ids)
+            if length - num_computed != 1:
+                if length - num_computed > 1:
+                    prefills.append(seq)
+                continue
+            if length >= seq.max_len or budget == 0 or seq.status is not running:  # not running: preempted
+                continue
+            if num_computed >= len(seq.block_table) * block_size and not self._reserve(seq, 1, scheduled_ids, out):
+                continue
+            out.scheduled.append(ScheduledSeq(seq, 1, True))
+            scheduled_ids.add(id(seq))
+            budget -= 1
+        out.num_decodes = out.num_batched_tokens = len(out.scheduled)
+        prefills = [seq for seq in prefills if seq.status is running]  # a decode's block may have preempted some
         if self.budget_policy is not None:
             # decodes always run; what prefill may take on top of them follows from the target step
             # time, planned for the decodes that the prompts being prefilled and waiting will add
@@ -218,8 +231,11 @@ class Scheduler:
 
     def commit(self, out: SchedulerOutput) -> None:
         """Record that the scheduled KV was computed (before sampled tokens are appended)."""
+        commit_computed, block_size = self.block_manager.commit_computed, self.block_manager.block_size
         for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_tokens
-            self.block_manager.commit_computed(item.seq)
+            seq = item.seq
+            seq.num_computed_tokens += item.num_tokens
+            if seq.num_computed_tokens // block_size > len(seq.block_hashes):  # a block may have filled
+                commit_computed(seq)
 
 _sort_key = operator.attrgetter("sort_key")

@@ -56,7 +56,9 @@ class Sequence:
         self.index = 0
         self.group: list[Sequence] | None = None
         self.forks: list[Sequence] = []
-        # set by the engine when the request is added: what the sampler bans for it
+        # set by the engine when the request is added: the token ids that end it as "stop" (EOS unless
+        # ignored, and its stop ids), what the sampler bans for it
+        self.stop_ids: frozenset[int] = frozenset(params.stop_token_ids)
         self.early_stop_ids: list[int] = []  # EOS and stop ids, banned while under min_tokens
         self.bad_word_ids: list[list[int]] = []  # each bad word's token ids (with and without a leading space)
         # prompt_logprobs: one entry per prompt token (None for the first, which nothing scores), filled

@@ -5,6 +5,7 @@ graph buffers) sits behind the AttentionBackend it creates.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -280,36 +281,48 @@ class ModelRunner:
 
     def build_inputs(self, sched: SchedulerOutput) -> tuple[StepInputs, np.ndarray, np.ndarray]:
         """The step's inputs, and where they hold a PENDING_TOKEN: (token index in the step, the
-        row of the previous step's sampled ids that has its value)."""
-        bs = self.block_size
-        pending_at, pending_rows = [], []
+        row of the previous step's sampled ids that has its value).
+
+        Runs for every row of every step: one pass of plain Python over the rows, the rest in numpy."""
         num_seqs = len(sched.scheduled)
-        input_ids, positions, logits_indices = [], [], []
-        query_lens = np.empty(num_seqs, dtype=np.int32)
-        seq_lens = np.empty(num_seqs, dtype=np.int32)
-        max_blocks = max(len(item.seq.block_table) for item in sched.scheduled)
-        block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+        input_ids, starts, query_lens, block_rows, logits_indices = [], [], [], [], []
+        pending_at, pending_rows = [], []
         num_tokens = 0
-        for row, item in enumerate(sched.scheduled):
-            seq, start = item.seq, item.seq.num_computed_tokens
-            end = start + item.num_tokens
-            input_ids.extend(seq.token_ids[start:end])
-            if end == len(seq.token_ids) and seq.token_ids[-1] == PENDING_TOKEN:
-                pending_at.append(num_tokens + item.num_tokens - 1)
+        for item in sched.scheduled:
+            seq, num_new = item.seq, item.num_tokens
+            token_ids, start = seq.token_ids, seq.num_computed_tokens
+            if num_new == 1:
+                input_ids.append(token_ids[start])
+            else:
+                input_ids.extend(token_ids[start:start + num_new])
+            num_tokens += num_new
+            if start + num_new == len(token_ids) and token_ids[-1] == PENDING_TOKEN:
+                pending_at.append(num_tokens - 1)
                 pending_rows.append(seq.sample_row)
-            positions.append(np.arange(start, end))
-            query_lens[row] = item.num_tokens
-            seq_lens[row] = end
-            block_tables[row, :len(seq.block_table)] = seq.block_table
-            num_tokens += item.num_tokens
+            starts.append(start)
+            query_lens.append(num_new)
+            block_rows.append(seq.block_table)
             if item.samples:
                 logits_indices.append(num_tokens - 1)
-        positions_np = np.concatenate(positions)
-        rows = np.repeat(np.arange(num_seqs), query_lens)
-        slot_mapping = block_tables[rows, positions_np // bs].astype(np.int64) * bs + positions_np % bs
-        inputs = StepInputs(np.asarray(input_ids, dtype=np.int64), positions_np, slot_mapping, query_lens, seq_lens,
-                            block_tables, np.asarray(logits_indices, dtype=np.int64))
-        return inputs, np.asarray(pending_at, dtype=np.int64), np.asarray(pending_rows, dtype=np.int64)
+        starts_np = np.array(starts, dtype=np.int64)
+        query_lens_np = np.array(query_lens, dtype=np.int32)
+        seq_lens = (starts_np + query_lens_np).astype(np.int32)
+        if num_tokens == num_seqs:  # one token per row (decodes): positions are the starts
+            positions, rows = starts_np, np.arange(num_seqs)
+        else:
+            rows = np.repeat(np.arange(num_seqs), query_lens_np)
+            first_token = np.cumsum(query_lens_np) - query_lens_np  # each row's first index in the step
+            positions = np.arange(num_tokens) + (starts_np - first_token)[rows]
+        # block tables padded with 0: row r's blocks fill the first len(table) entries of row r
+        table_lens = np.fromiter(map(len, block_rows), dtype=np.int64, count=num_seqs)
+        block_tables = np.zeros((num_seqs, int(table_lens.max())), dtype=np.int32)
+        block_tables[np.arange(block_tables.shape[1]) < table_lens[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(block_rows), dtype=np.int32, count=int(table_lens.sum()))
+        bs = self.block_size
+        slot_mapping = block_tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
+        inputs = StepInputs(np.array(input_ids, dtype=np.int64), positions, slot_mapping, query_lens_np, seq_lens,
+                            block_tables, np.array(logits_indices, dtype=np.int64))
+        return inputs, np.array(pending_at, dtype=np.int64), np.array(pending_rows, dtype=np.int64)
 
     def prepare_sampling(self, sched: SchedulerOutput, prev: LaunchedStep | None = None
                          ) -> tuple[SamplingTensors, list[int] | None]:
