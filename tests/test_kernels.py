@@ -965,6 +965,25 @@ def test_penalties_kernel_matches_reference_and_leaves_other_rows():
     assert logits[others].isnan().all()
 
 
+def test_token_counts_add_each_sampled_token_once_per_listing():
+    """TokenCounts.count against a loop: one more per (slot, token), a slot listed twice counts both
+    (the engine never does, but the counts stay right), other slots untouched."""
+    from asyncllm.layers.logits_adjustments import TokenCounts
+
+    vocab = 151936 if CUDA else 3000
+    counts = TokenCounts(vocab, DEVICE)
+    slots = [counts.acquire([1, 2], [5, 5, vocab - 1]) for _ in range(5)]
+    before = counts.output_counts.clone()
+    listed = torch.tensor([slots[3], slots[0], slots[3], slots[1]], device=DEVICE)
+    tokens = torch.tensor([vocab - 1, 7, vocab - 1, 5], device=DEVICE)
+    counts.count(listed, tokens)
+    expected = before.clone()
+    for slot, token in zip(listed.tolist(), tokens.tolist()):
+        expected[slot, token] += 1
+    assert torch.equal(counts.output_counts, expected)
+    assert counts.output_counts[slots[3], vocab - 1].item() == 3
+
+
 @pytest.mark.parametrize("every_row", [True, False])
 def test_token_bitmask_kernel_matches_reference(every_row):
     """Forbidden tokens become -inf; allowed ones keep their exact value; unlisted rows are untouched
