@@ -97,8 +97,28 @@ class LogitsAdjustments:
     allow_pair_rows: torch.Tensor | None = None  # (M,) int64: index into allow_rows
     allow_pair_tokens: torch.Tensor | None = None  # (M,) int64
 
-    def apply_(self, logits: torch.Tensor) -> None:
-        """Adjust float32 logits in place (the sampler's own copy, never a CUDA graph's output buffer)."""
+    def adjusted(self, logits: torch.Tensor) -> torch.Tensor:
+        """The adjusted logits: a new float32 (B, V) tensor; logits (the model's, in any float dtype,
+        maybe a CUDA graph's output buffer) are left as they are. The copy is made by the first pass
+        that changes them: with penalties on every row, the penalties' pass reads the model's logits
+        and writes it."""
+        # the penalties commute with the masks (-inf stays -inf under them, other logits keep their
+        # value) but not with a bias, which comes before them: without a bias they go first
+        penalties_first = self.penalty_rows is not None and self.bias_rows is None
+        if penalties_first and len(self.penalty_rows) == len(logits):  # rows are distinct: every row
+            out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        else:
+            out = logits.to(torch.float32, copy=True)
+        if penalties_first:
+            self._penalize(logits, out)
+        self._mask_and_bias_(out)
+        if self.penalty_rows is not None and not penalties_first:
+            self._penalize(out, out)
+        return out
+
+    def _mask_and_bias_(self, logits: torch.Tensor) -> None:
+        """In place on float32 logits: allowed tokens, logit biases, bans and the bans that hang on a
+        pending token."""
         if self.allow_rows is not None:
             allowed = torch.zeros((len(self.allow_rows), logits.shape[1]), dtype=torch.bool, device=logits.device)
             allowed[self.allow_pair_rows, self.allow_pair_tokens] = True
@@ -113,16 +133,19 @@ class LogitsAdjustments:
             logits.index_put_((self.pending_ban_rows, self.pending_ban_tokens),
                               torch.zeros_like(hit, dtype=logits.dtype).masked_fill(hit, float("-inf")),
                               accumulate=True)
-        if self.penalty_rows is not None:
-            counts, rows, slots = self.token_counts, self.penalty_rows, self.penalty_slots
-            kernels = logits_ops_for(logits)
-            if kernels is not None:
-                kernels.apply_penalties_(logits, rows, slots, counts.output_counts, counts.in_prompt,
-                                         self.presence, self.frequency, self.repetition)
-            else:
-                logits.index_copy_(0, rows, apply_penalties(
-                    logits[rows], counts.output_counts[slots], counts.in_prompt[slots],
-                    self.presence, self.frequency, self.repetition))
+
+    def _penalize(self, logits: torch.Tensor, out: torch.Tensor) -> None:
+        """out[row] = the penalised logits[row] for the rows with penalties; out is float32, logits
+        any float dtype or out itself."""
+        counts, rows, slots = self.token_counts, self.penalty_rows, self.penalty_slots
+        kernels = logits_ops_for(out)
+        if kernels is not None:
+            kernels.penalize(logits, out, rows, slots, counts.output_counts, counts.in_prompt,
+                             self.presence, self.frequency, self.repetition)
+        else:
+            out.index_copy_(0, rows, apply_penalties(
+                logits[rows].float(), counts.output_counts[slots], counts.in_prompt[slots],
+                self.presence, self.frequency, self.repetition))
 
     def count_sampled(self, sampled: torch.Tensor) -> None:
         """Count the step's sampled tokens for the rows with penalties (before the next step reads them)."""
