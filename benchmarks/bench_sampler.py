@@ -8,9 +8,10 @@ triton.testing.do_bench (median, cold L2). Rows: greedy; sampled (temperature 0.
 kernel (kernels/logits_ops.sample) and with the PyTorch race it replaces; sampled with top-k 50 +
 top-p 0.9 (the cutoff kernels of kernels/sampling_filters.py, and the sort-based reference) and
 with top-p 0.95 alone; with penalties (presence, frequency, repetition; the Triton kernel, and the PyTorch path);
-with logprobs=5 (kernels/logits_ops.chunked_logprobs, and log_softmax + torch.topk); with a grammar's
-bitmask on every row (the Triton kernel, and the PyTorch unpacking). "PyTorch" rows switch every
-logits kernel off.
+with logprobs=5 (kernels/logits_ops.chunked_logprobs from ONE_READ_LOGPROBS_MIN_ROWS rows, the same at
+any size, and log_softmax + torch.topk); with penalties and logprobs=5 together (issue 19's workload);
+with a grammar's bitmask on every row (the Triton kernel, and the PyTorch unpacking). "PyTorch" rows
+switch every logits kernel off.
 """
 from __future__ import annotations
 
@@ -51,8 +52,12 @@ def cases(batch: int, device: torch.device):
     yield "sampled + penalties (kernels)", sampled(adjustments=penalties), None
     yield "sampled + penalties (PyTorch)", sampled(adjustments=penalties), "no-kernels"
     yield "sampled + logprobs=5 (kernels)", sampled(logprob_rows=rows, num_top_logprobs=5), None
+    yield "sampled + logprobs=5 (chunked_logprobs at any size)", sampled(logprob_rows=rows, num_top_logprobs=5), \
+        "one-read-logprobs"
     yield "sampled + logprobs=5 (log_softmax + topk)", sampled(logprob_rows=rows, num_top_logprobs=5), \
         "torch-logprobs"
+    yield "sampled + penalties + logprobs=5 (kernels)", sampled(adjustments=penalties, logprob_rows=rows,
+                                                                num_top_logprobs=5), None
     yield "sampled + bitmask (kernel)", sampled(mask_rows=rows, token_bitmask=bitmask), None
     yield "sampled + bitmask (PyTorch)", sampled(mask_rows=rows, token_bitmask=bitmask), "no-kernels"
 
@@ -68,6 +73,7 @@ def main() -> None:
     sampler = Sampler()
     results = []
     kernels_for = logits_adjustments.logits_ops_for
+    one_read_min_rows = sampler_module.ONE_READ_LOGPROBS_MIN_ROWS
     for batch in [int(b) for b in args.batches.split(",")]:
         logits = (3 * torch.randn(batch, VOCAB, device=device)).to(torch.bfloat16)
         for name, params, variant in cases(batch, device):
@@ -81,6 +87,7 @@ def main() -> None:
             sampler_module.filter_cutoffs = (sampling_filters.filter_cutoffs_reference if variant == "no-kernels"
                                              else sampling_filters.filter_cutoffs)
             sampler_module.gather_logprobs = log_softmax_logprobs if variant == "torch-logprobs" else gather_logprobs
+            sampler_module.ONE_READ_LOGPROBS_MIN_ROWS = 1 if variant == "one-read-logprobs" else one_read_min_rows
             with torch.inference_mode():
                 ms = triton.testing.do_bench(lambda: sampler(logits, params), warmup=20, rep=100, return_mode="median")
             results.append(dict(batch=batch, case=name, ms=ms))
@@ -90,6 +97,7 @@ def main() -> None:
     logits_adjustments.logits_ops_for = sampler_module.logits_ops_for = kernels_for
     sampler_module.filter_cutoffs = sampling_filters.filter_cutoffs
     sampler_module.gather_logprobs = gather_logprobs
+    sampler_module.ONE_READ_LOGPROBS_MIN_ROWS = one_read_min_rows
     print("\n| case | " + " | ".join(f"batch {b} (us)" for b in args.batches.split(",")) + " |")
     print("|---|" + "---|" * len(args.batches.split(",")))
     for name in dict.fromkeys(r["case"] for r in results):

@@ -942,9 +942,12 @@ def test_fused_qk_norm_rope_matches_layers(dtype, qk_norm):
 
 # ----------------------------------------------------------------------------- logits ops
 
-def test_penalties_kernel_matches_reference_and_leaves_other_rows():
-    """In place on the penalised rows only: rows not listed are poisoned with NaN and must stay so."""
-    from asyncllm.kernels.logits_ops import apply_penalties_
+@pytest.mark.parametrize("dtype,in_place", [(torch.float32, True), (torch.bfloat16, False), (torch.float32, False)])
+def test_penalties_kernel_matches_reference_and_leaves_other_rows(dtype, in_place):
+    """The penalised rows, in place on float32 logits or from the model's logits (bf16 too) into a
+    float32 output poisoned with NaN; rows not listed are poisoned and must stay so, and the model's
+    logits are left as they were when the output is another tensor."""
+    from asyncllm.kernels.logits_ops import penalize
     from asyncllm.layers.logits_adjustments import apply_penalties
 
     vocab, slots = (151936, 9) if CUDA else (3000, 5)
@@ -955,14 +958,80 @@ def test_penalties_kernel_matches_reference_and_leaves_other_rows():
     slot_of_row = torch.tensor([4, 1, 2], device=DEVICE)
     presence, frequency, repetition = (torch.tensor(v, device=DEVICE) for v in
                                        ([0.5, -1.0, 2.0], [0.3, 0.0, -0.7], [1.3, 0.6, 1.0]))
-    logits = torch.full((6, vocab), float("nan"), device=DEVICE)
-    logits[rows] = 4 * torch.randn(len(rows), vocab, device=DEVICE)
-    expected = apply_penalties(logits[rows], counts[slot_of_row], in_prompt[slot_of_row], presence, frequency,
-                               repetition)
-    apply_penalties_(logits, rows, slot_of_row, counts, in_prompt, presence, frequency, repetition)
-    torch.testing.assert_close(logits[rows], expected, rtol=1e-6, atol=1e-6)
+    logits = torch.full((6, vocab), float("nan"), device=DEVICE, dtype=dtype)
+    logits[rows] = (4 * torch.randn(len(rows), vocab, device=DEVICE)).to(dtype)
+    before = logits.clone()
+    expected = apply_penalties(logits[rows].float(), counts[slot_of_row], in_prompt[slot_of_row], presence,
+                               frequency, repetition)
+    out = logits if in_place else torch.full((6, vocab), float("nan"), device=DEVICE)
+    penalize(logits, out, rows, slot_of_row, counts, in_prompt, presence, frequency, repetition)
+    torch.testing.assert_close(out[rows], expected, rtol=1e-6, atol=1e-6)
     others = [r for r in range(6) if r not in rows.tolist()]
-    assert logits[others].isnan().all()
+    assert out[others].isnan().all()
+    if not in_place:
+        assert torch.equal(logits[rows], before[rows])
+        # bit for bit what penalising the float32 copy in place gives (the sampler's path before)
+        copy = logits.float()
+        penalize(copy, copy, rows, slot_of_row, counts, in_prompt, presence, frequency, repetition)
+        assert torch.equal(out[rows], copy[rows])
+
+
+def test_token_counts_add_each_sampled_token_once_per_listing():
+    """TokenCounts.count against a loop: one more per (slot, token), a slot listed twice counts both
+    (the engine never does, but the counts stay right), other slots untouched."""
+    from asyncllm.layers.logits_adjustments import TokenCounts
+
+    vocab = 151936 if CUDA else 3000
+    counts = TokenCounts(vocab, DEVICE)
+    slots = [counts.acquire([1, 2], [5, 5, vocab - 1]) for _ in range(5)]
+    before = counts.output_counts.clone()
+    listed = torch.tensor([slots[3], slots[0], slots[3], slots[1]], device=DEVICE)
+    tokens = torch.tensor([vocab - 1, 7, vocab - 1, 5], device=DEVICE)
+    counts.count(listed, tokens)
+    expected = before.clone()
+    for slot, token in zip(listed.tolist(), tokens.tolist()):
+        expected[slot, token] += 1
+    assert torch.equal(counts.output_counts, expected)
+    assert counts.output_counts[slots[3], vocab - 1].item() == 3
+
+
+@gpu
+@needs_cuda
+def test_sampler_with_penalties_and_logprobs_never_waits_for_the_device():
+    """A 256-row step of bf16 logits with penalties and logprobs=5 on every row (the one-read
+    kernels, the token counts' update) queues its work without one host sync, counts each sampled
+    token once, leaves the model's logits alone, and gives the raw distribution's log-probabilities."""
+    from asyncllm.layers.logits_adjustments import LogitsAdjustments, TokenCounts
+    from asyncllm.layers.sampler import Sampler, SamplingTensors, log_softmax_logprobs
+
+    rows, vocab = 256, 151936
+    logits = (3 * torch.randn(rows, vocab, device=DEVICE)).to(torch.bfloat16)
+    before = logits.clone()
+    ones, index = torch.ones(rows, device=DEVICE), torch.arange(rows, device=DEVICE)
+    counts = TokenCounts(vocab, DEVICE)
+    slots = torch.tensor([counts.acquire(torch.randint(0, vocab, (64,)).tolist(), torch.randint(0, vocab, (32,))
+                                         .tolist()) for _ in range(rows)], device=DEVICE)
+    params = SamplingTensors(ones * 0.6, None, None, None, [], False, keys=index * 7919 + 1,
+                             adjustments=LogitsAdjustments(
+                                 penalty_rows=index, penalty_slots=slots, presence=ones * 0.5, frequency=ones * 0.5,
+                                 repetition=ones * 1.1, token_counts=counts),
+                             logprob_rows=index, num_top_logprobs=5)
+    sampler = Sampler()
+    sampler(logits, params)  # compiles the kernels
+    counted = counts.output_counts.clone()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = sampler(logits, params)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(logits, before)
+    counted[slots, out.token_ids] += 1  # the slots are distinct
+    assert torch.equal(counts.output_counts, counted)
+    expected = log_softmax_logprobs(logits, out.token_ids, 5)
+    torch.testing.assert_close(out.logprobs.chosen, expected.chosen, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out.logprobs.ranks, expected.ranks)
+    torch.testing.assert_close(out.logprobs.top_logprobs, expected.top_logprobs, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("every_row", [True, False])
@@ -1003,6 +1072,39 @@ def test_chunked_logprobs_match_log_softmax(num_top):
     assert torch.equal(ranks, expected.ranks)
     assert torch.equal(top_ids, expected.top_ids)
     torch.testing.assert_close(top_logprobs, expected.top_logprobs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_chunked_logprobs_read_half_precision_logits_as_their_float32_copy(dtype):
+    """bf16/fp16 logits in: the same outputs as their float32 copy (the kernel upcasts exact values;
+    ranks and top ids equal, log-probs to the last bits: a compiled sum may group its terms by the
+    load's width), and against log_softmax_logprobs on the same logits (it upcasts itself): chosen
+    and top log-probs close, ranks equal, and each top id one whose log-prob is its top value (bf16
+    logits tie often: which of equal tokens comes first is the sort's choice). Rows are a strided
+    view, as the model's logits sliced to the vocabulary."""
+    from asyncllm.kernels.logits_ops import chunked_logprobs
+    from asyncllm.layers.sampler import log_softmax_logprobs
+
+    vocab = 151936 if CUDA else 9000 + 7
+    padded = (4 * torch.randn(5, vocab + 64, device=DEVICE)).to(dtype)
+    logits = padded[:, :vocab]
+    logits[1, vocab - 1] = 30.0
+    token_ids = torch.tensor([0, vocab - 1, 17, vocab // 2, 4096], device=DEVICE)
+    got = chunked_logprobs(logits, token_ids, 5)
+    from_copy = chunked_logprobs(logits.float(), token_ids, 5)
+    assert all(a.dtype == b.dtype for a, b in zip(got, from_copy))
+    assert torch.equal(got[1], from_copy[1]) and torch.equal(got[2], from_copy[2])
+    for a, b in ((got[0], from_copy[0]), (got[3], from_copy[3])):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    chosen, ranks, top_ids, top_logprobs = got
+    expected = log_softmax_logprobs(logits, token_ids, 5)
+    assert expected.chosen.dtype == torch.float32
+    torch.testing.assert_close(chosen, expected.chosen, rtol=1e-5, atol=1e-5)
+    assert torch.equal(ranks, expected.ranks)
+    torch.testing.assert_close(top_logprobs, expected.top_logprobs, rtol=1e-5, atol=1e-5)
+    reference = logits.float().log_softmax(dim=-1)
+    torch.testing.assert_close(reference.gather(1, top_ids), top_logprobs, rtol=1e-5, atol=1e-5)
+    assert top_ids[1, 0].item() == vocab - 1
 
 
 def race_reference(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

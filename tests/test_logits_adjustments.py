@@ -20,9 +20,10 @@ _seed = seed_every_test(0)
 
 
 def adjust(adjustments, logits: torch.Tensor) -> torch.Tensor:
-    """The adjusted logits, leaving the input as it was (apply_ works in place)."""
-    out = logits.clone()
-    adjustments.apply_(out)
+    """The adjusted logits (a new tensor), checking that the input is left as it was."""
+    before = logits.clone()
+    out = adjustments.adjusted(logits)
+    assert torch.equal(logits, before) and out.dtype == torch.float32
     return out
 
 def reference_adjust(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -88,6 +89,25 @@ def test_bias_bans_allowed_and_min_tokens_match_the_reference():
     tensors, _ = SamplingInputs(V, torch.device("cpu")).build(seqs)
     logits = torch.randn(len(seqs), V)
     torch.testing.assert_close(adjust(tensors.adjustments, logits), reference_adjust(logits, seqs))
+
+
+def test_penalties_on_every_row_come_first_and_commute_with_the_bans():
+    """Without a logit bias the penalties' pass goes first (it makes the float32 copy): the same
+    logits as the reference's order (bans and allowed tokens, then penalties), -inf where banned."""
+    rng = random.Random(2)
+    penalties = dict(presence_penalty=0.4, frequency_penalty=-0.3, repetition_penalty=1.2)
+    seqs = [random_seq(0, rng, allowed_token_ids=[1, 2, 40], **penalties),
+            random_seq(1, rng, min_tokens=50, **penalties),
+            random_seq(2, rng, **penalties)]
+    for seq in seqs:
+        seq.early_stop_ids = [0, 63]
+    tensors, _ = SamplingInputs(V, torch.device("cpu")).build(seqs)
+    assert tensors.adjustments.bias_rows is None and len(tensors.adjustments.penalty_rows) == len(seqs)
+    logits = torch.randn(len(seqs), V).to(torch.bfloat16)
+    adjusted = adjust(tensors.adjustments, logits)
+    expected = reference_adjust(logits.float(), seqs)
+    torch.testing.assert_close(adjusted, expected)
+    assert torch.equal(adjusted.isinf(), expected.isinf())
 
 
 def test_logprobs_of_the_rows_that_asked():

@@ -232,3 +232,40 @@ def test_adjustments_and_masks_leave_the_models_float32_logits_alone():
     assert out.token_ids[1].item() == 9  # the bias applied to the sampler's copy
     assert out.token_ids[2].item() >= 32
     torch.testing.assert_close(out.logprobs.chosen, before.log_softmax(-1).gather(1, out.token_ids[:, None])[:, 0])
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_penalties_and_logprobs_on_bf16_logits_equal_their_float32_copy(with_bias):
+    """The sampler reads bf16 model logits as their float32 copy: with penalties on every row (the
+    penalties' pass makes the float32 copy; after a bias when there is one) and log-probabilities
+    from the bf16 logits themselves, the tokens, counts and log-probabilities equal those of the
+    float32 copy, bit for bit; the bf16 logits are left alone. Greedy and seeded rows."""
+    from asyncllm.layers.logits_adjustments import LogitsAdjustments, TokenCounts
+
+    rows, vocab = 6, 500
+    logits = (3 * torch.randn(rows, vocab)).to(torch.bfloat16)
+    before = logits.clone()
+    temperatures = torch.tensor([0.0, 0.7, 1.0, 0.0, 1.3, 0.5])
+    keys = torch.randint(-2**63, 2**63 - 1, (rows,))
+    outputs = []
+    for model_logits in (logits, logits.float()):
+        counts = TokenCounts(vocab, torch.device("cpu"))
+        slots = torch.tensor([counts.acquire(torch.randint(0, vocab, (20,), generator=torch.Generator().manual_seed(r))
+                                             .tolist(), [r, r, 3]) for r in range(rows)])
+        adjustments = LogitsAdjustments(
+            penalty_rows=torch.arange(rows).flip(0), penalty_slots=slots.flip(0), presence=torch.full((rows,), 0.5),
+            frequency=torch.full((rows,), 0.3), repetition=torch.linspace(0.8, 1.5, rows), token_counts=counts,
+            ban_rows=torch.tensor([1, 4]), ban_tokens=torch.tensor([7, 9]))
+        if with_bias:
+            adjustments.bias_rows, adjustments.bias_tokens = torch.tensor([0, 2]), torch.tensor([11, 12])
+            adjustments.bias_values = torch.tensor([4.0, -2.5])
+        params = SamplingTensors(temperatures, None, None, None, [(r, keys[r].item()) for r in range(rows)],
+                                 False, keys=keys, adjustments=adjustments, logprob_rows=torch.tensor([0, 2, 3, 5]),
+                                 num_top_logprobs=3)
+        out = sampler(model_logits, params)
+        outputs.append((out, counts.output_counts))
+    (got, got_counts), (expected, expected_counts) = outputs
+    assert torch.equal(logits, before)
+    assert torch.equal(got.token_ids, expected.token_ids) and torch.equal(got_counts, expected_counts)
+    for field in ("chosen", "ranks", "top_ids", "top_logprobs"):
+        assert torch.equal(getattr(got.logprobs, field), getattr(expected.logprobs, field)), field

@@ -2,9 +2,10 @@
 
 - sample: the exponential race (layers/sampler.py) in one read of the logits, its noise drawn
   in the kernel from a Philox stream keyed per row.
-- chunked_logprobs: log-probabilities, ranks and top alternatives in one read.
-- apply_penalties_: repetition, frequency and presence penalties of the rows that have them, each
-  row reading its token counts from its TokenCounts slot (layers/logits_adjustments.py).
+- chunked_logprobs: log-probabilities, ranks and top alternatives in one read of the model's logits.
+- penalize: repetition, frequency and presence penalties of the rows that have them, each row
+  reading its token counts from its TokenCounts slot (layers/logits_adjustments.py); it reads the
+  model's logits in their own dtype and writes the sampler's float32 copy, or works in place.
 - apply_token_bitmask_: a grammar's allowed tokens, packed 32 to an int32 word, -inf elsewhere.
 
 In PyTorch each is several to a dozen full passes over (rows, vocabulary) temporaries, gathered rows and
@@ -23,14 +24,16 @@ _BLOCK = 2048
 
 
 @triton.jit
-def _penalties_kernel(logits_ptr, stride_l, rows_ptr, slots_ptr, counts_ptr, stride_c, in_prompt_ptr, stride_p,
-                      presence_ptr, frequency_ptr, repetition_ptr, n_cols, BLOCK: tl.constexpr):
+def _penalties_kernel(logits_ptr, stride_l, out_ptr, stride_o, rows_ptr, slots_ptr, counts_ptr, stride_c,
+                      in_prompt_ptr, stride_p, presence_ptr, frequency_ptr, repetition_ptr, n_cols,
+                      BLOCK: tl.constexpr):
     i = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     row = tl.load(rows_ptr + i).to(tl.int64)
     slot = tl.load(slots_ptr + i).to(tl.int64)
-    logits = tl.load(logits_ptr + row * stride_l + cols, mask=mask, other=0.0)
+    # float32 of bf16/fp16 is exact: the same values as penalising the float32 copy
+    logits = tl.load(logits_ptr + row * stride_l + cols, mask=mask, other=0.0).to(tl.float32)
     counts = tl.load(counts_ptr + slot * stride_c + cols, mask=mask, other=0)
     in_prompt = tl.load(in_prompt_ptr + slot * stride_p + cols, mask=mask, other=0)
     repetition = tl.load(repetition_ptr + i)
@@ -41,23 +44,25 @@ def _penalties_kernel(logits_ptr, stride_l, rows_ptr, slots_ptr, counts_ptr, str
     logits = tl.where(seen, penalized, logits)
     logits = logits - tl.load(frequency_ptr + i) * counts.to(tl.float32)
     logits = logits - tl.load(presence_ptr + i) * generated.to(tl.float32)
-    tl.store(logits_ptr + row * stride_l + cols, logits, mask=mask)
+    tl.store(out_ptr + row * stride_o + cols, logits, mask=mask)
 
 
-def apply_penalties_(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, output_counts: torch.Tensor,
-                     in_prompt: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
-                     repetition: torch.Tensor) -> None:
-    """logits (B, V) float32, in place: row rows[i] penalised with the counts of slot slots[i]
-    (output_counts (S, V) int32, in_prompt (S, V) bool) and penalties presence/frequency/repetition[i]."""
-    assert logits.dtype == torch.float32 and logits.stride(1) == 1
+def penalize(logits: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+             output_counts: torch.Tensor, in_prompt: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
+             repetition: torch.Tensor) -> None:
+    """out[rows[i]] = logits[rows[i]] penalised with the counts of slot slots[i] (output_counts (S, V)
+    int32, in_prompt (S, V) bool) and penalties presence/frequency/repetition[i]. logits (B, V) float32,
+    bfloat16 or float16; out (B, V) float32, logits itself to work in place; other rows of out untouched."""
+    assert out.dtype == torch.float32 and out.shape == logits.shape and out.stride(1) == 1 and logits.stride(1) == 1
+    assert logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
     assert output_counts.stride(1) == 1 and in_prompt.stride(1) == 1
     n_rows, n_cols = len(rows), logits.shape[1]
     if n_rows == 0:
         return
     in_prompt = in_prompt.view(torch.uint8)
     _penalties_kernel[(n_rows, cdiv(n_cols, _BLOCK))](
-        logits, logits.stride(0), rows, slots, output_counts, output_counts.stride(0), in_prompt, in_prompt.stride(0),
-        presence, frequency, repetition, n_cols, BLOCK=_BLOCK, num_warps=8)
+        logits, logits.stride(0), out, out.stride(0), rows, slots, output_counts, output_counts.stride(0), in_prompt,
+        in_prompt.stride(0), presence, frequency, repetition, n_cols, BLOCK=_BLOCK, num_warps=8)
 
 
 @triton.jit
@@ -103,8 +108,9 @@ def _logprob_partials_kernel(logits_ptr, stride_l, token_ids_ptr, part_max_ptr, 
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(logits_ptr + row * stride_l + cols, mask=mask, other=float("-inf"))
-    chosen = tl.load(logits_ptr + row * stride_l + tl.load(token_ids_ptr + row))
+    # the model's logits in their own dtype, in float32 from here on (exact for bf16/fp16)
+    x = tl.load(logits_ptr + row * stride_l + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    chosen = tl.load(logits_ptr + row * stride_l + tl.load(token_ids_ptr + row)).to(tl.float32)
     part = row * num_chunks + chunk
     chunk_max = tl.max(x, 0)
     tl.store(part_max_ptr + part, chunk_max)
@@ -120,11 +126,13 @@ def _logprob_partials_kernel(logits_ptr, stride_l, token_ids_ptr, part_max_ptr, 
 
 
 def chunked_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int):
-    """(chosen log-probs, ranks, top ids, top log-probs) of float32 logits (L, V) as
-    layers.sampler.gather_logprobs gives them, reading the logits once: each chunk of a row gives
-    its max, sum of exponentials, count above the chosen token and its num_top best, then a few
-    small PyTorch ops combine the chunks."""
-    assert logits.dtype == torch.float32 and logits.stride(1) == 1 and 0 <= num_top
+    """(chosen log-probs, ranks, top ids, top log-probs) of logits (L, V) (float32, bfloat16 or
+    float16, rows of stride(0) apart) as layers.sampler.gather_logprobs gives them, reading the
+    logits once: each chunk of a row gives its max, sum of exponentials, count above the chosen
+    token and its num_top best, then a few small PyTorch ops combine the chunks. All in float32:
+    bf16 logits give what their float32 copy would."""
+    assert logits.dtype in (torch.float32, torch.bfloat16, torch.float16) and logits.stride(1) == 1
+    assert 0 <= num_top
     num_rows, n_cols = logits.shape
     num_chunks = cdiv(n_cols, _LOGPROB_BLOCK)
     device = logits.device
@@ -139,7 +147,7 @@ def chunked_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
             n_cols, num_chunks, num_top, BLOCK=_LOGPROB_BLOCK, num_warps=8)
     row_max = part_max.amax(dim=1, keepdim=True)
     log_total = row_max + (part_sum * (part_max - row_max).exp()).sum(dim=1, keepdim=True).log()
-    chosen = logits.gather(1, token_ids.unsqueeze(1)) - log_total
+    chosen = logits.gather(1, token_ids.unsqueeze(1)).float() - log_total
     ranks = part_greater.sum(dim=1, dtype=torch.int64) + 1
     best_values, best = top_values.topk(num_top, dim=-1)
     return chosen.squeeze(1), ranks, top_ids.gather(1, best), best_values - log_total

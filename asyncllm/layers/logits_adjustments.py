@@ -24,6 +24,7 @@ class TokenCounts:
         self.output_counts = torch.zeros((0, vocab_size), dtype=torch.int32, device=device)
         self.in_prompt = torch.zeros((0, vocab_size), dtype=torch.bool, device=device)
         self.free_slots: list[int] = []
+        self._one = torch.ones(1, dtype=torch.int32, device=device)  # count() adds it, expanded, to each slot
 
     @property
     def capacity(self) -> int:
@@ -60,9 +61,11 @@ class TokenCounts:
         self.free_slots.extend(range(new - 1, old - 1, -1))
 
     def count(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """Add one sampled token to each slot, on the device."""
-        self.output_counts.index_put_((slots, token_ids), torch.ones_like(token_ids, dtype=torch.int32),
-                                      accumulate=True)
+        """Add one sampled token to each slot (a slot listed twice counts both), on the device and
+        without waiting for it: index_add_ on the flat counts is one atomic add per token on CUDA,
+        where index_put_(accumulate=True) sorts the indices first (several kernels)."""
+        flat = token_ids.add(slots, alpha=self.vocab_size)
+        self.output_counts.view(-1).index_add_(0, flat, self._one.expand(len(flat)))
 
 
 @dataclass
@@ -94,8 +97,28 @@ class LogitsAdjustments:
     allow_pair_rows: torch.Tensor | None = None  # (M,) int64: index into allow_rows
     allow_pair_tokens: torch.Tensor | None = None  # (M,) int64
 
-    def apply_(self, logits: torch.Tensor) -> None:
-        """Adjust float32 logits in place (the sampler's own copy, never a CUDA graph's output buffer)."""
+    def adjusted(self, logits: torch.Tensor) -> torch.Tensor:
+        """The adjusted logits: a new float32 (B, V) tensor; logits (the model's, in any float dtype,
+        maybe a CUDA graph's output buffer) are left as they are. The copy is made by the first pass
+        that changes them: with penalties on every row, the penalties' pass reads the model's logits
+        and writes it."""
+        # the penalties commute with the masks (-inf stays -inf under them, other logits keep their
+        # value) but not with a bias, which comes before them: without a bias they go first
+        penalties_first = self.penalty_rows is not None and self.bias_rows is None
+        if penalties_first and len(self.penalty_rows) == len(logits):  # rows are distinct: every row
+            out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        else:
+            out = logits.to(torch.float32, copy=True)
+        if penalties_first:
+            self._penalize(logits, out)
+        self._mask_and_bias_(out)
+        if self.penalty_rows is not None and not penalties_first:
+            self._penalize(out, out)
+        return out
+
+    def _mask_and_bias_(self, logits: torch.Tensor) -> None:
+        """In place on float32 logits: allowed tokens, logit biases, bans and the bans that hang on a
+        pending token."""
         if self.allow_rows is not None:
             allowed = torch.zeros((len(self.allow_rows), logits.shape[1]), dtype=torch.bool, device=logits.device)
             allowed[self.allow_pair_rows, self.allow_pair_tokens] = True
@@ -110,16 +133,19 @@ class LogitsAdjustments:
             logits.index_put_((self.pending_ban_rows, self.pending_ban_tokens),
                               torch.zeros_like(hit, dtype=logits.dtype).masked_fill(hit, float("-inf")),
                               accumulate=True)
-        if self.penalty_rows is not None:
-            counts, rows, slots = self.token_counts, self.penalty_rows, self.penalty_slots
-            kernels = logits_ops_for(logits)
-            if kernels is not None:
-                kernels.apply_penalties_(logits, rows, slots, counts.output_counts, counts.in_prompt,
-                                         self.presence, self.frequency, self.repetition)
-            else:
-                logits.index_copy_(0, rows, apply_penalties(
-                    logits[rows], counts.output_counts[slots], counts.in_prompt[slots],
-                    self.presence, self.frequency, self.repetition))
+
+    def _penalize(self, logits: torch.Tensor, out: torch.Tensor) -> None:
+        """out[row] = the penalised logits[row] for the rows with penalties; out is float32, logits
+        any float dtype or out itself."""
+        counts, rows, slots = self.token_counts, self.penalty_rows, self.penalty_slots
+        kernels = logits_ops_for(out)
+        if kernels is not None:
+            kernels.penalize(logits, out, rows, slots, counts.output_counts, counts.in_prompt,
+                             self.presence, self.frequency, self.repetition)
+        else:
+            out.index_copy_(0, rows, apply_penalties(
+                logits[rows].float(), counts.output_counts[slots], counts.in_prompt[slots],
+                self.presence, self.frequency, self.repetition))
 
     def count_sampled(self, sampled: torch.Tensor) -> None:
         """Count the step's sampled tokens for the rows with penalties (before the next step reads them)."""

@@ -157,7 +157,8 @@ class ModelRunner:
             self._forward(batch)
             # the sampler's worst case too: every sequence with top-k/top-p/min-p, penalties, logprobs
             rows = self.config.max_num_seqs
-            logits = torch.randn(rows, self.vocab_size, device=self.device)
+            # in the model's dtype: the kernels that read the model's logits compile for it here
+            logits = torch.randn(rows, self.vocab_size, device=self.device).to(self.dtype)
             ones = torch.ones(rows, device=self.device)
             rows_index = torch.arange(rows, device=self.device)
             # with penalties and a grammar's mask on every row (one token-count slot: the kernels
@@ -376,8 +377,7 @@ class ModelRunner:
         prompt_logprobs = None
         if prompt_plan is not None:
             targets = torch.tensor(prompt_plan.targets, dtype=torch.int64).to(self.device, non_blocking=True)
-            prompt_logprobs = gather_logprobs(logits[num_sampling:].float(), targets,
-                                              prompt_plan.num_top)
+            prompt_logprobs = gather_logprobs(logits[num_sampling:], targets, prompt_plan.num_top)
             logits = logits[:num_sampling]
         sampling, logprob_ks = self.prepare_sampling(sched, prev)
         if constraints is None:
