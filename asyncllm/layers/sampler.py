@@ -16,8 +16,10 @@ temperature, as vLLM's default), computed only for the rows that asked.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -75,26 +77,31 @@ class SamplingTensors:
 
     @classmethod
     def build(cls, params: list[SamplingParams], vocab_size: int, device: torch.device,
-              keys: list[int] | None = None, seeded_rows: list[tuple[int, int]] = ()) -> "SamplingTensors":
+              keys: list[int] | None = None, seeded_rows: list[tuple[int, int]] = (),
+              upload: Callable[[list[np.ndarray]], list[torch.Tensor]] | None = None) -> "SamplingTensors":
         """Per-row settings as device tensors; only what some row uses is built. keys: each row's
-        noise key (int64), given unless every row is greedy."""
-        def to_device(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
+        noise key (int64), given unless every row is greedy. upload: puts the host arrays on the
+        device (the runner's sends them in one copy); by default one copy each."""
         all_greedy = all(p.temperature == 0 for p in params)
-        temperatures = top_ks = top_ps = min_ps = key_tensor = None
-        if not all_greedy:
-            temperatures = to_device([p.temperature for p in params], torch.float32)
-            assert keys is not None, "sampled rows need their noise keys"
-            key_tensor = to_device(keys, torch.int64)
-            sampled = [p for p in params if p.temperature > 0]
-            if any(p.top_k > 0 for p in sampled):
-                top_ks = to_device([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64)
-            if any(p.top_p < 1.0 for p in sampled):
-                top_ps = to_device([p.top_p for p in params], torch.float32)
-            if any(p.min_p > 0 for p in sampled):
-                min_ps = to_device([p.min_p for p in params], torch.float32)
-        return cls(temperatures, top_ks, top_ps, min_ps, list(seeded_rows), all_greedy, keys=key_tensor)
+        if all_greedy:
+            return cls(None, None, None, None, list(seeded_rows), True)
+        assert keys is not None, "sampled rows need their noise keys"
+        arrays = {"temperatures": np.array([p.temperature for p in params], dtype=np.float32),
+                  "keys": np.asarray(keys, dtype=np.int64)}
+        sampled = [p for p in params if p.temperature > 0]
+        if any(p.top_k > 0 for p in sampled):
+            arrays["top_ks"] = np.array([p.top_k if p.top_k > 0 else vocab_size for p in params], dtype=np.int64)
+        if any(p.top_p < 1.0 for p in sampled):
+            arrays["top_ps"] = np.array([p.top_p for p in params], dtype=np.float32)
+        if any(p.min_p > 0 for p in sampled):
+            arrays["min_ps"] = np.array([p.min_p for p in params], dtype=np.float32)
+        if upload is None:
+            tensors = [torch.from_numpy(a).to(device, non_blocking=True) for a in arrays.values()]
+        else:
+            tensors = upload(list(arrays.values()))
+        on_device = dict(zip(arrays, tensors))
+        return cls(on_device["temperatures"], on_device.get("top_ks"), on_device.get("top_ps"), on_device.get("min_ps"),
+                   list(seeded_rows), False, keys=on_device["keys"])
 
 
 class Sampler(nn.Module):

@@ -16,6 +16,7 @@ from asyncllm.engine.scheduler import ScheduledSeq
 from asyncllm.engine.sequence import PENDING_TOKEN, Sequence
 from asyncllm.layers.logits_adjustments import LogitsAdjustments, TokenCounts
 from asyncllm.layers.sampler import SamplingTensors, noise_key
+from asyncllm.runner.host_upload import upload_arrays
 
 
 @dataclass
@@ -57,8 +58,8 @@ class SamplingInputs:
         self.key_source = np.random.default_rng(seed)  # unseeded rows' noise keys
         self.token_counts = TokenCounts(vocab_size, device)
 
-    def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+    def _upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        return upload_arrays(arrays, self.device)
 
     def build(self, seqs: list[Sequence], prev_sampled: torch.Tensor | None = None
               ) -> tuple[SamplingTensors, list[int] | None]:
@@ -76,19 +77,26 @@ class SamplingInputs:
                     # the token sampled now is the completion's token number len(seq) - num_prompt_tokens
                     keys[row] = key = noise_key(seq.params.seed, len(seq.token_ids) - seq.num_prompt_tokens)
                     seeded_rows.append((row, key))
-        tensors = SamplingTensors.build(params, self.vocab_size, self.device, keys, seeded_rows)
+        tensors = SamplingTensors.build(params, self.vocab_size, self.device, keys, seeded_rows, self._upload)
         if not any(seq.needs_sampling_extras for seq in seqs):
             return tensors, None
+        # everything else the rows ask for goes to the device in one more copy
+        arrays: dict[str, np.ndarray] = {}
         if any(seq.adjusts_logits for seq in seqs):
-            tensors.adjustments = self._adjustments(seqs, prev_sampled)
+            self._adjustment_arrays(seqs, arrays)
         logprob_ks = None
         if any(p.logprobs is not None for p in params):
             logprob_ks = [-1 if p.logprobs is None else p.logprobs for p in params]
-            tensors.logprob_rows = self._to_device([row for row, k in enumerate(logprob_ks) if k >= 0], torch.int64)
+            arrays["logprob_rows"] = np.array([row for row, k in enumerate(logprob_ks) if k >= 0], dtype=np.int64)
             tensors.num_top_logprobs = max(logprob_ks)
+        on_device = dict(zip(arrays, self._upload(list(arrays.values())))) if arrays else {}
+        tensors.logprob_rows = on_device.pop("logprob_rows", None)
+        if any(seq.adjusts_logits for seq in seqs):
+            tensors.adjustments = self._adjustments(on_device, prev_sampled)
         return tensors, logprob_ks
 
-    def _adjustments(self, seqs: list[Sequence], prev_sampled: torch.Tensor | None) -> LogitsAdjustments:
+    def _adjustment_arrays(self, seqs: list[Sequence], arrays: dict[str, np.ndarray]) -> None:
+        """The host arrays of the step's LogitsAdjustments, by field name (only the groups some row uses)."""
         penalty_rows, slots, presence, frequency, repetition = [], [], [], [], []
         bias_rows, bias_tokens, bias_values = [], [], []
         ban_rows, ban_tokens = [], []
@@ -111,42 +119,48 @@ class SamplingInputs:
                 bias_rows.extend([row] * len(p.logit_bias))
                 bias_tokens.extend(p.logit_bias)
                 bias_values.extend(p.logit_bias.values())
-            # the token sampled now is the completion's token number len(seq) - num_prompt_tokens
-            banned, if_pending_is = seq.banned_token_ids(len(seq.token_ids) - seq.num_prompt_tokens)
-            if banned:
-                ban_rows.extend([row] * len(banned))
-                ban_tokens.extend(banned)
-            for pending_value, token in if_pending_is:  # seq.sample_row: its row in prev_sampled
-                pending_rows.append(row)
-                pending_tokens.append(token)
-                pending_sample_rows.append(seq.sample_row)
-                pending_values.append(pending_value)
+            if seq.early_stop_ids or seq.bad_word_ids:  # nothing else bans a token
+                # the token sampled now is the completion's token number len(seq) - num_prompt_tokens
+                banned, if_pending_is = seq.banned_token_ids(len(seq.token_ids) - seq.num_prompt_tokens)
+                if banned:
+                    ban_rows.extend([row] * len(banned))
+                    ban_tokens.extend(banned)
+                for pending_value, token in if_pending_is:  # seq.sample_row: its row in prev_sampled
+                    pending_rows.append(row)
+                    pending_tokens.append(token)
+                    pending_sample_rows.append(seq.sample_row)
+                    pending_values.append(pending_value)
             if p.allowed_token_ids is not None:
                 allow_pair_rows.extend([len(allow_rows)] * len(p.allowed_token_ids))
                 allow_pair_tokens.extend(p.allowed_token_ids)
                 allow_rows.append(row)
-        out = LogitsAdjustments()
-        int64, float32 = torch.int64, torch.float32
-        if penalty_rows:
-            out.penalty_rows, out.penalty_slots = self._to_device(penalty_rows, int64), self._to_device(slots, int64)
-            out.presence, out.frequency, out.repetition = (
-                self._to_device(values, float32) for values in (presence, frequency, repetition))
+        int64, float32 = np.int64, np.float32
+        groups = (
+            (penalty_rows, dict(penalty_rows=(penalty_rows, int64), penalty_slots=(slots, int64),
+                                presence=(presence, float32), frequency=(frequency, float32),
+                                repetition=(repetition, float32))),
+            (bias_rows, dict(bias_rows=(bias_rows, int64), bias_tokens=(bias_tokens, int64),
+                             bias_values=(bias_values, float32))),
+            (ban_rows, dict(ban_rows=(ban_rows, int64), ban_tokens=(ban_tokens, int64))),
+            (pending_rows, dict(pending_ban_rows=(pending_rows, int64), pending_ban_tokens=(pending_tokens, int64),
+                                pending_sample_rows=(pending_sample_rows, int64),
+                                pending_ban_if=(pending_values, int64))),
+            (allow_rows, dict(allow_rows=(allow_rows, int64), allow_pair_rows=(allow_pair_rows, int64),
+                              allow_pair_tokens=(allow_pair_tokens, int64))))
+        for used, fields in groups:
+            if used:
+                arrays.update((name, np.array(values, dtype=dtype)) for name, (values, dtype) in fields.items())
+
+    def _adjustments(self, on_device: dict[str, torch.Tensor], prev_sampled: torch.Tensor | None
+                     ) -> LogitsAdjustments:
+        """The step's LogitsAdjustments from its uploaded arrays (_adjustment_arrays' names)."""
+        pending_sample_rows = on_device.pop("pending_sample_rows", None)
+        out = LogitsAdjustments(**on_device)
+        if out.penalty_rows is not None:
             out.token_counts = self.token_counts
-        if bias_rows:
-            out.bias_rows, out.bias_tokens = self._to_device(bias_rows, int64), self._to_device(bias_tokens, int64)
-            out.bias_values = self._to_device(bias_values, float32)
-        if ban_rows:
-            out.ban_rows, out.ban_tokens = self._to_device(ban_rows, int64), self._to_device(ban_tokens, int64)
-        if pending_rows:
+        if pending_sample_rows is not None:
             assert prev_sampled is not None, "a ban that hangs on a pending token without the step that samples it"
-            out.pending_ban_rows, out.pending_ban_tokens = (self._to_device(pending_rows, int64),
-                                                            self._to_device(pending_tokens, int64))
-            out.pending_ban_values = prev_sampled[self._to_device(pending_sample_rows, int64)]
-            out.pending_ban_if = self._to_device(pending_values, int64)
-        if allow_rows:
-            out.allow_rows = self._to_device(allow_rows, int64)
-            out.allow_pair_rows = self._to_device(allow_pair_rows, int64)
-            out.allow_pair_tokens = self._to_device(allow_pair_tokens, int64)
+            out.pending_ban_values = prev_sampled[pending_sample_rows]
         return out
 
     def release(self, seq: Sequence) -> None:
