@@ -3,6 +3,7 @@ AsyncLLMEngine drive this same object; it knows nothing of threads or event loop
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -57,9 +58,28 @@ def _as_id_set(value) -> set[int]:
     return {value} if isinstance(value, int) else set(value)
 
 
+_startup_heap_frozen = False
+
+
+def _freeze_startup_heap() -> None:
+    """Move every object alive now (imported modules above all: hundreds of thousands of tracked
+    objects) out of the cyclic collector's reach, once per process. A full collection walks the
+    whole heap, and results that requests keep (one TokenLogprob per token with logprobs) trigger
+    several: 134k retained TokenLogprobs cost 0.57 s with the collector on, 0.18 s with the start-up
+    heap frozen and 0.12 s with no collector (CPU, transformers and torch imported). vLLM freezes its
+    start-up heap the same way. Objects made later, the engines' own among them,
+    stay collectable."""
+    global _startup_heap_frozen
+    if not _startup_heap_frozen:
+        _startup_heap_frozen = True
+        gc.collect()
+        gc.freeze()
+
+
 class EngineCore:
     def __init__(self, config: Config, weights=None):
         from transformers import AutoTokenizer
+        _freeze_startup_heap()
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model, trust_remote_code=False)
         check_tokenizer(self.tokenizer, config.hf_config, config.model)
