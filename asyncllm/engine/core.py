@@ -3,7 +3,6 @@ AsyncLLMEngine drive this same object; it knows nothing of threads or event loop
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 import logging
 import os
@@ -16,6 +15,8 @@ from asyncllm.config import Config
 from asyncllm.engine.block_manager import BlockManager
 from asyncllm.engine.scheduler import Scheduler, SchedulerOutput
 from asyncllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from asyncllm.engine.startup_heap import freeze_startup_heap
+from asyncllm.engine.step_logprobs import add_prompt_logprobs, token_logprobs
 from asyncllm.engine.step_budget import StepBudget, StepTimeModel, StepTimer
 from asyncllm.errors import PromptTooLongError
 from asyncllm.runner.launched_step import LaunchedStep
@@ -58,28 +59,10 @@ def _as_id_set(value) -> set[int]:
     return {value} if isinstance(value, int) else set(value)
 
 
-_startup_heap_frozen = False
-
-
-def _freeze_startup_heap() -> None:
-    """Move every object alive now (imported modules above all: hundreds of thousands of tracked
-    objects) out of the cyclic collector's reach, once per process. A full collection walks the
-    whole heap, and results that requests keep (one TokenLogprob per token with logprobs) trigger
-    several: 134k retained TokenLogprobs cost 0.57 s with the collector on, 0.18 s with the start-up
-    heap frozen and 0.12 s with no collector (CPU, transformers and torch imported). vLLM freezes its
-    start-up heap the same way. Objects made later, the engines' own among them,
-    stay collectable."""
-    global _startup_heap_frozen
-    if not _startup_heap_frozen:
-        _startup_heap_frozen = True
-        gc.collect()
-        gc.freeze()
-
-
 class EngineCore:
     def __init__(self, config: Config, weights=None):
         from transformers import AutoTokenizer
-        _freeze_startup_heap()
+        freeze_startup_heap()
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model, trust_remote_code=False)
         check_tokenizer(self.tokenizer, config.hf_config, config.model)
@@ -344,10 +327,10 @@ class EngineCore:
         self.num_steps += 1
         prompt_logprobs = launched.prompt_logprobs()
         if prompt_logprobs is not None:
-            self._add_prompt_logprobs(launched.prompt_plan, prompt_logprobs)
+            add_prompt_logprobs(launched.prompt_plan, prompt_logprobs)
         logprobs = launched.logprobs()
         if logprobs is not None:
-            logprobs = self._token_logprobs(launched.logprob_ks, token_ids, logprobs)
+            logprobs = token_logprobs(launched.logprob_ks, token_ids, logprobs)
         events = []
         block_size = self.block_manager.block_size
         for row, (item, token_id) in enumerate(zip(sampling, token_ids)):
@@ -378,27 +361,6 @@ class EngineCore:
                 event.prompt_logprobs = seq.prompt_logprobs
             events.append(event)
         return events
-
-    @staticmethod
-    def _add_prompt_logprobs(plan, host) -> None:
-        """Append the prompt positions' scores to their sequences' prompt_logprobs."""
-        row = 0
-        for seq, count, k in plan.spans:
-            if not seq.is_finished:
-                seq.prompt_logprobs.extend(_token_logprob(host, j, plan.targets[j], k) for j in range(row, row + count))
-            row += count
-
-    @staticmethod
-    def _token_logprobs(ks: list[int], token_ids: list[int], host) -> list[TokenLogprob | None]:
-        """Each sampling row's TokenLogprob (None for rows that did not ask)."""
-        out, j = [], 0
-        for k, token_id in zip(ks, token_ids):
-            if k < 0:
-                out.append(None)
-                continue
-            out.append(_token_logprob(host, j, token_id, k))
-            j += 1
-        return out
 
     def _is_eos(self, seq: Sequence, token_id: int) -> bool:
         return not seq.params.ignore_eos and token_id in self.eos_token_ids
@@ -462,9 +424,3 @@ class EngineCore:
             if model.ready else None,
         }
 
-
-def _token_logprob(host, j: int, token_id: int, k: int) -> TokenLogprob:
-    """Row j of a step's host logprobs (chosen, ranks, top ids, top log-probs) as token_id's TokenLogprob
-    with its k best alternatives."""
-    chosen, ranks, top_ids, top_logprobs = host
-    return TokenLogprob(token_id, chosen[j], ranks[j], top_ids[j, :k], top_logprobs[j, :k])
