@@ -82,7 +82,8 @@ class SamplingInputs:
             return tensors, None
         # everything else the rows ask for goes to the device in one more copy
         arrays: dict[str, np.ndarray] = {}
-        if any(seq.adjusts_logits for seq in seqs):
+        adjusts = any(seq.adjusts_logits for seq in seqs)
+        if adjusts:
             self._adjustment_arrays(seqs, arrays)
         logprob_ks = None
         if any(p.logprobs is not None for p in params):
@@ -91,7 +92,7 @@ class SamplingInputs:
             tensors.num_top_logprobs = max(logprob_ks)
         on_device = dict(zip(arrays, self._upload(list(arrays.values())))) if arrays else {}
         tensors.logprob_rows = on_device.pop("logprob_rows", None)
-        if any(seq.adjusts_logits for seq in seqs):
+        if adjusts:
             tensors.adjustments = self._adjustments(on_device, prev_sampled)
         return tensors, logprob_ks
 
