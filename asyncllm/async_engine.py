@@ -367,9 +367,8 @@ class AsyncLLMEngine:
             elif metrics.time_to_first_token is None:  # n > 1: the first token of any sequence
                 metrics.time_to_first_token = now - metrics.arrival_time
             last_times[index] = now
-        group = seq.group
-        metrics.num_completion_tokens = len(seq.token_ids) - seq.num_prompt_tokens if group is None else \
-            sum(s.num_completion_tokens for s in group)
+        metrics.num_completion_tokens = seq.num_completion_tokens if seq.group is None else \
+            sum(s.num_completion_tokens for s in seq.group)
         metrics.num_preemptions = seq.num_preemptions
         metrics.e2e_latency = now - metrics.arrival_time
 

@@ -125,7 +125,8 @@ class BlockManager:
 
     def commit_computed(self, seq: Sequence) -> None:
         """Hash the blocks that became full of computed KV, making them prefix-cache hits."""
-        if not self.enable_prefix_caching:
+        # runs for every scheduled sequence every step: most steps fill no block
+        if not self.enable_prefix_caching or seq.num_computed_tokens // self.block_size <= len(seq.block_hashes):
             return
         # a block holding a token still being sampled is hashed once its value is known
         num_full = min(seq.num_computed_tokens, seq.num_resolved_tokens) // self.block_size

@@ -231,11 +231,9 @@ class Scheduler:
 
     def commit(self, out: SchedulerOutput) -> None:
         """Record that the scheduled KV was computed (before sampled tokens are appended)."""
-        commit_computed, block_size = self.block_manager.commit_computed, self.block_manager.block_size
+        commit_computed = self.block_manager.commit_computed
         for item in out.scheduled:
-            seq = item.seq
-            seq.num_computed_tokens += item.num_tokens
-            if seq.num_computed_tokens // block_size > len(seq.block_hashes):  # a block may have filled
-                commit_computed(seq)
+            item.seq.num_computed_tokens += item.num_tokens
+            commit_computed(item.seq)
 
 _sort_key = operator.attrgetter("sort_key")
