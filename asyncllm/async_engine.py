@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from asyncllm.engine.options import make_config
 from asyncllm.engine.step_budget import STREAMING_TARGET_STEP_MS
 from asyncllm.errors import EngineDeadError, QueueFullError
 from asyncllm.sampling_params import SamplingParams
-from asyncllm.streams import RequestChannel, RequestMetrics, RequestResult, RequestStream, wake
+from asyncllm.streams import LaunchGate, RequestChannel, RequestMetrics, RequestResult, RequestStream, wake
 
 logger = logging.getLogger("asyncllm")
 
@@ -48,6 +49,15 @@ class AsyncLLMEngine:
         self._closed = False
         self._stats: dict = {}
         self.tokenizer = None
+        # With overlap: closed from the moment a step's results reach the host until the next step is
+        # launched, and streams' reads that find it closed wait for it (LAUNCH_GATE_WAIT_S at most).
+        # Torch frees the interpreter lock in every op, so without it a launch hands the lock to the
+        # event loop at each op and waits for it to be given back; once more Python wants the lock
+        # than there is time in a step, the device would wait on every launch. With it the launch
+        # goes first, and a consumer that falls behind reads the tokens of several steps at once.
+        # ASYNCLLM_LAUNCH_GATE=0 turns it off (to compare).
+        self._launch_gate = LaunchGate()
+        self._use_launch_gate = os.environ.get("ASYNCLLM_LAUNCH_GATE", "1") != "0"
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def __aenter__(self) -> "AsyncLLMEngine":
@@ -193,7 +203,8 @@ class AsyncLLMEngine:
                 raise QueueFullError(f"{limit} requests are already queued (max_queued_requests); retry later")
         # without incremental text and stop strings nobody looks at the tokens before the end
         channel = RequestChannel(request_id, wake_on_finish_only=not incremental_text and not params.stop,
-                                 num_sequences=params.n)
+                                 num_sequences=params.n,
+                                 launch_gate=self._launch_gate if self._use_launch_gate else None)
         assemblers = [TextAssembler(self._core.tokenizer, prompt_token_ids, params, incremental=incremental_text)
                       for _ in range(params.n)]
         stream = RequestStream(self._finish, channel, assemblers, prompt_token_ids)
@@ -243,10 +254,17 @@ class AsyncLLMEngine:
         self._publish_stats()
         self._ready.set()
         core = self._core
+        # With overlap a step's events go out after the next step is launched, and the launch gate is
+        # closed from the wait's end to the launch (docs/ARCHITECTURE.md, "The overlapped step loop");
+        # without overlap events go out at once.
+        undelivered = []
+        gate = self._launch_gate
         try:
             while True:
                 with self._cv:
-                    while not self._inbox and not self._stop_requested and not core.has_unfinished():
+                    while not self._inbox and not self._stop_requested and not core.has_unfinished() \
+                            and not undelivered:
+                        gate.open()  # idle: no launch to wait for
                         self._cv.wait()
                     commands = list(self._inbox)
                     self._inbox.clear()
@@ -257,13 +275,26 @@ class AsyncLLMEngine:
                 if commands:
                     self._publish_stats()  # so wait_idle sees the applied commands before the step ends
                     self._send_endings()
+                if not stopping and core.has_unfinished():
+                    core.launch_step()
+                gate.open()
+                if undelivered:
+                    # stats first: a consumer that has just read its last item sees its blocks free
+                    self._publish_stats()
+                    self._deliver(undelivered)
+                    undelivered = []
                 if stopping:
                     break
-                events = core.step() if core.has_unfinished() else []
-                # stats first: a consumer that has just read its last item sees its blocks free
-                self._publish_stats()
-                self._deliver(events)
+                if core.overlap:
+                    core.wait_step()
+                    gate.close()
+                    undelivered = core.resolve_step()
+                else:
+                    events = core.resolve_step()
+                    self._publish_stats()
+                    self._deliver(events)
         except BaseException as e:  # noqa: BLE001 - every consumer must hear of it
+            gate.open()
             logger.exception("engine step failed; the engine is dead")
             with self._cv:
                 self._dead = e

@@ -88,19 +88,24 @@ class IncrementalDetokenizer:
         self._backend = getattr(tokenizer, "backend_tokenizer", None)  # looked up once: add() runs per token
 
     def add(self, new_token_ids: list[int]) -> str:
-        """Text made final by these tokens."""
+        """Text made final by these tokens. (Runs per token of every stream: the Rust path inline.)"""
         if not new_token_ids:
             return ""
-        self.window.extend(new_token_ids)
-        if self._stream is not None:
+        window = self.window
+        window.extend(new_token_ids)
+        stream = self._stream
+        if stream is not None:
             try:
-                text = self._stream.step(self._backend, new_token_ids)
+                # one id as an int: the binding converts it faster than a list
+                text = stream.step(self._backend, new_token_ids[0] if len(new_token_ids) == 1 else new_token_ids)
             except Exception:  # e.g. a decode that does not extend the last one: the Python path copes
                 self._stream = None
             else:
-                if text is not None:
-                    self._next_window()
-                return text or ""
+                if text is None:
+                    return ""
+                del window[:self.num_released_in_window]  # _next_window, inline
+                self.num_released_in_window = len(window)
+                return text
         prefix_text, full_text = self._decode_window()
         if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
             self._next_window()
@@ -202,6 +207,16 @@ class TextAssembler:
         self.num_released = 0  # chars handed out
         self.stopped = False
         self.stop_string: str | None = None  # the stop string that ended the text
+        if self.incremental and not self._matchers:
+            self.add = self._add_unchecked  # most requests: nothing to hold back, nothing can stop them
+
+    def _add_unchecked(self, new_token_ids: list[int]) -> str:
+        """add() for a request without stop strings: every final character is released at once."""
+        text = self.detokenizer.add(new_token_ids)
+        if text:
+            self._released.append(text)
+            self.num_released += len(text)
+        return text
 
     @property
     def text(self) -> str:

@@ -18,6 +18,42 @@ from asyncllm.detokenizer import TextAssembler, decode_logprobs
 from asyncllm.outputs import TokenLogprob
 
 
+# the longest the event loop waits for one launch of a step (LaunchGate): a launch takes well under a
+# millisecond of host time, but one that compiles a kernel takes seconds, and the event loop must not
+# stall behind it
+LAUNCH_GATE_WAIT_S = 0.002
+
+
+class LaunchGate:
+    """Closed by the engine thread while it launches a step; a stream's read that finds it closed
+    waits for it to open, LAUNCH_GATE_WAIT_S at most per closing, for all readers together (after
+    one wait has run out, reads pass until the engine closes it again)."""
+
+    __slots__ = ("_open", "_expired")
+
+    def __init__(self):
+        self._open = threading.Event()
+        self._open.set()
+        self._expired = False
+
+    # engine thread
+    def close(self) -> None:
+        self._expired = False
+        self._open.clear()
+
+    def open(self) -> None:
+        self._open.set()
+
+    @property
+    def is_open(self) -> bool:
+        return self._open.is_set()
+
+    # consumers
+    def wait(self) -> None:
+        if not self._expired and not self._open.is_set() and not self._open.wait(LAUNCH_GATE_WAIT_S):
+            self._expired = True
+
+
 @dataclass
 class RequestMetrics:
     arrival_time: float  # time.monotonic() at submission
@@ -32,7 +68,7 @@ class RequestMetrics:
     num_preemptions: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class StreamOutput:
     """One item of a stream: what is new since the previous item of the same sequence (index)."""
     request_id: str
@@ -116,8 +152,10 @@ class RequestChannel:
     stream: a stream made in one loop (or thread) and read in another must still be woken.
     """
 
-    def __init__(self, request_id: str, wake_on_finish_only: bool = False, num_sequences: int = 1):
+    def __init__(self, request_id: str, wake_on_finish_only: bool = False, num_sequences: int = 1,
+                 launch_gate: LaunchGate | None = None):
         self.request_id = request_id
+        self.launch_gate = launch_gate  # the engine's: clear while it launches a step
         # a consumer that only wants the whole answer (generate() without stop strings) is woken
         # once, at the end, not once per step: with hundreds of such requests the per-step wake-ups
         # cost the event loop more than the engine thread's own work
@@ -273,6 +311,9 @@ class RequestStream:
             except BaseException:
                 self._abort()
                 raise
+            gate = self._channel.launch_gate
+            if gate is not None:
+                gate.wait()  # if the engine is launching a step, it goes first
             if not deltas:  # closed with nothing left: cannot happen while a sequence is open
                 self.finish_reason = self.finish_reason or "abort"
             for delta in deltas:

@@ -26,11 +26,10 @@ import random
 import time
 
 import torch
-from common import (Report, add_engine_args, bench_requests, checkpoint_from_args, engine_kwargs, format_table,
+from common import (HostWaits, Report, add_engine_args, bench_requests, checkpoint_from_args, engine_kwargs, format_table,
                     make_parser, median, parse_args, random_prompt, release_memory, with_features)
 
 from asyncllm import LLM, SamplingParams
-from asyncllm.runner.launched_step import LaunchedStep
 
 
 def timed_step(core, device: str) -> dict:
@@ -171,14 +170,7 @@ def profile_workload(core, num_requests: int, device: str, features: str = "plai
         launched_steps.append(("decode only" if decode_only else "with prefill", sched.num_batched_tokens, start, end))
         return launched
     core.runner.launch = timed_launch
-    waits = [0.0]
-    on_host = LaunchedStep._on_host
-
-    def timed_on_host(step):
-        t = time.perf_counter()
-        on_host(step)
-        waits[0] += time.perf_counter() - t
-    LaunchedStep._on_host = timed_on_host
+    waits = HostWaits().__enter__()
     profiler = None
     if cprofile_rows:
         import cProfile
@@ -198,7 +190,7 @@ def profile_workload(core, num_requests: int, device: str, features: str = "plai
         wall = time.perf_counter() - t0
     finally:
         del core.runner.launch  # the bound method again
-        LaunchedStep._on_host = on_host
+        waits.__exit__()
     if profiler is not None:
         import io
         import pstats
@@ -219,7 +211,7 @@ def profile_workload(core, num_requests: int, device: str, features: str = "plai
     return rows + [{"kind": f"all (overlap {'on' if core.overlap else 'off'})", "features": features,
                     "steps": len(launched_steps),
                     "tokens": sum(r["tokens"] for r in rows), "gpu": gpu, "wall": wall,
-                    "host_idle": wall - gpu if cuda else None, "host_waits": waits[0]}]
+                    "host_idle": wall - gpu if cuda else None, "host_waits": waits.seconds}]
 
 
 PARTS = ["wall", "gpu", "schedule", "launch", "wait", "resolve", "graph_replay"]

@@ -12,7 +12,9 @@ then the whole batch is timed; throughput is sum(max_tokens) / wall time, as nan
 Modes: sync: one LLM.generate call. stream: every request submitted at once to an AsyncLLMEngine
 and read by its own `async for out in engine.stream(...)` task, which reads out.text and counts
 out.token_ids -- the path apps take. generate: the same with `await engine.generate(...)` (woken
-once per request). With more than one mode or overlap setting, each runs in its own process, one
+once per request). Each row also says how busy the device was (the steps' device time over the wall
+time), how long the engine thread waited for the device, and the event loop thread's CPU time: a
+device under 100 % busy with short host waits is a run the host held back. With more than one mode or overlap setting, each runs in its own process, one
 after another, and the table gives each row's ratio to sync with the same overlap setting.
 
 Features: each comma-separated item is one run whose requests all use the '+'-joined sampling
@@ -33,8 +35,8 @@ import sys
 import tempfile
 import time
 
-from common import (Report, add_engine_args, add_ratios, bench_requests, checkpoint_from_args, engine_kwargs,
-                    jit_compiled_since, make_parser, parse_args, release_memory, strip_options, synchronize, timed,
+from common import (HostWaits, Report, add_engine_args, add_ratios, bench_requests, checkpoint_from_args,
+                    engine_kwargs, host_report, jit_compiled_since, make_parser, parse_args, release_memory, strip_options, synchronize, timed,
                     warmup_requests, with_features)
 
 from asyncllm import LLM, AsyncLLMEngine, SamplingParams
@@ -48,14 +50,16 @@ def run_sync(model_dir: str, kwargs: dict, prompts, params, warmup, device: str)
     if warmup[0]:
         llm.generate(*warmup, use_tqdm=False)
     before, compiled_before = llm.core.stats(), compiled_variants()
-    outputs, elapsed = timed(lambda: llm.generate(prompts, params, use_tqdm=False), device)
+    with HostWaits() as waits:
+        outputs, elapsed = timed(lambda: llm.generate(prompts, params, use_tqdm=False), device)
     after = llm.core.stats()
     compiled = jit_compiled_since(compiled_before)
     llm = None  # noqa: F841 - freed before the next engine starts
     release_memory()
     return dict(elapsed_s=elapsed, generated_tokens=sum(len(o["token_ids"]) for o in outputs),
                 num_preemptions=after["num_preemptions"] - before["num_preemptions"],
-                num_steps=after["num_steps"] - before["num_steps"], jit_compiles=compiled)
+                num_steps=after["num_steps"] - before["num_steps"], jit_compiles=compiled,
+                **host_report(before, after, elapsed, waits))
 
 
 async def _stream_one(engine: AsyncLLMEngine, prompt, params) -> int:
@@ -98,11 +102,12 @@ async def _run_async(consume, model_dir: str, kwargs: dict, prompts, params, war
             import cProfile
             profiler = cProfile.Profile()
             profiler.enable()
-        start = time.perf_counter()
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(consume(engine, p, sp)) for p, sp in zip(prompts, params)]
-        synchronize(device)
-        elapsed = time.perf_counter() - start
+        with HostWaits() as waits:
+            start, loop_cpu = time.perf_counter(), time.thread_time()  # this thread runs the event loop
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(consume(engine, p, sp)) for p, sp in zip(prompts, params)]
+            synchronize(device)
+            elapsed, loop_cpu = time.perf_counter() - start, time.thread_time() - loop_cpu
         if profiler is not None:
             profiler.disable()
             print(loop_profile(profiler, sum(t.result() for t in tasks)), flush=True)
@@ -110,7 +115,8 @@ async def _run_async(consume, model_dir: str, kwargs: dict, prompts, params, war
         after = engine.stats()
     return dict(elapsed_s=elapsed, generated_tokens=sum(t.result() for t in tasks),
                 num_preemptions=after["num_preemptions"] - before["num_preemptions"],
-                num_steps=after["num_steps"] - before["num_steps"], jit_compiles=jit_compiled_since(compiled_before))
+                num_steps=after["num_steps"] - before["num_steps"], jit_compiles=jit_compiled_since(compiled_before),
+                **host_report(before, after, elapsed, waits, loop_cpu))
 
 
 def run_stream(*args, profile: bool = False) -> dict:
@@ -131,6 +137,8 @@ COLUMNS = [("backend", "backend"), ("TP", "tensor_parallel_size"), ("mode", "mod
            ("requests", "num_requests"), ("output tokens", "total_tokens"), ("time (s)", "elapsed_s", "{:.2f}"),
            ("throughput (tok/s)", "throughput_tok_s", "{:,.0f}"), ("/ sync", "sync_ratio", "{:.3f}"),
            ("/ plain", "plain_ratio", "{:.3f}"),
+           ("device busy", "device_busy", "{:.1%}"), ("host waits (s)", "host_waits_s", "{:.2f}"),
+           ("loop CPU (s)", "loop_cpu_s", "{:.2f}"),
            ("preemptions", "num_preemptions"), ("steps", "num_steps"), ("JIT compiles", "jit_compiles"),
            ("error", "error")]
 
@@ -166,10 +174,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--profile-loop", action="store_true",
                         help="stream/generate: print a cProfile of the event loop's thread over the timed run "
                              "(slows it: not for the throughput figures)")
+    parser.add_argument("--switch-interval-ms", type=float, default=None,
+                        help="sys.setswitchinterval for the run (the interpreter's default: 5 ms): how long a thread "
+                             "that wants the interpreter waits for another that holds it before it asks for it")
     parser.add_argument("--warmup-requests", type=int, default=64,
                         help="short requests run before timing (0: only nano-vllm's single warm-up prompt)")
     raw_argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(parser, raw_argv)
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     modes = MODES if args.mode in ("all", "both") else args.mode.split(",")
     unknown = set(modes) - set(MODES)
     if unknown:

@@ -28,6 +28,7 @@ if REPO_ROOT not in sys.path:  # run as `python benchmarks/x.py` without install
     sys.path.insert(0, REPO_ROOT)
 
 from asyncllm import SamplingParams  # noqa: E402
+from asyncllm.runner.launched_step import LaunchedStep  # noqa: E402
 from asyncllm.structured import StructuredOutput  # noqa: E402
 from asyncllm.testing import QWEN3_0_6B, QWEN3_8B, TINY_SHAPE, build_tiny_checkpoint  # noqa: E402
 
@@ -225,6 +226,37 @@ def timed(fn: Callable, device: str):
     result = fn()
     synchronize(device)
     return result, time.perf_counter() - start
+
+
+class HostWaits:
+    """Seconds the engine thread sits blocked on the device's results (LaunchedStep._on_host), summed
+    while in use: near 0 means the device finished each step before the host asked for it (the
+    host is the bottleneck), near the wall time the device is."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self._on_host = None
+
+    def __enter__(self) -> "HostWaits":
+        on_host = self._on_host = LaunchedStep._on_host
+
+        def timed_on_host(step):
+            t = time.perf_counter()
+            on_host(step)
+            self.seconds += time.perf_counter() - t
+        LaunchedStep._on_host = timed_on_host
+        return self
+
+    def __exit__(self, *exc) -> None:
+        LaunchedStep._on_host = self._on_host
+
+
+def host_report(before: dict, after: dict, elapsed: float, waits: HostWaits, loop_cpu_s: float | None = None) -> dict:
+    """The run's device against host figures, from engine stats taken before and after it: device busy
+    (the steps' device time over the wall time), the engine thread's waits for the device, and the
+    event loop thread's CPU time (stream / generate)."""
+    busy = after.get("steps_total_s", 0.0) - before.get("steps_total_s", 0.0)
+    return dict(device_busy=busy / elapsed if elapsed else None, host_waits_s=waits.seconds, loop_cpu_s=loop_cpu_s)
 
 
 def jit_compiled_since(before: dict[str, int]) -> str:

@@ -5,13 +5,14 @@ available there (torch reference, triton, and fa4 / fa2 where FlashAttention-4 /
 """
 from __future__ import annotations
 
+import asyncio
 import gc
 import importlib.util
 
 import pytest
 import torch
 
-from asyncllm import LLM, SamplingParams
+from asyncllm import LLM, AsyncLLMEngine, SamplingParams
 from asyncllm.testing import build_tiny_checkpoint, qwen_tokenizer_dir
 from helpers import assert_all_blocks_free, assert_greedy_runs_match, generate_with_logits, random_prompts
 
@@ -195,6 +196,46 @@ def test_overlapped_steps_match_serial_steps(model_dir, backend):
         del overlapped
         if dtype == "float32":  # bf16 rounding follows the batch's shape, which overlap changes
             assert sampled == base_sampled
+
+
+def test_streams_match_serial_generate_with_overlap_and_the_launch_gate(model_dir):
+    """AsyncLLMEngine on CUDA: overlapped steps (the default there), each step's tokens delivered after
+    the next launch, stream reads held back while a launch runs. Many concurrent streams with prefix
+    hits, chunked prefill and preemption give LLM.generate's serial tokens (float32), greedy and
+    seeded; a stream cancelled midway frees its blocks, and so does everything at the end."""
+    shared = random_prompts(1, seed=6, lo=300, hi=301)[0]
+    ps = [shared + p for p in random_prompts(6, seed=7, lo=5, hi=150)] + random_prompts(6, seed=8)
+    seeded = [SamplingParams(temperature=0.7, top_p=0.9, max_tokens=16, seed=i, ignore_eos=True)
+              for i in range(len(ps))]
+    options = dict(dtype="float32", num_kvcache_blocks=20, kvcache_block_size=64, max_num_batched_tokens=128,
+                   max_num_seqs=8)
+    serial = get_llm(model_dir, "triton", overlap_scheduling=False, **options)
+    expected_greedy, expected_seeded = generate(serial, ps), generate(serial, ps, seeded)
+    release_llms()
+
+    async def main():
+        async def tokens(engine, prompt, params):
+            return [t async for out in engine.stream(prompt, params) for t in out.token_ids]
+
+        async with AsyncLLMEngine(model_dir, attention_backend="triton", gpu_memory_utilization=0.3,
+                                  max_model_len=4096, target_step_ms=None, **options) as engine:
+            assert engine._core.overlap and engine._use_launch_gate
+            greedy = await asyncio.gather(*(tokens(engine, p, GREEDY) for p in ps))
+            sampled = await asyncio.gather(*(tokens(engine, p, sp) for p, sp in zip(ps, seeded)))
+            stream = engine.stream(ps[0], SamplingParams(max_tokens=500, ignore_eos=True))
+            async for out in stream:
+                if len(stream.token_ids) >= 20:
+                    break
+            await stream.aclose()
+            await engine.wait_idle()
+            stats = engine.stats()
+            assert stats["num_free_blocks"] == stats["num_total_blocks"]
+            assert engine._core.scheduler.num_preemptions > 0
+        return greedy, sampled
+
+    greedy, sampled = asyncio.run(main())
+    assert greedy == expected_greedy
+    assert sampled == expected_seeded
 
 
 def test_step_time_model_is_calibrated_at_start(model_dir):

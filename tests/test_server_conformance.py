@@ -248,7 +248,7 @@ def test_engine_death_is_openai_shaped_whole_and_streamed(tiny_qwen3):
         def failing_step():
             raise RuntimeError("injected step failure")
 
-        http.engine._core.step = failing_step
+        http.engine._core.launch_step = failing_step
         r = http.post(CHAT, json={"messages": MESSAGES, "max_tokens": 5, "stream": True})
         assert r.status_code == 200  # the status line went out before the engine failed
         events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]

@@ -151,7 +151,7 @@ def test_engine_death_mid_stream_shows_an_error(web_app_in_process, browser):
     def failing_step():
         raise RuntimeError("injected step failure")
 
-    engine._core.step = failing_step  # the engine thread's next step fails: the engine dies mid-answer
+    engine._core.launch_step = failing_step  # the engine thread's next step fails: the engine dies mid-answer
     page.wait_for_function("document.getElementById('status').dataset.state === 'error'", timeout=30_000)
     assert "the engine failed" in page.inner_text("#status"), page.inner_text("#status")
     assert page.is_enabled("#send") and not page.is_enabled("#stop")

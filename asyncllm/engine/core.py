@@ -3,9 +3,7 @@ AsyncLLMEngine drive this same object; it knows nothing of threads or event loop
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
 import threading
 import time
 import uuid
@@ -22,7 +20,7 @@ from asyncllm.errors import PromptTooLongError
 from asyncllm.runner.launched_step import LaunchedStep
 from asyncllm.runner.model_runner import ModelRunner
 from asyncllm.runner.tp_workers import TensorParallelWorkers
-from asyncllm.models.checkpoint import check_tokenizer
+from asyncllm.models.checkpoint import check_tokenizer, find_eos_token_ids
 from asyncllm.outputs import TokenLogprob
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.structured.grammar import GrammarCompiler
@@ -51,12 +49,6 @@ def check_text(text: str, argument: str) -> None:
     except UnicodeEncodeError as e:
         raise ValueError(f"{argument}: not valid Unicode text (lone surrogate {text[e.start]!r} at index "
                          f"{e.start}); decode bytes with errors='replace' first") from None
-
-
-def _as_id_set(value) -> set[int]:
-    if value is None:
-        return set()
-    return {value} if isinstance(value, int) else set(value)
 
 
 class EngineCore:
@@ -89,7 +81,7 @@ class EngineCore:
         # a sequence can never outgrow the whole cache, so that is a length limit too
         self.max_seq_len = min(config.max_model_len, self.block_manager.num_total_blocks * config.kvcache_block_size)
         self.vocab_size = config.hf_config.vocab_size
-        self.eos_token_ids = self._find_eos_token_ids()
+        self.eos_token_ids = find_eos_token_ids(config.model, config.hf_config, self.tokenizer)
         # no token decodes to more characters than this: a longer text cannot fit in max_seq_len
         # tokens, and is refused before the tokenizer spends seconds on it
         self.max_prompt_chars = self.max_seq_len * max(map(len, self.tokenizer.get_vocab()), default=1)
@@ -98,21 +90,12 @@ class EngineCore:
         self._last_sched: SchedulerOutput | None = None
         self.overlap = config.overlap_scheduling
         self._in_flight: LaunchedStep | None = None  # launched, not yet resolved (overlap only)
+        self._launched: LaunchedStep | None = None  # launched by launch_step, before its resolve_step
         # constrained decoding: the compiler is made on the first constrained request (xgrammar reads
         # the whole vocabulary); requests with a grammar, pruned once finished
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_compiler_lock = threading.Lock()
         self._constrained: list[Sequence] = []
-
-    def _find_eos_token_ids(self) -> set[int]:
-        ids = _as_id_set(getattr(self.config.hf_config, "eos_token_id", None))
-        gen_config = os.path.join(self.config.model, "generation_config.json")
-        if os.path.exists(gen_config):
-            with open(gen_config) as f:
-                ids |= _as_id_set(json.load(f).get("eos_token_id"))
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return ids
 
     # ---- input --------------------------------------------------------------------------------
     def encode_prompt(self, prompt, argument: str = "prompt") -> list[int]:
@@ -274,26 +257,53 @@ class EngineCore:
     # With overlap, step N+1 is launched before step N is resolved: the host's work for both
     # runs while the device computes, and N+1 takes N's sampled ids on the device.
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or self._in_flight is not None
+        return self.scheduler.num_unfinished > 0 or self._in_flight is not None or self._launched is not None
 
     def step(self) -> list[StepEvent]:
         """Run the engine one step; returns what happened in the step resolved now (with overlap,
         the one launched by the previous call)."""
+        self.launch_step()
+        return self.resolve_step()
+
+    # step() in two halves, for a caller with work to do between them (AsyncLLMEngine delivers the
+    # previous step's tokens once the next step is queued, so that the consumers' Python never
+    # delays a launch)
+    def launch_step(self) -> None:
+        """Schedule the next step and queue it on the device (with overlap, behind the one in flight)."""
         try:
             sched = self.scheduler.schedule()
-            launched = None if sched.is_empty else self._launch(sched)
+            self._launched = None if sched.is_empty else self._launch(sched)
+        except BaseException:
+            self._abandon_steps()
+            raise
+
+    def resolve_step(self) -> list[StepEvent]:
+        """Resolve a step and return its events: with overlap the one launched before the latest
+        (which stays in flight), without it the latest."""
+        launched, self._launched = self._launched, None
+        try:
             if self.overlap:
                 launched, self._in_flight = self._in_flight, launched
             return [] if launched is None else self._resolve(launched)
         except BaseException:
-            self._in_flight = None  # its requests are ended by whoever handles this
-            self.step_timer.reset()
+            self._abandon_steps()
             raise
 
+    def wait_step(self) -> None:
+        """Block until the step that resolve_step() resolves next has its results on the host."""
+        step = self._in_flight if self.overlap else self._launched
+        if step is not None:
+            step.wait()
+
+    def _abandon_steps(self) -> None:
+        self._in_flight = self._launched = None  # their requests are ended by whoever handles this
+        self.step_timer.reset()
+
     def drain(self) -> list[StepEvent]:
-        """Resolve the step still in flight, if any (at the end of a batch, or before closing)."""
-        launched, self._in_flight = self._in_flight, None
-        return [] if launched is None else self._resolve(launched)
+        """Resolve the steps still launched, if any (at the end of a batch, or before closing)."""
+        launched = [step for step in (self._in_flight, self._launched) if step is not None]  # oldest first
+        self._in_flight = self._launched = None
+        return [event for step in launched for event in self._resolve(step)]
 
     def _launch(self, sched: SchedulerOutput) -> LaunchedStep:
         started = self.step_timer.start()
@@ -419,6 +429,8 @@ class EngineCore:
             # None without a target: prefill takes what the decodes leave of max_num_batched_tokens
             "prefill_budget": budget.last_budget if budget is not None else None,
             "step_ms": model.last_step_ms,
+            # every step's device time so far (CUDA events; on CPU the forwards' wall time)
+            "steps_total_s": self.step_timer.total_ms / 1e3,
             "predicted_step_ms": model.predict(*last) if model.ready and last is not None else None,
             "step_model": {"ms": model.a, "ms_per_prefill_token": model.b, "ms_per_decode": model.c}
             if model.ready else None,

@@ -199,6 +199,8 @@ class StepTimer:
         self.model = model
         self.cuda = device.type == "cuda"
         self._pending: collections.deque = collections.deque()  # (start, end, p, d), oldest first
+        # the steps' time summed (those observed so far): against wall time, how busy the device was
+        self.total_ms = 0.0
 
     def start(self):
         if self.cuda:
@@ -213,14 +215,18 @@ class StepTimer:
             end.record()
             self._pending.append((started, end, num_prefill_tokens, num_decodes))
         else:
-            self.model.observe(num_prefill_tokens, num_decodes, (time.perf_counter() - started) * 1e3)
+            self._observe(num_prefill_tokens, num_decodes, (time.perf_counter() - started) * 1e3)
 
     def collect(self) -> None:
         """Feed the model the steps whose events have completed (they complete in order)."""
         pending = self._pending
         while pending and pending[0][1].query():
             start, end, num_prefill_tokens, num_decodes = pending.popleft()
-            self.model.observe(num_prefill_tokens, num_decodes, start.elapsed_time(end))
+            self._observe(num_prefill_tokens, num_decodes, start.elapsed_time(end))
+
+    def _observe(self, num_prefill_tokens: int, num_decodes: int, step_ms: float) -> None:
+        self.total_ms += step_ms
+        self.model.observe(num_prefill_tokens, num_decodes, step_ms)
 
     def reset(self) -> None:
         """Forget steps in flight (after a failed step, whose events may never complete)."""

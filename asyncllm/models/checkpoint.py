@@ -204,3 +204,21 @@ def _vocab_tensor_rows(model_dir: str) -> dict[str, tuple[int, str]]:
                     shape = f.get_slice(name).get_shape()
                     rows[name] = (shape[0] if shape else 0, path)
     return rows
+
+
+def _as_id_set(value) -> set[int]:
+    if value is None:
+        return set()
+    return {value} if isinstance(value, int) else set(value)
+
+
+def find_eos_token_ids(model_dir: str, hf_config, tokenizer) -> set[int]:
+    """Every id that ends a generation: the config's, generation_config.json's and the tokenizer's."""
+    ids = _as_id_set(getattr(hf_config, "eos_token_id", None))
+    gen_config = os.path.join(model_dir, "generation_config.json")
+    if os.path.exists(gen_config):
+        with open(gen_config) as f:
+            ids |= _as_id_set(json.load(f).get("eos_token_id"))
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

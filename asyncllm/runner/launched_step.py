@@ -68,6 +68,10 @@ class LaunchedStep:
         if self._copied is not None:
             self._copied.synchronize()
 
+    def wait(self) -> None:
+        """Block until the step's results are on the host (the interpreter lock is free meanwhile)."""
+        self._on_host()
+
     def token_ids(self) -> list[int]:
         """The sampled ids on the host (waits for the device to finish the step)."""
         self._on_host()
