@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 sys.path.insert(0, BENCHMARKS)
 
+import bench_delivery  # noqa: E402
 import bench_latency  # noqa: E402
 import bench_profile  # noqa: E402
 import bench_throughput  # noqa: E402
@@ -42,6 +43,22 @@ def test_bench_throughput_runs_with_every_feature(tiny_model):
                                   "--mode", "sync", "--features", "penalties+logprobs+json"])
     (row,) = rows_without_errors(data)
     assert row["total_tokens"] > 0 and row["throughput_tok_s"] > 0
+
+
+def test_bench_throughput_stream_mode_reports_the_host_figures(tiny_model):
+    data = bench_throughput.main(["--model-dir", tiny_model, "--device", "cpu", "--num-requests", "3",
+                                  "--max-input", "100", "--max-output", "100", "--warmup-requests", "1",
+                                  "--mode", "stream", "--overlap", "on"])
+    (row,) = rows_without_errors(data)
+    assert row["total_tokens"] == row["generated_tokens"] > 0
+    assert 0 < row["device_busy"] <= 1.01 and row["host_waits_s"] >= 0 and row["loop_cpu_s"] > 0
+
+
+def test_bench_delivery_counts_every_token():
+    data = bench_delivery.main(["--device", "cpu", "--streams", "1,8", "--steps", "5", "--step-ms", "1"])
+    rows = rows_without_errors(data)
+    assert [(row["streams"], row["tokens"]) for row in rows] == [(1, 5), (8, 40)]
+    assert all(row["us_per_token"] > 0 for row in rows)
 
 
 def test_bench_latency_runs_greedy_and_sampled(tiny_model):
