@@ -46,7 +46,11 @@ def record_loop(engine: AsyncLLMEngine, log: list) -> None:
 
 
 async def stream_tokens(engine: AsyncLLMEngine, prompt) -> list[int]:
-    return [t async for out in engine.stream(prompt, GREEDY) for t in out.token_ids]
+    return await read_tokens(engine.stream(prompt, GREEDY))
+
+
+async def read_tokens(stream) -> list[int]:
+    return [t async for out in stream for t in out.token_ids]
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
@@ -55,9 +59,11 @@ async def test_tokens_go_out_after_the_next_launch_with_overlap_at_once_without(
         log: list = []
         record_loop(engine, log)
         with anyio.fail_after(60):
+            # submitted together, so the engine never goes idle between them (it opens the gate then)
+            submitted = [engine.stream(prompt, GREEDY) for prompt in PROMPTS]
             async with anyio.create_task_group() as group:
-                for prompt in PROMPTS:
-                    group.start_soon(stream_tokens, engine, prompt)
+                for stream in submitted:
+                    group.start_soon(read_tokens, stream)
             await engine.wait_idle()
         assert engine._launch_gate.is_open  # idle: nobody's read may wait for a launch
     deliveries = [i for i, (kind, n) in enumerate(log) if kind == "deliver" and n]
