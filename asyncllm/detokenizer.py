@@ -91,8 +91,7 @@ class IncrementalDetokenizer:
         """Text made final by these tokens. (Runs per token of every stream: the Rust path inline.)"""
         if not new_token_ids:
             return ""
-        window = self.window
-        window.extend(new_token_ids)
+        self.window.extend(new_token_ids)
         stream = self._stream
         if stream is not None:
             try:
@@ -103,8 +102,7 @@ class IncrementalDetokenizer:
             else:
                 if text is None:
                     return ""
-                del window[:self.num_released_in_window]  # _next_window, inline
-                self.num_released_in_window = len(window)
+                self._next_window()
                 return text
         prefix_text, full_text = self._decode_window()
         if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
@@ -211,12 +209,9 @@ class TextAssembler:
             self.add = self._add_unchecked  # most requests: nothing to hold back, nothing can stop them
 
     def _add_unchecked(self, new_token_ids: list[int]) -> str:
-        """add() for a request without stop strings: every final character is released at once."""
-        text = self.detokenizer.add(new_token_ids)
-        if text:
-            self._released.append(text)
-            self.num_released += len(text)
-        return text
+        """add() for a request without stop strings (nothing held back, nothing to stop it): add()'s
+        checks skipped."""
+        return self._append(self.detokenizer.add(new_token_ids), final=False)
 
     @property
     def text(self) -> str:

@@ -155,7 +155,7 @@ class RequestChannel:
     def __init__(self, request_id: str, wake_on_finish_only: bool = False, num_sequences: int = 1,
                  launch_gate: LaunchGate | None = None):
         self.request_id = request_id
-        self.launch_gate = launch_gate  # the engine's: clear while it launches a step
+        self.launch_gate = launch_gate  # the engine's: closed while it launches a step
         # a consumer that only wants the whole answer (generate() without stop strings) is woken
         # once, at the end, not once per step: with hundreds of such requests the per-step wake-ups
         # cost the event loop more than the engine thread's own work

@@ -26,8 +26,8 @@ import random
 import time
 
 import torch
-from common import (HostWaits, Report, add_engine_args, bench_requests, checkpoint_from_args, engine_kwargs, format_table,
-                    make_parser, median, parse_args, random_prompt, release_memory, with_features)
+from common import (HostWaits, Report, add_engine_args, bench_requests, checkpoint_from_args, engine_kwargs,
+                    format_table, make_parser, median, parse_args, random_prompt, release_memory, with_features)
 
 from asyncllm import LLM, SamplingParams
 
@@ -170,27 +170,26 @@ def profile_workload(core, num_requests: int, device: str, features: str = "plai
         launched_steps.append(("decode only" if decode_only else "with prefill", sched.num_batched_tokens, start, end))
         return launched
     core.runner.launch = timed_launch
-    waits = HostWaits().__enter__()
     profiler = None
     if cprofile_rows:
         import cProfile
         profiler = cProfile.Profile()
     try:
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        if profiler is not None:
-            profiler.enable()
-        while core.has_unfinished():
-            core.step()
-        if profiler is not None:
-            profiler.disable()
-        if cuda:
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+        with HostWaits() as waits:
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            if profiler is not None:
+                profiler.enable()
+            while core.has_unfinished():
+                core.step()
+            if profiler is not None:
+                profiler.disable()
+            if cuda:
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
     finally:
         del core.runner.launch  # the bound method again
-        waits.__exit__()
     if profiler is not None:
         import io
         import pstats

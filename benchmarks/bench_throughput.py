@@ -14,8 +14,9 @@ and read by its own `async for out in engine.stream(...)` task, which reads out.
 out.token_ids -- the path apps take. generate: the same with `await engine.generate(...)` (woken
 once per request). Each row also says how busy the device was (the steps' device time over the wall
 time), how long the engine thread waited for the device, and the event loop thread's CPU time: a
-device under 100 % busy with short host waits is a run the host held back. With more than one mode or overlap setting, each runs in its own process, one
-after another, and the table gives each row's ratio to sync with the same overlap setting.
+device under 100 % busy with short host waits is a run the host held back. With more than one mode
+or overlap setting, each runs in its own process, one after another, and the table gives each row's
+ratio to sync with the same overlap setting.
 
 Features: each comma-separated item is one run whose requests all use the '+'-joined sampling
 features: plain (none), penalties (presence 0.5, frequency 0.5, repetition 1.1), logprobs (5 top
@@ -36,8 +37,8 @@ import tempfile
 import time
 
 from common import (HostWaits, Report, add_engine_args, add_ratios, bench_requests, checkpoint_from_args,
-                    engine_kwargs, host_report, jit_compiled_since, make_parser, parse_args, release_memory, strip_options, synchronize, timed,
-                    warmup_requests, with_features)
+                    engine_kwargs, host_report, jit_compiled_since, make_parser, parse_args, release_memory,
+                    strip_options, synchronize, timed, warmup_requests, with_features)
 
 from asyncllm import LLM, AsyncLLMEngine, SamplingParams
 from asyncllm.kernels import compiled_variants

@@ -255,7 +255,7 @@ def host_report(before: dict, after: dict, elapsed: float, waits: HostWaits, loo
     """The run's device against host figures, from engine stats taken before and after it: device busy
     (the steps' device time over the wall time), the engine thread's waits for the device, and the
     event loop thread's CPU time (stream / generate)."""
-    busy = after.get("steps_total_s", 0.0) - before.get("steps_total_s", 0.0)
+    busy = after["steps_total_s"] - before["steps_total_s"]
     return dict(device_busy=busy / elapsed if elapsed else None, host_waits_s=waits.seconds, loop_cpu_s=loop_cpu_s)
 
 
