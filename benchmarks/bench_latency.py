@@ -17,8 +17,8 @@ TPOT (stream): the same prompt length and N through one `async for out in engine
 AsyncLLMEngine (started after the LLM is gone): (time of the last item - time of the first) / the
 tokens after the first -- what a chat app's single user sees; at each temperature too.
 
---skinny-gemm: decode's linear layers through the skinny-GEMM kernel where it beats cuBLAS (on:
-ASYNCLLM_SKINNY_GEMM=1), or cuBLAS only (off, the engine's default); both runs each setting in its own
+--skinny-gemm: decode's linear layers through the skinny-GEMM kernel where it beats cuBLAS (on, the
+engine's default), or cuBLAS only (off: ASYNCLLM_SKINNY_GEMM=0); both runs each setting in its own
 process, one after the other, on one checkpoint, and the table gives each row's ratio to off's.
 """
 from __future__ import annotations
@@ -137,7 +137,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--tpot-reps", type=int, default=3)
     parser.add_argument("--temperatures", default="0,0.6",
                         help="comma-separated sampling temperatures of the TPOT rows (0: greedy)")
-    parser.add_argument("--skinny-gemm", default="off", choices=["on", "off", "both"],
+    parser.add_argument("--skinny-gemm", default="on", choices=["on", "off", "both"],
                         help="decode's linear layers through the skinny-GEMM kernel where it is faster (on), cuBLAS "
                              "only (off), or each in its own process (both)")
     parser.set_defaults(max_num_seqs=8)  # batch 1 only: fewer CUDA graphs to capture at start-up

@@ -239,18 +239,20 @@ def test_streams_match_serial_generate_with_overlap_and_the_launch_gate(model_di
 
 
 def test_step_time_model_is_calibrated_at_start(model_dir):
-    """With a target step time the CUDA engine measures prefill steps before its first request, so a
-    burst on a fresh engine is paced by a fitted model (its first real steps compile kernels and are
-    not learned from); the paced run gives the unpaced run's tokens (float32)."""
+    """With a target step time the CUDA engine measures prefill, decode and mixed steps before its first
+    request, so a burst on a fresh engine is paced by a fitted model that already knows what the
+    decodes it adds will cost (its first real steps compile kernels and are not learned from); the
+    paced run gives the unpaced run's tokens (float32)."""
     ps = random_prompts(12, seed=5, hi=600)
     llm = get_llm(model_dir, "triton", dtype="float32", target_step_ms=1.0, max_num_batched_tokens=4096)
     model = llm.core.step_model
-    assert model.fitted and model.b > 0 and model.c == 0  # prefill-only calibration; decodes learned online
-    per_token_ms = model.b
+    assert model.fitted and model.b > 0 and model.c > 0
+    per_token_ms, per_decode_ms = model.b, model.c
     paced = run(llm, ps)
     stats = llm.core.stats()
     assert stats["prefill_budget"] < 4096
-    print(f"calibrated {per_token_ms * 1e3:.2f} us per prefill token; after the run a={model.a:.2f} ms "
+    print(f"calibrated {per_token_ms * 1e3:.2f} us per prefill token, {per_decode_ms * 1e3:.1f} us per decode; "
+          f"after the run a={model.a:.2f} ms "
           f"b={model.b * 1e3:.2f} us c={model.c * 1e3:.1f} us, budget {stats['prefill_budget']}")
     assert_all_blocks_free(llm)
     del llm, model

@@ -609,6 +609,9 @@ def _record_launches(configs: list[dict]) -> list:
         cos_sin = torch.randn(64, 128)
         fused_mod.qk_norm_rope_(qkv, torch.arange(4), cos_sin, 16, 8, 128, x[0, :128], x[0, :128], 1e-6)
         fused_mod.qk_norm_rope_(qkv, torch.arange(4), cos_sin, 16, 8, 128)
+        cache = torch.zeros(2, 3, 256, 8, 128, dtype=torch.bfloat16)
+        fused_mod.qk_norm_rope_(qkv, torch.arange(4), cos_sin, 16, 8, 128, x[0, :128], x[0, :128], 1e-6,
+                                kv_cache=(cache[0], cache[1]), slot_mapping=torch.arange(4))
         weight, rows = torch.randn(1024, 2048, dtype=torch.bfloat16), torch.randn(16, 2048, dtype=torch.bfloat16)
         for num_rows in (1, 3, 16):  # the FMA loop (1 row, 4-row tiles) and the dot loop, split-K and bias
             for config in skinny_mod.candidate_configs(num_rows, 1024, 2048, 132):
@@ -670,7 +673,7 @@ def compile_all_for_sm90() -> int:
 def test_kernels_compile_for_sm90():
     """The CPU interpreter never compiles; build the real launch configurations for sm_90 (the
     H200) in a subprocess without TRITON_INTERPRET, so compile-only errors surface on CPU too."""
-    # decode x2, reduce, prefill, store, rms norm, silu, qk x2, skinny GEMM (FMA, dot, split-K reduce)
+    # decode x2, reduce, prefill, store, rms norm, silu, qk x3, skinny GEMM (FMA, dot, split-K reduce)
     assert compile_for_sm90_in_subprocess("test_kernels", "compile_all_for_sm90") >= 12
 
 
@@ -761,7 +764,7 @@ def test_linear_layers_take_skinny_gemm_only_for_few_rows(monkeypatch):
     real = skinny_mod.skinny_gemm
     monkeypatch.setattr(skinny_mod, "skinny_gemm", lambda *args, **kw: calls.append(1) or real(*args, **kw))
     monkeypatch.setattr(skinny_linear, "_choices", {})
-    monkeypatch.setattr(skinny_linear, "_enabled", True)  # off by default (ASYNCLLM_SKINNY_GEMM=1 turns it on)
+    monkeypatch.setattr(skinny_linear, "_enabled", True)  # the default (ASYNCLLM_SKINNY_GEMM=0 turns it off)
     # routing only: the kernel's first tiling is taken without timing it against cuBLAS (which runs
     # the kernel once per candidate, and may keep cuBLAS)
     monkeypatch.setattr(skinny_linear, "choose_fastest", lambda kernels, x, weight, bias, candidates: candidates[0])
@@ -897,11 +900,14 @@ def test_fused_rms_norm_and_silu_match_layers(dtype):
     torch.testing.assert_close(silu_and_mul(gate_up), SiluAndMul().forward_native(gate_up), **tol)
 
 
+@pytest.mark.parametrize("store_kv", [True, False])
 @pytest.mark.parametrize("qk_norm", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_qk_norm_rope_matches_layers(dtype, qk_norm):
+def test_fused_qk_norm_rope_matches_layers(dtype, qk_norm, store_kv):
     """One kernel for Qwen3's q/k RMSNorm and rotary (or rotary alone, Llama/Qwen2) against the
-    modules' own PyTorch code, in place on the fused projection with v left alone."""
+    modules' own PyTorch code, in place on the fused projection with v left alone; with a cache given,
+    the rotated k and v land in the paged cache exactly where store_kvcache puts them (and only there:
+    slot -1 rows store nothing, the rest of the poisoned cache is untouched)."""
     from asyncllm.kernels.fused_ops import qk_norm_rope_
     from asyncllm.layers.layernorm import RMSNorm
     from asyncllm.layers.rotary import RotaryEmbedding
@@ -921,9 +927,22 @@ def test_fused_qk_norm_rope_matches_layers(dtype, qk_norm):
     ref_q, ref_k = rotary(positions, q, k)
     v_before = qkv[:, q_size + kv_size:].clone()
     norm_args = (q_norm.weight, k_norm.weight, 1e-6) if qk_norm else ()
-    qk_norm_rope_(qkv, positions, rotary.cos_sin_cache, num_heads, num_kv_heads, head_dim, *norm_args)
+    store_args = {}
+    if store_kv:
+        block_size, num_blocks = 16, cdiv(tokens, 16) + 2
+        caches = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype,
+                            device=DEVICE)
+        slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:tokens]
+        slots[::3] = -1
+        store_args = dict(kv_cache=(caches[0], caches[1]), slot_mapping=slots)
+    qk_norm_rope_(qkv, positions, rotary.cos_sin_cache, num_heads, num_kv_heads, head_dim, *norm_args, **store_args)
     got_q = qkv[:, :q_size].view(tokens, num_heads, head_dim)
     got_k = qkv[:, q_size:q_size + kv_size].view(tokens, num_kv_heads, head_dim)
+    if store_kv:
+        expected = torch.full_like(caches, float("nan"))
+        store_kvcache(got_k, v_before.view(tokens, num_kv_heads, head_dim), expected[0], expected[1], slots)
+        assert torch.equal(caches.isnan(), expected.isnan())
+        assert torch.equal(caches.nan_to_num(0.0), expected.nan_to_num(0.0))
     for got, ref in ((got_q, ref_q), (got_k, ref_k)):
         if dtype == torch.float32:  # the math itself: equal up to fp32 operation order
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

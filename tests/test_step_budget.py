@@ -6,13 +6,15 @@ import random
 
 import anyio
 import pytest
+import torch
 
 from asyncllm.async_engine import AsyncLLMEngine
 from asyncllm.config import Config
 from asyncllm.engine.block_manager import BlockManager
 from asyncllm.engine.scheduler import Scheduler
 from asyncllm.engine.sequence import Sequence, SequenceStatus
-from asyncllm.engine.step_budget import STREAMING_TARGET_STEP_MS, StepBudget, StepTimeModel
+from asyncllm.engine.step_budget import (STREAMING_TARGET_STEP_MS, StepBudget, StepTimeModel, StepTimer,
+                                        calibration_shapes)
 from asyncllm.engine.options import make_config
 from asyncllm.llm import LLM
 from asyncllm.sampling_params import SamplingParams
@@ -245,10 +247,11 @@ async def run_stream_while_long_prompts_arrive(model: str, target_step_ms) -> tu
     stream's metrics."""
     rng = random.Random(0)
     async with AsyncLLMEngine(model, target_step_ms=target_step_ms, **ENGINE_KW) as engine:
-        # warm-up: the step-time model sees prefill and decode steps before the measured part
-        for _ in range(4):
-            await engine.generate([rng.randrange(0, 10000) for _ in range(100)],
-                                  SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        # warm-up: the step-time model learns from steps that prefill (a CPU engine has no start-up
+        # calibration), so a dozen prompts of varied lengths before the measured part
+        for n in range(12):
+            await engine.generate([rng.randrange(0, 10000) for _ in range(50 + 25 * n)],
+                                  SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
         scheduler = engine._core.scheduler
         schedule = scheduler.schedule
         prefill_in_stream_steps: list[int] = []
@@ -396,13 +399,49 @@ def test_priority_reaches_the_scheduler_through_the_engine(tiny_qwen3):
 
 
 def test_a_calibrated_model_is_ready_before_any_step():
-    """Prefill-only calibration steps give a and b at once; decodes are then learned online, and the
-    first online steps are no longer skipped (the calibration was the warm-up)."""
+    """Calibration steps of prefill alone and beside decodes give a, b and c at once: a burst on a
+    fresh engine is planned with the cost of the decodes it is about to add. The first online steps are
+    no longer skipped (the calibration was the warm-up), and the model goes on learning from them."""
     model = StepTimeModel()
-    model.calibrate([(p, true_cost(p, 0)) for p in (256, 1024, 4096)])
+    shapes = calibration_shapes(max_num_batched_tokens=16384, max_num_seqs=512)
+    assert {d for _, d in shapes} >= {0, 16, 64} and {p for p, _ in shapes} >= {256, 1024}
+    assert all(p for p, _ in shapes), "only steps that prefill: the budget is decided for those"
+    model.calibrate([(p, d, true_cost(p, d)) for p, d in shapes])
     assert model.ready and model.a == pytest.approx(1.5, rel=0.01) and model.b == pytest.approx(0.004, rel=0.01)
-    assert model.c == 0
-    for _ in range(30):
-        for d in (8, 32, 64):
-            model.observe(0, d, true_cost(0, d))
-    assert model.c == pytest.approx(0.03, rel=0.05) and model.b == pytest.approx(0.004, rel=0.05)
+    assert model.c == pytest.approx(0.03, rel=0.01)
+    budget = StepBudget(8.0, 16384, 256, model, max_num_seqs=512)
+    # a burst of 64 prompts on an idle engine gets the budget of the 64 streams it will become
+    assert budget.prefill_budget(0, 64) == budget.prefill_budget(64, 0) == int((8.0 - 1.5 - 0.03 * 64) / 0.004)
+    for _ in range(100):  # the device got slower: the model follows where the engine runs now
+        model.observe(900, 60, 2 * true_cost(900, 60))
+    assert model.predict(900, 60) == pytest.approx(2 * true_cost(900, 60), rel=0.1)
+
+
+def test_the_calibration_keeps_the_slope_that_narrow_online_steps_cannot_give():
+    """Under load every step prefills about the budget, so online steps alone cannot tell the cost per
+    token from the fixed cost; the calibration's varied shapes stay in the fit and keep the slope."""
+    calibrated, online_only = StepTimeModel(), StepTimeModel()
+    calibrated.calibrate([(p, d, true_cost(p, d)) for p, d in calibration_shapes(16384, 512)])
+    rng = random.Random(3)
+    for _ in range(400):
+        p, d = 900 + rng.randrange(-20, 20), 60 + rng.randrange(-4, 4)
+        for model in (calibrated, online_only):
+            model.observe(p, d, true_cost(p, d) * (1 + rng.uniform(-0.03, 0.03)))
+    assert calibrated.b == pytest.approx(0.004, rel=0.1)
+    # a burst's steps (large prefill, few decodes) are predicted right only with the slope kept
+    assert calibrated.predict(2000, 4) == pytest.approx(true_cost(2000, 4), rel=0.1)
+
+
+def test_the_step_timer_learns_only_from_steps_that_prefill():
+    model = StepTimeModel()
+    timer = StepTimer(model, torch.device("cpu"))
+    timer._observe(0, 64, 3.0)
+    assert model.num_observations == 0 and model.last_step_ms == 3.0 and timer.total_ms == 3.0
+    timer._observe(512, 64, 6.0)
+    assert model.num_observations == 1 and model.last_step_ms == 6.0 and timer.total_ms == 9.0
+
+
+def test_calibration_shapes_fit_the_engine_limits():
+    shapes = calibration_shapes(max_num_batched_tokens=512, max_num_seqs=8)
+    assert shapes and all(p + d <= 512 and d <= 8 for p, d in shapes)
+    assert len(set(shapes)) == len(shapes)

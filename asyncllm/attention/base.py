@@ -58,9 +58,15 @@ class AttentionBackend(ABC):
         """Build per-step metadata from the batch (called once per step, before the forward)."""
 
     @abstractmethod
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 batch: ForwardBatch) -> torch.Tensor:
-        """q: (T, H, D); k, v: (T, Hkv, D) for this step's tokens. Returns (T, H, D)."""
+        """q: (T, H, D); k, v: (T, Hkv, D) for this step's tokens, stored into the cache first, or
+        None where the caller has stored them already (kv_cache). Returns (T, H, D)."""
+
+    def kv_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's (k_cache, v_cache), for a kernel that stores a step's K/V as it makes them
+        (the fused q/k norm + rotary); forward is then called with k = v = None."""
+        return self.k_caches[layer_id], self.v_caches[layer_id]
 
     # CUDA graphs: decode-only steps of up to max_batch_size sequences, and (where
     # supports_mixed_cuda_graphs) any step of up to max_mixed_tokens tokens

@@ -63,10 +63,11 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.workspace = self._workspace(numel)
         batch.attn_metadata = meta
 
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 batch: ForwardBatch) -> torch.Tensor:
         k_cache, v_cache = self.k_caches[layer_id], self.v_caches[layer_id]
-        store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
+        if k is not None:
+            store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
         meta = batch.attn_metadata  # set once per step by prepare_metadata or prepare_for_capture
         return paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
                                batch.max_query_len, batch.max_seq_len, self.scale,

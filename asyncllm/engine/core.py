@@ -15,7 +15,7 @@ from asyncllm.engine.scheduler import Scheduler, SchedulerOutput
 from asyncllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from asyncllm.engine.startup_heap import freeze_startup_heap
 from asyncllm.engine.step_logprobs import add_prompt_logprobs, token_logprobs
-from asyncllm.engine.step_budget import StepBudget, StepTimeModel, StepTimer
+from asyncllm.engine.step_budget import StepBudget, StepTimeModel, StepTimer, calibration_shapes
 from asyncllm.errors import PromptTooLongError
 from asyncllm.runner.launched_step import LaunchedStep
 from asyncllm.runner.model_runner import ModelRunner
@@ -73,9 +73,9 @@ class EngineCore:
                                       config.max_num_seqs) if config.target_step_ms else None
         if self.step_budget is not None and self.runner.device.type == "cuda" and config.tensor_parallel_size == 1:
             # a fresh engine's first steps compile kernels, so their times teach nothing: measure
-            # prefill steps now, after a warm-up, and start with a fitted model
-            sizes = sorted({min(n, config.max_num_batched_tokens) for n in (256, 1024, 4096)})
-            self.step_model.calibrate(self.runner.time_prefill_steps(sizes))
+            # steps now, after a warm-up, and start with a fitted model
+            self.step_model.calibrate(self.runner.time_steps(
+                calibration_shapes(config.max_num_batched_tokens, config.max_num_seqs)))
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                    self.step_budget)
         # a sequence can never outgrow the whole cache, so that is a length limit too

@@ -3,7 +3,8 @@
 While streams decode, every step's time is every stream's inter-token gap. A step that takes a
 whole long prompt stalls them all for it (Sarathi-Serve's "generation stall"). So the scheduler
 takes the decodes first and then prefill chunks only up to a budget that follows from a target
-step time and a model of what a step costs, learned online from the engine's own steps:
+step time and a model of what a step costs, measured at start-up (CUDA) and learned online from
+the engine's own steps that prefill:
 
     predicted_ms(p, d) = a + b * p + c * d      p: prefill tokens, d: decoding sequences
 
@@ -79,9 +80,12 @@ class StepTimeModel:
         self.min_observations = min_observations
         self.skip_first = skip_first
         self.num_observations = 0  # all of them, skipped ones included
-        # weighted sums of x x^T, x y for x = (1, p * _P_SCALE, d * _D_SCALE)
+        # weighted sums of x x^T, x y for x = (1, p * _P_SCALE, d * _D_SCALE): the online steps'
+        # (decaying) and the start-up calibration's (kept, see calibrate)
         self._xx = [[0.0] * 3 for _ in range(3)]
         self._xy = [0.0] * 3
+        self._prior_xx = [[0.0] * 3 for _ in range(3)]
+        self._prior_xy = [0.0] * 3
         self.a = self.b = self.c = 0.0  # ms, ms per prefill token, ms per decoding sequence
         self.fitted = False
         self.last_step_ms: float | None = None  # the latest measured step, unclipped
@@ -105,33 +109,45 @@ class StepTimeModel:
         if self.num_observations - self.skip_first >= self.min_observations:
             self._fit()
 
-    def calibrate(self, prefill_steps: list[tuple[int, float]]) -> None:
-        """Start from measured prefill-only steps, (tokens, ms) of varied sizes taken after a
-        warm-up: the cost per prefill token is then known before the first request, so a burst
-        that arrives at a fresh engine is already paced. (Learned online alone, the first
-        prefill steps are the skipped ones, which compile kernels.) The cost per decode is left
-        to the online steps: the calibration steps have none."""
-        for num_tokens, step_ms in prefill_steps:
-            self._add(num_tokens, 0, step_ms)
+    # weight of each calibration step in every later fit, against the online steps' ~1 / (1 - decay)
+    CALIBRATION_WEIGHT = 1.0
+
+    def calibrate(self, steps: list[tuple[int, int, float]]) -> None:
+        """Start from measured steps, (prefill tokens, decodes, ms) of varied shapes taken after a
+        warm-up (calibration_shapes): the costs are then known before the first request, so a burst
+        that arrives at a fresh engine is paced as the full engine will be. (Learned online alone,
+        the first prefill steps are the skipped ones, which compile kernels, and the cost per decode
+        stays unknown while a burst is prefilled: its prompts went in at twice the pace the engine
+        kept up once they decoded, and came back as a wave that queued, docs/BENCHMARKS.md run L.)
+
+        The calibration stays in every later fit, never forgotten: under load the online steps'
+        prefill sizes barely vary (the budget sets them), which leaves the cost per token and the
+        fixed cost inseparable online; the calibration's varied shapes keep the slope, and the
+        online steps move the fit where the engine runs now."""
+        for num_prefill_tokens, num_decodes, step_ms in steps:
+            self._add(num_prefill_tokens, num_decodes, step_ms, prior=True)
         self.num_observations = max(self.num_observations, self.skip_first)
         self._fit()
 
-    def _add(self, num_prefill_tokens: int, num_decodes: int, step_ms: float) -> None:
+    def _add(self, num_prefill_tokens: int, num_decodes: int, step_ms: float, prior: bool = False) -> None:
         x = (1.0, num_prefill_tokens * _P_SCALE, num_decodes * _D_SCALE)
-        keep = self.decay
+        keep, weight = (1.0, self.CALIBRATION_WEIGHT) if prior else (self.decay, 1.0)
+        xx, xy = (self._prior_xx, self._prior_xy) if prior else (self._xx, self._xy)
         for i in range(3):
-            row = self._xx[i]
+            row = xx[i]
             for j in range(3):
-                row[j] = keep * row[j] + x[i] * x[j]
-            self._xy[i] = keep * self._xy[i] + x[i] * step_ms
+                row[j] = keep * row[j] + weight * x[i] * x[j]
+            xy[i] = keep * xy[i] + weight * x[i] * step_ms
 
     def _fit(self) -> None:
-        ridge = 1e-6 * (self._xx[0][0] + self._xx[1][1] + self._xx[2][2])
+        sums = [[self._xx[i][j] + self._prior_xx[i][j] for j in range(3)] for i in range(3)]
+        rhs = [self._xy[i] + self._prior_xy[i] for i in range(3)]
+        ridge = 1e-6 * (sums[0][0] + sums[1][1] + sums[2][2])
         active = [0, 1, 2]
         coef = [0.0, 0.0, 0.0]
         while active:
-            matrix = [[self._xx[i][j] + (ridge if i == j else 0.0) for j in active] for i in active]
-            solution = _solve(matrix, [self._xy[i] for i in active])
+            matrix = [[sums[i][j] + (ridge if i == j else 0.0) for j in active] for i in active]
+            solution = _solve(matrix, [rhs[i] for i in active])
             if solution is None:
                 return
             negative = [i for i, v in zip(active, solution) if v < 0]
@@ -147,6 +163,17 @@ class StepTimeModel:
             return
         self.a, self.b, self.c = coef[0], coef[1] * _P_SCALE, coef[2] * _D_SCALE
         self.fitted = True
+
+
+def calibration_shapes(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
+    """(prefill tokens, decodes) of the steps measured at start-up: prefill alone and beside decodes,
+    around where a loaded engine runs (a chunk or two of prefill beside many decodes). Only steps
+    that prefill: the budget is decided for them, and a decode costs more in a mixed step (the
+    varlen kernel) than in a decode-only one (split-KV), so decode-only steps would mislead the fit
+    (StepTimer does not learn from them either)."""
+    prefill = sorted({min(n, max_num_batched_tokens) for n in (256, 1024, 2048)})
+    decodes = sorted({min(n, max_num_seqs) for n in (0, 16, 64)})
+    return [(p, d) for p in prefill for d in decodes if p + d <= max_num_batched_tokens]
 
 
 class StepBudget:
@@ -226,7 +253,10 @@ class StepTimer:
 
     def _observe(self, num_prefill_tokens: int, num_decodes: int, step_ms: float) -> None:
         self.total_ms += step_ms
-        self.model.observe(num_prefill_tokens, num_decodes, step_ms)
+        if num_prefill_tokens:
+            self.model.observe(num_prefill_tokens, num_decodes, step_ms)
+        else:  # decode-only: shown in stats, not learned (see calibration_shapes)
+            self.model.last_step_ms = step_ms
 
     def reset(self) -> None:
         """Forget steps in flight (after a failed step, whose events may never complete)."""

@@ -107,9 +107,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, stride_t, stride_cs, eps,
+                         k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_cb, stride_cslot, stride_ch,
                          NUM_Q_HEADS: tl.constexpr, NUM_QK_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                         HAS_NORM: tl.constexpr):
+                         HAS_NORM: tl.constexpr, STORE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                         BLOCK_KV: tl.constexpr, BLOCK_D: tl.constexpr):
     # one program per token: its q heads then its k heads, which sit next to each other in the
     # row of the fused projection, each as two halves (the rotary pairs x[i] with x[i + HALF])
     token = tl.program_id(0).to(tl.int64)
@@ -145,23 +147,57 @@ def _qk_norm_rope_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_we
     out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
     tl.store(first, out1.to(dtype), mask=mask)
     tl.store(first + HALF, out2.to(dtype), mask=mask)
+    if STORE_KV:
+        # this token's k (as rotated above) and v straight into the paged cache: the KV store's
+        # own launch, and its re-read of k and v, saved (slot -1: nothing to store)
+        slot = tl.load(slot_mapping_ptr + token)
+        if slot >= 0:
+            cache_row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cslot
+            kv_head = heads - NUM_Q_HEADS
+            k_mask = mask & (heads >= NUM_Q_HEADS)[:, None]
+            k_dst = k_cache_ptr + cache_row + kv_head[:, None] * stride_ch + offs[None, :]
+            cache_dtype = k_cache_ptr.dtype.element_ty
+            tl.store(k_dst, out1.to(dtype).to(cache_dtype), mask=k_mask)
+            tl.store(k_dst + HALF, out2.to(dtype).to(cache_dtype), mask=k_mask)
+            v_heads = tl.arange(0, BLOCK_KV)
+            offs_d = tl.arange(0, BLOCK_D)
+            v_mask = (v_heads[:, None] < NUM_QK_HEADS - NUM_Q_HEADS) & (offs_d[None, :] < HEAD_DIM)
+            v = tl.load(qkv_ptr + token * stride_t + (NUM_QK_HEADS + v_heads[:, None]) * HEAD_DIM + offs_d[None, :],
+                        mask=v_mask)
+            tl.store(v_cache_ptr + cache_row + v_heads[:, None] * stride_ch + offs_d[None, :], v.to(cache_dtype),
+                     mask=v_mask)
 
 
 def qk_norm_rope_(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, num_q_heads: int,
                   num_k_heads: int, head_dim: int, q_weight: torch.Tensor | None = None,
-                  k_weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+                  k_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                  kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  slot_mapping: torch.Tensor | None = None) -> torch.Tensor:
     """In place on qkv (tokens, (num_q_heads + 2 * num_k_heads) * head_dim), rows [q | k | v]:
     RMSNorm of each q and k head (when q_weight and k_weight are given), then rotary of q and k by
     their positions (half-split layout; cos_sin_cache rows are [cos(half) | sin(half)] in fp32).
-    v is untouched. One launch where the modules take up to five."""
+    v is untouched. With kv_cache = (k_cache, v_cache), each (num_blocks, block_size, num_k_heads,
+    head_dim) with identical strides, and slot_mapping (tokens,) int64 (-1: skip), the rotated k and
+    v are also stored into the cache, as kernels.store_kvcache would. One launch where the modules
+    take up to six."""
     num_tokens = qkv.shape[0]
     assert qkv.dim() == 2 and qkv.stride(1) == 1 and cos_sin_cache.stride(-1) == 1
     if num_tokens:
         half = head_dim // 2
         has_norm = q_weight is not None
+        store = kv_cache is not None
+        if store:
+            k_cache, v_cache = kv_cache
+            assert k_cache.shape[2:] == (num_k_heads, head_dim) and k_cache.stride() == v_cache.stride()
+            assert k_cache.stride(-1) == 1 and slot_mapping is not None and slot_mapping.shape[0] == num_tokens
+            cache_args = (k_cache, v_cache, slot_mapping, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+        else:
+            cache_args = (qkv, qkv, positions, 0, 0, 0)  # unused
         _qk_norm_rope_kernel[(num_tokens,)](
             qkv, positions, cos_sin_cache, q_weight if has_norm else qkv, k_weight if has_norm else qkv,
-            qkv.stride(0), cos_sin_cache.stride(0), eps,
+            qkv.stride(0), cos_sin_cache.stride(0), eps, *cache_args,
             NUM_Q_HEADS=num_q_heads, NUM_QK_HEADS=num_q_heads + num_k_heads, HEAD_DIM=head_dim, HALF=half,
-            BLOCK_H=next_power_of_2(num_q_heads + num_k_heads), BLOCK_HALF=next_power_of_2(half), HAS_NORM=has_norm, num_warps=4)
+            BLOCK_H=next_power_of_2(num_q_heads + num_k_heads), BLOCK_HALF=next_power_of_2(half), HAS_NORM=has_norm,
+            STORE_KV=store, BLOCK_SIZE=kv_cache[0].shape[1] if store else 1, BLOCK_KV=next_power_of_2(num_k_heads),
+            BLOCK_D=next_power_of_2(head_dim), num_warps=4)
     return qkv

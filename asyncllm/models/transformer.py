@@ -51,7 +51,7 @@ class DecoderAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
-        q, k, v = self._norm_rope(positions, qkv)
+        q, k, v = self._norm_rope(positions, qkv, batch)
         out = batch.attn_backend.forward(self.layer_id, q, k, v, batch)
         return self.o_proj(out.flatten(1, -1))
 
@@ -60,14 +60,18 @@ class DecoderAttention(nn.Module):
         return (q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim),
                 v.view(-1, self.num_kv_heads, self.head_dim))
 
-    def _norm_rope_fused(self, positions: torch.Tensor, qkv: torch.Tensor):
-        # q/k norm and rotary in one kernel, in place on the projection's q and k columns
-        norm_args = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else ()
+    def _norm_rope_fused(self, positions: torch.Tensor, qkv: torch.Tensor, batch: ForwardBatch):
+        # q/k norm and rotary in one kernel, in place on the projection's q and k columns, which
+        # also stores k and v into the paged cache (so the backend is given None for them)
+        norm_args = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None \
+            else (None, None, 1e-6)
         self._fused.qk_norm_rope_(qkv, positions, self.rotary_emb.cos_sin_cache, self.num_heads,
-                                  self.num_kv_heads, self.head_dim, *norm_args)
-        return self._split_heads(qkv)
+                                  self.num_kv_heads, self.head_dim, *norm_args,
+                                  kv_cache=batch.attn_backend.kv_cache(self.layer_id), slot_mapping=batch.slot_mapping)
+        q, _, _ = self._split_heads(qkv)
+        return q, None, None
 
-    def _norm_rope_native(self, positions: torch.Tensor, qkv: torch.Tensor):
+    def _norm_rope_native(self, positions: torch.Tensor, qkv: torch.Tensor, batch: ForwardBatch):
         # the PyTorch path (CPU, no Triton) and the fused kernel's reference
         q, k, v = self._split_heads(qkv)
         if self.q_norm is not None:

@@ -152,7 +152,7 @@ class ModelRunner:
         num_tokens = self.config.max_num_batched_tokens
         seq_len = min(self.config.max_model_len, num_tokens)
         num_seqs = max(1, min(self.config.max_num_seqs, num_tokens // seq_len))
-        batch = self._synthetic_prefill(num_seqs, seq_len)
+        batch = self._synthetic_step(num_seqs, seq_len)
         with torch.inference_mode():
             self._forward(batch)
             # the sampler's worst case too: every sequence with top-k/top-p/min-p, penalties, logprobs
@@ -192,30 +192,47 @@ class ModelRunner:
                     "KV cache", total / 2**30, used / 2**30, (peak - current) / 2**30, max(budget, 0) / 2**30)
         return int(budget // self.kv_bytes_per_block)
 
-    def _synthetic_prefill(self, num_seqs: int, seq_len: int) -> ForwardBatch:
-        """A prefill of num_seqs whole prompts of seq_len tokens that stores nothing (slot -1) and
-        whose block tables all point at block 0: for measuring, never for results."""
-        query_lens = [seq_len] * num_seqs
-        blocks_per_seq = (seq_len + self.block_size - 1) // self.block_size
+    def _synthetic_step(self, num_prompts: int, prompt_len: int, num_decodes: int = 0,
+                        context: int = 0) -> ForwardBatch:
+        """A step of num_prompts whole prompts of prompt_len tokens, then num_decodes decodes over
+        context tokens each, that stores nothing (slot -1): for measuring, never for results. The
+        prompts' block tables point at block 0; each decode reads blocks of its own (cycling through
+        the cache), so the decodes' KV reads come from memory as a real step's do, not from L2."""
+        blocks_per_prompt = -(-prompt_len // self.block_size)
+        blocks_per_decode = -(-context // self.block_size)
+        width = max(blocks_per_prompt if num_prompts else 0, blocks_per_decode if num_decodes else 0, 1)
+        tables = np.zeros((num_prompts + num_decodes, width), dtype=np.int32)
+        if num_decodes:
+            blocks = np.arange(num_decodes * blocks_per_decode) % max(1, self.num_kvcache_blocks)
+            tables[num_prompts:, :blocks_per_decode] = blocks.reshape(num_decodes, blocks_per_decode)
+        query_lens = np.array([prompt_len] * num_prompts + [1] * num_decodes, dtype=np.int32)
+        num_tokens = int(query_lens.sum())
+        positions = np.concatenate([np.tile(np.arange(prompt_len), num_prompts),
+                                    np.full(num_decodes, max(context - 1, 0))]).astype(np.int64)
         batch, _ = self._make_batch(StepInputs(
-            input_ids=np.zeros(seq_len * num_seqs, dtype=np.int64),
-            positions=np.tile(np.arange(seq_len), num_seqs), slot_mapping=np.full(seq_len * num_seqs, -1),
-            query_lens=np.array(query_lens, dtype=np.int32), seq_lens=np.array(query_lens, dtype=np.int32),
-            block_tables=np.zeros((num_seqs, blocks_per_seq), dtype=np.int32),
-            logits_indices=np.cumsum(query_lens) - 1))
+            input_ids=np.zeros(num_tokens, dtype=np.int64), positions=positions,
+            slot_mapping=np.full(num_tokens, -1),
+            query_lens=query_lens, seq_lens=np.array([prompt_len] * num_prompts + [context] * num_decodes,
+                                                     dtype=np.int32),
+            block_tables=tables, logits_indices=np.cumsum(query_lens) - 1))
         return batch
 
     @torch.inference_mode()
-    def time_prefill_steps(self, sizes: list[int], prompt_len: int = 1024, repeats: int = 3) -> list[tuple[int, float]]:
-        """(tokens, ms) of prefill steps of about each size, in prompts of prompt_len tokens, on the
-        device (CUDA events; the first run of each size, which may compile kernels, untimed).
-        One rank only: under tensor parallelism the workers would not join the forward."""
+    def time_steps(self, shapes: list[tuple[int, int]], prompt_len: int = 1024, context: int = 1024,
+                   repeats: int = 3) -> list[tuple[int, int, float]]:
+        """(prefill tokens, decodes, ms) of steps of about each (prefill tokens, decodes) shape: the
+        prefill in prompts of prompt_len tokens, each decode over context tokens. Timed on the device
+        (CUDA events) through the path a real step of that shape takes (CUDA graphs where they
+        apply); the first run of each shape, which may compile kernels, untimed. One rank only:
+        under tensor parallelism the workers would not join the forward."""
         if self.device.type != "cuda" or self.workers is not None:
-            raise RuntimeError("time_prefill_steps needs one CUDA device")
+            raise RuntimeError("time_steps needs one CUDA device")
+        context = max(1, min(context, self.config.max_model_len))
         timings = []
-        for size in sizes:
-            seq_len = max(1, min(size, prompt_len, self.config.max_model_len))
-            batch = self._synthetic_prefill(max(1, size // seq_len), seq_len)
+        for prefill_tokens, num_decodes in shapes:
+            seq_len = max(1, min(prefill_tokens, prompt_len, self.config.max_model_len))
+            num_prompts = prefill_tokens // seq_len if prefill_tokens else 0
+            batch = self._synthetic_step(num_prompts, seq_len if num_prompts else 0, num_decodes, context)
             self._forward(batch)
             times = []
             for _ in range(repeats):
@@ -225,7 +242,7 @@ class ModelRunner:
                 end.record()
                 end.synchronize()
                 times.append(start.elapsed_time(end))
-            timings.append((batch.num_tokens, sorted(times)[len(times) // 2]))
+            timings.append((num_prompts * seq_len, num_decodes, sorted(times)[len(times) // 2]))
         return timings
 
     # ---- one step ------------------------------------------------------------------------------
