@@ -63,8 +63,7 @@ class DecoderAttention(nn.Module):
     def _norm_rope_fused(self, positions: torch.Tensor, qkv: torch.Tensor, batch: ForwardBatch):
         # q/k norm and rotary in one kernel, in place on the projection's q and k columns, which
         # also stores k and v into the paged cache (so the backend is given None for them)
-        norm_args = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None \
-            else (None, None, 1e-6)
+        norm_args = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else ()
         self._fused.qk_norm_rope_(qkv, positions, self.rotary_emb.cos_sin_cache, self.num_heads,
                                   self.num_kv_heads, self.head_dim, *norm_args,
                                   kv_cache=batch.attn_backend.kv_cache(self.layer_id), slot_mapping=batch.slot_mapping)
