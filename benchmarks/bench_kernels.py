@@ -2,9 +2,16 @@
 (flash_attn.cute, when installed). CUDA only.
 
     python benchmarks/bench_kernels.py [--json results.json] [--no-fa4] [--budget-s 60] [--grid]
+                                       [--timing graph|eager] [--splits-sweep]
 
-Timing is triton.testing.do_bench's median, which zeroes a 256 MB buffer before every repetition,
-so each call starts from a cold L2 (50 MB on H200) even when its KV would fit there. FA2 has no
+Timing (--timing graph, the default) is the median of CUDA-graph replays of each call, with L2 flushed
+before every one (asyncllm.layers.skinny_linear.time_calls): decode runs in graphs, and a
+microsecond-scale kernel timed eagerly also times its host launch (a Triton launch from Python is
+tens of microseconds; FA2's is a C++ op, FA4's a cute-DSL call). --timing eager is
+triton.testing.do_bench's median (runs up to D), which zeroes a 256 MB buffer before every repetition;
+either way each call starts from a cold L2 (50 MB on H200) even when its KV would fit there.
+--splits-sweep times our decode alone at batches 1/4/16 over contexts 128..8k for every split count,
+the data behind choose_num_splits and the decode graphs' context buckets. FA2 has no
 paged KV here: it reads the same K/V gathered into contiguous varlen tensors (cum_seq_k). FA4
 reads the paged cache through page_table, like ours. Decode reports achieved K+V bandwidth;
 prefill reports TFLOP/s counting only the causally visible keys. "err" is ours vs FA2, relative.
@@ -58,19 +65,29 @@ def make_case(batch: int, query_len: int, context: int, block_size: int):
                 max_query_len=query_len, max_seq_len=seq_len)
 
 
-def bench_case(kind: str, batch: int, query_len: int, context: int, block_size: int, fa4, use_fa4: bool) -> dict:
-    from triton.testing import do_bench
+def time_ms(calls: list, timing: str) -> list[float]:
+    """Each call's median device time (ms), cold L2: graph replays or do_bench (see the docstring)."""
+    if timing == "eager":
+        from triton.testing import do_bench
+        return [do_bench(call) for call in calls]
+    from asyncllm.layers.skinny_linear import time_calls
+    return time_calls(calls, torch.device("cuda"), reps=50)
 
+
+def bench_case(kind: str, batch: int, query_len: int, context: int, block_size: int, fa4, use_fa4: bool,
+               timing: str = "graph", num_splits: int | None = None) -> dict:
     from asyncllm.kernels import choose_num_splits, decode_workspace_numel, paged_attention
 
     c = make_case(batch, query_len, context, block_size)
     scale = HEAD_DIM ** -0.5
     out = torch.empty_like(c["q"])
-    num_splits = 1
     workspace = None
-    if kind == "decode":
-        num_splits = choose_num_splits(batch, NUM_KV_HEADS, c["max_seq_len"],
-                                       torch.cuda.get_device_properties(0).multi_processor_count)
+    if kind != "decode":
+        num_splits = 1
+    else:
+        if num_splits is None:
+            num_splits = choose_num_splits(batch, NUM_KV_HEADS, c["max_seq_len"],
+                                           torch.cuda.get_device_properties(0).multi_processor_count)
         workspace = torch.empty(max(1, decode_workspace_numel(batch, NUM_HEADS, HEAD_DIM, num_splits)),
                                 dtype=torch.float32, device="cuda")
 
@@ -86,8 +103,7 @@ def bench_case(kind: str, batch: int, query_len: int, context: int, block_size: 
 
     row = dict(kind=kind, batch=batch, query_len=query_len, context=context, block_size=block_size,
                num_splits=num_splits if kind == "decode" else None)
-    row["ours_ms"] = do_bench(ours)
-    row["fa2_ms"] = do_bench(fa2)
+    row["ours_ms"], row["fa2_ms"] = time_ms([ours, fa2], timing)
     ref = fa2().float()
     row["err_vs_fa2"] = ((ours().float() - ref).norm() / ref.norm()).item()
 
@@ -102,7 +118,7 @@ def bench_case(kind: str, batch: int, query_len: int, context: int, block_size: 
         for splits in ((0, 1) if kind == "decode" else (1,)):  # 0: FA4's own split heuristic
             try:
                 fa4_out = run_fa4(splits).float()
-                row["fa4_ms"] = do_bench(lambda: run_fa4(splits))
+                row["fa4_ms"] = time_ms([lambda: run_fa4(splits)], timing)[0]
                 row["fa4_err_vs_fa2"] = ((fa4_out - ref).norm() / ref.norm()).item()
                 row["fa4_num_splits"] = splits
                 break
@@ -144,6 +160,35 @@ def print_table(rows: list[dict]) -> None:
             print(f"    FA4 failed: {r['fa4_error']}")
 
 
+def splits_sweep(timing: str) -> list[dict]:
+    """Our decode alone at batches 1/4/16 x contexts 128..8k x every split count up to MAX_SPLITS."""
+    from asyncllm.kernels import decode_workspace_numel, paged_attention
+    from asyncllm.kernels.paged_attention import MAX_SPLITS
+    rows = []
+    for batch in (1, 4, 16):
+        for context in (128, 256, 512, 1024, 2048, 8192):
+            splits = 1
+            while splits <= MAX_SPLITS:
+                c = make_case(batch, 1, context, 128)
+                workspace = torch.empty(max(1, decode_workspace_numel(batch, NUM_HEADS, HEAD_DIM, splits)),
+                                        dtype=torch.float32, device="cuda")
+                out = torch.empty_like(c["q"])
+
+                def ours(c=c, splits=splits, workspace=workspace, out=out):
+                    return paged_attention(c["q"], c["k_cache"], c["v_cache"], c["query_start_loc"], c["seq_lens"],
+                                           c["block_tables"], 1, c["max_seq_len"], HEAD_DIM ** -0.5, out=out,
+                                           num_splits=splits, workspace=workspace)
+                rows.append(dict(batch=batch, context=context, num_splits=splits, ours_ms=time_ms([ours], timing)[0]))
+                splits *= 2
+    print(f"{'batch':>5} {'context':>7} " + " ".join(f"{'s' + str(1 << i):>7}" for i in range(7)) + "   (us)")
+    for batch in (1, 4, 16):
+        for context in (128, 256, 512, 1024, 2048, 8192):
+            times = [r["ours_ms"] * 1e3 for r in rows if r["batch"] == batch and r["context"] == context]
+            best = min(times)
+            print(f"{batch:>5} {context:>7} " + " ".join(f"{t:>6.1f}{'*' if t == best else ' '}" for t in times))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the results here")
@@ -152,10 +197,20 @@ def main() -> None:
                         help="stop timing FA4 (whose first call per shape JIT-compiles) past this many seconds")
     parser.add_argument("--grid", action="store_true",
                         help="decode over batches 1/8/64/256 x contexts 128/1k/8k instead of the default cases")
+    parser.add_argument("--timing", choices=["graph", "eager"], default="graph",
+                        help="CUDA-graph replays (default) or eager do_bench calls")
+    parser.add_argument("--splits-sweep", action="store_true",
+                        help="only our decode, at every split count (batches 1/4/16, contexts 128..8k)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs a CUDA GPU")
     torch.manual_seed(0)
+    if args.splits_sweep:
+        rows = splits_sweep(args.timing)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(timing=args.timing, results=rows), f, indent=2)
+        return
     fa4, fa4_error = (None, "disabled") if args.no_fa4 else load_fa4()
     if fa4 is None:
         print(f"FlashAttention-4 unavailable: {fa4_error}")
@@ -165,16 +220,17 @@ def main() -> None:
     cases += [("prefill", b, q, ctx, bs) for b, q, ctx, bs in PREFILL_CASES]
     for kind, batch, query_len, context, block_size in cases:
         use_fa4 = time.perf_counter() - start < args.budget_s
-        rows.append(bench_case(kind, batch, query_len, context, block_size, fa4, use_fa4))
+        rows.append(bench_case(kind, batch, query_len, context, block_size, fa4, use_fa4, args.timing))
         torch.cuda.empty_cache()
-    print(f"\n{torch.cuda.get_device_name(0)}, H={NUM_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} {DTYPE}\n")
+    print(f"\n{torch.cuda.get_device_name(0)}, H={NUM_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} {DTYPE}, "
+          f"timing: {args.timing}\n")
     print_table(rows)
     print(f"\n{time.perf_counter() - start:.1f} s")
     if args.json:
         import triton
         meta = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
                     num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype=str(DTYPE),
-                    fa4_available=fa4 is not None)
+                    fa4_available=fa4 is not None, timing=args.timing)
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, results=rows), f, indent=2)
 

@@ -189,7 +189,8 @@ def measure(args, report: Report) -> None:
                             median_ms=ms(tpot), min_ms=ms(min(tpots)), runs=len(tpots), output_tokens=n,
                             weight_bytes=weights, kv_bytes=kv, achieved_gb_s=achieved / 1e9,
                             bandwidth_util=achieved / copy_bw))
-        replay = graph_replay_time(runner, 1) if args.device == "cuda" else None
+        # the graph of the last TPOT run's context
+        replay = graph_replay_time(runner, 1, args.tpot_prompt_len + n) if args.device == "cuda" else None
         if replay is not None:  # the batch-1 forward's device time alone: the floor TPOT is held to
             report.add(dict(metric="decode graph replay (device)", **setting, median_ms=ms(replay), runs=1))
         llm = runner = None  # noqa: F841 - the async engine below sizes its KV cache from the memory left

@@ -55,12 +55,15 @@ def timed_step(core, device: str) -> dict:
             "num_seqs": len(sched.scheduled), "num_tokens": sched.num_batched_tokens}
 
 
-def graph_replay_time(runner, batch_size: int, iters: int = 50) -> float | None:
+def graph_replay_time(runner, batch_size: int, context: int, iters: int = 50) -> float | None:
+    """Device seconds of one replay of the decode graph a step of batch_size sequences of up to
+    `context` tokens takes, on the metadata its buffers hold from the last step."""
     graphs = runner.graph_runner
     if graphs is None:
         return None
     bs = next(s for s in graphs.batch_sizes if s >= batch_size)
-    graph = graphs.graphs[("decode", bs)]
+    bound = next(b for b in graphs.context_bounds[bs] if b >= context)
+    graph = graphs.graphs[("decode", bs, bound)]
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -278,14 +281,14 @@ def main(argv=None) -> dict:
             setup()
             timed_step(core, args.device)
             drain(core)
-        for name, setup, reps, batch in (
-                ("decode b=1 ctx=128", decode_setup(1, 128), args.reps, 1),
-                (f"prefill {args.prefill_len}", prefill_setup, args.reps, None),
+        for name, setup, reps, batch, context in (
+                ("decode b=1 ctx=128", decode_setup(1, 128), args.reps, 1, 128),
+                (f"prefill {args.prefill_len}", prefill_setup, args.reps, None, None),
                 (f"decode b={args.batch} ctx={args.context}", decode_setup(args.batch, args.context),
-                 max(3, args.reps // 4), args.batch)):
+                 max(3, args.reps // 4), args.batch, args.context)):
             row, table = measure(name, setup, reps)
             if batch is not None and args.device == "cuda":
-                replay = graph_replay_time(core.runner, batch)
+                replay = graph_replay_time(core.runner, batch, context + 1)  # + the decoded token
                 row["graph_replay"] = None if replay is None else replay * 1e3
             report.add(row)
             tables.append(f"#### {name}\n\n{table}")

@@ -134,6 +134,59 @@ def test_cuda_graph_decode_matches_eager(model_dir, backend):
     assert_equivalent(eager, with_graphs, exact_dtype(backend))
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_pdl_launches_match_plain_launches(model_dir, dtype):
+    """kernels/pdl.py: with programmatic dependent launch each kernel starts while the previous one
+    finishes, and must wait for its results before reading them. A missing wait is a race, so the
+    same engine with PDL off must give bit-identical logits (bf16 takes the skinny GEMMs too)."""
+    from asyncllm.kernels import pdl
+    ps = random_prompts(8, seed=11)
+    if not pdl.enabled_for(torch.zeros(1, device="cuda")):
+        pytest.skip("PDL needs an sm_90+ GPU")
+    with_pdl = run(get_llm(model_dir, "triton", dtype=dtype, max_num_batched_tokens=512), ps)
+    release_llms()
+    pdl.set_enabled(False)
+    try:
+        plain = run(get_llm(model_dir, "triton", dtype=dtype, max_num_batched_tokens=512), ps)
+    finally:
+        pdl.set_enabled(True)
+    assert with_pdl[0] == plain[0]
+    assert all(torch.equal(a, b) for ours, theirs in zip(with_pdl[1], plain[1]) for a, b in zip(ours, theirs))
+
+
+def test_decode_graphs_per_context_bound_match_eager(model_dir):
+    """Small-batch decode graphs come per context bound (each its own KV split count): decodes that
+    cross the 256- and 1,024-token bounds replay three graphs of one batch size, with the tokens
+    and logits of the same engine without graphs."""
+    from asyncllm.attention.triton_backend import DECODE_GRAPH_CONTEXTS
+    ps = random_prompts(1, seed=9, lo=244, hi=245) + random_prompts(1, seed=10, lo=1012, hi=1013)
+    graphed = get_llm(model_dir, "triton", dtype="float32", max_num_seqs=2, max_num_batched_tokens=1024)
+    graphs = graphed.core.runner.graph_runner
+    assert graphs.context_bounds[1] == [*DECODE_GRAPH_CONTEXTS, graphs.max_context]
+    replayed = []
+
+    class Recording:  # the captured graph, noting each replay's key
+        def __init__(self, key, graph):
+            self.key, self.graph = key, graph
+
+        def replay(self):
+            replayed.append(self.key)
+            self.graph.replay()
+
+    captured = graphs.graphs
+    graphs.graphs = {key: Recording(key, graph) for key, graph in captured.items()}
+    try:
+        with_graphs = [run(graphed, [p]) for p in ps]  # one at a time: batch-1 decodes
+    finally:
+        graphs.graphs = captured  # the engine's release() resets them
+    assert {key for key in replayed if key[0] == "decode"} == {("decode", 1, b) for b in graphs.context_bounds[1]}
+    del graphed, graphs
+    eager_llm = get_llm(model_dir, "triton", dtype="float32", max_num_seqs=2, max_num_batched_tokens=1024,
+                        enforce_eager=True)
+    for p, graphed_result in zip(ps, with_graphs):
+        assert_equivalent(run(eager_llm, [p]), graphed_result, "float32")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_prefix_cache_chunking_preemption_same_tokens(model_dir, backend):
     shared = random_prompts(1, seed=3, lo=600, hi=601)[0]

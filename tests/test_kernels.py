@@ -284,7 +284,7 @@ def test_batch_size_and_table_width_compile_no_new_variants():
 
 def test_choose_num_splits():
     assert choose_num_splits(256, 8, 4096, 132) == 1  # plenty of programs already
-    assert choose_num_splits(1, 8, 100, 132) == 1  # too short to split
+    assert choose_num_splits(1, 8, 30, 132) == 1  # too short to split
     one = choose_num_splits(1, 8, 8192, 132)
     assert 16 <= one <= MAX_SPLITS
     assert choose_num_splits(16, 8, 8192, 132) < one
@@ -369,7 +369,8 @@ def test_backend_graph_buffers_eagerly():
     static = ForwardBatch(input_ids=torch.zeros(graph_bs, dtype=torch.int64, device=DEVICE),
                           positions=torch.zeros(graph_bs, dtype=torch.int64, device=DEVICE), slot_mapping=None,
                           query_start_loc=None, seq_lens=None, block_tables=None, logits_indices=None,
-                          num_seqs=graph_bs, num_tokens=graph_bs, max_query_len=1, max_seq_len=1)
+                          num_seqs=graph_bs, num_tokens=graph_bs, max_query_len=1,
+                          max_seq_len=max_blocks * block_size)  # the graph's context bound
     ours.prepare_for_capture(static)
     assert static.max_seq_len == max_blocks * block_size and static.attn_metadata.num_splits > 1
     k_before = ours.k_caches[0].clone()
@@ -415,6 +416,22 @@ def test_fa4_backend_matches_reference(block_size):
                            dtype)
 
 
+def test_decode_graph_context_bounds():
+    """Decode graphs' context bounds: ascending, ending at the longest context, one per distinct
+    split count (a batch that fills the GPU without splitting gets one graph)."""
+    from asyncllm.attention.triton_backend import DECODE_GRAPH_CONTEXTS
+    ours, _ = make_backends(16, 8, 16, 8, 64, torch.float32, num_layers=1)
+    assert ours.decode_graph_context_bounds(1, 40960) == [*DECODE_GRAPH_CONTEXTS, 40960]
+    assert ours.decode_graph_context_bounds(1, 512) == [256, 512]
+    assert ours.decode_graph_context_bounds(1, 100) == [100]
+    assert ours.decode_graph_context_bounds(256, 40960) == [40960]
+    for batch_size in (1, 2, 4, 8, 16, 32, 64):
+        bounds = ours.decode_graph_context_bounds(batch_size, 40960)
+        counts = [choose_num_splits(batch_size, 8, bound, ours.num_sms) for bound in bounds]
+        assert bounds == sorted(bounds) and bounds[-1] == 40960
+        assert counts == sorted(set(counts)), (batch_size, bounds, counts)
+
+
 def test_graph_bucket_sizes():
     from asyncllm.runner.cuda_graph import graph_batch_sizes, graph_token_sizes
     assert graph_token_sizes(0) == []
@@ -426,12 +443,12 @@ def test_graph_bucket_sizes():
     assert graph_batch_sizes(512)[-1] == 512 and graph_batch_sizes(5) == [1, 2, 4, 5]
 
 
-def mixed_capture_batch(num_tokens: int, num_seqs: int) -> ForwardBatch:
+def mixed_capture_batch(num_tokens: int, num_seqs: int, context_bound: int) -> ForwardBatch:
     """A mixed graph's capture batch, as the graph runner makes it: no attention metadata of its own."""
     return ForwardBatch(input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=DEVICE), positions=None,
                         slot_mapping=None, query_start_loc=None, seq_lens=None, block_tables=None,
                         logits_indices=None, num_seqs=num_seqs, num_tokens=num_tokens, max_query_len=num_tokens,
-                        max_seq_len=1)
+                        max_seq_len=context_bound)
 
 
 def run_mixed_replays(ours, ref, run_graph, q_buf, k_buf, v_buf, tables, block_size, dtype, steps):
@@ -464,7 +481,7 @@ def test_backend_mixed_graph_buffers_eagerly():
     graph_tokens, graph_seqs, max_blocks, num_blocks = 64, 8, 8, 48
     ours, ref = make_backends(block_size, num_blocks, num_heads, num_kv_heads, head_dim, dtype, num_layers=1)
     ours.init_cuda_graph_state(graph_seqs, max_blocks, max_mixed_tokens=graph_tokens)
-    capture = mixed_capture_batch(graph_tokens, graph_seqs)
+    capture = mixed_capture_batch(graph_tokens, graph_seqs, max_blocks * block_size)
     ours.prepare_for_capture(capture)
     assert capture.max_query_len == graph_tokens and capture.max_seq_len == max_blocks * block_size
     q_buf, k_buf, v_buf = qkv(graph_tokens, num_heads, num_kv_heads, head_dim, dtype)
@@ -492,7 +509,7 @@ def test_backend_mixed_cuda_graph_replay():
     graph_tokens, graph_seqs, max_blocks, num_blocks = 256, 16, 64, 16 * 64
     ours, ref = make_backends(block_size, num_blocks, num_heads, num_kv_heads, head_dim, dtype, num_layers=1)
     ours.init_cuda_graph_state(graph_seqs, max_blocks, max_mixed_tokens=graph_tokens)
-    capture = mixed_capture_batch(graph_tokens, graph_seqs)
+    capture = mixed_capture_batch(graph_tokens, graph_seqs, max_blocks * block_size)
     q_buf, k_buf, v_buf = qkv(graph_tokens, num_heads, num_kv_heads, head_dim, dtype)
     ours.prepare_for_capture(capture)
     stream = torch.cuda.Stream()
@@ -531,7 +548,7 @@ def test_backend_cuda_graph_replay():
     capture_batch = ForwardBatch(
         input_ids=torch.zeros(max_bs, dtype=torch.int64, device=DEVICE), positions=None, slot_mapping=None,
         query_start_loc=None, seq_lens=None, block_tables=None, logits_indices=None, num_seqs=max_bs,
-        num_tokens=max_bs, max_query_len=1, max_seq_len=1)
+        num_tokens=max_bs, max_query_len=1, max_seq_len=max_blocks * block_size)
     q_buf, k_buf, v_buf = qkv(max_bs, num_heads, num_kv_heads, head_dim, dtype)
     ours.prepare_for_capture(capture_batch)
     assert capture_batch.max_seq_len == max_blocks * block_size
@@ -592,9 +609,11 @@ def _record_launches(configs: list[dict]) -> list:
 
     patched = [(mod, name) for mod in (kv_store_mod, attention_mod, fused_mod, skinny_mod)
                for name, value in vars(mod).items() if isinstance(value, JITFunction) and name.endswith("_kernel")]
+    # every launch as on an sm_90 GPU with programmatic dependent launch (kernels/pdl.py) on
+    patched += [(mod, "pdl_enabled_for") for mod in (attention_mod, fused_mod, skinny_mod)]
     originals = [getattr(mod, name) for mod, name in patched]
     for mod, name in patched:
-        setattr(mod, name, Recorder(getattr(mod, name)))
+        setattr(mod, name, (lambda x: True) if name == "pdl_enabled_for" else Recorder(getattr(mod, name)))
     try:
         for cfg in configs:
             step = make_step(cfg["query_lens"], [0] * len(cfg["query_lens"]), cfg["block_size"],
@@ -613,9 +632,13 @@ def _record_launches(configs: list[dict]) -> list:
         fused_mod.qk_norm_rope_(qkv, torch.arange(4), cos_sin, 16, 8, 128, x[0, :128], x[0, :128], 1e-6,
                                 kv_cache=(cache[0], cache[1]), slot_mapping=torch.arange(4))
         weight, rows = torch.randn(1024, 2048, dtype=torch.bfloat16), torch.randn(16, 2048, dtype=torch.bfloat16)
+        gate_up = torch.randn(16, 2 * 2048, dtype=torch.bfloat16)
         for num_rows in (1, 3, 16):  # the FMA loop (1 row, 4-row tiles) and the dot loop, split-K and bias
             for config in skinny_mod.candidate_configs(num_rows, 1024, 2048, 132):
                 skinny_mod.skinny_gemm(rows[:num_rows], weight, weight[0, :1024], config)
+            # the gated form (the MLP's down projection, no bias): the tilings the layer times
+            for config in skinny_mod.candidate_configs(num_rows, 1024, 2048, 132)[:3]:
+                skinny_mod.skinny_gemm(gate_up[:num_rows], weight, None, config, gated=True)
     finally:
         for (mod, name), original in zip(patched, originals):
             setattr(mod, name, original)
@@ -628,7 +651,7 @@ def _compile_for_sm90(kernel, args, kwargs):
     from triton.compiler import ASTSource
     import triton
     kwargs = dict(kwargs)
-    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
+    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages", "launch_pdl") if key in kwargs}
     values = dict(zip(kernel.arg_names, args), **kwargs)
     signature, constexprs, attrs = {}, {}, {}
     for index, name in enumerate(kernel.arg_names):
@@ -673,8 +696,9 @@ def compile_all_for_sm90() -> int:
 def test_kernels_compile_for_sm90():
     """The CPU interpreter never compiles; build the real launch configurations for sm_90 (the
     H200) in a subprocess without TRITON_INTERPRET, so compile-only errors surface on CPU too."""
-    # decode x2, reduce, prefill, store, rms norm, silu, qk x3, skinny GEMM (FMA, dot, split-K reduce)
-    assert compile_for_sm90_in_subprocess("test_kernels", "compile_all_for_sm90") >= 12
+    # decode x2, reduce, prefill, store, rms norm, silu, qk x3, skinny GEMM (FMA, dot, split-K reduce),
+    # gated skinny GEMM (FMA, dot)
+    assert compile_for_sm90_in_subprocess("test_kernels", "compile_all_for_sm90") >= 14
 
 
 # ----------------------------------------------------------------------------- skinny GEMM
@@ -715,6 +739,57 @@ def test_skinny_gemm_matches_reference(num_rows, has_bias):
         configs += [SkinnyConfig(dot, 16, 64, 3, 4), SkinnyConfig(dot, 16 if dot else 2, 32, 8, 4)]
     assert {config.dot for config in configs} == ({True, False} if num_rows <= FMA_MAX_ROWS else {True})
     check_skinny(x, weight, bias, configs)
+
+
+def gated_configs(num_rows, n, k):
+    """The candidate tilings plus, for each loop, a K tail with ragged and empty splits, and split-K
+    over one-tile splits."""
+    from asyncllm.kernels.skinny_gemm import FMA_MAX_ROWS, SkinnyConfig, candidate_configs
+    configs = candidate_configs(num_rows, n, k, num_sms=132 if CUDA else 8)
+    for dot in (True, False) if num_rows <= FMA_MAX_ROWS else (True,):
+        configs += [SkinnyConfig(dot, 16, 64, 3, 4), SkinnyConfig(dot, 16 if dot else 2, 16, 4, 4)]
+    return configs
+
+
+@pytest.mark.parametrize("num_rows", [1, 3, 16])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_gated_skinny_gemm_matches_reference(num_rows, has_bias):
+    """The gated kernel (silu(gate) * up on load) against F.linear of the unfused gate, every tiling,
+    N and K that no block divides, into a NaN-poisoned output. The unfused gate is
+    fused_ops.silu_and_mul, what the unfused path runs where this kernel runs (the interpreter
+    truncates to bf16 where PyTorch rounds); its match with PyTorch's SiluAndMul is tested below."""
+    from asyncllm.kernels.fused_ops import silu_and_mul
+    from asyncllm.kernels.skinny_gemm import skinny_gemm
+    dtype = torch.bfloat16
+    n, k = (1000, 1500) if CUDA else (37, 200)
+    gate_up = torch.randn(num_rows, 2 * k, device=DEVICE).to(dtype)
+    weight = torch.randn(n, k, device=DEVICE).to(dtype)
+    bias = torch.randn(n, device=DEVICE).to(dtype) if has_bias else None
+    configs = gated_configs(num_rows, n, k)
+    assert any(config.split_k > 1 for config in configs) and any(k % config.block_k for config in configs)
+    ref = skinny_reference(silu_and_mul(gate_up), weight, bias).float()
+    for config in configs:
+        out = torch.full((num_rows, n), float("nan"), dtype=dtype, device=DEVICE)  # poisoned
+        result = skinny_gemm(gate_up, weight, bias, config, out=out, gated=True)
+        assert result.data_ptr() == out.data_ptr() and not result.isnan().any(), f"{config}: NaN in the output"
+        torch.testing.assert_close(result.float(), ref, rtol=2 ** -6, atol=1e-3, msg=lambda m: f"{config}: {m}")
+
+
+@pytest.mark.parametrize("num_rows", [2, 13])
+def test_gated_skinny_gemm_gate_is_silu_and_mul_bit_for_bit(num_rows):
+    """Through an identity weight (every sum one exact product) the gated kernel returns its gate
+    itself, which must be silu_and_mul's to the bit: the fused MLP rounds as the unfused one. The
+    rows sit in a wider buffer (a row stride that is not 2K), as a view of a larger projection may."""
+    from asyncllm.kernels.fused_ops import silu_and_mul
+    from asyncllm.kernels.skinny_gemm import skinny_gemm
+    dtype = torch.bfloat16
+    k = 72  # no power-of-two tile divides it: the masked K tail
+    gate_up = (3 * torch.randn(num_rows, 2 * k + 8, device=DEVICE)).to(dtype)[:, :2 * k]
+    eye = torch.eye(k, device=DEVICE).to(dtype)
+    expected = silu_and_mul(gate_up)
+    for config in gated_configs(num_rows, k, k):
+        out = torch.full((num_rows, k), float("nan"), dtype=dtype, device=DEVICE)
+        assert torch.equal(skinny_gemm(gate_up, eye, None, config, out=out, gated=True), expected), config
 
 
 @gpu
@@ -812,6 +887,84 @@ def test_linear_layers_take_skinny_gemm_only_for_few_rows(monkeypatch):
     assert torch.equal(column(x17), F.linear(x17, column.weight, column.bias))
 
 
+def test_mlp_takes_gated_skinny_gemm_where_linear_takes_the_kernel(monkeypatch):
+    """DecoderMLP's down projection takes the gated kernel (no silu_and_mul of its own) for 1..16
+    rows where linear() takes the kernel for the unfused shape and the gated form was chosen, and
+    the unfused path (SiluAndMul, then linear()) otherwise: more rows, cuBLAS for the product, the
+    gated form timed slower, off the kernel's devices. The same numbers as down_proj(act_fn(gate_up))
+    either way, the bias added after the reduction."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from asyncllm.kernels import fused_ops
+    from asyncllm.kernels import skinny_gemm as skinny_mod
+    from asyncllm.layers import skinny_linear
+    from asyncllm.layers.activation import SiluAndMul
+    from asyncllm.layers.linear import RowParallelLinear
+    from asyncllm.models.transformer import DecoderMLP
+
+    calls = []  # per kernel launch: gated or not
+    real = skinny_mod.skinny_gemm
+    monkeypatch.setattr(skinny_mod, "skinny_gemm",
+                        lambda *args, **kw: calls.append(kw.get("gated", False)) or real(*args, **kw))
+    monkeypatch.setattr(skinny_linear, "_choices", {})
+    monkeypatch.setattr(skinny_linear, "_gated_choices", {})
+    monkeypatch.setattr(skinny_linear, "_enabled", True)
+    monkeypatch.setattr(skinny_linear, "choose_fastest",
+                        lambda kernels, x, weight, bias, candidates, gated=False: candidates[0])
+    dtype = torch.bfloat16
+    mlp = DecoderMLP(SimpleNamespace(hidden_size=48, intermediate_size=40)).to(DEVICE, dtype)
+    row = RowParallelLinear(40, 24, bias=True).to(DEVICE, dtype)
+    for param in list(mlp.parameters()) + list(row.parameters()):
+        param.data.normal_(std=param.shape[-1] ** -0.5 if param.dim() == 2 else 1.0)  # activations of ~unit scale
+    act_fn = SiluAndMul()
+
+    def expect(down, gate_up, forward, launches: list[bool]):
+        calls.clear()
+        y = forward(gate_up)
+        assert calls == launches, (tuple(gate_up.shape), calls)
+        if launches == [True]:
+            # the unfused path on the kernel's device computes the gate as the kernel does: the same bits
+            assert torch.equal(y, down(fused_ops.silu_and_mul(gate_up)))
+            # PyTorch's gate: the interpreter truncates to bf16 where PyTorch rounds, an ulp of some inputs
+            torch.testing.assert_close(y.float(), down(act_fn(gate_up)).float(), rtol=2 ** -6, atol=2 ** -4)
+        else:
+            assert torch.equal(y, down(act_fn(gate_up)))
+
+    x3 = torch.randn(3, 48, device=DEVICE).to(dtype)
+    if not CUDA:  # off the kernel's devices: exactly the PyTorch MLP
+        expect(mlp.down_proj, mlp.gate_up_proj(x3), mlp.down_proj.forward_silu_mul, [])
+        assert torch.equal(mlp(x3), F.linear(act_fn.forward_native(F.linear(x3, mlp.gate_up_proj.weight)),
+                                             mlp.down_proj.weight))
+    monkeypatch.setattr(skinny_linear, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
+    for x in (x3, torch.randn(2, 8, 48, device=DEVICE).to(dtype), torch.randn(17, 48, device=DEVICE).to(dtype)):
+        few = x.numel() // x.shape[-1] <= 16
+        calls.clear()
+        y = mlp(x)
+        assert calls == ([False, True] if few else []), calls  # gate_up's kernel, then the gated down_proj
+        gate_up = mlp.gate_up_proj(x)
+        expect(mlp.down_proj, gate_up, mlp.down_proj.forward_silu_mul, [True] if few else [])
+        assert torch.equal(y, mlp.down_proj.forward_silu_mul(gate_up))
+        expect(row, gate_up, row.forward_silu_mul, [True] if few else [])  # a bias, after the all-reduce
+    # the gated form is decided after, and only where, linear() takes the kernel for the product
+    key = (x3.device, dtype, 4, 48, 40, False)
+    config = skinny_linear.choices()[key]
+    assert config is not None and skinny_linear.gated_choices()[key] == config  # on CPU: the product's tiling
+    assert skinny_linear.describe_choices()["4 rows x (24, 40) gated"].startswith("fma ")
+    skinny_linear._gated_choices[key] = None  # timed slower than the unfused pair
+    expect(mlp.down_proj, mlp.gate_up_proj(x3), mlp.down_proj.forward_silu_mul, [False])
+    assert skinny_linear.describe_choices()["4 rows x (48, 40) gated"] == "unfused"
+    skinny_linear._choices[key] = None  # cuBLAS for the product: never the gated form
+    skinny_linear._gated_choices[key] = config
+    expect(mlp.down_proj, mlp.gate_up_proj(x3), mlp.down_proj.forward_silu_mul, [])
+    skinny_linear.set_enabled(False)
+    try:
+        expect(row, mlp.gate_up_proj(x3), row.forward_silu_mul, [])
+    finally:
+        skinny_linear.set_enabled(True)
+
+
 @gpu
 @needs_cuda
 def test_skinny_linear_decides_outside_capture_and_replays(monkeypatch):
@@ -846,7 +999,8 @@ def test_skinny_linear_decides_outside_capture_and_replays(monkeypatch):
 
 def test_skinny_choice_needs_a_clear_gain_and_skips_tilings_that_fail(monkeypatch):
     """choose_fastest keeps cuBLAS unless a tiling is MIN_GAIN faster, and a tiling that fails to
-    compile or run (on some GPU) drops out of the race instead of failing the engine's start-up."""
+    compile or run (on some GPU) drops out of the race instead of failing the engine's start-up.
+    For the gated form, the tilings run gated and race the unfused pair."""
     from types import SimpleNamespace
 
     from asyncllm.kernels.skinny_gemm import SkinnyConfig
@@ -855,7 +1009,10 @@ def test_skinny_choice_needs_a_clear_gain_and_skips_tilings_that_fail(monkeypatc
     good, bad, better = (SkinnyConfig(False, 2, 64, 1, 4), SkinnyConfig(True, 128, 128, 1, 4),
                          SkinnyConfig(False, 4, 32, 1, 4))
 
-    def fake_gemm(x, weight, bias, config):
+    launched = []
+
+    def fake_gemm(x, weight, bias, config, gated=False):
+        launched.append(gated)
         if config == bad:
             raise RuntimeError("out of resources: shared memory")
         return x
@@ -869,6 +1026,20 @@ def test_skinny_choice_needs_a_clear_gain_and_skips_tilings_that_fail(monkeypatc
     timings[:] = [1.0, 0.99, 0.98]  # within noise of cuBLAS
     assert skinny_linear.choose_fastest(kernels, x, weight, None, [good, bad, better]) is None
     assert skinny_linear.choose_fastest(kernels, x, weight, None, [bad]) is None
+    assert not any(launched)
+
+    def time_gated(calls, device):
+        assert calls[0]().shape == (1, 4)  # the unfused pair: silu_and_mul of [gate | up], then linear()
+        return timings[:len(calls)]
+
+    monkeypatch.setattr(skinny_linear, "time_calls", time_gated)
+    launched.clear()
+    gate_up = torch.zeros(1, 16)
+    timings[:] = [1.0, 0.9]
+    assert skinny_linear.choose_fastest(kernels, gate_up, weight, None, [good], gated=True) == good
+    timings[:] = [1.0, 0.99]
+    assert skinny_linear.choose_fastest(kernels, gate_up, weight, None, [good], gated=True) is None
+    assert launched == [True, True]
 
 
 # ----------------------------------------------------------------------------- fused ops

@@ -73,9 +73,17 @@ class AttentionBackend(ABC):
     def init_cuda_graph_state(self, max_batch_size: int, max_blocks_per_seq: int, max_mixed_tokens: int = 0) -> None:
         raise NotImplementedError(f"the {self.name} backend does not support CUDA graphs")
 
+    def decode_graph_context_bounds(self, batch_size: int, max_seq_len: int) -> list[int]:
+        """The context-length bounds (ascending, the last max_seq_len) for which decode graphs of
+        batch_size are captured, each replayed for steps whose longest sequence fits in it: a
+        backend whose kernels choose their work split by the length bound gets short contexts
+        their own graphs. Default: one graph for any length."""
+        return [max_seq_len]
+
     def prepare_for_capture(self, batch: ForwardBatch) -> None:
         """Point batch's metadata at static buffers sized for its num_tokens and num_seqs; a batch
-        with max_query_len > 1 is captured as a mixed step."""
+        with max_query_len > 1 is captured as a mixed step. batch.max_seq_len is the graph's context
+        bound (decode_graph_context_bounds); every replay's sequences fit in it."""
         raise NotImplementedError
 
     def prepare_for_replay(self, batch: ForwardBatch, graph_batch: ForwardBatch) -> None:

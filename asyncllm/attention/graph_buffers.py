@@ -34,7 +34,7 @@ class PagedGraphBuffers:
         batch.seq_lens = self.seq_lens[:num_seqs]
         batch.block_tables = self.block_tables[:num_seqs]
         batch.query_start_loc = self.query_start_loc[:num_seqs + 1]
-        batch.max_seq_len = self.max_seq_len
+        assert 0 < batch.max_seq_len <= self.max_seq_len, "a graph's context bound is within max_blocks_per_seq"
         # warm-up and capture run the kernels once on these buffers: store nothing, read nothing
         self.slot_mapping[:num_tokens].fill_(-1)
         self.seq_lens[:num_seqs].fill_(0)

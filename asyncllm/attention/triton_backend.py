@@ -2,9 +2,11 @@
 steps and for small mixed steps (prefill chunks with or without decodes).
 
 Eager steps pick the decode split count per step from the batch (prepare_metadata). A CUDA graph
-bakes its grid in, so each graph batch size gets a split count fixed at capture from the
-max_model_len bound; the decode kernel derives split lengths from the runtime seq_lens, so that
-count is valid for whatever lengths a replay brings. A mixed graph runs the varlen kernel with the
+bakes its grid in, so each decode graph gets a split count fixed at capture from its context
+bound; the decode kernel derives split lengths from the runtime seq_lens, so that count is valid
+for whatever lengths up to the bound a replay brings. Each batch size has graphs for the bounds in
+DECODE_GRAPH_CONTEXTS where the count differs (decode_graph_context_bounds): one bound of
+max_model_len gave a batch-1 chat 64 splits, most of them empty. A mixed graph runs the varlen kernel with the
 grid and tile shape of its token bound; padding sequences have no query rows and return at once.
 All per-step metadata a graph reads lives in static buffers that prepare_for_replay refreshes
 with a few small device copies.
@@ -19,6 +21,11 @@ from asyncllm.attention.base import AttentionBackend, ForwardBatch
 from asyncllm.attention.graph_buffers import PagedGraphBuffers
 from asyncllm.kernels import choose_num_splits, decode_workspace_numel, paged_attention, store_kvcache
 from asyncllm.kernels.paged_attention import DEFAULT_NUM_SMS
+
+# decode graphs' context bounds below max_model_len; from bench_kernels.py --splits-sweep (run M):
+# at batch 1 the best split count goes 4, 8, 16, 32, 64 for contexts 128 .. 2k, within ~0.5 us
+# of these bounds' counts
+DECODE_GRAPH_CONTEXTS = (256, 1024)
 
 
 @dataclass
@@ -86,9 +93,21 @@ class TritonAttentionBackend(AttentionBackend):
             self._mixed_graph = PagedGraphBuffers(max_mixed_tokens, min(max_mixed_tokens, max_batch_size),
                                                   max_blocks_per_seq, self.block_size, self.device, decode_only=False)
 
-    def _graph_num_splits(self, batch_size: int) -> int:
+    def _graph_num_splits(self, batch_size: int, context_bound: int | None = None) -> int:
         # fixed at capture from the length bound; the kernel sizes each split from the runtime length
-        return choose_num_splits(batch_size, self.num_kv_heads, self._graph.max_seq_len, self.num_sms)
+        return choose_num_splits(batch_size, self.num_kv_heads, context_bound or self._graph.max_seq_len,
+                                 self.num_sms)
+
+    def decode_graph_context_bounds(self, batch_size: int, max_seq_len: int) -> list[int]:
+        bounds, counts = [], []
+        for bound in [b for b in DECODE_GRAPH_CONTEXTS if b < max_seq_len] + [max_seq_len]:
+            count = choose_num_splits(batch_size, self.num_kv_heads, bound, self.num_sms)
+            if counts and counts[-1] == count:
+                bounds[-1] = bound  # the same grid: one graph, for the longer bound
+            else:
+                bounds.append(bound)
+                counts.append(count)
+        return bounds
 
     def prepare_for_capture(self, batch: ForwardBatch) -> None:
         assert self._graph is not None, "call init_cuda_graph_state first"
@@ -100,7 +119,7 @@ class TritonAttentionBackend(AttentionBackend):
             batch.attn_metadata = TritonAttentionMetadata()
             return
         self._graph.bind(batch)
-        num_splits = self._graph_num_splits(batch.num_seqs)
+        num_splits = self._graph_num_splits(batch.num_seqs, batch.max_seq_len)
         batch.attn_metadata = TritonAttentionMetadata(
             num_splits=num_splits, workspace=self._graph_workspace if num_splits > 1 else None)
 

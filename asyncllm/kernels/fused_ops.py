@@ -9,7 +9,8 @@ at batch 1 those launches, not the weights, set the time per token. These cut a 
 - silu_and_mul: silu(gate) * up over a (..., 2 * N) input, gate first, in one pass.
 - qk_norm_rope_: Qwen3's per-head q/k RMSNorm and then rotary, in place on the fused qkv
   projection, all q and k heads of a token per program, rounding where the PyTorch modules round.
-Each saves the intermediate tensors' round trips through memory.
+Each saves the intermediate tensors' round trips through memory. All launch with programmatic
+dependent launch where kernels/pdl.py allows it.
 """
 from __future__ import annotations
 
@@ -18,12 +19,15 @@ import triton
 import triton.language as tl
 
 from asyncllm.kernels.host import next_power_of_2
+from asyncllm.kernels.pdl import enabled_for as pdl_enabled_for
+from asyncllm.kernels.pdl import launch_dependents, wait_for_previous
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
                      stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -35,6 +39,7 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
         tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
     xf = x.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n_cols + eps)
+    launch_dependents(USE_PDL)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     y = (xf * inv_rms).to(dtype).to(tl.float32) * w.to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
@@ -71,10 +76,11 @@ def _rms_norm(x, residual, weight, eps):
         r2 = residual_out = x2  # unused
     if num_rows:
         block = next_power_of_2(hidden)
+        use_pdl = pdl_enabled_for(x)
         _rms_norm_kernel[(num_rows,)](
             x2, r2, weight, out, residual_out, x2.stride(0), r2.stride(0), out.stride(0),
             residual_out.stride(0), hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
-            num_warps=min(16, max(1, block // 512)))
+            num_warps=min(16, max(1, block // 512)), USE_PDL=use_pdl, launch_pdl=use_pdl)
     if x2 is not x:
         out = out.view(x.shape)
         residual_out = residual_out.view(x.shape)
@@ -82,16 +88,24 @@ def _rms_norm(x, residual, weight, eps):
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+def _silu_mul(gate, up):
+    """silu(gate) * up in fp32, from tiles in the input dtype. Shared with the skinny GEMM's gated
+    prologue (kernels/skinny_gemm.py), so that the fused and unfused MLPs round alike."""
+    g = gate.to(tl.float32)
+    # round silu to the input dtype first, as torch does for F.silu(gate) * up
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    return silu * up.to(tl.float32)
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    # round silu to the input dtype first, as torch does for F.silu(gate) * up
-    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (silu * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * stride_o + cols, _silu_mul(gate, up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -100,8 +114,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     if num_rows:
         block = min(4096, next_power_of_2(n))
+        use_pdl = pdl_enabled_for(x)
         _silu_and_mul_kernel[(num_rows, (n + block - 1) // block)](
-            x2, out, x2.stride(0), out.stride(0), n, BLOCK=block, num_warps=max(1, min(8, block // 256)))
+            x2, out, x2.stride(0), out.stride(0), n, BLOCK=block, num_warps=max(1, min(8, block // 256)),
+            USE_PDL=use_pdl, launch_pdl=use_pdl)
     return out if x2 is x else out.view(*x.shape[:-1], n)
 
 
@@ -111,7 +127,8 @@ def _qk_norm_rope_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_we
                          NUM_Q_HEADS: tl.constexpr, NUM_QK_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
                          HAS_NORM: tl.constexpr, STORE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                         BLOCK_KV: tl.constexpr, BLOCK_D: tl.constexpr):
+                         BLOCK_KV: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_previous(USE_PDL)
     # one program per token: its q heads then its k heads, which sit next to each other in the
     # row of the fused projection, each as two halves (the rotary pairs x[i] with x[i + HALF])
     token = tl.program_id(0).to(tl.int64)
@@ -193,11 +210,12 @@ def qk_norm_rope_(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: tor
             cache_args = (k_cache, v_cache, slot_mapping, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         else:
             cache_args = (qkv, qkv, positions, 0, 0, 0)  # unused
+        use_pdl = pdl_enabled_for(qkv)
         _qk_norm_rope_kernel[(num_tokens,)](
             qkv, positions, cos_sin_cache, q_weight if has_norm else qkv, k_weight if has_norm else qkv,
             qkv.stride(0), cos_sin_cache.stride(0), eps, *cache_args,
             NUM_Q_HEADS=num_q_heads, NUM_QK_HEADS=num_q_heads + num_k_heads, HEAD_DIM=head_dim, HALF=half,
             BLOCK_H=next_power_of_2(num_q_heads + num_k_heads), BLOCK_HALF=next_power_of_2(half), HAS_NORM=has_norm,
             STORE_KV=store, BLOCK_SIZE=kv_cache[0].shape[1] if store else 1, BLOCK_KV=next_power_of_2(num_k_heads),
-            BLOCK_D=next_power_of_2(head_dim), num_warps=4)
+            BLOCK_D=next_power_of_2(head_dim), num_warps=4, USE_PDL=use_pdl, launch_pdl=use_pdl)
     return qkv

@@ -35,11 +35,15 @@ import triton
 import triton.language as tl
 
 from asyncllm.kernels.host import cdiv, next_power_of_2
+from asyncllm.kernels.pdl import enabled_for as pdl_enabled_for
+from asyncllm.kernels.pdl import launch_dependents, wait_for_previous
 
 LOG2E = 1.4426950408889634
 DEFAULT_NUM_SMS = 132  # H200 / H100 SXM
 MAX_SPLITS = 64
-MIN_SPLIT_TOKENS = 128  # below this a split's fixed cost (loading q, writing a partial) dominates
+# below this a split's fixed cost (loading q, writing a partial) dominates; bench_kernels.py
+# --splits-sweep (run M): batch 1's best count is ~context / 32 up to 2k tokens
+MIN_SPLIT_TOKENS = 32
 PROGRAMS_PER_SM = 4  # decode programs are small and memory-bound: several resident per SM hide latency
 
 # The Triton CPU interpreter multiplies bf16 tensors as raw uint16 bit patterns in tl.dot; compiled
@@ -160,8 +164,9 @@ def _prefill_kernel(
     stride_kb, stride_ks, stride_kh, stride_bt, max_blocks,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)  # kernels/pdl.py: before any read of an earlier kernel's output
     # reversed so the last (typically longest, causally heaviest) tiles are scheduled first
     tile_idx = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -222,8 +227,9 @@ def _decode_kernel(
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     G: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT: tl.constexpr, UPCAST_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    DIRECT: tl.constexpr, UPCAST_DOT: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -258,6 +264,7 @@ def _decode_kernel(
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, None, k_base, v_base, bt_row, max_blocks,
                             full_hi, hi, hi, qk_scale, stride_kb, stride_ks,
                             HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, False, UPCAST_DOT, PRECISION)
+    launch_dependents(USE_PDL)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if DIRECT:
@@ -274,8 +281,9 @@ def _decode_kernel(
 def _decode_reduce_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, num_splits,
     stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     token = tl.load(query_start_loc_ptr + seq)
@@ -359,8 +367,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_d = next_power_of_2(head_dim)
     small_elems = q.element_size() <= 2
     qk_scale = scale * LOG2E
+    use_pdl = pdl_enabled_for(q)
     common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
-                  UPCAST_DOT=upcast, PRECISION=precision)
+                  UPCAST_DOT=upcast, PRECISION=precision, USE_PDL=use_pdl, launch_pdl=use_pdl)
 
     if max_query_len == 1:
         if num_splits is None:
@@ -395,7 +404,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                 out, part_out, part_lse, query_start_loc, num_splits,
                 out.stride(0), out.stride(1), *part_strides,
                 HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=next_power_of_2(num_splits),
-                num_warps=4 if num_splits * block_d >= 2048 else 2,
+                num_warps=4 if num_splits * block_d >= 2048 else 2, USE_PDL=use_pdl, launch_pdl=use_pdl,
             )
         return out
 

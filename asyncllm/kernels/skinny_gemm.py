@@ -16,6 +16,11 @@ When the outputs are too few to give every SM programs (o_proj, down at 0.6B), s
 program a K range; the fp32 partial sums go to a workspace and a second small kernel adds them
 (no atomics: deterministic, and nothing to zero first).
 
+Gated (the MLP's down projection): x is the gate_up projection's output [gate | up], and each x
+tile is computed as silu(gate) * up on load, rounded as fused_ops.silu_and_mul rounds, so the
+SwiGLU's own launch and its output's round trip through memory disappear. Every program recomputes
+the gate of its K range, so the layer times this form against the unfused pair too.
+
 Tilings come from candidate_configs, a small fixed rule per (rows, N, K) and its neighbours; the
 layer that uses this kernel (asyncllm.layers.skinny_linear) times the first few against cuBLAS once
 per shape, outside graph capture, and benchmarks/bench_gemm.py times them all.
@@ -28,7 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
+from asyncllm.kernels.fused_ops import _silu_mul
 from asyncllm.kernels.host import cdiv, next_power_of_2
+from asyncllm.kernels.pdl import enabled_for as pdl_enabled_for
+from asyncllm.kernels.pdl import launch_dependents, wait_for_previous
 # the interpreter's bf16 tl.dot workaround, shared with the attention kernels
 from asyncllm.kernels.paged_attention import _dot, _dot_config
 
@@ -65,9 +73,24 @@ def _store_result(acc, rows_m, rows_n, M, N, bias_ptr, out_ptr, partial_ptr, str
 
 
 @triton.jit
+def _load_x(ptrs, mask, K, GATED: tl.constexpr):
+    """An input tile: x's own, or where GATED silu(gate) * up, the up half K columns to the right of
+    the gate in the row, rounded to x's dtype as the unfused silu_and_mul stores it (bit for bit)."""
+    if GATED:
+        gate = tl.load(ptrs, mask=mask, other=0.0)
+        up = tl.load(ptrs + K, mask=mask, other=0.0)
+        x = _silu_mul(gate, up).to(gate.dtype)  # masked lanes: silu(0) * 0 = 0, as the loads' zeros
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
 def _skinny_fma_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                        k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+                       SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       GATED: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_previous(USE_PDL)  # kernels/pdl.py
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     # 3-D index vectors: x tiles are (BLOCK_M, 1, BLOCK_K), weight tiles (1, BLOCK_N, BLOCK_K); their
@@ -84,15 +107,16 @@ def _skinny_fma_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, M, N, K, st
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
-            x = tl.load(x_ptrs + k0, mask=m_mask, other=0.0)
+            x = _load_x(x_ptrs + k0, m_mask, K, GATED)
             w = tl.load(w_ptrs + k0, mask=n_mask, other=0.0)
         else:
             k_mask = k0 + k3 < k_end
-            x = tl.load(x_ptrs + k0, mask=m_mask & k_mask, other=0.0)
+            x = _load_x(x_ptrs + k0, m_mask & k_mask, K, GATED)
             w = tl.load(w_ptrs + k0, mask=n_mask & k_mask, other=0.0)
         acc += x.to(tl.float32) * w.to(tl.float32)
     rows_m = tl.arange(0, BLOCK_M)
     rows_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    launch_dependents(USE_PDL)
     _store_result(tl.sum(acc, 2), rows_m, rows_n, M, N, bias_ptr, out_ptr, partial_ptr, stride_om, pid_k,
                   SPLIT_K, HAS_BIAS)
 
@@ -101,7 +125,9 @@ def _skinny_fma_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, M, N, K, st
 def _skinny_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                        k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       UPCAST_DOT: tl.constexpr, PRECISION: tl.constexpr):
+                       GATED: tl.constexpr, UPCAST_DOT: tl.constexpr, PRECISION: tl.constexpr,
+                       USE_PDL: tl.constexpr):
+    wait_for_previous(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows_m = tl.arange(0, BLOCK_M)
@@ -116,19 +142,21 @@ def _skinny_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, M, N, K, st
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # y^T: the weight rows are the MMA's M
     for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
-            xt = tl.load(xt_ptrs + k0, mask=m_mask, other=0.0)
+            xt = _load_x(xt_ptrs + k0, m_mask, K, GATED)
             w = tl.load(w_ptrs + k0, mask=n_mask, other=0.0)
         else:
-            xt = tl.load(xt_ptrs + k0, mask=m_mask & (k0 + cols < k_end)[:, None], other=0.0)
+            xt = _load_x(xt_ptrs + k0, m_mask & (k0 + cols < k_end)[:, None], K, GATED)
             w = tl.load(w_ptrs + k0, mask=n_mask & (k0 + cols < k_end)[None, :], other=0.0)
         acc += _dot(w, xt, UPCAST_DOT, PRECISION)
+    launch_dependents(USE_PDL)
     _store_result(tl.trans(acc), rows_m, rows_n, M, N, bias_ptr, out_ptr, partial_ptr, stride_om, pid_k,
                   SPLIT_K, HAS_BIAS)
 
 
 @triton.jit
 def _split_k_reduce_kernel(partial_ptr, bias_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr,
-                           BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
+                           BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_previous(USE_PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -195,16 +223,17 @@ def candidate_configs(num_rows: int, n: int, k: int, num_sms: int) -> list[Skinn
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
     """x (..., K) with at most MAX_ROWS rows, weight (N, K) row-major, bias (N,) or None: the
-    (..., N) result in x's dtype, as F.linear gives it."""
-    k = x.shape[-1]
-    n = weight.shape[0]
-    x2 = x.reshape(-1, k)
+    (..., N) result in x's dtype, as F.linear gives it. gated: x is (..., 2K), gate then up, and the
+    result is F.linear(fused_ops.silu_and_mul(x), weight, bias)."""
+    n, k = weight.shape
+    x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     num_rows = x2.shape[0]
-    assert num_rows <= MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1
+    assert x.shape[-1] == (2 * k if gated else k), (tuple(x.shape), tuple(weight.shape), gated)
+    assert num_rows <= MAX_ROWS and weight.stride(1) == 1
     if out is None:
         out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     if num_rows == 0:
@@ -219,14 +248,15 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     else:
         upcast, precision = _dot_config(x.dtype)
         kernel, dot_args = _skinny_dot_kernel, dict(UPCAST_DOT=upcast, PRECISION=precision)
+    use_pdl = pdl_enabled_for(x)
     kernel[(cdiv(n, config.block_n), split)](
         x2, weight, bias_arg, out, partial, num_rows, n, k, x2.stride(0), weight.stride(0), out.stride(0),
         k_per_split, BLOCK_M=block_rows(num_rows, config.dot), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        SPLIT_K=split, EVEN_K=k % config.block_k == 0, HAS_BIAS=bias is not None, num_warps=config.num_warps,
-        num_stages=config.num_stages, **dot_args)
+        SPLIT_K=split, EVEN_K=k % config.block_k == 0, HAS_BIAS=bias is not None, GATED=gated,
+        num_warps=config.num_warps, num_stages=config.num_stages, USE_PDL=use_pdl, launch_pdl=use_pdl, **dot_args)
     if split > 1:
         block = min(1024, next_power_of_2(n))
         _split_k_reduce_kernel[(num_rows, cdiv(n, block))](
             partial, bias_arg, out, num_rows, n, out.stride(0), SPLIT_K=split, BLOCK=block, HAS_BIAS=bias is not None,
-            num_warps=4)
+            num_warps=4, USE_PDL=use_pdl, launch_pdl=use_pdl)
     return out.view(*x.shape[:-1], n)

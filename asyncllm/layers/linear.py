@@ -115,7 +115,14 @@ class RowParallelLinear(LinearBase):
         super().__init__(_divide(input_size, get_tp_size()), output_size, bias, tp_dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._reduce(skinny_linear.linear(x, self.weight))
+
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """forward(silu(gate) * up) of x = [gate | up], this rank's shard of a merged gate/up
+        projection's output: the MLP's down projection, in one kernel at decode's few rows."""
+        return self._reduce(skinny_linear.silu_mul_linear(x, self.weight))
+
+    def _reduce(self, y: torch.Tensor) -> torch.Tensor:
         # the bias is added once, after the partial sums are reduced
-        y = skinny_linear.linear(x, self.weight)
         y = all_reduce(y)
         return y + self.bias if self.bias is not None else y

@@ -6,6 +6,17 @@ tilings on that call's own tensors (cold L2, CUDA events) and keeps the fastest 
 first call is the CUDA-graph warm-up's (an eager run before each capture), so the timing never
 runs inside a capture and replays pay nothing; a shape first seen while capturing keeps cuBLAS.
 
+silu_mul_linear is the MLP's down projection of silu(gate) * up. Where linear() takes the kernel
+for that (rows, N, K) (decided on the unfused input, as linear() decides it), the kernel's gated
+form, which computes silu(gate) * up as it loads x, saves silu_and_mul's launch and its round trip
+through memory. It adds work too: every program recomputes the gate of its K range (BLOCK_M /
+BLOCK_N evaluations per weight element, the dot loop's x padded to 16 rows). On the H200 the gated
+form of the down projection took 8.6 us for the unfused pair's 10.2 at Qwen3-0.6B's 1 row (FMA
+loop), but 16.5 for 13.2 at 8 rows and 116 for 48 at 8B's (dot loop). So the gated form is timed
+too, once per shape, against the unfused pair (silu_and_mul, then linear()'s choice), and taken
+only where it is MIN_GAIN faster: 1-2 rows in practice, where it took the 0.6B model's batch-1
+decode graph from 1.04 to 1.00 ms.
+
 On by default: on the H200 it took the 0.6B model's batch-1 time per token from 1.45 to 1.13 ms
 (docs/BENCHMARKS.md run L). ASYNCLLM_SKINNY_GEMM=0 in the environment turns it off (cuBLAS everywhere).
 """
@@ -17,6 +28,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from asyncllm.layers.activation import SiluAndMul
 from asyncllm.layers.fused import kernel_module
 
 logger = logging.getLogger("asyncllm")
@@ -32,6 +44,10 @@ _enabled = os.environ.get("ASYNCLLM_SKINNY_GEMM", "1") != "0"
 _UNDECIDED = object()
 # (device, dtype, rows rounded up to a power of two, N, K, has bias) -> the kernel's SkinnyConfig, or None for cuBLAS
 _choices: dict[tuple, object] = {}
+# the same keys, for silu_mul_linear where _choices has the kernel -> the gated form's SkinnyConfig, or None for
+# the unfused pair
+_gated_choices: dict[tuple, object] = {}
+_silu_and_mul = SiluAndMul()  # the unfused gate: the fused kernel on CUDA, PyTorch's on CPU
 
 
 def set_enabled(enabled: bool) -> None:
@@ -49,14 +65,43 @@ def choices() -> dict[tuple, object]:
     return dict(_choices)
 
 
+def gated_choices() -> dict[tuple, object]:
+    """silu_mul_linear's decisions made so far (None: the unfused pair)."""
+    return dict(_gated_choices)
+
+
 def describe_choices() -> dict[str, str]:
-    """The decisions made so far, readably: "4 rows x (N, K)[ + bias]" -> the tiling, or cuBLAS."""
-    return {f"{rows} rows x ({n}, {k}){' + bias' if has_bias else ''}": "cuBLAS" if config is None else config.label()
-            for (_, _, rows, n, k, has_bias), config in sorted(_choices.items(), key=lambda item: item[0][2:])}
+    """The decisions made so far, readably: "4 rows x (N, K)[ + bias]" -> the tiling, or cuBLAS;
+    "4 rows x (N, K) gated" -> silu_mul_linear's gated tiling, or unfused."""
+    described = {}
+    for suffix, decisions, other in (("", _choices, "cuBLAS"), (" gated", _gated_choices, "unfused")):
+        for (_, _, rows, n, k, has_bias), config in sorted(decisions.items(), key=lambda item: item[0][2:]):
+            label = f"{rows} rows x ({n}, {k}){' + bias' if has_bias else ''}{suffix}"
+            described[label] = other if config is None else config.label()
+    return described
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias); x with 1..16 rows on CUDA may take the skinny kernel."""
+    kernels, config = _kernel_choice(x, weight, bias, gated=False)
+    if config is not None:
+        return kernels.skinny_gemm(x, weight, bias, config)
+    return F.linear(x, weight, bias)
+
+
+def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(silu(gate) * up, weight, bias) for x (..., 2K) = [gate | up] and weight (N, K), with
+    SiluAndMul's numbers; in one kernel where linear() takes the skinny kernel for the product and
+    the gated form was timed faster than the pair."""
+    kernels, config = _kernel_choice(x, weight, bias, gated=True)
+    if config is not None:
+        return kernels.skinny_gemm(x, weight, bias, config, gated=True)
+    return linear(_silu_and_mul(x), weight, bias)
+
+
+def _kernel_choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool):
+    """(the kernels module, the SkinnyConfig for x's rows x weight's (N, K)), or (None, None) for
+    F.linear. gated: x is [gate | up], and the config is the gated form's (None: the unfused pair)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if rows and _enabled and x.device.type in KERNEL_DEVICE_TYPES and x.dtype in KERNEL_DTYPES \
             and weight.dtype == x.dtype and weight.stride(-1) == 1:
@@ -64,23 +109,38 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if kernels is not None and rows <= kernels.MAX_ROWS:
             key = (x.device, x.dtype, 1 << (rows - 1).bit_length(), weight.shape[0], weight.shape[1], bias is not None)
             config = _choices.get(key, _UNDECIDED)
+            if gated and config is not None:
+                config = _gated_choices.get(key, _UNDECIDED)
             if config is _UNDECIDED:
-                config = _decide(key, kernels, x, weight, bias)
-            if config is not None:
-                return kernels.skinny_gemm(x, weight, bias, config)
-    return F.linear(x, weight, bias)
+                if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                    return None, None  # no timing inside a capture; not remembered, so an eager call still decides
+                config = _decide(key, kernels, x, weight, bias, gated)
+            return kernels, config
+    return None, None
 
 
-def _decide(key: tuple, kernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-    if x.is_cuda and torch.cuda.is_current_stream_capturing():
-        return None  # no timing inside a capture; not remembered, so an eager call still decides
+def _decide(key: tuple, kernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool):
+    """Decides key for linear() and, where gated (x = [gate | up]), then for silu_mul_linear: the
+    product's own decision first, on the unfused input, and the gated form only where that is the kernel."""
+    n, k = weight.shape
     rows = x.numel() // x.shape[-1]
-    candidates = kernels.candidate_configs(rows, weight.shape[0], weight.shape[1], _num_sms(x.device))
-    config = choose_fastest(kernels, x, weight, bias, candidates[:MAX_CANDIDATES]) if x.is_cuda else candidates[0]
-    _choices[key] = config
-    logger.debug("skinny GEMM for %d rows x (%d, %d)%s: %s", rows, weight.shape[0], weight.shape[1],
-                 " + bias" if bias is not None else "", "cuBLAS" if config is None else config.label())
-    return config
+    candidates = kernels.candidate_configs(rows, n, k, _num_sms(x.device))[:MAX_CANDIDATES]
+    config = _choices.get(key, _UNDECIDED)
+    if config is _UNDECIDED:
+        unfused = _silu_and_mul(x) if gated else x
+        config = choose_fastest(kernels, unfused, weight, bias, candidates) if x.is_cuda else candidates[0]
+        _choices[key] = config
+        logger.debug("skinny GEMM for %d rows x (%d, %d)%s: %s", rows, n, k, " + bias" if bias is not None else "",
+                     "cuBLAS" if config is None else config.label())
+    if not gated or config is None:
+        return config
+    # the gated form of the product's own tiling first: the interpreter's runs (no timing) take that
+    candidates = [config] + [candidate for candidate in candidates if candidate != config]
+    gated_config = choose_fastest(kernels, x, weight, bias, candidates, gated=True) if x.is_cuda else config
+    _gated_choices[key] = gated_config
+    logger.debug("skinny GEMM for %d rows x (%d, %d)%s, gated: %s", rows, n, k, " + bias" if bias is not None else "",
+                 "unfused" if gated_config is None else gated_config.label())
+    return gated_config
 
 
 def _num_sms(device: torch.device) -> int:
@@ -90,13 +150,16 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_fastest(kernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   candidates: list) -> object:
+                   candidates: list, gated: bool = False) -> object:
     """The fastest of cuBLAS (None) and the kernel's candidate configs on these tensors. A
     candidate that fails to compile or run here (a tile past this GPU's shared memory, no bf16
-    MMA) is left out, with a warning: cuBLAS is always there to fall back on."""
+    MMA) is left out, with a warning: cuBLAS is always there to fall back on. gated: x is
+    [gate | up], the candidates run the kernel's gated form, and None is the unfused pair
+    (silu_and_mul, then linear(), whose decision for the product is made)."""
     usable, calls = [], []
+    gated_args = dict(gated=True) if gated else {}
     for config in candidates:
-        call = lambda config=config: kernels.skinny_gemm(x, weight, bias, config)  # noqa: E731
+        call = lambda config=config: kernels.skinny_gemm(x, weight, bias, config, **gated_args)  # noqa: E731
         try:
             call()  # the compile
         except Exception as exc:  # noqa: BLE001 - any failure only drops this tiling
@@ -107,7 +170,8 @@ def choose_fastest(kernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
         calls.append(call)
     if not usable:
         return None
-    times = time_calls([lambda: F.linear(x, weight, bias)] + calls, x.device)
+    baseline = (lambda: linear(_silu_and_mul(x), weight, bias)) if gated else (lambda: F.linear(x, weight, bias))
+    times = time_calls([baseline] + calls, x.device)
     best = min(range(1, len(times)), key=times.__getitem__)
     return usable[best - 1] if times[best] < (1 - MIN_GAIN) * times[0] else None
 

@@ -13,7 +13,6 @@ from torch import nn
 
 from asyncllm.attention.base import ForwardBatch
 from asyncllm.distributed import get_tp_size
-from asyncllm.layers.activation import SiluAndMul
 from asyncllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from asyncllm.layers.fused import fused_ops_for
 from asyncllm.layers.layernorm import RMSNorm
@@ -84,10 +83,10 @@ class DecoderMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
-        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        # = down_proj(SiluAndMul()(gate_up)), with SwiGLU inside down_proj's kernel at decode: one launch fewer a layer
+        return self.down_proj.forward_silu_mul(self.gate_up_proj(x))
 
 
 class DecoderLayer(nn.Module):

@@ -2,8 +2,10 @@
 
 A step launches hundreds of small kernels, and at small sizes launching them (some 20-50 us of
 Python and driver work each) takes longer than running them; replaying a captured graph launches
-them at once. Decode graphs are captured per bucketed batch size; where the backend supports it,
-mixed graphs (prefill chunks, with or without decodes) per bucketed token count up to a bound.
+them at once. Decode graphs are captured per bucketed batch size, and per context-length bound
+where the backend asks for it (a Triton decode graph bakes its KV split count in, and the count
+that suits a 40k-token bound wastes most splits on a 200-token chat); where the backend supports
+it, mixed graphs (prefill chunks, with or without decodes) per bucketed token count up to a bound.
 All share one memory pool, captured largest first so smaller ones fit in its memory. A step
 replays the smallest bucket that holds it, the rows past it padded. Model inputs (token ids,
 positions, sampled rows) live in this object's static buffers; attention metadata lives in the
@@ -53,6 +55,10 @@ class CudaGraphRunner:
         self.token_sizes = graph_token_sizes(max_mixed_tokens)
         self.max_mixed_tokens = max_mixed_tokens
         max_blocks_per_seq = (max_seq_len + backend.block_size - 1) // backend.block_size
+        self.max_context = max_blocks_per_seq * backend.block_size
+        # decode graphs' context bounds per batch size, ascending, the last max_context
+        self.context_bounds = {size: backend.decode_graph_context_bounds(size, self.max_context)
+                               for size in self.batch_sizes}
         backend.init_cuda_graph_state(self.max_batch_size, max_blocks_per_seq, max_mixed_tokens)
         max_tokens = max(self.max_batch_size, max_mixed_tokens)
         self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
@@ -60,13 +66,14 @@ class CudaGraphRunner:
         # rows whose logits a mixed step samples; decode graphs compute every row's
         self.logits_indices = torch.zeros(min(max_mixed_tokens, self.max_batch_size), dtype=torch.int64,
                                           device=device)
-        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
-        self.batches: dict[tuple[str, int], ForwardBatch] = {}
-        self.outputs: dict[tuple[str, int], torch.Tensor] = {}
+        # keyed by (kind, batch size or token count, context bound)
+        self.graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}
+        self.batches: dict[tuple[str, int, int], ForwardBatch] = {}
+        self.outputs: dict[tuple[str, int, int], torch.Tensor] = {}
         self.num_replays = {"decode": 0, "mixed": 0}
         self._capture_all()
 
-    def _static_batch(self, kind: str, size: int) -> ForwardBatch:
+    def _static_batch(self, kind: str, size: int, context_bound: int) -> ForwardBatch:
         if kind == "decode":
             num_tokens = num_seqs = size
         else:  # a mixed graph of `size` tokens takes as many sequences as a step can bring
@@ -76,7 +83,7 @@ class CudaGraphRunner:
             query_start_loc=None, seq_lens=None, block_tables=None,
             logits_indices=None if kind == "decode" else self.logits_indices[:num_seqs],
             num_seqs=num_seqs, num_tokens=num_tokens, max_query_len=1 if kind == "decode" else num_tokens,
-            max_seq_len=1, attn_backend=self.backend)
+            max_seq_len=context_bound, attn_backend=self.backend)
         self.backend.prepare_for_capture(batch)
         return batch
 
@@ -91,8 +98,9 @@ class CudaGraphRunner:
         start = time.perf_counter()
         pool = None
         # largest first, so that smaller graphs fit in the memory the first one took
-        keys = sorted([("mixed", t) for t in self.token_sizes] + [("decode", b) for b in self.batch_sizes],
-                      key=lambda key: -key[1])
+        keys = [("mixed", t, self.max_context) for t in self.token_sizes]
+        keys += [("decode", b, bound) for b in self.batch_sizes for bound in self.context_bounds[b]]
+        keys.sort(key=lambda key: (-key[1], -key[2]))
         for key in keys:
             batch = self._static_batch(*key)
             self._run_model(batch)  # warm-up: autotuning and lazy initialisation stay out of the graph
@@ -107,6 +115,7 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
         logger.info("captured %d CUDA graphs (decode batches up to %d, mixed steps up to %d tokens) in %.1f s",
                     len(self.graphs), self.max_batch_size, self.max_mixed_tokens, time.perf_counter() - start)
+        logger.debug("decode graphs' context bounds by batch size: %s", self.context_bounds)
 
     def release(self) -> None:
         """Destroy every graph. Before a tensor-parallel engine's process group goes: a graph that
@@ -118,15 +127,17 @@ class CudaGraphRunner:
         self.outputs.clear()
         torch.cuda.synchronize()
 
-    def _key(self, batch: ForwardBatch) -> tuple[str, int] | None:
+    def _key(self, batch: ForwardBatch) -> tuple[str, int, int] | None:
         if batch.logits_indices.shape[0] > batch.num_seqs:
             return None  # logits of prompt positions too (prompt_logprobs): graphs compute one row per sequence
         if batch.is_decode_only and batch.num_seqs <= self.max_batch_size:
-            return "decode", self.batch_sizes[bisect.bisect_left(self.batch_sizes, batch.num_seqs)]
+            size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, batch.num_seqs)]
+            bounds = self.context_bounds[size]
+            return "decode", size, bounds[bisect.bisect_left(bounds, batch.max_seq_len)]
         if batch.num_tokens <= self.max_mixed_tokens:
             size = self.token_sizes[bisect.bisect_left(self.token_sizes, batch.num_tokens)]
             if batch.num_seqs <= min(size, self.max_batch_size):
-                return "mixed", size
+                return "mixed", size, self.max_context
         return None
 
     def can_run(self, batch: ForwardBatch) -> bool:

@@ -1,0 +1,56 @@
+"""Programmatic dependent launch (PDL, sm_90+) for the kernels of a decode step.
+
+A batch-1 decode step is a chain of ~250 kernels of a few microseconds each, and between two of
+them the GPU drains the first and then starts the second's blocks. With PDL the next kernel is
+launched while the previous one's last blocks still run: its blocks wait in `griddepcontrol.wait`
+until the previous kernel has finished and its writes are visible, so only the launch overlaps.
+
+The contract for a kernel that takes a USE_PDL constexpr:
+- `wait_for_previous(USE_PDL)` before it reads anything an earlier kernel wrote and before any
+  store, in every program (a program that returned before it would let a later kernel's wait pass
+  before this kernel's predecessor finished);
+- `launch_dependents(USE_PDL)` once its main loop is done, so the next kernel's launch starts
+  while this one writes its results (safe anywhere: the next kernel still waits for all of it).
+The wrapper launches it with `launch_pdl=USE_PDL`, USE_PDL = `enabled_for(tensor)`.
+
+On by default on sm_90+ GPUs; ASYNCLLM_PDL=0 turns it off (docs/BENCHMARKS.md run M measured it).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+_enabled = os.environ.get("ASYNCLLM_PDL", "1") != "0"
+
+
+def set_enabled(enabled: bool) -> None:
+    """Switch PDL on or off for the kernels launched from now on (ASYNCLLM_PDL sets the default)."""
+    global _enabled
+    _enabled = enabled
+
+
+@functools.cache
+def _device_supports(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def enabled_for(x: torch.Tensor) -> bool:
+    """Whether a kernel reading x launches with PDL: on, a CUDA tensor, an sm_90+ device."""
+    return _enabled and x.is_cuda and _device_supports(x.device.index or 0)
+
+
+@triton.jit
+def wait_for_previous(USE_PDL: tl.constexpr):
+    if USE_PDL:
+        gdc_wait()
+
+
+@triton.jit
+def launch_dependents(USE_PDL: tl.constexpr):
+    if USE_PDL:
+        gdc_launch_dependents()
