@@ -24,6 +24,7 @@ import math
 import time
 
 import torch
+from common import REPO_ROOT  # noqa: F401 - importing common puts the repo root on sys.path
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
 DTYPE = torch.bfloat16
