@@ -610,10 +610,11 @@ def _record_launches(configs: list[dict]) -> list:
     patched = [(mod, name) for mod in (kv_store_mod, attention_mod, fused_mod, skinny_mod)
                for name, value in vars(mod).items() if isinstance(value, JITFunction) and name.endswith("_kernel")]
     # every launch as on an sm_90 GPU with programmatic dependent launch (kernels/pdl.py) on
-    patched += [(mod, "pdl_enabled_for") for mod in (attention_mod, fused_mod, skinny_mod)]
+    patched += [(mod, "launch_options") for mod in (attention_mod, fused_mod, skinny_mod)]
     originals = [getattr(mod, name) for mod, name in patched]
     for mod, name in patched:
-        setattr(mod, name, (lambda x: True) if name == "pdl_enabled_for" else Recorder(getattr(mod, name)))
+        setattr(mod, name, (lambda x: {"USE_PDL": True, "launch_pdl": True}) if name == "launch_options"
+                else Recorder(getattr(mod, name)))
     try:
         for cfg in configs:
             step = make_step(cfg["query_lens"], [0] * len(cfg["query_lens"]), cfg["block_size"],

@@ -57,11 +57,22 @@ class AttentionBackend(ABC):
     def prepare_metadata(self, batch: ForwardBatch) -> None:
         """Build per-step metadata from the batch (called once per step, before the forward)."""
 
-    @abstractmethod
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 batch: ForwardBatch) -> torch.Tensor:
         """q: (T, H, D); k, v: (T, Hkv, D) for this step's tokens, stored into the cache first, or
         None where the caller has stored them already (kv_cache). Returns (T, H, D)."""
+        if k is not None:
+            self.store_kv(k, v, self.k_caches[layer_id], self.v_caches[layer_id], batch.slot_mapping)
+        return self.attend(layer_id, q, batch)
+
+    @abstractmethod
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Write k, v (T, Hkv, D) into the caches at slot_mapping's slots (-1: skip)."""
+
+    @abstractmethod
+    def attend(self, layer_id: int, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Attention of q (T, H, D) over this layer's paged cache, this step's K/V stored. Returns (T, H, D)."""
 
     def kv_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's (k_cache, v_cache), for a kernel that stores a step's K/V as it makes them

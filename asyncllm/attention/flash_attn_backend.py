@@ -27,8 +27,12 @@ class _FlashAttnBackend(AttentionBackend):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.store_kvcache = _store_kvcache()
+        self._store_kvcache = _store_kvcache()
         self.graph_buffers: PagedGraphBuffers | None = None
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        self._store_kvcache(k, v, k_cache, v_cache, slot_mapping)
 
     def init_cuda_graph_state(self, max_batch_size: int, max_blocks_per_seq: int, max_mixed_tokens: int = 0) -> None:
         # decode graphs only: FlashAttention's varlen path under a fixed max_seqlen_q is not checked
@@ -56,11 +60,8 @@ class FA4AttentionBackend(_FlashAttnBackend):
             raise ValueError(f"Config.dtype: FlashAttention-4 needs float16 or bfloat16, got {self.k_caches[0].dtype}")
         self._attn = flash_attn_varlen_func
 
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                batch: ForwardBatch) -> torch.Tensor:
+    def attend(self, layer_id: int, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         k_cache, v_cache = self.k_caches[layer_id], self.v_caches[layer_id]
-        if k is not None:
-            self.store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
         out = self._attn(q, k_cache, v_cache, cu_seqlens_q=batch.query_start_loc, seqused_k=batch.seq_lens,
                          page_table=batch.block_tables, max_seqlen_q=batch.max_query_len,
                          max_seqlen_k=batch.max_seq_len, softmax_scale=self.scale, causal=True)
@@ -88,11 +89,8 @@ class FA2AttentionBackend(_FlashAttnBackend):
             torch.cumsum(batch.seq_lens, 0, out=cu_seqlens_k[1:])
             batch.attn_metadata = cu_seqlens_k
 
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                batch: ForwardBatch) -> torch.Tensor:
+    def attend(self, layer_id: int, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         k_cache, v_cache = self.k_caches[layer_id], self.v_caches[layer_id]
-        if k is not None:
-            self.store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
         if batch.max_query_len == 1:
             out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=batch.seq_lens,
                                      block_table=batch.block_tables, softmax_scale=self.scale, causal=True)

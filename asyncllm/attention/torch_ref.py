@@ -45,10 +45,9 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                batch: ForwardBatch) -> torch.Tensor:
+    store_kv = staticmethod(store_kvcache_torch)
+
+    def attend(self, layer_id: int, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         k_cache, v_cache = self.k_caches[layer_id], self.v_caches[layer_id]
-        if k is not None:
-            store_kvcache_torch(k, v, k_cache, v_cache, batch.slot_mapping)
         return paged_attention_torch(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens,
                                      batch.block_tables, batch.max_query_len, batch.max_seq_len, self.scale)

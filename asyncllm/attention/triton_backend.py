@@ -70,11 +70,10 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.workspace = self._workspace(numel)
         batch.attn_metadata = meta
 
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                batch: ForwardBatch) -> torch.Tensor:
+    store_kv = staticmethod(store_kvcache)
+
+    def attend(self, layer_id: int, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         k_cache, v_cache = self.k_caches[layer_id], self.v_caches[layer_id]
-        if k is not None:
-            store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
         meta = batch.attn_metadata  # set once per step by prepare_metadata or prepare_for_capture
         return paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
                                batch.max_query_len, batch.max_seq_len, self.scale,
@@ -85,7 +84,8 @@ class TritonAttentionBackend(AttentionBackend):
         self._graph = PagedGraphBuffers(max_batch_size, max_batch_size, max_blocks_per_seq, self.block_size,
                                         self.device)
         # one scratch buffer sized for the most demanding graph; graphs replay one at a time
-        numel = max(decode_workspace_numel(bs, self.num_heads, self.head_dim, self._graph_num_splits(bs))
+        longest = self._graph.max_seq_len
+        numel = max(decode_workspace_numel(bs, self.num_heads, self.head_dim, self._graph_num_splits(bs, longest))
                     for bs in range(1, max_batch_size + 1))
         self._graph_workspace = torch.empty(max(numel, 1), dtype=torch.float32, device=self.device)
         self._mixed_graph = None
@@ -93,15 +93,14 @@ class TritonAttentionBackend(AttentionBackend):
             self._mixed_graph = PagedGraphBuffers(max_mixed_tokens, min(max_mixed_tokens, max_batch_size),
                                                   max_blocks_per_seq, self.block_size, self.device, decode_only=False)
 
-    def _graph_num_splits(self, batch_size: int, context_bound: int | None = None) -> int:
+    def _graph_num_splits(self, batch_size: int, context_bound: int) -> int:
         # fixed at capture from the length bound; the kernel sizes each split from the runtime length
-        return choose_num_splits(batch_size, self.num_kv_heads, context_bound or self._graph.max_seq_len,
-                                 self.num_sms)
+        return choose_num_splits(batch_size, self.num_kv_heads, context_bound, self.num_sms)
 
     def decode_graph_context_bounds(self, batch_size: int, max_seq_len: int) -> list[int]:
         bounds, counts = [], []
         for bound in [b for b in DECODE_GRAPH_CONTEXTS if b < max_seq_len] + [max_seq_len]:
-            count = choose_num_splits(batch_size, self.num_kv_heads, bound, self.num_sms)
+            count = self._graph_num_splits(batch_size, bound)
             if counts and counts[-1] == count:
                 bounds[-1] = bound  # the same grid: one graph, for the longer bound
             else:

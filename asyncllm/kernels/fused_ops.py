@@ -19,8 +19,7 @@ import triton
 import triton.language as tl
 
 from asyncllm.kernels.host import next_power_of_2
-from asyncllm.kernels.pdl import enabled_for as pdl_enabled_for
-from asyncllm.kernels.pdl import launch_dependents, wait_for_previous
+from asyncllm.kernels.pdl import launch_dependents, launch_options, wait_for_previous
 
 
 @triton.jit
@@ -76,11 +75,10 @@ def _rms_norm(x, residual, weight, eps):
         r2 = residual_out = x2  # unused
     if num_rows:
         block = next_power_of_2(hidden)
-        use_pdl = pdl_enabled_for(x)
         _rms_norm_kernel[(num_rows,)](
             x2, r2, weight, out, residual_out, x2.stride(0), r2.stride(0), out.stride(0),
             residual_out.stride(0), hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
-            num_warps=min(16, max(1, block // 512)), USE_PDL=use_pdl, launch_pdl=use_pdl)
+            num_warps=min(16, max(1, block // 512)), **launch_options(x))
     if x2 is not x:
         out = out.view(x.shape)
         residual_out = residual_out.view(x.shape)
@@ -114,10 +112,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     if num_rows:
         block = min(4096, next_power_of_2(n))
-        use_pdl = pdl_enabled_for(x)
         _silu_and_mul_kernel[(num_rows, (n + block - 1) // block)](
             x2, out, x2.stride(0), out.stride(0), n, BLOCK=block, num_warps=max(1, min(8, block // 256)),
-            USE_PDL=use_pdl, launch_pdl=use_pdl)
+            **launch_options(x))
     return out if x2 is x else out.view(*x.shape[:-1], n)
 
 
@@ -210,12 +207,11 @@ def qk_norm_rope_(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: tor
             cache_args = (k_cache, v_cache, slot_mapping, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         else:
             cache_args = (qkv, qkv, positions, 0, 0, 0)  # unused
-        use_pdl = pdl_enabled_for(qkv)
         _qk_norm_rope_kernel[(num_tokens,)](
             qkv, positions, cos_sin_cache, q_weight if has_norm else qkv, k_weight if has_norm else qkv,
             qkv.stride(0), cos_sin_cache.stride(0), eps, *cache_args,
             NUM_Q_HEADS=num_q_heads, NUM_QK_HEADS=num_q_heads + num_k_heads, HEAD_DIM=head_dim, HALF=half,
             BLOCK_H=next_power_of_2(num_q_heads + num_k_heads), BLOCK_HALF=next_power_of_2(half), HAS_NORM=has_norm,
             STORE_KV=store, BLOCK_SIZE=kv_cache[0].shape[1] if store else 1, BLOCK_KV=next_power_of_2(num_k_heads),
-            BLOCK_D=next_power_of_2(head_dim), num_warps=4, USE_PDL=use_pdl, launch_pdl=use_pdl)
+            BLOCK_D=next_power_of_2(head_dim), num_warps=4, **launch_options(qkv))
     return qkv

@@ -35,8 +35,7 @@ import triton
 import triton.language as tl
 
 from asyncllm.kernels.host import cdiv, next_power_of_2
-from asyncllm.kernels.pdl import enabled_for as pdl_enabled_for
-from asyncllm.kernels.pdl import launch_dependents, wait_for_previous
+from asyncllm.kernels.pdl import launch_dependents, launch_options, wait_for_previous
 
 LOG2E = 1.4426950408889634
 DEFAULT_NUM_SMS = 132  # H200 / H100 SXM
@@ -367,9 +366,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_d = next_power_of_2(head_dim)
     small_elems = q.element_size() <= 2
     qk_scale = scale * LOG2E
-    use_pdl = pdl_enabled_for(q)
+    pdl = launch_options(q)
     common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
-                  UPCAST_DOT=upcast, PRECISION=precision, USE_PDL=use_pdl, launch_pdl=use_pdl)
+                  UPCAST_DOT=upcast, PRECISION=precision, **pdl)
 
     if max_query_len == 1:
         if num_splits is None:
@@ -404,7 +403,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                 out, part_out, part_lse, query_start_loc, num_splits,
                 out.stride(0), out.stride(1), *part_strides,
                 HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=next_power_of_2(num_splits),
-                num_warps=4 if num_splits * block_d >= 2048 else 2, USE_PDL=use_pdl, launch_pdl=use_pdl,
+                num_warps=4 if num_splits * block_d >= 2048 else 2, **pdl,
             )
         return out
 

@@ -11,7 +11,7 @@ The contract for a kernel that takes a USE_PDL constexpr:
   before this kernel's predecessor finished);
 - `launch_dependents(USE_PDL)` once its main loop is done, so the next kernel's launch starts
   while this one writes its results (safe anywhere: the next kernel still waits for all of it).
-The wrapper launches it with `launch_pdl=USE_PDL`, USE_PDL = `enabled_for(tensor)`.
+The wrapper launches it with `**launch_options(tensor)`: USE_PDL and `launch_pdl` alike.
 
 On by default on sm_90+ GPUs; ASYNCLLM_PDL=0 turns it off (docs/BENCHMARKS.md run M measured it).
 """
@@ -42,6 +42,13 @@ def _device_supports(index: int) -> bool:
 def enabled_for(x: torch.Tensor) -> bool:
     """Whether a kernel reading x launches with PDL: on, a CUDA tensor, an sm_90+ device."""
     return _enabled and x.is_cuda and _device_supports(x.device.index or 0)
+
+
+def launch_options(x: torch.Tensor) -> dict[str, bool]:
+    """A PDL kernel's launch keywords for a launch reading x: its USE_PDL constexpr and Triton's
+    launch_pdl, which must agree (a kernel launched with PDL that skipped its wait would race)."""
+    on = enabled_for(x)
+    return {"USE_PDL": on, "launch_pdl": on}
 
 
 @triton.jit

@@ -35,8 +35,7 @@ import triton.language as tl
 
 from asyncllm.kernels.fused_ops import _silu_mul
 from asyncllm.kernels.host import cdiv, next_power_of_2
-from asyncllm.kernels.pdl import enabled_for as pdl_enabled_for
-from asyncllm.kernels.pdl import launch_dependents, wait_for_previous
+from asyncllm.kernels.pdl import launch_dependents, launch_options, wait_for_previous
 # the interpreter's bf16 tl.dot workaround, shared with the attention kernels
 from asyncllm.kernels.paged_attention import _dot, _dot_config
 
@@ -248,15 +247,15 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     else:
         upcast, precision = _dot_config(x.dtype)
         kernel, dot_args = _skinny_dot_kernel, dict(UPCAST_DOT=upcast, PRECISION=precision)
-    use_pdl = pdl_enabled_for(x)
+    pdl = launch_options(x)
     kernel[(cdiv(n, config.block_n), split)](
         x2, weight, bias_arg, out, partial, num_rows, n, k, x2.stride(0), weight.stride(0), out.stride(0),
         k_per_split, BLOCK_M=block_rows(num_rows, config.dot), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         SPLIT_K=split, EVEN_K=k % config.block_k == 0, HAS_BIAS=bias is not None, GATED=gated,
-        num_warps=config.num_warps, num_stages=config.num_stages, USE_PDL=use_pdl, launch_pdl=use_pdl, **dot_args)
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl, **dot_args)
     if split > 1:
         block = min(1024, next_power_of_2(n))
         _split_k_reduce_kernel[(num_rows, cdiv(n, block))](
             partial, bias_arg, out, num_rows, n, out.stride(0), SPLIT_K=split, BLOCK=block, HAS_BIAS=bias is not None,
-            num_warps=4, USE_PDL=use_pdl, launch_pdl=use_pdl)
+            num_warps=4, **pdl)
     return out.view(*x.shape[:-1], n)
