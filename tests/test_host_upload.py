@@ -32,3 +32,8 @@ def test_arrays_changed_after_the_upload_do_not_change_the_tensors(device):
     (tensor,) = upload_arrays([array], torch.device(device))
     array[:] = -1
     assert tensor.cpu().tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_arrays_make_no_tensors(device):
+    assert upload_arrays([], torch.device(device)) == []

@@ -16,7 +16,6 @@ temperature, as vLLM's default), computed only for the rows that asked.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,17 +85,13 @@ class SamplingTensors:
 
     @classmethod
     def build(cls, params: list[SamplingParams], vocab_size: int, device: torch.device,
-              keys: list[int] | None = None, seeded_rows: list[tuple[int, int]] = (),
-              upload: Callable[[list[np.ndarray]], list[torch.Tensor]] | None = None) -> "SamplingTensors":
-        """Per-row settings as device tensors; only what some row uses is built. keys: each row's
-        noise key (int64), given unless every row is greedy. upload: puts the host arrays on the
-        device; by default one copy each."""
+              keys: list[int] | None = None, seeded_rows: list[tuple[int, int]] = ()) -> "SamplingTensors":
+        """Per-row settings as device tensors, one copy each; only what some row uses is built. keys:
+        each row's noise key (int64), given unless every row is greedy. (A runner sends host_arrays()
+        in its step's one copy instead.)"""
         arrays = cls.host_arrays(params, vocab_size, keys)
-        if upload is None:
-            tensors = [torch.from_numpy(a).to(device, non_blocking=True) for a in arrays.values()]
-        else:
-            tensors = upload(list(arrays.values())) if arrays else []
-        return cls.from_device(dict(zip(arrays, tensors)), seeded_rows)
+        return cls.from_device({name: torch.from_numpy(a).to(device, non_blocking=True) for name, a in arrays.items()},
+                               seeded_rows)
 
     @staticmethod
     def host_arrays(params: list[SamplingParams], vocab_size: int, keys) -> dict[str, np.ndarray]:

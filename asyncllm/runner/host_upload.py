@@ -24,6 +24,8 @@ _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int3
 def upload_arrays(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
     """The arrays (int64, int32 or float32) as tensors on device, in order, through one copy on CUDA.
     The tensors never share memory with the arrays (the caller may reuse them)."""
+    if not arrays:
+        return []  # no copy at all (a greedy step's sampling settings)
     if device.type != "cuda":
         return [torch.from_numpy(np.array(a)) for a in arrays]
     groups: dict[np.dtype, list[int]] = {}

@@ -356,7 +356,7 @@ class ModelRunner:
             # the other ranks get the inputs from the host: they need prev's ids there
             if len(pending_at):
                 inputs.input_ids[pending_at] = np.asarray(prev.token_ids(), dtype=np.int64)[pending_rows]
-            uploaded = upload_arrays(sampling_arrays, self.device) if sampling_arrays else []
+            uploaded = upload_arrays(sampling_arrays, self.device)
             forward = lambda: self.workers.run_step(inputs, self.forward)  # noqa: E731 - the ranks in lockstep
         else:
             # pending tokens in the same rows as prev's sampled ids (a decode batch that kept its
@@ -373,7 +373,7 @@ class ModelRunner:
             forward = lambda: self._forward(batch)  # noqa: E731
         # before the forward: whatever reads prev's ids is queued ahead of this step's graphs, whose
         # replays may reuse the memory that holds them (a sampler graph's static output)
-        sampling = self.sampling_inputs.tensors(sampling_plan, dict(zip(sampling_plan.arrays, uploaded)), prev_sampled)
+        sampling = self.sampling_inputs.tensors(sampling_plan, uploaded, prev_sampled)
         logits = forward()
         prompt_logprobs = None
         if prompt_plan is not None:

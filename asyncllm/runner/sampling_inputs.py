@@ -93,11 +93,13 @@ class SamplingInputs:
             plan.arrays["logprob_rows"] = np.array([row for row, k in enumerate(ks) if k >= 0], dtype=np.int64)
         return plan
 
-    def tensors(self, plan: SamplingPlan, on_device: dict[str, torch.Tensor],
+    def tensors(self, plan: SamplingPlan, uploaded: list[torch.Tensor],
                 prev_sampled: torch.Tensor | None = None) -> SamplingTensors:
-        """The step's SamplingTensors from plan's arrays on the device (by name). prev_sampled: the
-        ids (on the device) of the step in flight, which samples the rows' PENDING_TOKENs (overlap)."""
-        adjustments = dict(on_device)  # what is left once the sampling fields and logprob rows are taken
+        """The step's SamplingTensors from plan's arrays on the device (uploaded: in plan.arrays' order).
+        prev_sampled: the ids (on the device) of the step in flight, which samples the rows'
+        PENDING_TOKENs (overlap)."""
+        # what is left once the sampling fields and logprob rows are taken: the adjustments' arrays
+        adjustments = dict(zip(plan.arrays, uploaded))
         tensors = SamplingTensors.from_device({name: adjustments.pop(name) for name in SamplingTensors.HOST_ARRAYS
                                                if name in adjustments}, plan.seeded_rows)
         logprob_rows = adjustments.pop("logprob_rows", None)
@@ -113,9 +115,8 @@ class SamplingInputs:
         """plan() and tensors() with a copy of their own: the step's SamplingTensors, and for each row
         the top-k it asked for (None: no row asked for log-probabilities; -1: this row did not)."""
         plan = self.plan(seqs)
-        on_device = dict(zip(plan.arrays, upload_arrays(list(plan.arrays.values()), self.device))) \
-            if plan.arrays else {}
-        return self.tensors(plan, on_device, prev_sampled), plan.logprob_ks
+        return self.tensors(plan, upload_arrays(list(plan.arrays.values()), self.device), prev_sampled), \
+            plan.logprob_ks
 
     def _adjustment_arrays(self, seqs: list[Sequence], arrays: dict[str, np.ndarray]) -> None:
         """The host arrays of the step's LogitsAdjustments, by field name (only the groups some row uses)."""
