@@ -1,6 +1,6 @@
 """Decode's skinny GEMMs: our Triton kernel (asyncllm.kernels.skinny_gemm) against cuBLAS. CUDA only.
 
-    python benchmarks/bench_gemm.py [--json results.json] [--rows 1,2,4,8,16] [--sweep]
+    python benchmarks/bench_gemm.py [--json results.json] [--rows 1,2,4,8,16] [--sweep] [--tiling-grid]
 
 For each linear layer of Qwen3-0.6B and -8B at TP=1 and each row count: y = x @ W^T in bf16 by
 F.linear (cuBLAS, torch's default BLAS), by F.linear with
@@ -11,11 +11,13 @@ call starts from a cold L2, as decode meets its weights; the "graph" columns tim
 best tiling as CUDA-graph replays (skinny_linear.time_calls, as the engine's choice does; decode
 runs in graphs, where Triton's Python launch time is gone), also from a cold L2. TB/s counts the weight bytes only (x and
 y are a few KB). "err" is the largest absolute difference from the fp32 product, ours and
-cuBLAS's. With --sweep, every candidate tiling is timed and listed too (for tuning the rule).
+cuBLAS's. With --sweep, every candidate tiling is timed and listed too (for tuning the rule); with
+--tiling-grid, only cuBLAS against a wider grid of tilings than the rule proposes, the best listed.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 
@@ -115,18 +117,68 @@ def copy_bandwidth_tbps() -> float:
     return 2 * src.numel() / (ms * 1e-3) / 1e12  # read + write
 
 
+# --tiling-grid: FMA tiles of 4k-16k weight elements x warps x split-K x stages, and dot tiles, besides the rule's own
+GRID_FMA_TILES = [(4, 1024), (8, 512), (8, 1024), (16, 256), (16, 512), (32, 256), (32, 128), (64, 128), (4, 2048)]
+
+
+def tiling_grid(model: str, layer: str, n: int, k: int, num_rows: int, top: int = 8) -> dict:
+    """cuBLAS and a grid of tilings (not only the rule's candidates) for one shape, as CUDA-graph
+    replays from a clean cold L2 (skinny_linear.time_calls): what the kernel can reach there."""
+    from asyncllm.kernels import skinny_gemm as kernels
+    from asyncllm.layers.skinny_linear import time_calls
+
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    weight = (torch.randn(n, k, device="cuda") / k ** 0.5).to(DTYPE)
+    x = torch.randn(num_rows, k, device="cuda").to(DTYPE)
+    configs = list(kernels.candidate_configs(num_rows, n, k, num_sms))
+    if num_rows <= kernels.FMA_MAX_ROWS:
+        for (block_n, block_k), warps, split, stages in itertools.product(GRID_FMA_TILES, (4, 8), (1, 2, 4), (1, 3)):
+            if n // block_n * split >= num_sms // 2:
+                configs.append(kernels.SkinnyConfig(False, block_n, block_k, split, warps, stages))
+    for block_n, warps, stages, split in itertools.product((16, 32, 64), (4, 8), (3, 4, 5), (1, 2)):
+        configs.append(kernels.SkinnyConfig(True, block_n, 128 if block_n == 64 else 256, split, warps, stages))
+    usable = []
+    for config in dict.fromkeys(configs):  # unique, in order
+        try:
+            kernels.skinny_gemm(x, weight, None, config)
+            usable.append(config)
+        except Exception:  # noqa: BLE001 - a tiling past this GPU's limits is left out
+            continue
+    calls = [lambda: torch.nn.functional.linear(x, weight)]
+    calls += [lambda c=c: kernels.skinny_gemm(x, weight, None, c) for c in usable]
+    times = time_calls(calls, x.device, reps=15)
+    gigabytes = weight.numel() * weight.element_size() / 1e9
+    ranked = sorted(zip([c.label() for c in usable], times[1:]), key=lambda item: item[1])
+    print(f"{model} {layer} ({n}, {k}) rows {num_rows}: {len(usable)} tilings; cuBLAS {times[0] * 1e3:.1f} us "
+          f"({gigabytes / times[0]:.2f} TB/s); the rule's first {times[1] * 1e3:.1f} us ({gigabytes / times[1]:.2f})",
+          flush=True)
+    for label, ms in ranked[:top]:
+        print(f"   {label:32s} {ms * 1e3:7.1f} us {gigabytes / ms:5.2f} TB/s", flush=True)
+    return dict(model=model, layer=layer, n=n, k=k, rows=num_rows, cublas_ms=times[0], rule_ms=times[1],
+                ranked_ms=ranked)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--rows", default="1,2,4,8,16", help="comma-separated row counts (1..16)")
     parser.add_argument("--sweep", action="store_true", help="time every candidate tiling, not only the first few")
     parser.add_argument("--models", default="0.6B,8B", help="comma-separated: 0.6B, 8B")
+    parser.add_argument("--tiling-grid", action="store_true",
+                        help="only cuBLAS against a grid of tilings per shape and row count, best first")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_gemm.py needs a CUDA GPU")
     torch.manual_seed(0)
     rows = [int(r) for r in args.rows.split(",")]
     models = args.models.split(",")
+    if args.tiling_grid:
+        results = [tiling_grid(model, layer, n, k, num_rows) for model, layer, n, k in SHAPES if model in models
+                   for num_rows in rows]
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(results=results), f, indent=2)
+        return
     start = time.perf_counter()
     copy_tbps = copy_bandwidth_tbps()
     results = []

@@ -2,7 +2,7 @@
 (flash_attn.cute, when installed). CUDA only.
 
     python benchmarks/bench_kernels.py [--json results.json] [--no-fa4] [--budget-s 60] [--grid]
-                                       [--timing graph|eager] [--splits-sweep]
+                                       [--timing graph|eager] [--splits-sweep] [--mixed]
 
 Timing (--timing graph, the default) is the median of CUDA-graph replays of each call, with L2 flushed
 before every one (asyncllm.layers.skinny_linear.time_calls): decode runs in graphs, and a
@@ -11,7 +11,8 @@ tens of microseconds; FA2's is a C++ op, FA4's a cute-DSL call). --timing eager 
 triton.testing.do_bench's median (runs up to D), which zeroes a 256 MB buffer before every repetition;
 either way each call starts from a cold L2 (50 MB on H200) even when its KV would fit there.
 --splits-sweep times our decode alone at batches 1/4/16 over contexts 128..8k for every split count,
-the data behind choose_num_splits and the decode graphs' context buckets. FA2 has no
+the data behind choose_num_splits and the decode graphs' context buckets. --mixed times mixed
+steps (decodes beside a prefill) with the decodes in the varlen kernel and in the decode kernel. FA2 has no
 paged KV here: it reads the same K/V gathered into contiguous varlen tensors (cum_seq_k). FA4
 reads the paged cache through page_table, like ours. Decode reports achieved K+V bandwidth;
 prefill reports TFLOP/s counting only the causally visible keys. "err" is ours vs FA2, relative.
@@ -19,6 +20,7 @@ prefill reports TFLOP/s counting only the causally visible keys. "err" is ours v
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import time
@@ -190,6 +192,48 @@ def splits_sweep(timing: str) -> list[dict]:
     return rows
 
 
+# a mixed step: (query heads, decodes, their context, prefill tokens, the prompt's cached context); KV heads 8, D 128,
+# block 256 (the engine's default). The first is issue 17's 64-stream serving step on Qwen3-0.6B's heads.
+MIXED_CASES = [(16, 59, 1100, 1500, 1024), (16, 59, 1100, 1024, 0), (32, 60, 1100, 1500, 1024),
+               (16, 4, 1100, 1500, 1024), (16, 200, 2000, 512, 512)]
+
+
+def mixed_steps(timing: str) -> list[dict]:
+    """A mixed step's attention with its decodes in the varlen kernel (single_rows=False) against the
+    decode kernel, at one split and at choose_num_splits' count for the decodes."""
+    from asyncllm.kernels import choose_num_splits, paged_attention
+    block_size, num_kv_heads = 256, 8
+    rows = []
+    for num_heads, decodes, context, prefill, prompt_context in MIXED_CASES:
+        query_lens = [1] * decodes + [prefill]
+        seq_lens = [context + 1] * decodes + [prompt_context + prefill]
+        blocks = [math.ceil(n / block_size) for n in seq_lens]
+        k_cache = torch.randn(sum(blocks), block_size, num_kv_heads, HEAD_DIM, device="cuda", dtype=DTYPE)
+        v_cache = torch.randn_like(k_cache)
+        order = torch.randperm(sum(blocks), dtype=torch.int32)
+        tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
+        for i, start in enumerate([0] + list(itertools.accumulate(blocks))[:-1]):
+            tables[i, :blocks[i]] = order[start:start + blocks[i]]
+        q = torch.randn(sum(query_lens), num_heads, HEAD_DIM, device="cuda", dtype=DTYPE)
+        query_start_loc = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32, device="cuda")
+        args = (q, k_cache, v_cache, query_start_loc, torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+                tables.cuda(), max(query_lens), max(seq_lens), HEAD_DIM ** -0.5)
+        splits = choose_num_splits(decodes, num_kv_heads, max(seq_lens))
+        calls = [lambda: paged_attention(*args, single_rows=False), lambda: paged_attention(*args, num_splits=1),
+                 lambda: paged_attention(*args, num_splits=splits)]
+        ref = calls[0]().float()
+        diff = max((call().float() - ref).abs().max().item() for call in calls[1:])
+        varlen, one_split, split = time_ms(calls, timing)
+        row = dict(num_heads=num_heads, decodes=decodes, context=context, prefill=prefill,
+                   prompt_context=prompt_context, varlen_ms=varlen, decode_kernel_ms=one_split,
+                   num_splits=splits, decode_kernel_split_ms=split, max_abs_diff=diff)
+        rows.append(row)
+        print(f"H={num_heads}: {decodes} decodes x {context} + {prefill} prefill over {prompt_context}: decodes in the "
+              f"varlen kernel {varlen * 1e3:.1f} us, in the decode kernel {one_split * 1e3:.1f} us (1 split), "
+              f"{split * 1e3:.1f} us ({splits} splits); max |diff| {diff:.2g}", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the results here")
@@ -202,12 +246,14 @@ def main() -> None:
                         help="CUDA-graph replays (default) or eager do_bench calls")
     parser.add_argument("--splits-sweep", action="store_true",
                         help="only our decode, at every split count (batches 1/4/16, contexts 128..8k)")
+    parser.add_argument("--mixed", action="store_true",
+                        help="only mixed steps: their decodes in the varlen kernel against the decode kernel")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs a CUDA GPU")
     torch.manual_seed(0)
-    if args.splits_sweep:
-        rows = splits_sweep(args.timing)
+    if args.splits_sweep or args.mixed:
+        rows = splits_sweep(args.timing) if args.splits_sweep else mixed_steps(args.timing)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(dict(timing=args.timing, results=rows), f, indent=2)

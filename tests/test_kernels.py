@@ -227,6 +227,22 @@ def test_mixed_prefill_and_decode(dtype, block_size, head_dim, group):
     assert_close(run_ours(step), reference(step), dtype)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_mixed_step_decodes_take_the_decode_kernel(num_splits):
+    """A mixed step's one-row sequences (decodes, a one-token chunk) go to the decode kernel, split
+    or not, the rest to the varlen kernel: the reference's result, as with every row in the varlen
+    kernel (single_rows=False), and rows of no sequence stay poisoned."""
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    query_lens, context_lens = [1, 40, 1, 1, 9], [70, 0, 3, 150, 20]
+    step = make_step(query_lens, context_lens, 16, 4, 2, 64, dtype)
+    step["q"] = torch.cat([step["q"], torch.randn_like(step["q"][:3])])  # 3 rows beyond the last sequence
+    ref = reference(dict(step, q=step["q"][:-3]))
+    routed = run_ours(step, num_splits=num_splits)
+    assert routed[-3:].isnan().all()
+    assert_close(routed[:-3], ref, dtype)
+    assert_close(run_ours(step, single_rows=False)[:-3], ref, dtype)
+
+
 def test_odd_group_head_dim_and_fp16():
     """3 query heads per KV head, a head_dim that is not a power of two, fp16."""
     dtype = torch.float16

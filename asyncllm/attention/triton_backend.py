@@ -1,5 +1,6 @@
 """The Triton backend: store_kvcache + paged_attention kernels, CUDA-graph capable for decode
-steps and for small mixed steps (prefill chunks with or without decodes).
+steps and for small mixed steps (prefill chunks with or without decodes). In a mixed step the
+decodes (one query row each) go to the decode kernel and the prefill chunks to the varlen kernel.
 
 Eager steps pick the decode split count per step from the batch (prepare_metadata). A CUDA graph
 bakes its grid in, so each decode graph gets a split count fixed at capture from its context
@@ -30,8 +31,9 @@ DECODE_GRAPH_CONTEXTS = (256, 1024)
 
 @dataclass
 class TritonAttentionMetadata:
-    num_splits: int = 1  # decode only
+    num_splits: int = 1  # the decode kernel's (decode steps, and a mixed step's decodes)
     workspace: torch.Tensor | None = None  # decode split-KV scratch, shared by all layers of a step
+    single_rows: bool = True  # a mixed step's one-row sequences (decodes) go to the decode kernel
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -62,9 +64,11 @@ class TritonAttentionBackend(AttentionBackend):
 
     def prepare_metadata(self, batch: ForwardBatch) -> None:
         meta = TritonAttentionMetadata()
-        if batch.max_query_len == 1:
-            meta.num_splits = choose_num_splits(batch.num_seqs, self.num_kv_heads, batch.max_seq_len,
-                                                self.num_sms)
+        # decodes in a mixed step: the split count for them (a bound on their length is enough)
+        num_single = batch.num_seqs if batch.max_query_len == 1 else batch.query_lens_cpu.count(1)
+        meta.single_rows = num_single > 0
+        if num_single:
+            meta.num_splits = choose_num_splits(num_single, self.num_kv_heads, batch.max_seq_len, self.num_sms)
             numel = decode_workspace_numel(batch.num_seqs, self.num_heads, self.head_dim, meta.num_splits)
             if numel:
                 meta.workspace = self._workspace(numel)
@@ -77,7 +81,8 @@ class TritonAttentionBackend(AttentionBackend):
         meta = batch.attn_metadata  # set once per step by prepare_metadata or prepare_for_capture
         return paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
                                batch.max_query_len, batch.max_seq_len, self.scale,
-                               num_splits=meta.num_splits, workspace=meta.workspace, num_sms=self.num_sms)
+                               num_splits=meta.num_splits, workspace=meta.workspace, num_sms=self.num_sms,
+                               single_rows=meta.single_rows)
 
     # ---- CUDA graphs ---------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_batch_size: int, max_blocks_per_seq: int, max_mixed_tokens: int = 0) -> None:
@@ -115,7 +120,8 @@ class TritonAttentionBackend(AttentionBackend):
             # shape follows max_query_len: all three are the graph's, whatever a replay brings
             self._mixed_graph.bind(batch)
             batch.max_query_len = batch.num_tokens
-            batch.attn_metadata = TritonAttentionMetadata()
+            # a replay's decodes are not known at capture: one split each (no reduce, no scratch)
+            batch.attn_metadata = TritonAttentionMetadata(num_splits=1, single_rows=True)
             return
         self._graph.bind(batch)
         num_splits = self._graph_num_splits(batch.num_seqs, batch.max_seq_len)

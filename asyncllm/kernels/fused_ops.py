@@ -26,6 +26,7 @@ from asyncllm.kernels.pdl import launch_dependents, launch_options, wait_for_pre
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
                      stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    launch_dependents(USE_PDL)  # first thing: kernels/pdl.py
     wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -38,7 +39,6 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
         tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
     xf = x.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n_cols + eps)
-    launch_dependents(USE_PDL)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     y = (xf * inv_rms).to(dtype).to(tl.float32) * w.to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
@@ -97,6 +97,7 @@ def _silu_mul(gate, up):
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    launch_dependents(USE_PDL)  # first thing: kernels/pdl.py
     wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -125,6 +126,7 @@ def _qk_norm_rope_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_we
                          HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
                          HAS_NORM: tl.constexpr, STORE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          BLOCK_KV: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
+    launch_dependents(USE_PDL)  # first thing: kernels/pdl.py
     wait_for_previous(USE_PDL)
     # one program per token: its q heads then its k heads, which sit next to each other in the
     # row of the fused projection, each as two halves (the rotary pairs x[i] with x[i + HALF])

@@ -12,6 +12,9 @@ Two inner loops, a choice of the tiling (SkinnyConfig.dot):
   loads and FMAs only, no cross-thread reductions.
 - dot (1..16 rows): tl.dot of the weight tile with x^T (x padded to 16 rows), the weight rows as
   the MMA's M dimension, so the tensor cores do the 16-wide products; Triton pipelines its loads.
+Each program loads its first weight tile before waiting for the previous kernel (kernels/pdl.py):
+with the previous kernels' early launch_dependents that load overlaps them, where a projection's
+first memory round trip would otherwise be its own fixed cost (2-4 us each at 8B, run O).
 When the outputs are too few to give every SM programs (o_proj, down at 0.6B), split-K gives each
 program a K range; the fp32 partial sums go to a workspace and a second small kernel adds them
 (no atomics: deterministic, and nothing to zero first).
@@ -89,7 +92,6 @@ def _skinny_fma_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, M, N, K, st
                        k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                        GATED: tl.constexpr, USE_PDL: tl.constexpr):
-    wait_for_previous(USE_PDL)  # kernels/pdl.py
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     # 3-D index vectors: x tiles are (BLOCK_M, 1, BLOCK_K), weight tiles (1, BLOCK_N, BLOCK_K); their
@@ -103,8 +105,15 @@ def _skinny_fma_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, M, N, K, st
     n_mask = n3 < N
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
+    # the first weight tile before the wait: no kernel writes weights, so it streams in while the
+    # kernels before this one finish (kernels/pdl.py); an empty split's tile is all masked
+    first_mask = n_mask & (k_start + k3 < k_end)
+    w = tl.load(w_ptrs + k_start, mask=first_mask, other=0.0)
+    launch_dependents(USE_PDL)
+    wait_for_previous(USE_PDL)
+    x = _load_x(x_ptrs + k_start, m_mask & (k_start + k3 < k_end), K, GATED)
+    acc = x.to(tl.float32) * w.to(tl.float32)
+    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
         if EVEN_K:
             x = _load_x(x_ptrs + k0, m_mask, K, GATED)
             w = tl.load(w_ptrs + k0, mask=n_mask, other=0.0)
@@ -115,7 +124,6 @@ def _skinny_fma_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, M, N, K, st
         acc += x.to(tl.float32) * w.to(tl.float32)
     rows_m = tl.arange(0, BLOCK_M)
     rows_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    launch_dependents(USE_PDL)
     _store_result(tl.sum(acc, 2), rows_m, rows_n, M, N, bias_ptr, out_ptr, partial_ptr, stride_om, pid_k,
                   SPLIT_K, HAS_BIAS)
 
@@ -126,7 +134,6 @@ def _skinny_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, M, N, K, st
                        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                        GATED: tl.constexpr, UPCAST_DOT: tl.constexpr, PRECISION: tl.constexpr,
                        USE_PDL: tl.constexpr):
-    wait_for_previous(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows_m = tl.arange(0, BLOCK_M)
@@ -138,8 +145,13 @@ def _skinny_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, M, N, K, st
     n_mask = (rows_n < N)[:, None]
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # y^T: the weight rows are the MMA's M
-    for k0 in range(k_start, k_end, BLOCK_K):
+    # the first weight tile before the wait, as in the FMA kernel
+    w = tl.load(w_ptrs + k_start, mask=n_mask & (k_start + cols < k_end)[None, :], other=0.0)
+    launch_dependents(USE_PDL)
+    wait_for_previous(USE_PDL)
+    xt = _load_x(xt_ptrs + k_start, m_mask & (k_start + cols < k_end)[:, None], K, GATED)
+    acc = _dot(w, xt, UPCAST_DOT, PRECISION)  # y^T: the weight rows are the MMA's M
+    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
         if EVEN_K:
             xt = _load_x(xt_ptrs + k0, m_mask, K, GATED)
             w = tl.load(w_ptrs + k0, mask=n_mask, other=0.0)
@@ -147,7 +159,6 @@ def _skinny_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, M, N, K, st
             xt = _load_x(xt_ptrs + k0, m_mask & (k0 + cols < k_end)[:, None], K, GATED)
             w = tl.load(w_ptrs + k0, mask=n_mask & (k0 + cols < k_end)[None, :], other=0.0)
         acc += _dot(w, xt, UPCAST_DOT, PRECISION)
-    launch_dependents(USE_PDL)
     _store_result(tl.trans(acc), rows_m, rows_n, M, N, bias_ptr, out_ptr, partial_ptr, stride_om, pid_k,
                   SPLIT_K, HAS_BIAS)
 
@@ -155,6 +166,7 @@ def _skinny_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, M, N, K, st
 @triton.jit
 def _split_k_reduce_kernel(partial_ptr, bias_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr,
                            BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr):
+    launch_dependents(USE_PDL)  # first thing: kernels/pdl.py
     wait_for_previous(USE_PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

@@ -37,6 +37,7 @@ KERNEL_DEVICE_TYPES = ("cuda",)  # the tests add "cpu" to run the kernel through
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 MAX_CANDIDATES = 3  # tilings timed per shape: each is a compile at first start-up
 TIMING_REPS = 25
+GRAPH_REPEATS = 8  # timed calls per graph replay, each after its own L2 flush
 
 MIN_GAIN = 0.03  # the kernel must be this much faster than cuBLAS: a tie within noise keeps cuBLAS
 
@@ -179,37 +180,56 @@ def choose_fastest(kernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
 def time_calls(calls: list, device: torch.device, reps: int = TIMING_REPS) -> list[float]:
     """Median device ms of each call, each run from a cold L2 (as decode meets its weights, the
     model being far larger than L2), the calls interleaved so that clock drift hits all alike.
-    Each call is timed as a CUDA-graph replay where it can be captured: decode runs in graphs, and
-    a few-microsecond kernel's eager timing can hold the tens of microseconds of Triton's Python
-    launch (bench_gemm's eager figures swung 7.6 to 25.7 us on one shape, docs/BENCHMARKS.md run H)."""
+
+    Where a call can be captured it is timed in a CUDA graph (decode runs in graphs, and an eager
+    few-microsecond kernel's timing holds the tens of microseconds of Triton's Python launch:
+    bench_gemm's eager figures swung 7.6 to 25.7 us on one shape, docs/BENCHMARKS.md run H) of
+    GRAPH_REPEATS (flush, call) pairs, less a graph of the flushes alone, so that the graph's own
+    launch drops out as well. The flush reads a buffer of twice the L2's size, which leaves the L2
+    holding clean lines, as decode's earlier layers leave it: a flush that writes leaves dirty lines
+    for the timed call to write back (12 us of the 8B gate_up's 60 on the H200, run O1)."""
+    l2_bytes = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)
+    flush_buffer = torch.zeros(2 * l2_bytes // 4, dtype=torch.int32, device=device)
+
+    def flush():
+        torch.sum(flush_buffer)
+
     for call in calls:  # compile and warm up
         call()
-    calls = [_graph_replay(call, device) for call in calls]
-    l2_bytes = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)
-    flush = torch.empty(2 * l2_bytes // 4, dtype=torch.int32, device=device)
+    graphs = [_capture(lambda call=call: (flush(), call()), device, GRAPH_REPEATS) for call in calls]
+    flushes = _capture(flush, device, GRAPH_REPEATS)
+    if flushes is None:  # nothing to subtract: every call is timed eagerly
+        graphs = [None] * len(calls)
     events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-              for _ in calls]
+              for _ in range(len(calls) + 1)]
     for rep in range(reps):
-        for call, call_events in zip(calls, events):
-            flush.zero_()
+        for call, graph, call_events in zip(calls + [flush], graphs + [flushes], events):
             start, end = call_events[rep]
-            start.record()
-            call()
+            if graph is None:  # timed eagerly, the flush outside the events
+                flush()
+                start.record()
+                call()
+            else:
+                start.record()
+                graph.replay()
             end.record()
     torch.cuda.synchronize(device)
-    return [sorted(start.elapsed_time(end) for start, end in call_events)[reps // 2] for call_events in events]
+    medians = [sorted(start.elapsed_time(end) for start, end in call_events)[reps // 2] for call_events in events]
+    flush_ms = medians.pop()
+    return [ms if graph is None else max(ms - flush_ms, 0.0) / GRAPH_REPEATS for ms, graph in zip(medians, graphs)]
 
 
-def _graph_replay(call, device: torch.device):
-    """call captured in a CUDA graph of its own, as its replay; call itself where capture fails."""
+def _capture(call, device: torch.device, repeats: int):
+    """A CUDA graph of call run `repeats` times, or None where capture fails."""
     try:
         torch.cuda.synchronize(device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            call()
+            for _ in range(repeats):
+                call()
         graph.replay()
-        return graph.replay
+        return graph
     except Exception as exc:  # noqa: BLE001 - timing eagerly is still a measurement
         logger.warning("skinny GEMM timing: capture failed (%s: %s); timing eagerly", type(exc).__name__,
                        str(exc)[:200])
-        return call
+        return None
