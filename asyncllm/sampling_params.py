@@ -32,6 +32,13 @@ def _as_finite_float(value) -> float | None:
     return value if math.isfinite(value) else None
 
 
+# Beyond this the sampling only flattens further what is already uniform over the allowed tokens (a
+# model's logits differ by far less than 1e6), and the float32 math breaks further on: a temperature
+# past float32's range became inf, so a forbidden token's logit, -inf / inf, was NaN and any token
+# could be sampled (allowed_token_ids, grammars and min_tokens' bans all broke at 1e39).
+MAX_TEMPERATURE = 1e6
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
@@ -95,6 +102,9 @@ class SamplingParams:
             fail("temperature", f"must be >= 0 (0 = greedy), got {self.temperature}")
         if self.temperature != 0 and self.temperature < 1e-5:
             fail("temperature", f"must be 0 (greedy) or >= 1e-5, got {self.temperature}")
+        if self.temperature > MAX_TEMPERATURE:
+            fail("temperature", f"must be at most {MAX_TEMPERATURE:g} (uniform sampling already), "
+                                f"got {self.temperature:g}")
         if not (0.0 < self.top_p <= 1.0):
             fail("top_p", f"must be in (0, 1], got {self.top_p}")
         if not (0.0 <= self.min_p <= 1.0):

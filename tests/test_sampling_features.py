@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from asyncllm import LLM, SamplingParams
+from asyncllm.sampling_params import MAX_TEMPERATURE
 from helpers import assert_all_blocks_free
 
 pytestmark = pytest.mark.timeout(300)
@@ -148,6 +149,16 @@ def test_allowed_token_ids_and_bad_words(llms):
     out = run(llm, PROMPTS[:1], SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, allowed_token_ids=allowed,
                                                bad_words=[word]))[0]
     assert first not in out["token_ids"] and set(out["token_ids"]) <= set(allowed)
+
+
+def test_the_highest_temperature_keeps_to_the_allowed_tokens(llms):
+    """At MAX_TEMPERATURE sampling is uniform over the allowed tokens and never leaves them (a
+    temperature past float32's range once made forbidden logits NaN and let any token through)."""
+    llm = llms(False)
+    allowed = [5, 6, 7]
+    params = SamplingParams(temperature=MAX_TEMPERATURE, max_tokens=N, ignore_eos=True, allowed_token_ids=allowed)
+    tokens = [t for o in run(llm, PROMPTS, params) for t in o["token_ids"]]
+    assert set(tokens) <= set(allowed) and len(set(tokens)) > 1
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
