@@ -15,6 +15,10 @@ MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs and vL
 MAX_N = 128  # sequences per request: each holds its own KV blocks and batch rows
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value
 MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty
+# repetition_penalty divides positive logits by it and multiplies negative ones: kept within
+# [1 / this, this], so that float32 logits stay finite and a banned token's -inf never meets a 0
+# (at 1e-50, 0 in float32, every sampled token left allowed_token_ids)
+MAX_REPETITION_PENALTY = 1e6
 
 
 def _is_int(value) -> bool:
@@ -171,8 +175,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
                 fail(name, f"must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {getattr(self, name)}")
-        if self.repetition_penalty <= 0:
-            fail("repetition_penalty", f"must be > 0 (1 = off), got {self.repetition_penalty}")
+        if not 1 / MAX_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            fail("repetition_penalty", f"must be in [{1 / MAX_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] "
+                                       f"(1 = off), got {self.repetition_penalty:g}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             fail("min_tokens", f"expected an int >= 0, got {_short_repr(self.min_tokens)}")
         if self.min_tokens > self.max_tokens:

@@ -68,6 +68,8 @@ BAD_INPUTS: list[Bad] = [
     Bad(SP, "temperature=inf", dict(temperature=float("inf")), ValueError, "temperature", "finite"),
     Bad(SP, "temperature=-1", dict(temperature=-1), ValueError, "temperature", ">= 0"),
     Bad(SP, "temperature=1e39", dict(temperature=1e39), ValueError, "temperature", "at most 1e+06"),
+    Bad(SP, "repetition_penalty=1e-50", dict(repetition_penalty=1e-50), ValueError, "repetition_penalty",
+        "[1e-06, 1e+06]"),
     Bad(SP, 'temperature="0.7"', dict(temperature="0.7"), ValueError, "temperature", "number"),
     Bad(SP, "top_p=0", dict(top_p=0), ValueError, "top_p", "(0, 1]"),
     Bad(SP, "top_p=nan", dict(top_p=float("nan")), ValueError, "top_p", "finite"),

@@ -132,6 +132,7 @@ def test_plain_requests_build_nothing_extra():
 
 @pytest.mark.parametrize("bad", [dict(n=0), dict(logprobs=21), dict(prompt_logprobs=-1), dict(presence_penalty=2.5),
                                  dict(frequency_penalty=float("nan")), dict(repetition_penalty=0),
+                                 dict(repetition_penalty=1e-50), dict(repetition_penalty=1e39),
                                  dict(min_tokens=-1), dict(min_tokens=65), dict(logit_bias={"1": 1.0}),
                                  dict(logit_bias={1: 101}), dict(logit_bias=[1]), dict(allowed_token_ids=[]),
                                  dict(allowed_token_ids=[-1]), dict(bad_words=[" "]), dict(skip_special_tokens="no"),

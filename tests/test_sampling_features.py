@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from asyncllm import LLM, SamplingParams
-from asyncllm.sampling_params import MAX_TEMPERATURE
+from asyncllm.sampling_params import MAX_REPETITION_PENALTY, MAX_TEMPERATURE
 from helpers import assert_all_blocks_free
 
 pytestmark = pytest.mark.timeout(300)
@@ -159,6 +159,18 @@ def test_the_highest_temperature_keeps_to_the_allowed_tokens(llms):
     params = SamplingParams(temperature=MAX_TEMPERATURE, max_tokens=N, ignore_eos=True, allowed_token_ids=allowed)
     tokens = [t for o in run(llm, PROMPTS, params) for t in o["token_ids"]]
     assert set(tokens) <= set(allowed) and len(set(tokens)) > 1
+
+
+@pytest.mark.parametrize("repetition_penalty", [1 / MAX_REPETITION_PENALTY, MAX_REPETITION_PENALTY])
+def test_the_extreme_repetition_penalties_keep_to_the_allowed_tokens(llms, repetition_penalty):
+    """The prompt's tokens are allowed and penalized at each end of the accepted range: the sampled
+    tokens stay allowed (a penalty of 1e-50, 0 in float32, once made every sampled token a forbidden one)."""
+    llm = llms(False)
+    allowed = [5, 6, 7]
+    params = SamplingParams(temperature=1.0, max_tokens=N, ignore_eos=True, allowed_token_ids=allowed,
+                            repetition_penalty=repetition_penalty)
+    tokens = [t for o in run(llm, [[5, 6, 7, 1, 2, 3]] * 3, params) for t in o["token_ids"]]
+    assert set(tokens) <= set(allowed)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
