@@ -754,6 +754,7 @@ def test_skinny_gemm_matches_reference(num_rows, has_bias):
     configs = candidate_configs(num_rows, n, k, num_sms=132 if CUDA else 8)
     for dot in (True, False) if num_rows <= FMA_MAX_ROWS else (True,):  # a K tail; 8 splits of 7 tiles
         configs += [SkinnyConfig(dot, 16, 64, 3, 4), SkinnyConfig(dot, 16 if dot else 2, 32, 8, 4)]
+    configs.append(SkinnyConfig(True, 64, 128, 1, 4))  # the rule's widest dot tile (the 8B lm_head's)
     assert {config.dot for config in configs} == ({True, False} if num_rows <= FMA_MAX_ROWS else {True})
     check_skinny(x, weight, bias, configs)
 
@@ -1037,7 +1038,7 @@ def test_skinny_choice_needs_a_clear_gain_and_skips_tilings_that_fail(monkeypatc
     kernels = SimpleNamespace(skinny_gemm=fake_gemm)
     x, weight = torch.zeros(1, 8), torch.zeros(4, 8)
     timings = []
-    monkeypatch.setattr(skinny_linear, "time_calls", lambda calls, device: timings[:len(calls)])
+    monkeypatch.setattr(skinny_linear, "time_calls", lambda calls, device, neighbour=None: timings[:len(calls)])
     timings[:] = [1.0, 0.9, 0.5]  # cuBLAS, good, better (bad is not timed)
     assert skinny_linear.choose_fastest(kernels, x, weight, None, [good, bad, better]) == better
     timings[:] = [1.0, 0.99, 0.98]  # within noise of cuBLAS
@@ -1045,7 +1046,7 @@ def test_skinny_choice_needs_a_clear_gain_and_skips_tilings_that_fail(monkeypatc
     assert skinny_linear.choose_fastest(kernels, x, weight, None, [bad]) is None
     assert not any(launched)
 
-    def time_gated(calls, device):
+    def time_gated(calls, device, neighbour=None):
         assert calls[0]().shape == (1, 4)  # the unfused pair: silu_and_mul of [gate | up], then linear()
         return timings[:len(calls)]
 
@@ -1057,6 +1058,39 @@ def test_skinny_choice_needs_a_clear_gain_and_skips_tilings_that_fail(monkeypatc
     timings[:] = [1.0, 0.99]
     assert skinny_linear.choose_fastest(kernels, gate_up, weight, None, [good], gated=True) is None
     assert launched == [True, True]
+
+
+def test_skinny_choice_tie_goes_to_the_kernel_where_pdl_is_on(monkeypatch):
+    """Where the timing runs between PDL neighbours (kernels/pdl.py on: CUDA, sm_90+), a tie within
+    MIN_GAIN goes to our kernel, which keeps the decode step's chain of early launches where cuBLAS
+    breaks it; a clear loss still goes to cuBLAS; the gated form must still beat the unfused pair
+    clearly (both keep the chain). The neighbour kernel reaches the timer."""
+    from types import SimpleNamespace
+
+    from asyncllm.kernels.skinny_gemm import SkinnyConfig
+    from asyncllm.layers import skinny_linear
+
+    config = SkinnyConfig(False, 2, 64, 1, 4)
+    kernels = SimpleNamespace(skinny_gemm=lambda x, weight, bias, config, gated=False: x)
+
+    def neighbour():
+        pass
+
+    monkeypatch.setattr(skinny_linear, "_neighbour_kernel", lambda x: neighbour)
+    timings = []
+
+    def time_calls(calls, device, neighbour=None):
+        assert neighbour is not None and neighbour.__name__ == "neighbour"
+        return timings[:len(calls)]
+
+    monkeypatch.setattr(skinny_linear, "time_calls", time_calls)
+    x, weight, gate_up = torch.zeros(1, 8), torch.zeros(4, 8), torch.zeros(1, 16)
+    timings[:] = [1.0, 1.0 + skinny_linear.MIN_GAIN / 2]  # cuBLAS, then the kernel a little slower
+    assert skinny_linear.choose_fastest(kernels, x, weight, None, [config]) == config
+    timings[:] = [1.0, 1.0 + 2 * skinny_linear.MIN_GAIN]
+    assert skinny_linear.choose_fastest(kernels, x, weight, None, [config]) is None
+    timings[:] = [1.0, 1.0 - skinny_linear.MIN_GAIN / 2]  # the gated form barely faster than the pair
+    assert skinny_linear.choose_fastest(kernels, gate_up, weight, None, [config], gated=True) is None
 
 
 # ----------------------------------------------------------------------------- fused ops

@@ -197,7 +197,8 @@ def _rule(num_rows: int, n: int, k: int, num_sms: int, dot: bool, num_warps: int
     target = 2 * num_sms
     if dot:  # the MMA needs 16 weight rows
         block_n = max(16, min(64, _floor_power_of_2(n // target)))
-        block_k = min(256, max(16, next_power_of_2(k)))
+        # 64 x 128 for the widest tile: the best of bench_gemm's grid for the 8B lm_head (run O3)
+        block_k = min(128 if block_n == 64 else 256, max(16, next_power_of_2(k)))
     else:
         budget = 64 * 32 * num_warps // block_rows(num_rows, dot)  # weight elements per tile
         least_k = max(128, 512 // block_rows(num_rows, dot))  # rows of at least 256 contiguous bytes
