@@ -75,6 +75,14 @@ def graph_replay_time(runner, batch_size: int, context: int, iters: int = 50) ->
     return start.elapsed_time(end) / 1e3 / iters
 
 
+def recapture_graphs(runner) -> None:
+    """Captures the runner's CUDA graphs again, and the sampler graphs over their new outputs: after
+    a benchmark changed what the forward launches (a kernel choice, a patched module)."""
+    runner.graph_runner._capture_all()
+    if runner.sampler_graphs is not None:
+        runner.sampler_graphs._capture_all()
+
+
 def kernel_table(core, device: str, rows: int) -> tuple[str, int]:
     """One profiled step: kernels by device time, and how many kernels the step launched."""
     from torch.profiler import ProfilerActivity, profile

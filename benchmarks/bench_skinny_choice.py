@@ -16,7 +16,7 @@ import logging
 import random
 import sys
 
-from bench_profile import graph_replay_time
+from bench_profile import graph_replay_time, recapture_graphs
 from common import checkpoint_from_args, make_parser, parse_args
 
 from asyncllm import LLM, SamplingParams
@@ -63,8 +63,7 @@ def main(argv=None) -> None:
             for key, which in ((gate_up, gate_up_kernel), (lm_head, lm_head_kernel)):
                 if which != "chosen":
                     skinny_linear._choices[key] = ours[key] if which == "ours" else None
-            runner.graph_runner._capture_all()
-            runner.sampler_graphs._capture_all()  # over the new graphs' logits
+            recapture_graphs(runner)
             generate()  # a real step's metadata in the graphs' buffers
             times = sorted(graph_replay_time(runner, 1, 161, iters=100) * 1e3 for _ in range(5))
             print(f"| {gate_up_kernel} | {lm_head_kernel} | {times[2]:.4f} | {times[0]:.4f} |", flush=True)

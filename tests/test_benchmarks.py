@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 sys.path.insert(0, BENCHMARKS)
 
+import bench_ablation  # noqa: E402
 import bench_delivery  # noqa: E402
 import bench_latency  # noqa: E402
 import bench_profile  # noqa: E402
@@ -53,6 +54,27 @@ def test_bench_throughput_stream_mode_reports_the_host_figures(tiny_model):
     (row,) = rows_without_errors(data)
     assert row["total_tokens"] == row["generated_tokens"] > 0
     assert 0 < row["device_busy"] <= 1.01 and row["host_waits_s"] >= 0 and row["loop_cpu_s"] > 0
+
+
+def test_bench_ablation_takes_out_each_part_and_frees_every_block(tiny_model):
+    """Every variant runs (on CPU: eagerly); each patch takes effect (the greedy tokens change) and
+    comes off again (the full step's tokens after all variants are those before them)."""
+    from asyncllm import LLM, SamplingParams
+    data = bench_ablation.main(["--model-dir", tiny_model, "--device", "cpu", "--tokens", "2"])
+    rows = rows_without_errors(data)
+    llm = LLM(tiny_model, device="cpu")
+    runner = llm.core.runner
+    variants = bench_ablation.variants(runner.model, runner.attn_backend)
+    assert [row["variant"] for row in rows] == list(variants)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompt = [5, 6, 7, 8, 9]
+    before = llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"]
+    for name, patches in variants.items():
+        with bench_ablation._patched(patches):
+            tokens = llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"]
+        assert (tokens != before) == bool(patches), name
+    assert llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"] == before
+    assert llm.core.block_manager.num_free_blocks == llm.core.block_manager.num_total_blocks
 
 
 def test_bench_delivery_counts_every_token():
