@@ -156,11 +156,12 @@ def _num_sms(device: torch.device) -> int:
 
 def choose_fastest(kernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    candidates: list, gated: bool = False) -> object:
-    """The fastest of cuBLAS (None) and the kernel's candidate configs on these tensors. A
-    candidate that fails to compile or run here (a tile past this GPU's shared memory, no bf16
-    MMA) is left out, with a warning: cuBLAS is always there to fall back on. gated: x is
-    [gate | up], the candidates run the kernel's gated form, and None is the unfused pair
-    (silu_and_mul, then linear(), whose decision for the product is made)."""
+    """The fastest of cuBLAS (None) and the kernel's candidate configs on these tensors; a tie within
+    MIN_GAIN goes to the kernel where PDL is on, else to cuBLAS, and always to the unfused pair
+    against the gated form. A candidate that fails to compile or run here (a tile past this GPU's
+    shared memory, no bf16 MMA) is left out, with a warning: cuBLAS is always there to fall back
+    on. gated: x is [gate | up], the candidates run the kernel's gated form, and None is the
+    unfused pair (silu_and_mul, then linear(), whose decision for the product is made)."""
     usable, calls = [], []
     gated_args = dict(gated=True) if gated else {}
     for config in candidates:
