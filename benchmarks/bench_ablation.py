@@ -17,9 +17,9 @@ from __future__ import annotations
 import contextlib
 import random
 import time
+from unittest import mock
 
-import torch
-from bench_profile import graph_replay_time, recapture_graphs
+from bench_profile import recapture_graphs, sorted_replay_ms
 from common import Report, checkpoint_from_args, make_parser, parse_args
 
 from asyncllm import LLM, SamplingParams
@@ -31,21 +31,11 @@ def _layers(model):
 
 @contextlib.contextmanager
 def _patched(pairs):
-    """Sets module.forward (or another attribute) on instances for the duration; restores them."""
-    saved = [(obj, name, obj.__dict__.get(name, _MISSING)) for obj, name, _ in pairs]
-    try:
+    """Sets each (object, attribute, value) for the duration (unittest.mock restores them)."""
+    with contextlib.ExitStack() as stack:
         for obj, name, value in pairs:
-            setattr(obj, name, value)
+            stack.enter_context(mock.patch.object(obj, name, value))
         yield
-    finally:
-        for obj, name, old in saved:
-            if old is _MISSING:
-                delattr(obj, name)
-            else:
-                setattr(obj, name, old)
-
-
-_MISSING = object()
 
 
 def _skip_norm(x, residual=None):
@@ -114,9 +104,7 @@ def main(argv=None) -> dict:
                 llm.generate([prompt], greedy, use_tqdm=False)  # on CUDA: a real step's metadata in the graphs
                 per_token = (time.perf_counter() - start) / args.tokens * 1e3
                 if cuda:
-                    times = sorted(graph_replay_time(runner, 1, len(prompt) + args.tokens, iters=100) * 1e3
-                                   for _ in range(5))
-                    ms = times[2]
+                    ms = sorted_replay_ms(runner, 1, len(prompt) + args.tokens)[2]
                 else:
                     ms = per_token
             full_ms = ms if full_ms is None else full_ms

@@ -75,6 +75,11 @@ def graph_replay_time(runner, batch_size: int, context: int, iters: int = 50) ->
     return start.elapsed_time(end) / 1e3 / iters
 
 
+def sorted_replay_ms(runner, batch_size: int, context: int, reps: int = 5, iters: int = 100) -> list[float]:
+    """graph_replay_time in ms, reps times over iters replays each, ascending (median: [reps // 2])."""
+    return sorted(graph_replay_time(runner, batch_size, context, iters) * 1e3 for _ in range(reps))
+
+
 def recapture_graphs(runner) -> None:
     """Captures the runner's CUDA graphs again, and the sampler graphs over their new outputs: after
     a benchmark changed what the forward launches (a kernel choice, a patched module)."""

@@ -16,7 +16,7 @@ import logging
 import random
 import sys
 
-from bench_profile import graph_replay_time, recapture_graphs
+from bench_profile import recapture_graphs, sorted_replay_ms
 from common import checkpoint_from_args, make_parser, parse_args
 
 from asyncllm import LLM, SamplingParams
@@ -65,7 +65,7 @@ def main(argv=None) -> None:
                     skinny_linear._choices[key] = ours[key] if which == "ours" else None
             recapture_graphs(runner)
             generate()  # a real step's metadata in the graphs' buffers
-            times = sorted(graph_replay_time(runner, 1, 161, iters=100) * 1e3 for _ in range(5))
+            times = sorted_replay_ms(runner, 1, 161)
             print(f"| {gate_up_kernel} | {lm_head_kernel} | {times[2]:.4f} | {times[0]:.4f} |", flush=True)
 
 
