@@ -27,10 +27,11 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
                      stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     launch_dependents(USE_PDL)  # first thing: kernels/pdl.py
-    wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)  # a weight: before the wait (kernels/pdl.py)
+    wait_for_previous(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     dtype = x.dtype
     if HAS_RESIDUAL:
@@ -39,7 +40,6 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
         tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
     xf = x.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n_cols + eps)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     y = (xf * inv_rms).to(dtype).to(tl.float32) * w.to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -127,18 +127,36 @@ def _qk_norm_rope_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_we
                          HAS_NORM: tl.constexpr, STORE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          BLOCK_KV: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
     launch_dependents(USE_PDL)  # first thing: kernels/pdl.py
-    wait_for_previous(USE_PDL)
     # one program per token: its q heads then its k heads, which sit next to each other in the
     # row of the fused projection, each as two halves (the rotary pairs x[i] with x[i + HALF])
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
     offs = tl.arange(0, BLOCK_HALF)
     heads = tl.arange(0, BLOCK_H)
     d_mask = offs < HALF
     mask = (heads[:, None] < NUM_QK_HEADS) & d_mask[None, :]
+    # before the wait, what no kernel of this step writes (kernels/pdl.py): the position, its
+    # cos / sin row and the slot (the step's metadata), the norm weights; after it, one round trip
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs, mask=d_mask, other=0.0)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs, mask=d_mask, other=0.0)[None, :]
+    if HAS_NORM:
+        is_q = (heads < NUM_Q_HEADS)[:, None]
+        w1 = tl.where(is_q, tl.load(q_weight_ptr + offs, mask=d_mask, other=0.0)[None, :],
+                      tl.load(k_weight_ptr + offs, mask=d_mask, other=0.0)[None, :]).to(tl.float32)
+        w2 = tl.where(is_q, tl.load(q_weight_ptr + HALF + offs, mask=d_mask, other=0.0)[None, :],
+                      tl.load(k_weight_ptr + HALF + offs, mask=d_mask, other=0.0)[None, :]).to(tl.float32)
+    if STORE_KV:
+        slot = tl.load(slot_mapping_ptr + token)
+    wait_for_previous(USE_PDL)
     first = qkv_ptr + token * stride_t + heads[:, None] * HEAD_DIM + offs[None, :]
     x1 = tl.load(first, mask=mask, other=0.0)
     x2 = tl.load(first + HALF, mask=mask, other=0.0)
+    if STORE_KV:  # v too, with q and k: after the stores below it would be a second round trip
+        v_heads = tl.arange(0, BLOCK_KV)
+        offs_d = tl.arange(0, BLOCK_D)
+        v_mask = (v_heads[:, None] < NUM_QK_HEADS - NUM_Q_HEADS) & (offs_d[None, :] < HEAD_DIM)
+        v = tl.load(qkv_ptr + token * stride_t + (NUM_QK_HEADS + v_heads[:, None]) * HEAD_DIM + offs_d[None, :],
+                    mask=v_mask)
     dtype = x1.dtype
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
@@ -146,15 +164,8 @@ def _qk_norm_rope_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_we
         # RMSNorm of each head over HEAD_DIM (Qwen3's q_norm / k_norm), rounded as the module rounds:
         # the normed value to the input dtype, then the weighted product to the output dtype
         inv_rms = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)
-        is_q = (heads < NUM_Q_HEADS)[:, None]
-        w1 = tl.where(is_q, tl.load(q_weight_ptr + offs, mask=d_mask, other=0.0)[None, :],
-                      tl.load(k_weight_ptr + offs, mask=d_mask, other=0.0)[None, :]).to(tl.float32)
-        w2 = tl.where(is_q, tl.load(q_weight_ptr + HALF + offs, mask=d_mask, other=0.0)[None, :],
-                      tl.load(k_weight_ptr + HALF + offs, mask=d_mask, other=0.0)[None, :]).to(tl.float32)
         x1 = ((x1 * inv_rms[:, None]).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
         x2 = ((x2 * inv_rms[:, None]).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs, mask=d_mask, other=0.0)[None, :]
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs, mask=d_mask, other=0.0)[None, :]
     # the rotary module's roundings, step by step: cos/sin cast to x's dtype, each product
     # rounded, then the sum rounded (exact in fp32; in bf16 it keeps HF parity bit-for-bit)
     cos = cos.to(dtype).to(tl.float32)
@@ -166,7 +177,6 @@ def _qk_norm_rope_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_we
     if STORE_KV:
         # this token's k (as rotated above) and v straight into the paged cache: the KV store's
         # own launch, and its re-read of k and v, saved (slot -1: nothing to store)
-        slot = tl.load(slot_mapping_ptr + token)
         if slot >= 0:
             cache_row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cslot
             kv_head = heads - NUM_Q_HEADS
@@ -175,11 +185,6 @@ def _qk_norm_rope_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_we
             cache_dtype = k_cache_ptr.dtype.element_ty
             tl.store(k_dst, out1.to(dtype).to(cache_dtype), mask=k_mask)
             tl.store(k_dst + HALF, out2.to(dtype).to(cache_dtype), mask=k_mask)
-            v_heads = tl.arange(0, BLOCK_KV)
-            offs_d = tl.arange(0, BLOCK_D)
-            v_mask = (v_heads[:, None] < NUM_QK_HEADS - NUM_Q_HEADS) & (offs_d[None, :] < HEAD_DIM)
-            v = tl.load(qkv_ptr + token * stride_t + (NUM_QK_HEADS + v_heads[:, None]) * HEAD_DIM + offs_d[None, :],
-                        mask=v_mask)
             tl.store(v_cache_ptr + cache_row + v_heads[:, None] * stride_ch + offs_d[None, :], v.to(cache_dtype),
                      mask=v_mask)
 

@@ -115,25 +115,35 @@ def _attend(acc, l_i, m_i, q, q_pos, k_base, v_base, bt_row_ptr, max_blocks, lo,
             k = tl.load(k_ptrs, mask=d_mask[None, :], other=0.0)
             v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
 
-        s = _dot(q, tl.trans(k), UPCAST_DOT, PRECISION) * qk_scale  # (M, BLOCK_N), log2 domain
+        keep = None
         if MASKED:
             if CAUSAL:
                 keep = kv_mask[None, :] & (pos[None, :] <= q_pos[:, None])
             else:
                 keep = kv_mask[None, :]
-            s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_sub = m_new
-        if MASKED:
-            # a row that has seen only masked positions keeps m = -inf; subtract 0 instead so
-            # exp2 yields 0 rather than NaN (-inf - -inf)
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_sub)
-        p = tl.exp2(s - m_sub[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST_DOT, PRECISION)
-        m_i = m_new
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v, keep, qk_scale, MASKED, UPCAST_DOT, PRECISION)
     return acc, l_i, m_i
+
+
+@triton.jit
+def _attend_tile(acc, l_i, m_i, q, k, v, keep, qk_scale,
+                 MASKED: tl.constexpr, UPCAST_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """The online-softmax update for one loaded K/V tile; where MASKED, positions outside keep
+    (broadcast against (M, BLOCK_N)) count for nothing."""
+    s = _dot(q, tl.trans(k), UPCAST_DOT, PRECISION) * qk_scale  # (M, BLOCK_N), log2 domain
+    if MASKED:
+        s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_sub = m_new
+    if MASKED:
+        # a row that has seen only masked positions keeps m = -inf; subtract 0 instead so
+        # exp2 yields 0 rather than NaN (-inf - -inf)
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_sub)
+    p = tl.exp2(s - m_sub[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST_DOT, PRECISION)
+    return acc, l_i, m_new
 
 
 @triton.jit
@@ -237,14 +247,16 @@ def _decode_kernel(
     DIRECT: tl.constexpr, UPCAST_DOT: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     launch_dependents(USE_PDL)  # first thing: kernels/pdl.py
-    wait_for_previous(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # before the wait, what no kernel of this step writes (kernels/pdl.py): the step's metadata and
+    # the KV of the sequence's earlier positions, the split's first tile of it; a decode step's
+    # attention is a chain of dependent loads (query_start_loc, seq_len, block table, K/V), and
+    # here it overlaps the kernels before
     token = tl.load(query_start_loc_ptr + seq)
-    if tl.load(query_start_loc_ptr + seq + 1) - token != 1:
-        return  # a padding row, or in a mixed step a prefill chunk (the prefill kernel's)
-    seq_len = tl.load(seq_lens_ptr + seq)
+    is_decode = tl.load(query_start_loc_ptr + seq + 1) - token == 1  # else padding, or a prefill chunk
+    seq_len = tl.where(is_decode, tl.load(seq_lens_ptr + seq), 0)
 
     # split length from the runtime seq_len, rounded to whole tiles so every split starts on a
     # tile boundary; trailing splits of a short sequence get an empty range
@@ -255,23 +267,40 @@ def _decode_kernel(
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    d_mask = (offs_d < HEAD_DIM)[None, :]
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_kh
+    pos = lo + offs_n
+    kv_off = _kv_tile_offsets(bt_row, lo, offs_n, max_blocks, stride_kb, stride_ks, BLOCK_SIZE, BLOCK_N)
+    k_ptrs = k_base + kv_off[:, None] + offs_d[None, :]
+    v_ptrs = v_base + kv_off[:, None] + offs_d[None, :]
+    earlier = (pos < tl.minimum(hi, seq_len - 1))[:, None] & d_mask
+    k = tl.load(k_ptrs, mask=earlier, other=0.0)
+    v = tl.load(v_ptrs, mask=earlier, other=0.0)
+    wait_for_previous(USE_PDL)
+    if not is_decode:
+        return  # the prefill kernel's row, or padding
     head = kv_head * G + offs_g
-    io_mask = (offs_g[:, None] < G) & (offs_d[None, :] < HEAD_DIM)
+    io_mask = (offs_g[:, None] < G) & d_mask
     q = tl.load(q_ptr + token.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=io_mask, other=0.0)
+    # the last position's K/V: this step's, stored by the kernel before (the q/k norm + rotary)
+    last = (pos == seq_len - 1)[:, None] & d_mask
+    k = tl.load(k_ptrs, mask=last, other=k)
+    v = tl.load(v_ptrs, mask=last, other=v)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    k_base = k_cache_ptr + kv_head * stride_kh
-    v_base = v_cache_ptr + kv_head * stride_kh
-    # the query is the sequence's last position, so causality is just pos < seq_len
+    acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v, (pos < hi)[None, :], qk_scale, True, UPCAST_DOT, PRECISION)
+    # the rest of the split; the query is the sequence's last position, so causality is pos < seq_len
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, None, k_base, v_base, bt_row, max_blocks,
-                            lo, full_hi, hi, qk_scale, stride_kb, stride_ks,
+                            lo + BLOCK_N, full_hi, hi, qk_scale, stride_kb, stride_ks,
                             HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, False, UPCAST_DOT, PRECISION)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, None, k_base, v_base, bt_row, max_blocks,
-                            full_hi, hi, hi, qk_scale, stride_kb, stride_ks,
+                            tl.maximum(full_hi, lo + BLOCK_N), hi, hi, qk_scale, stride_kb, stride_ks,
                             HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, False, UPCAST_DOT, PRECISION)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -292,11 +321,12 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     launch_dependents(USE_PDL)  # first thing: kernels/pdl.py
-    wait_for_previous(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    token = tl.load(query_start_loc_ptr + seq)
-    if tl.load(query_start_loc_ptr + seq + 1) - token != 1:
+    token = tl.load(query_start_loc_ptr + seq)  # the step's metadata: before the wait
+    is_decode = tl.load(query_start_loc_ptr + seq + 1) - token == 1
+    wait_for_previous(USE_PDL)
+    if not is_decode:
         return  # no partials: the decode kernel skipped this row
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
