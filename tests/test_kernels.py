@@ -1063,8 +1063,9 @@ def test_skinny_choice_needs_a_clear_gain_and_skips_tilings_that_fail(monkeypatc
 def test_skinny_choice_tie_goes_to_the_kernel_where_pdl_is_on(monkeypatch):
     """Where the timing runs between PDL neighbours (kernels/pdl.py on: CUDA, sm_90+), a tie within
     MIN_GAIN goes to our kernel, which keeps the decode step's chain of early launches where cuBLAS
-    breaks it; a clear loss still goes to cuBLAS; the gated form must still beat the unfused pair
-    clearly (both keep the chain). The neighbour kernel reaches the timer."""
+    breaks it, and the gated form, which takes the SiLU kernel out of the chain; a clear loss still
+    goes to cuBLAS or the unfused pair, and without PDL a tie does too. The neighbour kernel reaches
+    the timer."""
     from types import SimpleNamespace
 
     from asyncllm.kernels.skinny_gemm import SkinnyConfig
@@ -1080,17 +1081,24 @@ def test_skinny_choice_tie_goes_to_the_kernel_where_pdl_is_on(monkeypatch):
     timings = []
 
     def time_calls(calls, device, neighbour=None):
-        assert neighbour is not None and neighbour.__name__ == "neighbour"
+        assert neighbour is expected_neighbour
         return timings[:len(calls)]
 
     monkeypatch.setattr(skinny_linear, "time_calls", time_calls)
     x, weight, gate_up = torch.zeros(1, 8), torch.zeros(4, 8), torch.zeros(1, 16)
-    timings[:] = [1.0, 1.0 + skinny_linear.MIN_GAIN / 2]  # cuBLAS, then the kernel a little slower
-    assert skinny_linear.choose_fastest(kernels, x, weight, None, [config]) == config
-    timings[:] = [1.0, 1.0 + 2 * skinny_linear.MIN_GAIN]
-    assert skinny_linear.choose_fastest(kernels, x, weight, None, [config]) is None
-    timings[:] = [1.0, 1.0 - skinny_linear.MIN_GAIN / 2]  # the gated form barely faster than the pair
-    assert skinny_linear.choose_fastest(kernels, gate_up, weight, None, [config], gated=True) is None
+    expected_neighbour = neighbour
+    for gated, rows in ((False, x), (True, gate_up)):  # cuBLAS or the unfused pair, then the kernel
+        timings[:] = [1.0, 1.0 + skinny_linear.MIN_GAIN / 2]
+        assert skinny_linear.choose_fastest(kernels, rows, weight, None, [config], gated=gated) == config
+        timings[:] = [1.0, 1.0 + 2 * skinny_linear.MIN_GAIN]
+        assert skinny_linear.choose_fastest(kernels, rows, weight, None, [config], gated=gated) is None
+    monkeypatch.setattr(skinny_linear, "_neighbour_kernel", lambda x: None)  # PDL off: a tie is no win
+    expected_neighbour = None
+    for gated, rows in ((False, x), (True, gate_up)):
+        timings[:] = [1.0, 1.0 - skinny_linear.MIN_GAIN / 2]
+        assert skinny_linear.choose_fastest(kernels, rows, weight, None, [config], gated=gated) is None
+        timings[:] = [1.0, 1.0 - 2 * skinny_linear.MIN_GAIN]
+        assert skinny_linear.choose_fastest(kernels, rows, weight, None, [config], gated=gated) == config
 
 
 # ----------------------------------------------------------------------------- fused ops

@@ -17,8 +17,10 @@ BLOCK_N evaluations per weight element, the dot loop's x padded to 16 rows). On 
 form of the down projection took 8.6 us for the unfused pair's 10.2 at Qwen3-0.6B's 1 row (FMA
 loop), but 16.5 for 13.2 at 8 rows and 116 for 48 at 8B's (dot loop). So the gated form is timed
 too, once per shape, against the unfused pair (silu_and_mul, then linear()'s choice), and taken
-only where it is MIN_GAIN faster: 1-2 rows in practice, where it took the 0.6B model's batch-1
-decode graph from 1.04 to 1.00 ms.
+where it is faster, or within MIN_GAIN where PDL is on (one kernel fewer in the chain: the 8B
+model's down projection timed 27.0 us gated against 27.8 for the pair, and the decode graph ran
+4.255 ms with the gated form, 4.295 without, run P): 1-2 rows in practice, where it took the 0.6B
+model's batch-1 decode graph from 1.04 to 1.00 ms.
 
 On by default: on the H200 it took the 0.6B model's batch-1 time per token from 1.45 to 1.13 ms
 (docs/BENCHMARKS.md run L). ASYNCLLM_SKINNY_GEMM=0 in the environment turns it off (cuBLAS everywhere).
@@ -157,8 +159,8 @@ def _num_sms(device: torch.device) -> int:
 def choose_fastest(kernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    candidates: list, gated: bool = False) -> object:
     """The fastest of cuBLAS (None) and the kernel's candidate configs on these tensors; a tie within
-    MIN_GAIN goes to the kernel where PDL is on, else to cuBLAS, and always to the unfused pair
-    against the gated form. A candidate that fails to compile or run here (a tile past this GPU's
+    MIN_GAIN goes to the kernel where PDL is on, else to cuBLAS (or the unfused pair, against the
+    gated form). A candidate that fails to compile or run here (a tile past this GPU's
     shared memory, no bf16 MMA) is left out, with a warning: cuBLAS is always there to fall back
     on. gated: x is [gate | up], the candidates run the kernel's gated form, and None is the
     unfused pair (silu_and_mul, then linear(), whose decision for the product is made)."""
@@ -184,10 +186,10 @@ def choose_fastest(kernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
                  ", ".join(f"{label} {ms * 1e3:.1f} us" for label, ms in
                            zip(["unfused" if gated else "cuBLAS"] + [c.label() for c in usable], times)))
     best = min(range(1, len(times)), key=times.__getitem__)
-    # a tie within noise goes to our kernel against cuBLAS where PDL is on: it keeps the decode
-    # step's chain of early launches (_neighbour_kernel); the gated form must beat the unfused pair
-    # clearly, as both keep the chain
-    bar = 1 + MIN_GAIN if neighbour is not None and not gated else 1 - MIN_GAIN
+    # a tie within noise goes to our kernel where PDL is on: against cuBLAS it keeps the decode
+    # step's chain of early launches (_neighbour_kernel), and the gated form takes the SiLU kernel
+    # out of that chain
+    bar = 1 + MIN_GAIN if neighbour is not None else 1 - MIN_GAIN
     return usable[best - 1] if times[best] < bar * times[0] else None
 
 
