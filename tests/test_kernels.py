@@ -171,6 +171,30 @@ def test_decode_num_splits_agree(dtype):
         assert_close(out, base.float(), dtype)
 
 
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_decode_first_tile_before_the_wait_matches_the_loop(monkeypatch, block_size):
+    """The decode kernel's two paths: its first K/V tile loaded before the PDL wait (small grids)
+    and every tile in the loop (the rest). Both give the reference, and the same numbers, with
+    splits of one tile and of several, a partial last tile, empty trailing splits, a padding row,
+    and one cache block per row (block_size 16 < BLOCK_N) or per tile."""
+    import importlib
+    attention_mod = importlib.import_module("asyncllm.kernels.paged_attention")
+    dtype = DTYPES[-1] if CUDA else torch.float32
+    step = make_step([1, 1, 1], [0, 63, 299], block_size, 4, 2, 64, dtype)
+    step["seq_lens"] = torch.tensor([0, 64, 300], dtype=torch.int32, device=DEVICE)
+    live = [1, 2]
+    ref = reference(make_sub_step(step, live))
+    for num_splits in (1, 2, 5):
+        outs = []
+        for per_sm in (10 ** 6, 0):  # every grid takes the early tile, then none does
+            monkeypatch.setattr(attention_mod, "FIRST_TILE_EARLY_PROGRAMS_PER_SM", per_sm)
+            out = run_ours(step, num_splits=num_splits)
+            assert torch.equal(out[0], torch.zeros_like(out[0]))
+            assert_close(out[live], ref, dtype)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_decode_zero_length_rows_are_zero(num_splits):
     """CUDA-graph padding rows (seq_len 0) produce zeros and don't disturb the real rows."""
@@ -698,6 +722,7 @@ def compile_all_for_sm90() -> int:
         dict(query_lens=[1, 1], block_size=128, num_heads=16, head_dim=128, num_splits=4),  # split decode
         dict(query_lens=[1, 1], block_size=16, num_heads=32, head_dim=128, num_splits=1),  # direct, gathered
         dict(query_lens=[300, 1], block_size=256, num_heads=16, head_dim=128),  # prefill
+        dict(query_lens=[1, 1], block_size=256, num_heads=16, head_dim=128, num_splits=64),  # no early tile
     ]
     calls = _record_launches(configs)
     seen = set()

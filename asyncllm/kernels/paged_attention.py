@@ -50,6 +50,12 @@ MAX_SPLITS = 64
 # --splits-sweep (run M): batch 1's best count is ~context / 32 up to 2k tokens
 MIN_SPLIT_TOKENS = 32
 PROGRAMS_PER_SM = 4  # decode programs are small and memory-bound: several resident per SM hide latency
+# The decode kernel loads its first K/V tile before the PDL wait only where its grid has at most this
+# many programs per SM: holding the tile across the wait takes ~160 registers a thread for 96 (sm_90,
+# ptxas), three resident programs per SM for five, which a grid this small never needs. Batch 1 over
+# short contexts, where the load chain is the kernel's time, is such a grid (8B step 4.24 -> 4.06 ms
+# with the loads before the wait, docs/BENCHMARKS.md run Q).
+FIRST_TILE_EARLY_PROGRAMS_PER_SM = 2
 
 # The Triton CPU interpreter multiplies bf16 tensors as raw uint16 bit patterns in tl.dot; compiled
 # kernels are unaffected. Under the interpreter only, bf16 dot operands are upcast to fp32.
@@ -244,16 +250,17 @@ def _decode_kernel(
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     G: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT: tl.constexpr, UPCAST_DOT: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    DIRECT: tl.constexpr, FIRST_TILE_EARLY: tl.constexpr, UPCAST_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     launch_dependents(USE_PDL)  # first thing: kernels/pdl.py
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # before the wait, what no kernel of this step writes (kernels/pdl.py): the step's metadata and
-    # the KV of the sequence's earlier positions, the split's first tile of it; a decode step's
-    # attention is a chain of dependent loads (query_start_loc, seq_len, block table, K/V), and
-    # here it overlaps the kernels before
+    # before the wait, what no kernel of this step writes (kernels/pdl.py): the step's metadata and,
+    # where FIRST_TILE_EARLY, the split's first tile of the sequence's earlier positions' KV; a
+    # decode's attention is a chain of dependent loads (query_start_loc, seq_len, block table, K/V)
+    # that this way overlaps the kernels before
     token = tl.load(query_start_loc_ptr + seq)
     is_decode = tl.load(query_start_loc_ptr + seq + 1) - token == 1  # else padding, or a prefill chunk
     seq_len = tl.where(is_decode, tl.load(seq_lens_ptr + seq), 0)
@@ -267,18 +274,19 @@ def _decode_kernel(
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
     d_mask = (offs_d < HEAD_DIM)[None, :]
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_kh
-    pos = lo + offs_n
-    kv_off = _kv_tile_offsets(bt_row, lo, offs_n, max_blocks, stride_kb, stride_ks, BLOCK_SIZE, BLOCK_N)
-    k_ptrs = k_base + kv_off[:, None] + offs_d[None, :]
-    v_ptrs = v_base + kv_off[:, None] + offs_d[None, :]
-    earlier = (pos < tl.minimum(hi, seq_len - 1))[:, None] & d_mask
-    k = tl.load(k_ptrs, mask=earlier, other=0.0)
-    v = tl.load(v_ptrs, mask=earlier, other=0.0)
+    if FIRST_TILE_EARLY:
+        pos = lo + tl.arange(0, BLOCK_N)
+        kv_off = _kv_tile_offsets(bt_row, lo, tl.arange(0, BLOCK_N), max_blocks, stride_kb, stride_ks,
+                                  BLOCK_SIZE, BLOCK_N)
+        k_ptrs = k_base + kv_off[:, None] + offs_d[None, :]
+        v_ptrs = v_base + kv_off[:, None] + offs_d[None, :]
+        earlier = (pos < tl.minimum(hi, seq_len - 1))[:, None] & d_mask
+        k = tl.load(k_ptrs, mask=earlier, other=0.0)
+        v = tl.load(v_ptrs, mask=earlier, other=0.0)
     wait_for_previous(USE_PDL)
     if not is_decode:
         return  # the prefill kernel's row, or padding
@@ -286,21 +294,25 @@ def _decode_kernel(
     io_mask = (offs_g[:, None] < G) & d_mask
     q = tl.load(q_ptr + token.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=io_mask, other=0.0)
-    # the last position's K/V: this step's, stored by the kernel before (the q/k norm + rotary)
-    last = (pos == seq_len - 1)[:, None] & d_mask
-    k = tl.load(k_ptrs, mask=last, other=k)
-    v = tl.load(v_ptrs, mask=last, other=v)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v, (pos < hi)[None, :], qk_scale, True, UPCAST_DOT, PRECISION)
-    # the rest of the split; the query is the sequence's last position, so causality is pos < seq_len
+    rest = lo
+    if FIRST_TILE_EARLY:
+        # the last position's K/V: this step's, stored by the kernel before (the q/k norm + rotary)
+        last = (pos == seq_len - 1)[:, None] & d_mask
+        k = tl.load(k_ptrs, mask=last, other=k)
+        v = tl.load(v_ptrs, mask=last, other=v)
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v, (pos < hi)[None, :], qk_scale, True, UPCAST_DOT,
+                                     PRECISION)
+        rest = lo + BLOCK_N
+    # the query is the sequence's last position, so causality is just pos < seq_len
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, None, k_base, v_base, bt_row, max_blocks,
-                            lo + BLOCK_N, full_hi, hi, qk_scale, stride_kb, stride_ks,
+                            rest, full_hi, hi, qk_scale, stride_kb, stride_ks,
                             HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, False, UPCAST_DOT, PRECISION)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, None, k_base, v_base, bt_row, max_blocks,
-                            tl.maximum(full_hi, lo + BLOCK_N), hi, hi, qk_scale, stride_kb, stride_ks,
+                            tl.maximum(full_hi, rest), hi, hi, qk_scale, stride_kb, stride_ks,
                             HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, False, UPCAST_DOT, PRECISION)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -440,8 +452,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             block_tables.shape[1],
             *part_strides,
-            G=group, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_N=block_n,
-            DIRECT=direct, num_warps=4, num_stages=stages, **common,
+            G=group, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_N=block_n, DIRECT=direct,
+            FIRST_TILE_EARLY=num_seqs * num_kv_heads * num_splits <= FIRST_TILE_EARLY_PROGRAMS_PER_SM * num_sms,
+            num_warps=4, num_stages=stages, **common,
         )
         if not direct:
             _decode_reduce_kernel[(num_seqs, num_heads)](
