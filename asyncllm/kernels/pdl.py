@@ -7,8 +7,8 @@ previous kernel has finished and its writes are visible. What a block does befor
 overlaps the previous kernel: the skinny GEMM loads its first weight tile there (weights are no
 kernel's output), so a projection's first trip to memory hides behind the small kernel before it;
 the norms load their weights there, the q/k norm + rotary its position's cos / sin row, and the
-decode attention its metadata and the first tile of the KV it attends to, so that what follows the
-wait is one round trip to memory, not a chain of them.
+decode attention its metadata and (on small grids) the first tile of the KV it attends to, so that
+what follows the wait is one round trip to memory, not a chain of them.
 
 The contract for a kernel that takes a USE_PDL constexpr:
 - `wait_for_previous(USE_PDL)` before it reads anything an earlier kernel wrote and before any
