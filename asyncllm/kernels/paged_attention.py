@@ -27,7 +27,9 @@ H200's 132 SMs at small batch, and each would stream the whole context serially.
 each sequence's KV into num_splits chunks processed by separate programs, which write a partial
 output and log-sum-exp; a small second kernel merges them. The chunk length is derived in-kernel
 from the runtime seq_len, so a fixed num_splits (a fixed grid, as CUDA graphs need) works for any
-lengths: splits past the end of a short sequence write an empty partial (lse = -inf).
+lengths: splits past the end of a short sequence write an empty partial (lse = -inf). Its metadata,
+and on small grids its split's first KV tile, it reads before waiting for the kernel before
+(kernels/pdl.py); the current position's K/V row, which that kernel stores, after.
 
 Softmax runs online in fp32 with exp2 (log2(e) folded into the scale). Rows that see no KV at
 all (seq_len == 0 padding rows) produce zeros rather than NaN.
