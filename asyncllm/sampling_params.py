@@ -19,6 +19,11 @@ MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty
 # [1 / this, this], so that float32 logits stay finite and a banned token's -inf never meets a 0
 # (at 1e-50, 0 in float32, every sampled token left allowed_token_ids)
 MAX_REPETITION_PENALTY = 1e6
+# Beyond this the sampling only flattens further what is already uniform over the allowed tokens (a
+# model's logits differ by far less than 1e6), and the float32 math breaks further on: a temperature
+# past float32's range became inf, so a forbidden token's logit, -inf / inf, was NaN and any token
+# could be sampled (allowed_token_ids, grammars and min_tokens' bans all broke at 1e39).
+MAX_TEMPERATURE = 1e6
 
 
 def _is_int(value) -> bool:
@@ -34,13 +39,6 @@ def _as_finite_float(value) -> float | None:
     except OverflowError:
         return None
     return value if math.isfinite(value) else None
-
-
-# Beyond this the sampling only flattens further what is already uniform over the allowed tokens (a
-# model's logits differ by far less than 1e6), and the float32 math breaks further on: a temperature
-# past float32's range became inf, so a forbidden token's logit, -inf / inf, was NaN and any token
-# could be sampled (allowed_token_ids, grammars and min_tokens' bans all broke at 1e39).
-MAX_TEMPERATURE = 1e6
 
 
 @dataclass

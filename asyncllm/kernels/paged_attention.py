@@ -242,6 +242,14 @@ def _prefill_kernel(
 
 # ----------------------------------------------------------------------------- decode (split-KV)
 
+@triton.jit
+def _decode_row(query_start_loc_ptr, seq):
+    """Sequence seq's query token, and whether it is the sequence's only one (a decode; else padding
+    or, in a mixed step, a prefill chunk, the prefill kernel's)."""
+    token = tl.load(query_start_loc_ptr + seq)
+    return token, tl.load(query_start_loc_ptr + seq + 1) - token == 1
+
+
 @triton.jit(do_not_specialize=["num_splits", "stride_bt", "max_blocks"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
@@ -263,8 +271,7 @@ def _decode_kernel(
     # where FIRST_TILE_EARLY, the split's first tile of the sequence's earlier positions' KV; a
     # decode's attention is a chain of dependent loads (query_start_loc, seq_len, block table, K/V)
     # that this way overlaps the kernels before
-    token = tl.load(query_start_loc_ptr + seq)
-    is_decode = tl.load(query_start_loc_ptr + seq + 1) - token == 1  # else padding, or a prefill chunk
+    token, is_decode = _decode_row(query_start_loc_ptr, seq)
     seq_len = tl.where(is_decode, tl.load(seq_lens_ptr + seq), 0)
 
     # split length from the runtime seq_len, rounded to whole tiles so every split starts on a
@@ -281,9 +288,9 @@ def _decode_kernel(
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_kh
     if FIRST_TILE_EARLY:
-        pos = lo + tl.arange(0, BLOCK_N)
-        kv_off = _kv_tile_offsets(bt_row, lo, tl.arange(0, BLOCK_N), max_blocks, stride_kb, stride_ks,
-                                  BLOCK_SIZE, BLOCK_N)
+        offs_n = tl.arange(0, BLOCK_N)
+        pos = lo + offs_n
+        kv_off = _kv_tile_offsets(bt_row, lo, offs_n, max_blocks, stride_kb, stride_ks, BLOCK_SIZE, BLOCK_N)
         k_ptrs = k_base + kv_off[:, None] + offs_d[None, :]
         v_ptrs = v_base + kv_off[:, None] + offs_d[None, :]
         earlier = (pos < tl.minimum(hi, seq_len - 1))[:, None] & d_mask
@@ -337,8 +344,7 @@ def _decode_reduce_kernel(
     launch_dependents(USE_PDL)  # first thing: kernels/pdl.py
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    token = tl.load(query_start_loc_ptr + seq)  # the step's metadata: before the wait
-    is_decode = tl.load(query_start_loc_ptr + seq + 1) - token == 1
+    token, is_decode = _decode_row(query_start_loc_ptr, seq)  # the step's metadata: before the wait
     wait_for_previous(USE_PDL)
     if not is_decode:
         return  # no partials: the decode kernel skipped this row
