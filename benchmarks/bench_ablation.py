@@ -6,7 +6,7 @@ With programmatic dependent launch (kernels/pdl.py) the decode step's kernels ov
 neighbours, so a profiler's per-kernel durations no longer add up to the step (a norm "takes" the
 whole of the GEMV before it, waiting), and a kernel timed alone misses what it overlaps or breaks.
 This takes one part out of every layer at a time (the norms, the q/k norm + rotary with its KV
-store, the attention, a projection, a whole block), captures the CUDA graphs again and times the
+store, the attention, both where the decode kernel does the rotary itself, a projection, a whole block), captures the CUDA graphs again and times the
 batch-1 decode graph's replay: full minus that is what the part costs in the chain, the most any
 fusion of it can save. The outputs without a part are garbage (nothing is checked); the step's
 shapes and kernels otherwise stay. On CUDA: graph replays (median of 5 x 100); on CPU, where there
@@ -58,13 +58,21 @@ def variants(model, backend) -> dict[str, list]:
             return q, k, v
         return norm_rope
 
+    def q_of(layer_id, qkv, rope, batch):  # the attention kernel with its own rotary replaced by q's columns
+        return qkv[:, :rope.num_heads * backend.head_dim].view(qkv.shape[0], rope.num_heads, backend.head_dim)
+
+    # where the backend's decode kernel does the q/k norm + rotary itself (attend_qkv, CUDA), the first
+    # two variants take it back to the rotary kernel then the attention, and take one of them out
+    no_norm_rope_patches = [(layer.self_attn, "_norm_rope", no_norm_rope(layer.self_attn)) for layer in layers]
+    no_attention_patches = [(backend, "forward", lambda layer_id, q, k, v, batch: q)]
     return {
         "full step": [],
         "no input/post-attention norms": [(m, "forward", _skip_norm) for layer in layers
                                          for m in (layer.input_layernorm, layer.post_attention_layernorm)],
-        "no q/k norm + rotary + KV store": [(layer.self_attn, "_norm_rope", no_norm_rope(layer.self_attn))
-                                            for layer in layers],
-        "no attention (decode + reduce)": [(backend, "forward", lambda layer_id, q, k, v, batch: q)],
+        "no q/k norm + rotary + KV store": no_norm_rope_patches + [(backend, "attend_qkv", lambda *args: None)],
+        "no attention (decode + reduce)": no_attention_patches + [(backend, "attend_qkv", lambda *args: None)],
+        "no attention with its q/k norm + rotary": (no_norm_rope_patches + no_attention_patches
+                                                    + [(backend, "attend_qkv", q_of)]),
         "no qkv projection": [(layer.self_attn.qkv_proj, "forward",
                                lambda x, n=layer.self_attn.qkv_proj.weight.shape[0]: x.new_empty(x.shape[0], n))
                               for layer in layers],

@@ -156,10 +156,10 @@ def test_pdl_launches_match_plain_launches(model_dir, dtype):
 
 def test_decode_graphs_per_context_bound_match_eager(model_dir):
     """Small-batch decode graphs come per context bound (each its own KV split count): decodes that
-    cross the 256- and 1,024-token bounds replay three graphs of one batch size, with the tokens
-    and logits of the same engine without graphs."""
+    cross the 256-, 1,024- and 2,048-token bounds replay four graphs of one batch size, with the
+    tokens and logits of the same engine without graphs."""
     from asyncllm.attention.triton_backend import DECODE_GRAPH_CONTEXTS
-    ps = random_prompts(1, seed=9, lo=244, hi=245) + random_prompts(1, seed=10, lo=1012, hi=1013)
+    ps = [random_prompts(1, seed=9 + i, lo=n, hi=n + 1)[0] for i, n in enumerate((244, 1012, 2036))]
     graphed = get_llm(model_dir, "triton", dtype="float32", max_num_seqs=2, max_num_batched_tokens=1024)
     graphs = graphed.core.runner.graph_runner
     assert graphs.context_bounds[1] == [*DECODE_GRAPH_CONTEXTS, graphs.max_context]

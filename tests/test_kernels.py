@@ -174,9 +174,10 @@ def test_decode_num_splits_agree(dtype):
 @pytest.mark.parametrize("block_size", [16, 128])
 def test_decode_first_tile_before_the_wait_matches_the_loop(monkeypatch, block_size):
     """The decode kernel's two paths: its first K/V tile loaded before the PDL wait (small grids)
-    and every tile in the loop (the rest). Both give the reference, and the same numbers, with
-    splits of one tile and of several, a partial last tile, empty trailing splits, a padding row,
-    and one cache block per row (block_size 16 < BLOCK_N) or per tile."""
+    and every tile in the loop (the rest). Both give the reference, and the same numbers (the same
+    bits under the interpreter), with splits of one tile and of several, a partial last tile, empty
+    trailing splits, a padding row, and one cache block per row (block_size 16 < BLOCK_N) or per
+    tile."""
     import importlib
     attention_mod = importlib.import_module("asyncllm.kernels.paged_attention")
     dtype = DTYPES[-1] if CUDA else torch.float32
@@ -192,7 +193,64 @@ def test_decode_first_tile_before_the_wait_matches_the_loop(monkeypatch, block_s
             assert torch.equal(out[0], torch.zeros_like(out[0]))
             assert_close(out[live], ref, dtype)
             outs.append(out)
-        assert torch.equal(outs[0], outs[1])
+        if CUDA:  # compiled, the two paths may round differently (fused multiply-adds): within bf16's step
+            torch.testing.assert_close(outs[0], outs[1], rtol=1e-2, atol=1e-2)
+        else:
+            assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_decode_with_rope_matches_the_rotary_kernel_then_decode(monkeypatch, block_size, qk_norm):
+    """paged_attention given the fused projection and a DecodeRope: on a small grid the decode kernel
+    normalises and rotates q and k itself, stores the K/V row and attends it from registers (the
+    cache at that position holds NaN before: it must not be read); on a larger grid (forced here)
+    the rotary kernel runs first. Either way the cache ends bit-equal to the rotary kernel's stores
+    and the output matches the rotary kernel then the decode, and the reference, with the current
+    position in the first, a middle or the last split, and a padding row (seq_len 0, slot -1)."""
+    import importlib
+    from asyncllm.kernels.fused_ops import qk_norm_rope_
+    from asyncllm.attention.base import DecodeRope
+    from asyncllm.layers.rotary import RotaryEmbedding
+    attention_mod = importlib.import_module("asyncllm.kernels.paged_attention")
+    dtype = DTYPES[-1] if CUDA else torch.float32
+    num_heads, num_kv_heads, head_dim = 8, 2, 64
+    step = make_step([1] * 4, [0, 63, 299, 40], block_size, num_heads, num_kv_heads, head_dim, dtype)
+    seq_lens = torch.tensor([0, 64, 300, 41], device=DEVICE)
+    step["seq_lens"] = seq_lens.to(torch.int32)
+    positions = (seq_lens - 1).clamp_min(0)
+    tables = step["block_tables"].long()
+    slots = tables[torch.arange(4, device=DEVICE), positions // block_size] * block_size + positions % block_size
+    slots[0] = -1
+    for cache in (step["k_cache"], step["v_cache"]):
+        cache.view(-1, num_kv_heads, head_dim)[slots[1:]] = float("nan")  # this step's rows: not there yet
+    qkv = torch.randn(4, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE).to(dtype)
+    weights = [(1 + 0.5 * torch.randn(head_dim, device=DEVICE)).to(dtype) for _ in range(2)] if qk_norm else []
+    cos_sin = RotaryEmbedding(head_dim, 4096, 1e6).to(DEVICE).cos_sin_cache
+    rope = DecodeRope(num_heads, positions, cos_sin, slots, *weights)
+    live = [1, 2, 3]
+
+    def rotary_then_decode(num_splits):
+        ref_qkv, k_cache, v_cache = qkv.clone(), step["k_cache"].clone(), step["v_cache"].clone()
+        qk_norm_rope_(ref_qkv, positions, cos_sin, num_heads, num_kv_heads, head_dim, *weights,
+                      kv_cache=(k_cache, v_cache), slot_mapping=slots)
+        ref_step = dict(step, q=ref_qkv[:, :num_heads * head_dim].view(4, num_heads, head_dim),
+                        k_cache=k_cache, v_cache=v_cache)
+        return run_ours(ref_step, num_splits=num_splits), reference(make_sub_step(ref_step, live)), k_cache, v_cache
+
+    for num_splits in (1, 2, 5):
+        expected, ref, ref_k, ref_v = rotary_then_decode(num_splits)
+        for per_sm in (10 ** 6, 0):  # the decode kernel's own rotary, then the rotary kernel's
+            monkeypatch.setattr(attention_mod, "FIRST_TILE_EARLY_PROGRAMS_PER_SM", per_sm)
+            k_cache, v_cache = step["k_cache"].clone(), step["v_cache"].clone()
+            out = torch.full((4, num_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+            paged_attention(qkv.clone(), k_cache, v_cache, step["query_start_loc"], step["seq_lens"], tables.int(),
+                            1, 300, head_dim ** -0.5, out=out, num_splits=num_splits, rope=rope)
+            assert torch.equal(out[0], torch.zeros_like(out[0]))
+            assert_close(out[live], ref, dtype)
+            assert_close(out[live], expected[live].float(), dtype)
+            for got, want in ((k_cache, ref_k), (v_cache, ref_v)):
+                assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(0), want.nan_to_num(0))
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
@@ -309,12 +367,16 @@ def test_batch_size_and_table_width_compile_no_new_variants():
         step = make_step([query_len] * batch, random_lens(batch - 1, 1, max_context) + [max_context], 16, 8, 4,
                          128, torch.bfloat16)
         step["block_tables"] = step["block_tables"][:, :width].contiguous()
-        assert_close(run_ours(step, num_splits=3) if query_len == 1 else run_ours(step), reference(step),
-                     torch.bfloat16)
+        # a step without decodes launches the varlen kernel alone, as the backend's (single_rows=False)
+        out = run_ours(step, num_splits=3) if query_len == 1 else run_ours(step, single_rows=False)
+        assert_close(out, reference(step), torch.bfloat16)
         return compiled_variants()
 
     for query_len in (1, 5):  # the decode pair, then the varlen kernel
-        first = counts(5, 9, query_len)
+        # the decode kernel's two paths: the first KV tile before the PDL wait on a small grid (5
+        # sequences x 4 KV heads x 3 splits) and not on a large one (32 x 4 x 3), each compiled once
+        counts(5, 9, query_len)
+        first = counts(32, 9, query_len)
         # a batch of 1, widths of 1 and of multiples of 16: the values Triton specializes on
         for batch, width in ((1, 1), (16, 32), (1, 16), (3, 7), (32, 1)):
             assert counts(batch, width, query_len) == first, (batch, width, query_len)
@@ -398,6 +460,66 @@ def test_backend_prefill_then_decode(dtype):
     check_backend_step(ours, ref, batch, 1, *qkv(3, num_heads, num_kv_heads, head_dim, dtype), dtype)
 
 
+@pytest.mark.parametrize("early", [True, False])
+def test_attention_layer_hands_the_rotary_to_the_decode_kernel(monkeypatch, early):
+    """A Qwen3 attention layer on the fused path at a decode step: the Triton backend takes the
+    projection (attend_qkv) and its decode kernel does the q/k norm + rotary and the K/V store, or
+    (a larger grid, forced) runs the rotary kernel first. Same output as the layer with the rotary
+    kernel then forward, and as the PyTorch layer over the reference backend; the caches bit-equal."""
+    import importlib
+    from types import SimpleNamespace
+
+    from asyncllm.kernels import fused_ops
+    from asyncllm.layers.rotary import RotaryEmbedding
+    from asyncllm.models.transformer import DecoderAttention
+    attention_mod = importlib.import_module("asyncllm.kernels.paged_attention")
+    monkeypatch.setattr(attention_mod, "FIRST_TILE_EARLY_PROGRAMS_PER_SM", 2 if early else 0)
+    decode_kernel, rope_in_kernel = attention_mod._decode_kernel, []
+
+    class Spy:  # notes whether each decode launch did the rotary itself
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                rope_in_kernel.append(kwargs["ROPE"])
+                return decode_kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(attention_mod, "_decode_kernel", Spy())
+    dtype = DTYPES[-1] if CUDA else torch.float32
+    block_size, num_heads, num_kv_heads, head_dim = 16, 8, 2, 64
+    config = SimpleNamespace(hidden_size=128, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                             head_dim=head_dim, rms_norm_eps=1e-6)
+    layer = DecoderAttention(config, 0, qkv_bias=False, o_bias=False, qk_norm=True,
+                             rotary_emb=RotaryEmbedding(head_dim, 512, 1e6)).to(DEVICE)
+    for param in layer.parameters():
+        param.data = (0.2 * torch.randn_like(param) + (1 if param.dim() == 1 else 0)).to(dtype)
+    layer.rotary_emb.to(DEVICE)
+    block_tables = torch.randperm(24, dtype=torch.int32).view(3, 8).to(DEVICE)
+    batch = make_batch([1, 1, 1], [20, 39, 100], block_tables, block_size)
+    hidden = torch.randn(3, 128, device=DEVICE).to(dtype)
+
+    def run(fused: bool, hand_over: bool):
+        torch.manual_seed(1)  # the same caches each time
+        ours, ref = make_backends(block_size, 24, num_heads, num_kv_heads, head_dim, dtype, num_layers=1)
+        backend = ours if fused else ref
+        monkeypatch.setattr(layer, "_fused", fused_ops if fused else None)
+        monkeypatch.setattr(layer, "_norm_rope", layer._norm_rope_fused if fused else layer._norm_rope_native)
+        if not hand_over:
+            monkeypatch.setattr(backend, "attend_qkv", lambda *args: None)
+        batch.attn_backend = backend
+        backend.prepare_metadata(batch)
+        with torch.no_grad():
+            out = layer(batch.positions, hidden, batch)
+        return out.float(), backend.k_caches[0].float(), backend.v_caches[0].float()
+
+    handed = run(True, True)
+    assert rope_in_kernel == [early]
+    unfused, native = run(True, False), run(False, False)
+    assert rope_in_kernel == [early, False]
+    assert_close(handed[0], unfused[0], dtype)
+    assert_close(handed[0], native[0], dtype)
+    assert torch.equal(handed[1], unfused[1]) and torch.equal(handed[2], unfused[2])
+
+
 def test_backend_graph_buffers_eagerly():
     """The CUDA-graph metadata path without a graph: capture-time metadata given as None (as the
     graph runner does) stores and attends to nothing; replay buffers then carry a smaller live
@@ -465,9 +587,11 @@ def test_decode_graph_context_bounds():
     assert ours.decode_graph_context_bounds(1, 512) == [256, 512]
     assert ours.decode_graph_context_bounds(1, 100) == [100]
     assert ours.decode_graph_context_bounds(256, 40960) == [40960]
+    # a graph's split count is the one for half its bound: its replays' contexts lie below it
+    assert [ours._graph_num_splits(1, bound) for bound in (256, 1024, 2048, 40960)] == [4, 16, 32, 64]
     for batch_size in (1, 2, 4, 8, 16, 32, 64):
         bounds = ours.decode_graph_context_bounds(batch_size, 40960)
-        counts = [choose_num_splits(batch_size, 8, bound, ours.num_sms) for bound in bounds]
+        counts = [ours._graph_num_splits(batch_size, bound) for bound in bounds]
         assert bounds == sorted(bounds) and bounds[-1] == 40960
         assert counts == sorted(set(counts)), (batch_size, bounds, counts)
 
@@ -659,7 +783,15 @@ def _record_launches(configs: list[dict]) -> list:
         for cfg in configs:
             step = make_step(cfg["query_lens"], [0] * len(cfg["query_lens"]), cfg["block_size"],
                              cfg["num_heads"], 8, cfg["head_dim"], torch.bfloat16)
-            paged_attention(**step, num_splits=cfg.get("num_splits"))
+            rope = None
+            if cfg.get("rope"):  # the decode kernel's own q/k norm + rotary, from the fused projection
+                from asyncllm.attention.base import DecodeRope
+                tokens, head_dim = len(cfg["query_lens"]), cfg["head_dim"]
+                step["q"] = torch.randn(tokens, (cfg["num_heads"] + 16) * head_dim, dtype=torch.bfloat16)
+                norm = [torch.ones(head_dim, dtype=torch.bfloat16)] * 2 if cfg["rope"] == "norm" else []
+                rope = DecodeRope(cfg["num_heads"], torch.zeros(tokens, dtype=torch.int64),
+                                  torch.randn(64, head_dim), torch.zeros(tokens, dtype=torch.int64), *norm)
+            paged_attention(**step, num_splits=cfg.get("num_splits"), rope=rope)
         k = torch.randn(4, 8, cfg["head_dim"], dtype=torch.bfloat16)
         store_kvcache(k, k, step["k_cache"], step["v_cache"], torch.arange(4))
         x = torch.randn(4, 4096, dtype=torch.bfloat16)
@@ -723,6 +855,8 @@ def compile_all_for_sm90() -> int:
         dict(query_lens=[1, 1], block_size=16, num_heads=32, head_dim=128, num_splits=1),  # direct, gathered
         dict(query_lens=[300, 1], block_size=256, num_heads=16, head_dim=128),  # prefill
         dict(query_lens=[1, 1], block_size=256, num_heads=16, head_dim=128, num_splits=64),  # no early tile
+        dict(query_lens=[1], block_size=16, num_heads=32, head_dim=128, num_splits=8, rope="norm"),  # own rotary
+        dict(query_lens=[1], block_size=128, num_heads=32, head_dim=128, num_splits=1, rope="plain"),
     ]
     calls = _record_launches(configs)
     seen = set()
@@ -738,9 +872,9 @@ def compile_all_for_sm90() -> int:
 def test_kernels_compile_for_sm90():
     """The CPU interpreter never compiles; build the real launch configurations for sm_90 (the
     H200) in a subprocess without TRITON_INTERPRET, so compile-only errors surface on CPU too."""
-    # decode x2, reduce, prefill, store, rms norm, silu, qk x3, skinny GEMM (FMA, dot, split-K reduce),
-    # gated skinny GEMM (FMA, dot)
-    assert compile_for_sm90_in_subprocess("test_kernels", "compile_all_for_sm90") >= 14
+    # decode x2 + x2 with its own rotary, reduce, prefill, store, rms norm, silu, qk x3, skinny GEMM
+    # (FMA, dot, split-K reduce), gated skinny GEMM (FMA, dot)
+    assert compile_for_sm90_in_subprocess("test_kernels", "compile_all_for_sm90") >= 16
 
 
 # ----------------------------------------------------------------------------- skinny GEMM

@@ -3,9 +3,22 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+
+
+class DecodeRope(NamedTuple):
+    """What the q/k norm + rotary (kernels.fused_ops.qk_norm_rope_) of a step reads besides the fused
+    projection: given to the backend with the projection (AttentionBackend.attend_qkv), a decode
+    step's attention kernel may do that work itself."""
+    num_heads: int  # query heads (this rank's)
+    positions: torch.Tensor  # (T,) int64
+    cos_sin_cache: torch.Tensor  # (max_positions, head_dim) fp32 rows [cos(half) | sin(half)]
+    slot_mapping: torch.Tensor  # (T,) int64, -1: store nothing
+    q_weight: torch.Tensor | None = None  # q / k RMSNorm weights (head_dim,), Qwen3; None: no norm
+    k_weight: torch.Tensor | None = None
+    eps: float = 1e-6
 
 
 @dataclass
@@ -73,6 +86,14 @@ class AttentionBackend(ABC):
     @abstractmethod
     def attend(self, layer_id: int, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Attention of q (T, H, D) over this layer's paged cache, this step's K/V stored. Returns (T, H, D)."""
+
+    def attend_qkv(self, layer_id: int, qkv: torch.Tensor, rope: DecodeRope,
+                   batch: ForwardBatch) -> torch.Tensor | None:
+        """A decode-only step's attention from the fused projection qkv (T, (H + 2 * Hkv) * D) before
+        its q/k norm + rotary, for a backend whose kernel does that work (and the K/V store) itself:
+        (T, H, D), or None where this backend does not, and the caller runs the q/k norm + rotary
+        and forward. Default: None."""
+        return None
 
     def kv_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's (k_cache, v_cache), for a kernel that stores a step's K/V as it makes them

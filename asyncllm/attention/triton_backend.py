@@ -18,15 +18,15 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncllm.attention.base import AttentionBackend, ForwardBatch
+from asyncllm.attention.base import AttentionBackend, DecodeRope, ForwardBatch
 from asyncllm.attention.graph_buffers import PagedGraphBuffers
 from asyncllm.kernels import choose_num_splits, decode_workspace_numel, paged_attention, store_kvcache
 from asyncllm.kernels.paged_attention import DEFAULT_NUM_SMS
 
-# decode graphs' context bounds below max_model_len; from bench_kernels.py --splits-sweep (run M):
-# at batch 1 the best split count goes 4, 8, 16, 32, 64 for contexts 128 .. 2k, within ~0.5 us
-# of these bounds' counts
-DECODE_GRAPH_CONTEXTS = (256, 1024)
+# decode graphs' context bounds below max_model_len. In the 8B batch-1 decode graph the best split
+# count is about context / 40 (run R: 4 to 16 alike at 160 tokens, 16 at 632, 32 at 1,432); these
+# bounds' counts, each for half its bound (_graph_num_splits), are 4, 16, 32, then 64 up to max_model_len
+DECODE_GRAPH_CONTEXTS = (256, 1024, 2048)
 
 
 @dataclass
@@ -76,13 +76,18 @@ class TritonAttentionBackend(AttentionBackend):
 
     store_kv = staticmethod(store_kvcache)
 
-    def attend(self, layer_id: int, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def attend(self, layer_id: int, q: torch.Tensor, batch: ForwardBatch, rope: DecodeRope | None = None) -> torch.Tensor:
         k_cache, v_cache = self.k_caches[layer_id], self.v_caches[layer_id]
         meta = batch.attn_metadata  # set once per step by prepare_metadata or prepare_for_capture
         return paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
                                batch.max_query_len, batch.max_seq_len, self.scale,
                                num_splits=meta.num_splits, workspace=meta.workspace, num_sms=self.num_sms,
-                               single_rows=meta.single_rows)
+                               single_rows=meta.single_rows, rope=rope)
+
+    def attend_qkv(self, layer_id: int, qkv: torch.Tensor, rope: DecodeRope, batch: ForwardBatch) -> torch.Tensor:
+        # paged_attention decides: on the small grids of batch-1 decodes the decode kernel does the q/k
+        # norm + rotary and K/V store itself (one kernel fewer a layer), elsewhere the rotary kernel first
+        return self.attend(layer_id, qkv, batch, rope)
 
     # ---- CUDA graphs ---------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_batch_size: int, max_blocks_per_seq: int, max_mixed_tokens: int = 0) -> None:
@@ -99,8 +104,11 @@ class TritonAttentionBackend(AttentionBackend):
                                                   max_blocks_per_seq, self.block_size, self.device, decode_only=False)
 
     def _graph_num_splits(self, batch_size: int, context_bound: int) -> int:
-        # fixed at capture from the length bound; the kernel sizes each split from the runtime length
-        return choose_num_splits(batch_size, self.num_kv_heads, context_bound, self.num_sms)
+        # fixed at capture; the kernel sizes each split from the runtime length. A replay's context
+        # lies anywhere below the bound, so the count is the one for half of it: in the 8B batch-1
+        # graph, 16 splits beat the bound's 32 at a 632-token context, 32 the bound's 64 at 1,432
+        # (docs/BENCHMARKS.md run R)
+        return choose_num_splits(batch_size, self.num_kv_heads, max(1, context_bound // 2), self.num_sms)
 
     def decode_graph_context_bounds(self, batch_size: int, max_seq_len: int) -> list[int]:
         bounds, counts = [], []

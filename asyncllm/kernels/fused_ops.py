@@ -120,6 +120,31 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def head_norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Heads (rows) given as two halves in the input dtype (the rotary pairs x[i] with x[i + HALF]):
+    RMSNorm of each head (where HAS_NORM; w1, w2 the weight's halves, broadcast over rows), then
+    rotary by cos, sin (fp32, broadcast over rows). Returns the halves in the input dtype. Shared by
+    the q/k norm + rotary kernel and the decode attention kernel that does the same work itself
+    (kernels/paged_attention.py), so that the two round alike."""
+    dtype = x1.dtype
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    if HAS_NORM:
+        # RMSNorm of each head over HEAD_DIM (Qwen3's q_norm / k_norm), rounded as the module rounds:
+        # the normed value to the input dtype, then the weighted product to the output dtype
+        inv_rms = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)
+        x1 = ((x1 * inv_rms[:, None]).to(dtype).to(tl.float32) * w1.to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = ((x2 * inv_rms[:, None]).to(dtype).to(tl.float32) * w2.to(tl.float32)).to(dtype).to(tl.float32)
+    # the rotary module's roundings, step by step: cos/sin cast to x's dtype, each product
+    # rounded, then the sum rounded (exact in fp32; in bf16 it keeps HF parity bit-for-bit)
+    cos = cos.to(dtype).to(tl.float32)
+    sin = sin.to(dtype).to(tl.float32)
+    out1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
+    out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+    return out1.to(dtype), out2.to(dtype)
+
+
+@triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, stride_t, stride_cs, eps,
                          k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_cb, stride_cslot, stride_ch,
                          NUM_Q_HEADS: tl.constexpr, NUM_QK_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -157,23 +182,12 @@ def _qk_norm_rope_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_we
         v_mask = (v_heads[:, None] < NUM_QK_HEADS - NUM_Q_HEADS) & (offs_d[None, :] < HEAD_DIM)
         v = tl.load(qkv_ptr + token * stride_t + (NUM_QK_HEADS + v_heads[:, None]) * HEAD_DIM + offs_d[None, :],
                     mask=v_mask)
-    dtype = x1.dtype
-    x1 = x1.to(tl.float32)
-    x2 = x2.to(tl.float32)
-    if HAS_NORM:
-        # RMSNorm of each head over HEAD_DIM (Qwen3's q_norm / k_norm), rounded as the module rounds:
-        # the normed value to the input dtype, then the weighted product to the output dtype
-        inv_rms = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)
-        x1 = ((x1 * inv_rms[:, None]).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-        x2 = ((x2 * inv_rms[:, None]).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-    # the rotary module's roundings, step by step: cos/sin cast to x's dtype, each product
-    # rounded, then the sum rounded (exact in fp32; in bf16 it keeps HF parity bit-for-bit)
-    cos = cos.to(dtype).to(tl.float32)
-    sin = sin.to(dtype).to(tl.float32)
-    out1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
-    out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
-    tl.store(first, out1.to(dtype), mask=mask)
-    tl.store(first + HALF, out2.to(dtype), mask=mask)
+    if not HAS_NORM:
+        w1 = cos  # unused
+        w2 = cos
+    out1, out2 = head_norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM, HAS_NORM)
+    tl.store(first, out1, mask=mask)
+    tl.store(first + HALF, out2, mask=mask)
     if STORE_KV:
         # this token's k (as rotated above) and v straight into the paged cache: the KV store's
         # own launch, and its re-read of k and v, saved (slot -1: nothing to store)
@@ -183,8 +197,8 @@ def _qk_norm_rope_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_we
             k_mask = mask & (heads >= NUM_Q_HEADS)[:, None]
             k_dst = k_cache_ptr + cache_row + kv_head[:, None] * stride_ch + offs[None, :]
             cache_dtype = k_cache_ptr.dtype.element_ty
-            tl.store(k_dst, out1.to(dtype).to(cache_dtype), mask=k_mask)
-            tl.store(k_dst + HALF, out2.to(dtype).to(cache_dtype), mask=k_mask)
+            tl.store(k_dst, out1.to(cache_dtype), mask=k_mask)
+            tl.store(k_dst + HALF, out2.to(cache_dtype), mask=k_mask)
             tl.store(v_cache_ptr + cache_row + v_heads[:, None] * stride_ch + offs_d[None, :], v.to(cache_dtype),
                      mask=v_mask)
 

@@ -29,7 +29,12 @@ output and log-sum-exp; a small second kernel merges them. The chunk length is d
 from the runtime seq_len, so a fixed num_splits (a fixed grid, as CUDA graphs need) works for any
 lengths: splits past the end of a short sequence write an empty partial (lse = -inf). Its metadata,
 and on small grids its split's first KV tile, it reads before waiting for the kernel before
-(kernels/pdl.py); the current position's K/V row, which that kernel stores, after.
+(kernels/pdl.py); the current position's K/V row, which that kernel stores, after. Given the fused
+projection and a DecodeRope on a small grid, the kernel is that kernel too: it reads the rotary's
+cos / sin, norm weights and slot before the wait, then normalises and rotates its q heads and its
+KV head's k (fused_ops.head_norm_rope), attends the cache below the current position and the new
+K/V row from registers, and the split holding that position stores the row (one kernel fewer a
+layer in a batch-1 step).
 
 Softmax runs online in fp32 with exp2 (log2(e) folded into the scale). Rows that see no KV at
 all (seq_len == 0 padding rows) produce zeros rather than NaN.
@@ -42,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from asyncllm.kernels.fused_ops import head_norm_rope, qk_norm_rope_
 from asyncllm.kernels.host import cdiv, next_power_of_2
 from asyncllm.kernels.pdl import launch_dependents, launch_options, wait_for_previous
 
@@ -243,6 +249,67 @@ def _prefill_kernel(
 # ----------------------------------------------------------------------------- decode (split-KV)
 
 @triton.jit
+def _rope_inputs(positions_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, token, stride_cs,
+                 HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
+    """What the q/k norm + rotary of one token reads besides its row, as (1, HALF) halves: cos, sin
+    of its position and the q and k norm weights (cos in their place where not HAS_NORM)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    offs = tl.arange(0, HALF)[None, :]
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs)
+    if HAS_NORM:
+        qw1 = tl.load(q_norm_ptr + offs)
+        qw2 = tl.load(q_norm_ptr + HALF + offs)
+        kw1 = tl.load(k_norm_ptr + offs)
+        kw2 = tl.load(k_norm_ptr + HALF + offs)
+    else:
+        qw1 = cos
+        qw2 = cos
+        kw1 = cos
+        kw2 = cos
+    return cos, sin, qw1, qw2, kw1, kw2
+
+
+@triton.jit
+def _join_halves(x1, x2, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """(ROWS, HALF) halves side by side: (ROWS, HEAD_DIM) rows [x1 | x2]."""
+    return tl.reshape(tl.permute(tl.join(x1, x2), (0, 2, 1)), (ROWS, HEAD_DIM))
+
+
+@triton.jit
+def _norm_rope_row(row, cos, sin, qw1, qw2, kw1, kw2, kv_head, num_kv_heads, eps, G: tl.constexpr,
+                   BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
+    """A decode token's G query heads of KV head kv_head and that head's k and v, from the fused
+    projection's row [q heads | k heads | v heads]: q and k normalised and rotated as the q/k norm +
+    rotary kernel does (fused_ops.head_norm_rope). Returns q (BLOCK_G, HEAD_DIM), k and v (HEAD_DIM,)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    offs_g = tl.arange(0, BLOCK_G)
+    offs = tl.arange(0, HALF)[None, :]
+    q_first = row + (kv_head * G + offs_g)[:, None] * HEAD_DIM + offs
+    q_mask = (offs_g < G)[:, None]
+    k_first = row + (num_kv_heads * G + kv_head) * HEAD_DIM + offs
+    q1, q2 = head_norm_rope(tl.load(q_first, mask=q_mask, other=0.0), tl.load(q_first + HALF, mask=q_mask, other=0.0),
+                            qw1, qw2, cos, sin, eps, HEAD_DIM, HAS_NORM)
+    k1, k2 = head_norm_rope(tl.load(k_first), tl.load(k_first + HALF), kw1, kw2, cos, sin, eps, HEAD_DIM, HAS_NORM)
+    v = tl.load(row + (num_kv_heads * (G + 1) + kv_head) * HEAD_DIM + tl.arange(0, HEAD_DIM))
+    return _join_halves(q1, q2, BLOCK_G, HEAD_DIM), tl.reshape(_join_halves(k1, k2, 1, HEAD_DIM), (HEAD_DIM,)), v
+
+
+@triton.jit
+def _attend_row(acc, l_i, m_i, q, k, v, qk_scale):
+    """The online-softmax update for one K/V row (HEAD_DIM,), which every query row sees; rounded
+    as _attend_tile rounds (p to v's dtype before it weights v)."""
+    s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1) * qk_scale
+    m_new = tl.maximum(m_i, s)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new)
+    l_i = l_i * alpha + p
+    acc = acc * alpha[:, None] + p.to(v.dtype).to(tl.float32)[:, None] * v.to(tl.float32)[None, :]
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _decode_row(query_start_loc_ptr, seq):
     """Sequence seq's query token, and whether it is the sequence's only one (a decode; else padding
     or, in a mixed step, a prefill chunk, the prefill kernel's)."""
@@ -254,14 +321,15 @@ def _decode_row(query_start_loc_ptr, seq):
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    positions_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, slot_mapping_ptr, stride_cs, eps,
     qk_scale, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt, max_blocks,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     G: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT: tl.constexpr, FIRST_TILE_EARLY: tl.constexpr, UPCAST_DOT: tl.constexpr, PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    DIRECT: tl.constexpr, FIRST_TILE_EARLY: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     launch_dependents(USE_PDL)  # first thing: kernels/pdl.py
     seq = tl.program_id(0)
@@ -279,7 +347,11 @@ def _decode_kernel(
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     lo = split * split_len
     hi = tl.maximum(tl.minimum(lo + split_len, seq_len), lo)
-    full_hi = lo + (hi - lo) // BLOCK_N * BLOCK_N
+    # where ROPE, this kernel makes the current position's K/V itself: the cache is read below it
+    kv_hi = hi
+    if ROPE:
+        kv_hi = tl.maximum(tl.minimum(hi, seq_len - 1), lo)
+    full_hi = lo + (kv_hi - lo) // BLOCK_N * BLOCK_N
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -296,33 +368,50 @@ def _decode_kernel(
         earlier = (pos < tl.minimum(hi, seq_len - 1))[:, None] & d_mask
         k = tl.load(k_ptrs, mask=earlier, other=0.0)
         v = tl.load(v_ptrs, mask=earlier, other=0.0)
+    if ROPE:
+        cos, sin, qw1, qw2, kw1, kw2 = _rope_inputs(positions_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, token,
+                                                    stride_cs, HEAD_DIM, HAS_NORM)
+        slot = tl.load(slot_mapping_ptr + token)
     wait_for_previous(USE_PDL)
     if not is_decode:
         return  # the prefill kernel's row, or padding
     head = kv_head * G + offs_g
     io_mask = (offs_g[:, None] < G) & d_mask
-    q = tl.load(q_ptr + token.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=io_mask, other=0.0)
+    row = q_ptr + token.to(tl.int64) * stride_qt
+    if ROPE:
+        # q_ptr is the fused projection's row [q heads | k heads | v heads], stride_qh HEAD_DIM
+        q, k_new, v_new = _norm_rope_row(row, cos, sin, qw1, qw2, kw1, kw2, kv_head, tl.num_programs(1), eps,
+                                         G, BLOCK_G, HEAD_DIM, HAS_NORM)
+    else:
+        q = tl.load(row + head[:, None] * stride_qh + offs_d[None, :], mask=io_mask, other=0.0)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     rest = lo
     if FIRST_TILE_EARLY:
-        # the last position's K/V: this step's, stored by the kernel before (the q/k norm + rotary)
-        last = (pos == seq_len - 1)[:, None] & d_mask
-        k = tl.load(k_ptrs, mask=last, other=k)
-        v = tl.load(v_ptrs, mask=last, other=v)
-        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v, (pos < hi)[None, :], qk_scale, True, UPCAST_DOT,
+        if not ROPE:
+            # the last position's K/V: this step's, stored by the kernel before (the q/k norm + rotary)
+            last = (pos == seq_len - 1)[:, None] & d_mask
+            k = tl.load(k_ptrs, mask=last, other=k)
+            v = tl.load(v_ptrs, mask=last, other=v)
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v, (pos < kv_hi)[None, :], qk_scale, True, UPCAST_DOT,
                                      PRECISION)
         rest = lo + BLOCK_N
     # the query is the sequence's last position, so causality is just pos < seq_len
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, None, k_base, v_base, bt_row, max_blocks,
-                            rest, full_hi, hi, qk_scale, stride_kb, stride_ks,
+                            rest, full_hi, kv_hi, qk_scale, stride_kb, stride_ks,
                             HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, False, UPCAST_DOT, PRECISION)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, None, k_base, v_base, bt_row, max_blocks,
-                            tl.maximum(full_hi, rest), hi, hi, qk_scale, stride_kb, stride_ks,
+                            tl.maximum(full_hi, rest), kv_hi, kv_hi, qk_scale, stride_kb, stride_ks,
                             HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, False, UPCAST_DOT, PRECISION)
+    if ROPE:
+        if (lo <= seq_len - 1) & (seq_len - 1 < hi):  # this split holds the current position
+            acc, l_i, m_i = _attend_row(acc, l_i, m_i, q, k_new, v_new, qk_scale)
+            if slot >= 0:
+                cache_row = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_ks + offs_d
+                tl.store(k_base + cache_row, k_new.to(k_cache_ptr.dtype.element_ty))
+                tl.store(v_base + cache_row, v_new.to(v_cache_ptr.dtype.element_ty))
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if DIRECT:
@@ -379,6 +468,12 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
 
+def _first_tile_early(num_seqs: int, num_kv_heads: int, num_splits: int, num_sms: int) -> bool:
+    """Whether the decode kernel's grid is small enough to load its first KV tile before the PDL
+    wait (FIRST_TILE_EARLY_PROGRAMS_PER_SM), and to do a step's q/k norm + rotary itself."""
+    return num_seqs * num_kv_heads * num_splits <= FIRST_TILE_EARLY_PROGRAMS_PER_SM * num_sms
+
+
 def decode_workspace_numel(num_seqs: int, num_heads: int, head_dim: int, num_splits: int) -> int:
     """fp32 elements of split-KV scratch: partial outputs then partial log-sum-exps."""
     if num_splits <= 1:
@@ -396,7 +491,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                     max_query_len: int, max_seq_len: int, scale: float, out: torch.Tensor | None = None,
                     num_splits: int | None = None, workspace: torch.Tensor | None = None,
-                    num_sms: int = DEFAULT_NUM_SMS, single_rows: bool = True) -> torch.Tensor:
+                    num_sms: int = DEFAULT_NUM_SMS, single_rows: bool = True,
+                    rope=None) -> torch.Tensor:
     """Causal attention of each sequence's query rows over its paged KV; see the module docstring.
 
     q: (T, H, D); k_cache, v_cache: (num_blocks, block_size, Hkv, D); query_start_loc: (B+1,) int32;
@@ -408,10 +504,29 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     choose_num_splits) and workspace, a flat fp32 tensor of at least decode_workspace_numel(...)
     elements (default: allocated here), are the decode kernel's. Rows of out beyond
     query_start_loc[-1] are not written.
+
+    With rope (an attention.base.DecodeRope: what the q/k norm + rotary reads besides the row), q is
+    the fused projection (T, (H + 2 * Hkv) * D), rows [q | k | v], before that norm + rotary, and
+    this step's K/V is not in the cache yet: a decode step on a small grid (the early tile's) does
+    that work in its decode kernel, which also stores the K/V row; any other step runs
+    kernels.fused_ops.qk_norm_rope_ (in place on q, storing K/V) first.
     """
-    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
     num_seqs = seq_lens.shape[0]
-    _, block_size, num_kv_heads, _ = k_cache.shape
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms)
+    if rope is not None:
+        qkv, num_tokens = q, q.shape[0]
+        assert qkv.dim() == 2 and qkv.shape[1] == (rope.num_heads + 2 * num_kv_heads) * head_dim
+        q = qkv[:, :rope.num_heads * head_dim].view(num_tokens, rope.num_heads, head_dim)
+        rope_in_decode = (max_query_len == 1 and head_dim == next_power_of_2(head_dim)
+                          and _first_tile_early(num_seqs, num_kv_heads, num_splits, num_sms))
+        if not rope_in_decode:
+            norm_args = (rope.q_weight, rope.k_weight, rope.eps) if rope.q_weight is not None else ()
+            qk_norm_rope_(qkv, rope.positions, rope.cos_sin_cache, rope.num_heads, num_kv_heads, head_dim,
+                          *norm_args, kv_cache=(k_cache, v_cache), slot_mapping=rope.slot_mapping)
+            rope = None
+    num_tokens, num_heads, head_dim = q.shape
     assert k_cache.shape[3] == head_dim and v_cache.shape == k_cache.shape
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
@@ -437,8 +552,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     stages = 3 if small_elems else 2
 
     if max_query_len == 1 or single_rows:
-        if num_splits is None:
-            num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms)
         direct = num_splits == 1
         if direct:
             part_out = part_lse = out  # unused
@@ -452,16 +565,23 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             part_out = workspace[:n_out].view(num_seqs, num_heads, num_splits, head_dim)
             part_lse = workspace[n_out:numel].view(num_seqs, num_heads, num_splits)
             part_strides = (*part_out.stride()[:3], *part_lse.stride()[:2])
+        if rope is None:
+            rope_args = (q, q, q, q, q, 0, 0.0)  # unused
+        else:
+            has_norm = rope.q_weight is not None
+            rope_args = (rope.positions, rope.cos_sin_cache, rope.q_weight if has_norm else q,
+                         rope.k_weight if has_norm else q, rope.slot_mapping, rope.cos_sin_cache.stride(0), rope.eps)
         _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
             q, k_cache, v_cache, out, part_out, part_lse,
-            query_start_loc, seq_lens, block_tables,
+            query_start_loc, seq_lens, block_tables, *rope_args,
             qk_scale, num_splits,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             block_tables.shape[1],
             *part_strides,
             G=group, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_N=block_n, DIRECT=direct,
-            FIRST_TILE_EARLY=num_seqs * num_kv_heads * num_splits <= FIRST_TILE_EARLY_PROGRAMS_PER_SM * num_sms,
+            FIRST_TILE_EARLY=_first_tile_early(num_seqs, num_kv_heads, num_splits, num_sms),
+            ROPE=rope is not None, HAS_NORM=rope is not None and rope.q_weight is not None,
             num_warps=4, num_stages=stages, **common,
         )
         if not direct:

@@ -7,8 +7,9 @@ previous kernel has finished and its writes are visible. What a block does befor
 overlaps the previous kernel: the skinny GEMM loads its first weight tile there (weights are no
 kernel's output), so a projection's first trip to memory hides behind the small kernel before it;
 the norms load their weights there, the q/k norm + rotary its position's cos / sin row, and the
-decode attention its metadata and (on small grids) the first tile of the KV it attends to, so that
-what follows the wait is one round trip to memory, not a chain of them.
+decode attention its metadata, (on small grids) the first tile of the KV it attends to and, where
+it does the q/k norm + rotary itself, what that kernel would read before its wait, so that what
+follows the wait is one round trip to memory, not a chain of them.
 
 The contract for a kernel that takes a USE_PDL constexpr:
 - `wait_for_previous(USE_PDL)` before it reads anything an earlier kernel wrote and before any
@@ -18,7 +19,8 @@ The contract for a kernel that takes a USE_PDL constexpr:
   tables, query offsets), which is copied in before the step's first kernel, the embedding, a
   PyTorch kernel that starts only when every copy before it has ended and launches no kernel
   early; and KV-cache rows of a decode's earlier positions, which earlier steps wrote (its own
-  position's row is stored by the q/k norm + rotary kernel of the same step: after the wait);
+  position's row is stored by the q/k norm + rotary kernel of the same step: after the wait; or
+  made by the decode kernel itself, which then never reads it from the cache);
 - `launch_dependents(USE_PDL)` first thing, before the wait: the next kernel is launched as soon
   as every block of this one has started, and it still waits for all of this one to finish (its
   wait passes only when this kernel has, which passes only after its own predecessor), so the

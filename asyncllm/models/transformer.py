@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from asyncllm.attention.base import ForwardBatch
+from asyncllm.attention.base import DecodeRope, ForwardBatch
 from asyncllm.distributed import get_tp_size
 from asyncllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from asyncllm.layers.fused import fused_ops_for
@@ -50,9 +50,18 @@ class DecoderAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
-        q, k, v = self._norm_rope(positions, qkv, batch)
-        out = batch.attn_backend.forward(self.layer_id, q, k, v, batch)
+        out = None
+        if self._fused is not None and batch.is_decode_only:
+            # the backend's attention kernel may do the q/k norm + rotary and the K/V store itself
+            out = batch.attn_backend.attend_qkv(self.layer_id, qkv, self._decode_rope(positions, batch), batch)
+        if out is None:
+            q, k, v = self._norm_rope(positions, qkv, batch)
+            out = batch.attn_backend.forward(self.layer_id, q, k, v, batch)
         return self.o_proj(out.flatten(1, -1))
+
+    def _decode_rope(self, positions: torch.Tensor, batch: ForwardBatch) -> DecodeRope:
+        norm_args = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else ()
+        return DecodeRope(self.num_heads, positions, self.rotary_emb.cos_sin_cache, batch.slot_mapping, *norm_args)
 
     def _split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
