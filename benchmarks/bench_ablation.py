@@ -6,9 +6,9 @@ With programmatic dependent launch (kernels/pdl.py) the decode step's kernels ov
 neighbours, so a profiler's per-kernel durations no longer add up to the step (a norm "takes" the
 whole of the GEMV before it, waiting), and a kernel timed alone misses what it overlaps or breaks.
 This takes one part out of every layer at a time (the norms, the q/k norm + rotary with its KV
-store, the attention, both where the decode kernel does the rotary itself, a projection, a whole block), captures the CUDA graphs again and times the
-batch-1 decode graph's replay: full minus that is what the part costs in the chain, the most any
-fusion of it can save. The outputs without a part are garbage (nothing is checked); the step's
+store, the attention, both where the decode kernel does the rotary itself, a projection, a whole
+block), captures the CUDA graphs again and times the batch-1 decode graph's replay: full minus that
+is what the part costs in the chain, the most any fusion of it can save. The outputs without a part are garbage (nothing is checked); the step's
 shapes and kernels otherwise stay. On CUDA: graph replays (median of 5 x 100); on CPU, where there
 are no graphs, the eager time per token of LLM.generate (the logic runs, the figures mean little).
 """

@@ -76,7 +76,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     store_kv = staticmethod(store_kvcache)
 
-    def attend(self, layer_id: int, q: torch.Tensor, batch: ForwardBatch, rope: DecodeRope | None = None) -> torch.Tensor:
+    def attend(self, layer_id: int, q: torch.Tensor, batch: ForwardBatch,
+               rope: DecodeRope | None = None) -> torch.Tensor:
         k_cache, v_cache = self.k_caches[layer_id], self.v_caches[layer_id]
         meta = batch.attn_metadata  # set once per step by prepare_metadata or prepare_for_capture
         return paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
