@@ -513,7 +513,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     num_seqs = seq_lens.shape[0]
-    if num_splits is None:
+    decode_kernel = max_query_len == 1 or single_rows
+    if num_splits is None and decode_kernel:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms)
     if rope is not None:
         qkv, num_tokens = q, q.shape[0]
@@ -522,9 +523,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         rope_in_decode = (max_query_len == 1 and head_dim == next_power_of_2(head_dim)
                           and _first_tile_early(num_seqs, num_kv_heads, num_splits, num_sms))
         if not rope_in_decode:
-            norm_args = (rope.q_weight, rope.k_weight, rope.eps) if rope.q_weight is not None else ()
             qk_norm_rope_(qkv, rope.positions, rope.cos_sin_cache, rope.num_heads, num_kv_heads, head_dim,
-                          *norm_args, kv_cache=(k_cache, v_cache), slot_mapping=rope.slot_mapping)
+                          rope.q_weight, rope.k_weight, rope.eps, kv_cache=(k_cache, v_cache),
+                          slot_mapping=rope.slot_mapping)
             rope = None
     num_tokens, num_heads, head_dim = q.shape
     assert k_cache.shape[3] == head_dim and v_cache.shape == k_cache.shape
@@ -551,7 +552,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_n = 64 if small_elems else 32
     stages = 3 if small_elems else 2
 
-    if max_query_len == 1 or single_rows:
+    if decode_kernel:
         direct = num_splits == 1
         if direct:
             part_out = part_lse = out  # unused

@@ -60,6 +60,8 @@ class DecoderAttention(nn.Module):
         return self.o_proj(out.flatten(1, -1))
 
     def _decode_rope(self, positions: torch.Tensor, batch: ForwardBatch) -> DecodeRope:
+        # what the fused q/k norm + rotary reads besides the projection: the rotary kernel's arguments
+        # too (_norm_rope_fused), so the two paths cannot drift apart
         norm_args = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else ()
         return DecodeRope(self.num_heads, positions, self.rotary_emb.cos_sin_cache, batch.slot_mapping, *norm_args)
 
@@ -71,9 +73,9 @@ class DecoderAttention(nn.Module):
     def _norm_rope_fused(self, positions: torch.Tensor, qkv: torch.Tensor, batch: ForwardBatch):
         # q/k norm and rotary in one kernel, in place on the projection's q and k columns, which
         # also stores k and v into the paged cache (so the backend is given None for them)
-        norm_args = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else ()
-        self._fused.qk_norm_rope_(qkv, positions, self.rotary_emb.cos_sin_cache, self.num_heads,
-                                  self.num_kv_heads, self.head_dim, *norm_args,
+        rope = self._decode_rope(positions, batch)
+        self._fused.qk_norm_rope_(qkv, positions, rope.cos_sin_cache, self.num_heads, self.num_kv_heads,
+                                  self.head_dim, rope.q_weight, rope.k_weight, rope.eps,
                                   kv_cache=batch.attn_backend.kv_cache(self.layer_id), slot_mapping=batch.slot_mapping)
         q, _, _ = self._split_heads(qkv)
         return q, None, None
