@@ -9,6 +9,8 @@
     warm-up excluded), with the whole call's wall time reported beside it.
 (b) Plain generate, batch 1: TTFT (a --prompt-len prompt, max_new_tokens=1, greedy) and TPOT
     ((time of N+1 new tokens - time of 1) / N), medians.
+(c) With --compile: (b) again with a static KV cache, which makes transformers compile the decode
+    forward with torch.compile (CUDA only; on CPU it runs uncompiled).
 Each part reports an error string instead of failing the run (the continuous batching API moves
 between transformers releases).
 """
@@ -70,22 +72,38 @@ def continuous_batching(model, args) -> dict:
     return row
 
 
-def batch1_latency(model, args) -> dict:
+def batch1_latency(model, args, compiled: bool = False) -> dict:
     rng = random.Random(args.seed)
     device = args.device
+    n = args.tpot_tokens
+    extra = {}
+    if compiled:
+        # one static cache for every call (reset by generate), so the compiled graphs see one shape
+        from transformers import CompileConfig, StaticCache
+        cache = StaticCache(config=model.config, max_cache_len=args.prompt_len + n + 8)
+        extra = dict(past_key_values=cache, compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
 
     def generate_time(new_tokens: int) -> float:
         input_ids = torch.tensor([random_prompt(rng, args.prompt_len)], device=device)
+        if compiled:
+            extra["past_key_values"].reset()
         return timed(lambda: model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                                             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                            pad_token_id=0), device)[1]
+                                            pad_token_id=0, **extra), device)[1]
 
-    generate_time(8)  # warm-up
+    for _ in range(3 if compiled else 1):  # warm-up (compiled: the compile, then the CUDA graphs' recording)
+        generate_time(8)
     ttfts = [generate_time(1) for _ in range(args.reps)]
-    n = args.tpot_tokens
     tpots = [(generate_time(n + 1) - generate_time(1)) / n for _ in range(args.tpot_reps)]
-    return dict(part="generate batch 1", prompt_len=args.prompt_len, ttft_ms=ms(median(ttfts)),
-                tpot_ms=ms(median(tpots)), output_tokens=n)
+    return dict(part="generate batch 1" + (", static cache, torch.compile" if compiled else ""),
+                prompt_len=args.prompt_len, ttft_ms=ms(median(ttfts)), tpot_ms=ms(median(tpots)), output_tokens=n)
+
+
+def compiled_batch1_latency(model, args) -> dict:
+    """(c): (b) with a static KV cache, where transformers compiles the decode step's forward with
+    torch.compile (fullgraph, mode "reduce-overhead": Inductor's kernels replayed as CUDA graphs) --
+    the gpt-fast recipe, the torch.compile baseline for a decode path (issue 22)."""
+    return batch1_latency(model, args, compiled=True)
 
 
 COLUMNS = [("part", "part"), ("requests", "num_requests"), ("max_new_tokens", "max_new_tokens"),
@@ -104,13 +122,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--tpot-tokens", type=int, default=128)
     parser.add_argument("--tpot-reps", type=int, default=2)
     parser.add_argument("--skip-cb", action="store_true", help="skip continuous batching")
+    parser.add_argument("--compile", action="store_true", help="also batch 1 with a static cache and torch.compile")
     args = parse_args(parser, argv)
     import transformers
     transformers.logging.set_verbosity_error()
     report = Report("hf", args)
     with checkpoint_from_args(args) as model_dir:
         model = load_model(model_dir, args.device)
-        parts = [batch1_latency] + ([] if args.skip_cb else [continuous_batching])
+        parts = [batch1_latency] + ([compiled_batch1_latency] if args.compile else []) + \
+            ([] if args.skip_cb else [continuous_batching])
         for part in parts:
             start = time.perf_counter()
             try:

@@ -143,12 +143,13 @@ class CudaGraphRunner:
                 return "mixed", size, self.max_context
         return None
 
-    def can_run(self, batch: ForwardBatch) -> bool:
-        return self._key(batch) is not None
-
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits of batch's sampled rows, by replaying the graph of the next bucket up."""
+    def run(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """Logits of batch's sampled rows, by replaying the graph of the next bucket up; None where
+        no graph fits the batch (the caller runs the model eagerly)."""
         key = self._key(batch)
+        if key is None:
+            self.last_prefix_key = None
+            return None
         graph_batch = self.batches[key]
         num_tokens = batch.num_tokens
         self.input_ids[:num_tokens].copy_(batch.input_ids, non_blocking=True)

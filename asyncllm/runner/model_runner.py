@@ -320,9 +320,9 @@ class ModelRunner:
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         if self.graph_runner is not None:
-            if self.graph_runner.can_run(batch):
-                return self.graph_runner.run(batch)
-            self.graph_runner.last_prefix_key = None
+            logits = self.graph_runner.run(batch)
+            if logits is not None:
+                return logits
         hidden_states = self.model(batch.input_ids, batch.positions, batch)
         return self.model.compute_logits(hidden_states[batch.logits_indices])
 
