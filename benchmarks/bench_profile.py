@@ -63,16 +63,7 @@ def graph_replay_time(runner, batch_size: int, context: int, iters: int = 50) ->
         return None
     bs = next(s for s in graphs.batch_sizes if s >= batch_size)
     bound = next(b for b in graphs.context_bounds[bs] if b >= context)
-    graph = graphs.graphs[("decode", bs, bound)]
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
+    return graphs.replay_ms(("decode", bs, bound), iters) / 1e3
 
 
 def sorted_replay_ms(runner, batch_size: int, context: int, reps: int = 5, iters: int = 100) -> list[float]:

@@ -9,9 +9,14 @@ against what decides the time per token: the batch-1 decode graph's replay. It p
 engine's own timings for 1 row (its debug log) and its choices, then re-captures the graphs with
 gate_up and lm_head each forced to our kernel (fma n32 k256 and dot n64 k128) or to cuBLAS, every
 other shape as chosen, and times 5 x 100 replays of each (median and least ms per replay).
+
+With --grouped it then times each 1-row FMA decision in the FMA loop's grouped form
+(SkinnyConfig.grouped), one projection at a time, the rest as chosen, and all at once: what
+runner/decode_tuning.py weighs at start-up (docs/BENCHMARKS.md run T).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import sys
@@ -25,7 +30,9 @@ from asyncllm.layers import skinny_linear
 
 
 def main(argv=None) -> None:
-    args = parse_args(make_parser(__doc__), argv)
+    parser = make_parser(__doc__)
+    parser.add_argument("--grouped", action="store_true", help="also time each 1-row FMA decision grouped")
+    args = parse_args(parser, argv)
     assert args.device == "cuda", "CUDA graphs and the skinny GEMM's timing need a GPU"
     handler = logging.StreamHandler(sys.stdout)
     handler.addFilter(lambda r: "timings" in r.getMessage() and "1 rows" in r.getMessage())
@@ -67,6 +74,29 @@ def main(argv=None) -> None:
             generate()  # a real step's metadata in the graphs' buffers
             times = sorted_replay_ms(runner, 1, len(prompt) + greedy.max_tokens)
             print(f"| {gate_up_kernel} | {lm_head_kernel} | {times[2]:.4f} | {times[0]:.4f} |", flush=True)
+        if args.grouped:
+            grouped_sweep(runner, chosen, generate, len(prompt) + greedy.max_tokens)
+
+
+def grouped_sweep(runner, chosen: dict, generate, context: int) -> None:
+    """The batch-1 decode graph's replay with each 1-row FMA decision grouped in turn, then all
+    (the gated down projection's decision where that form is in use)."""
+    tables = {"": (skinny_linear._choices, chosen), " gated": (skinny_linear._gated_choices,
+                                                             dict(skinny_linear._gated_choices))}
+    fma = [(suffix, key) for suffix, (_, made) in tables.items() for key, config in made.items()
+           if key[2] == 1 and config is not None and not config.dot]
+    print("| grouped | replay ms, median of 5 | least |", flush=True)
+    for label, grouped in [("none", [])] + [(f"({k[3]}, {k[4]}){g}", [(g, k)]) for g, k in fma] + [("all", fma)]:
+        for table, made in tables.values():
+            table.clear()
+            table.update(made)
+        for suffix, key in grouped:
+            table, made = tables[suffix]
+            table[key] = dataclasses.replace(made[key], grouped=True)
+        recapture_graphs(runner)
+        generate()
+        times = sorted_replay_ms(runner, 1, context)
+        print(f"| {label} | {times[2]:.4f} | {times[0]:.4f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -154,6 +154,31 @@ def test_pdl_launches_match_plain_launches(model_dir, dtype):
     assert all(torch.equal(a, b) for ours, theirs in zip(with_pdl[1], plain[1]) for a, b in zip(ours, theirs))
 
 
+def test_decode_tuning_recaptures_graphs_that_match_eager(model_dir, monkeypatch):
+    """runner/decode_tuning.py (on unless ASYNCLLM_DECODE_TUNING=0): at start-up the batch-1
+    decode graph is captured again with each 1-row projection's alternative tilings (the grouped FMA
+    loop among them) and timed, the decisions kept are settled, and the batch-1 graphs captured once
+    more. Decoding one sequence at a time in bf16 then replays graphs whose tokens and logits are
+    the eager engine's (the same decisions, settled for the process)."""
+    from asyncllm.layers import skinny_linear
+    from asyncllm.runner import decode_tuning
+    monkeypatch.setattr(decode_tuning, "_enabled", True)
+    for name, empty in (("_choices", {}), ("_gated_choices", {}), ("_settled", set())):
+        monkeypatch.setattr(skinny_linear, name, empty)
+    release_llms()
+    ps = random_prompts(3, seed=5)
+    tuned_llm = get_llm(model_dir, "triton", max_num_seqs=1, max_num_batched_tokens=512)
+    assert skinny_linear._settled, "no 1-row decision was tuned"
+    graphs = tuned_llm.core.runner.graph_runner
+    tuned = run(tuned_llm, ps)
+    assert graphs.num_replays["decode"] > 0
+    del tuned_llm, graphs
+    release_llms()
+    eager = run(get_llm(model_dir, "triton", max_num_seqs=1, max_num_batched_tokens=512, enforce_eager=True), ps)
+    release_llms()
+    assert_equivalent(eager, tuned, "bfloat16")
+
+
 def test_decode_graphs_per_context_bound_match_eager(model_dir):
     """Small-batch decode graphs come per context bound (each its own KV split count): decodes that
     cross the 256-, 1,024- and 2,048-token bounds replay four graphs of one batch size, with the

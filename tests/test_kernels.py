@@ -7,6 +7,7 @@ long contexts, big decode batches) plus the CUDA-graph path of the backend.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -914,6 +915,7 @@ def test_skinny_gemm_matches_reference(num_rows, has_bias):
     for dot in (True, False) if num_rows <= FMA_MAX_ROWS else (True,):  # a K tail; 8 splits of 7 tiles
         configs += [SkinnyConfig(dot, 16, 64, 3, 4), SkinnyConfig(dot, 16 if dot else 2, 32, 8, 4)]
     configs.append(SkinnyConfig(True, 64, 128, 1, 4))  # the rule's widest dot tile (the 8B lm_head's)
+    configs += [replace(config, grouped=True) for config in configs if not config.dot]  # the grouped FMA loop
     assert {config.dot for config in configs} == ({True, False} if num_rows <= FMA_MAX_ROWS else {True})
     check_skinny(x, weight, bias, configs)
 
@@ -925,7 +927,7 @@ def gated_configs(num_rows, n, k):
     configs = candidate_configs(num_rows, n, k, num_sms=132 if CUDA else 8)
     for dot in (True, False) if num_rows <= FMA_MAX_ROWS else (True,):
         configs += [SkinnyConfig(dot, 16, 64, 3, 4), SkinnyConfig(dot, 16 if dot else 2, 16, 4, 4)]
-    return configs
+    return configs + [replace(config, grouped=True) for config in configs if not config.dot]
 
 
 @pytest.mark.parametrize("num_rows", [1, 3, 16])
@@ -978,7 +980,8 @@ def test_skinny_gemm_model_shapes(n, k):
     weight = (torch.randn(n, k, device=DEVICE) / k ** 0.5).to(torch.bfloat16)
     for num_rows in (1, 3, 16):
         x = torch.randn(num_rows, k, device=DEVICE).to(torch.bfloat16)
-        check_skinny(x, weight, None, candidate_configs(num_rows, n, k, num_sms))
+        configs = candidate_configs(num_rows, n, k, num_sms)
+        check_skinny(x, weight, None, configs + [replace(c, grouped=True) for c in configs if not c.dot])
     x = torch.randn(8, k, device=DEVICE).to(torch.float16)  # fp16 and a bias too
     bias = torch.randn(n, device=DEVICE).to(torch.float16)
     check_skinny(x, weight.half(), bias, candidate_configs(8, n, k, num_sms)[:1])

@@ -12,6 +12,9 @@ Two inner loops, a choice of the tiling (SkinnyConfig.dot):
   loads and FMAs only, no cross-thread reductions.
 - dot (1..16 rows): tl.dot of the weight tile with x^T (x padded to 16 rows), the weight rows as
   the MMA's M dimension, so the tensor cores do the 16-wide products; Triton pipelines its loads.
+  The FMA loop has a grouped form (SkinnyConfig.grouped): each thread sums its 16-byte run of
+  products before accumulating, an eighth of the accumulators and so more programs per SM; faster
+  alone on the 8B shapes, but inside the decode step only for some (runner/decode_tuning.py).
 Each program loads its first weight tile before waiting for the previous kernel (kernels/pdl.py):
 with the previous kernels' early launch_dependents that load overlaps them, where a projection's
 first memory round trip would otherwise be its own fixed cost (2-4 us each at 8B, run O).
@@ -44,6 +47,7 @@ from asyncllm.kernels.paged_attention import _dot, _dot_config
 
 MAX_ROWS = 16  # the dot loop's row tile; more rows go to cuBLAS, which is compute-efficient there
 FMA_MAX_ROWS = 4  # the FMA loop's accumulators grow with the rows: above this, the dot loop only
+FMA_GROUP = tl.constexpr(8)  # the FMA loop sums each thread's 16-byte run of bf16 products before accumulating
 
 
 @dataclass(frozen=True)
@@ -54,10 +58,11 @@ class SkinnyConfig:
     split_k: int
     num_warps: int
     num_stages: int = 3
+    grouped: bool = False  # the FMA loop: each thread's 16-byte run of products summed before accumulating
 
     def label(self) -> str:
         return (f"{'dot' if self.dot else 'fma'} n{self.block_n} k{self.block_k} s{self.split_k} "
-                f"w{self.num_warps} st{self.num_stages}")
+                f"w{self.num_warps} st{self.num_stages}{' grouped' if self.grouped else ''}")
 
 
 @triton.jit
@@ -88,10 +93,24 @@ def _load_x(ptrs, mask, K, GATED: tl.constexpr):
 
 
 @triton.jit
+def _fma_tile(x, w, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPED: tl.constexpr):
+    """The products of x (BLOCK_M, 1, BLOCK_K) and w (1, BLOCK_N, BLOCK_K) in fp32, to accumulate:
+    elementwise, or where GROUPED summed over each run of FMA_GROUP neighbouring K columns first,
+    (BLOCK_M, BLOCK_N, BLOCK_K // FMA_GROUP). A run is what one thread loads in one 16-byte access,
+    so that sum stays in the thread (no shuffles), and the loop keeps an eighth of the accumulators:
+    72 registers a thread for the 8B o_proj's n8 x k1024 tile against 127 (ptxas, sm_90), so more
+    programs fit an SM. Which form is faster in a decode step is measured there (SkinnyConfig.grouped)."""
+    products = x.to(tl.float32) * w.to(tl.float32)
+    if GROUPED:
+        products = tl.sum(tl.reshape(products, (BLOCK_M, BLOCK_N, BLOCK_K // FMA_GROUP, FMA_GROUP)), 3)
+    return products
+
+
+@triton.jit
 def _skinny_fma_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                        k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       GATED: tl.constexpr, USE_PDL: tl.constexpr):
+                       GATED: tl.constexpr, GROUPED: tl.constexpr, USE_PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     # 3-D index vectors: x tiles are (BLOCK_M, 1, BLOCK_K), weight tiles (1, BLOCK_N, BLOCK_K); their
@@ -112,7 +131,7 @@ def _skinny_fma_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, M, N, K, st
     launch_dependents(USE_PDL)
     wait_for_previous(USE_PDL)
     x = _load_x(x_ptrs + k_start, m_mask & (k_start + k3 < k_end), K, GATED)
-    acc = x.to(tl.float32) * w.to(tl.float32)
+    acc = _fma_tile(x, w, BLOCK_M, BLOCK_N, BLOCK_K, GROUPED)
     for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
         if EVEN_K:
             x = _load_x(x_ptrs + k0, m_mask, K, GATED)
@@ -121,7 +140,7 @@ def _skinny_fma_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, M, N, K, st
             k_mask = k0 + k3 < k_end
             x = _load_x(x_ptrs + k0, m_mask & k_mask, K, GATED)
             w = tl.load(w_ptrs + k0, mask=n_mask & k_mask, other=0.0)
-        acc += x.to(tl.float32) * w.to(tl.float32)
+        acc += _fma_tile(x, w, BLOCK_M, BLOCK_N, BLOCK_K, GROUPED)
     rows_m = tl.arange(0, BLOCK_M)
     rows_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     _store_result(tl.sum(acc, 2), rows_m, rows_n, M, N, bias_ptr, out_ptr, partial_ptr, stride_om, pid_k,
@@ -256,7 +275,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     bias_arg = bias if bias is not None else weight  # unused when HAS_BIAS is off
     assert config.dot or num_rows <= FMA_MAX_ROWS, "the FMA loop is for up to FMA_MAX_ROWS rows"
     if not config.dot:
-        kernel, dot_args = _skinny_fma_kernel, {}
+        kernel, dot_args = _skinny_fma_kernel, dict(GROUPED=config.grouped)
     else:
         upcast, precision = _dot_config(x.dtype)
         kernel, dot_args = _skinny_dot_kernel, dict(UPCAST_DOT=upcast, PRECISION=precision)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,8 @@ _choices: dict[tuple, object] = {}
 # the same keys, for silu_mul_linear where _choices has the kernel -> the gated form's SkinnyConfig, or None for
 # the unfused pair
 _gated_choices: dict[tuple, object] = {}
+# (gated, key) of the decisions runner/decode_tuning.py settled inside the batch-1 decode step
+_settled: set[tuple[bool, tuple]] = set()
 _silu_and_mul = SiluAndMul()  # the unfused gate: the fused kernel on CUDA, PyTorch's on CPU
 
 
@@ -86,6 +89,43 @@ def describe_choices() -> dict[str, str]:
             label = f"{rows} rows x ({n}, {k}){' + bias' if has_bias else ''}{suffix}"
             described[label] = other if config is None else config.label()
     return described
+
+
+def batch1_alternatives() -> list[tuple[bool, tuple, list]]:
+    """The one-row decisions that took the kernel and were not settled yet (settle()), as (gated,
+    key, tilings) to try inside the batch-1 decode step (runner/decode_tuning.py), largest weight
+    first: the decision, then its grouped FMA form, the other candidates timed for that shape, the
+    grouped form of the rule's first and a grouped tile 4x deeper and 4x narrower than the decision. A key whose gated form is in use is tuned as that (its
+    plain entry is not what the step runs)."""
+    alternatives = []
+    for gated, decisions in ((True, _gated_choices), (False, _choices)):
+        for key, config in decisions.items():
+            if key[2] != 1 or config is None or (not gated and _gated_choices.get(key) is not None) \
+                    or (gated, key) in _settled:
+                continue
+            kernels = kernel_module("skinny_gemm")
+            candidates = kernels.candidate_configs(1, key[3], key[4], _num_sms(key[0]))[:MAX_CANDIDATES]
+            tilings = [config, replace(config, grouped=True)] + candidates + [replace(candidates[0], grouped=True)]
+            if not config.dot and config.block_n >= 8 and config.block_k * 4 <= key[4]:
+                # grouped, a thread's registers allow a 4x deeper, 4x narrower tile (the 8B's qkv, run U)
+                tilings.append(replace(config, block_n=config.block_n // 4, block_k=config.block_k * 4, grouped=True))
+            unique = []
+            for tiling in tilings:
+                if tiling not in unique and not (tiling.grouped and tiling.dot):
+                    unique.append(tiling)
+            alternatives.append((gated, key, unique))
+    return sorted(alternatives, key=lambda item: -item[1][3] * item[1][4])
+
+
+def set_choice(gated: bool, key: tuple, config) -> None:
+    """Replace a decision (batch1_alternatives' key) for the calls and graph captures that follow."""
+    (_gated_choices if gated else _choices)[key] = config
+
+
+def settle(gated: bool, key: tuple) -> None:
+    """A decision tuned for good: later engines of this process keep it (as they keep every
+    decision), so that two engines of one process compute alike."""
+    _settled.add((gated, key))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

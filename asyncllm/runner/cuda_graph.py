@@ -99,26 +99,56 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def _capture_all(self) -> None:
         start = time.perf_counter()
-        pool = None
+        self._pool = None
         # largest first, so that smaller graphs fit in the memory the first one took
         keys = [("mixed", t, self.max_context) for t in self.token_sizes]
         keys += [("decode", b, bound) for b in self.batch_sizes for bound in self.context_bounds[b]]
         keys.sort(key=lambda key: (-key[1], -key[2]))
         for key in keys:
-            batch = self._static_batch(*key)
-            self._run_model(batch)  # warm-up: autotuning and lazy initialisation stay out of the graph
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[key] = self._run_model(batch)
-            if pool is None:
-                pool = graph.pool()
-            self.graphs[key] = graph
-            self.batches[key] = batch
+            self._capture(key)
         torch.cuda.synchronize()
         logger.info("captured %d CUDA graphs (decode batches up to %d, mixed steps up to %d tokens) in %.1f s",
                     len(self.graphs), self.max_batch_size, self.max_mixed_tokens, time.perf_counter() - start)
         logger.debug("decode graphs' context bounds by batch size: %s", self.context_bounds)
+
+    def _capture(self, key: tuple[str, int, int]) -> None:
+        batch = self._static_batch(*key)
+        self._run_model(batch)  # warm-up: autotuning and lazy initialisation stay out of the graph
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self.outputs[key] = self._run_model(batch)
+        if self._pool is None:
+            self._pool = graph.pool()
+        self.graphs[key] = graph
+        self.batches[key] = batch
+
+    @torch.inference_mode()
+    def recapture(self, keys: list[tuple[str, int, int]]) -> None:
+        """Capture these graphs again, in the shared pool: after a change to what the forward launches
+        (runner/decode_tuning.py). A graph captured over one of their outputs (a sampler graph) must
+        be captured again too."""
+        for key in keys:
+            graph = self.graphs.pop(key, None)  # gone where a capture of it failed before
+            if graph is not None:
+                graph.reset()
+            self.outputs.pop(key, None)
+            self._capture(key)
+        torch.cuda.synchronize()
+
+    def replay_ms(self, key: tuple[str, int, int], iters: int) -> float:
+        """Device ms of one replay of a graph, over iters back-to-back replays between two events (no
+        host time inside), on the metadata its buffers hold; after one replay untimed."""
+        graph = self.graphs[key]
+        graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / iters
 
     def release(self) -> None:
         """Destroy every graph. Before a tensor-parallel engine's process group goes: a graph that

@@ -15,6 +15,7 @@ import torch
 from asyncllm.attention import ForwardBatch, create_attention_backend
 from asyncllm.config import Config
 from asyncllm.runner.cuda_graph import CudaGraphRunner
+from asyncllm.runner.decode_tuning import tune_batch1_projections
 from asyncllm.runner.host_upload import upload_arrays
 from asyncllm.distributed import get_tp_size
 from asyncllm.engine.scheduler import SchedulerOutput
@@ -116,6 +117,8 @@ class ModelRunner:
             self.graph_runner = CudaGraphRunner(
                 self.model, self.attn_backend, min(config.max_num_seqs, 512), config.max_model_len, self.device,
                 max_mixed_tokens=min(config.cuda_graph_max_tokens, config.max_num_batched_tokens))
+            if self.step_group is None:  # one rank: its batch-1 graph's tilings by the step's time
+                tune_batch1_projections(self.graph_runner, lambda context: self._synthetic_step(0, 0, 1, context))
             if rank == 0:  # the other tensor-parallel ranks never sample
                 self.sampler_graphs = SamplerGraphs(self.graph_runner)
         logger.info("KV cache: %d blocks of %d tokens, %.1f MiB", self.num_kvcache_blocks, self.block_size,

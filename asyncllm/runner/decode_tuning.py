@@ -1,0 +1,89 @@
+"""The batch-1 decode graph's projection tilings, chosen by the step's own time.
+
+layers/skinny_linear picks each projection's tiling by timing the candidates one call at a time,
+between two small kernels. Inside the decode step the order can come out otherwise: on the H200
+the 8B model's o_proj ran the step 24 us faster in the grouped FMA form while its qkv and down
+projections ran it 35 us slower in that form, though all three timed faster grouped alone
+(docs/BENCHMARKS.md run T; run P found the same for cuBLAS against ours). A chat's time per token
+is the batch-1 decode graph's, so that graph is where its tilings are settled: one projection at
+a time, largest first, each alternative is captured into the graph and the step timed, and a
+tiling replaces the decision only where the step ran MIN_GAIN faster. Then every batch-1 decode
+graph is captured again. Once per process: a later engine keeps the decisions, as it keeps every
+skinny-GEMM decision. 11.6 s at the 8B model's start-up on the H200 (about 22 graph captures and
+five timings of 20 replays each, plus a compile per new tiling, which Triton caches), for 0.065 ms a
+token (docs/BENCHMARKS.md run U). ASYNCLLM_DECODE_TUNING=0 turns it off.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+from asyncllm.attention.base import ForwardBatch
+from asyncllm.layers import skinny_linear
+from asyncllm.runner.cuda_graph import CudaGraphRunner
+
+logger = logging.getLogger("asyncllm")
+
+MIN_GAIN = 0.002  # of the step's time: below it (or MIN_GAIN_MS) a tiling is noise, and the decision stays
+MIN_GAIN_MS = 0.002
+REPEATS = 5  # timings per alternative, each of REPLAYS graph replays (the median counts)
+REPLAYS = 20
+
+_enabled = os.environ.get("ASYNCLLM_DECODE_TUNING", "1") != "0"
+
+
+def choose_by_step_time(alternatives: list[tuple[bool, tuple, list]], set_choice: Callable[[bool, tuple, object], None],
+                        step_ms: Callable[[], float]) -> list[tuple[tuple, object, float, float]]:
+    """For each (gated, key, tilings), the first tiling being the current decision: the tiling whose
+    step_ms() is least, where it beats the first by MIN_GAIN and MIN_GAIN_MS; set_choice leaves it in
+    place. Returns (key, tiling kept, the first's ms, the kept one's ms) per key."""
+    kept = []
+    for gated, key, tilings in alternatives:
+        set_choice(gated, key, tilings[0])
+        first_ms = best_ms = step_ms()
+        best = tilings[0]
+        for tiling in tilings[1:]:
+            set_choice(gated, key, tiling)
+            try:
+                ms = step_ms()
+            except Exception as exc:  # noqa: BLE001 - a tiling that fails to compile here only drops out
+                logger.warning("decode tuning: tiling %s for %s left out: %s: %s", tiling.label(), key[3:5],
+                               type(exc).__name__, str(exc)[:200])
+                continue
+            if ms < best_ms and ms < min(first_ms * (1 - MIN_GAIN), first_ms - MIN_GAIN_MS):
+                best, best_ms = tiling, ms
+        set_choice(gated, key, best)
+        kept.append((key, best, first_ms, best_ms))
+    return kept
+
+
+@torch.inference_mode()
+def tune_batch1_projections(graphs: CudaGraphRunner, decode_batch: Callable[[int], ForwardBatch]) -> None:
+    """Settle the 1-row skinny-GEMM tilings in the batch-1 decode graph of `graphs` (one rank; before
+    sampler graphs are captured over the forward graphs' outputs). decode_batch(context): a batch of
+    one decode over that many tokens that stores nothing, to replay the graph on."""
+    if not _enabled:
+        return
+    alternatives = [item for item in skinny_linear.batch1_alternatives() if len(item[2]) > 1]
+    if not alternatives:
+        return
+    start = time.perf_counter()
+    bound = graphs.context_bounds[1][0]
+    key = ("decode", 1, bound)
+    batch = decode_batch(max(1, bound // 2))
+
+    def step_ms() -> float:
+        graphs.recapture([key])
+        graphs.run(batch)  # the decode's metadata into the graph's buffers (the capture cleared them)
+        return sorted(graphs.replay_ms(key, REPLAYS) for _ in range(REPEATS))[REPEATS // 2]
+
+    kept = choose_by_step_time(alternatives, skinny_linear.set_choice, step_ms)
+    for gated, decided_key, _ in alternatives:
+        skinny_linear.settle(gated, decided_key)
+    graphs.recapture([k for k in graphs.graphs if k[0] == "decode" and k[1] == 1])
+    logger.info("batch-1 decode graph's projections tuned in %.1f s: %s", time.perf_counter() - start, "; ".join(
+        f"({k[3]}, {k[4]}) {tiling.label()} {first:.4f} -> {best:.4f} ms" for k, tiling, first, best in kept))
