@@ -91,8 +91,7 @@ def grouped_sweep(runner, chosen: dict, generate, context: int) -> None:
             table.clear()
             table.update(made)
         for suffix, key in grouped:
-            table, made = tables[suffix]
-            table[key] = dataclasses.replace(made[key], grouped=True)
+            skinny_linear.set_choice(suffix == " gated", key, dataclasses.replace(tables[suffix][1][key], grouped=True))
         recapture_graphs(runner)
         generate()
         times = sorted_replay_ms(runner, 1, context)

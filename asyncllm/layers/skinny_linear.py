@@ -95,24 +95,22 @@ def batch1_alternatives() -> list[tuple[bool, tuple, list]]:
     """The one-row decisions that took the kernel and were not settled yet (settle()), as (gated,
     key, tilings) to try inside the batch-1 decode step (runner/decode_tuning.py), largest weight
     first: the decision, then its grouped FMA form, the other candidates timed for that shape, the
-    grouped form of the rule's first and a grouped tile 4x deeper and 4x narrower than the decision. A key whose gated form is in use is tuned as that (its
-    plain entry is not what the step runs)."""
+    grouped form of the rule's first and a grouped tile 4x deeper and 4x narrower than the
+    decision. A key whose gated form is in use is tuned as that (its plain entry is not what the
+    step runs)."""
+    kernels = kernel_module("skinny_gemm")
     alternatives = []
     for gated, decisions in ((True, _gated_choices), (False, _choices)):
         for key, config in decisions.items():
             if key[2] != 1 or config is None or (not gated and _gated_choices.get(key) is not None) \
                     or (gated, key) in _settled:
                 continue
-            kernels = kernel_module("skinny_gemm")
             candidates = kernels.candidate_configs(1, key[3], key[4], _num_sms(key[0]))[:MAX_CANDIDATES]
             tilings = [config, replace(config, grouped=True)] + candidates + [replace(candidates[0], grouped=True)]
             if not config.dot and config.block_n >= 8 and config.block_k * 4 <= key[4]:
                 # grouped, a thread's registers allow a 4x deeper, 4x narrower tile (the 8B's qkv, run U)
                 tilings.append(replace(config, block_n=config.block_n // 4, block_k=config.block_k * 4, grouped=True))
-            unique = []
-            for tiling in tilings:
-                if tiling not in unique and not (tiling.grouped and tiling.dot):
-                    unique.append(tiling)
+            unique = [tiling for tiling in dict.fromkeys(tilings) if not (tiling.grouped and tiling.dot)]
             alternatives.append((gated, key, unique))
     return sorted(alternatives, key=lambda item: -item[1][3] * item[1][4])
 
