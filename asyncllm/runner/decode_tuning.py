@@ -9,9 +9,9 @@ is the batch-1 decode graph's, so that graph is where its tilings are settled: o
 a time, largest first, each alternative is captured into the graph and the step timed, and a
 tiling replaces the decision only where the step ran MIN_GAIN faster. Then every batch-1 decode
 graph is captured again. Once per process: a later engine keeps the decisions, as it keeps every
-skinny-GEMM decision. 14.7 s at the 8B model's start-up on the H200 (about 27 graph captures and
-five timings of 20 replays each, plus a compile per new tiling, which Triton caches), for about
-0.1 ms a token there (docs/BENCHMARKS.md run U). ASYNCLLM_DECODE_TUNING=0 turns it off.
+skinny-GEMM decision. 14.7 s at the 8B model's start-up on the H200 (per alternative a graph
+capture and five timings of 20 replays, plus a compile per new tiling, which Triton caches), for
+about 0.1 ms a token there (docs/BENCHMARKS.md run U). ASYNCLLM_DECODE_TUNING=0 turns it off.
 """
 from __future__ import annotations
 
