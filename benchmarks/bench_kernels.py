@@ -2,7 +2,7 @@
 (flash_attn.cute, when installed). CUDA only.
 
     python benchmarks/bench_kernels.py [--json results.json] [--no-fa4] [--budget-s 60] [--grid]
-                                       [--timing graph|eager] [--splits-sweep] [--mixed]
+                                       [--timing graph|eager] [--splits-sweep] [--mixed] [--tile-sweep]
 
 Timing (--timing graph, the default) is the median of CUDA-graph replays of each call, with L2 flushed
 before every one (asyncllm.layers.skinny_linear.time_calls): decode runs in graphs, and a
@@ -11,7 +11,9 @@ tens of microseconds; FA2's is a C++ op, FA4's a cute-DSL call). --timing eager 
 triton.testing.do_bench's median (runs up to D), which zeroes a 256 MB buffer before every repetition;
 either way each call starts from a cold L2 (50 MB on H200) even when its KV would fit there.
 --splits-sweep times our decode alone at batches 1/4/16 over contexts 128..8k for every split count,
-the data behind choose_num_splits and the decode graphs' context buckets. --mixed times mixed
+the data behind choose_num_splits and the decode graphs' context buckets. --tile-sweep times our
+decode at batches 8..256 over 1k and 8k contexts for each split count and decode tile (BLOCK_N,
+num_stages, num_warps), beside FA4 where installed: the data behind choose_decode_tile. --mixed times mixed
 steps (decodes beside a prefill) with the decodes in the varlen kernel and in the decode kernel. FA2 has no
 paged KV here: it reads the same K/V gathered into contiguous varlen tensors (cum_seq_k). FA4
 reads the paged cache through page_table, like ours. Decode reports achieved K+V bandwidth;
@@ -192,6 +194,53 @@ def splits_sweep(timing: str) -> list[dict]:
     return rows
 
 
+# --tile-sweep: (batch, context, split counts)
+TILE_SWEEP_CASES = [(64, 8192, (1, 2, 3, 4, 6, 8)), (256, 8192, (1, 2)), (8, 8192, (4, 8, 9, 12, 16)),
+                    (64, 1024, (1, 2, 3, 4)), (256, 1024, (1, 2))]
+TILE_SWEEP_TILES = [(n, stages, warps) for n in (32, 64, 128) for stages in (2, 3, 4) for warps in (4, 8)]
+
+
+def tile_sweep(timing: str, fa4) -> list[dict]:
+    """Our decode at each (split count, decode tile) of TILE_SWEEP_CASES, and FA4 (its own splits)."""
+    from asyncllm.kernels import decode_workspace_numel, paged_attention
+    rows = []
+    for batch, context, split_counts in TILE_SWEEP_CASES:
+        c = make_case(batch, 1, context, 128)
+        out = torch.empty_like(c["q"])
+        workspace = torch.empty(decode_workspace_numel(batch, NUM_HEADS, HEAD_DIM, max(split_counts)),
+                                dtype=torch.float32, device="cuda")
+        ref = None
+        labels, calls = [], []
+        for splits, tile in itertools.product(split_counts, TILE_SWEEP_TILES):
+            def ours(splits=splits, tile=tile):
+                return paged_attention(c["q"], c["k_cache"], c["v_cache"], c["query_start_loc"], c["seq_lens"],
+                                       c["block_tables"], 1, c["max_seq_len"], HEAD_DIM ** -0.5, out=out,
+                                       num_splits=splits, workspace=workspace, decode_tile=tile)
+            try:
+                result = ours().float()
+            except Exception as exc:  # noqa: BLE001 - a tile over the shared memory: not a candidate
+                print(f"{batch}x{context} s{splits} tile {tile}: {type(exc).__name__}", flush=True)
+                continue
+            ref = result if ref is None else ref
+            assert (result - ref).abs().max().item() < 2e-2, (splits, tile)
+            labels.append(f"s{splits} n{tile[0]} st{tile[1]} w{tile[2]}")
+            calls.append(ours)
+        if fa4 is not None:
+            calls.append(lambda: fa4(c["q"], c["k_cache"], c["v_cache"], cu_seqlens_q=c["query_start_loc"],
+                                     max_seqlen_q=1, seqused_k=c["seq_lens"], page_table=c["block_tables"],
+                                     causal=True, softmax_scale=HEAD_DIM ** -0.5))
+            labels.append("FA4")
+        times = time_ms(calls, timing)
+        kv_bytes = 2 * batch * c["max_seq_len"] * NUM_KV_HEADS * HEAD_DIM * c["k_cache"].element_size()
+        print(f"\ndecode {batch}x{context} (block 128): best first", flush=True)
+        for label, ms in sorted(zip(labels, times), key=lambda pair: pair[1])[:12]:
+            print(f"  {label:<22} {ms * 1e3:8.1f} us  {kv_bytes / (ms * 1e-3) / 1e12:5.2f} TB/s")
+        rows += [dict(batch=batch, context=context, config=label, ms=ms) for label, ms in zip(labels, times)]
+        del c, out, workspace
+        torch.cuda.empty_cache()
+    return rows
+
+
 # a mixed step: (query heads, decodes, their context, prefill tokens, the prompt's cached context); KV heads 8, D 128,
 # block 256 (the engine's default). The first is issue 17's 64-stream serving step on Qwen3-0.6B's heads.
 MIXED_CASES = [(16, 59, 1100, 1500, 1024), (16, 59, 1100, 1024, 0), (32, 60, 1100, 1500, 1024),
@@ -246,12 +295,21 @@ def main() -> None:
                         help="CUDA-graph replays (default) or eager do_bench calls")
     parser.add_argument("--splits-sweep", action="store_true",
                         help="only our decode, at every split count (batches 1/4/16, contexts 128..8k)")
+    parser.add_argument("--tile-sweep", action="store_true",
+                        help="only our decode at each split count and decode tile, beside FA4 (batches 8..256)")
     parser.add_argument("--mixed", action="store_true",
                         help="only mixed steps: their decodes in the varlen kernel against the decode kernel")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs a CUDA GPU")
     torch.manual_seed(0)
+    if args.tile_sweep:
+        fa4, fa4_error = (None, "disabled") if args.no_fa4 else load_fa4()
+        rows = tile_sweep(args.timing, fa4)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(timing=args.timing, fa4=fa4_error or "installed", results=rows), f, indent=2)
+        return
     if args.splits_sweep or args.mixed:
         rows = splits_sweep(args.timing) if args.splits_sweep else mixed_steps(args.timing)
         if args.json:

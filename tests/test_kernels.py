@@ -20,8 +20,8 @@ from asyncllm.attention.base import ForwardBatch  # noqa: E402
 from asyncllm.attention.torch_ref import (TorchAttentionBackend, paged_attention_torch,  # noqa: E402
                                           store_kvcache_torch)
 from asyncllm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from asyncllm.kernels import (choose_num_splits, decode_workspace_numel, paged_attention,  # noqa: E402
-                              store_kvcache)
+from asyncllm.kernels import (choose_decode_tile, choose_num_splits, decode_workspace_numel,  # noqa: E402
+                              paged_attention, store_kvcache)
 from asyncllm.kernels.paged_attention import MAX_SPLITS  # noqa: E402
 from asyncllm.kernels.host import cdiv  # noqa: E402
 from helpers import compile_for_sm90_in_subprocess, seed_every_test  # noqa: E402
@@ -170,6 +170,24 @@ def test_decode_num_splits_agree(dtype):
         out = run_ours(step, num_splits=num_splits)
         assert_close(out, ref, dtype)
         assert_close(out, base.float(), dtype)
+
+
+def test_choose_decode_tile():
+    small, large = (choose_decode_tile(n, 132, True) for n in (4 * 132, 4 * 132 + 1))
+    assert small == (64, 3, 4) and large == (64, 2, 4)  # past 4 programs per SM: 2 stages
+    assert choose_decode_tile(8, 132, False) == (32, 2, 4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES[-1:] if CUDA else [torch.float32])
+def test_decode_tiles_agree(dtype):
+    """Every decode tile bench_kernels.py --tile-sweep tries gives the reference: tiles wider and
+    narrower than a cache block, one and several splits."""
+    seq_lens = [1, 40, 150] if not CUDA else [1, 40, 333, 4097]
+    step = make_step([1] * len(seq_lens), [s - 1 for s in seq_lens], 16, 4, 2, 64, dtype)
+    ref = reference(step)
+    for tile in ((32, 2, 4), (128, 2, 8)) + (((64, 4, 4), (128, 3, 4)) if CUDA else ()):
+        for num_splits in (1, 3):
+            assert_close(run_ours(step, num_splits=num_splits, decode_tile=tile), ref, dtype)
 
 
 @pytest.mark.parametrize("block_size", [16, 128])
@@ -387,6 +405,10 @@ def test_batch_size_and_table_width_compile_no_new_variants():
 
 def test_choose_num_splits():
     assert choose_num_splits(256, 8, 4096, 132) == 1  # plenty of programs already
+    # rounded down: a grid just short of PROGRAMS_PER_SM x SMs (64 x 8 of 4 x 132) runs unsplit
+    assert choose_num_splits(64, 8, 8192, 132) == 1
+    assert choose_num_splits(8, 8, 8192, 132) == 8
+    assert choose_num_splits(16, 8, 8192, 132) == 4
     assert choose_num_splits(1, 8, 30, 132) == 1  # too short to split
     one = choose_num_splits(1, 8, 8192, 132)
     assert 16 <= one <= MAX_SPLITS

@@ -30,8 +30,8 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
     _fix_interpreter_scalar_index()
 
 from asyncllm.kernels.kv_store import store_kvcache  # noqa: E402
-from asyncllm.kernels.paged_attention import (choose_num_splits, decode_workspace_numel,  # noqa: E402
-                                              paged_attention)
+from asyncllm.kernels.paged_attention import (choose_decode_tile, choose_num_splits,  # noqa: E402
+                                              decode_workspace_numel, paged_attention)
 
 
 def compiled_variants() -> dict[str, int]:
@@ -53,4 +53,5 @@ def compiled_variants() -> dict[str, int]:
     return counts
 
 
-__all__ = ["store_kvcache", "paged_attention", "choose_num_splits", "decode_workspace_numel", "compiled_variants"]
+__all__ = ["store_kvcache", "paged_attention", "choose_num_splits", "choose_decode_tile", "decode_workspace_numel",
+           "compiled_variants"]

@@ -459,13 +459,26 @@ def _decode_reduce_kernel(
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
                       num_sms: int = DEFAULT_NUM_SMS) -> int:
-    """KV splits per sequence for a decode step: enough programs for about PROGRAMS_PER_SM per SM,
-    no split shorter than MIN_SPLIT_TOKENS of the longest sequence, at most MAX_SPLITS. Large
-    batches already fill the GPU and get 1 (no reduction kernel, output written directly)."""
+    """KV splits per sequence for a decode step: as many as keep the grid within PROGRAMS_PER_SM
+    programs per SM, no split shorter than MIN_SPLIT_TOKENS of the longest sequence, at most
+    MAX_SPLITS. Large batches already fill the GPU and get 1 (no reduction kernel, output written
+    directly). Rounded down, not up: a grid just short of the target runs best unsplit (batch 64 x
+    8 KV heads over 8k: 488 us at 1 split, 515 at 2; batch 8: 68.1 us at 8, 68.8 at 9; batch 16:
+    4 splits beat 5), docs/BENCHMARKS.md run V."""
     programs = max(1, num_seqs * num_kv_heads)
-    wanted = cdiv(num_sms * PROGRAMS_PER_SM, programs)
+    wanted = num_sms * PROGRAMS_PER_SM // programs
     by_length = cdiv(max(max_seq_len, 1), MIN_SPLIT_TOKENS)
     return max(1, min(wanted, by_length, MAX_SPLITS))
+
+
+def choose_decode_tile(num_programs: int, num_sms: int, small_elems: bool) -> tuple[int, int, int]:
+    """The decode kernel's (BLOCK_N, num_stages, num_warps): 2-byte K/V in 64-position tiles, three
+    in flight, or two where the grid holds more than PROGRAMS_PER_SM programs per SM (batch 256
+    over 1k: 255 us at two, 267 at three; at batch 64 and below the two tie within 1 %, run V); fp32
+    in 32-position tiles, two."""
+    if not small_elems:
+        return 32, 2, 4
+    return 64, (2 if num_programs > PROGRAMS_PER_SM * num_sms else 3), 4
 
 
 def _first_tile_early(num_seqs: int, num_kv_heads: int, num_splits: int, num_sms: int) -> bool:
@@ -492,7 +505,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     max_query_len: int, max_seq_len: int, scale: float, out: torch.Tensor | None = None,
                     num_splits: int | None = None, workspace: torch.Tensor | None = None,
                     num_sms: int = DEFAULT_NUM_SMS, single_rows: bool = True,
-                    rope=None) -> torch.Tensor:
+                    rope=None, decode_tile: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Causal attention of each sequence's query rows over its paged KV; see the module docstring.
 
     q: (T, H, D); k_cache, v_cache: (num_blocks, block_size, Hkv, D); query_start_loc: (B+1,) int32;
@@ -501,8 +514,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     of one query row (decodes) still go to the decode kernel where single_rows (its GQA tile is 16
     rows, the varlen kernel's up to 128, of which such a row fills G), the rest to the varlen
     kernel; single_rows=False sends every row to the varlen kernel. num_splits (default: from
-    choose_num_splits) and workspace, a flat fp32 tensor of at least decode_workspace_numel(...)
-    elements (default: allocated here), are the decode kernel's. Rows of out beyond
+    choose_num_splits), decode_tile (its (BLOCK_N, num_stages, num_warps), default: from
+    choose_decode_tile; bench_kernels.py --tile-sweep sets it) and workspace, a flat fp32 tensor of
+    at least decode_workspace_numel(...) elements (default: allocated here), are the decode kernel's. Rows of out beyond
     query_start_loc[-1] are not written.
 
     With rope (an attention.base.DecodeRope: what the q/k norm + rotary reads besides the row), q is
@@ -572,6 +586,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             has_norm = rope.q_weight is not None
             rope_args = (rope.positions, rope.cos_sin_cache, rope.q_weight if has_norm else q,
                          rope.k_weight if has_norm else q, rope.slot_mapping, rope.cos_sin_cache.stride(0), rope.eps)
+        tile_n, tile_stages, tile_warps = decode_tile or choose_decode_tile(num_seqs * num_kv_heads * num_splits,
+                                                                            num_sms, small_elems)
         _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
             q, k_cache, v_cache, out, part_out, part_lse,
             query_start_loc, seq_lens, block_tables, *rope_args,
@@ -580,10 +596,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             block_tables.shape[1],
             *part_strides,
-            G=group, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_N=block_n, DIRECT=direct,
+            G=group, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_N=tile_n, DIRECT=direct,
             FIRST_TILE_EARLY=_first_tile_early(num_seqs, num_kv_heads, num_splits, num_sms),
             ROPE=rope is not None, HAS_NORM=rope is not None and rope.q_weight is not None,
-            num_warps=4, num_stages=stages, **common,
+            num_warps=tile_warps, num_stages=tile_stages, **common,
         )
         if not direct:
             _decode_reduce_kernel[(num_seqs, num_heads)](
