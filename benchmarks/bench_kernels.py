@@ -70,6 +70,23 @@ def make_case(batch: int, query_len: int, context: int, block_size: int):
                 max_query_len=query_len, max_seq_len=seq_len)
 
 
+def run_ours(c: dict, out: torch.Tensor, num_splits: int | None = None, workspace: torch.Tensor | None = None,
+             decode_tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+    from asyncllm.kernels import paged_attention
+    return paged_attention(c["q"], c["k_cache"], c["v_cache"], c["query_start_loc"], c["seq_lens"], c["block_tables"],
+                           c["max_query_len"], c["max_seq_len"], HEAD_DIM ** -0.5, out=out, num_splits=num_splits,
+                           workspace=workspace, decode_tile=decode_tile)
+
+
+def run_fa4(fa4, c: dict, num_splits: int = 1) -> torch.Tensor:
+    """FA4 over the same paged cache; num_splits 0 is its own split heuristic."""
+    extra = {} if num_splits == 1 else {"num_splits": num_splits}
+    result = fa4(c["q"], c["k_cache"], c["v_cache"], cu_seqlens_q=c["query_start_loc"], max_seqlen_q=c["max_query_len"],
+                 seqused_k=c["seq_lens"], page_table=c["block_tables"], causal=True, softmax_scale=HEAD_DIM ** -0.5,
+                 **extra)
+    return result[0] if isinstance(result, tuple) else result  # some versions return (out, lse)
+
+
 def time_ms(calls: list, timing: str) -> list[float]:
     """Each call's median device time (ms), cold L2: graph replays or do_bench (see the docstring)."""
     if timing == "eager":
@@ -81,7 +98,7 @@ def time_ms(calls: list, timing: str) -> list[float]:
 
 def bench_case(kind: str, batch: int, query_len: int, context: int, block_size: int, fa4, use_fa4: bool,
                timing: str = "graph", num_splits: int | None = None) -> dict:
-    from asyncllm.kernels import choose_num_splits, decode_workspace_numel, paged_attention
+    from asyncllm.kernels import choose_num_splits, decode_workspace_numel
 
     c = make_case(batch, query_len, context, block_size)
     scale = HEAD_DIM ** -0.5
@@ -97,9 +114,7 @@ def bench_case(kind: str, batch: int, query_len: int, context: int, block_size: 
                                 dtype=torch.float32, device="cuda")
 
     def ours():
-        return paged_attention(c["q"], c["k_cache"], c["v_cache"], c["query_start_loc"], c["seq_lens"],
-                               c["block_tables"], c["max_query_len"], c["max_seq_len"], scale, out=out,
-                               num_splits=num_splits, workspace=workspace)
+        return run_ours(c, out, num_splits, workspace)
 
     def fa2():
         return torch.ops.aten._flash_attention_forward(
@@ -114,16 +129,10 @@ def bench_case(kind: str, batch: int, query_len: int, context: int, block_size: 
 
     row["fa4_ms"] = None
     if fa4 is not None and use_fa4:
-        def run_fa4(splits):
-            extra = {} if splits == 1 else {"num_splits": splits}
-            result = fa4(c["q"], c["k_cache"], c["v_cache"], cu_seqlens_q=c["query_start_loc"],
-                         max_seqlen_q=c["max_query_len"], seqused_k=c["seq_lens"], page_table=c["block_tables"],
-                         causal=True, softmax_scale=scale, **extra)
-            return result[0] if isinstance(result, tuple) else result  # some versions return (out, lse)
         for splits in ((0, 1) if kind == "decode" else (1,)):  # 0: FA4's own split heuristic
             try:
-                fa4_out = run_fa4(splits).float()
-                row["fa4_ms"] = time_ms([lambda: run_fa4(splits)], timing)[0]
+                fa4_out = run_fa4(fa4, c, splits).float()
+                row["fa4_ms"] = time_ms([lambda: run_fa4(fa4, c, splits)], timing)[0]
                 row["fa4_err_vs_fa2"] = ((fa4_out - ref).norm() / ref.norm()).item()
                 row["fa4_num_splits"] = splits
                 break
@@ -167,7 +176,7 @@ def print_table(rows: list[dict]) -> None:
 
 def splits_sweep(timing: str) -> list[dict]:
     """Our decode alone at batches 1/4/16 x contexts 128..8k x every split count up to MAX_SPLITS."""
-    from asyncllm.kernels import decode_workspace_numel, paged_attention
+    from asyncllm.kernels import decode_workspace_numel
     from asyncllm.kernels.paged_attention import MAX_SPLITS
     rows = []
     for batch in (1, 4, 16):
@@ -180,9 +189,7 @@ def splits_sweep(timing: str) -> list[dict]:
                 out = torch.empty_like(c["q"])
 
                 def ours(c=c, splits=splits, workspace=workspace, out=out):
-                    return paged_attention(c["q"], c["k_cache"], c["v_cache"], c["query_start_loc"], c["seq_lens"],
-                                           c["block_tables"], 1, c["max_seq_len"], HEAD_DIM ** -0.5, out=out,
-                                           num_splits=splits, workspace=workspace)
+                    return run_ours(c, out, splits, workspace)
                 rows.append(dict(batch=batch, context=context, num_splits=splits, ours_ms=time_ms([ours], timing)[0]))
                 splits *= 2
     print(f"{'batch':>5} {'context':>7} " + " ".join(f"{'s' + str(1 << i):>7}" for i in range(7)) + "   (us)")
@@ -201,8 +208,8 @@ TILE_SWEEP_TILES = [(n, stages, warps) for n in (32, 64, 128) for stages in (2, 
 
 
 def tile_sweep(timing: str, fa4) -> list[dict]:
-    """Our decode at each (split count, decode tile) of TILE_SWEEP_CASES, and FA4 (its own splits)."""
-    from asyncllm.kernels import decode_workspace_numel, paged_attention
+    """Our decode at each (split count, decode tile) of TILE_SWEEP_CASES, and FA4 (called without num_splits)."""
+    from asyncllm.kernels import decode_workspace_numel
     rows = []
     for batch, context, split_counts in TILE_SWEEP_CASES:
         c = make_case(batch, 1, context, 128)
@@ -213,9 +220,7 @@ def tile_sweep(timing: str, fa4) -> list[dict]:
         labels, calls = [], []
         for splits, tile in itertools.product(split_counts, TILE_SWEEP_TILES):
             def ours(splits=splits, tile=tile):
-                return paged_attention(c["q"], c["k_cache"], c["v_cache"], c["query_start_loc"], c["seq_lens"],
-                                       c["block_tables"], 1, c["max_seq_len"], HEAD_DIM ** -0.5, out=out,
-                                       num_splits=splits, workspace=workspace, decode_tile=tile)
+                return run_ours(c, out, splits, workspace, tile)
             try:
                 result = ours().float()
             except Exception as exc:  # noqa: BLE001 - a tile over the shared memory: not a candidate
@@ -226,9 +231,7 @@ def tile_sweep(timing: str, fa4) -> list[dict]:
             labels.append(f"s{splits} n{tile[0]} st{tile[1]} w{tile[2]}")
             calls.append(ours)
         if fa4 is not None:
-            calls.append(lambda: fa4(c["q"], c["k_cache"], c["v_cache"], cu_seqlens_q=c["query_start_loc"],
-                                     max_seqlen_q=1, seqused_k=c["seq_lens"], page_table=c["block_tables"],
-                                     causal=True, softmax_scale=HEAD_DIM ** -0.5))
+            calls.append(lambda: run_fa4(fa4, c))
             labels.append("FA4")
         times = time_ms(calls, timing)
         kv_bytes = 2 * batch * c["max_seq_len"] * NUM_KV_HEADS * HEAD_DIM * c["k_cache"].element_size()

@@ -516,8 +516,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     kernel; single_rows=False sends every row to the varlen kernel. num_splits (default: from
     choose_num_splits), decode_tile (its (BLOCK_N, num_stages, num_warps), default: from
     choose_decode_tile; bench_kernels.py --tile-sweep sets it) and workspace, a flat fp32 tensor of
-    at least decode_workspace_numel(...) elements (default: allocated here), are the decode kernel's. Rows of out beyond
-    query_start_loc[-1] are not written.
+    at least decode_workspace_numel(...) elements (default: allocated here), are the decode kernel's.
+    Rows of out beyond query_start_loc[-1] are not written.
 
     With rope (an attention.base.DecodeRope: what the q/k norm + rotary reads besides the row), q is
     the fused projection (T, (H + 2 * Hkv) * D), rows [q | k | v], before that norm + rotary, and
@@ -563,8 +563,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     pdl = launch_options(q)
     common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
                   UPCAST_DOT=upcast, PRECISION=precision, **pdl)
-    block_n = 64 if small_elems else 32
-    stages = 3 if small_elems else 2
 
     if decode_kernel:
         direct = num_splits == 1
@@ -612,6 +610,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             return out
 
     # prefill / mixed: rows of a tile are (token, head) pairs, BLOCK_M = BLOCK_Q * G rounded up
+    block_n, stages = (64, 3) if small_elems else (32, 2)
     max_m = 128 if small_elems and block_d <= 128 else 64
     block_m = max(16, min(max_m, next_power_of_2(max_query_len * group)))
     block_m = max(block_m, next_power_of_2(group))
