@@ -165,11 +165,11 @@ def profile_workload(core, num_requests: int, device: str, features: str = "plai
     launched_steps = []
     launch = core.runner.launch
 
-    def timed_launch(sched, prev, constraints=None):
+    def timed_launch(sched, prev, **kwargs):
         start = torch.cuda.Event(enable_timing=True) if cuda else None
         if cuda:
             start.record()
-        launched = launch(sched, prev, constraints=constraints)
+        launched = launch(sched, prev, **kwargs)
         end = torch.cuda.Event(enable_timing=True) if cuda else None
         if cuda:
             end.record()

@@ -14,6 +14,14 @@ phase of every step, in wall time and in the calling thread's CPU time:
   stream() only: LLM.generate waits inside resolve);
 - resolve: EngineCore.resolve_step; deliver: AsyncLLMEngine._deliver (stream() only).
 
+With --detail, the parts of launch too (each inside one of the phases above): schedule and commit
+(the scheduler's), timer (the step timer's events), upload (host_upload.upload_arrays, inside
+make_batch), metadata (the backend's prepare_metadata: inside forward, eager steps only),
+replay_inputs (the backend's prepare_for_replay, inside forward), replay (every CUDAGraph.replay:
+the forward graph's inside forward, the sampler graph's inside sampler), sampling_tensors
+(SamplingInputs.tensors) and queue_copy (LaunchedStep._queued: the sampled ids' copy to the host
+and its event).
+
 A phase whose wall time is well over its CPU time waited for something: the device, or the
 interpreter lock held by the other thread. The table gives each phase's median per step (us), the
 step period (launch to launch), the device's share of it (steps' device time from stats), and the
@@ -28,11 +36,14 @@ import statistics
 import threading
 import time
 
+import torch
 from bench_latency import stream_tpot_runs
-from common import (Report, add_engine_args, checkpoint_from_args, engine_kwargs, make_parser, parse_args,
-                    random_prompt, release_memory)
+from common import (Report, add_engine_args, checkpoint_from_args, engine_kwargs, format_table, make_parser,
+                    parse_args, random_prompt, release_memory)
 
 from asyncllm import LLM, AsyncLLMEngine, SamplingParams
+from asyncllm.runner import model_runner
+from asyncllm.runner.launched_step import LaunchedStep
 
 
 class PhaseClock:
@@ -42,12 +53,19 @@ class PhaseClock:
         self.steps: list[dict[str, list[float]]] = []
         self.launch_starts: list[float] = []
         self.recording = False
-        self._wrapped: list[tuple[object, str]] = []
+        self._wrapped: list[tuple[object, str, object]] = []  # (owner, name, what owner.__dict__ held)
 
     def wrap(self, owner, name: str, phase: str) -> None:
+        """Time owner.name (an instance's, a class's or a module's attribute) as part of phase."""
         method = getattr(owner, name, None) if owner is not None else None
         if method is None:  # another version of the engine (the script compares versions): no such phase
             return
+        # a class's function: the wrapper is a function too, so the class binds it as it did the original
+        wrapper = self._timed(method, phase)
+        self._wrapped.append((owner, name, vars(owner).get(name)))
+        setattr(owner, name, wrapper)
+
+    def _timed(self, method, phase: str):
 
         def timed(*args, **kwargs):
             if not self.recording:
@@ -63,17 +81,30 @@ class PhaseClock:
                     step = self.steps[-1]
                     step[phase].append(time.perf_counter() - wall)
                     step[phase + " cpu"].append(time.thread_time() - cpu)
-        setattr(owner, name, timed)
-        self._wrapped.append((owner, name))
+        return timed
 
     def remove(self) -> None:
         """The wrappers go (the engine's own methods again; nothing keeps the engine alive)."""
-        for owner, name in self._wrapped:
-            del owner.__dict__[name]
+        for owner, name, held in reversed(self._wrapped):
+            if held is None:  # an instance's method came from its class
+                delattr(owner, name)
+            else:
+                setattr(owner, name, held)
         self._wrapped = []
 
-    def instrument(self, core, engine=None) -> None:
+    def instrument(self, core, engine=None, detail: bool = False) -> None:
         runner = core.runner
+        if detail:
+            self.wrap(core.scheduler, "schedule", "schedule")
+            self.wrap(core.scheduler, "commit", "commit")
+            self.wrap(core.step_timer, "start", "timer")
+            self.wrap(core.step_timer, "stop", "timer")
+            self.wrap(model_runner, "upload_arrays", "upload")
+            self.wrap(runner.attn_backend, "prepare_metadata", "metadata")
+            self.wrap(runner.attn_backend, "prepare_for_replay", "replay_inputs")
+            self.wrap(torch.cuda.CUDAGraph, "replay", "replay")
+            self.wrap(runner.sampling_inputs, "tensors", "sampling_tensors")
+            self.wrap(LaunchedStep, "_queued", "queue_copy")
         self.wrap(core, "launch_step", "launch")
         self.wrap(core, "wait_step", "wait")
         self.wrap(core, "resolve_step", "resolve")
@@ -109,7 +140,7 @@ async def stream_rows(model_dir: str, kwargs: dict, rng: random.Random, args) ->
             params = SamplingParams(temperature=temperature, max_tokens=args.tokens, ignore_eos=True)
             await engine.generate(random_prompt(rng, args.prompt_len), params)  # this temperature's kernels warm
             clock = PhaseClock()
-            clock.instrument(engine._core, engine)
+            clock.instrument(engine._core, engine, args.detail)
             await engine.wait_idle()
             before = engine.stats()
             loop_cpu, engine_cpu = time.thread_time(), thread_cpu(engine_thread)
@@ -130,7 +161,7 @@ def generate_rows(model_dir: str, kwargs: dict, rng: random.Random, args) -> lis
     llm = LLM(model_dir, **kwargs)
     llm.generate([random_prompt(rng, args.prompt_len)], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     clock = PhaseClock()
-    clock.instrument(llm.core)
+    clock.instrument(llm.core, detail=args.detail)
     for temperature in args.temperatures:
         params = SamplingParams(temperature=temperature, max_tokens=args.tokens, ignore_eos=True)
         llm.generate([random_prompt(rng, args.prompt_len)], params, use_tqdm=False)
@@ -168,10 +199,13 @@ def row(path: str, temperature: float, tpots: list[float], clock: PhaseClock, be
 
 PHASES = ["launch", "build_inputs", "make_batch", "forward", "sampling_inputs", "sampler", "deliver", "wait",
           "resolve"]
+DETAIL_PHASES = ["schedule", "commit", "timer", "upload", "metadata", "replay_inputs", "replay", "sampling_tensors",
+                 "queue_copy"]
 COLUMNS = [("path", "path"), ("T", "temperature"), ("TPOT ms", "tpot_ms", "{:.3f}"),
            ("period us", "period_us", "{:.0f}"), ("device us/step", "device_us", "{:.0f}"),
            ("engine CPU us/tok", "engine_cpu_us", "{:.0f}"), ("loop CPU us/tok", "loop_cpu_us", "{:.0f}")] + [
     (f"{p} us (cpu)", f"{p}_pair") for p in PHASES]
+DETAIL_COLUMNS = [("path", "path"), ("T", "temperature")] + [(f"{p} us (cpu)", f"{p}_pair") for p in DETAIL_PHASES]
 
 
 def main(argv=None) -> dict:
@@ -181,6 +215,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--detail", action="store_true",
+                        help="also time the parts of launch (a second table; each wrapper adds ~1 us)")
     parser.set_defaults(max_num_seqs=8)
     args = parse_args(parser, argv)
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
@@ -191,11 +227,15 @@ def main(argv=None) -> dict:
         results = generate_rows(model_dir, kwargs, rng, args)
         results += asyncio.run(stream_rows(model_dir, kwargs, rng, args))
     for r in results:
-        for p in PHASES:
+        for p in PHASES + DETAIL_PHASES:
             wall, cpu = r.get(f"{p}_us"), r.get(f"{p} cpu_us")
             r[f"{p}_pair"] = "-" if wall is None else f"{wall:.0f} ({cpu:.0f})"
         report.add(r)
-    report.finish(f"Batch-1 step phases, {args.shape}, {args.backend}", COLUMNS)
+    table = report.finish(f"Batch-1 step phases, {args.shape}, {args.backend}", COLUMNS)
+    if args.detail:
+        detail = format_table(report.data["results"], DETAIL_COLUMNS)
+        print(f"\nThe parts of launch (us per step, median):\n\n{detail}", flush=True)
+        report.set("table", f"{table}\n\nThe parts of launch:\n\n{detail}")
     return report.data
 
 

@@ -19,6 +19,7 @@ sys.path.insert(0, BENCHMARKS)
 
 import bench_ablation  # noqa: E402
 import bench_delivery  # noqa: E402
+import bench_host_ops  # noqa: E402
 import bench_latency  # noqa: E402
 import bench_profile  # noqa: E402
 import bench_step_phases  # noqa: E402
@@ -101,9 +102,16 @@ def test_bench_profile_runs_with_its_workload(tiny_model):
 
 
 def test_bench_step_phases_times_every_phase_of_both_paths(tiny_model):
+    from asyncllm.runner import model_runner
+    from asyncllm.runner.launched_step import LaunchedStep
+    originals = LaunchedStep._queued, model_runner.upload_arrays
     data = bench_step_phases.main(["--model-dir", tiny_model, "--device", "cpu", "--overlap", "on", "--tokens", "12",
-                                   "--prompt-len", "8", "--reps", "1"])
+                                   "--prompt-len", "8", "--reps", "1", "--detail"])
+    # the wrappers of class and module attributes are gone again (the originals back, not deleted)
+    assert (LaunchedStep._queued, model_runner.upload_arrays) == originals
     rows = rows_without_errors(data)
+    # the parts of launch (--detail), in both paths: the scheduler, the upload, the copy to the host
+    assert all(row["schedule_us"] > 0 and row["upload_us"] > 0 and row["queue_copy_us"] > 0 for row in rows)
     assert [(row["path"], row["temperature"]) for row in rows] == [
         ("LLM.generate", 0.0), ("LLM.generate", 0.6), ("stream()", 0.0), ("stream()", 0.6)]
     for row in rows:
@@ -111,3 +119,10 @@ def test_bench_step_phases_times_every_phase_of_both_paths(tiny_model):
     # the engine thread waits for the step in flight (wait_step), delivers, and the event loop works
     assert all("wait_us" in row and row["deliver_us"] > 0 and row["loop_cpu_us"] > 0
                for row in rows if row["path"] == "stream()")
+
+
+def test_bench_host_ops_times_the_calls_that_the_cpu_has():
+    data = bench_host_ops.main(["--device", "cpu", "--calls", "20"])
+    rows = rows_without_errors(data)
+    assert any(row["call"].startswith("upload_arrays") for row in rows)
+    assert all(row["us"] > 0 for row in rows)

@@ -341,11 +341,14 @@ class FakeEvent:
     clock = 0.0
     completed_up_to = 0.0
 
+    made = 0
+
     def __init__(self, enable_timing: bool = False):
         assert enable_timing
         self.time = None
+        FakeEvent.made += 1
 
-    def record(self):
+    def record(self, stream=None):
         FakeEvent.clock += 1.0
         self.time = FakeEvent.clock
 
@@ -384,6 +387,14 @@ def test_cuda_step_timer_reads_events_once_they_completed(monkeypatch):
     FakeEvent.completed_up_to = 1e9
     timer.collect()
     assert seen == [(100, 4, 2.0), (200, 4, 3.0), (300, 4, 4.0)]
+    # events read are recorded again for later steps (none made), and time those steps right
+    made = FakeEvent.made
+    for p in (500, 600):
+        started = timer.start()
+        FakeEvent.clock += p / 100
+        timer.stop(started, p, 2)
+    timer.collect()
+    assert FakeEvent.made == made and seen[3:] == [(500, 2, 6.0), (600, 2, 7.0)]
 
 
 def test_priority_reaches_the_scheduler_through_the_engine(tiny_qwen3):

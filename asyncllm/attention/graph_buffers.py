@@ -44,12 +44,15 @@ class PagedGraphBuffers:
     def load(self, batch: ForwardBatch, graph_batch: ForwardBatch) -> None:
         """Copy batch's metadata in for a replay of the graph captured with graph_batch."""
         n, t = batch.num_seqs, batch.num_tokens
-        self.slot_mapping[:t].copy_(batch.slot_mapping, non_blocking=True)
-        self.seq_lens[:n].copy_(batch.seq_lens, non_blocking=True)
+        # a batch the graph's size copies into the capture's views (bind): no new views, 1-2 us of host each
+        full = n == graph_batch.num_seqs and t == graph_batch.num_tokens
+        (graph_batch.slot_mapping if full else self.slot_mapping[:t]).copy_(batch.slot_mapping, non_blocking=True)
+        (graph_batch.seq_lens if full else self.seq_lens[:n]).copy_(batch.seq_lens, non_blocking=True)
         # columns past the live batch's width keep stale ids; no kernel reads past a row's length
         cols = batch.block_tables.shape[1]
         assert cols <= self.block_tables.shape[1], "block table wider than max_blocks_per_seq"
-        self.block_tables[:n, :cols].copy_(batch.block_tables, non_blocking=True)
+        (graph_batch.block_tables[:, :cols] if full else self.block_tables[:n, :cols]).copy_(
+            batch.block_tables, non_blocking=True)
         if t < graph_batch.num_tokens:
             self.slot_mapping[t:graph_batch.num_tokens].fill_(-1)
         if n < graph_batch.num_seqs:

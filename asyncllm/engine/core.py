@@ -306,13 +306,14 @@ class EngineCore:
         return [event for step in launched for event in self._resolve(step)]
 
     def _launch(self, sched: SchedulerOutput) -> LaunchedStep:
-        started = self.step_timer.start()
+        stream = self.runner.current_stream()  # looked up once: the step's three events are recorded on it
+        started = self.step_timer.start(stream)
         constraints = None
         if self._constrained:  # requests without a grammar pay this one check
             self._constrained = [seq for seq in self._constrained if not seq.is_finished]
             constraints = StepConstraints.of(sched, self._grammar_compiler)
-        launched = self.runner.launch(sched, self._in_flight, constraints=constraints)
-        self.step_timer.stop(started, sched.num_batched_tokens - sched.num_decodes, sched.num_decodes)
+        launched = self.runner.launch(sched, self._in_flight, constraints=constraints, stream=stream)
+        self.step_timer.stop(started, sched.num_batched_tokens - sched.num_decodes, sched.num_decodes, stream)
         self.scheduler.commit(sched)
         self._last_sched = sched
         row = 0

@@ -182,8 +182,12 @@ class CudaGraphRunner:
             return None
         graph_batch = self.batches[key]
         num_tokens = batch.num_tokens
-        self.input_ids[:num_tokens].copy_(batch.input_ids, non_blocking=True)
-        self.positions[:num_tokens].copy_(batch.positions, non_blocking=True)
+        if num_tokens == graph_batch.num_tokens:  # the capture's views: no new ones (1-2 us of host each)
+            graph_batch.input_ids.copy_(batch.input_ids, non_blocking=True)
+            graph_batch.positions.copy_(batch.positions, non_blocking=True)
+        else:
+            self.input_ids[:num_tokens].copy_(batch.input_ids, non_blocking=True)
+            self.positions[:num_tokens].copy_(batch.positions, non_blocking=True)
         num_logits = batch.logits_indices.shape[0]
         if key[0] == "mixed":
             self.logits_indices[:num_logits].copy_(batch.logits_indices, non_blocking=True)

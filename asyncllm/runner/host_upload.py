@@ -5,8 +5,9 @@ A step's inputs (token ids, positions, slots, block tables, ...) and its samplin
 from pageable memory costs the host tens of microseconds on CUDA, and at batch 1 the host's work is
 what a decode step waits for; packed into one pinned buffer they take one non-blocking copy. The
 pinned buffer comes from torch's caching host allocator, which keeps it from reuse until the copy
-has run. Arrays of one dtype lie side by side, so each dtype's tensors come out of one split: a
-slice and a view per array cost the host about as much as the copy.
+has run. Each tensor is one slice of the copy seen as its dtype: every tensor object costs the
+host 1-2 us (a split into each array and its padding made twice as many, 32 us of a 63 us upload at
+batch 1 on the H200's host, docs/BENCHMARKS.md run W).
 """
 from __future__ import annotations
 
@@ -28,29 +29,27 @@ def upload_arrays(arrays: list[np.ndarray], device: torch.device) -> list[torch.
         return []  # no copy at all (a greedy step's sampling settings)
     if device.type != "cuda":
         return [torch.from_numpy(np.array(a)) for a in arrays]
-    groups: dict[np.dtype, list[int]] = {}
-    for i, a in enumerate(arrays):
-        groups.setdefault(a.dtype, []).append(i)
-    spans, offsets, total = [], [0] * len(arrays), 0  # per dtype: (dtype, indices, first byte, end, split sizes)
-    for dtype, indices in groups.items():
-        per_align = _ALIGN // dtype.itemsize
-        start, sizes = total, []
-        for i in indices:
-            n = arrays[i].size
-            padded = -(-n // per_align) * per_align
-            offsets[i] = total
-            sizes += (n, padded - n)
-            total += padded * dtype.itemsize
-        spans.append((dtype, indices, start, total, sizes))
+    offsets, total = [], 0
+    for a in arrays:
+        offsets.append(total)
+        total += -(-a.nbytes // _ALIGN) * _ALIGN
     host = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=True)
     host_bytes = host.numpy()
+    host_views: dict[np.dtype, np.ndarray] = {}  # the buffer as each dtype: one slice per array
     for a, offset in zip(arrays, offsets):
-        host_bytes[offset:offset + a.nbytes].view(a.dtype)[:] = a.ravel()
+        typed = host_views.get(a.dtype)
+        if typed is None:
+            typed = host_views[a.dtype] = host_bytes.view(a.dtype)
+        start = offset // a.itemsize
+        typed[start:start + a.size] = a.ravel()
     on_device = host.to(device, non_blocking=True)
-    out: list[torch.Tensor | None] = [None] * len(arrays)
-    for dtype, indices, start, end, sizes in spans:
-        pieces = on_device[start:end].view(_TORCH_DTYPES[dtype]).split(sizes)
-        for j, i in enumerate(indices):
-            shape = arrays[i].shape
-            out[i] = pieces[2 * j] if len(shape) == 1 else pieces[2 * j].view(shape)
+    device_views: dict[np.dtype, torch.Tensor] = {}
+    out = []
+    for a, offset in zip(arrays, offsets):
+        typed = device_views.get(a.dtype)
+        if typed is None:
+            typed = device_views[a.dtype] = on_device.view(_TORCH_DTYPES[a.dtype])
+        start = offset // a.itemsize
+        piece = typed[start:start + a.size]
+        out.append(piece if a.ndim == 1 else piece.view(a.shape))
     return out

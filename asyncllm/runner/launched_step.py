@@ -38,8 +38,9 @@ class LaunchedStep:
 
     def __init__(self, sched: SchedulerOutput, output: SamplerOutput | None = None, logprob_ks: list[int] | None = None,
                  prompt_logprobs: LogprobsTensors | None = None, prompt_plan: PromptLogprobsPlan | None = None,
-                 sample=None):
+                 sample=None, stream=None):
         self.sched = sched
+        self._stream = stream  # the one the step is queued on (None: the current one, looked up)
         self.logprob_ks = logprob_ks  # per sampling row: the top-k it asked for, -1 none; None: no row asked
         self.prompt_plan = prompt_plan  # the prompt positions scored in this step, if any
         self._host_prompt_logprobs = None if prompt_logprobs is None else _logprobs_to_host(prompt_logprobs)
@@ -54,7 +55,7 @@ class LaunchedStep:
         self._copied = None
         if self.sampled.device.type == "cuda":
             self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._copied.record(self._stream)
 
     def queue_sampling(self) -> None:
         """Queue the step's sampling if it is still pending (idempotent)."""

@@ -269,7 +269,6 @@ class ModelRunner:
             num_seqs=len(query_lens_cpu), num_tokens=len(inputs.input_ids), max_query_len=max(query_lens_cpu),
             max_seq_len=max(seq_lens_cpu), query_lens_cpu=query_lens_cpu, seq_lens_cpu=seq_lens_cpu,
             attn_backend=self.attn_backend)
-        self.attn_backend.prepare_metadata(batch)
         return batch, extra
 
     def build_inputs(self, sched: SchedulerOutput) -> tuple[StepInputs, np.ndarray, np.ndarray]:
@@ -326,6 +325,7 @@ class ModelRunner:
             logits = self.graph_runner.run(batch)
             if logits is not None:
                 return logits
+        self.attn_backend.prepare_metadata(batch)  # a replay reads the graph's own: eager steps only
         hidden_states = self.model(batch.input_ids, batch.positions, batch)
         return self.model.compute_logits(hidden_states[batch.logits_indices])
 
@@ -334,14 +334,20 @@ class ModelRunner:
         """The model on one step's inputs: logits of the rows in inputs.logits_indices."""
         return self._forward(self._make_batch(inputs)[0])
 
+    def current_stream(self) -> torch.cuda.Stream | None:
+        """The CUDA stream this thread queues work on (None on CPU)."""
+        return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput, prev: LaunchedStep | None, constraints=None) -> LaunchedStep:
+    def launch(self, sched: SchedulerOutput, prev: LaunchedStep | None, constraints=None,
+               stream: torch.cuda.Stream | None = None) -> LaunchedStep:
         """Queue one step's forward and sampling. Inputs still PENDING_TOKEN are the ids prev sampled:
         they are filled in on the device, so the host never waits for prev.
 
         constraints (structured.step_masks.StepConstraints, or None): rows held to a grammar. Their
         bitmask is filled on the host after the forward is queued, so it overlaps the forward; a row
-        whose last token prev is still sampling waits for prev's ids (not for this step's forward)."""
+        whose last token prev is still sampling waits for prev's ids (not for this step's forward).
+        stream: the current stream where the caller has it (None: looked up when needed)."""
         if prev is not None:
             prev.queue_sampling()  # the device runs prev's sampling before this step's forward
         inputs, pending_at, pending_rows = self.build_inputs(sched)
@@ -369,7 +375,9 @@ class ModelRunner:
             scattered = [pending_at, pending_rows] if len(pending_at) and not in_place else []
             batch, uploaded = self._make_batch(inputs, scattered + sampling_arrays)
             if in_place:
-                batch.input_ids[:len(pending_at)].copy_(prev_sampled[:len(pending_at)])
+                num = len(pending_at)  # whole tensors where they fit (a steady decode batch): no new views
+                (batch.input_ids if num == batch.num_tokens else batch.input_ids[:num]).copy_(
+                    prev_sampled if num == len(prev_sampled) else prev_sampled[:num])
             elif scattered:
                 at, rows, *uploaded = uploaded
                 batch.input_ids.index_copy_(0, at, prev_sampled.index_select(0, rows))
@@ -387,7 +395,7 @@ class ModelRunner:
         if constraints is None:
             output = None if self.sampler_graphs is None else self.sampler_graphs.sample(sampling, len(logits))
             return LaunchedStep(sched, output or self.sampler(logits, sampling), logprob_ks, prompt_logprobs,
-                                prompt_plan)
+                                prompt_plan, stream=stream)
         # constrained rows: advance their matchers here (it may wait for prev's ids), then fill the
         # bitmask on a worker thread (xgrammar releases the GIL) while this thread resolves prev and
         # plans the next step; the sampling is queued once the next step needs it
@@ -398,7 +406,7 @@ class ModelRunner:
         def sample() -> SamplerOutput:
             sampling.mask_rows, sampling.token_bitmask = upload_bitmask()
             return self.sampler(logits, sampling)
-        return LaunchedStep(sched, None, logprob_ks, prompt_logprobs, prompt_plan, sample=sample)
+        return LaunchedStep(sched, None, logprob_ks, prompt_logprobs, prompt_plan, sample=sample, stream=stream)
 
     def release_cuda_graphs(self) -> None:
         """Drop the CUDA graphs (and their memory); later steps run eagerly."""
