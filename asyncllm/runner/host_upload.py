@@ -5,9 +5,9 @@ A step's inputs (token ids, positions, slots, block tables, ...) and its samplin
 from pageable memory costs the host tens of microseconds on CUDA, and at batch 1 the host's work is
 what a decode step waits for; packed into one pinned buffer they take one non-blocking copy. The
 pinned buffer comes from torch's caching host allocator, which keeps it from reuse until the copy
-has run. Each tensor is one slice of the copy seen as its dtype: every tensor object costs the
-host 1-2 us (a split into each array and its padding made twice as many, 32 us of a 63 us upload at
-batch 1 on the H200's host, docs/BENCHMARKS.md run W).
+has run. Each tensor is one slice of the copy seen as its dtype. Every tensor object costs the host
+2-3 us, so an upload costs about as many of those as it has arrays (a batch-1 step's 9 arrays: 63-68 us
+on the H200's hosts, docs/BENCHMARKS.md run W): fewer arrays, not another way to cut them, makes it cheaper.
 """
 from __future__ import annotations
 
