@@ -138,3 +138,51 @@ def test_a_failed_step_leaves_nothing_in_flight(llms, monkeypatch):
 def test_overlap_option_is_validated(tiny_qwen3):
     with pytest.raises(ValueError, match="Config.overlap_scheduling: expected a bool or None"):
         LLM(tiny_qwen3, overlap_scheduling="yes")
+
+
+def reference_inputs(sched, block_size: int) -> dict[str, list]:
+    """A step's inputs token by token, in plain Python: what ModelRunner.build_inputs must give."""
+    out = {name: [] for name in ("input_ids", "positions", "slot_mapping", "query_lens", "seq_lens", "logits_indices",
+                                 "pending_at", "pending_rows")}
+    width = max(len(item.seq.block_table) for item in sched.scheduled)
+    out["block_tables"] = [item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in sched.scheduled]
+    for item in sched.scheduled:
+        seq, start = item.seq, item.seq.num_computed_tokens
+        for position in range(start, start + item.num_tokens):
+            if seq.token_ids[position] == PENDING_TOKEN:  # the last token, sampled by the step in flight
+                out["pending_at"].append(len(out["input_ids"]))
+                out["pending_rows"].append(seq.sample_row)
+            out["input_ids"].append(seq.token_ids[position])
+            out["positions"].append(position)
+            out["slot_mapping"].append(seq.block_table[position // block_size] * block_size + position % block_size)
+        out["query_lens"].append(item.num_tokens)
+        out["seq_lens"].append(start + item.num_tokens)
+        if item.samples:
+            out["logits_indices"].append(len(out["input_ids"]) - 1)
+    return out
+
+
+@pytest.mark.parametrize("shape", ["roomy", "small"])
+def test_every_steps_inputs_match_a_token_by_token_reference(llms, shape, monkeypatch):
+    """build_inputs' numpy (decode-only steps and steps with prefill chunks) against a
+    plain-Python reference, on every step of runs with prefill chunks, preemption, prefix hits and
+    tokens still in flight."""
+    llm = llms(shape, True)
+    runner = llm.core.runner
+    build, checked = runner.build_inputs, {"decode-only": 0, "mixed": 0, "pending": 0}
+
+    def checking_build(sched):
+        inputs, pending_at, pending_rows = build(sched)
+        expected = reference_inputs(sched, runner.block_size)
+        got = dict(input_ids=inputs.input_ids, positions=inputs.positions, slot_mapping=inputs.slot_mapping,
+                   query_lens=inputs.query_lens, seq_lens=inputs.seq_lens, logits_indices=inputs.logits_indices,
+                   pending_at=pending_at, pending_rows=pending_rows, block_tables=inputs.block_tables)
+        for name, array in got.items():
+            assert array.tolist() == expected[name], name
+        assert inputs.block_tables.dtype.name == "int32" and inputs.slot_mapping.dtype.name == "int64"
+        checked["decode-only" if len(inputs.input_ids) == len(sched.scheduled) else "mixed"] += 1
+        checked["pending"] += len(pending_at) > 0
+        return inputs, pending_at, pending_rows
+    monkeypatch.setattr(runner, "build_inputs", checking_build)
+    tokens(llm, PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert all(checked.values()), checked
