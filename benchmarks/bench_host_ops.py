@@ -10,12 +10,11 @@ a CPU form run (no pinned memory, events or graphs).
 """
 from __future__ import annotations
 
-import statistics
 import time
 
 import numpy as np
 import torch
-from common import Report, make_parser, parse_args
+from common import Report, make_parser, median, parse_args, synchronize
 
 from asyncllm.runner.host_upload import upload_arrays
 
@@ -25,11 +24,11 @@ STEP_ARRAYS = [np.array([5], np.int64), np.array([200], np.int64), np.array([123
                np.arange(2, dtype=np.int32).reshape(1, 2), np.array([0.6], np.float32), np.array([12345], np.int64)]
 
 
-def time_call(fn, calls: int, sync) -> float:
+def time_call(fn, calls: int, device: str) -> float:
     """us per call: the best of three medians of `calls` timed calls, after a warm-up."""
     for _ in range(50):
         fn()
-    sync()
+    synchronize(device)
     medians = []
     for _ in range(3):
         times = []
@@ -37,8 +36,8 @@ def time_call(fn, calls: int, sync) -> float:
             start = time.perf_counter()
             fn()
             times.append(time.perf_counter() - start)
-        medians.append(statistics.median(times) * 1e6)
-        sync()
+        medians.append(median(times) * 1e6)
+        synchronize(device)
     return min(medians)
 
 
@@ -78,11 +77,9 @@ def main(argv=None) -> dict:
     parser = make_parser(__doc__)
     parser.add_argument("--calls", type=int, default=2000)
     args = parse_args(parser, argv)
-    device = torch.device(args.device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     report = Report("host_ops", args)
-    for name, fn in host_ops(device):
-        report.add({"call": name, "us": time_call(fn, args.calls, sync)})
+    for name, fn in host_ops(torch.device(args.device)):
+        report.add({"call": name, "us": time_call(fn, args.calls, args.device)})
     report.finish(f"Host cost per call, {args.device} (hot loop)", [("call", "call"), ("us", "us", "{:.2f}")])
     return report.data
 

@@ -66,7 +66,6 @@ class PhaseClock:
         setattr(owner, name, wrapper)
 
     def _timed(self, method, phase: str):
-
         def timed(*args, **kwargs):
             if not self.recording:
                 return method(*args, **kwargs)
