@@ -1,15 +1,17 @@
 """Where a batch-1 decode step's time goes on the host: stream() against LLM.generate, by temperature.
 
     python benchmarks/bench_step_phases.py [--model-dir DIR] [--temperatures 0,0.6] [--tokens 128] [--reps 3]
+                                           [--detail] [--staging on|off|both]
 
 One request at a time, --tokens output tokens after a --prompt-len prompt, --reps runs per row. The
 engine's own methods are wrapped (on the instance; nothing in the package changes) to time each
 phase of every step, in wall time and in the calling thread's CPU time:
 
 - launch: EngineCore.launch_step (schedule, inputs, the forward queued or replayed, sampling queued),
-  and inside it build_inputs, make_batch (the one upload), forward (_forward: graph replay or
-  eager), sampling_inputs (SamplingInputs.plan) and sampler (the Sampler call, or the sampler
-  graph's replay: both count where both run);
+  and inside it build_inputs, make_batch (the one upload, or a decode graph's step staged into the
+  graph's buffers: DecodeStaging.stage), forward (_forward: graph replay or eager; replay_staged),
+  sampling_inputs (SamplingInputs.plan) and sampler (the Sampler call, or the sampler graph's
+  replay: both count where both run);
 - wait: EngineCore.wait_step, the engine thread blocked on the device (the interpreter lock free;
   stream() only: LLM.generate waits inside resolve);
 - resolve: EngineCore.resolve_step; deliver: AsyncLLMEngine._deliver (stream() only).
@@ -22,6 +24,11 @@ the forward graph's inside forward, the sampler graph's inside sampler), samplin
 (SamplingInputs.tensors) and queue_copy (LaunchedStep._queued: the sampled ids' copy to the host
 and its event).
 
+--staging both runs each row twice in the same engine, one after the other: decode graphs' steps
+staged from the host in one copy (runner/decode_staging.py, the engine's way) and loaded from a
+batch uploaded to the device (the way before it); one process, so that a host's speed, which can
+differ between processes on one machine by up to 2x, is the same for both.
+
 A phase whose wall time is well over its CPU time waited for something: the device, or the
 interpreter lock held by the other thread. The table gives each phase's median per step (us), the
 step period (launch to launch), the device's share of it (steps' device time from stats), and the
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import random
 import statistics
 import threading
@@ -109,7 +117,9 @@ class PhaseClock:
         self.wrap(core, "resolve_step", "resolve")
         self.wrap(runner, "build_inputs", "build_inputs")
         self.wrap(runner, "_make_batch", "make_batch")
+        self.wrap(getattr(runner.graph_runner, "staging", None), "stage", "make_batch")
         self.wrap(runner, "_forward", "forward")
+        self.wrap(runner.graph_runner, "replay_staged", "forward")
         self.wrap(runner.sampling_inputs, "plan", "sampling_inputs")
         self.wrap(runner.sampler, "forward", "sampler")
         self.wrap(getattr(runner, "sampler_graphs", None), "sample", "sampler")
@@ -135,7 +145,8 @@ async def stream_rows(model_dir: str, kwargs: dict, rng: random.Random, args) ->
     async with AsyncLLMEngine(model_dir, **kwargs) as engine:
         await engine.generate(random_prompt(rng, args.prompt_len), SamplingParams(max_tokens=8, ignore_eos=True))
         engine_thread = engine._thread
-        for temperature in args.temperatures:
+        for temperature, staged in itertools.product(args.temperatures, args.staging):
+            set_staging(engine._core.runner, staged)
             params = SamplingParams(temperature=temperature, max_tokens=args.tokens, ignore_eos=True)
             await engine.generate(random_prompt(rng, args.prompt_len), params)  # this temperature's kernels warm
             clock = PhaseClock()
@@ -150,7 +161,8 @@ async def stream_rows(model_dir: str, kwargs: dict, rng: random.Random, args) ->
             await engine.wait_idle()
             after = engine.stats()
             tokens = args.reps * args.tokens
-            rows.append(row("stream()", temperature, tpots, clock, before, after, tokens, engine_cpu, loop_cpu))
+            rows.append(row("stream()", temperature, staged, tpots, clock, before, after, tokens, engine_cpu,
+                            loop_cpu))
             clock.remove()
     return rows
 
@@ -161,7 +173,8 @@ def generate_rows(model_dir: str, kwargs: dict, rng: random.Random, args) -> lis
     llm.generate([random_prompt(rng, args.prompt_len)], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     clock = PhaseClock()
     clock.instrument(llm.core, detail=args.detail)
-    for temperature in args.temperatures:
+    for temperature, staged in itertools.product(args.temperatures, args.staging):
+        set_staging(llm.core.runner, staged)
         params = SamplingParams(temperature=temperature, max_tokens=args.tokens, ignore_eos=True)
         llm.generate([random_prompt(rng, args.prompt_len)], params, use_tqdm=False)
         clock.steps, clock.launch_starts = [], []
@@ -176,7 +189,8 @@ def generate_rows(model_dir: str, kwargs: dict, rng: random.Random, args) -> lis
         clock.recording = False
         cpu = time.thread_time() - cpu
         after = llm.core.stats()
-        rows.append(row("LLM.generate", temperature, tpots, clock, before, after, args.reps * args.tokens, cpu, None))
+        rows.append(row("LLM.generate", temperature, staged, tpots, clock, before, after, args.reps * args.tokens,
+                        cpu, None))
     clock.remove()
     llm.close()
     llm = None  # noqa: F841
@@ -184,12 +198,21 @@ def generate_rows(model_dir: str, kwargs: dict, rng: random.Random, args) -> lis
     return rows
 
 
-def row(path: str, temperature: float, tpots: list[float], clock: PhaseClock, before: dict, after: dict,
-        tokens: int, engine_cpu: float, loop_cpu: float | None) -> dict:
+def set_staging(runner, staged: bool) -> None:
+    """Decode graphs' steps staged from the host in one copy (runner/decode_staging.py, the engine's
+    way), or loaded from a batch uploaded to the device as before it (--staging off)."""
+    if staged:
+        vars(runner).pop("_staged_decode_key", None)
+    else:
+        runner._staged_decode_key = lambda inputs: None
+
+
+def row(path: str, temperature: float, staged: bool, tpots: list[float], clock: PhaseClock, before: dict,
+        after: dict, tokens: int, engine_cpu: float, loop_cpu: float | None) -> dict:
     phases = clock.summary()
     steps = after["num_steps"] - before["num_steps"]
     device_us = (after["steps_total_s"] - before["steps_total_s"]) / max(steps, 1) * 1e6
-    out = dict(path=path, temperature=temperature, tpot_ms=statistics.median(tpots) * 1e3,
+    out = dict(path=path, temperature=temperature, staging="on" if staged else "off", tpot_ms=statistics.median(tpots) * 1e3,
                period_us=phases.pop("period"), device_us=device_us,
                engine_cpu_us=engine_cpu / tokens * 1e6, loop_cpu_us=None if loop_cpu is None else loop_cpu / tokens * 1e6)
     out.update({f"{name}_us": value for name, value in phases.items()})
@@ -200,11 +223,11 @@ PHASES = ["launch", "build_inputs", "make_batch", "forward", "sampling_inputs", 
           "resolve"]
 DETAIL_PHASES = ["schedule", "commit", "timer", "upload", "metadata", "replay_inputs", "replay", "sampling_tensors",
                  "queue_copy"]
-COLUMNS = [("path", "path"), ("T", "temperature"), ("TPOT ms", "tpot_ms", "{:.3f}"),
+COLUMNS = [("path", "path"), ("T", "temperature"), ("staging", "staging"), ("TPOT ms", "tpot_ms", "{:.3f}"),
            ("period us", "period_us", "{:.0f}"), ("device us/step", "device_us", "{:.0f}"),
            ("engine CPU us/tok", "engine_cpu_us", "{:.0f}"), ("loop CPU us/tok", "loop_cpu_us", "{:.0f}")] + [
     (f"{p} us (cpu)", f"{p}_pair") for p in PHASES]
-DETAIL_COLUMNS = [("path", "path"), ("T", "temperature")] + [(f"{p} us (cpu)", f"{p}_pair") for p in DETAIL_PHASES]
+DETAIL_COLUMNS = [("path", "path"), ("T", "temperature"), ("staging", "staging")] + [(f"{p} us (cpu)", f"{p}_pair") for p in DETAIL_PHASES]
 
 
 def main(argv=None) -> dict:
@@ -216,9 +239,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--detail", action="store_true",
                         help="also time the parts of launch (a second table; each wrapper adds ~1 us)")
+    parser.add_argument("--staging", choices=["on", "off", "both"], default="on",
+                        help="decode graphs' steps staged in one copy (on, the engine's way) or loaded from a "
+                             "device batch (off); both: each row both ways, one after the other in one engine")
     parser.set_defaults(max_num_seqs=8)
     args = parse_args(parser, argv)
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
+    args.staging = {"on": [True], "off": [False], "both": [True, False]}[args.staging]
     report = Report("step_phases", args)
     rng = random.Random(args.seed)
     with checkpoint_from_args(args) as model_dir:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from asyncllm import LLM, AsyncLLMEngine, SamplingParams
+from asyncllm.runner import decode_staging
 from asyncllm.testing import build_tiny_checkpoint, qwen_tokenizer_dir
 from helpers import assert_all_blocks_free, assert_greedy_runs_match, generate_with_logits, random_prompts
 
@@ -248,6 +249,36 @@ def test_sampled_decode_graph_with_a_row_that_does_not_sample(model_dir, backend
     del graphed
     eager = generate(get_llm(model_dir, backend, enforce_eager=True, **options), prompts, params)
     assert with_graphs == eager and all(len(t) == 4 for t in eager)
+
+
+@pytest.mark.parametrize("table_in_copy", [True, False])
+def test_staged_decode_steps_match_graphs_loaded_from_a_device_batch(model_dir, table_in_copy, monkeypatch):
+    """runner/decode_staging.py: a decode graph's step written from the host into the graphs'
+    buffers in one copy (temperatures and keys with it, for the sampler graph) gives the tokens and
+    logits of the same graphs loaded from a batch on the device (CudaGraphRunner.run). Five rows in
+    the 8-row graph (padding rows), requests ending at different steps (rows move: pending tokens
+    scattered), with the block tables in the one copy and in a copy of their own."""
+    if not table_in_copy:
+        monkeypatch.setattr(decode_staging, "TABLE_BYTES_IN_COPY", 0)
+    llm = get_llm(model_dir, "triton", dtype="float32", kvcache_block_size=16)
+    runner = llm.core.runner
+    graphs = runner.graph_runner
+    ps = random_prompts(5, seed=21)
+    greedy = [SamplingParams(temperature=0, max_tokens=24 - 3 * i, ignore_eos=True) for i in range(5)]
+    sampled = [SamplingParams(temperature=0.6, seed=i, max_tokens=24 - 3 * i, ignore_eos=True) for i in range(5)]
+    staged_steps = []
+    replay_staged = graphs.replay_staged
+    monkeypatch.setattr(graphs, "replay_staged", lambda key, n: staged_steps.append(n) or replay_staged(key, n))
+    sampler_replays = runner.sampler_graphs.num_replays
+    staged = run(llm, ps, greedy), generate(llm, ps, sampled)
+    assert 5 in staged_steps and 1 in staged_steps
+    assert runner.sampler_graphs.num_replays > sampler_replays
+    monkeypatch.setattr(runner, "_staged_decode_key", lambda inputs: None)
+    count, decode_replays = len(staged_steps), graphs.num_replays["decode"]
+    loaded = run(llm, ps, greedy), generate(llm, ps, sampled)
+    assert len(staged_steps) == count and graphs.num_replays["decode"] > decode_replays
+    assert_equivalent(loaded[0], staged[0], "float32")
+    assert staged[1] == loaded[1]
 
 
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "torch"])

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from asyncllm import LLM, SamplingParams
-from asyncllm.runner.model_runner import StepInputs
+from asyncllm.runner.step_inputs import StepInputs
 from helpers import assert_all_blocks_free
 
 N = 8  # new tokens for most cases

@@ -2,8 +2,9 @@
 
 A backend owns the paged KV cache views, turns a step's ForwardBatch into whatever metadata its
 kernels want (prepare_metadata), and, for CUDA graphs, owns the static metadata buffers that a
-captured decode step reads (prepare_for_capture / prepare_for_replay). The runner never looks
-inside.
+captured step reads (prepare_for_capture / prepare_for_replay), or uses the decode graphs' ones
+the runner gives it (init_cuda_graph_state's decode_buffers: the runner stages a decode step's
+inputs and metadata in one copy). The runner never looks inside.
 
 This module is the registry. The GPU backends are imported when asked for: they import Triton
 or FlashAttention, which CPU users need not have.

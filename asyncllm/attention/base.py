@@ -102,7 +102,10 @@ class AttentionBackend(ABC):
 
     # CUDA graphs: decode-only steps of up to max_batch_size sequences, and (where
     # supports_mixed_cuda_graphs) any step of up to max_mixed_tokens tokens
-    def init_cuda_graph_state(self, max_batch_size: int, max_blocks_per_seq: int, max_mixed_tokens: int = 0) -> None:
+    def init_cuda_graph_state(self, max_batch_size: int, max_blocks_per_seq: int, max_mixed_tokens: int = 0,
+                              decode_buffers: "PagedGraphBuffers | None" = None) -> None:
+        """decode_buffers: the decode graphs' slot mapping, lengths and block tables where the caller
+        keeps them (and writes a replay's own into them); None: the backend makes its own."""
         raise NotImplementedError(f"the {self.name} backend does not support CUDA graphs")
 
     def decode_graph_context_bounds(self, batch_size: int, max_seq_len: int) -> list[int]:

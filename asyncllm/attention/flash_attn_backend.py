@@ -34,10 +34,11 @@ class _FlashAttnBackend(AttentionBackend):
                  slot_mapping: torch.Tensor) -> None:
         self._store_kvcache(k, v, k_cache, v_cache, slot_mapping)
 
-    def init_cuda_graph_state(self, max_batch_size: int, max_blocks_per_seq: int, max_mixed_tokens: int = 0) -> None:
+    def init_cuda_graph_state(self, max_batch_size: int, max_blocks_per_seq: int, max_mixed_tokens: int = 0,
+                              decode_buffers: PagedGraphBuffers | None = None) -> None:
         # decode graphs only: FlashAttention's varlen path under a fixed max_seqlen_q is not checked
-        self.graph_buffers = PagedGraphBuffers(max_batch_size, max_batch_size, max_blocks_per_seq, self.block_size,
-                                               self.k_caches[0].device)
+        self.graph_buffers = decode_buffers or PagedGraphBuffers(
+            max_batch_size, max_batch_size, max_blocks_per_seq, self.block_size, self.k_caches[0].device)
 
     def prepare_for_capture(self, batch: ForwardBatch) -> None:
         self.graph_buffers.bind(batch)

@@ -27,6 +27,18 @@ class PagedGraphBuffers:
             self.query_start_loc.zero_()
         self.max_seq_len = max_blocks_per_seq * block_size  # the bound every replay stays within
 
+    @classmethod
+    def over(cls, slot_mapping: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+             block_size: int) -> "PagedGraphBuffers":
+        """Decode-graph buffers that are the given tensors (views of the runner's staging buffer,
+        runner/decode_staging.py, which writes a step's metadata into them itself)."""
+        buffers = cls.__new__(cls)
+        buffers.decode_only = True
+        buffers.slot_mapping, buffers.seq_lens, buffers.block_tables = slot_mapping, seq_lens, block_tables
+        buffers.query_start_loc = torch.arange(seq_lens.shape[0] + 1, dtype=torch.int32, device=seq_lens.device)
+        buffers.max_seq_len = block_tables.shape[1] * block_size
+        return buffers
+
     def bind(self, batch: ForwardBatch) -> None:
         assert batch.is_decode_only == self.decode_only, "decode graphs and mixed graphs use separate buffers"
         num_tokens, num_seqs = batch.num_tokens, batch.num_seqs

@@ -10,7 +10,8 @@ DECODE_GRAPH_CONTEXTS where the count differs (decode_graph_context_bounds): one
 max_model_len gave a batch-1 chat 64 splits, most of them empty. A mixed graph runs the varlen kernel with the
 grid and tile shape of its token bound; padding sequences have no query rows and return at once.
 All per-step metadata a graph reads lives in static buffers that prepare_for_replay refreshes
-with a few small device copies.
+with a few small device copies; the decode graphs' are the runner's staging buffer's views, which
+it fills from the host itself (runner/decode_staging.py).
 """
 from __future__ import annotations
 
@@ -91,9 +92,10 @@ class TritonAttentionBackend(AttentionBackend):
         return self.attend(layer_id, qkv, batch, rope)
 
     # ---- CUDA graphs ---------------------------------------------------------------------------
-    def init_cuda_graph_state(self, max_batch_size: int, max_blocks_per_seq: int, max_mixed_tokens: int = 0) -> None:
-        self._graph = PagedGraphBuffers(max_batch_size, max_batch_size, max_blocks_per_seq, self.block_size,
-                                        self.device)
+    def init_cuda_graph_state(self, max_batch_size: int, max_blocks_per_seq: int, max_mixed_tokens: int = 0,
+                              decode_buffers: PagedGraphBuffers | None = None) -> None:
+        self._graph = decode_buffers or PagedGraphBuffers(max_batch_size, max_batch_size, max_blocks_per_seq,
+                                                          self.block_size, self.device)
         # one scratch buffer sized for the most demanding graph; graphs replay one at a time
         longest = self._graph.max_seq_len
         numel = max(decode_workspace_numel(bs, self.num_heads, self.head_dim, self._graph_num_splits(bs, longest))

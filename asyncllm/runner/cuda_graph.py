@@ -10,6 +10,9 @@ All share one memory pool, captured largest first so smaller ones fit in its mem
 replays the smallest bucket that holds it, the rows past it padded. Model inputs (token ids,
 positions, sampled rows) live in this object's static buffers; attention metadata lives in the
 backend's (prepare_for_capture / prepare_for_replay), so this code knows nothing of any kernel.
+Decode graphs' inputs and metadata (and their sampler graphs' settings) are views of one staging
+buffer (runner/decode_staging.py), which the runner fills from the host with one copy a step
+(stage, then replay_staged); a decode batch already on the device is copied in by run.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import time
 import torch
 
 from asyncllm.attention.base import AttentionBackend, ForwardBatch
+from asyncllm.runner.decode_staging import DecodeStaging
 
 logger = logging.getLogger("asyncllm")
 
@@ -59,10 +63,12 @@ class CudaGraphRunner:
         # decode graphs' context bounds per batch size, ascending, the last max_context
         self.context_bounds = {size: backend.decode_graph_context_bounds(size, self.max_context)
                                for size in self.batch_sizes}
-        backend.init_cuda_graph_state(self.max_batch_size, max_blocks_per_seq, max_mixed_tokens)
-        max_tokens = max(self.max_batch_size, max_mixed_tokens)
-        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.staging = DecodeStaging(self.max_batch_size, max_blocks_per_seq, backend.block_size, device)
+        backend.init_cuda_graph_state(self.max_batch_size, max_blocks_per_seq, max_mixed_tokens,
+                                      decode_buffers=self.staging.paged_buffers)
+        # mixed graphs' token inputs (decode graphs': the staging buffer's)
+        self.input_ids = torch.zeros(max_mixed_tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_mixed_tokens, dtype=torch.int64, device=device)
         # rows whose logits a mixed step samples; decode graphs compute every row's
         self.logits_indices = torch.zeros(min(max_mixed_tokens, self.max_batch_size), dtype=torch.int64,
                                           device=device)
@@ -79,10 +85,13 @@ class CudaGraphRunner:
     def _static_batch(self, kind: str, size: int, context_bound: int) -> ForwardBatch:
         if kind == "decode":
             num_tokens = num_seqs = size
+            token_inputs = self.staging
         else:  # a mixed graph of `size` tokens takes as many sequences as a step can bring
             num_tokens, num_seqs = size, min(size, self.max_batch_size)
+            token_inputs = self
         batch = ForwardBatch(
-            input_ids=self.input_ids[:num_tokens], positions=self.positions[:num_tokens], slot_mapping=None,
+            input_ids=token_inputs.input_ids[:num_tokens], positions=token_inputs.positions[:num_tokens],
+            slot_mapping=None,
             query_start_loc=None, seq_lens=None, block_tables=None,
             logits_indices=None if kind == "decode" else self.logits_indices[:num_seqs],
             num_seqs=num_seqs, num_tokens=num_tokens, max_query_len=1 if kind == "decode" else num_tokens,
@@ -160,13 +169,28 @@ class CudaGraphRunner:
         self.outputs.clear()
         torch.cuda.synchronize()
 
+    def decode_key(self, num_seqs: int, max_seq_len: int) -> tuple[str, int, int] | None:
+        """The decode graph that replays a decode step of num_seqs sequences whose longest is
+        max_seq_len tokens (None: more sequences than any graph takes)."""
+        if num_seqs > self.max_batch_size:
+            return None
+        size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, num_seqs)]
+        bounds = self.context_bounds[size]
+        return "decode", size, bounds[bisect.bisect_left(bounds, max_seq_len)]
+
+    def replay_staged(self, key: tuple[str, int, int], num_seqs: int) -> torch.Tensor:
+        """Logits of a decode step staged (self.staging.stage) for the graph key, every row sampled."""
+        self.graphs[key].replay()
+        self.num_replays["decode"] += 1
+        self.last_prefix_key = key
+        logits = self.outputs[key]
+        return logits if num_seqs == key[1] else logits[:num_seqs]
+
     def _key(self, batch: ForwardBatch) -> tuple[str, int, int] | None:
         if batch.logits_indices.shape[0] > batch.num_seqs:
             return None  # logits of prompt positions too (prompt_logprobs): graphs compute one row per sequence
         if batch.is_decode_only and batch.num_seqs <= self.max_batch_size:
-            size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, batch.num_seqs)]
-            bounds = self.context_bounds[size]
-            return "decode", size, bounds[bisect.bisect_left(bounds, batch.max_seq_len)]
+            return self.decode_key(batch.num_seqs, batch.max_seq_len)
         if batch.num_tokens <= self.max_mixed_tokens:
             size = self.token_sizes[bisect.bisect_left(self.token_sizes, batch.num_tokens)]
             if batch.num_seqs <= min(size, self.max_batch_size):
@@ -182,12 +206,11 @@ class CudaGraphRunner:
             return None
         graph_batch = self.batches[key]
         num_tokens = batch.num_tokens
-        if num_tokens == graph_batch.num_tokens:  # the capture's views: no new ones (1-2 us of host each)
-            graph_batch.input_ids.copy_(batch.input_ids, non_blocking=True)
-            graph_batch.positions.copy_(batch.positions, non_blocking=True)
-        else:
-            self.input_ids[:num_tokens].copy_(batch.input_ids, non_blocking=True)
-            self.positions[:num_tokens].copy_(batch.positions, non_blocking=True)
+        full = num_tokens == graph_batch.num_tokens  # the capture's views: no new ones (1-2 us of host each)
+        (graph_batch.input_ids if full else graph_batch.input_ids[:num_tokens]).copy_(batch.input_ids,
+                                                                                     non_blocking=True)
+        (graph_batch.positions if full else graph_batch.positions[:num_tokens]).copy_(batch.positions,
+                                                                                     non_blocking=True)
         num_logits = batch.logits_indices.shape[0]
         if key[0] == "mixed":
             self.logits_indices[:num_logits].copy_(batch.logits_indices, non_blocking=True)

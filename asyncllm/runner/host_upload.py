@@ -8,6 +8,8 @@ pinned buffer comes from torch's caching host allocator, which keeps it from reu
 has run. Each tensor is one slice of the copy seen as its dtype. Every tensor object costs the host
 2-3 us, so an upload costs about as many of those as it has arrays (a batch-1 step's 9 arrays: 63-68 us
 on the H200's hosts, docs/BENCHMARKS.md run W): fewer arrays, not another way to cut them, makes it cheaper.
+A decode graph's step makes none of them: it is staged into the graph's own buffers
+(runner/decode_staging.py), and only what the staging layout has no place for comes here.
 """
 from __future__ import annotations
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -27,37 +26,11 @@ from asyncllm.models.registry import create_model
 from asyncllm.runner.launched_step import LaunchedStep
 from asyncllm.runner.sampler_graphs import SamplerGraphs
 from asyncllm.runner.sampling_inputs import SamplingInputs, plan_prompt_logprobs
+from asyncllm.runner.step_inputs import StepInputs
 from asyncllm.runner.step_bitmask import StepBitmasks
 from asyncllm.runner.tp_protocol import agree_on_min
 
 logger = logging.getLogger("asyncllm")
-
-
-@dataclass
-class StepInputs:
-    """One step's inputs as host arrays: what rank 0 builds and every tensor-parallel rank runs."""
-    input_ids: np.ndarray  # (T,) int64
-    positions: np.ndarray  # (T,) int64
-    slot_mapping: np.ndarray  # (T,) int64
-    query_lens: np.ndarray  # (B,) int32
-    seq_lens: np.ndarray  # (B,) int32
-    block_tables: np.ndarray  # (B, max_blocks) int32
-    logits_indices: np.ndarray  # (S,) int64
-
-    def pack(self) -> np.ndarray:
-        """One int64 array: a 4-number header (T, B, max_blocks, S), then every field."""
-        header = np.array([len(self.input_ids), len(self.query_lens), self.block_tables.shape[1],
-                           len(self.logits_indices)], dtype=np.int64)
-        return np.concatenate([header, self.input_ids, self.positions, self.slot_mapping, self.query_lens,
-                               self.seq_lens, self.block_tables.ravel(), self.logits_indices]).astype(np.int64)
-
-    @staticmethod
-    def unpack(packed: np.ndarray) -> "StepInputs":
-        num_tokens, num_seqs, max_blocks, num_logits = (int(x) for x in packed[:4])
-        sizes = [num_tokens, num_tokens, num_tokens, num_seqs, num_seqs, num_seqs * max_blocks, num_logits]
-        parts = np.split(packed[4:4 + sum(sizes)], np.cumsum(sizes)[:-1])
-        return StepInputs(parts[0], parts[1], parts[2], parts[3].astype(np.int32), parts[4].astype(np.int32),
-                          parts[5].astype(np.int32).reshape(num_seqs, max_blocks), parts[6])
 
 
 class ModelRunner:
@@ -316,6 +289,14 @@ class ModelRunner:
                             block_tables, np.array(logits_indices, dtype=np.int64))
         return inputs, np.array(pending_at, dtype=np.int64), np.array(pending_rows, dtype=np.int64)
 
+    def _staged_decode_key(self, inputs: StepInputs) -> tuple[str, int, int] | None:
+        """The decode graph that replays this step from inputs staged in one copy (DecodeStaging): a
+        decode-only step whose every row samples; None for any other."""
+        num_seqs = len(inputs.query_lens)
+        if self.graph_runner is None or len(inputs.input_ids) != num_seqs or len(inputs.logits_indices) != num_seqs:
+            return None
+        return self.graph_runner.decode_key(num_seqs, int(inputs.seq_lens.max()))
+
     def release_sequence(self, seq) -> None:
         """A sequence finished: drop what sampling kept for it."""
         self.sampling_inputs.release(seq)
@@ -373,15 +354,21 @@ class ModelRunner:
             in_place = len(pending_at) and pending_at[-1] == len(pending_at) - 1 and \
                 np.array_equal(pending_rows, np.arange(len(pending_rows)))
             scattered = [pending_at, pending_rows] if len(pending_at) and not in_place else []
-            batch, uploaded = self._make_batch(inputs, scattered + sampling_arrays)
+            key = self._staged_decode_key(inputs)
+            if key is None:
+                batch, uploaded = self._make_batch(inputs, scattered + sampling_arrays)
+                input_ids = batch.input_ids
+                forward = lambda: self._forward(batch)  # noqa: E731
+            else:  # a decode graph's step: its inputs straight into the graph's buffers
+                input_ids, uploaded = self.graph_runner.staging.stage(inputs, scattered, sampling_plan.arrays)
+                forward = lambda: self.graph_runner.replay_staged(key, len(input_ids))  # noqa: E731
             if in_place:
                 num = len(pending_at)  # whole tensors where they fit (a steady decode batch): no new views
-                (batch.input_ids if num == batch.num_tokens else batch.input_ids[:num]).copy_(
+                (input_ids if num == len(input_ids) else input_ids[:num]).copy_(
                     prev_sampled if num == len(prev_sampled) else prev_sampled[:num])
             elif scattered:
                 at, rows, *uploaded = uploaded
-                batch.input_ids.index_copy_(0, at, prev_sampled.index_select(0, rows))
-            forward = lambda: self._forward(batch)  # noqa: E731
+                input_ids.index_copy_(0, at, prev_sampled.index_select(0, rows))
         # before the forward: whatever reads prev's ids is queued ahead of this step's graphs, whose
         # replays may reuse the memory that holds them (a sampler graph's static output)
         sampling = self.sampling_inputs.tensors(sampling_plan, uploaded, prev_sampled)

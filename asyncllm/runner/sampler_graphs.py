@@ -5,8 +5,10 @@ common chat request) spends more host time launching the sampling kernels than t
 running them: at batch 1 the two Triton launches and their buffers cost some 100 us of a 0.9 ms
 step. After a forward graph's replay its logits sit in that graph's static output, so the race over
 them is captured too, per forward graph, reading temperatures and noise keys from static buffers:
-a sampled step then costs two small copies and one replay. The kernels are the eager path's
-(layers/sampler.sample_race), so the tokens are the same bit for bit.
+a sampled step then costs two small copies and one replay, or just the replay where the runner
+staged the settings with the step's inputs (decode graphs read them from the staging buffer,
+runner/decode_staging.py). The kernels are the eager path's (layers/sampler.sample_race), so the
+tokens are the same bit for bit.
 """
 from __future__ import annotations
 
@@ -19,11 +21,15 @@ from asyncllm.runner.cuda_graph import CudaGraphRunner
 class SamplerGraphs:
     def __init__(self, forward_graphs: CudaGraphRunner):
         self.forward_graphs = forward_graphs
-        rows = max(logits.shape[0] for logits in forward_graphs.outputs.values())
-        device = next(iter(forward_graphs.outputs.values())).device
-        # rows past a step's live ones keep stale settings: their tokens are never read
+        rows = max(logits.shape[0] for key, logits in forward_graphs.outputs.items() if key[0] == "mixed") \
+            if forward_graphs.token_sizes else 0
+        device = forward_graphs.staging.buffer.device
+        # mixed graphs' settings (decode graphs': the staging buffer's); rows past a step's live ones
+        # keep stale settings: their tokens are never read
         self.temperatures = torch.ones(rows, dtype=torch.float32, device=device)
         self.keys = torch.zeros(rows, dtype=torch.int64, device=device)
+        # each graph's settings, the views it was captured on
+        self.settings: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.token_ids: dict[tuple, torch.Tensor] = {}  # each graph's static output
         self.num_replays = 0
@@ -33,13 +39,16 @@ class SamplerGraphs:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
+        staging = self.forward_graphs.staging
         for key, logits in self.forward_graphs.outputs.items():
             rows = logits.shape[0]
-            sample_race(logits, self.temperatures[:rows], self.keys[:rows])  # warm-up: compiles stay out
+            owner = staging if key[0] == "decode" else self
+            temperatures, keys = self.settings[key] = owner.temperatures[:rows], owner.keys[:rows]
+            sample_race(logits, temperatures, keys)  # warm-up: compiles stay out
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                self.token_ids[key] = sample_race(logits, self.temperatures[:rows], self.keys[:rows])
+                self.token_ids[key] = sample_race(logits, temperatures, keys)
             self.graphs[key] = graph
         torch.cuda.synchronize()
 
@@ -54,8 +63,10 @@ class SamplerGraphs:
         key = self.forward_graphs.last_prefix_key
         if key is None or not sampling.is_plain:
             return None
-        self.temperatures[:num_rows].copy_(sampling.temperatures, non_blocking=True)
-        self.keys[:num_rows].copy_(sampling.keys, non_blocking=True)
+        temperatures, keys = self.settings[key]
+        if sampling.temperatures.data_ptr() != temperatures.data_ptr():  # not staged in place
+            temperatures[:num_rows].copy_(sampling.temperatures, non_blocking=True)
+            keys[:num_rows].copy_(sampling.keys, non_blocking=True)
         self.graphs[key].replay()
         self.num_replays += 1
         return SamplerOutput(self.token_ids[key][:num_rows])
@@ -65,3 +76,4 @@ class SamplerGraphs:
             graph.reset()
         self.graphs.clear()
         self.token_ids.clear()
+        self.settings.clear()

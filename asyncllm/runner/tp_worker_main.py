@@ -11,7 +11,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from asyncllm.runner.model_runner import ModelRunner, StepInputs
+from asyncllm.runner.model_runner import ModelRunner
+from asyncllm.runner.step_inputs import StepInputs
 from asyncllm.runner.tp_protocol import check_same_model, init_distributed, joined_key, make_store, receive_step
 
 
