@@ -180,11 +180,16 @@ class CudaGraphRunner:
 
     def replay_staged(self, key: tuple[str, int, int], num_seqs: int) -> torch.Tensor:
         """Logits of a decode step staged (self.staging.stage) for the graph key, every row sampled."""
+        return self._replay(key, num_seqs)
+
+    def _replay(self, key: tuple[str, int, int], num_rows: int) -> torch.Tensor:
+        """Replay the graph key: its output's first num_rows logits rows (the whole output where
+        that is all of it: no new view)."""
         self.graphs[key].replay()
-        self.num_replays["decode"] += 1
+        self.num_replays[key[0]] += 1
         self.last_prefix_key = key
         logits = self.outputs[key]
-        return logits if num_seqs == key[1] else logits[:num_seqs]
+        return logits if num_rows == logits.shape[0] else logits[:num_rows]
 
     def _key(self, batch: ForwardBatch) -> tuple[str, int, int] | None:
         if batch.logits_indices.shape[0] > batch.num_seqs:
@@ -217,13 +222,10 @@ class CudaGraphRunner:
             # rows past them gather row 0: a stale index from a larger graph's step would overrun
             self.logits_indices[num_logits:graph_batch.num_seqs].zero_()
         self.backend.prepare_for_replay(batch, graph_batch)
-        self.graphs[key].replay()
-        self.num_replays[key[0]] += 1
-        logits = self.outputs[key]
         if key[0] == "decode" and num_logits < batch.num_seqs:
             # a decode-only step can hold a 1-token prefill chunk that does not sample: the graph
             # computed logits for every row (row = token here), keep the sampled rows only
+            logits = self._replay(key, key[1])
             self.last_prefix_key = None
             return logits[batch.logits_indices]
-        self.last_prefix_key = key
-        return logits[:num_logits]
+        return self._replay(key, num_logits)

@@ -20,36 +20,30 @@ import numpy as np
 import torch
 
 from asyncllm.attention.graph_buffers import PagedGraphBuffers
-from asyncllm.runner.host_upload import upload_arrays
+from asyncllm.runner.host_upload import aligned_bytes, upload_arrays
 from asyncllm.runner.step_inputs import StepInputs
 
 TABLE_BYTES_IN_COPY = 64 * 1024
-_ALIGN = 16  # bytes: each field starts aligned for any dtype and for Triton's pointer specialisation
-
 # (name, dtype): each field's region holds max_batch_size values; the block tables follow them
 _FIELDS = (("input_ids", torch.int64), ("positions", torch.int64), ("slot_mapping", torch.int64),
            ("seq_lens", torch.int32), ("temperatures", torch.float32), ("keys", torch.int64))
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
 
 
 class DecodeStaging:
     def __init__(self, max_batch_size: int, max_blocks_per_seq: int, block_size: int, device: torch.device):
         self.max_batch_size = rows = max_batch_size
         self.max_blocks_per_seq = max_blocks_per_seq
-        self.offsets: dict[str, int] = {}  # each field's first byte
-        offset = 0
+        # each field starts aligned (host_upload's alignment: any dtype, and Triton's pointer specialisation)
+        starts, offset = {}, 0
         for name, dtype in _FIELDS:
-            self.offsets[name] = offset
-            offset += _aligned(rows * dtype.itemsize)
-        self._first_element = {name: self.offsets[name] // dtype.itemsize for name, dtype in _FIELDS}
+            starts[name] = offset
+            offset += aligned_bytes(rows * dtype.itemsize)
+        self._first_element = {name: starts[name] // dtype.itemsize for name, dtype in _FIELDS}
         self.table_offset = offset
-        self.buffer = torch.zeros(_aligned(offset + rows * max_blocks_per_seq * 4), dtype=torch.uint8, device=device)
+        self.buffer = torch.zeros(aligned_bytes(offset + rows * max_blocks_per_seq * 4), dtype=torch.uint8,
+                                  device=device)
         for name, dtype in _FIELDS:
-            start = self.offsets[name]
-            setattr(self, name, self.buffer[start:start + rows * dtype.itemsize].view(dtype))
+            setattr(self, name, self.buffer[starts[name]:starts[name] + rows * dtype.itemsize].view(dtype))
         self.block_tables = self.buffer[offset:offset + rows * max_blocks_per_seq * 4].view(torch.int32).view(
             rows, max_blocks_per_seq)
         self.slot_mapping.fill_(-1)
@@ -93,7 +87,7 @@ class DecodeStaging:
         table_cols = self.max_blocks_per_seq if n * self.max_blocks_per_seq * 4 <= TABLE_BYTES_IN_COPY else width
         table_end = self.table_offset + n * table_cols * 4
         # torch's caching host allocator keeps this memory from reuse until the copy has run
-        host = torch.empty(_aligned(table_end), dtype=torch.uint8, pin_memory=self._pinned)
+        host = torch.empty(aligned_bytes(table_end), dtype=torch.uint8, pin_memory=self._pinned)
         host_bytes = host.numpy()
         host_bytes[:self.table_offset] = 0
         int64, int32, float32 = (host_bytes.view(t) for t in (np.int64, np.int32, np.float32))

@@ -20,6 +20,11 @@ import torch
 # per pointer alignment it meets (packed tightly, an array's alignment would follow the batch size
 # and compile new variants mid-serving)
 _ALIGN = 16
+
+
+def aligned_bytes(nbytes: int) -> int:
+    """nbytes rounded up to the alignment every array of a copy starts at."""
+    return -(-nbytes // _ALIGN) * _ALIGN
 _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
                  np.dtype(np.float32): torch.float32}
 
@@ -34,7 +39,7 @@ def upload_arrays(arrays: list[np.ndarray], device: torch.device) -> list[torch.
     offsets, total = [], 0
     for a in arrays:
         offsets.append(total)
-        total += -(-a.nbytes // _ALIGN) * _ALIGN
+        total += aligned_bytes(a.nbytes)
     host = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=True)
     host_bytes = host.numpy()
     host_views: dict[np.dtype, np.ndarray] = {}  # the buffer as each dtype: one slice per array
