@@ -1,7 +1,7 @@
 """Where a batch-1 decode step's time goes on the host: stream() against LLM.generate, by temperature.
 
     python benchmarks/bench_step_phases.py [--model-dir DIR] [--temperatures 0,0.6] [--tokens 128] [--reps 3]
-                                           [--detail] [--staging on|off|both]
+                                           [--detail] [--staging on|off|both] [--greedy-graph on|off|both]
 
 One request at a time, --tokens output tokens after a --prompt-len prompt, --reps runs per row. The
 engine's own methods are wrapped (on the instance; nothing in the package changes) to time each
@@ -27,7 +27,9 @@ and its event).
 --staging both runs each row twice in the same engine, one after the other: decode graphs' steps
 staged from the host in one copy (runner/decode_staging.py, the engine's way) and loaded from a
 batch uploaded to the device (the way before it); one process, so that a host's speed, which can
-differ between processes on one machine by up to 2x, is the same for both.
+differ between processes on one machine by up to 2x, is the same for both. --greedy-graph both does
+the same for greedy rows: their tokens from the sampler graph's race at temperature 0 (the engine's
+way), or from an eager argmax after the forward graph (the way before it); sampled rows run once.
 
 A phase whose wall time is well over its CPU time waited for something: the device, or the
 interpreter lock held by the other thread. The table gives each phase's median per step (us), the
@@ -145,8 +147,8 @@ async def stream_rows(model_dir: str, kwargs: dict, rng: random.Random, args) ->
     async with AsyncLLMEngine(model_dir, **kwargs) as engine:
         await engine.generate(random_prompt(rng, args.prompt_len), SamplingParams(max_tokens=8, ignore_eos=True))
         engine_thread = engine._thread
-        for temperature, staged in itertools.product(args.temperatures, args.staging):
-            set_staging(engine._core.runner, staged)
+        for temperature, staged, greedy_graph in variants(args):
+            set_staging(engine._core.runner, staged, greedy_graph)
             params = SamplingParams(temperature=temperature, max_tokens=args.tokens, ignore_eos=True)
             await engine.generate(random_prompt(rng, args.prompt_len), params)  # this temperature's kernels warm
             clock = PhaseClock()
@@ -161,8 +163,8 @@ async def stream_rows(model_dir: str, kwargs: dict, rng: random.Random, args) ->
             await engine.wait_idle()
             after = engine.stats()
             tokens = args.reps * args.tokens
-            rows.append(row("stream()", temperature, staged, tpots, clock, before, after, tokens, engine_cpu,
-                            loop_cpu))
+            rows.append(row("stream()", temperature, staged, greedy_graph, tpots, clock, before, after, tokens,
+                            engine_cpu, loop_cpu))
             clock.remove()
     return rows
 
@@ -173,8 +175,8 @@ def generate_rows(model_dir: str, kwargs: dict, rng: random.Random, args) -> lis
     llm.generate([random_prompt(rng, args.prompt_len)], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     clock = PhaseClock()
     clock.instrument(llm.core, detail=args.detail)
-    for temperature, staged in itertools.product(args.temperatures, args.staging):
-        set_staging(llm.core.runner, staged)
+    for temperature, staged, greedy_graph in variants(args):
+        set_staging(llm.core.runner, staged, greedy_graph)
         params = SamplingParams(temperature=temperature, max_tokens=args.tokens, ignore_eos=True)
         llm.generate([random_prompt(rng, args.prompt_len)], params, use_tqdm=False)
         clock.steps, clock.launch_starts = [], []
@@ -189,8 +191,8 @@ def generate_rows(model_dir: str, kwargs: dict, rng: random.Random, args) -> lis
         clock.recording = False
         cpu = time.thread_time() - cpu
         after = llm.core.stats()
-        rows.append(row("LLM.generate", temperature, staged, tpots, clock, before, after, args.reps * args.tokens,
-                        cpu, None))
+        rows.append(row("LLM.generate", temperature, staged, greedy_graph, tpots, clock, before, after,
+                        args.reps * args.tokens, cpu, None))
     clock.remove()
     llm.close()
     llm = None  # noqa: F841
@@ -198,21 +200,36 @@ def generate_rows(model_dir: str, kwargs: dict, rng: random.Random, args) -> lis
     return rows
 
 
-def set_staging(runner, staged: bool) -> None:
+def variants(args) -> list[tuple[float, bool, bool]]:
+    """(temperature, staged, greedy rows through the sampler graph) of each row: --greedy-graph only
+    varies greedy rows."""
+    return [(t, staged, greedy_graph) for t, staged, greedy_graph in
+            itertools.product(args.temperatures, args.staging, args.greedy_graph) if t == 0 or greedy_graph]
+
+
+def set_staging(runner, staged: bool, greedy_graph: bool = True) -> None:
     """Decode graphs' steps staged from the host in one copy (runner/decode_staging.py, the engine's
-    way), or loaded from a batch uploaded to the device as before it (--staging off)."""
+    way), or loaded from a batch uploaded to the device as before it (--staging off); greedy steps'
+    tokens from the sampler graph (the engine's way), or an eager argmax (--greedy-graph off)."""
     if staged:
         vars(runner).pop("_staged_decode_key", None)
     else:
         runner._staged_decode_key = lambda inputs: None
+    graphs = runner.sampler_graphs
+    if graphs is not None:
+        vars(graphs).pop("sample", None)
+        if not greedy_graph:
+            sample = graphs.sample
+            graphs.sample = lambda sampling, num_rows: None if sampling.all_greedy else sample(sampling, num_rows)
 
 
-def row(path: str, temperature: float, staged: bool, tpots: list[float], clock: PhaseClock, before: dict,
-        after: dict, tokens: int, engine_cpu: float, loop_cpu: float | None) -> dict:
+def row(path: str, temperature: float, staged: bool, greedy_graph: bool, tpots: list[float], clock: PhaseClock,
+        before: dict, after: dict, tokens: int, engine_cpu: float, loop_cpu: float | None) -> dict:
     phases = clock.summary()
     steps = after["num_steps"] - before["num_steps"]
     device_us = (after["steps_total_s"] - before["steps_total_s"]) / max(steps, 1) * 1e6
-    out = dict(path=path, temperature=temperature, staging="on" if staged else "off", tpot_ms=statistics.median(tpots) * 1e3,
+    out = dict(path=path, temperature=temperature, staging="on" if staged else "off",
+               greedy_graph="on" if greedy_graph else "off", tpot_ms=statistics.median(tpots) * 1e3,
                period_us=phases.pop("period"), device_us=device_us,
                engine_cpu_us=engine_cpu / tokens * 1e6, loop_cpu_us=None if loop_cpu is None else loop_cpu / tokens * 1e6)
     out.update({f"{name}_us": value for name, value in phases.items()})
@@ -223,11 +240,13 @@ PHASES = ["launch", "build_inputs", "make_batch", "forward", "sampling_inputs", 
           "resolve"]
 DETAIL_PHASES = ["schedule", "commit", "timer", "upload", "metadata", "replay_inputs", "replay", "sampling_tensors",
                  "queue_copy"]
-COLUMNS = [("path", "path"), ("T", "temperature"), ("staging", "staging"), ("TPOT ms", "tpot_ms", "{:.3f}"),
+COLUMNS = [("path", "path"), ("T", "temperature"), ("staging", "staging"), ("greedy graph", "greedy_graph"),
+           ("TPOT ms", "tpot_ms", "{:.3f}"),
            ("period us", "period_us", "{:.0f}"), ("device us/step", "device_us", "{:.0f}"),
            ("engine CPU us/tok", "engine_cpu_us", "{:.0f}"), ("loop CPU us/tok", "loop_cpu_us", "{:.0f}")] + [
     (f"{p} us (cpu)", f"{p}_pair") for p in PHASES]
-DETAIL_COLUMNS = [("path", "path"), ("T", "temperature"), ("staging", "staging")] + [(f"{p} us (cpu)", f"{p}_pair") for p in DETAIL_PHASES]
+DETAIL_COLUMNS = [("path", "path"), ("T", "temperature"), ("staging", "staging"), ("greedy graph", "greedy_graph")] + [
+    (f"{p} us (cpu)", f"{p}_pair") for p in DETAIL_PHASES]
 
 
 def main(argv=None) -> dict:
@@ -242,10 +261,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--staging", choices=["on", "off", "both"], default="on",
                         help="decode graphs' steps staged in one copy (on, the engine's way) or loaded from a "
                              "device batch (off); both: each row both ways, one after the other in one engine")
+    parser.add_argument("--greedy-graph", choices=["on", "off", "both"], default="on",
+                        help="greedy steps' tokens from the sampler graph (on, the engine's way) or an eager "
+                             "argmax (off); both: each greedy row both ways in one engine")
     parser.set_defaults(max_num_seqs=8)
     args = parse_args(parser, argv)
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
     args.staging = {"on": [True], "off": [False], "both": [True, False]}[args.staging]
+    args.greedy_graph = {"on": [True], "off": [False], "both": [True, False]}[args.greedy_graph]
     report = Report("step_phases", args)
     rng = random.Random(args.seed)
     with checkpoint_from_args(args) as model_dir:

@@ -82,10 +82,11 @@ def stop_process(proc) -> None:
 def generate_with_logits(llm, prompts: list[list[int]], params) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
     """llm.generate(prompts, params), plus the logits each request sampled from at each of its steps
     (float32, on the device), in prompt order. A step recomputed after preemption keeps the logits it
-    first had. Prompts must differ from each other: requests are matched to prompts by their ids."""
+    first had. Prompts must differ from each other: requests are matched to prompts by their ids.
+    Not for constrained requests (their steps sample later, outside ModelRunner.sample)."""
     runner = llm.core.runner
     captured: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}
-    launch, sampler_forward = runner.launch, runner.sampler.forward
+    launch, sample = runner.launch, runner.sample
 
     def capturing_launch(sched, prev, **kwargs):
         # before the launch, a sequence's length counts the token this step samples from these logits
@@ -95,12 +96,12 @@ def generate_with_logits(llm, prompts: list[list[int]], params) -> tuple[list[li
             for row, seq in enumerate(rows):
                 key = (tuple(seq.token_ids[:seq.num_prompt_tokens]), seq.num_completion_tokens)
                 captured.setdefault(key, logits[row].float().clone())
-            return sampler_forward(logits, sampling)
-        runner.sampler.forward = capture
+            return sample(logits, sampling)  # the sampler graphs' path too, where the step takes it
+        runner.sample = capture
         try:
             return launch(sched, prev, **kwargs)
         finally:
-            runner.sampler.forward = sampler_forward
+            del runner.sample  # the bound method again
 
     if len({tuple(p) for p in prompts}) != len(prompts):
         raise ValueError("prompts: every prompt must differ (requests are matched to prompts by their ids)")

@@ -106,14 +106,15 @@ def test_bench_step_phases_times_every_phase_of_both_paths(tiny_model):
     from asyncllm.runner.launched_step import LaunchedStep
     originals = LaunchedStep._queued, model_runner.upload_arrays
     data = bench_step_phases.main(["--model-dir", tiny_model, "--device", "cpu", "--overlap", "on", "--tokens", "12",
-                                   "--prompt-len", "8", "--reps", "1", "--detail"])
+                                   "--prompt-len", "8", "--reps", "1", "--detail", "--greedy-graph", "both"])
     # the wrappers of class and module attributes are gone again (the originals back, not deleted)
     assert (LaunchedStep._queued, model_runner.upload_arrays) == originals
     rows = rows_without_errors(data)
     # the parts of launch (--detail), in both paths: the scheduler, the upload, the copy to the host
     assert all(row["schedule_us"] > 0 and row["upload_us"] > 0 and row["queue_copy_us"] > 0 for row in rows)
-    assert [(row["path"], row["temperature"]) for row in rows] == [
-        ("LLM.generate", 0.0), ("LLM.generate", 0.6), ("stream()", 0.0), ("stream()", 0.6)]
+    # --greedy-graph both: greedy rows both ways, sampled rows once
+    assert [(row["path"], row["temperature"], row["greedy_graph"]) for row in rows] == [
+        (path, t, graph) for path in ("LLM.generate", "stream()") for t, graph in ((0.0, "on"), (0.0, "off"), (0.6, "on"))]
     for row in rows:
         assert row["period_us"] > 0 and row["launch_us"] > 0 and row["forward_us"] > 0 and row["sampler_us"] > 0
     # the engine thread waits for the step in flight (wait_step), delivers, and the event loop works

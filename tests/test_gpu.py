@@ -284,22 +284,28 @@ def test_staged_decode_steps_match_graphs_loaded_from_a_device_batch(model_dir, 
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "torch"])
 def test_plain_sampling_replays_sampler_graphs_with_the_eager_tokens(model_dir, backend):
     """runner/sampler_graphs.py: steps whose rows only sample at a temperature (a greedy row among
-    them) take their tokens from a sampler graph over the forward graph's logits. Seeded, the tokens
-    equal the same engine's without graphs, in decode graphs and (triton) mixed graphs (a 64-token
-    budget chunks the prompts beside the decodes); requests with top-p sample eagerly after the graph,
-    and match too."""
+    them), or are all greedy, take their tokens from a sampler graph over the forward graph's logits.
+    Seeded, the tokens equal the same engine's without graphs, in decode graphs and (triton) mixed
+    graphs (a 64-token budget chunks the prompts beside the decodes); greedy steps' (temperature 0
+    staged with a decode step's inputs, or written into a mixed graph's settings) equal eager argmax;
+    requests with top-p sample eagerly after the graph, and match too."""
     ps = random_prompts(6, seed=12)
     plain = [SamplingParams(temperature=0.0 if i == 0 else 0.8, seed=i, max_tokens=12, ignore_eos=True)
              for i in range(len(ps))]
+    greedy = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True) for _ in ps]
     top_p = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=12, ignore_eos=True)
              for i in range(len(ps))]
     options = dict(dtype=exact_dtype(backend), max_num_batched_tokens=64)
     graphed = get_llm(model_dir, backend, **options)
     sampler_graphs = graphed.core.runner.sampler_graphs
     assert sampler_graphs is not None
-    with_graphs = generate(graphed, ps, plain)
+    with_graphs_greedy = generate(graphed, ps, greedy)
     replays = sampler_graphs.num_replays
     assert replays > 0
+    # then sampled steps after greedy ones, which left temperature 0 in every graph's settings
+    with_graphs = generate(graphed, ps, plain)
+    assert sampler_graphs.num_replays > replays
+    replays = sampler_graphs.num_replays
     if backend == "triton":
         assert graphed.core.runner.graph_runner.num_replays["mixed"] > 0
     with_graphs_top_p = generate(graphed, ps, top_p)
@@ -307,6 +313,7 @@ def test_plain_sampling_replays_sampler_graphs_with_the_eager_tokens(model_dir, 
     del graphed, sampler_graphs
     eager = get_llm(model_dir, backend, enforce_eager=True, **options)
     assert eager.core.runner.sampler_graphs is None
+    assert generate(eager, ps, greedy) == with_graphs_greedy
     assert generate(eager, ps, plain) == with_graphs
     assert generate(eager, ps, top_p) == with_graphs_top_p
     assert all(len(t) == 12 for t in with_graphs)

@@ -61,6 +61,16 @@ def test_greedy_rows_in_a_sampling_batch_are_argmax():
     assert torch.equal(out[1::2], logits[1::2].argmax(-1))
 
 
+@pytest.mark.parametrize("params, plain", [
+    ([SamplingParams(temperature=0)] * 2, True), ([SamplingParams(temperature=0), SamplingParams()], True),
+    ([SamplingParams(temperature=0.6)], True), ([SamplingParams(), SamplingParams(top_p=0.9)], False),
+    ([SamplingParams(top_k=5)], False), ([SamplingParams(temperature=0), SamplingParams(min_p=0.1)], False)])
+def test_plain_sampling_is_temperatures_alone(params, plain):
+    """SamplingTensors.is_plain (a sampler graph's race can take the step, runner/sampler_graphs.py):
+    greedy steps too; any filter makes it eager."""
+    assert tensors(params, 100).is_plain is plain
+
+
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_k=1),
                                     SamplingParams(temperature=5.0, top_p=1e-6),
                                     SamplingParams(temperature=5.0, min_p=1.0)],

@@ -78,9 +78,9 @@ class SamplingTensors:
 
     @property
     def is_plain(self) -> bool:
-        """Some row samples at a temperature, and no row asks for more (top-k/p, min-p, adjustments,
-        log-probabilities, a grammar): the race alone, over temperatures and keys."""
-        return not self.all_greedy and self.top_ks is None and self.top_ps is None and self.min_ps is None and \
+        """No row asks for more than its temperature (top-k/p, min-p, adjustments, log-probabilities,
+        a grammar): the race alone, over temperatures and keys, greedy rows at temperature 0."""
+        return self.top_ks is None and self.top_ps is None and self.min_ps is None and \
             self.adjustments is None and self.logprob_rows is None and self.mask_rows is None
 
     @classmethod

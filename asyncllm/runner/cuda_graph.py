@@ -80,6 +80,8 @@ class CudaGraphRunner:
         # the key of the graph the last step replayed, if its logits rows were the graph output's first
         # rows (a sampler graph over that output can then sample them); None after an eager step
         self.last_prefix_key: tuple[str, int, int] | None = None
+        # whether that step's inputs were staged (replay_staged): its sampler settings are in place
+        self.last_staged = False
         self._capture_all()
 
     def _static_batch(self, kind: str, size: int, context_bound: int) -> ForwardBatch:
@@ -180,7 +182,9 @@ class CudaGraphRunner:
 
     def replay_staged(self, key: tuple[str, int, int], num_seqs: int) -> torch.Tensor:
         """Logits of a decode step staged (self.staging.stage) for the graph key, every row sampled."""
-        return self._replay(key, num_seqs)
+        logits = self._replay(key, num_seqs)
+        self.last_staged = True
+        return logits
 
     def _replay(self, key: tuple[str, int, int], num_rows: int) -> torch.Tensor:
         """Replay the graph key: its output's first num_rows logits rows (the whole output where
@@ -188,6 +192,7 @@ class CudaGraphRunner:
         self.graphs[key].replay()
         self.num_replays[key[0]] += 1
         self.last_prefix_key = key
+        self.last_staged = False
         logits = self.outputs[key]
         return logits if num_rows == logits.shape[0] else logits[:num_rows]
 

@@ -66,7 +66,8 @@ class DecodeStaging:
     def stage(self, inputs: StepInputs, extra: list[np.ndarray] = (),
               sampling_arrays: dict[str, np.ndarray] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Queue the copy of a decode step's inputs (one token per sequence, at most max_batch_size
-        sequences) and its sampling temperatures and noise keys into the buffers. extra and the
+        sequences) and its sampling temperatures and noise keys into the buffers (temperature 0 where
+        sampling_arrays has none: every row greedy, for a sampler graph's argmax). extra and the
         other sampling arrays (SamplingPlan.arrays) go in a second copy where there are any
         (host_upload). Returns the step's input ids on the device, and extra's tensors then the
         sampling arrays', in order. The arrays may be reused once this returns."""
@@ -98,7 +99,7 @@ class DecodeStaging:
         slots[:n] = inputs.slot_mapping
         slots[n:] = -1  # padding rows store nothing (and have length 0)
         int32[at["seq_lens"]:][:n] = inputs.seq_lens
-        if temperatures is not None:
+        if temperatures is not None:  # else zero, from the fill above: every row greedy
             float32[at["temperatures"]:][:n] = temperatures
             int64[at["keys"]:][:n] = keys
         tables = int32[self.table_offset // 4:table_end // 4].reshape(n, table_cols)

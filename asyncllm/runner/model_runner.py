@@ -380,9 +380,8 @@ class ModelRunner:
             logits = logits[:num_sampling]
         logprob_ks = sampling_plan.logprob_ks
         if constraints is None:
-            output = None if self.sampler_graphs is None else self.sampler_graphs.sample(sampling, len(logits))
-            return LaunchedStep(sched, output or self.sampler(logits, sampling), logprob_ks, prompt_logprobs,
-                                prompt_plan, stream=stream)
+            return LaunchedStep(sched, self.sample(logits, sampling), logprob_ks, prompt_logprobs, prompt_plan,
+                                stream=stream)
         # constrained rows: advance their matchers here (it may wait for prev's ids), then fill the
         # bitmask on a worker thread (xgrammar releases the GIL) while this thread resolves prev and
         # plans the next step; the sampling is queued once the next step needs it
@@ -394,6 +393,12 @@ class ModelRunner:
             sampling.mask_rows, sampling.token_bitmask = upload_bitmask()
             return self.sampler(logits, sampling)
         return LaunchedStep(sched, None, logprob_ks, prompt_logprobs, prompt_plan, sample=sample, stream=stream)
+
+    def sample(self, logits: torch.Tensor, sampling: SamplingTensors) -> SamplerOutput:
+        """Queue the sampling of a step's logits, just computed: the sampler graph over the forward
+        graph that made them where one applies (SamplerGraphs.sample), else the eager sampler."""
+        output = None if self.sampler_graphs is None else self.sampler_graphs.sample(sampling, len(logits))
+        return output or self.sampler(logits, sampling)
 
     def release_cuda_graphs(self) -> None:
         """Drop the CUDA graphs (and their memory); later steps run eagerly."""

@@ -1,14 +1,15 @@
 """CUDA graphs of plain sampling, one over each captured forward graph's logits.
 
-A step whose rows sample at a temperature and ask for nothing more (SamplingTensors.is_plain: the
-common chat request) spends more host time launching the sampling kernels than the device spends
-running them: at batch 1 the two Triton launches and their buffers cost some 100 us of a 0.9 ms
-step. After a forward graph's replay its logits sit in that graph's static output, so the race over
-them is captured too, per forward graph, reading temperatures and noise keys from static buffers:
-a sampled step then costs two small copies and one replay, or just the replay where the runner
-staged the settings with the step's inputs (decode graphs read them from the staging buffer,
-runner/decode_staging.py). The kernels are the eager path's (layers/sampler.sample_race), so the
-tokens are the same bit for bit.
+A step whose rows ask for nothing beyond their temperature (SamplingTensors.is_plain: the common
+chat request, sampled or greedy) spends more host time launching the sampling kernels than the
+device spends running them: at batch 1 the two Triton launches and their buffers cost some 100 us
+of a 0.9 ms step, and greedy's eager argmax some 30. After a forward graph's replay its logits sit
+in that graph's static output, so the race over them is captured too, per forward graph, reading
+temperatures and noise keys from static buffers (temperature 0: the race's argmax, the first
+maximum as torch.argmax's): a step then costs a small copy and one replay, or just the replay where
+the runner staged the settings with the step's inputs (decode graphs read them from the staging
+buffer, runner/decode_staging.py, where a greedy row's temperature is staged as 0). The kernels are
+the eager path's (layers/sampler.sample_race), so the tokens are the same bit for bit.
 """
 from __future__ import annotations
 
@@ -60,13 +61,17 @@ class SamplerGraphs:
         The output is the graph's static buffer: the next replay of the same graph overwrites it, and
         everything that reads a step's ids (the copy to the host, the next step's inputs) is queued
         before the next step's sampling."""
-        key = self.forward_graphs.last_prefix_key
+        forward_graphs = self.forward_graphs
+        key = forward_graphs.last_prefix_key
         if key is None or not sampling.is_plain:
             return None
-        temperatures, keys = self.settings[key]
-        if sampling.temperatures.data_ptr() != temperatures.data_ptr():  # not staged in place
-            temperatures[:num_rows].copy_(sampling.temperatures, non_blocking=True)
-            keys[:num_rows].copy_(sampling.keys, non_blocking=True)
+        if not forward_graphs.last_staged:  # staged steps wrote their settings with their inputs
+            temperatures, keys = self.settings[key]
+            if sampling.all_greedy:
+                temperatures[:num_rows].zero_()
+            else:
+                temperatures[:num_rows].copy_(sampling.temperatures, non_blocking=True)
+                keys[:num_rows].copy_(sampling.keys, non_blocking=True)
         self.graphs[key].replay()
         self.num_replays += 1
         return SamplerOutput(self.token_ids[key][:num_rows])
