@@ -215,12 +215,11 @@ def set_staging(runner, staged: bool, greedy_graph: bool = True) -> None:
         vars(runner).pop("_staged_decode_key", None)
     else:
         runner._staged_decode_key = lambda inputs: None
-    graphs = runner.sampler_graphs
-    if graphs is not None:
-        vars(graphs).pop("sample", None)
-        if not greedy_graph:
-            sample = graphs.sample
-            graphs.sample = lambda sampling, num_rows: None if sampling.all_greedy else sample(sampling, num_rows)
+    vars(runner).pop("sample", None)
+    if not greedy_graph:
+        sample = runner.sample
+        runner.sample = lambda logits, sampling: runner.sampler(logits, sampling) if sampling.all_greedy \
+            else sample(logits, sampling)
 
 
 def row(path: str, temperature: float, staged: bool, greedy_graph: bool, tpots: list[float], clock: PhaseClock,

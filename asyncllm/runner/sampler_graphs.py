@@ -56,14 +56,14 @@ class SamplerGraphs:
     def sample(self, sampling: SamplingTensors, num_rows: int) -> SamplerOutput | None:
         """The step's tokens through the sampler graph of the forward graph just replayed, whose
         first num_rows logits rows are the step's; None where that does not apply (eager forward, a
-        step that gathered its rows, or sampling that is not plain): the eager sampler runs then.
+        step that gathered its rows, no rows, or sampling that is not plain): the eager sampler runs then.
 
         The output is the graph's static buffer: the next replay of the same graph overwrites it, and
         everything that reads a step's ids (the copy to the host, the next step's inputs) is queued
         before the next step's sampling."""
         forward_graphs = self.forward_graphs
         key = forward_graphs.last_prefix_key
-        if key is None or not sampling.is_plain:
+        if key is None or not num_rows or not sampling.is_plain:
             return None
         if not forward_graphs.last_staged:  # staged steps wrote their settings with their inputs
             temperatures, keys = self.settings[key]
