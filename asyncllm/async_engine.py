@@ -311,7 +311,7 @@ class AsyncLLMEngine:
             return
         # orderly stop: whatever is still in flight is aborted
         for request_id in list(self._channels):
-            self._end(request_id, "abort")
+            self._end(request_id, "abort", force=True)
         self._publish_stats()
         self._send_endings()
         self._close_core()
@@ -345,9 +345,14 @@ class AsyncLLMEngine:
             if request_id in self._channels and (channel is None or channel is self._channels[request_id]):
                 self._end(request_id, reason, index)
 
-    def _end(self, request_id: str, reason: str, index: int | None = None) -> None:
+    def _end(self, request_id: str, reason: str, index: int | None = None, force: bool = False) -> None:
         """End a request (index None) or one of its n sequences."""
         seq = self._core.finish_request(request_id, reason, index)
+        if seq is None and not force:
+            # the core ended it in the step resolved last, whose events are not delivered yet
+            # (overlap: they go out after the next launch): they end its channel, with its last
+            # tokens and its own finish reason
+            return
         channel = self._channels[request_id]
         if seq is None or seq.request_finished:
             del self._channels[request_id]

@@ -234,6 +234,19 @@ class TextAssembler:
             return text + self._append(self.detokenizer.add(new_token_ids), final=False) if new_token_ids else text
         return self._append(self.detokenizer.add(new_token_ids), final=False)
 
+    def add_counted(self, new_token_ids: list[int]) -> tuple[str, int]:
+        """add(), and how many of the tokens belong to the output: all, or those up to the one that
+        completed a stop string (a reader that fell behind gets several steps' tokens at once; the
+        ones after the stop were never part of the answer)."""
+        if len(new_token_ids) < 2 or not self._matchers:
+            return self.add(new_token_ids), len(new_token_ids)
+        parts = []
+        for taken, token_id in enumerate(new_token_ids, 1):
+            parts.append(self.add([token_id]))
+            if self.stopped:
+                return "".join(parts), taken
+        return "".join(parts), len(new_token_ids)
+
     def finish(self) -> str:
         """The request ended: release everything still held."""
         if self.stopped:

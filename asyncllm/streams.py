@@ -326,17 +326,21 @@ class RequestStream:
         seq = self._sequences[delta.index]
         if seq.finish_reason is not None:
             return None  # after a stop string the consumer found: the engine's late tokens and its ending
-        token_ids, finish_reason, assembler = delta.token_ids, delta.finish_reason, seq.assembler
+        token_ids, finish_reason, assembler, logprobs = delta.token_ids, delta.finish_reason, seq.assembler, \
+            delta.logprobs
+        text, taken = assembler.add_counted(token_ids)
+        if taken < len(token_ids):  # a stop string ended before the last: the rest is not output, nor counted
+            token_ids = token_ids[:taken]
+            logprobs = None if logprobs is None else logprobs[:taken]
         seq.token_ids.extend(token_ids)
-        if delta.logprobs is not None:
-            decode_logprobs(assembler.tokenizer, delta.logprobs)
+        if logprobs is not None:
+            decode_logprobs(assembler.tokenizer, logprobs)
             if seq.logprobs is None:
                 seq.logprobs = []
-            seq.logprobs.extend(delta.logprobs)
+            seq.logprobs.extend(logprobs)
         if delta.prompt_logprobs is not None:
             decode_logprobs(assembler.tokenizer, delta.prompt_logprobs[1:])
             self.prompt_logprobs = delta.prompt_logprobs
-        text = assembler.add(token_ids)
         if assembler.stopped and finish_reason is None:
             self._finish(self.request_id, "stop", self._channel, delta.index)
             finish_reason = "stop"
@@ -349,7 +353,7 @@ class RequestStream:
             self._num_open -= 1
             if self._num_open == 0:
                 self.finish_reason = finish_reason
-        return StreamOutput(self.request_id, text, token_ids, finish_reason, delta.index, delta.logprobs,
+        return StreamOutput(self.request_id, text, token_ids, finish_reason, delta.index, logprobs,
                             seq.stop_reason, delta.prompt_logprobs)
 
     def _abort(self) -> None:

@@ -455,6 +455,67 @@ async def test_stop_string_ends_the_stream_and_frees_blocks(make_engine):
         assert stream.metrics.num_completion_tokens < 40
 
 
+async def test_a_reader_that_falls_behind_gets_no_tokens_past_a_stop_string(make_engine):
+    """A consumer that reads late gets several steps' tokens in one item; where a stop string ends in
+    one of them, the tokens after it (generated before the stop was seen) are not output: not in the
+    item, the result's token_ids, its logprobs or the completion count, as for a prompt reader."""
+    prompt = "Hello, my name is"
+    with anyio.fail_after(TIMEOUT):
+        async with make_engine() as engine:
+            reference = await engine.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+            tokenizer = engine.tokenizer
+            text, ids = reference.text, reference.token_ids
+            # a stop string that first shows up with token number keep, mid-answer: the output keeps
+            # the tokens up to that one
+            keep, stop = next((k, tokenizer.decode(ids[:k])[-3:]) for k in range(6, 16)
+                              if tokenizer.decode(ids[:k])[-3:].strip() and "\ufffd" not in tokenizer.decode(ids[:k])
+                              and tokenizer.decode(ids[:k])[-3:] not in tokenizer.decode(ids[:k - 1]))
+            stream = engine.stream(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop],
+                                                          logprobs=1))
+            await assert_idle(engine)  # nobody read: the engine ran to max_tokens
+            items = [out async for out in stream]
+    token_ids = [t for out in items for t in out.token_ids]
+    assert token_ids == ids[:keep]
+    assert sum(len(out.logprobs) for out in items) == keep
+    assert stream.num_completion_tokens == keep and len(stream.result(0, "").token_ids) == keep
+    assert items[-1].finish_reason == "stop" and "".join(out.text for out in items) == text[:text.find(stop)]
+
+
+@pytest.mark.parametrize("n, reason, index", [(1, "abort", None), (3, "stop", 1)], ids=["abort", "n3-stop"])
+async def test_a_finish_after_the_core_ended_the_request_keeps_its_last_tokens(make_engine, monkeypatch, n, reason,
+                                                                               index):
+    """With overlap a step's events go out after the next launch, and the commands that came in are
+    applied before it: an abort, or a stop string a consumer found in one of n sequences, can reach
+    the engine after the core ended the whole request in the step resolved last. The events not yet
+    delivered end the stream, with every token and the request's own finish reasons (the channel
+    was dropped with them: the last tokens were lost, and an n > 1 stream waited forever)."""
+    params = SamplingParams(temperature=0.8, seed=3, n=n, max_tokens=6, ignore_eos=True)
+    with anyio.fail_after(TIMEOUT):
+        async with make_engine() as engine:
+            core = engine._core
+            resolve, posted = core.resolve_step, []
+
+            def resolve_then_finish():
+                events = resolve()
+                for event in events:
+                    request_id = event.seq.request_id
+                    if event.request_finished and request_id == "late-finish" and not posted:
+                        # what a consumer or engine.abort() posts from another thread, at the worst moment
+                        engine._finish(request_id, reason, engine._channels[request_id], index)
+                        posted.append(request_id)
+                return events
+            monkeypatch.setattr(core, "resolve_step", resolve_then_finish)
+            stream = engine.stream([5, 6, 7, 8], params, request_id="late-finish")
+            items = [out async for out in stream]
+            assert posted
+            await assert_idle(engine)
+    for i in range(n):
+        ends = [out.finish_reason for out in items if out.index == i and out.finish_reason is not None]
+        assert ends == ["length"]
+        assert sum(len(out.token_ids) for out in items if out.index == i) == 6
+    assert stream.finish_reason == "length"
+
+
 # ---- engine failure ------------------------------------------------------------------------------
 async def test_engine_failure_reaches_every_consumer(make_engine, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -293,6 +294,16 @@ BAD_REQUESTS = [
     ("presence-penalty", CHAT, with_(presence_penalty=2.5), 400, "presence_penalty"),
     ("completions-logprobs-21", COMPLETIONS, json.dumps({"prompt": "a", "logprobs": 21}), 400, "logprobs"),
     ("wrong-model", CHAT, with_(model="gpt-4o"), 404, "model"),
+    # a lone surrogate (valid JSON, not UTF-8) quoted in the error message
+    ("model-lone-surrogate", CHAT, with_(model="\ud800"), 404, "model"),
+    ("max-tokens-invalid-beside-max-completion-tokens", CHAT, with_(max_tokens="x", max_completion_tokens=2), 400,
+     "max_tokens"),
+    # copying it (the request's snapshot) would exhaust the stack
+    ("guided-json-nested-600-deep", CHAT, with_(guided_json=functools.reduce(lambda inner, _: {"not": inner}, range(600),
+                                                                             {})), 400, "guided_json"),
+    ("stream-options-continuous-not-a-bool", CHAT, with_(stream=True, stream_options={"include_usage": True,
+                                                                                      "continuous_usage_stats": 1}),
+     400, "stream_options.continuous_usage_stats"),
     ("body-too-large", CHAT, with_(messages=[{"role": "user", "content": "x" * (1 << 20)}]), 413, None),
     ("prompt-missing", COMPLETIONS, json.dumps({"model": MODEL_NAME}), 400, "prompt"),
     ("prompt-empty", COMPLETIONS, json.dumps({"prompt": ""}), 400, "prompt"),
@@ -412,10 +423,13 @@ def test_create_app_in_process(tiny_qwen3):
     from asyncllm import AsyncLLMEngine, EngineDeadError
     from asyncllm.server import create_app
 
-    engine = AsyncLLMEngine(tiny_qwen3, num_kvcache_blocks=8)
+    engine = AsyncLLMEngine(tiny_qwen3, num_kvcache_blocks=2, kvcache_block_size=16, max_model_len=64)
     app = create_app(engine, "tiny", api_key=None, max_tokens_limit=16)
     with TestClient(app) as http:  # the lifespan starts the engine and stops it
         assert http.get("/health").json() == {"status": "ok"}
+        # the context a request can have: the KV cache's 32 tokens, not max_model_len's 64
+        assert http.get("/v1/models").json()["data"][0]["max_model_len"] == engine.max_seq_len == 32
+        assert http.get("/v1/models/tiny").json()["max_model_len"] == 32
         r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "ignore_eos": True})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 3

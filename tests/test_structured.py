@@ -5,6 +5,7 @@ fresh matcher gives after the tokens delivered so far, token by token, with over
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -78,6 +79,9 @@ SPECS = BOUNDED_SPECS + [{"json_object": True}]
     ({"choice": ["a", 3]}, "StructuredOutput.choice"),
     ({"regex": 5}, "StructuredOutput.regex"),
     ({"json_object": "yes"}, "StructuredOutput.json_object"),
+    # nested past MAX_SCHEMA_DEPTH (a copy of it would exhaust the stack), as an object and as JSON text
+    ({"json": functools.reduce(lambda inner, _: {"items": [inner]}, range(70), {})}, "nested more than 128"),
+    ({"json": '{"a":' * 5000 + "{}" + "}" * 5000}, "nested more than 128"),
 ])
 def test_structured_output_is_validated_where_it_is_made(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):

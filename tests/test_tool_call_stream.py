@@ -2,6 +2,7 @@
 with the official openai client's own stream accumulation against the whole answer's calls."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -181,3 +182,61 @@ def test_an_open_container_read_piece_by_piece_ends_where_the_whole_text_says(pi
     assert ends[-1] == len(value) == value_end(text, 0)
     assert all(end is None for end, cut in zip(ends, range(piece, len(text) + piece, piece)) if cut < len(value))
     json.loads(value)
+
+
+def test_a_streamed_tool_call_carries_every_tokens_logprobs(http):
+    """A tool-calling answer's text is held back while it may be part of a call: the logprobs of the
+    held tokens go out with the next chunk that is sent, so the stream carries one entry per token, as
+    the whole answer does."""
+    body = {"messages": [{"role": "user", "content": "weather?"}], "tools": [WEATHER], "max_tokens": 24, "seed": 3,
+            "temperature": 1.0, "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "logprobs": True}
+    whole = http.post("/v1/chat/completions", json=body).json()
+    assert len(whole["choices"][0]["logprobs"]["content"]) == whole["usage"]["completion_tokens"]
+    events = []
+    with http.stream("POST", "/v1/chat/completions",
+                     json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line[6:] != "[DONE]":
+                events.append(json.loads(line[6:]))
+    streamed = [entry for e in events if e["choices"] and e["choices"][0]["logprobs"]
+                for entry in e["choices"][0]["logprobs"]["content"]]
+    assert any(e["choices"] and e["choices"][0]["delta"].get("tool_calls") for e in events)
+    assert [entry["token"] for entry in streamed] == [entry["token"] for entry in whole["choices"][0]["logprobs"]["content"]]
+    assert len(streamed) == events[-1]["usage"]["completion_tokens"]
+
+
+def test_a_constrained_request_is_submitted_off_the_event_loop(http, monkeypatch):
+    """A grammar compiles at submission (seconds for a large schema or choice list): a constrained
+    request is submitted on a worker thread, so the server's event loop serves every other stream
+    meanwhile; an unconstrained one is submitted on the loop (no thread hop)."""
+    on_loop = []
+    stream = http.engine.stream
+
+    def recording_stream(prompt_ids, params, **kw):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            on_loop.append(False)
+        return stream(prompt_ids, params, **kw)
+
+    monkeypatch.setattr(http.engine, "stream", recording_stream)
+    for extra in ({"guided_regex": "[ab]{3}"}, {}):
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                    **extra})
+        assert r.status_code == 200, r.text
+    assert on_loop == [False, True]
+
+
+def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(http):
+    events = []
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line[6:] != "[DONE]":
+                events.append(json.loads(line[6:]))
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert counts == sorted(counts) and counts[-1] == 5 and counts[0] < 5
+    assert all(e["usage"]["prompt_tokens"] == events[-1]["usage"]["prompt_tokens"] for e in events)

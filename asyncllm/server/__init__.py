@@ -7,14 +7,18 @@ POST /tokenize and /detokenize (vLLM's shapes), GET /health, GET /metrics (prome
     app = create_app(engine, "my-model", api_key="secret")   # engine started by the app's lifespan
     uvicorn.run(app, host="127.0.0.1", port=8000)            # unless the caller started it already
 
-Request fields map to SamplingParams: max_tokens / max_completion_tokens, temperature, top_p, stop
-(a string or a list), seed, plus the extensions top_k, min_p, ignore_eos, stop_token_ids,
-include_stop_str_in_output and (chat) chat_template_kwargs. n must be 1. Fields this server does
-not implement (logprobs, tools, echo, best_of, penalties, ...) are accepted only at their neutral
-value, else a 400; an unknown field is ignored with one logged warning per field name (clients
-send newer OpenAI fields). A max_tokens that runs past the context is a 400. Every error has an
-OpenAI-style body; a 429 (the queue is full) has Retry-After. A chat template sent by the client
-is refused unless the operator trusts request templates.
+Request fields map to SamplingParams (protocol.SAMPLING_FIELDS; SamplingParams checks them):
+max_tokens / max_completion_tokens, temperature, top_p, stop (a string or a list), seed, n, the
+penalties, logit_bias, logprobs (chat: with top_logprobs), plus vLLM's extensions top_k, min_p,
+min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, prompt_logprobs and (chat)
+chat_template_kwargs. Chat takes tools, tool_choice and parallel_tool_calls (server/tool_calls.py);
+both take the constraints response_format, structured_outputs and guided_* (server/constraints.py),
+whose grammar compiles off the event loop. Fields this server does not implement (functions, echo,
+best_of, suffix, ...) are accepted only at their neutral value, else a 400; an unknown field is
+ignored with one logged warning per field name (clients send newer OpenAI fields). A max_tokens
+that runs past the context is a 400. Every error has an OpenAI-style body; a 429 (the queue is
+full) has Retry-After. A chat template sent by the client is refused unless the operator trusts
+request templates.
 
 A client that disconnects, mid-stream or while waiting for a non-streamed answer, aborts its
 request: the engine frees its KV blocks before its next step.

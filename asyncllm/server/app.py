@@ -184,13 +184,17 @@ class OpenAIServer(TokenizationEndpoints):
             raise field_error("prompt", e) from None
 
     # ---- answering ----
-    def _submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, field: str,
-                constraint_field: str | None = None):
+    async def _submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, field: str,
+                      constraint_field: str | None = None):
         """engine.stream with the engine's exceptions mapped to HTTP errors (429, 400, 503);
         constraint_field: the request field that brought params.structured_output."""
         self._check_engine()
+        submit = functools.partial(self.engine.stream, prompt_ids, params, request_id=request_id)
         try:
-            return self.engine.stream(prompt_ids, params, request_id=request_id)
+            if params.structured_output is None:
+                return submit()
+            # its grammar compiles at submission (seconds for a large schema or choice list): off the loop
+            return await anyio.to_thread.run_sync(submit)
         except QueueFullError as e:
             raise APIError(429, f"the server is busy: {e}", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
@@ -263,7 +267,7 @@ class OpenAIServer(TokenizationEndpoints):
                       tools: tuple[tool_calls.ToolRequest, tool_calls.ToolCallFormat] | None = None) -> Response:
         """What chat and completions share: sampling, submission, and the answer streamed or whole.
         default_max_tokens: when the request has none; capped by the room the prompt leaves (None: that room)."""
-        include_usage = protocol.stream_options(body)
+        include_usage, continuous_usage = protocol.stream_options(body)
         self._check_engine()
         constraint, constraint_field = requested_constraint(body)
         if tools is not None and tools[0].forced:
@@ -286,27 +290,31 @@ class OpenAIServer(TokenizationEndpoints):
             params = dataclasses.replace(params, stop=[*params.stop, tools[1].end])
         self._check_context(body, max_tokens_field, prompt_ids, room, params)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        stream = self._submit(prompt_ids, params, request_id, "messages" if chat else "prompt", constraint_field)
+        stream = await self._submit(prompt_ids, params, request_id, "messages" if chat else "prompt",
+                                    constraint_field)
         base = {"id": request_id, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": self.model_name}
         shaper = ChoiceShaper(chat, params.logprobs is not None)
         if body.get("stream"):
-            usage_field = {"usage": None} if include_usage else {}
-
             calls_stream = ToolCallStream(*tools) if tools is not None else None
+            held_logprobs = []  # a tool-calling answer's: of tokens whose text is held back, sent with the next chunk
 
             def chunk(text: str | None, finish_reason: str | None, out=None, delta: dict | None = None,
                       index: int = 0) -> dict | None:
                 if out is not None:
                     index = out.index
+                logprobs = None if out is None or finish_reason else out.logprobs
                 if calls_stream is not None and delta is None:
                     text, delta, finish_reason = _tool_call_delta(calls_stream, text, finish_reason)
+                    held_logprobs.extend(logprobs or ())
                     if delta is None and finish_reason is None:
                         return None  # held back: it may be part of a tool call
-                choice = shaper.chunk_choice(index, text, finish_reason, delta=delta,
-                                             logprobs=None if out is None or finish_reason else out.logprobs,
+                    logprobs = list(held_logprobs) or None
+                    held_logprobs.clear()
+                choice = shaper.chunk_choice(index, text, finish_reason, delta=delta, logprobs=logprobs,
                                              stop_reason=None if out is None else out.stop_reason)
                 kind = {"object": "chat.completion.chunk"} if chat else {}
+                usage_field = {"usage": usage(stream) if continuous_usage else None} if include_usage else {}
                 return {**base, **kind, "choices": [choice], **usage_field}
 
             first = [chunk(None, None, delta={"role": "assistant", "content": ""}, index=i)
@@ -351,7 +359,7 @@ class OpenAIServer(TokenizationEndpoints):
 
     def _model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "asyncllm",
-                "max_model_len": self.engine.config.max_model_len}
+                "max_model_len": self.engine.max_seq_len}
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_card()]})

@@ -27,6 +27,9 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  type: str | None = None, headers: dict | None = None):  # noqa: A002 - OpenAI's field name
+        # a message may quote what the client sent: lone surrogates (valid in JSON's \ud800, not in
+        # UTF-8) would make the response's encoding fail, so they are written as escapes
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status = status
         self.message = message
@@ -178,6 +181,8 @@ def sampling_params(body: dict, max_tokens_field: str, default_max_tokens: int,
     """SamplingParams from the request's fields; SamplingParams is the one that checks them.
     structured_output: what the constraint fields asked for (server/constraints.py)."""
     field = max_tokens_field_sent(body, max_tokens_field)
+    if field != "max_tokens":  # sent beside max_completion_tokens, which wins: still checked
+        expect(body, "max_tokens", lambda v: is_int(v) and v >= 1, "a positive integer")
     max_tokens = expect(body, field, is_int, "an integer")  # compared with the limit below: an int first
     if max_tokens is MISSING:
         max_tokens = default_max_tokens if max_tokens_limit is None else min(default_max_tokens, max_tokens_limit)
@@ -206,22 +211,27 @@ def sampling_params(body: dict, max_tokens_field: str, default_max_tokens: int,
         raise APIError(400, str(e).removeprefix("SamplingParams."), code="invalid_value") from None
 
 
-def stream_options(body: dict) -> bool:
-    """Checks 'stream' and 'stream_options'; returns include_usage."""
+def stream_options(body: dict) -> tuple[bool, bool]:
+    """Checks 'stream' and 'stream_options'; returns (include_usage, continuous_usage_stats: vLLM's
+    usage in every chunk, where include_usage is set too)."""
     stream = expect(body, "stream", lambda v: isinstance(v, bool), "a boolean")
     options = expect(body, "stream_options", lambda v: isinstance(v, dict), "an object")
     if options is MISSING:
-        return False
+        return False, False
     if stream is not True:
         raise APIError(400, "'stream_options' is only allowed with stream=true", param="stream_options",
                        code="invalid_value")
     for name in sorted(set(options) - {"include_usage", "continuous_usage_stats"}):
         warn_unknown_field(f"stream_options.{name}")  # e.g. newer OpenAI options: ignored, as top-level fields
-    include = options.get("include_usage", False)
-    if not isinstance(include, bool):
-        raise APIError(400, "'stream_options.include_usage': expected a boolean",
-                       param="stream_options.include_usage", code="invalid_type")
-    return include
+    flags = []
+    for name in ("include_usage", "continuous_usage_stats"):
+        value = options.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise APIError(400, f"'stream_options.{name}': expected a boolean", param=f"stream_options.{name}",
+                           code="invalid_type")
+        flags.append(value is True)
+    include, continuous = flags
+    return include, include and continuous
 
 
 MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id"}  # others: ignored with a warning

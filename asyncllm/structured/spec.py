@@ -5,6 +5,10 @@ import json
 from dataclasses import dataclass, field
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# JSON schemas whose objects and arrays nest deeper are refused: copying one (SamplingParams.snapshot)
+# recurses per level, and some 300 levels exhaust Python's stack; a schema's nested object property
+# costs two levels (the object, its "properties"), and real schemas nest a dozen or so
+MAX_SCHEMA_DEPTH = 128
 
 
 @dataclass(frozen=True)
@@ -37,8 +41,12 @@ class StructuredOutput:
                     schema = json.loads(schema)
                 except ValueError as e:
                     fail("json", f"not valid JSON: {e}")
+                except RecursionError:
+                    fail("json", f"objects and arrays nested more than {MAX_SCHEMA_DEPTH} levels deep")
             if not isinstance(schema, (dict, bool)):
                 fail("json", f"expected a JSON schema (an object), got {type(schema).__name__}")
+            if _depth_over(schema, MAX_SCHEMA_DEPTH):
+                fail("json", f"objects and arrays nested more than {MAX_SCHEMA_DEPTH} levels deep")
             text = json.dumps(schema, ensure_ascii=False)  # key order kept: properties come out in it
         elif kind == "json_object":
             if self.json_object is not True:
@@ -73,6 +81,17 @@ class StructuredOutput:
                 raise ValueError(f"StructuredOutput: unknown field(s) {sorted(unknown)}; known: {list(KINDS)}")
             return cls(**value)
         raise ValueError(f"expected a StructuredOutput or a dict of its fields, got {type(value).__name__}")
+
+
+def _depth_over(value, limit: int) -> bool:
+    """Whether objects and arrays nest more than limit levels deep in value (without recursion)."""
+    level = [value]  # the nodes at one depth: containers there are nested depth + 1 levels deep
+    for _ in range(limit):
+        level = [child for node in level if isinstance(node, (dict, list))
+                 for child in (node.values() if isinstance(node, dict) else node)]
+        if not level:
+            return False
+    return any(isinstance(node, (dict, list)) for node in level)
 
 
 def _short(value, limit: int = 80) -> str:
