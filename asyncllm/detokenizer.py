@@ -7,6 +7,7 @@ final text.
 """
 from __future__ import annotations
 
+import re
 import weakref
 
 from asyncllm.sampling_params import SamplingParams
@@ -29,13 +30,52 @@ class TokenTexts(dict):
     def __init__(self, tokenizer):
         super().__init__()
         self._tokenizer = weakref.ref(tokenizer)  # the cache is the tokenizer's: it must not keep it alive
+        self._bytes: dict[int, bytes] = {}
 
     def __missing__(self, token_id: int) -> str:
         text = self[token_id] = _decode_alone(self._tokenizer(), token_id)
         return text
 
+    def bytes_of(self, token_id: int) -> bytes:
+        """The token's own bytes (OpenAI's logprobs `bytes`): its text's UTF-8, but for a token that
+        holds part of a character (its text alone is U+FFFD) the bytes of that part, which joined
+        with its neighbours' make the character."""
+        raw = self._bytes.get(token_id)
+        if raw is None:
+            text = self[token_id]
+            raw = text.encode("utf-8")
+            if "\ufffd" in text:
+                raw = _piece_bytes(self._tokenizer().convert_ids_to_tokens(token_id)) or raw
+            self._bytes[token_id] = raw
+        return raw
+
 
 _token_texts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its TokenTexts
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's (GPT-2's, Qwen's, Llama 3's) printable stand-in for each byte, to that byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
+
+
+def _piece_bytes(piece: str | None) -> bytes | None:
+    """A vocabulary entry's raw bytes, where its form says them (a byte-level BPE piece, or a
+    SentencePiece byte token); None otherwise."""
+    if not piece:
+        return None
+    byte = _BYTE_FALLBACK.fullmatch(piece)
+    if byte is not None:
+        return bytes([int(byte.group(1), 16)])
+    if all(c in _BYTE_OF_CHAR for c in piece):
+        return bytes(_BYTE_OF_CHAR[c] for c in piece)
+    return None
 
 
 def decode_logprobs(tokenizer, logprobs) -> None:

@@ -30,6 +30,17 @@ class TokenLogprob:
         return None if self._texts is None else self._texts[self.token_id]
 
     @property
+    def token_bytes(self) -> bytes | None:
+        """token_id's own bytes: a token that holds part of a UTF-8 character gives that part, where
+        its text shows U+FFFD (None until the texts are set)."""
+        return None if self._texts is None else _bytes_of(self._texts, self.token_id)
+
+    @property
+    def top_token_bytes(self) -> list[bytes] | None:
+        """The same for each top alternative (None until the texts are set)."""
+        return None if self._texts is None else [_bytes_of(self._texts, i) for i in self.top_token_ids]
+
+    @property
     def top(self) -> list[tuple[int, float]]:
         """(token id, log-prob) of each top alternative, most likely first."""
         return list(zip(self.top_token_ids, _as_list(self.top_logprobs)))
@@ -59,6 +70,11 @@ class TokenLogprob:
     def __repr__(self) -> str:
         return (f"TokenLogprob(token_id={self.token_id}, logprob={self.logprob}, rank={self.rank}, top={self.top}, "
                 f"token={self.token!r})")
+
+
+def _bytes_of(texts: Mapping[int, str], token_id: int) -> bytes:
+    bytes_of = getattr(texts, "bytes_of", None)  # detokenizer.TokenTexts; a plain mapping has texts only
+    return texts[token_id].encode("utf-8") if bytes_of is None else bytes_of(token_id)
 
 
 def _as_list(values: Sequence) -> list:

@@ -54,6 +54,30 @@ def test_texts_really_split_characters_across_tokens(tokenizer):
 
 
 @pytest.mark.parametrize("text", MULTIBYTE_TEXTS)
+def test_token_bytes_join_into_the_texts_utf8(tokenizer, text):
+    """TokenTexts.bytes_of (OpenAI's logprobs `bytes`): a token that holds part of a character gives
+    that part's bytes, not U+FFFD's, so a text's tokens' bytes joined are its UTF-8; the server's
+    chat logprobs carry them."""
+    from asyncllm.detokenizer import TokenTexts, decode_logprobs
+    from asyncllm.outputs import TokenLogprob
+    from asyncllm.server.choices import chat_logprobs
+    ids = tokenizer.encode(text)
+    texts = TokenTexts(tokenizer)
+    assert b"".join(texts.bytes_of(i) for i in ids) == text.encode("utf-8")
+    entries = [TokenLogprob(i, -1.0, 1, top_ids=[i], top_logprobs=[-1.0]) for i in ids]
+    decode_logprobs(tokenizer, entries)
+    content = chat_logprobs(entries)["content"]
+    assert bytes(b for c in content for b in c["bytes"]) == text.encode("utf-8")
+    assert bytes(b for c in content for b in c["top_logprobs"][0]["bytes"]) == text.encode("utf-8")
+
+
+def test_sentencepiece_byte_tokens_and_other_pieces():
+    from asyncllm.detokenizer import _piece_bytes
+    assert _piece_bytes("<0xE6>") == b"\xe6" and _piece_bytes("\u0120hi") == b" hi"
+    assert _piece_bytes("\u2581hello") is None and _piece_bytes(None) is None  # the text's UTF-8 then
+
+
+@pytest.mark.parametrize("text", MULTIBYTE_TEXTS)
 @pytest.mark.parametrize("seed", [None, 0, 1, 2])
 def test_incremental_detokenizer_multibyte(tokenizer, prompt_ids, text, seed):
     ids = tokenizer.encode(text)

@@ -12,13 +12,14 @@ def _logprob(value: float) -> float:
     return max(value, MIN_LOGPROB)
 
 
-def _chat_token(token: str, logprob: float) -> dict:
-    return {"token": token, "logprob": _logprob(logprob), "bytes": list(token.encode("utf-8"))}
+def _chat_token(token: str, raw: bytes, logprob: float) -> dict:
+    return {"token": token, "logprob": _logprob(logprob), "bytes": list(raw)}
 
 
 def chat_logprobs(entries: list[TokenLogprob]) -> dict:
-    return {"content": [{**_chat_token(e.token, e.logprob),
-                         "top_logprobs": [_chat_token(text, lp) for text, (_, lp) in zip(e.top_tokens, e.top)]}
+    return {"content": [{**_chat_token(e.token, e.token_bytes, e.logprob),
+                         "top_logprobs": [_chat_token(text, raw, lp) for text, raw, (_, lp)
+                                          in zip(e.top_tokens, e.top_token_bytes, e.top)]}
                         for e in entries], "refusal": None}
 
 
