@@ -44,8 +44,22 @@ def _positive_int(text: str) -> int:
 
 def _positive_float(text: str) -> float:
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number in [0, 65535], got {text}")
     return value
 
 
@@ -108,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     http = serve.add_argument_group("HTTP")
     http.add_argument("--host", default=DEFAULT_HOST,
                       help=f"address to bind (default {DEFAULT_HOST}: this machine only; 0.0.0.0 exposes it)")
-    http.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    http.add_argument("--port", type=_port, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     http.add_argument("--api-key", default=None,
                       help="require 'Authorization: Bearer KEY' on /v1/* (default: $ASYNCLLM_API_KEY, else none)")
     http.add_argument("--served-model-name", default=None,
@@ -132,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--sse-keepalive-interval", type=_positive_float, default=DEFAULT_SSE_KEEPALIVE_INTERVAL,
                       help="seconds a stream may wait (queue, long prefill) before it sends a ': keep-alive' "
                            f"comment (default {DEFAULT_SSE_KEEPALIVE_INTERVAL:g})")
-    http.add_argument("--graceful-shutdown-timeout", type=float, default=5.0,
+    http.add_argument("--graceful-shutdown-timeout", type=_non_negative_float, default=5.0,
                       help="seconds to let open requests finish on shutdown before they are aborted (default 5)")
     http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.set_defaults(config_fields=add_config_options(serve.add_argument_group("engine")))
@@ -210,7 +224,7 @@ def serve(args: argparse.Namespace) -> int:
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, http=HeadTimeoutH11Protocol,
                 timeout_keep_alive=args.timeout_keep_alive,
                 limit_concurrency=args.limit_concurrency or default_limit_concurrency(),
-                timeout_graceful_shutdown=max(0, round(args.graceful_shutdown_timeout)))
+                timeout_graceful_shutdown=round(args.graceful_shutdown_timeout))
     return 0
 
 

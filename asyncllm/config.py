@@ -42,7 +42,7 @@ def _dtype_name(dtype) -> str:
 _INT_FIELDS = {
     "max_num_batched_tokens": (1, ""), "max_num_seqs": (1, ""), "max_model_len": (1, ""),
     "tensor_parallel_size": (1, ""), "cpu_kvcache_bytes": (1, ""), "kvcache_block_size": (None, ""),
-    "num_kvcache_blocks": (None, ""), "seed": (None, ""), "max_queued_requests": (0, "0 = unbounded"),
+    "num_kvcache_blocks": (None, ""), "seed": (0, ""), "max_queued_requests": (0, "0 = unbounded"),
     "cuda_graph_max_tokens": (0, "0 = CUDA graphs for decode steps only"),
 }
 
@@ -92,6 +92,8 @@ class Config:
                 _fail(name, f"expected an int, got {value!r}")
             if low is not None and value < low:
                 _fail(name, f"must be >= {low} ({meaning})" if meaning else f"must be >= {low}, got {value}")
+        if self.seed >= 1 << 64:  # torch.manual_seed's range (and numpy's generator's: not negative)
+            _fail("seed", f"must be below 2**64, got {self.seed}")
         bs = self.kvcache_block_size
         if not (16 <= bs <= 256 and bs & (bs - 1) == 0):
             _fail("kvcache_block_size", f"must be a power of two in [16, 256], got {bs}")

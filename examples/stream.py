@@ -70,9 +70,13 @@ async def main() -> None:
         print(f"\n[2] {QUESTIONS[1]}\n    {answer}")
         print(f"    ({result.metrics.num_completion_tokens} tokens, first after "
               f"{result.metrics.time_to_first_token * 1000:.0f} ms, finish: {result.finish_reason})")
-        print(f"\n[3] {QUESTIONS[2]}\n    cancelled after {report['tokens']} tokens; KV blocks in use while "
-              f"the three ran: {report['blocks_before']}, now: {blocks_in_use(engine)} "
-              f"of {engine.stats()['num_total_blocks']}")
+        if report:
+            print(f"\n[3] {QUESTIONS[2]}\n    cancelled after {report['tokens']} tokens; KV blocks in use while "
+                  f"the three ran: {report['blocks_before']}, now: {blocks_in_use(engine)} "
+                  f"of {engine.stats()['num_total_blocks']}")
+        else:  # --max-tokens under 8, or an early end of sequence
+            print(f"\n[3] {QUESTIONS[2]}\n    the answer ended before 8 tokens, so there was nothing to cancel; "
+                  f"KV blocks in use now: {blocks_in_use(engine)} of {engine.stats()['num_total_blocks']}")
 
 
 if __name__ == "__main__":

@@ -152,8 +152,11 @@ def create_app(model: str | None = None, *, max_tokens: int = 256, max_tokens_li
             prompt = body["prompt"]
             if not isinstance(prompt, str) or not prompt.strip():
                 raise ValueError("prompt: expected a non-empty string")
+            wanted = body.get("max_tokens", max_tokens)
+            if isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 1:
+                raise ValueError(f"max_tokens: expected an integer >= 1, got {wanted!r}")
             params = SamplingParams(temperature=0.7, top_p=0.95, ignore_eos=ignore_eos,
-                                    max_tokens=min(int(body.get("max_tokens") or max_tokens), max_tokens_limit))
+                                    max_tokens=min(wanted, max_tokens_limit))
             stream = engine.chat([{"role": "user", "content": prompt}], params)
         except QueueFullError as e:
             metrics.observe_rejection(429)

@@ -17,7 +17,7 @@ BAD_FIELDS = [
     ("dtype", "int8"), ("dtype", "torch.bfloat16"), ("dtype", None),
     ("device", "tpu"), ("attention_backend", "nope"), ("enforce_eager", "yes"),
     ("num_kvcache_blocks", 0), ("max_model_len", 0), ("seed", 1.5), ("cuda_graph_max_tokens", -1),
-    ("cuda_graph_max_tokens", 1.0),
+    ("cuda_graph_max_tokens", 1.0), ("seed", -1), ("seed", 2 ** 64),
 ]
 
 

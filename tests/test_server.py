@@ -438,6 +438,16 @@ def test_create_app_in_process(tiny_qwen3):
         engine.stream("Hi")  # shut down with the app
 
 
+@pytest.mark.parametrize("option, value", [("--port", "70000"), ("--port", "-1"), ("--graceful-shutdown-timeout", "nan"),
+                                           ("--graceful-shutdown-timeout", "inf"), ("--body-timeout", "inf")])
+def test_cli_refuses_out_of_range_numbers_before_loading(option, value, capsys):
+    # they passed the parser and failed after the model had loaded (round(nan), uvicorn's port)
+    from asyncllm.cli import build_parser
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["serve", "m", option, value])
+    assert info.value.code == 2 and option in capsys.readouterr().err
+
+
 def test_cli_defaults_to_loopback_and_no_key(monkeypatch):
     from asyncllm.cli import build_parser
     args = build_parser().parse_args(["serve", "some/model"])

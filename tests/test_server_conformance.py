@@ -178,6 +178,13 @@ def test_tokenize_messages_is_what_chat_completions_counts(http, tokenizer):
     without = http.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()["tokens"]
     assert without == tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True,
                                                   return_dict=True)["input_ids"]
+    # with tools, rendered as the chat route renders them (they were ignored: 15 tokens for chat's 149)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    with_tools = http.post("/tokenize", json={"messages": messages, "tools": tools}).json()["tokens"]
+    assert with_tools == tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=True)["input_ids"]
+    assert len(with_tools) > len(tokens)
 
 
 @pytest.mark.parametrize("path, body, status, param", [

@@ -138,6 +138,13 @@ def web_app_in_process(tiny_qwen3):
         thread.join(60)
 
 
+@pytest.mark.parametrize("max_tokens", ["1e400", "2.9", "0", "true", '"5"', "{}"])
+def test_a_bad_max_tokens_is_a_400_naming_it(web_app, max_tokens):
+    # 1e400 (infinity) was a 500 (int() of it); 0 and {} became the default, 2.9 became 2, "5" became 5
+    r = httpx.post(web_app + "/generate", content=f'{{"prompt": "hi", "max_tokens": {max_tokens}}}', timeout=30)
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"], r.text
+
+
 def test_engine_death_mid_stream_shows_an_error(web_app_in_process, browser):
     from prometheus_client.parser import text_string_to_metric_families
     base, engine = web_app_in_process

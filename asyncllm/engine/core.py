@@ -20,7 +20,7 @@ from asyncllm.errors import PromptTooLongError
 from asyncllm.runner.launched_step import LaunchedStep
 from asyncllm.runner.model_runner import ModelRunner
 from asyncllm.runner.tp_workers import TensorParallelWorkers
-from asyncllm.models.checkpoint import check_tokenizer, find_eos_token_ids
+from asyncllm.models.checkpoint import check_tokenizer, find_eos_token_ids, load_tokenizer
 from asyncllm.outputs import TokenLogprob
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.structured.grammar import GrammarCompiler
@@ -53,10 +53,9 @@ def check_text(text: str, argument: str) -> None:
 
 class EngineCore:
     def __init__(self, config: Config, weights=None):
-        from transformers import AutoTokenizer
         freeze_startup_heap()
         self.config = config
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model, trust_remote_code=False)
+        self.tokenizer = load_tokenizer(config.model)
         check_tokenizer(self.tokenizer, config.hf_config, config.model)
         # rank 0 of a tensor-parallel engine starts the other ranks; the runner steps them from then on
         workers = TensorParallelWorkers(config) if config.tensor_parallel_size > 1 else None

@@ -6,8 +6,11 @@ import json
 import os
 from collections.abc import Iterable, Iterator
 
+import contextlib
+import math
+
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from asyncllm.layers.linear import WeightShapeError, check_loaded_shape
@@ -39,7 +42,41 @@ def load_hf_config(model_dir: str):
     scaling = getattr(config, "rope_scaling", None) or rope_parameters
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     config.asyncllm_rope_scaling = dict(scaling, rope_type=rope_type) if rope_type != "default" else None
+    check_model_features(config, config_path)
     return config
+
+
+def check_model_features(config, config_path: str) -> None:
+    """Refuse a config that asks for what the model code does not do (it would run without it and
+    answer wrongly): another activation, sliding-window layers, partial rotary, logit soft-capping,
+    and rope_theta / rms_norm_eps that are not positive numbers."""
+    def fail(field_name: str, message: str) -> None:
+        raise ValueError(f"{config_path}: {field_name} {message}")
+
+    def is_positive_number(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+    act = getattr(config, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        fail("hidden_act", f"={act!r} is not supported: the MLP here is SiLU-gated")
+    if getattr(config, "use_sliding_window", False):
+        fail("use_sliding_window", "=true is not supported: every layer here attends to the whole context")
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(kind != "full_attention" for kind in layer_types):
+        fail("layer_types", f"has {sorted(set(layer_types) - {'full_attention'})}: only full_attention layers "
+                            "are supported")
+    partial = getattr(config, "partial_rotary_factor", None)
+    if partial is None:  # transformers 5 keeps it in rope_parameters
+        partial = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor")
+    if partial is not None and partial != 1:
+        fail("partial_rotary_factor", f"={partial!r} is not supported: the rotary embedding covers whole heads")
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if getattr(config, name, None) is not None:
+            fail(name, "is not supported: logits are not soft-capped here")
+    for name in ("rope_theta", "rms_norm_eps"):
+        value = getattr(config, name, None)
+        if value is not None and not is_positive_number(value):
+            fail(name, f"must be a positive number, got {value!r}")
 
 
 def check_model_shape(config, config_path: str) -> None:
@@ -107,20 +144,34 @@ def _check_inside_model_dir(path: str, model_dir: str) -> None:
     the same repository's blobs/ folder."""
     model_root = os.path.realpath(model_dir)
     roots = [model_root]
-    if os.path.basename(os.path.dirname(model_root)) == "snapshots":
-        roots.append(os.path.dirname(os.path.dirname(model_root)))
+    snapshots = os.path.dirname(model_root)
+    repo = os.path.dirname(snapshots)
+    if os.path.basename(snapshots) == "snapshots" and os.path.basename(repo).startswith("models--"):
+        roots.append(os.path.join(repo, "blobs"))
     real = os.path.realpath(path)
     if not any(os.path.commonpath([real, root]) == root for root in roots):
         raise ValueError(f"weight file {path!r} resolves to {real!r}, outside the model directory "
                          f"{model_dir!r}: refused")
 
 
+@contextlib.contextmanager
+def _reading(path: str):
+    """Errors reading a safetensors file (truncated, a bad header, not safetensors at all) as a
+    ValueError naming the file."""
+    try:
+        yield
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path}: not a readable safetensors file: {e}") from None
+
+
 def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor, str]]:
     """(name, tensor, file) for every tensor of the checkpoint; the file names it in load errors."""
     for path in safetensors_files(model_dir):
-        with safe_open(path, framework="pt", device="cpu") as f:
+        with _reading(path), safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name), path
+                with _reading(path):
+                    tensor = f.get_tensor(name)
+                yield name, tensor, path
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple]) -> None:
@@ -134,11 +185,22 @@ def load_weights(model: nn.Module, weights: Iterable[tuple]) -> None:
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules_mapping", {})
     skipped = getattr(model, "skipped_weight_prefixes", ())
+    shards_of = {}  # a fused param fragment -> the shard ids it is made of
+    for fused, shard_id in packed.values():
+        shards_of.setdefault(fused, set()).add(shard_id)
     loaded: set[str] = set()
+    seen: set[str] = set()
+    fused_loaded: dict[str, tuple[str, set]] = {}  # a fused param -> (its fragment, the shards loaded)
     for name, tensor, *source in weights:
         where = f" in {source[0]}" if source else ""
         if any(name.startswith(prefix) for prefix in skipped):
             continue
+        if name in seen:
+            raise ValueError(f"checkpoint tensor {name!r}{where} appears twice (in two shards?)")
+        seen.add(name)
+        if not tensor.is_floating_point() or tensor.element_size() < 2:
+            raise ValueError(f"checkpoint tensor {name!r}{where} is {tensor.dtype}: only float16, bfloat16 and "
+                             "float32 weights are supported (quantized checkpoints are not)")
         param_name, shard_args = name, ()
         for fragment, (fused, shard_id) in packed.items():
             if fragment in name:
@@ -146,6 +208,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple]) -> None:
                 break
         if param_name not in params:
             raise ValueError(f"checkpoint tensor {name!r}{where} has no place in {type(model).__name__}")
+        if shard_args:
+            fused_loaded.setdefault(param_name, (fused, set()))[1].add(shard_args[0])
         param = params[param_name]
         try:
             getattr(param, "weight_loader", _default_loader)(param, tensor, *shard_args)
@@ -155,6 +219,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple]) -> None:
                              f"not belong to these weights?)") from None
         loaded.add(param_name)
     missing = set(params) - loaded - set(getattr(model, "tied_parameters", ()))
+    # a fused param is whole only with every part (q, k and v; gate and up): the rest is uninitialised
+    missing |= {f"{param_name} ({', '.join(map(str, sorted(shards_of[fused] - got, key=str)))} missing)"
+                for param_name, (fused, got) in fused_loaded.items() if got != shards_of[fused]}
     if missing:
         raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}{'...' if len(missing) > 5 else ''}")
 
@@ -197,7 +264,7 @@ def _vocab_tensor_rows(model_dir: str) -> dict[str, tuple[int, str]]:
     if not glob.glob(os.path.join(model_dir, "*.safetensors")):
         return rows  # no weights here: the engine was given them (or safetensors_files will say so)
     for path in safetensors_files(model_dir):
-        with safe_open(path, framework="pt", device="cpu") as f:
+        with _reading(path), safe_open(path, framework="pt", device="cpu") as f:
             names = set(f.keys())
             for name in _VOCAB_TENSORS:
                 if name in names:
@@ -206,19 +273,39 @@ def _vocab_tensor_rows(model_dir: str) -> dict[str, tuple[int, str]]:
     return rows
 
 
-def _as_id_set(value) -> set[int]:
+def load_tokenizer(model_dir: str):
+    """The model directory's tokenizer (transformers', never remote code); a broken one is a
+    ValueError naming the directory."""
+    from transformers import AutoTokenizer  # transformers loads slowly: only where a tokenizer is made
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - transformers and tokenizers raise many types for broken files
+        raise ValueError(f"Config.model: the tokenizer files in {model_dir!r} cannot be loaded: "
+                         f"{type(e).__name__}: {e}") from e
+
+
+def _as_id_set(value, where: str) -> set[int]:
     if value is None:
         return set()
-    return {value} if isinstance(value, int) else set(value)
+    ids = [value] if isinstance(value, int) else value if isinstance(value, list) else None
+    if ids is None or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{where}: eos_token_id must be a token id or a list of them, got {value!r}")
+    return set(ids)
 
 
 def find_eos_token_ids(model_dir: str, hf_config, tokenizer) -> set[int]:
     """Every id that ends a generation: the config's, generation_config.json's and the tokenizer's."""
-    ids = _as_id_set(getattr(hf_config, "eos_token_id", None))
+    ids = _as_id_set(getattr(hf_config, "eos_token_id", None), os.path.join(model_dir, "config.json"))
     gen_config = os.path.join(model_dir, "generation_config.json")
     if os.path.exists(gen_config):
-        with open(gen_config) as f:
-            ids |= _as_id_set(json.load(f).get("eos_token_id"))
+        try:
+            with open(gen_config) as f:
+                settings = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{gen_config}: not valid JSON: {e}") from None
+        if not isinstance(settings, dict):
+            raise ValueError(f"{gen_config}: expected a JSON object, got {type(settings).__name__}")
+        ids |= _as_id_set(settings.get("eos_token_id"), gen_config)
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids

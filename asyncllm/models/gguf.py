@@ -181,7 +181,10 @@ def _build_config(reader, arch: str, tensors: dict[str, torch.Tensor], dtype: to
 
 def _save_tokenizer(gguf_path: str, out_dir: str, chat_template: str | None) -> None:
     from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+    except Exception as e:  # noqa: BLE001 - transformers' GGUF reader raises many types for missing metadata
+        raise ValueError(f"{gguf_path!r}: no usable tokenizer in its metadata: {type(e).__name__}: {e}") from None
     # Set it explicitly: without a template, apply_chat_template fails on the converted directory.
     if chat_template and not tokenizer.chat_template:
         tokenizer.chat_template = chat_template
@@ -223,8 +226,12 @@ def convert_gguf(gguf_path: str, out_dir: str, dtype: torch.dtype = torch.float3
     if n_head < 1 or n_kv_head < 1:
         raise ValueError(f"{gguf_path!r}: metadata {arch}.attention.head_count ({n_head}) and head_count_kv "
                          f"({n_kv_head}) must be >= 1")
-    tensors = _read_tensors(reader, arch, n_head, n_kv_head, dtype)
-    config = _build_config(reader, arch, tensors, dtype)
+    try:
+        tensors = _read_tensors(reader, arch, n_head, n_kv_head, dtype)
+        config = _build_config(reader, arch, tensors, dtype)
+    except (RuntimeError, KeyError, IndexError, TypeError) as e:  # tensors or metadata that do not fit together
+        what = f"no tensor {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+        raise ValueError(f"{gguf_path!r}: its tensors and metadata do not make a {arch} model ({what})") from None
 
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
@@ -246,12 +253,22 @@ def cache_root() -> str:
     return os.environ.get("ASYNCLLM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "asyncllm")
 
 
+_KEY_SAMPLE_BYTES = 1 << 20
+
+
 def cache_dir_for(gguf_path: str) -> str:
-    """Cache directory of a GGUF file: its name plus a hash of its size and mtime (a changed file converts anew)."""
-    stat = os.stat(gguf_path)
-    key = f"{stat.st_size}:{stat.st_mtime_ns}:{_CONVERTER_VERSION}".encode()
+    """Cache directory of a GGUF file: its name plus a hash of where it is, its size and mtime, and its
+    first and last MiB (a changed file converts anew; two fine-tunes of one base, of equal size and
+    header, differ in their weights' bytes)."""
+    real = os.path.realpath(gguf_path)
+    stat = os.stat(real)
+    digest = hashlib.sha256(f"{real}:{stat.st_size}:{stat.st_mtime_ns}:{_CONVERTER_VERSION}".encode())
+    with open(real, "rb") as f:
+        digest.update(f.read(_KEY_SAMPLE_BYTES))
+        f.seek(max(0, stat.st_size - _KEY_SAMPLE_BYTES))
+        digest.update(f.read(_KEY_SAMPLE_BYTES))
     stem = os.path.basename(gguf_path).removesuffix(".gguf")
-    return os.path.join(cache_root(), f"{stem}-{hashlib.sha256(key).hexdigest()[:12]}")
+    return os.path.join(cache_root(), f"{stem}-{digest.hexdigest()[:12]}")
 
 
 def resolve_model_path(path: str) -> str:

@@ -18,7 +18,8 @@ from asyncllm.engine.core import check_text
 from asyncllm.server.protocol import APIError, field_error
 
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "return_token_strs",
-                   "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs"}
+                   "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
+                   "tools", "tool_choice", "parallel_tool_calls"}
 DETOKENIZE_FIELDS = {"model", "tokens"}
 _BOOLEAN = (lambda v: isinstance(v, bool), "a boolean")
 
@@ -74,6 +75,7 @@ class TokenizationEndpoints:
                 template_kwargs[name] = flags[name]
         if template_kwargs.get("continue_final_message"):
             template_kwargs.setdefault("add_generation_prompt", False)
+        messages, template_kwargs, _ = self._with_tools(body, messages, template_kwargs)  # as chat renders them
         return await self._chat_prompt_ids(messages, template_kwargs)
 
     async def detokenize(self, request: Request) -> Response:
