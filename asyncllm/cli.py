@@ -189,7 +189,9 @@ def serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         print(f"asyncllm serve needs the server extra: pip install 'asyncllm-engine[server]' ({e})", file=sys.stderr)
         return 2
-    from asyncllm import AsyncLLMEngine
+    import anyio
+
+    from asyncllm import AsyncLLMEngine, EngineDeadError
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
     if args.model is None:
@@ -210,21 +212,31 @@ def serve(args: argparse.Namespace) -> int:
     options = config_options(args, args.config_fields)
     try:
         engine = AsyncLLMEngine(model, **options)
+        # the model loads here, before the HTTP server: a checkpoint it refuses is this one line and
+        # exit code 2, not a traceback of the server's failed start-up
+        anyio.run(engine.start)
     except (ValueError, TypeError, OSError) as e:
         print(f"asyncllm serve: {e}", file=sys.stderr)
+        return 2
+    except EngineDeadError as e:
+        print(f"asyncllm serve: {e.__cause__ if isinstance(e.__cause__, (ValueError, TypeError, OSError)) else e}",
+              file=sys.stderr)
         return 2
     app = create_app(engine, name, api_key, max_body_bytes=args.max_body_bytes,
                      max_tokens_limit=args.max_tokens_limit, body_timeout=args.body_timeout,
                      trust_request_chat_template=args.trust_request_chat_template,
-                     sse_keepalive_interval=args.sse_keepalive_interval)
+                     sse_keepalive_interval=args.sse_keepalive_interval, manage_engine=True)
     answer_over_limit_in_openai_shape()
     if args.host not in LOOPBACK_HOSTS and api_key is None:
         logging.getLogger("asyncllm.server").warning(
             "serving on %s without an API key: anyone who can reach this port can use the model", args.host)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, http=HeadTimeoutH11Protocol,
-                timeout_keep_alive=args.timeout_keep_alive,
-                limit_concurrency=args.limit_concurrency or default_limit_concurrency(),
-                timeout_graceful_shutdown=round(args.graceful_shutdown_timeout))
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, http=HeadTimeoutH11Protocol,
+                    timeout_keep_alive=args.timeout_keep_alive,
+                    limit_concurrency=args.limit_concurrency or default_limit_concurrency(),
+                    timeout_graceful_shutdown=round(args.graceful_shutdown_timeout))
+    finally:
+        anyio.run(engine.shutdown)  # the lifespan's already, unless uvicorn never started it (a port in use)
     return 0
 
 

@@ -448,6 +448,21 @@ def test_cli_refuses_out_of_range_numbers_before_loading(option, value, capsys):
     assert info.value.code == 2 and option in capsys.readouterr().err
 
 
+def test_serve_refuses_a_broken_checkpoint_in_one_line(tiny_qwen3, tmp_path):
+    # the model loads before the HTTP server: it was uvicorn's "Application startup failed" traceback
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in os.listdir(tiny_qwen3):
+        if not name.endswith(".safetensors"):
+            os.link(os.path.join(tiny_qwen3, name), broken / name)
+    with open(os.path.join(tiny_qwen3, "model.safetensors"), "rb") as f:
+        (broken / "model.safetensors").write_bytes(f.read(100_000))
+    run = subprocess.run(serve_command() + ["serve", str(broken), "--port", str(free_port())], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "not a readable safetensors file" in run.stderr and "Traceback" not in run.stderr, run.stderr[-2000:]
+
+
 def test_cli_defaults_to_loopback_and_no_key(monkeypatch):
     from asyncllm.cli import build_parser
     args = build_parser().parse_args(["serve", "some/model"])
