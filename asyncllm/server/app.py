@@ -341,21 +341,13 @@ class OpenAIServer(TokenizationEndpoints):
     # ---- endpoints ----
     async def chat_completions(self, request: Request) -> Response:
         body = await self._request_body(request, protocol.CHAT_FIELDS, protocol.NEUTRAL_CHAT)
-        messages, template_kwargs, tools = self._with_tools(
-            body, protocol.messages(body), protocol.chat_template_kwargs(body, self.trust_request_chat_template))
+        messages, template_kwargs, tools = tool_calls.with_tools(
+            body, protocol.messages(body), protocol.chat_template_kwargs(body, self.trust_request_chat_template),
+            self.engine.chat_template)
         prompt_ids = await self._chat_prompt_ids(messages, template_kwargs)
         return await self._answer(request, body, prompt_ids, chat=True, max_tokens_field="max_completion_tokens",
                                   default_max_tokens=None, tools=tools)
 
-    def _with_tools(self, body: dict, messages: list[dict], template_kwargs: dict):
-        """A chat's messages and template arguments with the request's tools rendered for the template
-        (server/tool_calls.py), and (tools, their call format), or None without tools: what chat
-        completions and /tokenize render alike."""
-        tools = tool_calls.tool_request(body)
-        call_format, renders_tools = tool_calls.format_for_template(
-            template_kwargs.get("chat_template") or self.engine.chat_template)
-        messages, tool_kwargs = tool_calls.render_messages(messages, tools, renders_tools)
-        return messages, {**template_kwargs, **tool_kwargs}, None if tools is None else (tools, call_format)
 
     async def completions(self, request: Request) -> Response:
         body = await self._request_body(request, protocol.COMPLETION_FIELDS, protocol.NEUTRAL_COMPLETIONS)

@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 import asyncllm.server.protocol as protocol
+from asyncllm.server import tool_calls
 from asyncllm.engine.core import check_text
 from asyncllm.server.protocol import APIError, field_error
 
@@ -75,7 +76,8 @@ class TokenizationEndpoints:
                 template_kwargs[name] = flags[name]
         if template_kwargs.get("continue_final_message"):
             template_kwargs.setdefault("add_generation_prompt", False)
-        messages, template_kwargs, _ = self._with_tools(body, messages, template_kwargs)  # as chat renders them
+        # the request's tools rendered as chat completions renders them
+        messages, template_kwargs, _ = tool_calls.with_tools(body, messages, template_kwargs, self.engine.chat_template)
         return await self._chat_prompt_ids(messages, template_kwargs)
 
     async def detokenize(self, request: Request) -> Response:

@@ -158,6 +158,16 @@ def render_messages(messages: list[dict], tools: ToolRequest | None, renders_too
     return out, {}
 
 
+def with_tools(body: dict, messages: list[dict], template_kwargs: dict, default_template: str | None):
+    """A chat's messages and template arguments with the request's tools rendered for the template
+    (the request's own, else default_template), and (tools, their call format), or None without
+    tools: what chat completions and /tokenize render alike."""
+    tools = tool_request(body)
+    call_format, renders_tools = format_for_template(template_kwargs.get("chat_template") or default_template)
+    messages, tool_kwargs = render_messages(messages, tools, renders_tools)
+    return messages, {**template_kwargs, **tool_kwargs}, None if tools is None else (tools, call_format)
+
+
 def _call_with_object_arguments(call: dict) -> dict:
     function = dict(call.get("function") or {})
     arguments = function.get("arguments")
