@@ -133,6 +133,10 @@ BAD_INPUTS: list[Bad] = [
     Bad(GEN, "sampling_params=[None]", dict(prompts=["ok"], sampling_params=[None]), TypeError, "sampling_params[0]"),
     Bad(GEN, "SamplingParams changed after construction: max_tokens=0",
         lambda: dict(prompts=["ok"], sampling_params=changed(max_tokens=0)), ValueError, "max_tokens", ">= 1"),
+    # banned below min_tokens: an id past the logits failed the step and killed the async engine
+    Bad(GEN, f"stop_token_ids=[{VOCAB}] with min_tokens=2",
+        dict(prompts=["ok"], sampling_params=SamplingParams(stop_token_ids=[VOCAB], min_tokens=2, max_tokens=4)),
+        ValueError, "stop_token_ids", "vocabulary"),
     # ---- AsyncLLMEngine.stream / generate ----
     Bad(STREAM, "prompt=None", dict(prompt=None), TypeError, "prompt"),
     Bad(STREAM, 'prompt=b"Hello" (bytes)', dict(prompt=b"Hello"), TypeError, "prompt", "bytes"),

@@ -137,6 +137,8 @@ class EngineCore:
             self.check_token_ids(list(params.logit_bias), "SamplingParams.logit_bias")
         if params.allowed_token_ids is not None:
             self.check_token_ids(params.allowed_token_ids, "SamplingParams.allowed_token_ids")
+        if params.stop_token_ids:  # banned below min_tokens: an id past the logits would fail the step
+            self.check_token_ids(params.stop_token_ids, "SamplingParams.stop_token_ids")
         if params.structured_output is not None:
             # compiled here, in the caller's thread, and cached: the engine thread finds it compiled
             self.grammar_compiler.compile(params.structured_output)
