@@ -204,7 +204,9 @@ class EngineCore:
         return seq
 
     def _encode_bad_words(self, words: list[str]) -> list[list[int]]:
-        """Each word's token ids, as it reads at the start of a text and after a space (vLLM's way)."""
+        """Each word's token ids, as it reads at the start of a text and after a space. vLLM keeps the
+        second form only where it has as many tokens as the first and starts otherwise; here both are
+        banned whenever they differ (a word that splits differently after a space is still banned)."""
         encoded = []
         for word in words:
             for text in (word.lstrip(), " " + word.lstrip()):
