@@ -308,3 +308,12 @@ def test_a_broken_tokenizer_file_is_named(tiny_qwen3, tmp_path):
         f.write("{not json")
     with pytest.raises(ValueError, match=r"Config.model: the tokenizer files in .* cannot be loaded"):
         LLM(model_dir, **ENGINE_KW)
+
+
+def test_weights_larger_than_the_machines_memory_are_refused_naming_config_json(tiny_qwen3, tmp_path):
+    # hidden_size 2**22 failed in torch's allocator ("can't allocate 2549063090176 bytes"), naming nothing
+    model_dir = copy_checkpoint(tiny_qwen3, tmp_path / "huge", config={"hidden_size": 2 ** 22, "head_dim": 64},
+                                skip=("model.safetensors",))
+    with pytest.raises(ValueError, match=r"config.json: the model it describes takes .* GiB of float32 weights, "
+                                         r"more than this machine's"):
+        resolve_config(Config(model=model_dir, device="cpu"))

@@ -32,8 +32,35 @@ def resolve_config(config: Config) -> Config:
             ckpt = DTYPES.get(ckpt)
         config.torch_dtype = ckpt if ckpt in (torch.float16, torch.bfloat16, torch.float32) else torch.bfloat16
     if config.device == "cpu":
-        _check_cpu_kv_cache(config)
+        memory = _machine_memory()
+        if memory is not None:
+            _check_cpu_weights(config, memory)
+            _check_cpu_kv_cache(config, memory)
     return config
+
+
+def _machine_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_cpu_weights(config: Config, memory: int) -> None:
+    """Weights that config.json makes larger than the machine's memory fail in torch's allocator
+    (naming nothing): say so here, naming the file."""
+    hf = config.hf_config
+    hidden, layers, vocab = hf.hidden_size, hf.num_hidden_layers, hf.vocab_size
+    heads = hf.num_attention_heads
+    kv_heads = getattr(hf, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf, "head_dim", None) or hidden // heads
+    per_layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * hf.intermediate_size
+    embeddings = vocab * hidden * (1 if getattr(hf, "tie_word_embeddings", False) else 2)
+    size = (embeddings + layers * per_layer) * config.torch_dtype.itemsize
+    if size > memory:
+        raise ValueError(f"{os.path.join(config.model, 'config.json')}: the model it describes takes "
+                         f"{size / 2**30:.1f} GiB of {str(config.torch_dtype).removeprefix('torch.')} weights, more "
+                         f"than this machine's {memory / 2**30:.1f} GiB of memory")
 
 
 def _check_tensor_parallel_split(hf, size: int) -> None:
@@ -50,12 +77,8 @@ def _check_tensor_parallel_split(hf, size: int) -> None:
         raise config_error("tensor_parallel_size", f"intermediate_size={intermediate} is not divisible by {size}")
 
 
-def _check_cpu_kv_cache(config: Config) -> None:
+def _check_cpu_kv_cache(config: Config, memory: int) -> None:
     """A CPU KV cache larger than the machine's memory fails (or is OOM-killed) deep in torch: say so here."""
-    try:
-        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return
     hf = config.hf_config
     kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
