@@ -169,9 +169,7 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor, str]]:
     for path in safetensors_files(model_dir):
         with _reading(path), safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                with _reading(path):
-                    tensor = f.get_tensor(name)
-                yield name, tensor, path
+                yield name, f.get_tensor(name), path
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple]) -> None:

@@ -52,8 +52,7 @@ def _check_cpu_weights(config: Config, memory: int) -> None:
     hf = config.hf_config
     hidden, layers, vocab = hf.hidden_size, hf.num_hidden_layers, hf.vocab_size
     heads = hf.num_attention_heads
-    kv_heads = getattr(hf, "num_key_value_heads", None) or heads
-    head_dim = getattr(hf, "head_dim", None) or hidden // heads
+    kv_heads, head_dim = _kv_heads_and_head_dim(hf)
     per_layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * hf.intermediate_size
     embeddings = vocab * hidden * (1 if getattr(hf, "tie_word_embeddings", False) else 2)
     size = (embeddings + layers * per_layer) * config.torch_dtype.itemsize
@@ -61,6 +60,11 @@ def _check_cpu_weights(config: Config, memory: int) -> None:
         raise ValueError(f"{os.path.join(config.model, 'config.json')}: the model it describes takes "
                          f"{size / 2**30:.1f} GiB of {str(config.torch_dtype).removeprefix('torch.')} weights, more "
                          f"than this machine's {memory / 2**30:.1f} GiB of memory")
+
+
+def _kv_heads_and_head_dim(hf) -> tuple[int, int]:
+    heads = hf.num_attention_heads
+    return getattr(hf, "num_key_value_heads", None) or heads, getattr(hf, "head_dim", None) or hf.hidden_size // heads
 
 
 def _check_tensor_parallel_split(hf, size: int) -> None:
@@ -80,8 +84,7 @@ def _check_tensor_parallel_split(hf, size: int) -> None:
 def _check_cpu_kv_cache(config: Config, memory: int) -> None:
     """A CPU KV cache larger than the machine's memory fails (or is OOM-killed) deep in torch: say so here."""
     hf = config.hf_config
-    kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    kv_heads, head_dim = _kv_heads_and_head_dim(hf)
     per_block = 2 * hf.num_hidden_layers * config.kvcache_block_size * kv_heads * head_dim * config.torch_dtype.itemsize
     name, size = ("num_kvcache_blocks", config.num_kvcache_blocks * per_block) if config.num_kvcache_blocks != -1 \
         else ("cpu_kvcache_bytes", config.cpu_kvcache_bytes)

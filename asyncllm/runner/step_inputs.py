@@ -9,7 +9,6 @@ import numpy as np
 
 @dataclass
 class StepInputs:
-    """One step's inputs as host arrays: what rank 0 builds and every tensor-parallel rank runs."""
     input_ids: np.ndarray  # (T,) int64
     positions: np.ndarray  # (T,) int64
     slot_mapping: np.ndarray  # (T,) int64
