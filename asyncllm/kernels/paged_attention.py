@@ -41,12 +41,11 @@ all (seq_len == 0 padding rows) produce zeros rather than NaN.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from asyncllm import settings
 from asyncllm.kernels.fused_ops import head_norm_rope, qk_norm_rope_
 from asyncllm.kernels.host import cdiv, next_power_of_2
 from asyncllm.kernels.pdl import launch_dependents, launch_options, wait_for_previous
@@ -66,8 +65,9 @@ PROGRAMS_PER_SM = 4  # decode programs are small and memory-bound: several resid
 FIRST_TILE_EARLY_PROGRAMS_PER_SM = 2
 
 # The Triton CPU interpreter multiplies bf16 tensors as raw uint16 bit patterns in tl.dot; compiled
-# kernels are unaffected. Under the interpreter only, bf16 dot operands are upcast to fp32.
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# kernels are unaffected. Under the interpreter only, bf16 dot operands are upcast to fp32. Read at import:
+# @triton.jit made this module's kernels interpreted or compiled then, and every launch asks it.
+_INTERPRET = settings.TRITON_INTERPRET.read()
 
 
 # ----------------------------------------------------------------------------- device helpers

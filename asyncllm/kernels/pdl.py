@@ -34,14 +34,16 @@ On by default on sm_90+ GPUs; ASYNCLLM_PDL=0 turns it off (docs/BENCHMARKS.md ru
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-_enabled = os.environ.get("ASYNCLLM_PDL", "1") != "0"
+from asyncllm import settings
+
+# read once, into a global: every kernel launch of a step asks enabled_for, and set_enabled switches it
+_enabled = settings.PDL.read()
 
 
 def set_enabled(enabled: bool) -> None:

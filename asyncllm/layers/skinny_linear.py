@@ -28,12 +28,12 @@ On by default: on the H200 it took the 0.6B model's batch-1 time per token from 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
+from asyncllm import settings
 from asyncllm.layers.activation import SiluAndMul
 from asyncllm.layers.fused import kernel_module
 
@@ -48,7 +48,8 @@ NEIGHBOUR_COLUMNS = 4096  # the row of the small kernel each timed call sits bet
 
 MIN_GAIN = 0.03  # timings within this fraction are a tie (choose_fastest says which form wins one)
 
-_enabled = os.environ.get("ASYNCLLM_SKINNY_GEMM", "1") != "0"
+# read once, into a global: every linear call of 1-16 rows asks it, and set_enabled switches it
+_enabled = settings.SKINNY_GEMM.read()
 _UNDECIDED = object()
 # (device, dtype, rows rounded up to a power of two, N, K, has bias) -> the kernel's SkinnyConfig, or None for cuBLAS
 _choices: dict[tuple, object] = {}

@@ -16,12 +16,12 @@ about 0.1 ms a token there (docs/BENCHMARKS.md run U). ASYNCLLM_DECODE_TUNING=0 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 
 import torch
 
+from asyncllm import settings
 from asyncllm.attention.base import ForwardBatch
 from asyncllm.layers import skinny_linear
 from asyncllm.runner.cuda_graph import CudaGraphRunner
@@ -32,8 +32,6 @@ MIN_GAIN = 0.002  # of the step's time: below it (or MIN_GAIN_MS) a tiling is no
 MIN_GAIN_MS = 0.002
 REPEATS = 5  # timings per alternative, each of REPLAYS graph replays (the median counts)
 REPLAYS = 20
-
-_enabled = os.environ.get("ASYNCLLM_DECODE_TUNING", "1") != "0"
 
 
 def choose_by_step_time(alternatives: list[tuple[bool, tuple, list]], set_choice: Callable[[bool, tuple, object], None],
@@ -66,7 +64,7 @@ def tune_batch1_projections(graphs: CudaGraphRunner, decode_batch: Callable[[int
     """Settle the 1-row skinny-GEMM tilings in the batch-1 decode graph of `graphs` (one rank; before
     sampler graphs are captured over the forward graphs' outputs). decode_batch(context): a batch of
     one decode over that many tokens that stores nothing, to replay the graph on."""
-    if not _enabled:
+    if not settings.DECODE_TUNING.read():
         return
     alternatives = [item for item in skinny_linear.batch1_alternatives() if len(item[2]) > 1]
     if not alternatives:
