@@ -1,17 +1,18 @@
 """The batch-1 decode graph's projection tilings, chosen by the step's own time.
 
 layers/skinny_linear picks each projection's tiling by timing the candidates one call at a time,
-between two small kernels. Inside the decode step the order can come out otherwise: on the H200
-the 8B model's o_proj ran the step 24 us faster in the grouped FMA form while its qkv and down
-projections ran it 35 us slower in that form, though all three timed faster grouped alone
-(docs/BENCHMARKS.md run T; run P found the same for cuBLAS against ours). A chat's time per token
-is the batch-1 decode graph's, so that graph is where its tilings are settled: one projection at
-a time, largest first, each alternative is captured into the graph and the step timed, and a
-tiling replaces the decision only where the step ran MIN_GAIN faster. Then every batch-1 decode
-graph is captured again. Once per process: a later engine keeps the decisions, as it keeps every
-skinny-GEMM decision. 14.7 s at the 8B model's start-up on the H200 (per alternative a graph
-capture and five timings of 20 replays, plus a compile per new tiling, which Triton caches), for
-about 0.1 ms a token there (docs/BENCHMARKS.md run U). ASYNCLLM_DECODE_TUNING=0 turns it off.
+between two small kernels. Inside the decode step the order can come out otherwise: with PDL a
+projection's time in the step depends on what it overlaps of its neighbours and on the cache and
+memory traffic they leave, which stand-in neighbours reproduce only in part, so a tiling (the
+grouped FMA form, or ours against cuBLAS) that times faster alone can run the step slower, and one
+that times slower alone can run it faster. A chat's time per token is the batch-1 decode graph's,
+so that graph is where its tilings are settled: one projection at a time, largest first, each
+alternative is captured into the graph and the step timed, and a tiling replaces the decision only
+where the step ran MIN_GAIN faster. Then every batch-1 decode graph is captured again. Once per
+process: a later engine keeps the decisions, as it keeps every skinny-GEMM decision. It costs
+seconds at start-up (per alternative a graph capture and five timings of 20 replays, plus a compile
+per new tiling, which Triton caches); docs/BENCHMARKS.md lists what it measured against what it
+saves. ASYNCLLM_DECODE_TUNING=0 turns it off.
 """
 from __future__ import annotations
 
