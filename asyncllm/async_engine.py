@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 
 import anyio
 
+from asyncllm import settings
 from asyncllm.detokenizer import TextAssembler
 from asyncllm.engine.core import EngineCore, check_text
 from asyncllm.engine.options import make_config
@@ -57,7 +57,7 @@ class AsyncLLMEngine:
         # goes first, and a consumer that falls behind reads the tokens of several steps at once.
         # ASYNCLLM_LAUNCH_GATE=0 turns it off (to compare).
         self._launch_gate = LaunchGate()
-        self._use_launch_gate = os.environ.get("ASYNCLLM_LAUNCH_GATE", "1") != "0"
+        self._use_launch_gate = settings.LAUNCH_GATE.read()
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def __aenter__(self) -> "AsyncLLMEngine":

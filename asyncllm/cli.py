@@ -17,6 +17,8 @@ import logging
 import os
 import sys
 
+from asyncllm import settings
+
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_BODY_TIMEOUT = 30.0
@@ -157,11 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "Rendezvous: --init-method (default $ASYNCLLM_TP_INIT_METHOD or env://, which reads "
                     "MASTER_ADDR and MASTER_PORT). Engine options must match rank 0's.")
     worker.add_argument("--model", required=True, help="the checkpoint directory on this machine")
-    worker.add_argument("--rank", type=int, default=os.environ.get("RANK"), help="default: $RANK")
-    worker.add_argument("--world-size", type=int, default=os.environ.get("WORLD_SIZE"),
+    worker.add_argument("--rank", type=int, default=settings.RANK.text(), help="default: $RANK")
+    worker.add_argument("--world-size", type=int, default=settings.WORLD_SIZE.text(),
                         help="= rank 0's tensor_parallel_size (default: $WORLD_SIZE)")
-    worker.add_argument("--init-method", default=os.environ.get("ASYNCLLM_TP_INIT_METHOD", "env://"))
-    worker.add_argument("--local-rank", type=int, default=os.environ.get("LOCAL_RANK"),
+    worker.add_argument("--init-method", default=settings.TP_INIT_METHOD.read() or "env://")
+    worker.add_argument("--local-rank", type=int, default=settings.LOCAL_RANK.text(),
                         help="this machine's GPU index for the rank (default: $LOCAL_RANK, else rank %% GPUs)")
     options = worker.add_argument_group("engine options (as given to rank 0)")
     worker.set_defaults(config_fields=add_config_options(options, skip=("tensor_parallel_size",
@@ -202,7 +204,7 @@ def serve(args: argparse.Namespace) -> int:
         if name.endswith(".gguf"):
             name = name[:-len(".gguf")]
     name = args.served_model_name or name
-    api_key = args.api_key if args.api_key is not None else os.environ.get("ASYNCLLM_API_KEY")
+    api_key = args.api_key if args.api_key is not None else settings.API_KEY.read()
     if api_key is not None and not api_key.strip():
         where = "--api-key" if args.api_key is not None else "ASYNCLLM_API_KEY"
         print(f"asyncllm serve: {where} is empty; an empty key would turn authentication off. "

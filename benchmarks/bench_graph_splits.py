@@ -8,7 +8,7 @@ context bound). This re-captures the graphs with every graph's count forced to e
 runs a greedy request whose last context is each of --contexts tokens, and times the batch-1
 decode graph that context replays (median and least ms of 5 x 100 replays), beside the engine's
 own count ("bound's"). Where the engine's count is not the fastest, DECODE_GRAPH_CONTEXTS or
-_graph_num_splits want another look (docs/BENCHMARKS.md run R).
+_graph_num_splits want another look (docs/BENCHMARKS_ARCHIVE.md run R).
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ other shape as chosen, and times 5 x 100 replays of each (median and least ms pe
 
 With --grouped it then times each 1-row FMA decision in the FMA loop's grouped form
 (SkinnyConfig.grouped), one projection at a time, the rest as chosen, and all at once: what
-runner/decode_tuning.py weighs at start-up (docs/BENCHMARKS.md run T).
+runner/decode_tuning.py weighs at start-up (docs/BENCHMARKS_ARCHIVE.md run T).
 """
 from __future__ import annotations
 

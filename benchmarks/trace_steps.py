@@ -7,7 +7,7 @@ Each step's row: time since the loop began (ms, when the step was scheduled), de
 tokens, prompts waiting and being prefilled (before the step was scheduled), the prefill budget, and the step-time model's
 a / b / c and last measured step. Per request: its start and time to first token. The printout
 shows every tenth step and the TTFT of every fourth request; the JSON holds all of it. This is
-how the closed loop's waves were found (docs/BENCHMARKS.md, run G): a tool for tuning the step
+how the closed loop's waves were found (docs/BENCHMARKS_ARCHIVE.md, run G): a tool for tuning the step
 budget (engine/step_budget.py), not a benchmark.
 """
 from __future__ import annotations

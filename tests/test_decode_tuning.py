@@ -82,9 +82,9 @@ def test_tuning_is_idle_when_turned_off_or_with_nothing_to_tune(monkeypatch):
     def no_batch(context):
         raise AssertionError("no batch needed")
 
-    monkeypatch.setattr(decode_tuning, "_enabled", False)  # ASYNCLLM_DECODE_TUNING=0
+    monkeypatch.setenv("ASYNCLLM_DECODE_TUNING", "0")
     monkeypatch.setattr(skinny_linear, "batch1_alternatives", lambda: [(False, key(1, 8, 8), [object(), object()])])
     decode_tuning.tune_batch1_projections(Graphs(), no_batch)
-    monkeypatch.setattr(decode_tuning, "_enabled", True)
+    monkeypatch.setenv("ASYNCLLM_DECODE_TUNING", "1")
     monkeypatch.setattr(skinny_linear, "batch1_alternatives", lambda: [(False, key(1, 8, 8), [object()])])
     decode_tuning.tune_batch1_projections(Graphs(), no_batch)  # one tiling: nothing to try

@@ -162,8 +162,7 @@ def test_decode_tuning_recaptures_graphs_that_match_eager(model_dir, monkeypatch
     more. Decoding one sequence at a time in bf16 then replays graphs whose tokens and logits are
     the eager engine's (the same decisions, settled for the process)."""
     from asyncllm.layers import skinny_linear
-    from asyncllm.runner import decode_tuning
-    monkeypatch.setattr(decode_tuning, "_enabled", True)
+    monkeypatch.setenv("ASYNCLLM_DECODE_TUNING", "1")
     for name, empty in (("_choices", {}), ("_gated_choices", {}), ("_settled", set())):
         monkeypatch.setattr(skinny_linear, name, empty)
     release_llms()

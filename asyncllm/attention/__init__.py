@@ -39,8 +39,8 @@ def create_attention_backend(name: str, device: torch.device, **kwargs) -> Atten
 
 
 def _auto_backend(device: torch.device) -> str:
-    # triton even where FA4 is installed: on the H200 our kernels serve faster end to end (mixed-step
-    # CUDA graphs; FA4's eager prefill makes its TTFT 14 ms against 2) -- docs/BENCHMARKS.md
+    # triton even where FA4 is installed: it serves faster end to end, because its mixed steps replay
+    # CUDA graphs while FA4's prefill runs eagerly, which makes FA4's time to first token host-bound
     if device.type != "cuda":
         return "torch"
     try:

@@ -24,9 +24,10 @@ from asyncllm.attention.graph_buffers import PagedGraphBuffers
 from asyncllm.kernels import choose_num_splits, decode_workspace_numel, paged_attention, store_kvcache
 from asyncllm.kernels.paged_attention import DEFAULT_NUM_SMS
 
-# decode graphs' context bounds below max_model_len. In the 8B batch-1 decode graph the best split
-# count is about context / 40 (run R: 4 to 16 alike at 160 tokens, 16 at 632, 32 at 1,432); these
-# bounds' counts, each for half its bound (_graph_num_splits), are 4, 16, 32, then 64 up to max_model_len
+# decode graphs' context bounds below max_model_len. A graph bakes its split count in, and the best
+# count grows with the context (in the batch-1 decode graph about one split per 40 tokens), so short
+# contexts get graphs of their own; these bounds' counts, each for half its bound (_graph_num_splits),
+# are 4, 16, 32, then 64 up to max_model_len
 DECODE_GRAPH_CONTEXTS = (256, 1024, 2048)
 
 
@@ -108,9 +109,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     def _graph_num_splits(self, batch_size: int, context_bound: int) -> int:
         # fixed at capture; the kernel sizes each split from the runtime length. A replay's context
-        # lies anywhere below the bound, so the count is the one for half of it: in the 8B batch-1
-        # graph, 16 splits beat the bound's 32 at a 632-token context, 32 the bound's 64 at 1,432
-        # (docs/BENCHMARKS.md run R)
+        # lies anywhere below the bound, so the count is the one for half of it: the bound's own count
+        # would cut the typical, shorter context into splits too short to pay their fixed cost
         return choose_num_splits(batch_size, self.num_kv_heads, max(1, context_bound // 2), self.num_sms)
 
     def decode_graph_context_bounds(self, batch_size: int, max_seq_len: int) -> list[int]:

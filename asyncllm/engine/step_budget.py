@@ -17,8 +17,7 @@ yet), so the burst is prefilled faster than a full engine can go on prefilling; 
 finish, and their follow-ups (a chat's next turn, a client's next request) come back as a wave
 at that faster pace, which the smaller budget of the full engine cannot absorb: the queue, and
 with it the time to first token, grows with every wave. Planned for d + w, the pace is the same
-from a burst's first step to the steady state, and arrivals find a short queue. (On the H200,
-64 closed-loop clients of 1,024-token prompts: TTFT p50 105 ms sized for d, see BENCHMARKS.md.)
+from a burst's first step to the steady state, and arrivals find a short queue.
 
 The floor, share (1/2) of the target's time, keeps prefill moving when the decodes alone cost more
 than the target (the target cannot hold then; the queue must not stall behind it), and never less
@@ -117,8 +116,8 @@ class StepTimeModel:
         warm-up (calibration_shapes): the costs are then known before the first request, so a burst
         that arrives at a fresh engine is paced as the full engine will be. (Learned online alone,
         the first prefill steps are the skipped ones, which compile kernels, and the cost per decode
-        stays unknown while a burst is prefilled: its prompts went in at twice the pace the engine
-        kept up once they decoded, and came back as a wave that queued, docs/BENCHMARKS.md run L.)
+        stays unknown while a burst is prefilled: its prompts went in faster than the engine could
+        keep up once they decoded, and came back as a wave that queued.)
 
         The calibration stays in every later fit, never forgotten: under load the online steps'
         prefill sizes barely vary (the budget sets them), which leaves the cost per token and the

@@ -3,7 +3,7 @@
 Importing triton needs a GPU only to launch; with TRITON_INTERPRET=1 (set before this import) the
 kernels run on CPU tensors through Triton's interpreter, which the CPU tests use.
 """
-import os
+from asyncllm import settings
 
 
 def _fix_interpreter_scalar_index() -> None:
@@ -26,7 +26,8 @@ def _fix_interpreter_scalar_index() -> None:
     interpreter._patch_lang_tensor = patched
 
 
-if os.environ.get("TRITON_INTERPRET", "0") == "1":
+# at import, so the interpreter is patched before any kernel module is imported and run
+if settings.TRITON_INTERPRET.read():
     _fix_interpreter_scalar_index()
 
 from asyncllm.kernels.kv_store import store_kvcache  # noqa: E402

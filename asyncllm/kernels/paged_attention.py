@@ -12,9 +12,8 @@ loaded once for all G heads, and a single decode token still gives the MMA G row
 
 Mixed steps: the sequences of one query row (decodes) go to the decode kernel, whose tile is G
 rows padded to 16, and only the rest to the varlen kernel, whose tile for a long prompt is 128 rows
-of which a decode would fill G: in a 64-stream serving step (59 decodes of 1.1k tokens beside 1.5k
-prefill tokens) attention went 233 -> 191 us a layer on the H200 (run O). Each kernel skips the
-other's sequences by their query length, so a CUDA graph needs no count of decodes.
+of which a decode would fill G, so a decode there pays for a tile it mostly leaves empty. Each
+kernel skips the other's sequences by their query length, so a CUDA graph needs no count of decodes.
 
 Prefill / mixed: programs tile each sequence's query rows into BLOCK_Q = BLOCK_M // G tokens. The
 grid is an upper bound on the number of tiles computed from host ints (T // BLOCK_Q + num_seqs)
@@ -41,12 +40,11 @@ all (seq_len == 0 padding rows) produce zeros rather than NaN.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from asyncllm import settings
 from asyncllm.kernels.fused_ops import head_norm_rope, qk_norm_rope_
 from asyncllm.kernels.host import cdiv, next_power_of_2
 from asyncllm.kernels.pdl import launch_dependents, launch_options, wait_for_previous
@@ -55,19 +53,19 @@ LOG2E = 1.4426950408889634
 DEFAULT_NUM_SMS = 132  # H200 / H100 SXM
 MAX_SPLITS = 64
 # below this a split's fixed cost (loading q, writing a partial) dominates; bench_kernels.py
-# --splits-sweep (run M): batch 1's best count is ~context / 32 up to 2k tokens
+# --splits-sweep finds batch 1's best count at about context / 32 up to 2k tokens
 MIN_SPLIT_TOKENS = 32
 PROGRAMS_PER_SM = 4  # decode programs are small and memory-bound: several resident per SM hide latency
 # The decode kernel loads its first K/V tile before the PDL wait only where its grid has at most this
 # many programs per SM: holding the tile across the wait takes ~160 registers a thread for 96 (sm_90,
 # ptxas), three resident programs per SM for five, which a grid this small never needs. Batch 1 over
-# short contexts, where the load chain is the kernel's time, is such a grid (8B step 4.24 -> 4.06 ms
-# with the loads before the wait, docs/BENCHMARKS.md run Q).
+# short contexts, where the load chain is the kernel's time, is such a grid.
 FIRST_TILE_EARLY_PROGRAMS_PER_SM = 2
 
 # The Triton CPU interpreter multiplies bf16 tensors as raw uint16 bit patterns in tl.dot; compiled
-# kernels are unaffected. Under the interpreter only, bf16 dot operands are upcast to fp32.
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# kernels are unaffected. Under the interpreter only, bf16 dot operands are upcast to fp32. Read at import:
+# @triton.jit made this module's kernels interpreted or compiled then, and every launch asks it.
+_INTERPRET = settings.TRITON_INTERPRET.read()
 
 
 # ----------------------------------------------------------------------------- device helpers
@@ -181,8 +179,8 @@ def _find_seq(query_start_loc_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr):
 
 # Triton specializes integer arguments on "== 1" and "divisible by 16", compiling a variant for
 # each combination it meets. The batch size and block-table width change from step to step, so
-# left specialized they would make eager steps compile new variants (about a second each on the
-# H200's host) in the middle of serving; they gain nothing from it, being only loop bounds and
+# left specialized they would make eager steps compile new variants (about a second each) in the
+# middle of serving; they gain nothing from it, being only loop bounds and
 # row offsets.
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt", "max_blocks"])
 def _prefill_kernel(
@@ -462,9 +460,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
     """KV splits per sequence for a decode step: as many as keep the grid within PROGRAMS_PER_SM
     programs per SM, no split shorter than MIN_SPLIT_TOKENS of the longest sequence, at most
     MAX_SPLITS. Large batches already fill the GPU and get 1 (no reduction kernel, output written
-    directly). Rounded down, not up: a grid just short of the target runs best unsplit (batch 64 x
-    8 KV heads over 8k: 488 us at 1 split, 515 at 2; batch 8: 68.1 us at 8, 68.8 at 9; batch 16:
-    4 splits beat 5), docs/BENCHMARKS.md run V."""
+    directly). Rounded down, not up: in bench_kernels.py --tile-sweep a grid just short of the
+    target ran faster as it was than with the extra split that rounding up gives it."""
     programs = max(1, num_seqs * num_kv_heads)
     wanted = num_sms * PROGRAMS_PER_SM // programs
     by_length = cdiv(max(max_seq_len, 1), MIN_SPLIT_TOKENS)
@@ -473,9 +470,9 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
 
 def choose_decode_tile(num_programs: int, num_sms: int, small_elems: bool) -> tuple[int, int, int]:
     """The decode kernel's (BLOCK_N, num_stages, num_warps): 2-byte K/V in 64-position tiles, three
-    in flight, or two where the grid holds more than PROGRAMS_PER_SM programs per SM (batch 256
-    over 1k: 255 us at two, 267 at three; at batch 64 and below the two tie within 1 %, run V); fp32
-    in 32-position tiles, two."""
+    in flight, or two where the grid holds more than PROGRAMS_PER_SM programs per SM (there two
+    timed faster in bench_kernels.py --tile-sweep; on smaller grids the two tie); fp32 in
+    32-position tiles, two."""
     if not small_elems:
         return 32, 2, 4
     return 64, (2 if num_programs > PROGRAMS_PER_SM * num_sms else 3), 4

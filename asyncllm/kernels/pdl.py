@@ -24,24 +24,25 @@ The contract for a kernel that takes a USE_PDL constexpr:
 - `launch_dependents(USE_PDL)` first thing, before the wait: the next kernel is launched as soon
   as every block of this one has started, and it still waits for all of this one to finish (its
   wait passes only when this kernel has, which passes only after its own predecessor), so the
-  trigger is safe anywhere; the earlier it comes, the more of the next kernel's start overlaps
-  (on the H200: batch-1 0.6B decode graph 0.857 -> 0.803 ms with the weight prefetch, run O).
+  trigger is safe anywhere; the earlier it comes, the more of the next kernel's start overlaps.
 The wrapper launches it with `**launch_options(tensor)`: USE_PDL and `launch_pdl` alike. A kernel
 that never calls launch_dependents (the prefill kernel) lets the next one launch when it ends.
 
-On by default on sm_90+ GPUs; ASYNCLLM_PDL=0 turns it off (docs/BENCHMARKS.md run M measured it).
+On by default on sm_90+ GPUs; ASYNCLLM_PDL=0 turns it off (to compare).
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-_enabled = os.environ.get("ASYNCLLM_PDL", "1") != "0"
+from asyncllm import settings
+
+# read once, into a global: every kernel launch of a step asks enabled_for, and set_enabled switches it
+_enabled = settings.PDL.read()
 
 
 def set_enabled(enabled: bool) -> None:

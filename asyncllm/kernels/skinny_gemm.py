@@ -1,8 +1,8 @@
 """y = x @ W^T (+ bias) for a few rows of x: decode's linear layers, which stream their weights.
 
 At batch 1..16 a linear layer reads its whole weight matrix to compute a handful of outputs per
-row: the time is the weight bytes over memory bandwidth, and cuBLAS's kernels for these skinny
-shapes reach about a third of copy bandwidth on the H200 (docs/BENCHMARKS.md). Here each program
+row: the time is the weight bytes over memory bandwidth, which cuBLAS's kernels for these skinny
+shapes leave largely unused (bench_gemm.py measures both). Here each program
 owns BLOCK_N output features and streams their weight rows in wide contiguous tiles along K,
 accumulating in fp32; x's few rows are re-read from L2.
 
@@ -17,7 +17,7 @@ Two inner loops, a choice of the tiling (SkinnyConfig.dot):
   alone on the 8B shapes, but inside the decode step only for some (runner/decode_tuning.py).
 Each program loads its first weight tile before waiting for the previous kernel (kernels/pdl.py):
 with the previous kernels' early launch_dependents that load overlaps them, where a projection's
-first memory round trip would otherwise be its own fixed cost (2-4 us each at 8B, run O).
+first memory round trip would otherwise be its own fixed cost, paid once per projection.
 When the outputs are too few to give every SM programs (o_proj, down at 0.6B), split-K gives each
 program a K range; the fp32 partial sums go to a workspace and a second small kernel adds them
 (no atomics: deterministic, and nothing to zero first).
@@ -216,7 +216,7 @@ def _rule(num_rows: int, n: int, k: int, num_sms: int, dot: bool, num_warps: int
     target = 2 * num_sms
     if dot:  # the MMA needs 16 weight rows
         block_n = max(16, min(64, _floor_power_of_2(n // target)))
-        # 64 x 128 for the widest tile: the best of bench_gemm's grid for the 8B lm_head (run O3)
+        # 64 x 128 for the widest tile: the best of bench_gemm.py --tiling-grid for the 8B lm_head
         block_k = min(128 if block_n == 64 else 256, max(16, next_power_of_2(k)))
     else:
         budget = 64 * 32 * num_warps // block_rows(num_rows, dot)  # weight elements per tile

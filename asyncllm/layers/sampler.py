@@ -175,8 +175,8 @@ def sample_race(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Te
 
 
 # from this many rows on, CUDA reads the logits once for log-probabilities (kernels/logits_ops.
-# chunked_logprobs): a Sampler call with logprobs=5 took 0.48 against 1.33 ms at 256 rows of 151,936,
-# and tied at 64 (H200, docs/BENCHMARKS.md run I)
+# chunked_logprobs): the PyTorch path reads the logits several times (log_softmax, compare, topk), which
+# costs more than the kernel at many rows; at about 64 rows the two tie (bench_sampler.py)
 ONE_READ_LOGPROBS_MIN_ROWS = 64
 
 
@@ -197,7 +197,7 @@ def log_softmax_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top:
     logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))
     ranks = (logprobs > chosen).sum(dim=-1) + 1
-    # torch.topk beat a two-round chunked selection (0.59 against 1.19 ms, 256 rows of 151,936 on the H200)
+    # torch.topk: a two-round chunked selection, tried, was slower
     top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
     return LogprobsTensors(chosen.squeeze(1), ranks, top_ids, top_logprobs)
 

@@ -5,7 +5,7 @@ eager call of each (device, dtype, rows bucket, N, K, bias) times cuBLAS and the
 tilings on that call's own tensors (cold L2, CUDA events, each call between two small PDL
 kernels as in a decode step) and keeps the fastest for good; where PDL is on, a tie within
 MIN_GAIN goes to the kernel, which keeps the step's chain of early launches that cuBLAS breaks
-(the 8B model's decode graph: 4.40 ms with cuBLAS for gate_up and lm_head, 4.25 with ours, run P).
+(_neighbour_kernel says why timing alone cannot see that).
 That first call is the CUDA-graph warm-up's (an eager run before each capture), so the timing
 never runs inside a capture and replays pay nothing; a shape first seen while capturing keeps cuBLAS.
 
@@ -13,27 +13,24 @@ silu_mul_linear is the MLP's down projection of silu(gate) * up. Where linear() 
 for that (rows, N, K) (decided on the unfused input, as linear() decides it), the kernel's gated
 form, which computes silu(gate) * up as it loads x, saves silu_and_mul's launch and its round trip
 through memory. It adds work too: every program recomputes the gate of its K range (BLOCK_M /
-BLOCK_N evaluations per weight element, the dot loop's x padded to 16 rows). On the H200 the gated
-form of the down projection took 8.6 us for the unfused pair's 10.2 at Qwen3-0.6B's 1 row (FMA
-loop), but 16.5 for 13.2 at 8 rows and 116 for 48 at 8B's (dot loop). So the gated form is timed
-too, once per shape, against the unfused pair (silu_and_mul, then linear()'s choice), and taken
-where it is faster, or within MIN_GAIN where PDL is on (one kernel fewer in the chain: the 8B
-model's down projection timed 27.0 us gated against 27.8 for the pair, and the decode graph ran
-4.255 ms with the gated form, 4.295 without, run P): 1-2 rows in practice, where it took the 0.6B
-model's batch-1 decode graph from 1.04 to 1.00 ms.
+BLOCK_N evaluations per weight element, the dot loop's x padded to 16 rows), which outweighs the
+saving at more rows and at larger shapes (the dot loop). So the gated form is timed too, once per
+shape, against the unfused pair (silu_and_mul, then linear()'s choice), and taken where it is
+faster, or within MIN_GAIN where PDL is on (one kernel fewer in the chain): 1-2 rows in practice.
 
-On by default: on the H200 it took the 0.6B model's batch-1 time per token from 1.45 to 1.13 ms
-(docs/BENCHMARKS.md run L). ASYNCLLM_SKINNY_GEMM=0 in the environment turns it off (cuBLAS everywhere).
+On by default: decode at small batch streams the weights, and the kernel reads them faster than
+cuBLAS's kernels for these shapes do (docs/BENCHMARKS.md keeps the figures).
+ASYNCLLM_SKINNY_GEMM=0 in the environment turns it off (cuBLAS everywhere).
 """
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
+from asyncllm import settings
 from asyncllm.layers.activation import SiluAndMul
 from asyncllm.layers.fused import kernel_module
 
@@ -48,7 +45,8 @@ NEIGHBOUR_COLUMNS = 4096  # the row of the small kernel each timed call sits bet
 
 MIN_GAIN = 0.03  # timings within this fraction are a tie (choose_fastest says which form wins one)
 
-_enabled = os.environ.get("ASYNCLLM_SKINNY_GEMM", "1") != "0"
+# read once, into a global: every linear call of 1-16 rows asks it, and set_enabled switches it
+_enabled = settings.SKINNY_GEMM.read()
 _UNDECIDED = object()
 # (device, dtype, rows rounded up to a power of two, N, K, has bias) -> the kernel's SkinnyConfig, or None for cuBLAS
 _choices: dict[tuple, object] = {}
@@ -108,7 +106,7 @@ def batch1_alternatives() -> list[tuple[bool, tuple, list]]:
             candidates = kernels.candidate_configs(1, key[3], key[4], _num_sms(key[0]))[:MAX_CANDIDATES]
             tilings = [config, replace(config, grouped=True)] + candidates + [replace(candidates[0], grouped=True)]
             if not config.dot and config.block_n >= 8 and config.block_k * 4 <= key[4]:
-                # grouped, a thread's registers allow a 4x deeper, 4x narrower tile (the 8B's qkv, run U)
+                # grouped, a thread's registers allow a 4x deeper, 4x narrower tile (the 8B's qkv took one)
                 tilings.append(replace(config, block_n=config.block_n // 4, block_k=config.block_k * 4, grouped=True))
             unique = [tiling for tiling in dict.fromkeys(tilings) if not (tiling.grouped and tiling.dot)]
             alternatives.append((gated, key, unique))
@@ -239,10 +237,9 @@ def _neighbour_kernel(x: torch.Tensor):
     skinny kernel's programs start and load their first weights while the kernel before it runs,
     and it lets the kernel after it launch early; cuBLAS's kernels wait for the one before to end
     and make the one after wait too. Timed alone, that difference is invisible, and between these
-    stand-ins only partly: on the H200 the 8B model's gate_up timed 48.6 us in our kernel against
-    cuBLAS's 50.5, near the MIN_GAIN bar (the choice flipped between runs), yet the decode graph
-    ran 4.40 ms with cuBLAS there and for lm_head, 4.25 with ours (docs/BENCHMARKS.md run P), hence
-    choose_fastest's tie rule too. An RMSNorm of a scratch row stands in for both neighbours."""
+    stand-ins only partly: a projection where ours and cuBLAS time within MIN_GAIN of each other
+    can still run the decode step measurably faster in ours, hence choose_fastest's tie rule too.
+    An RMSNorm of a scratch row stands in for both neighbours."""
     fused, pdl = kernel_module("fused_ops"), kernel_module("pdl")
     if fused is None or not x.is_cuda or not pdl.enabled_for(x):
         return None
@@ -258,13 +255,12 @@ def time_calls(calls: list, device: torch.device, reps: int = TIMING_REPS, neigh
     subtracted, so that what the call overlaps of its neighbours counts in its favour.
 
     Where a call can be captured it is timed in a CUDA graph (decode runs in graphs, and an eager
-    few-microsecond kernel's timing holds the tens of microseconds of Triton's Python launch:
-    bench_gemm's eager figures swung 7.6 to 25.7 us on one shape, docs/BENCHMARKS.md run H) of
-    GRAPH_REPEATS (flush, neighbour, call, neighbour) runs, less a graph of the same without the
-    call, so that the graph's own launch drops out as well. The flush reads a buffer of twice the
-    L2's size, which leaves the L2 holding clean lines, as decode's earlier layers leave it: a
-    flush that writes leaves dirty lines for the timed call to write back (12 us of the 8B
-    gate_up's 60 on the H200, run O1)."""
+    few-microsecond kernel's timing holds the tens of microseconds of Triton's Python launch, which
+    swing from call to call) of GRAPH_REPEATS (flush, neighbour, call, neighbour) runs, less a graph
+    of the same without the call, so that the graph's own launch drops out as well. The flush reads
+    a buffer of twice the L2's size, which leaves the L2 holding clean lines, as decode's earlier
+    layers leave it: a flush that writes leaves dirty lines for the timed call to write back, a
+    cost decode never pays."""
     l2_bytes = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)
     flush_buffer = torch.zeros(2 * l2_bytes // 4, dtype=torch.int32, device=device)
     around = neighbour if neighbour is not None else (lambda: None)

@@ -19,6 +19,8 @@ import time
 import numpy as np
 import torch
 
+from asyncllm import settings
+
 GGUF_MAGIC = b"GGUF"
 # Bump when the converter's output changes, so stale caches are not reused.
 _CONVERTER_VERSION = 1
@@ -250,7 +252,7 @@ def convert_gguf(gguf_path: str, out_dir: str, dtype: torch.dtype = torch.float3
 
 
 def cache_root() -> str:
-    return os.environ.get("ASYNCLLM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "asyncllm")
+    return settings.CACHE.read()
 
 
 _KEY_SAMPLE_BYTES = 1 << 20

@@ -3,8 +3,8 @@
 A decode step replayed from a CUDA graph needs its token ids, positions, KV slots, sequence lengths
 and block tables (and, to sample in a sampler graph, temperatures and noise keys) in the static
 buffers the graphs were captured on. Uploaded as separate tensors and then copied into those
-buffers, that is some 13 tensor objects and 6 device copies per step, 2-3 us of host time each and
-more on a slow host (docs/BENCHMARKS.md run W), where a batch-1 step is host-bound. Here the
+buffers, that is some 13 tensor objects and 6 device copies per step, each a few microseconds of
+host time, and on a slow host a batch-1 step is host-bound. Here the
 static buffers are views of one device buffer; the host writes a step's fields into a pinned copy
 of its layout and one copy lands them all. Every field has a region of max_batch_size rows, and
 the rows past a step's own are written as padding (KV slot -1, length 0: the kernels skip them),

@@ -1,27 +1,28 @@
 """The batch-1 decode graph's projection tilings, chosen by the step's own time.
 
 layers/skinny_linear picks each projection's tiling by timing the candidates one call at a time,
-between two small kernels. Inside the decode step the order can come out otherwise: on the H200
-the 8B model's o_proj ran the step 24 us faster in the grouped FMA form while its qkv and down
-projections ran it 35 us slower in that form, though all three timed faster grouped alone
-(docs/BENCHMARKS.md run T; run P found the same for cuBLAS against ours). A chat's time per token
-is the batch-1 decode graph's, so that graph is where its tilings are settled: one projection at
-a time, largest first, each alternative is captured into the graph and the step timed, and a
-tiling replaces the decision only where the step ran MIN_GAIN faster. Then every batch-1 decode
-graph is captured again. Once per process: a later engine keeps the decisions, as it keeps every
-skinny-GEMM decision. 14.7 s at the 8B model's start-up on the H200 (per alternative a graph
-capture and five timings of 20 replays, plus a compile per new tiling, which Triton caches), for
-about 0.1 ms a token there (docs/BENCHMARKS.md run U). ASYNCLLM_DECODE_TUNING=0 turns it off.
+between two small kernels. Inside the decode step the order can come out otherwise: with PDL a
+projection's time in the step depends on what it overlaps of its neighbours and on the cache and
+memory traffic they leave, which stand-in neighbours reproduce only in part, so a tiling (the
+grouped FMA form, or ours against cuBLAS) that times faster alone can run the step slower, and one
+that times slower alone can run it faster. A chat's time per token is the batch-1 decode graph's,
+so that graph is where its tilings are settled: one projection at a time, largest first, each
+alternative is captured into the graph and the step timed, and a tiling replaces the decision only
+where the step ran MIN_GAIN faster. Then every batch-1 decode graph is captured again. Once per
+process: a later engine keeps the decisions, as it keeps every skinny-GEMM decision. It costs
+seconds at start-up (per alternative a graph capture and five timings of 20 replays, plus a compile
+per new tiling, which Triton caches); docs/BENCHMARKS.md lists what it measured against what it
+saves. ASYNCLLM_DECODE_TUNING=0 turns it off.
 """
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 
 import torch
 
+from asyncllm import settings
 from asyncllm.attention.base import ForwardBatch
 from asyncllm.layers import skinny_linear
 from asyncllm.runner.cuda_graph import CudaGraphRunner
@@ -32,8 +33,6 @@ MIN_GAIN = 0.002  # of the step's time: below it (or MIN_GAIN_MS) a tiling is no
 MIN_GAIN_MS = 0.002
 REPEATS = 5  # timings per alternative, each of REPLAYS graph replays (the median counts)
 REPLAYS = 20
-
-_enabled = os.environ.get("ASYNCLLM_DECODE_TUNING", "1") != "0"
 
 
 def choose_by_step_time(alternatives: list[tuple[bool, tuple, list]], set_choice: Callable[[bool, tuple, object], None],
@@ -66,7 +65,7 @@ def tune_batch1_projections(graphs: CudaGraphRunner, decode_batch: Callable[[int
     """Settle the 1-row skinny-GEMM tilings in the batch-1 decode graph of `graphs` (one rank; before
     sampler graphs are captured over the forward graphs' outputs). decode_batch(context): a batch of
     one decode over that many tokens that stores nothing, to replay the graph on."""
-    if not _enabled:
+    if not settings.DECODE_TUNING.read():
         return
     alternatives = [item for item in skinny_linear.batch1_alternatives() if len(item[2]) > 1]
     if not alternatives:

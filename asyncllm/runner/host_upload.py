@@ -6,8 +6,8 @@ from pageable memory costs the host tens of microseconds on CUDA, and at batch 1
 what a decode step waits for; packed into one pinned buffer they take one non-blocking copy. The
 pinned buffer comes from torch's caching host allocator, which keeps it from reuse until the copy
 has run. Each tensor is one slice of the copy seen as its dtype. Every tensor object costs the host
-2-3 us, so an upload costs about as many of those as it has arrays (a batch-1 step's 9 arrays: 63-68 us
-on the H200's hosts, docs/BENCHMARKS.md run W): fewer arrays, not another way to cut them, makes it cheaper.
+a few microseconds, so an upload costs about as many of those as it has arrays: fewer arrays, not
+another way to cut them, makes it cheaper.
 A decode graph's step makes none of them: it is staged into the graph's own buffers
 (runner/decode_staging.py), and only what the staging layout has no place for comes here.
 """

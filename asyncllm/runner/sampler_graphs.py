@@ -2,9 +2,9 @@
 
 A step whose rows ask for nothing beyond their temperature (SamplingTensors.is_plain: the common
 chat request, sampled or greedy) spends more host time launching the sampling kernels than the
-device spends running them: at batch 1 the two Triton launches and their buffers cost some 100 us
-of a 0.9 ms step, and greedy's eager argmax some 30. After a forward graph's replay its logits sit
-in that graph's static output, so the race over them is captured too, per forward graph, reading
+device spends running them: at batch 1 the two Triton launches and their buffers, or greedy's
+eager argmax, are a noticeable share of a step of under a millisecond. After a forward graph's
+replay its logits sit in that graph's static output, so the race over them is captured too, per forward graph, reading
 temperatures and noise keys from static buffers (temperature 0: the race's argmax, the first
 maximum as torch.argmax's): a step then costs a small copy and one replay, or just the replay where
 the runner staged the settings with the step's inputs (decode graphs read them from the staging

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import urllib.parse
 from datetime import timedelta
 
@@ -20,12 +19,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from asyncllm import settings
+
 _EXIT = -1  # step header: the workers leave their loop
 HEARTBEAT = -2  # step header: nothing to run; keeps an idle worker's receive from timing out
 
 
 def collective_timeout() -> timedelta:
-    return timedelta(seconds=float(os.environ.get("ASYNCLLM_TP_TIMEOUT_S", "300")))
+    return timedelta(seconds=settings.TP_TIMEOUT_S.read())
 
 
 def parse_ranks(text: str, world_size: int) -> list[int]:
@@ -46,10 +47,10 @@ def make_store(init_method: str, rank: int, world_size: int) -> dist.Store:
     init_method is env:// (MASTER_ADDR, MASTER_PORT) or tcp://HOST:PORT.
     """
     if init_method.startswith("env://"):
-        try:
-            host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        except KeyError as e:
-            raise ValueError(f"tensor-parallel rendezvous {init_method}: ${e.args[0]} is not set") from None
+        host, port = settings.MASTER_ADDR.read(), settings.MASTER_PORT.read()
+        if host is None or port is None:
+            unset = settings.MASTER_ADDR.name if host is None else settings.MASTER_PORT.name
+            raise ValueError(f"tensor-parallel rendezvous {init_method}: ${unset} is not set")
     elif init_method.startswith("tcp://"):
         parsed = urllib.parse.urlparse(init_method)
         host, port = parsed.hostname, parsed.port

@@ -9,7 +9,7 @@ A rank that dies is noticed by rank 0 before its next step (or by the step's col
 failing); the error names the rank and ends the engine, and close() ends every worker, so no
 process outlives the engine. Idle workers hear a heartbeat, so an engine may idle for any time.
 
-Environment (see docs/TENSOR_PARALLEL.md):
+Environment (asyncllm/settings.py; docs/TENSOR_PARALLEL.md):
   ASYNCLLM_TP_INIT_METHOD   env:// (MASTER_ADDR, MASTER_PORT) or tcp://HOST:PORT: rank 0 hosts this
                             rendezvous instead of a free 127.0.0.1 port, and starts only
                             ASYNCLLM_TP_LOCAL_RANKS itself
@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import os
 import threading
 import time
 
 import torch
 import torch.distributed as dist
 
+from asyncllm import settings
 from asyncllm.runner.tp_protocol import (HEARTBEAT, RankDiedError, check_same_model, collective_timeout,
                                          init_distributed, joined_key, make_store, parse_ranks, send_step)
 from asyncllm.runner.tp_worker_main import run_worker
@@ -54,18 +54,18 @@ class TensorParallelWorkers:
         self._heartbeat_error: BaseException | None = None
         self._stop = threading.Event()
 
-        init_method = os.environ.get("ASYNCLLM_TP_INIT_METHOD")
+        init_method = settings.TP_INIT_METHOD.read()
         if init_method:
             # several machines: rank 0 joins the given rendezvous; the other machines' ranks are
             # started there with `asyncllm tp-worker`
-            if os.environ.get("RANK", "0") != "0":
-                raise ValueError(f"ASYNCLLM_TP_INIT_METHOD: the engine's process is rank 0, "
-                                 f"but RANK={os.environ['RANK']}")
-            env_world = os.environ.get("WORLD_SIZE")
-            if env_world is not None and int(env_world) != world_size:
+            rank = settings.RANK.read()
+            if rank not in (None, 0):
+                raise ValueError(f"ASYNCLLM_TP_INIT_METHOD: the engine's process is rank 0, but RANK={rank}")
+            env_world = settings.WORLD_SIZE.read()
+            if env_world is not None and env_world != world_size:
                 raise ValueError(f"Config.tensor_parallel_size: {world_size}, but WORLD_SIZE={env_world}")
-            local_ranks = parse_ranks(os.environ.get("ASYNCLLM_TP_LOCAL_RANKS", ""), world_size)
-            first_device = int(os.environ.get("LOCAL_RANK", "0"))
+            local_ranks = parse_ranks(settings.TP_LOCAL_RANKS.read(), world_size)
+            first_device = settings.LOCAL_RANK.read() or 0
         else:
             init_method = None  # a free port on 127.0.0.1, picked when the store is made below
             local_ranks = list(range(1, world_size))

@@ -1,9 +1,9 @@
 """Compiling a StructuredOutput with xgrammar, and the per-request matcher that follows its tokens.
 
-Why xgrammar (docs/BENCHMARKS.md has the numbers): its per-token mask fill, the work done for every
-constrained row of every step, measured 2-15 us against llguidance's 26-121 us on our tokenizers;
-its compile is slower (2-24 ms against about 1 ms) but happens once per schema, off the engine
-thread, and is cached.
+Why xgrammar (docs/BENCHMARKS.md has the numbers, benchmarks/bench_grammar_engines.py makes them):
+its per-token mask fill, the work done for every constrained row of every step, is several times
+faster than llguidance's on our tokenizers; its compile is slower, but happens once per schema, off
+the engine thread, and is cached.
 """
 from __future__ import annotations
 
