@@ -1,6 +1,6 @@
 """The `asyncllm` command answers at once: --help and flag errors without importing torch, a busy
-port refused before the model loads, a hub id it cannot get refused in one line. Each runs the
-command in a fresh interpreter (a wrapper that runs cli.main and then reports whether torch was
+port refused before the model loads, a hub id it cannot get refused in one line (and one in the
+hub's cache served offline). Each runs the command in a fresh interpreter (a wrapper that runs cli.main and then reports whether torch was
 imported); nothing here asserts a time."""
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ import socket
 import subprocess
 import sys
 
+import httpx
 import pytest
+
+from helpers import free_port, lay_out_in_hub_cache, serve_command, stop_process, wait_healthy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # runs `asyncllm ARGS...`, then prints its exit code and whether torch was imported, as JSON, last
@@ -80,3 +83,23 @@ def test_a_hub_id_offline_and_not_cached_is_one_line(tmp_path):
     assert lines[0].startswith("asyncllm serve: no network (HF_HUB_OFFLINE is set) and 'org/not-cached' is not in "
                                f"the Hugging Face cache {tmp_path / 'hf-home' / 'hub'}")
     assert "`hf download org/not-cached`" in lines[0]
+
+
+def test_serve_a_cached_hub_id_offline(tiny_qwen3, tmp_path):
+    home = tmp_path / "hf-home"
+    lay_out_in_hub_cache(tiny_qwen3, str(home / "hub"), "org/tiny")
+    port, log_path = free_port(), tmp_path / "server.log"
+    env = dict(os.environ, HF_HOME=str(home), HF_HUB_OFFLINE="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(serve_command() + ["serve", "org/tiny", "--port", str(port), "--num-kvcache-blocks",
+                                                   "16"], stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_healthy(base, proc, str(log_path))
+        assert [m["id"] for m in httpx.get(f"{base}/v1/models", timeout=30).json()["data"]] == ["org/tiny"]
+        r = httpx.post(f"{base}/v1/completions", json={"model": "org/tiny", "prompt": "Hi", "max_tokens": 2},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        stop_process(proc)
