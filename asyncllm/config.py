@@ -17,7 +17,7 @@ DTYPES = ("float32", "float16", "bfloat16")  # models/resolve.py maps them to to
 _DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # as vLLM accepts them
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "fa4", "fa2")
 # ORG/NAME, as the Hugging Face hub spells repository ids (letters, digits, '-', '_', '.'; 96 at most)
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}", re.ASCII)
 
 
 def is_hub_id(model: str) -> bool:
