@@ -138,11 +138,12 @@ class Config:
         if self.device not in ("auto", "cpu", "cuda"):
             _fail("device", f"must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.device != "cpu":
-            import torch  # only here: a Config of the command line's options is made without torch
+            import torch  # here, not at the top: importing this module (the command line's parser) must not
+            cuda = torch.cuda.is_available()
             if self.device == "auto":
-                self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.device == "cuda" and not torch.cuda.is_available():
-            _fail("device", "'cuda' was asked for but no CUDA device is available")
+                self.device = "cuda" if cuda else "cpu"
+            elif not cuda:
+                _fail("device", "'cuda' was asked for but no CUDA device is available")
         if self.overlap_scheduling is None:
             # on CPU a forward returns when it is done: nothing to overlap, and results would come a step later
             self.overlap_scheduling = self.device == "cuda"
