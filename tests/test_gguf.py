@@ -436,3 +436,15 @@ def test_gone_sources_and_path_keyed_conversions_are_pruned(tmp_path, fake_conve
     assert sorted(os.listdir(root)) == sorted([".model.tmp-xyz", "model-notakey", "other-0123456789ab", "unrelated",
                                                os.path.basename(kept)])
     assert not os.path.exists(gone_entry)
+
+
+def test_a_cache_that_cannot_be_written_still_serves(tmp_path, fake_conversions, monkeypatch):
+    path = _gguf_file(tmp_path / "model.gguf", b"weights")
+    entry = resolve_model_path(path)
+    os.utime(path, ns=(5, 5))  # a new record to write on the next resolve, into a cache it may not write to
+
+    def permission_denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "replace", permission_denied)
+    assert resolve_model_path(path) == entry and len(fake_conversions) == 1

@@ -302,19 +302,23 @@ def _read_sources(entry: str) -> list[dict] | None:
 
 
 def _record_source(entry: str, gguf_path: str) -> None:
-    """Note in entry that gguf_path (as it is now: real path, size, mtime) converts to it."""
+    """Note in entry that gguf_path (as it is now: real path, size, mtime) converts to it. Best
+    effort: a cache this process may not write to (made read-only for it) still serves."""
     real = os.path.realpath(gguf_path)
     stat = os.stat(real)
     record = {"path": real, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-    with _cache_lock():
-        records = _read_sources(entry) or []
-        if record in records:
-            return
-        records = [r for r in records if r.get("path") != real] + [record]
-        tmp = os.path.join(entry, f"{SOURCES_FILE}.{os.getpid()}.tmp")
-        with open(tmp, "w") as f:
-            json.dump(records, f, indent=1)
-        os.replace(tmp, os.path.join(entry, SOURCES_FILE))
+    try:
+        with _cache_lock():
+            records = _read_sources(entry) or []
+            if record in records:
+                return
+            records = [r for r in records if r.get("path") != real] + [record]
+            tmp = os.path.join(entry, f"{SOURCES_FILE}.{os.getpid()}.tmp")
+            with open(tmp, "w") as f:
+                json.dump(records, f, indent=1)
+            os.replace(tmp, os.path.join(entry, SOURCES_FILE))
+    except PermissionError:
+        pass
 
 
 def _still_converts_to(record: dict) -> bool:
