@@ -303,7 +303,8 @@ def _read_sources(entry: str) -> list[dict] | None:
 
 def _record_source(entry: str, gguf_path: str) -> None:
     """Note in entry that gguf_path (as it is now: real path, size, mtime) converts to it. Best
-    effort: a cache this process may not write to (made read-only for it) still serves."""
+    effort: a cache this process may not write to (read-only for it, or on a read-only filesystem)
+    still serves."""
     real = os.path.realpath(gguf_path)
     stat = os.stat(real)
     record = {"path": real, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
@@ -317,7 +318,7 @@ def _record_source(entry: str, gguf_path: str) -> None:
             with open(tmp, "w") as f:
                 json.dump(records, f, indent=1)
             os.replace(tmp, os.path.join(entry, SOURCES_FILE))
-    except PermissionError:
+    except OSError:
         pass
 
 
