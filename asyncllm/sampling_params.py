@@ -47,7 +47,7 @@ class SamplingParams:
     top_k: int = -1  # -1 = all tokens
     top_p: float = 1.0
     min_p: float = 0.0
-    max_tokens: int = 64
+    max_tokens: int | None = 64  # None: up to the context (max_model_len, or the KV cache's room), as vLLM's None
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
@@ -113,13 +113,13 @@ class SamplingParams:
             fail("min_p", f"must be in [0, 1], got {self.min_p}")
         for name in ("top_k", "max_tokens"):
             value = getattr(self, name)
-            if not _is_int(value):
+            if not _is_int(value) and not (name == "max_tokens" and value is None):
                 fail(name, f"expected an int, got {_short_repr(value)}")
         if self.top_k == 0 or self.top_k < -1:
             fail("top_k", f"must be -1 (disabled) or >= 1, got {_short_repr(self.top_k)}")
         if self.top_k >= 1 << 63:  # the sampler's int64 tensor; any top_k >= the vocabulary means all tokens
             fail("top_k", f"must be < 2**63, got {_short_repr(self.top_k)}")
-        if self.max_tokens < 1:
+        if self.max_tokens is not None and self.max_tokens < 1:
             fail("max_tokens", f"must be >= 1, got {_short_repr(self.max_tokens)}")
         if not isinstance(self.ignore_eos, bool):
             fail("ignore_eos", f"expected a bool, got {_short_repr(self.ignore_eos)}")
@@ -131,12 +131,16 @@ class SamplingParams:
             fail("seed", f"must be in [-2**63, 2**64), got {_short_repr(self.seed)}")
         if not _is_int(self.priority):
             fail("priority", f"expected an int (lower is scheduled first), got {_short_repr(self.priority)}")
+        if self.stop_token_ids is None:  # vLLM's default
+            self.stop_token_ids = []
         if _is_int(self.stop_token_ids):
             self.stop_token_ids = [self.stop_token_ids]
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
                 _is_int(t) and t >= 0 for t in self.stop_token_ids):
             fail("stop_token_ids", f"expected a list of non-negative ints, got {_short_repr(self.stop_token_ids)}")
         self.stop_token_ids = list(self.stop_token_ids)
+        if self.stop is None:  # vLLM's default
+            self.stop = []
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
@@ -178,7 +182,7 @@ class SamplingParams:
                                        f"(1 = off), got {self.repetition_penalty:g}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             fail("min_tokens", f"expected an int >= 0, got {_short_repr(self.min_tokens)}")
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):

@@ -183,3 +183,27 @@ def compile_for_sm90_in_subprocess(module: str, function: str) -> int:
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     return int(result.stdout.split()[-1])
+
+
+# ---- a local stand-in for the Hugging Face hub ---------------------------------------------------
+def lay_out_in_hub_cache(checkpoint_dir: str, hub_cache: str, repo_id: str, revision: str = "main",
+                         commit: str = "0123456789abcdef0123456789abcdef01234567") -> str:
+    """Put a checkpoint directory's files into huggingface_hub's cache layout, as a download leaves
+    them: models--ORG--NAME/blobs/<hash> (the files), snapshots/<commit>/<name> (symlinks into
+    blobs/) and refs/<revision> (the commit). Returns the snapshot directory."""
+    import hashlib
+    repo = os.path.join(hub_cache, "models--" + repo_id.replace("/", "--"))
+    blobs, snapshot = os.path.join(repo, "blobs"), os.path.join(repo, "snapshots", commit)
+    os.makedirs(blobs, exist_ok=True)
+    os.makedirs(snapshot, exist_ok=True)
+    for name in os.listdir(checkpoint_dir):
+        with open(os.path.join(checkpoint_dir, name), "rb") as f:
+            data = f.read()
+        blob = hashlib.sha256(data).hexdigest()
+        with open(os.path.join(blobs, blob), "wb") as f:
+            f.write(data)
+        os.symlink(os.path.join("..", "..", "blobs", blob), os.path.join(snapshot, name))
+    os.makedirs(os.path.join(repo, "refs"), exist_ok=True)
+    with open(os.path.join(repo, "refs", revision), "w") as f:
+        f.write(commit)  # no newline: huggingface_hub reads the file whole
+    return snapshot

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -96,6 +98,10 @@ def test_default_model_is_converted_into_the_cache(converted, cache_root):
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= files
     assert not [f for f in files if f.endswith((".bin", ".pt", ".pth", ".pkl"))]
     assert os.listdir(cache_root) == [os.path.basename(converted)]  # no temporary leftovers
+    # the record of what converts to it: the package's file, as it is
+    [record] = json.load(open(os.path.join(converted, gguf_mod.SOURCES_FILE)))
+    assert record == dict(path=os.path.realpath(default_model_gguf()), size=os.path.getsize(default_model_gguf()),
+                          mtime_ns=os.stat(default_model_gguf()).st_mtime_ns)
 
 
 @needs_default_model
@@ -353,3 +359,92 @@ def test_gguf_tensors_that_do_not_fit_are_named(tmp_path, case, says):
     with pytest.raises(ValueError) as info:
         convert_gguf(path, str(tmp_path / "out"))
     assert path in str(info.value) and says in str(info.value), str(info.value)
+
+
+# ---- the conversion cache: keyed by content, pruned of what no file converts to -----------------
+@pytest.fixture
+def fake_conversions(tmp_path, monkeypatch) -> list[str]:
+    """A cache under tmp_path whose conversions only write a config.json; the list of converted
+    directories, in order."""
+    monkeypatch.setenv("ASYNCLLM_CACHE", str(tmp_path / "cache"))
+    converted = []
+
+    def convert(gguf_path, out_dir, dtype=None):
+        os.makedirs(out_dir)
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump({"from": gguf_path}, f)
+        converted.append(out_dir)
+        return out_dir
+
+    monkeypatch.setattr(gguf_mod, "convert_gguf", convert)
+    return converted
+
+
+def _gguf_file(path, content: bytes) -> str:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(b"GGUF" + content)
+    return str(path)
+
+
+def test_copies_of_one_file_share_one_conversion(tmp_path, fake_conversions):
+    # the key was the real path and mtime: each clone's copy of the default model's package converted anew
+    a = _gguf_file(tmp_path / "clone-a" / "model.gguf", b"weights" * 1000)
+    b = str(tmp_path / "clone-b" / "model.gguf")
+    os.makedirs(os.path.dirname(b))
+    shutil.copy(a, b)  # another path, another mtime
+    os.utime(b, ns=(1, 1))
+    assert resolve_model_path(a) == resolve_model_path(b) == fake_conversions[0]
+    assert len(fake_conversions) == 1
+    records = json.load(open(os.path.join(fake_conversions[0], gguf_mod.SOURCES_FILE)))
+    assert [r["path"] for r in records] == [os.path.realpath(a), os.path.realpath(b)]
+
+
+def test_a_changed_file_converts_anew_and_its_old_conversion_goes(tmp_path, fake_conversions, capfd):
+    path = _gguf_file(tmp_path / "model.gguf", b"version 1")
+    first = resolve_model_path(path)
+    _gguf_file(tmp_path / "model.gguf", b"version 2")  # a new release of the same file
+    second = resolve_model_path(path)
+    assert second != first and fake_conversions == [first, second]
+    assert not os.path.exists(first) and os.path.isdir(second)
+    assert f"removed 1 conversion(s) no file converts to any more: {os.path.basename(first)}" in capfd.readouterr().err
+
+
+def test_a_conversion_an_unchanged_file_still_converts_to_is_kept(tmp_path, fake_conversions):
+    a = _gguf_file(tmp_path / "a" / "model.gguf", b"shared")
+    b = _gguf_file(tmp_path / "b" / "model.gguf", b"shared")
+    shared = resolve_model_path(a)
+    assert resolve_model_path(b) == shared
+    _gguf_file(tmp_path / "a" / "model.gguf", b"a's new weights")
+    assert resolve_model_path(a) != shared
+    assert os.path.isdir(shared)  # b still converts to it
+    assert resolve_model_path(b) == shared and len(fake_conversions) == 2
+
+
+def test_gone_sources_and_path_keyed_conversions_are_pruned(tmp_path, fake_conversions):
+    root = tmp_path / "cache"
+    gone = _gguf_file(tmp_path / "gone.gguf", b"deleted later")
+    gone_entry = resolve_model_path(gone)
+    os.remove(gone)
+    # what the path-and-mtime scheme left: unreachable now, removed once its file name converts again
+    for name in ("model-0123456789ab", "other-0123456789ab", "model-notakey"):
+        os.makedirs(root / name)
+        (root / name / "config.json").write_text("{}")
+    (root / ".model.tmp-xyz").mkdir()  # a conversion under way elsewhere
+    (root / "unrelated").mkdir()
+    kept = resolve_model_path(_gguf_file(tmp_path / "model.gguf", b"new"))
+    assert sorted(os.listdir(root)) == sorted([".model.tmp-xyz", "model-notakey", "other-0123456789ab", "unrelated",
+                                               os.path.basename(kept)])
+    assert not os.path.exists(gone_entry)
+
+
+def test_a_cache_that_cannot_be_written_still_serves(tmp_path, fake_conversions, monkeypatch):
+    path = _gguf_file(tmp_path / "model.gguf", b"weights")
+    entry = resolve_model_path(path)
+    os.utime(path, ns=(5, 5))  # a new record to write on the next resolve, into a cache it may not write to
+
+    def permission_denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "replace", permission_denied)
+    assert resolve_model_path(path) == entry and len(fake_conversions) == 1

@@ -15,7 +15,7 @@ MAX_LINES = 450
 # bottom; its grammar and step masks sit under the engine, which drives them, beside the runner.
 LAYERS = (
     ("api", ("asyncllm", "asyncllm.llm", "asyncllm.async_engine", "asyncllm.streams", "asyncllm.detokenizer",
-             "asyncllm.server", "asyncllm.cli")),
+             "asyncllm.server", "asyncllm.cli", "asyncllm.vllm")),
     ("engine", ("asyncllm.engine",)),
     ("runner", ("asyncllm.runner", "asyncllm.structured.grammar", "asyncllm.structured.step_masks")),
     ("models", ("asyncllm.models",)),
@@ -54,6 +54,14 @@ def modules() -> dict[str, pathlib.Path]:
     return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
+def lazy_exports() -> dict[str, str]:
+    """asyncllm/__init__.py's _EXPORTS (public name -> the module it is imported from on first use)."""
+    for node in ast.parse((PACKAGE / "__init__.py").read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_EXPORTS" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError("asyncllm/__init__.py: no _EXPORTS")
+
+
 def dynamic_import_targets(name: str, node: ast.Call, known: set[str]) -> list[str] | None:
     """The modules an importlib.import_module(...) or __import__(...) call may import, or None where
     node is no such call. A constant name is that module; an f-string counts as every module its
@@ -65,6 +73,8 @@ def dynamic_import_targets(name: str, node: ast.Call, known: set[str]) -> list[s
     arg = node.args[0] if node.args else None
     if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
         return [arg.value]
+    if name == "asyncllm" and isinstance(arg, ast.Name):  # the package's lazy exports: its _EXPORTS' modules
+        return sorted(set(lazy_exports().values()))
     if isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.Constant):
         prefix = arg.values[0].value
         return [module for module in known if module.startswith(prefix)]

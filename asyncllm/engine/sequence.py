@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 from enum import Enum, auto
 
@@ -31,7 +32,7 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         # the length at which it ends by "length": max_tokens, or the engine's limit if that comes first
-        self.max_len = self.num_prompt_tokens + params.max_tokens
+        self.max_len = self.num_prompt_tokens + params.max_tokens if params.max_tokens is not None else sys.maxsize
         if max_seq_len is not None:
             self.max_len = min(self.max_len, max_seq_len)
         self.sample_row = -1  # its row among the sampled tokens of the step that samples its PENDING_TOKEN

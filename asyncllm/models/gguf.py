@@ -3,11 +3,14 @@
 The engine loads only safetensors + config.json + tokenizer files. A GGUF file is dequantized to
 `model.safetensors` (names mapped to Hugging Face's, Llama q/k rows un-permuted), its metadata becomes
 `config.json` and its vocabulary a saved tokenizer (chat template included). `resolve_model_path` caches
-the result, so the conversion cost is paid once per file.
+the result under a hash of the file's content, so the conversion cost is paid once per content (however
+many copies of the file there are), and a conversion's arrival removes those no file converts to any
+more (prune_cache).
 """
 from __future__ import annotations
 
-import hashlib
+import contextlib
+import fcntl
 import json
 import os
 import re
@@ -18,6 +21,7 @@ import time
 
 import numpy as np
 import torch
+import xxhash
 
 from asyncllm import settings
 
@@ -255,22 +259,102 @@ def cache_root() -> str:
     return settings.CACHE.read()
 
 
-_KEY_SAMPLE_BYTES = 1 << 20
+_KEY_CHUNK_BYTES = 1 << 23
+# in each converted directory: the files it was converted from (real path, size, mtime), read by prune_cache
+SOURCES_FILE = ".asyncllm-sources.json"
+# the cache's entries before keys were the content's: <stem>-<12 hex> of the path and mtime, never found again
+_PATH_KEYED_ENTRY = re.compile(r"(?P<stem>.+)-[0-9a-f]{12}")
 
 
 def cache_dir_for(gguf_path: str) -> str:
-    """Cache directory of a GGUF file: its name plus a hash of where it is, its size and mtime, and its
-    first and last MiB (a changed file converts anew; two fine-tunes of one base, of equal size and
-    header, differ in their weights' bytes)."""
+    """Cache directory of a GGUF file: its name plus a hash of its whole content (xxh3-128, some 30 ms
+    for the default model's 94 MiB) and the converter's version. The same file anywhere (each clone's
+    copy of a package) shares one conversion; a changed file converts anew."""
+    digest = xxhash.xxh3_128(f"asyncllm-gguf-converter-{_CONVERTER_VERSION}:".encode())
+    with open(gguf_path, "rb") as f:
+        while chunk := f.read(_KEY_CHUNK_BYTES):
+            digest.update(chunk)
+    stem = os.path.basename(gguf_path).removesuffix(".gguf")
+    return os.path.join(cache_root(), f"{stem}-{digest.hexdigest()}")
+
+
+@contextlib.contextmanager
+def _cache_lock():
+    """The cache's records are read, changed and pruned by one process at a time (flock on its folder)."""
+    root = cache_root()
+    os.makedirs(root, exist_ok=True)
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # and the lock with it
+
+
+def _read_sources(entry: str) -> list[dict] | None:
+    """The sources recorded for a converted directory; None if it has no record (path-keyed entries)."""
+    try:
+        with open(os.path.join(entry, SOURCES_FILE)) as f:
+            records = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return []  # unreadable: no source known
+    return [r for r in records if isinstance(r, dict)] if isinstance(records, list) else []
+
+
+def _record_source(entry: str, gguf_path: str) -> None:
+    """Note in entry that gguf_path (as it is now: real path, size, mtime) converts to it. Best
+    effort: a cache this process may not write to (read-only for it, or on a read-only filesystem)
+    still serves."""
     real = os.path.realpath(gguf_path)
     stat = os.stat(real)
-    digest = hashlib.sha256(f"{real}:{stat.st_size}:{stat.st_mtime_ns}:{_CONVERTER_VERSION}".encode())
-    with open(real, "rb") as f:
-        digest.update(f.read(_KEY_SAMPLE_BYTES))
-        f.seek(max(0, stat.st_size - _KEY_SAMPLE_BYTES))
-        digest.update(f.read(_KEY_SAMPLE_BYTES))
-    stem = os.path.basename(gguf_path).removesuffix(".gguf")
-    return os.path.join(cache_root(), f"{stem}-{digest.hexdigest()[:12]}")
+    record = {"path": real, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    try:
+        with _cache_lock():
+            records = _read_sources(entry) or []
+            if record in records:
+                return
+            records = [r for r in records if r.get("path") != real] + [record]
+            tmp = os.path.join(entry, f"{SOURCES_FILE}.{os.getpid()}.tmp")
+            with open(tmp, "w") as f:
+                json.dump(records, f, indent=1)
+            os.replace(tmp, os.path.join(entry, SOURCES_FILE))
+    except OSError:
+        pass
+
+
+def _still_converts_to(record: dict) -> bool:
+    try:
+        stat = os.stat(record["path"])
+    except (OSError, KeyError, TypeError, ValueError):
+        return False
+    return stat.st_size == record.get("size") and stat.st_mtime_ns == record.get("mtime_ns")
+
+
+def prune_cache(keep: str) -> list[str]:
+    """Remove the cache's conversions that no file converts to any more, keeping `keep`: those whose
+    every recorded source is gone or changed (size or mtime), and those of keep's file name that the
+    path-keyed scheme left (no key can reach them now). Never one that an existing, unchanged file
+    converts to, so two files of one name used in turn do not convert again and again. Returns the
+    removed directories."""
+    root, stem = cache_root(), os.path.basename(keep).rsplit("-", 1)[0]
+    removed = []
+    with _cache_lock():
+        for name in sorted(os.listdir(root)):
+            entry = os.path.join(root, name)
+            if entry == keep or name.startswith(".") or not os.path.isfile(os.path.join(entry, "config.json")):
+                continue  # temporary directories of conversions under way, and what is not a conversion
+            records = _read_sources(entry)
+            if records is None:  # no record: path-keyed, or converted a moment ago and not yet recorded
+                legacy = _PATH_KEYED_ENTRY.fullmatch(name)
+                stale = legacy is not None and legacy.group("stem") == stem
+            else:
+                stale = not any(_still_converts_to(record) for record in records)
+            if stale:
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(entry)
+    return removed
 
 
 def resolve_model_path(path: str) -> str:
@@ -283,6 +367,7 @@ def resolve_model_path(path: str) -> str:
         return path
     out_dir = cache_dir_for(path)
     if os.path.exists(os.path.join(out_dir, "config.json")):
+        _record_source(out_dir, path)
         return out_dir
     print(f"asyncllm: converting {os.path.basename(path)} once into {out_dir} ...", end="", file=sys.stderr, flush=True)
     start = time.perf_counter()
@@ -292,4 +377,9 @@ def resolve_model_path(path: str) -> str:
         print(" failed", file=sys.stderr, flush=True)
         raise
     print(f" done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    _record_source(out_dir, path)
+    removed = prune_cache(out_dir)
+    if removed:
+        print(f"asyncllm: removed {len(removed)} conversion(s) no file converts to any more: "
+              f"{', '.join(map(os.path.basename, removed))}", file=sys.stderr, flush=True)
     return out_dir

@@ -1,5 +1,5 @@
-"""The model a Config names, read once by the engine before it builds anything: a .gguf file
-converted into its cache directory, the checkpoint's config loaded and checked against the
+"""The model a Config names, read once by the engine before it builds anything: a hub id
+downloaded (safetensors only) into the hub's cache, a .gguf file converted into its cache directory, the checkpoint's config loaded and checked against the
 settings (tensor-parallel splits, the CPU KV cache's size), max_model_len clipped to the model's
 positions, and dtype 'auto' settled."""
 from __future__ import annotations
@@ -8,13 +8,18 @@ import os
 
 import torch
 
-from asyncllm.config import DTYPES, Config, config_error
+from asyncllm.config import Config, config_error
 from asyncllm.models.checkpoint import load_hf_config
 from asyncllm.models.gguf import resolve_model_path
+from asyncllm.models.hub import download_model
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # config.DTYPES
 
 
 def resolve_config(config: Config) -> Config:
     """Fill in config's model-dependent fields (model, hf_config, max_model_len, torch_dtype), in place."""
+    if not os.path.exists(config.model):  # a hub id (Config checked its shape): its snapshot directory
+        config.model = download_model(config.model, config.revision)
     if os.path.isfile(config.model):  # a .gguf file: its converted cache directory
         config.model = resolve_model_path(config.model)
     hf = config.hf_config = load_hf_config(config.model)
@@ -23,13 +28,13 @@ def resolve_config(config: Config) -> Config:
     if config.tensor_parallel_size > 1:
         _check_tensor_parallel_split(hf, config.tensor_parallel_size)
     if config.dtype != "auto":
-        config.torch_dtype = DTYPES[config.dtype]
+        config.torch_dtype = TORCH_DTYPES[config.dtype]
     elif config.device == "cpu":
         config.torch_dtype = torch.float32
     else:
         ckpt = getattr(hf, "torch_dtype", None) or getattr(hf, "dtype", None)
         if isinstance(ckpt, str):
-            ckpt = DTYPES.get(ckpt)
+            ckpt = TORCH_DTYPES.get(ckpt)
         config.torch_dtype = ckpt if ckpt in (torch.float16, torch.bfloat16, torch.float32) else torch.bfloat16
     if config.device == "cpu":
         memory = _machine_memory()

@@ -1,0 +1,105 @@
+"""vLLM's offline LLM (vllm.LLM): generate() and chat() returning RequestOutput objects, over
+asyncllm's LLM (which runs the batch)."""
+from __future__ import annotations
+
+import itertools
+
+from asyncllm.engine.chat import render_chat
+from asyncllm.llm import LLM as NativeLLM
+from asyncllm.vllm.inputs import engine_options, prompt_list, prompt_parts, truncated
+from asyncllm.vllm.outputs import RequestOutput, completion_output, prompt_token_logprobs
+from asyncllm.vllm.sampling_params import SamplingParams
+
+
+def params_list(sampling_params, num_prompts: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * num_prompts
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num_prompts
+    if isinstance(sampling_params, (list, tuple)):
+        if len(sampling_params) != num_prompts:
+            raise ValueError(f"sampling_params: {len(sampling_params)} given for {num_prompts} prompts")
+        for i, params in enumerate(sampling_params):
+            if not isinstance(params, SamplingParams):
+                raise TypeError(f"sampling_params[{i}]: expected asyncllm.vllm.SamplingParams, got "
+                                f"{type(params).__name__}")
+        return list(sampling_params)
+    raise TypeError(f"sampling_params: expected asyncllm.vllm.SamplingParams or a list of them, got "
+                    f"{type(sampling_params).__name__}")
+
+
+class LLM:
+    """LLM(model, **engine_args): model is a directory, a .gguf file or a hub id (None: the built-in
+    default model); engine arguments are vLLM's names (engine_options) or asyncllm's Config fields."""
+
+    def __init__(self, model: str | None = None, **kwargs):
+        self.native_llm = NativeLLM(model, **engine_options(kwargs))
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.native_llm.tokenizer
+
+    def close(self) -> None:
+        self.native_llm.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True, lora_request=None, priority: list[int] | None = None) -> list[RequestOutput]:
+        """One finished RequestOutput per prompt, in order."""
+        if lora_request is not None:
+            raise ValueError("lora_request: LoRA adapters are not supported")
+        prompts = prompt_list(prompts)
+        params = params_list(sampling_params, len(prompts))
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority: {len(priority)} given for {len(prompts)} prompts")
+        core = self.native_llm.core
+        texts, token_lists = [], []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            text, native_prompt = prompt_parts(prompt, f"prompts[{i}]")
+            texts.append(text)
+            token_lists.append(truncated(core.encode_prompt(native_prompt, f"prompts[{i}]"), p.truncate_prompt_tokens,
+                                         core.max_seq_len))
+        native = [p.to_native(priority[i] if priority is not None else 0) for i, p in enumerate(params)]
+        results = self.native_llm.generate(token_lists, native, use_tqdm=bool(use_tqdm))
+        outputs = []
+        for text, token_ids, p, result in zip(texts, token_lists, params, results):
+            sequences = result if isinstance(result, list) else [result]
+            outputs.append(RequestOutput(
+                str(next(self._request_counter)), text, token_ids,
+                prompt_token_logprobs(sequences[0].get("prompt_logprobs")),
+                [completion_output(s["index"], s["text"] if p.detokenize else "", s["token_ids"], s["logprobs"],
+                                   s["finish_reason"], s["stop_reason"]) for s in sequences],
+                finished=True))
+        return outputs
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, lora_request=None, chat_template: str | None = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None, mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
+        """A conversation (a list of {"role", "content"} dicts), or a list of them, answered as
+        generate() answers prompts: each rendered by the tokenizer's chat template (or chat_template)."""
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError("chat_template_content_format: only 'auto' or 'string' (message content is a string)")
+        if mm_processor_kwargs:
+            raise ValueError("mm_processor_kwargs: not supported (text-only models)")
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages: expected a conversation (a non-empty list of message dicts) or a list of them")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        options = dict(chat_template_kwargs or {}, add_generation_prompt=add_generation_prompt)
+        if continue_final_message:
+            options["continue_final_message"] = True
+        if chat_template is not None:
+            options["chat_template"] = chat_template
+        if tools is not None:
+            options["tools"] = tools
+        prompts = []
+        for conversation in conversations:
+            text, token_ids = render_chat(self.native_llm.core, conversation, **options)
+            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
