@@ -210,7 +210,8 @@ def run_server_paths(args, model_dir: str, work: dict, report: Report) -> None:
                         row = make_row(name, args, client, len(shares(requests, offsets, concurrency,
                                                                       args.client_processes)), results, wall)
                     except Exception as exc:  # noqa: BLE001 - e.g. openai not installed: the other rows still run
-                        row = dict(workload=workload_label(name, args), path=client, error=f"{type(exc).__name__}: {exc}")
+                        row = dict(workload=workload_label(name, args), path=client,
+                                   error=f"{type(exc).__name__}: {exc}")
                     report.add(row)
                     print_row(row)
         finally:

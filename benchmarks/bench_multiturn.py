@@ -103,8 +103,9 @@ async def run_chat(engine: AsyncLLMEngine, args, backend: str, report: Report) -
                 backend=backend, users=users, turn=turn, conversations=len(at_turn),
                 prompt_tokens_mean=sum(r["prompt_tokens"] for r in at_turn) / len(at_turn),
                 prefix_hit_rate=hit_rate(at_turn), **latency_fields(at_turn)))
+        tokens = sum(r["tokens"] for r in results)
         row = dict(backend=backend, case="chat", users=users, requests=len(results), wall_s=wall,
-                   output_tokens=sum(r["tokens"] for r in results), output_tok_s=sum(r["tokens"] for r in results) / wall,
+                   output_tokens=tokens, output_tok_s=tokens / wall,
                    turns_done=sum(len(turns) for turns in conversations),
                    prompt_tokens_max=max(r["prompt_tokens"] for r in results), prefix_hit_rate=hit_rate(results),
                    preemptions=after["num_preemptions"] - before["num_preemptions"], **latency_fields(results))
@@ -134,9 +135,10 @@ async def run_rag(engine: AsyncLLMEngine, args, backend: str, report: Report) ->
     failed = [r["error"] for r in results if "error" in r]
     if failed:
         raise RuntimeError(f"rag: {len(failed)} questions failed, first: {failed[0]}")
+    tokens = sum(r["tokens"] for r in results)
     row = dict(backend=backend, case=f"rag: {len(results)} questions over the cached document",
-               users=args.rag_concurrency, requests=len(results), wall_s=wall,
-               output_tokens=sum(r["tokens"] for r in results), output_tok_s=sum(r["tokens"] for r in results) / wall,
+               users=args.rag_concurrency, requests=len(results), wall_s=wall, output_tokens=tokens,
+               output_tok_s=tokens / wall,
                prompt_tokens_max=max(r["prompt_tokens"] for r in results), prefix_hit_rate=hit_rate(results),
                **latency_fields(results))
     report.add(row)
@@ -149,8 +151,8 @@ async def run_cached(engine: AsyncLLMEngine, args, backend: str, report: Report)
     context = random_prompt(rng, args.cached_tokens)
     prefill = await stream_timings(engine, context, params(1))
     report.add(dict(backend=backend, case=f"{args.cached_tokens}-token prefill (uncached): TTFT", requests=1,
-                    prompt_tokens_max=len(context), prefix_hit_rate=hit_rate([prefill]), output_tokens=prefill["tokens"],
-                    ttft_p50_ms=ms(prefill["ttft"])))
+                    prompt_tokens_max=len(context), prefix_hit_rate=hit_rate([prefill]),
+                    output_tokens=prefill["tokens"], ttft_p50_ms=ms(prefill["ttft"])))
     runs = [await stream_timings(engine, context + random_prompt(rng, args.new_tokens), params(args.decode_tokens))
             for _ in range(args.reps)]
     itl = [g for r in runs for g in r["itl"]]
