@@ -31,6 +31,7 @@ from asyncllm import SamplingParams  # noqa: E402
 from asyncllm.runner.launched_step import LaunchedStep  # noqa: E402
 from asyncllm.structured import StructuredOutput  # noqa: E402
 from asyncllm.testing import QWEN3_0_6B, QWEN3_8B, TINY_SHAPE, build_tiny_checkpoint  # noqa: E402
+from load_clients import ChunkClock  # noqa: E402
 
 SHAPES = {"tiny": TINY_SHAPE, "0.6b": QWEN3_0_6B, "8b": QWEN3_8B}
 MARKER = "bench_checkpoint.json"  # written next to the weights: what shape they are
@@ -211,6 +212,48 @@ def warmup_requests(num: int = 64, max_input: int = 1024, seed: int = 1) -> tupl
     prompts = [random_prompt(rng, rng.randint(min(100, max_input), max_input)) for _ in range(num)]
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1 + i % 16) for i in range(num)]
     return prompts, params
+
+
+# ---- streams and the server ------------------------------------------------------------------------------
+async def stream_timings(engine, prompt, params: SamplingParams, count: str = "tokens") -> dict:
+    """One request through engine.stream, timed as its consumer sees it. An item counts when it
+    has new token ids (count="tokens"), or new text (count="text": what the server sends as an SSE
+    chunk). TTFT = submission to the first such item, ITL = every gap between them, TPOT = (E2E -
+    TTFT) / (tokens - 1). Also the answer's token ids and the prompt tokens the prefix cache served."""
+    if count not in ("tokens", "text"):
+        raise ValueError(f"count: expected 'tokens' or 'text', got {count!r}")
+    clock = ChunkClock()
+    stream = engine.stream(prompt, params)
+    async for out in stream:
+        if out.token_ids if count == "tokens" else out.text:
+            clock.tick()
+    token_ids = list(stream.token_ids)
+    metrics = stream.metrics
+    return dict(clock.result(len(token_ids)), token_ids=token_ids, prompt_tokens=len(prompt),
+                cached_tokens=metrics.num_cached_tokens if metrics else None)
+
+
+def serve_options(kwargs: dict) -> list[str]:
+    """Engine keyword options (Config fields, as engine_kwargs makes them) as `asyncllm serve` flags:
+    dashed names, bools as --name / --no-name, target_step_ms None as 0 (the server's throughput first)."""
+    flags = []
+    for name, value in kwargs.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + name.replace("_", "-"))
+        elif name == "target_step_ms" and value is None:
+            flags += [flag, "0"]
+        elif value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
+def child_env(**extra: str) -> dict:
+    """The environment for a benchmark's child process: this checkout's package first on its path
+    (a server started as `asyncllm serve` imports it too), unbuffered output, and `extra`."""
+    path = os.environ.get("PYTHONPATH", "")
+    return dict(os.environ, PYTHONPATH=REPO_ROOT + (os.pathsep + path if path else ""), PYTHONUNBUFFERED="1",
+                **extra)
 
 
 # ---- timing ------------------------------------------------------------------------------------------------

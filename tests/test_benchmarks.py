@@ -20,8 +20,11 @@ sys.path.insert(0, BENCHMARKS)
 import bench_ablation  # noqa: E402
 import bench_delivery  # noqa: E402
 import bench_host_ops  # noqa: E402
+import bench_http  # noqa: E402
 import bench_latency  # noqa: E402
+import bench_multiturn  # noqa: E402
 import bench_profile  # noqa: E402
+import bench_startup  # noqa: E402
 import bench_step_phases  # noqa: E402
 import bench_throughput  # noqa: E402
 from common import make_checkpoint  # noqa: E402
@@ -127,3 +130,76 @@ def test_bench_host_ops_times_the_calls_that_the_cpu_has():
     rows = rows_without_errors(data)
     assert any(row["call"].startswith("upload_arrays") for row in rows)
     assert all(row["us"] > 0 for row in rows)
+
+
+def test_bench_multiturn_serves_each_turns_history_from_the_prefix_cache(tiny_model):
+    data = bench_multiturn.main([
+        "--model-dir", tiny_model, "--device", "cpu", "--users", "1,2", "--turns", "3", "--user-tokens", "260,300",
+        "--answer-tokens", "2,3", "--max-context", "2048", "--rag-doc-tokens", "300", "--rag-questions", "3",
+        "--rag-answer-tokens", "2", "--rag-concurrency", "2", "--cached-tokens", "256", "--new-tokens", "8",
+        "--decode-tokens", "3", "--reps", "2", "--warmup-requests", "1"])
+    rows = rows_without_errors(data)
+    chat = [row for row in rows if row["case"] == "chat"]
+    assert [(row["users"], row["requests"], row["turns_done"]) for row in chat] == [(1, 3, 3), (2, 6, 6)]
+    for row in chat:
+        assert 2 * row["requests"] <= row["output_tokens"] <= 3 * row["requests"]
+        assert 0 < row["prefix_hit_rate"] < 1 and row["preemptions"] == 0
+    # per turn: every conversation reached it; the first turn has no history, the later ones find theirs cached
+    turns = data["turns"]
+    assert [(row["users"], row["turn"], row["conversations"]) for row in turns] == [
+        (users, turn, users) for users in (1, 2) for turn in range(3)]
+    assert all((row["prefix_hit_rate"] > 0) == (row["turn"] > 0) for row in turns)
+    assert all(row["ttft_p50_ms"] is not None and row["itl_p50_ms"] is not None for row in turns)
+    first, rest, prefill, cached = [row for row in rows if row["case"] != "chat"]
+    assert first["prefix_hit_rate"] == 0 and first["requests"] == 1
+    assert rest["requests"] == 2 and rest["prefix_hit_rate"] > 0 and rest["output_tokens"] == 4
+    assert prefill["prompt_tokens_max"] == 256 and prefill["prefix_hit_rate"] == 0
+    # the whole 256-token context (one KV block) served from the cache, the 8 new tokens computed
+    assert cached["requests"] == 2 and cached["prefix_hit_rate"] == 256 / 264 and cached["output_tokens"] == 6
+
+
+def test_bench_http_runs_every_workload_through_every_path(tiny_model):
+    """The server and the in-process twin each in a process of their own, clients in two processes:
+    every request of every row comes back whole (the usage chunk's token counts add up)."""
+    data = bench_http.main([
+        "--model-dir", tiny_model, "--device", "cpu", "--num-requests", "3", "--max-input", "100",
+        "--max-output", "3", "--concurrency", "3", "--input-len", "32", "--output-len", "2", "--rate", "50",
+        "--requests-per-rate", "3", "--client-processes", "2", "--warmup-requests", "1"])
+    rows = rows_without_errors(data)
+    workloads = ("burst", "3", "Poisson")  # the twin's rows first, from its own process; then the server's
+    assert [(row["path"], row["workload"].split()[0]) for row in rows] == [
+        *(("in-process", workload) for workload in workloads),
+        *((path, workload) for workload in workloads for path in ("httpx", "openai"))]
+    for row in rows:
+        expected = (16, 32) if row["workload"].startswith("3 closed") else (3, 9 if row["workload"].startswith("burst")
+                                                                             else 6)
+        assert (row["num_requests"], row["output_tokens"]) == expected, row
+        assert row["errors"] == 0 and row["processes"] == (1 if row["path"] == "in-process" else 2)
+        assert row["tok_s_vs_in_process"] > 0 and row["ttft_p50_ms"] is not None
+
+
+def test_bench_http_splits_a_workload_over_the_client_processes():
+    requests = list(range(7))
+    closed = bench_http.shares(requests, None, 3, 2)
+    assert [(share["requests"], share["concurrency"]) for share in closed] == [([0, 2, 4, 6], 2), ([1, 3, 5], 1)]
+    # fewer clients than processes: only processes with a client get requests
+    assert [share["requests"] for share in bench_http.shares(requests, None, 1, 4)] == [requests]
+    offsets = [0.1 * i for i in range(7)]
+    opened = bench_http.shares(requests, offsets, 0, 3)
+    assert sorted(r for share in opened for r in share["requests"]) == requests
+    assert all(share["offsets"] == [offsets[r] for r in share["requests"]] for share in opened)
+
+
+def test_bench_startup_times_each_api_cold_and_warm_by_phase(tiny_model, tmp_path):
+    os.symlink(tiny_model, tmp_path / "tiny")  # --checkpoints DIR: DIR/<shape>, reused
+    data = bench_startup.main(["--device", "cpu", "--shapes", "tiny", "--checkpoints", str(tmp_path)])
+    rows = rows_without_errors(data)
+    assert [(row["api"], row["caches"]) for row in rows] == [
+        (api, caches) for api in ("llm", "async", "serve") for caches in ("cold", "warm")]
+    for row in rows:
+        # every wrapped function still exists in the engine, and the phases that run on CPU ran
+        assert row["phases_not_found"] == []
+        assert all(row[phase] is not None for phase in ("config", "tokenizer", "build model", "load weights"))
+        assert row["CUDA graphs"] is None and row["decode tuning"] is None
+        assert 0 < row["imports_s"] < row["ready_s"] < row["total_s"]
+        assert any(message.startswith("KV cache:") for _, _, message in row["logs"])
