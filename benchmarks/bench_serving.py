@@ -24,31 +24,12 @@ import random
 import time
 
 from common import (Report, add_engine_args, checkpoint_from_args, engine_kwargs, jit_compiled_since, make_parser,
-                    ms, parse_args, percentile, random_prompt, release_memory, warmup_requests)
+                    ms, parse_args, percentile, random_prompt, release_memory, stream_timings,
+                    warmup_requests)
 
 from asyncllm import LLM, AsyncLLMEngine, SamplingParams
 from asyncllm.engine.step_budget import STREAMING_TARGET_STEP_MS
 from asyncllm.kernels import compiled_variants
-
-
-async def one_request(engine: AsyncLLMEngine, prompt: list[int], params: SamplingParams) -> dict:
-    start = time.perf_counter()
-    first = last = None
-    gaps, num_tokens = [], 0
-    async for out in engine.stream(prompt, params):
-        if not out.token_ids:
-            continue
-        now = time.perf_counter()
-        if first is None:
-            first = now
-        else:
-            gaps.append(now - last)
-        last = now
-        num_tokens += len(out.token_ids)
-    e2e = time.perf_counter() - start
-    ttft = first - start
-    tpot = (e2e - ttft) / (num_tokens - 1) if num_tokens > 1 else None
-    return dict(ttft=ttft, itl=gaps, tpot=tpot, e2e=e2e, tokens=num_tokens)
 
 
 async def closed_loop(engine, prompts, params, concurrency: int) -> list[dict]:
@@ -57,7 +38,7 @@ async def closed_loop(engine, prompts, params, concurrency: int) -> list[dict]:
 
     async def client():
         for prompt in pending:  # shared iterator: each client takes the next request when it is free
-            results.append(await one_request(engine, prompt, params))
+            results.append(await stream_timings(engine, prompt, params))
 
     async with asyncio.TaskGroup() as group:
         for _ in range(concurrency):
@@ -69,7 +50,7 @@ async def poisson(engine, prompts, params, rate: float, rng: random.Random) -> l
     async with asyncio.TaskGroup() as group:
         tasks = []
         for prompt in prompts:
-            tasks.append(group.create_task(one_request(engine, prompt, params)))
+            tasks.append(group.create_task(stream_timings(engine, prompt, params)))
             await asyncio.sleep(rng.expovariate(rate))
     return [t.result() for t in tasks]
 

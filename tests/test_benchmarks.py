@@ -24,6 +24,7 @@ import bench_http  # noqa: E402
 import bench_latency  # noqa: E402
 import bench_multiturn  # noqa: E402
 import bench_profile  # noqa: E402
+import bench_serving  # noqa: E402
 import bench_startup  # noqa: E402
 import bench_step_phases  # noqa: E402
 import bench_throughput  # noqa: E402
@@ -203,3 +204,12 @@ def test_bench_startup_times_each_api_cold_and_warm_by_phase(tiny_model, tmp_pat
         assert row["CUDA graphs"] is None and row["decode tuning"] is None
         assert 0 < row["imports_s"] < row["ready_s"] < row["total_s"]
         assert any(message.startswith("KV cache:") for _, _, message in row["logs"])
+
+
+def test_bench_serving_times_every_request_of_each_level(tiny_model):
+    data = bench_serving.main(["--model-dir", tiny_model, "--device", "cpu", "--concurrency", "2", "--rates", "4",
+                               "--requests-per-rate", "3", "--input-len", "8", "--output-len", "3"])
+    rows = rows_without_errors(data)
+    assert len(rows) == 2  # the closed-loop level and the Poisson rate
+    for row in rows:
+        assert row["output_tok_s"] > 0, row
