@@ -11,6 +11,7 @@ import anyio
 import pytest
 
 from asyncllm.async_engine import AsyncLLMEngine
+from asyncllm.errors import QueueFullError
 from asyncllm.llm import LLM
 from asyncllm.runner.launched_step import LaunchedStep
 from asyncllm.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
@@ -179,4 +180,33 @@ async def test_constraints_that_leave_no_token_to_sample_are_refused_at_submissi
                 result = await engine.generate("Say it", SamplingParams(temperature=0, max_tokens=4, **fields))
                 banned = set(hello) if "bad_words" in fields else set()
                 assert set(result.token_ids) <= set(fields["allowed_token_ids"]) - banned, (fields, result)
+            await all_free(engine)
+
+
+async def test_the_queue_limit_counts_only_requests_beyond_the_free_sequence_slots(tiny_qwen3):
+    # --max-queued-requests 4 --max-num-seqs 2 admitted 4 of a burst of 40, not 2 to run + 4 to wait
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    def burst() -> list:
+        streams = []
+        with pytest.raises(QueueFullError):
+            for _ in range(40):  # no await between them: the engine thread applies them as it can
+                streams.append(engine.stream([5, 6, 7], params))
+        return streams
+
+    with anyio.fail_after(TIMEOUT):
+        async with AsyncLLMEngine(tiny_qwen3, max_num_seqs=2, max_queued_requests=4, **ENGINE_KW) as engine:
+            streams = burst()
+            assert len(streams) == 6  # on an idle engine: 2 slots free + 4 queued
+            for stream in streams[:2]:  # the first two run (first come, first served)
+                await stream.__anext__()
+            for stream in streams[2:]:
+                await stream.aclose()
+            while engine.stats()["num_waiting"] or engine.stats()["num_inbox"]:  # the aborts applied
+                await anyio.sleep(0.01)
+            assert engine.stats()["num_running"] == 2
+            more = burst()
+            assert len(more) == 4  # no slot free: only the queue's 4
+            for stream in streams[:2] + more:
+                await stream.aclose()
             await all_free(engine)

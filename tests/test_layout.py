@@ -12,7 +12,7 @@ MAX_LINES = 450
 # the lower layers never reach up into what drives them
 LOWER = ("asyncllm.layers", "asyncllm.models", "asyncllm.kernels", "asyncllm.attention")
 UPPER = ("asyncllm.engine", "asyncllm.runner", "asyncllm.async_engine", "asyncllm.streams", "asyncllm.llm",
-         "asyncllm.server", "asyncllm.cli")
+         "asyncllm.arguments", "asyncllm.chat_template", "asyncllm.server", "asyncllm.cli")
 
 
 def module_name(path: pathlib.Path) -> str:
