@@ -147,8 +147,9 @@ ENGINE_CALLS = [
 ]
 
 
-# arguments whose accepted values must all be of one type (the others are refused, never passed on)
-ACCEPTS_ONLY = {"request_id": str, "argument": str, "drain": bool, "use_tqdm": bool, "add_generation_prompt": bool,
+# arguments whose accepted values must all be of one type (the others are refused, never passed on);
+# request_id None: an id of the engine's (abort refuses it)
+ACCEPTS_ONLY = {"request_id": (str, type(None)), "argument": str, "drain": bool, "use_tqdm": bool, "add_generation_prompt": bool,
                 "poll_interval": (int, float)}
 
 
