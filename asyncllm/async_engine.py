@@ -18,8 +18,9 @@ from collections.abc import Callable
 import anyio
 
 from asyncllm import settings
+from asyncllm.arguments import check_bool, check_request_id, check_seconds, check_str
+from asyncllm.chat_template import chat_prompt_ids
 from asyncllm.detokenizer import TextAssembler
-from asyncllm.engine.chat import render_chat
 from asyncllm.engine.core import EngineCore
 from asyncllm.engine.options import make_config
 from asyncllm.engine.step_budget import STREAMING_TARGET_STEP_MS
@@ -31,9 +32,15 @@ logger = logging.getLogger("asyncllm")
 
 
 class AsyncLLMEngine:
-    """Embeddable async engine. Use as `async with AsyncLLMEngine(model_dir, **config) as engine:`."""
+    """Embeddable async engine. Use as `async with AsyncLLMEngine(model_dir, **config) as engine:`.
 
-    def __init__(self, model: str | None = None, **config_kwargs):
+    parse_special_tokens_in_chat_content=True: special-token text in chat messages (`<|im_start|>`)
+    becomes those tokens, as before; by default it is encoded as text (chat_template.py says why)."""
+
+    def __init__(self, model: str | None = None, *, parse_special_tokens_in_chat_content: bool = False,
+                 **config_kwargs):
+        self._parse_special_tokens_in_chat_content = check_bool(parse_special_tokens_in_chat_content,
+                                                                "parse_special_tokens_in_chat_content")
         # streams first: a bounded step time (target_step_ms=None asks for throughput first, as LLM)
         config_kwargs.setdefault("target_step_ms", STREAMING_TARGET_STEP_MS)
         self.config = make_config(model, config_kwargs)
@@ -46,6 +53,8 @@ class AsyncLLMEngine:
         self._ready = threading.Event()
         self._stop_requested = False
         self._applying = False  # commands taken from the inbox, not yet reflected in _stats
+        self._num_inbox_adds = 0  # requests posted, not yet taken by the engine thread
+        self._num_adds_applying = 0  # requests taken from the inbox, not yet in _stats
         self._dead: BaseException | None = None
         self._closed = False
         self._stats: dict = {}
@@ -69,31 +78,41 @@ class AsyncLLMEngine:
         await self.shutdown(drain=False)
 
     async def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._thread = threading.Thread(target=self._run, name="asyncllm-engine", daemon=True)
-        self._thread.start()
-        await anyio.to_thread.run_sync(self._ready.wait)
-        if self._dead is not None:
-            await anyio.to_thread.run_sync(self._thread.join)
+        """Start the engine thread and return once it serves (every concurrent call waits for that), or
+        raise EngineDeadError if it failed to start."""
+        if self._closed:
+            raise EngineDeadError("the engine is shut down")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="asyncllm-engine", daemon=True)
+            self._thread.start()
+        if not self._ready.is_set():  # a cancelled wait leaves the thread starting; a later start() waits again
+            await anyio.to_thread.run_sync(self._ready.wait, abandon_on_cancel=True)
+        if self._core is None:  # _run failed before the core existed
+            await anyio.to_thread.run_sync(self._thread.join, abandon_on_cancel=True)
             raise EngineDeadError(f"the engine failed to start: {self._dead!r}") from self._dead
 
     async def shutdown(self, drain: bool = False) -> None:
         """Stop the engine thread. drain=True lets in-flight requests finish first; otherwise they
-        end with finish_reason "abort". Idempotent."""
-        if self._closed or self._thread is None:
-            self._closed = True
+        end with finish_reason "abort". Idempotent. Cancelled (a timeout around it), it still stops
+        the engine (a drain cut short aborts what is left), and a later shutdown() waits for the thread."""
+        check_bool(drain, "drain")
+        self._closed = True  # no new requests from here on
+        if self._thread is None:
             return
-        self._closed = True
-        if drain:
-            await self._wait_idle(poll_interval=0.005)
-        with self._cv:
-            self._stop_requested = True
-            self._cv.notify()
-        await anyio.to_thread.run_sync(self._thread.join)
+        try:
+            if drain:
+                await self._wait_idle(poll_interval=0.005)
+        except EngineDeadError:
+            pass  # nothing left to drain
+        finally:
+            with self._cv:
+                self._stop_requested = True
+                self._cv.notify()
+        await anyio.to_thread.run_sync(self._thread.join, abandon_on_cancel=True)
 
     async def wait_idle(self, poll_interval: float = 0.005) -> None:
         """Wait until no request is queued or running and every command has been applied."""
+        poll_interval = check_seconds(poll_interval, "poll_interval")
         self._check_alive()
         await self._wait_idle(poll_interval)
 
@@ -112,13 +131,12 @@ class AsyncLLMEngine:
                request_id: str | None = None) -> RequestStream:
         """Submit a request (a string or token ids) and return its token stream."""
         self._check_alive()
-        core = self._core
-        prompt_token_ids = core.encode_prompt(prompt)
-        return self._submit(prompt_token_ids, sampling_params, request_id)
+        return self._submit(self._core.encode_prompt(prompt), sampling_params, request_id)
 
     def encode(self, prompt, argument: str = "prompt") -> list[int]:
         """A prompt (text or token ids) as checked token ids, as stream() takes it; text longer than
         max_prompt_chars is refused before it is tokenized. Thread-safe: a server runs it off its loop."""
+        check_str(argument, "argument")
         self._check_alive()
         return self._core.encode_prompt(prompt, argument)
 
@@ -139,16 +157,23 @@ class AsyncLLMEngine:
              **chat_template_kwargs) -> RequestStream:
         """Stream an answer to a conversation, formatted by the tokenizer's chat template."""
         self._check_alive()
+        if request_id is not None:  # before the rendering it would waste
+            check_request_id(request_id)
         return self._submit(self.apply_chat_template(messages, **chat_template_kwargs), sampling_params, request_id,
                             "messages")
 
     @property
     def chat_template(self) -> str | None:
         """The tokenizer's chat template (the server reads which tool-call format it uses)."""
+        self._check_started()
         return getattr(self._core.tokenizer, "chat_template", None)
 
     def apply_chat_template(self, messages, **chat_template_kwargs) -> list[int]:
-        return render_chat(self._core, messages, **chat_template_kwargs)[1]
+        """The conversation's prompt token ids; special-token text in what the caller passes is encoded
+        as text unless the engine was made with parse_special_tokens_in_chat_content=True.
+        Thread-safe: a server runs it off its loop."""
+        self._check_started()
+        return chat_prompt_ids(self._core, messages, chat_template_kwargs, self._parse_special_tokens_in_chat_content)
 
     async def generate(self, prompt, sampling_params: SamplingParams | None = None, *,
                        request_id: str | None = None) -> RequestResult | list[RequestResult]:
@@ -165,7 +190,7 @@ class AsyncLLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Abort a request; its blocks are free before the next step. Unknown or finished ids: no-op."""
-        self._post(("finish", request_id, "abort", None, None))
+        self._post(("finish", check_request_id(request_id), "abort", None, None))
 
     def _finish(self, request_id: str, reason: str, channel: RequestChannel | None = None,
                 index: int | None = None) -> None:
@@ -175,14 +200,14 @@ class AsyncLLMEngine:
 
     def _submit(self, prompt_token_ids: list[int], params: SamplingParams | None, request_id: str | None,
                 argument: str = "prompt", incremental_text: bool = True):
+        request_id = self._core.new_request_id() if request_id is None else check_request_id(request_id)
         params = self._core.check_request(prompt_token_ids, SamplingParams() if params is None else params, argument)
-        if request_id is None:
-            request_id = self._core.new_request_id()
-        elif not isinstance(request_id, str) or not request_id:
-            raise ValueError("request_id: expected a non-empty string")
         limit = self.config.max_queued_requests
         with self._cv:
-            queued = sum(1 for command in self._inbox if command[0] == "add") + self._stats.get("num_waiting", 0)
+            # queued: waiting beyond what starts running at once (sequence slots free at the last step)
+            stats = self._stats
+            free_slots = max(0, self.config.max_num_seqs - stats.get("num_running", 0))
+            queued = self._num_inbox_adds + self._num_adds_applying + stats.get("num_waiting", 0) - free_slots
             if limit and queued >= limit:
                 raise QueueFullError(f"{limit} requests are already queued (max_queued_requests); retry later")
         # without incremental text and stop strings nobody looks at the tokens before the end
@@ -199,6 +224,7 @@ class AsyncLLMEngine:
         with self._cv:
             if self._dead is None and not self._stop_requested:
                 self._inbox.append(command)
+                self._num_inbox_adds += command[0] == "add"
                 self._cv.notify()
                 return
         if command[0] == "add":  # the engine died or stopped since the caller checked: don't leave it waiting
@@ -217,6 +243,9 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"the engine has failed: {self._dead!r}") from self._dead
         if self._closed:
             raise EngineDeadError("the engine is shut down")
+        self._check_started()
+
+    def _check_started(self) -> None:
         if self._core is None:
             raise RuntimeError("the engine is not started: use `async with AsyncLLMEngine(...)` or await start()")
 
@@ -253,6 +282,7 @@ class AsyncLLMEngine:
                     commands = list(self._inbox)
                     self._inbox.clear()
                     self._applying = bool(commands)
+                    self._num_adds_applying, self._num_inbox_adds = self._num_inbox_adds, 0
                     stopping = self._stop_requested
                 for command in commands:
                     self._apply(command)
@@ -285,6 +315,7 @@ class AsyncLLMEngine:
                 # requests posted but not yet applied: their consumers must hear of it too
                 pending = [command[1] for command in self._inbox if command[0] == "add"]
                 self._inbox.clear()
+                self._num_inbox_adds = 0
             error = EngineDeadError(f"the engine has failed: {e!r}")
             error.__cause__ = e
             self._send_endings()
@@ -397,3 +428,4 @@ class AsyncLLMEngine:
         with self._cv:
             self._stats = stats
             self._applying = False
+            self._num_adds_applying = 0

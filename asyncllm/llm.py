@@ -1,11 +1,13 @@
 """The synchronous API, compatible with nano-vllm's LLM.generate."""
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 
 from tqdm.auto import tqdm
 
+from asyncllm.arguments import check_bool
 from asyncllm.detokenizer import TextAssembler, decode_logprobs
 from asyncllm.engine.core import EngineCore
 from asyncllm.engine.options import make_config
@@ -45,9 +47,13 @@ class LLM:
         self.tokenizer = self.core.tokenizer
         # tensor-parallel workers end with the LLM, or at interpreter exit at the latest
         self._finalizer = weakref.finalize(self, self.core.close)
+        # one generate() at a time drives the core: another thread's steps would take this call's
+        # events, and its own loop would then wait, spinning, for tokens that never come
+        self._lock = threading.Lock()
 
     def close(self) -> None:
-        self._finalizer()
+        with self._lock:  # after a generate() running in another thread
+            self._finalizer()
 
     def __enter__(self) -> "LLM":
         return self
@@ -58,7 +64,13 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[dict | list[dict]]:
         """One dict per prompt ({"text", "token_ids", "finish_reason", "index", "stop_reason",
-        "logprobs"}); a prompt whose params have n > 1 gets a list of n such dicts, in index order."""
+        "logprobs"}); a prompt whose params have n > 1 gets a list of n such dicts, in index order.
+        Thread-safe: calls from several threads run one after another."""
+        check_bool(use_tqdm, "use_tqdm")
+        with self._lock:
+            return self._generate(prompts, sampling_params, use_tqdm)
+
+    def _generate(self, prompts, sampling_params, use_tqdm: bool) -> list[dict | list[dict]]:
         prompts = normalize_prompts(prompts)
         params = normalize_params(sampling_params, len(prompts))
         token_lists = [self.core.encode_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]

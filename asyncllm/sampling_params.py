@@ -14,6 +14,12 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs and vLLM's default max_logprobs
 MAX_N = 128  # sequences per request: each holds its own KV blocks and batch rows
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value
+# Every step lists each request's biased and banned tokens for the sampler, so long lists slow every
+# request sharing the step (100k-entry ones made a bystander 2x slower). vLLM's GPU runner keeps
+# these bounds (OpenAI allows 300 logit_bias entries). allowed_token_ids is not bounded: a request
+# turns it into an array once (engine/sequence.py), and a step's cost for it is a copy of that array.
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_STOP_TOKEN_IDS = 128
 MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty
 # repetition_penalty divides positive logits by it and multiplies negative ones: kept within
 # [1 / this, this], so that float32 logits stay finite and a banned token's -inf never meets a 0
@@ -138,6 +144,8 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
                 _is_int(t) and t >= 0 for t in self.stop_token_ids):
             fail("stop_token_ids", f"expected a list of non-negative ints, got {_short_repr(self.stop_token_ids)}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            fail("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         self.stop_token_ids = list(self.stop_token_ids)
         if self.stop is None:  # vLLM's default
             self.stop = []
@@ -187,6 +195,8 @@ class SamplingParams:
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 fail("logit_bias", f"expected a dict of token id -> bias, got {_short_repr(self.logit_bias)}")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+                fail("logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(self.logit_bias)}")
             bias = {}
             for token_id, value in self.logit_bias.items():
                 if not _is_int(token_id) or token_id < 0:
@@ -204,7 +214,8 @@ class SamplingParams:
                      f"{_short_repr(self.allowed_token_ids)}")
             if not self.allowed_token_ids:
                 fail("allowed_token_ids", "the list is empty: no token could be generated")
-            self.allowed_token_ids = list(self.allowed_token_ids)
+            # each once: with the engine's check against the vocabulary, at most one entry per token
+            self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
         if self.bad_words is not None:
             if isinstance(self.bad_words, str):
                 self.bad_words = [self.bad_words]
@@ -220,8 +231,10 @@ class SamplingParams:
         """A validated copy that owns its lists: what a request keeps, so that changing these
         params after submission cannot reach the engine thread."""
         # __post_init__ validates again and rebuilds every container (lists, the logit_bias dict); the
-        # schema dict too: the caller may change it after submission
-        return dataclasses.replace(self, structured_output=copy.deepcopy(self.structured_output))
+        # schema dict too: the caller may change it after submission. Always this class: a subclass's
+        # own methods and properties would run on the engine thread.
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(SamplingParams) if f.init}
+        return SamplingParams(**{**fields, "structured_output": copy.deepcopy(self.structured_output)})
 
     @property
     def adjusts_logits(self) -> bool:

@@ -256,6 +256,8 @@ class RequestStream:
     Ending it early in any way (cancelling the task that reads it, a timeout, break, aclose(), or
     dropping it) aborts the request (all of its n sequences), and the engine frees its KV blocks
     before its next step. With n > 1 the items of the sequences interleave, each tagged with its index.
+    A stream has one reader at a time: a read while another task's read waits raises RuntimeError
+    (the stream goes on for the first reader).
     """
 
     def __init__(self, finish: Callable[..., None], channel: RequestChannel,
@@ -269,6 +271,7 @@ class RequestStream:
         self.prompt_token_ids = prompt_token_ids
         self.finish_reason: str | None = None  # set once every sequence has finished
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        self._reading = False  # a read waits for the channel (it has one waiter's slot)
 
     @property
     def token_ids(self) -> list[int]:
@@ -306,11 +309,17 @@ class RequestStream:
         while not self._ready:
             if self.finish_reason is not None:
                 raise StopAsyncIteration
+            if self._reading:
+                raise RuntimeError(f"stream {self.request_id!r} is already being read by another task; a stream "
+                                   "has one reader (share its items from that task instead)")
+            self._reading = True
             try:
                 deltas = await self._channel.get()
             except BaseException:
                 self._abort()
                 raise
+            finally:
+                self._reading = False
             gate = self._channel.launch_gate
             if gate is not None:
                 gate.wait()  # if the engine is launching a step, it goes first

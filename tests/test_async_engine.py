@@ -595,8 +595,8 @@ async def test_invalid_input_raises_before_queueing_and_queue_is_bounded(make_en
             for params, error in (({"temperature": 0}, TypeError), ("greedy", TypeError), (0.5, TypeError)):
                 with pytest.raises(error):
                     engine.stream([1, 2, 3], params)
-            for request_id in ("", 7):
-                with pytest.raises(ValueError):
+            for request_id, error in (("", ValueError), (7, TypeError)):
+                with pytest.raises(error, match="request_id"):
                     engine.stream([1, 2, 3], ok, request_id=request_id)
             with pytest.raises(ValueError):
                 SamplingParams(temperature=-1.0)

@@ -28,6 +28,7 @@ from asyncllm.sampling_params import SamplingParams
 from helpers import assert_all_blocks_free
 
 VOCAB = 151936  # the tiny checkpoint's vocab_size
+EOS = 151645  # its EOS token id (<|im_end|>)
 MAX_MODEL_LEN = 256
 ENGINE_KW = dict(num_kvcache_blocks=64, kvcache_block_size=16, max_model_len=MAX_MODEL_LEN)
 OK = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -59,6 +60,9 @@ class Bad:
 
 SP, CFG, LLM_, AE = "SamplingParams(...)", "Config(model, ...)", "LLM(model, ...)", "AsyncLLMEngine(model, ...)"
 GEN, STREAM, AGEN, CHAT = "LLM.generate", "AsyncLLMEngine.stream", "AsyncLLMEngine.generate", "AsyncLLMEngine.chat"
+ABORT, SHUTDOWN, WAIT, ENCODE = ("AsyncLLMEngine.abort", "AsyncLLMEngine.shutdown", "AsyncLLMEngine.wait_idle",
+                                 "AsyncLLMEngine.encode")
+ASYNC_ENTRIES = (STREAM, AGEN, CHAT, ABORT, SHUTDOWN, WAIT, ENCODE)
 HTTP_CMPL, HTTP_CHAT = "POST /v1/completions", "POST /v1/chat/completions"
 MSG = [{"role": "user", "content": "Hi"}]
 
@@ -84,6 +88,10 @@ BAD_INPUTS: list[Bad] = [
     Bad(SP, 'stop=["a", None]', dict(stop=["a", None]), ValueError, "stop", "strings"),
     Bad(SP, "stop_token_ids=[-1]", dict(stop_token_ids=[-1]), ValueError, "stop_token_ids", "non-negative"),
     Bad(SP, 'ignore_eos="yes"', dict(ignore_eos="yes"), ValueError, "ignore_eos", "bool"),
+    # every step lists these for the sampler: long lists slowed every request sharing the steps
+    Bad(SP, "stop_token_ids=[1] * 129", dict(stop_token_ids=[1] * 129), ValueError, "stop_token_ids", "at most 128"),
+    Bad(SP, "logit_bias of 1025 entries", dict(logit_bias={i: 1.0 for i in range(1025)}), ValueError, "logit_bias",
+        "at most 1024"),
     # ---- Config / LLM / AsyncLLMEngine options ----
     Bad(CFG, "max_num_seqs=0", dict(max_num_seqs=0), ValueError, "max_num_seqs", ">= 1"),
     Bad(CFG, "max_num_batched_tokens=-1", dict(max_num_batched_tokens=-1), ValueError, "max_num_batched_tokens"),
@@ -105,6 +113,8 @@ BAD_INPUTS: list[Bad] = [
     Bad(LLM_, f"model={PICKLE_ONLY}", dict(model=PICKLE_ONLY), ValueError, "model", "pickle checkpoints are refused"),
     Bad(AE, "max_num_seqs=0", dict(max_num_seqs=0), ValueError, "max_num_seqs"),
     Bad(AE, "max_queued_requests=-1", dict(max_queued_requests=-1), ValueError, "max_queued_requests"),
+    Bad(AE, "parse_special_tokens_in_chat_content=1", dict(parse_special_tokens_in_chat_content=1), TypeError,
+        "parse_special_tokens_in_chat_content", "bool"),
     # ---- LLM.generate ----
     Bad(GEN, "prompts=None", dict(prompts=None), TypeError, "prompts"),
     Bad(GEN, "prompts=[]", dict(prompts=[]), ValueError, "prompts", "empty"),
@@ -137,6 +147,11 @@ BAD_INPUTS: list[Bad] = [
     Bad(GEN, f"stop_token_ids=[{VOCAB}] with min_tokens=2",
         dict(prompts=["ok"], sampling_params=SamplingParams(stop_token_ids=[VOCAB], min_tokens=2, max_tokens=4)),
         ValueError, "stop_token_ids", "vocabulary"),
+    # contradictory constraints: the sampler took token 0 from a row of -inf logits, silently
+    Bad(GEN, "allowed_token_ids=[5] with stop_token_ids=[5], min_tokens=1",
+        dict(prompts=["ok"], sampling_params=SamplingParams(allowed_token_ids=[5], stop_token_ids=[5], min_tokens=1)),
+        ValueError, "allowed_token_ids, stop_token_ids, min_tokens", "no token could be sampled"),
+    Bad(GEN, 'use_tqdm="no"', dict(prompts=["ok"], use_tqdm="no"), TypeError, "use_tqdm", "bool"),
     # ---- AsyncLLMEngine.stream / generate ----
     Bad(STREAM, "prompt=None", dict(prompt=None), TypeError, "prompt"),
     Bad(STREAM, 'prompt=b"Hello" (bytes)', dict(prompt=b"Hello"), TypeError, "prompt", "bytes"),
@@ -157,7 +172,10 @@ BAD_INPUTS: list[Bad] = [
     Bad(STREAM, "SamplingParams changed after construction: seed=-2**70",
         lambda: dict(prompt="Hi", sampling_params=changed(temperature=1.0, seed=-2**70)), ValueError, "seed"),
     Bad(STREAM, 'request_id=""', dict(prompt="Hi", request_id=""), ValueError, "request_id"),
-    Bad(STREAM, "request_id=7", dict(prompt="Hi", request_id=7), ValueError, "request_id"),
+    Bad(STREAM, "request_id=7", dict(prompt="Hi", request_id=7), TypeError, "request_id", "string"),
+    Bad(STREAM, f"allowed_token_ids=[{EOS}] (EOS) with min_tokens=2",
+        dict(prompt="Hi", sampling_params=SamplingParams(allowed_token_ids=[EOS], min_tokens=2, max_tokens=4)),
+        ValueError, "ignore_eos", "no token could be sampled"),
     Bad(AGEN, 'prompt=["Hi", "there"] (a batch)', dict(prompt=["Hi", "there"]), TypeError, "prompt[0]", "int"),
     Bad(AGEN, 'prompt="word " * 2000', dict(prompt="word " * 2000), PromptTooLongError, "prompt", "max_model_len"),
     # ---- AsyncLLMEngine.chat ----
@@ -175,7 +193,23 @@ BAD_INPUTS: list[Bad] = [
     Bad(CHAT, 'messages=[{"role": "user", "content": "word " * 2000}]',
         dict(messages=[{"role": "user", "content": "word " * 2000}]), PromptTooLongError, "messages",
         "max_model_len"),
+    Bad(CHAT, 'messages=[{"role": "user", "content": "x" * 10**6}]',
+        dict(messages=[{"role": "user", "content": "x" * 10**6}]), PromptTooLongError, "messages", "characters"),
     Bad(CHAT, 'sampling_params="greedy"', dict(messages=MSG, sampling_params="greedy"), TypeError, "sampling_params"),
+    Bad(CHAT, "request_id=[1]", dict(messages=MSG, request_id=[1]), TypeError, "request_id"),
+    Bad(CHAT, "tokenize=True (the engine's to set)", dict(messages=MSG, tokenize=True), TypeError, "tokenize"),
+    Bad(CHAT, 'add_generation_prompt="yes"', dict(messages=MSG, add_generation_prompt="yes"), TypeError,
+        "add_generation_prompt", "bool"),
+    Bad(CHAT, 'tools="search"', dict(messages=MSG, tools="search"), TypeError, "tools", "list"),
+    # ---- AsyncLLMEngine's other methods: nothing reaches the engine thread unchecked ----
+    Bad(ABORT, 'request_id=["id"] (a list)', dict(request_id=["id"]), TypeError, "request_id", "string"),
+    Bad(ABORT, 'request_id={"id": 1} (a dict)', dict(request_id={"id": 1}), TypeError, "request_id", "string"),
+    Bad(ABORT, "request_id=None", dict(request_id=None), TypeError, "request_id", "string"),
+    Bad(SHUTDOWN, 'drain="no"', dict(drain="no"), TypeError, "drain", "bool"),
+    Bad(WAIT, "poll_interval=nan", dict(poll_interval=float("nan")), ValueError, "poll_interval", "finite"),
+    Bad(WAIT, "poll_interval=-1", dict(poll_interval=-1), ValueError, "poll_interval", "> 0"),
+    Bad(WAIT, 'poll_interval="0.1"', dict(poll_interval="0.1"), TypeError, "poll_interval", "seconds"),
+    Bad(ENCODE, "argument=5", dict(prompt="Hi", argument=5), TypeError, "argument", "string"),
     # ---- the OpenAI server's JSON (400s with an OpenAI error body; `param` names the field) ----
     Bad(HTTP_CMPL, 'body b\'{"prompt": "\\xff"}\' (invalid UTF-8)', b'{"prompt": "\xff\xfe"}', 400, "JSON"),
     Bad(HTTP_CMPL, "body 'not json'", b"not json", 400, "JSON"),
@@ -295,7 +329,8 @@ def llm(tiny_qwen3):
 @pytest.mark.parametrize("row", **params_of(rows(GEN)))
 def test_llm_generate(row, llm):
     kwargs = resolve(row)
-    expect_error(row, lambda: llm.generate(kwargs["prompts"], kwargs.get("sampling_params", OK), use_tqdm=False))
+    expect_error(row, lambda: llm.generate(kwargs["prompts"], kwargs.get("sampling_params", OK),
+                                           use_tqdm=kwargs.get("use_tqdm", False)))
     # refused before anything was queued
     assert llm.core.requests == {} and not llm.core.has_unfinished()
 
@@ -305,7 +340,7 @@ def test_llm_still_serves_after_bad_calls(llm):
     for row in rows(GEN):
         kwargs = resolve(row)
         with pytest.raises(row.error):
-            llm.generate(kwargs["prompts"], kwargs.get("sampling_params", OK), use_tqdm=False)
+            llm.generate(kwargs["prompts"], kwargs.get("sampling_params", OK), use_tqdm=kwargs.get("use_tqdm", False))
     assert llm.generate(["Hello", [5, 6, 7]], OK, use_tqdm=False) == reference
     assert [r["finish_reason"] for r in reference] == ["length", "length"]
     assert_all_blocks_free(llm)
@@ -320,6 +355,10 @@ async def engine(tiny_qwen3):
 
 async def call_async(engine: AsyncLLMEngine, row: Bad):
     kwargs = dict(resolve(row))
+    if row.entry in (SHUTDOWN, WAIT):
+        return await getattr(engine, row.entry.rpartition(".")[2])(**kwargs)
+    if row.entry in (ABORT, ENCODE):
+        return getattr(engine, row.entry.rpartition(".")[2])(**kwargs)
     if row.entry == STREAM:
         return engine.stream(kwargs.pop("prompt"), kwargs.pop("sampling_params", OK), **kwargs)
     if row.entry == AGEN:
@@ -328,7 +367,7 @@ async def call_async(engine: AsyncLLMEngine, row: Bad):
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("row", **params_of(rows(STREAM, AGEN, CHAT)))
+@pytest.mark.parametrize("row", **params_of(rows(*ASYNC_ENTRIES)))
 async def test_async_engine(row, engine):
     with anyio.fail_after(30):
         with pytest.raises(row.error) as info:
@@ -345,7 +384,7 @@ async def test_async_engine_serves_others_during_and_after_bad_calls(engine):
         alone = await engine.generate([5, 6, 7, 8], params)
         stream = engine.stream([5, 6, 7, 8], params)  # in flight while the bad calls come
         await stream.__anext__()
-        for row in rows(STREAM, AGEN, CHAT):
+        for row in rows(*ASYNC_ENTRIES):
             with pytest.raises(row.error):
                 await call_async(engine, row)
         async for _ in stream:

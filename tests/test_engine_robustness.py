@@ -11,6 +11,7 @@ import anyio
 import pytest
 
 from asyncllm.async_engine import AsyncLLMEngine
+from asyncllm.errors import QueueFullError
 from asyncllm.llm import LLM
 from asyncllm.runner.launched_step import LaunchedStep
 from asyncllm.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
@@ -149,3 +150,63 @@ def test_a_step_that_returns_the_wrong_number_of_tokens_fails_loudly(tiny_qwen3,
     monkeypatch.setattr(LaunchedStep, "token_ids", lambda self: token_ids(self) + [0])
     with pytest.raises(RuntimeError, match="sampled 2 tokens for 1 sampling rows"):
         llm.generate(["Hi"], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+# ---- issue 52 -------------------------------------------------------------------------------------
+async def test_constraints_that_leave_no_token_to_sample_are_refused_at_submission(tiny_qwen3):
+    with anyio.fail_after(TIMEOUT):
+        async with AsyncLLMEngine(tiny_qwen3, **ENGINE_KW) as engine:
+            tokenizer = engine.tokenizer
+            hello = sorted({*tokenizer.encode("Hello", add_special_tokens=False),
+                            *tokenizer.encode(" Hello", add_special_tokens=False)})
+            assert len(hello) == 2  # one token in each form: a one-token bad word
+            eos = sorted(engine._core.eos_token_ids)
+            refused = [(dict(allowed_token_ids=hello, bad_words=["Hello"]), "allowed_token_ids, bad_words:"),
+                       (dict(allowed_token_ids=[7, 8], stop_token_ids=[7, 8], min_tokens=1),
+                        "allowed_token_ids, stop_token_ids, min_tokens:"),
+                       (dict(allowed_token_ids=eos, min_tokens=3), "allowed_token_ids, ignore_eos, min_tokens:"),
+                       (dict(allowed_token_ids=[hello[0], 7], bad_words=["Hello"], stop_token_ids=[7], min_tokens=1),
+                        "allowed_token_ids, bad_words, stop_token_ids, min_tokens:")]
+            for fields, named in refused:
+                params = SamplingParams(temperature=0, max_tokens=4, **fields)
+                with pytest.raises(ValueError, match=f"SamplingParams.{named} .* no token could be sampled"):
+                    engine.stream("Say it", params)
+            # the same bans leave a token where a constraint is lifted: these run, within their constraints
+            accepted = [dict(allowed_token_ids=[*hello, 9], bad_words=["Hello"]),
+                        dict(allowed_token_ids=[7, 8], stop_token_ids=[7, 8]),  # no min_tokens: 7 or 8 ends it
+                        dict(allowed_token_ids=eos + [9], min_tokens=2),
+                        dict(allowed_token_ids=eos, min_tokens=2, ignore_eos=True)]
+            for fields in accepted:
+                result = await engine.generate("Say it", SamplingParams(temperature=0, max_tokens=4, **fields))
+                banned = set(hello) if "bad_words" in fields else set()
+                assert set(result.token_ids) <= set(fields["allowed_token_ids"]) - banned, (fields, result)
+            await all_free(engine)
+
+
+async def test_the_queue_limit_counts_only_requests_beyond_the_free_sequence_slots(tiny_qwen3):
+    # --max-queued-requests 4 --max-num-seqs 2 admitted 4 of a burst of 40, not 2 to run + 4 to wait
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    def burst() -> list:
+        streams = []
+        with pytest.raises(QueueFullError):
+            for _ in range(40):  # no await between them: the engine thread applies them as it can
+                streams.append(engine.stream([5, 6, 7], params))
+        return streams
+
+    with anyio.fail_after(TIMEOUT):
+        async with AsyncLLMEngine(tiny_qwen3, max_num_seqs=2, max_queued_requests=4, **ENGINE_KW) as engine:
+            streams = burst()
+            assert len(streams) == 6  # on an idle engine: 2 slots free + 4 queued
+            for stream in streams[:2]:  # the first two run (first come, first served)
+                await stream.__anext__()
+            for stream in streams[2:]:
+                await stream.aclose()
+            while engine.stats()["num_waiting"] or engine.stats()["num_inbox"]:  # the aborts applied
+                await anyio.sleep(0.01)
+            assert engine.stats()["num_running"] == 2
+            more = burst()
+            assert len(more) == 4  # no slot free: only the queue's 4
+            for stream in streams[:2] + more:
+                await stream.aclose()
+            await all_free(engine)

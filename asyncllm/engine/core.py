@@ -16,6 +16,7 @@ from asyncllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from asyncllm.engine.startup_heap import freeze_startup_heap
 from asyncllm.engine.step_logprobs import add_prompt_logprobs, token_logprobs
 from asyncllm.engine.step_budget import StepBudget, StepTimeModel, StepTimer, calibration_shapes
+from asyncllm.engine.token_bans import check_some_token_samplable, encode_bad_words
 from asyncllm.errors import PromptTooLongError
 from asyncllm.runner.launched_step import LaunchedStep
 from asyncllm.runner.model_runner import ModelRunner
@@ -139,6 +140,7 @@ class EngineCore:
             self.check_token_ids(params.allowed_token_ids, "SamplingParams.allowed_token_ids")
         if params.stop_token_ids:  # banned below min_tokens: an id past the logits would fail the step
             self.check_token_ids(params.stop_token_ids, "SamplingParams.stop_token_ids")
+        check_some_token_samplable(params, self.vocab_size, self.eos_token_ids, self.tokenizer)
         if params.structured_output is not None:
             # compiled here, in the caller's thread, and cached: the engine thread finds it compiled
             self.grammar_compiler.compile(params.structured_output)
@@ -197,23 +199,11 @@ class EngineCore:
         if params.min_tokens:
             seq.early_stop_ids = sorted(seq.stop_ids)
         if params.bad_words:
-            seq.bad_word_ids = self._encode_bad_words(params.bad_words)
+            seq.bad_word_ids = encode_bad_words(self.tokenizer, params.bad_words)
         if params.structured_output is not None:  # each of n sequences follows the grammar on its own
             seq.grammar = self.grammar_compiler.new_state(params.structured_output)
             self._constrained.append(seq)
         return seq
-
-    def _encode_bad_words(self, words: list[str]) -> list[list[int]]:
-        """Each word's token ids, as it reads at the start of a text and after a space. vLLM keeps the
-        second form only where it has as many tokens as the first and starts otherwise; here both are
-        banned whenever they differ (a word that splits differently after a space is still banned)."""
-        encoded = []
-        for word in words:
-            for text in (word.lstrip(), " " + word.lstrip()):
-                ids = self.tokenizer.encode(text, add_special_tokens=False)
-                if ids and ids not in encoded:
-                    encoded.append(ids)
-        return encoded
 
     def _fork(self, seq: Sequence) -> None:
         """seq (an n > 1 request's first sequence) has its prompt computed: the other sequences take

@@ -6,6 +6,8 @@ import sys
 import time
 from enum import Enum, auto
 
+import numpy as np
+
 from asyncllm.sampling_params import SamplingParams
 
 
@@ -62,6 +64,9 @@ class Sequence:
         self.stop_ids: frozenset[int] = frozenset(params.stop_token_ids)
         self.early_stop_ids: list[int] = []  # EOS and stop ids, banned while under min_tokens
         self.bad_word_ids: list[list[int]] = []  # each bad word's token ids (with and without a leading space)
+        # allowed_token_ids as an array, made once: a step copies it, never walks a list as long as the vocabulary
+        self.allowed_token_ids = None if params.allowed_token_ids is None else \
+            np.array(params.allowed_token_ids, dtype=np.int64)
         # prompt_logprobs: one entry per prompt token (None for the first, which nothing scores), filled
         # in as prefill steps resolve; the runner's count of positions already planned in a step
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None

@@ -153,11 +153,13 @@ class SamplingInputs:
                     pending_tokens.append(token)
                     pending_sample_rows.append(seq.sample_row)
                     pending_values.append(pending_value)
-            if p.allowed_token_ids is not None:
-                allow_pair_rows.extend([len(allow_rows)] * len(p.allowed_token_ids))
-                allow_pair_tokens.extend(p.allowed_token_ids)
+            if seq.allowed_token_ids is not None:
+                allow_pair_tokens.append(seq.allowed_token_ids)
                 allow_rows.append(row)
         int64, float32 = np.int64, np.float32
+        if allow_rows:  # arrays made once per request: a step's cost is a copy, however long they are
+            allow_pair_rows = np.repeat(np.arange(len(allow_rows)), [len(ids) for ids in allow_pair_tokens])
+            allow_pair_tokens = np.concatenate(allow_pair_tokens)
         groups = (
             (penalty_rows, dict(penalty_rows=(penalty_rows, int64), penalty_slots=(slots, int64),
                                 presence=(presence, float32), frequency=(frequency, float32),

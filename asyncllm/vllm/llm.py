@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from asyncllm.engine.chat import render_chat
+from asyncllm.chat_template import chat_prompt_ids
 from asyncllm.llm import LLM as NativeLLM
 from asyncllm.vllm.inputs import engine_options, prompt_list, prompt_parts, truncated
 from asyncllm.vllm.outputs import RequestOutput, completion_output, prompt_token_logprobs
@@ -100,6 +100,8 @@ class LLM:
             options["tools"] = tools
         prompts = []
         for conversation in conversations:
-            text, token_ids = render_chat(self.native_llm.core, conversation, **options)
-            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
+            core = self.native_llm.core
+            token_ids = chat_prompt_ids(core, conversation, dict(options))
+            # the rendered prompt, as vLLM reports it (special-token text in messages stays text)
+            prompts.append({"prompt": core.tokenizer.decode(token_ids), "prompt_token_ids": token_ids})
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
