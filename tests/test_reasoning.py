@@ -1,11 +1,7 @@
 """Reasoning apart from the answer (Config.reasoning_parser): the formats and where a prompt leaves
 the output, the split of a token stream at every position (tags as single tokens, and tags spelled
-in pieces), and the engines end to end on the tiny random model, made to think by logit biases.
-
-The forced output: the biases rank <think>, three words, </think> and one more word, and a
-repetition penalty of 2 halves a token's biased logit once it has appeared, so that greedy
-sampling takes them in that order (the model's own logits, within a few units, never reorder
-biases 8 apart); then <think> (halved, still first) repeats.
+in pieces), and the engines end to end on the tiny random model, made to think by logit biases
+(helpers.forced: <think>, three words, </think>, one more word, then <think> again and again).
 """
 from __future__ import annotations
 
@@ -24,15 +20,13 @@ from asyncllm.engine.reasoning_format import (ANSWER, FORMATS, MAYBE_REASONING, 
                                               ReasoningTags)
 from asyncllm.reasoning import text_assembler
 from asyncllm.structured import StructuredOutput
-from helpers import assert_all_blocks_free
+from helpers import ANSWER_WORD, MESSAGES_SAY_HI as MESSAGES, THINKING, WORDS, assert_all_blocks_free, chat_prompt, \
+    forced, token
 
 pytestmark = pytest.mark.timeout(300)
 
 TIMEOUT = 120
 ENGINE_KW = dict(num_kvcache_blocks=64, kvcache_block_size=16, max_num_batched_tokens=64)
-MESSAGES = [{"role": "user", "content": "Say hi."}]
-WORDS = [" apple", " banana", " cherry"]
-ANSWER_WORD = " done"
 
 
 @pytest.fixture(scope="module")
@@ -71,29 +65,6 @@ def untagged_checkpoint(tiny_qwen3, tmp_path_factory):
 def untagged_tokenizer(untagged_checkpoint):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(untagged_checkpoint)
-
-
-def chat_prompt(tokenizer, **template_kwargs) -> list[int]:
-    text = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True, **template_kwargs)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def token(tokenizer, text: str) -> int:
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    assert len(ids) == 1, (text, ids)
-    return ids[0]
-
-
-def forced(tokenizer, sequence: list[str], **kwargs) -> SamplingParams:
-    """Greedy sampling that emits the single tokens of `sequence` in order, then repeats the first:
-    biases 100, 92, ..., 60 (6 at most: the last stays 10 above the first's halved 50)."""
-    bias = {token(tokenizer, text): 100.0 - 8 * i for i, text in enumerate(sequence)}
-    assert len(bias) == len(sequence) <= 6
-    return SamplingParams(**{"temperature": 0, "max_tokens": 10, "logit_bias": bias, "repetition_penalty": 2.0,
-                             **kwargs})
-
-
-THINKING = ["<think>", *WORDS, "</think>", ANSWER_WORD]
 
 
 # ---- formats, and where a prompt leaves the output ------------------------------------------------
