@@ -15,6 +15,7 @@ import torch
 import xgrammar
 
 from asyncllm import LLM, AsyncLLMEngine, Config, SamplingParams
+from asyncllm.cli import build_parser
 from asyncllm.config import REASONING_PARSERS
 from asyncllm.engine.reasoning_format import (ANSWER, FORMATS, MAYBE_REASONING, REASONING, ReasoningGate,
                                               ReasoningTags)
@@ -50,7 +51,8 @@ def untagged_copy(checkpoint: str, out_dir: str) -> str:
         json.dump(data, f, ensure_ascii=False)
     with open(os.path.join(checkpoint, "tokenizer_config.json")) as f:
         config = json.load(f)
-    config["added_tokens_decoder"] = {i: t for i, t in config["added_tokens_decoder"].items() if t["content"] not in tags}
+    config["added_tokens_decoder"] = {i: t for i, t in config["added_tokens_decoder"].items()
+                                      if t["content"] not in tags}
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump(config, f, ensure_ascii=False)
     return out_dir
@@ -74,6 +76,10 @@ def test_every_configured_parser_has_a_format_and_config_checks_the_name(tiny_qw
     for bad in ("llama", "", 3):
         with pytest.raises(ValueError, match=r"Config\.reasoning_parser: must be None or one of"):
             Config(model=tiny_qwen3, reasoning_parser=bad)
+    args = build_parser().parse_args(["serve", "m", "--reasoning-parser", "deepseek_r1"])
+    assert args.reasoning_parser == "deepseek_r1"
+    with pytest.raises(SystemExit):  # argparse's choices: exit code 2 and the names on stderr
+        build_parser().parse_args(["serve", "m", "--reasoning-parser", "llama"])
 
 
 def test_the_qwen3_tags_are_single_tokens_and_found_as_such(tokenizer, untagged_tokenizer):
