@@ -20,11 +20,11 @@ import anyio
 from asyncllm import settings
 from asyncllm.arguments import check_bool, check_request_id, check_seconds, check_str
 from asyncllm.chat_template import chat_prompt_ids
-from asyncllm.detokenizer import TextAssembler
 from asyncllm.engine.core import EngineCore
 from asyncllm.engine.options import make_config
 from asyncllm.engine.step_budget import STREAMING_TARGET_STEP_MS
 from asyncllm.errors import EngineDeadError, QueueFullError
+from asyncllm.reasoning import text_assembler
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.streams import LaunchGate, RequestChannel, RequestMetrics, RequestResult, RequestStream, wake
 
@@ -214,8 +214,8 @@ class AsyncLLMEngine:
         channel = RequestChannel(request_id, wake_on_finish_only=not incremental_text and not params.stop,
                                  num_sequences=params.n,
                                  launch_gate=self._launch_gate if self._use_launch_gate else None)
-        assemblers = [TextAssembler(self._core.tokenizer, prompt_token_ids, params, incremental=incremental_text)
-                      for _ in range(params.n)]
+        assemblers = [text_assembler(self._core.tokenizer, self._core.reasoning, prompt_token_ids, params,
+                                     incremental=incremental_text) for _ in range(params.n)]
         stream = RequestStream(self._finish, channel, assemblers, prompt_token_ids)
         self._post(("add", channel, prompt_token_ids, params))
         return stream

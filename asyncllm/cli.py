@@ -24,7 +24,7 @@ import socket
 import sys
 
 from asyncllm import __version__, settings
-from asyncllm.config import ATTENTION_BACKENDS, DTYPES, Config, is_hub_id
+from asyncllm.config import ATTENTION_BACKENDS, DTYPES, REASONING_PARSERS, Config, is_hub_id
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -41,6 +41,8 @@ _CONFIG_HELP = {
     "target_step_ms": "while streams decode, take prefill only up to what keeps a step within this many ms "
                       "(0 = throughput first); auto = 8 for serving",
     "revision": "a hub id's branch, tag or commit (default: main)",
+    "reasoning_parser": "the model's reasoning tags: answers carry reasoning_content apart from content, and "
+                        "structured output applies after the reasoning (default: none, content holds everything)",
 }
 _CONFIG_ALIASES = {"enable_prefix_caching": ["--prefix-caching"]}  # --no-prefix-caching, as before
 
@@ -91,7 +93,7 @@ def add_config_options(group, skip: tuple[str, ...] = ()) -> list[str]:
     --flag/--no-flag. Each defaults to None, so only what is given overrides Config's default (and
     Config validates it). Returns the fields' names."""
     choices = {"dtype": ("auto", *DTYPES), "device": ("auto", "cpu", "cuda"),
-               "attention_backend": ATTENTION_BACKENDS}
+               "attention_backend": ATTENTION_BACKENDS, "reasoning_parser": REASONING_PARSERS}
     names = []
     for f in dataclasses.fields(Config):
         if not f.init or f.name == "model" or f.name in skip:

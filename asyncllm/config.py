@@ -16,6 +16,8 @@ from typing import Any
 DTYPES = ("float32", "float16", "bfloat16")  # models/resolve.py maps them to torch dtypes
 _DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # as vLLM accepts them
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "fa4", "fa2")
+# how a model marks its reasoning (engine/reasoning_format.py defines each: its tags, where a block starts)
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
 # ORG/NAME, as the Hugging Face hub spells repository ids (letters, digits, '-', '_', '.'; 96 at most)
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}", re.ASCII)
 
@@ -88,6 +90,10 @@ class Config:
     # (engine/step_budget.py). None or 0: throughput first, prefill takes all that max_num_batched_tokens
     # leaves. LLM's default is None; AsyncLLMEngine's is STREAMING_TARGET_STEP_MS
     target_step_ms: float | None = None
+    # the model writes its reasoning in tags before its answer (<think>...</think>): outputs carry it
+    # apart from the answer (out.reasoning; the server's reasoning_content), and a grammar applies
+    # to the answer. None: the text holds everything
+    reasoning_parser: str | None = None
     # filled in from the checkpoint by models.resolve.resolve_config; not user settings
     hf_config: Any = field(default=None, repr=False, init=False)
     torch_dtype: torch.dtype | None = field(default=None, repr=False, init=False)
@@ -135,6 +141,8 @@ class Config:
         self.dtype = _dtype_name(self.dtype)
         if self.attention_backend not in ATTENTION_BACKENDS:
             _fail("attention_backend", f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            _fail("reasoning_parser", f"must be None or one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             _fail("device", f"must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.device != "cpu":

@@ -227,10 +227,13 @@ class _StopMatcher:
 class TextAssembler:
     """One request's text: detokenizes, finds stop strings, decides what can be shown yet."""
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams, incremental: bool = True):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams, incremental: bool = True,
+                 detokenizer=None):
+        """detokenizer: what turns the tokens into this text (add, flush), if not an IncrementalDetokenizer
+        of them (reasoning.ReasoningDetokenizer: the answer's text only, the reasoning kept apart)."""
         self.tokenizer = tokenizer
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids,
-                                                  skip_special_tokens=params.skip_special_tokens)
+        self.detokenizer = detokenizer if detokenizer is not None else IncrementalDetokenizer(
+            tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens)
         # a caller that wants only the final text (and has no stop strings) skips per-step decoding
         self.incremental = incremental or bool(params.stop)
         self._undecoded: list[int] = []

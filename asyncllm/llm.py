@@ -8,9 +8,10 @@ import weakref
 from tqdm.auto import tqdm
 
 from asyncllm.arguments import check_bool
-from asyncllm.detokenizer import TextAssembler, decode_logprobs
+from asyncllm.detokenizer import decode_logprobs
 from asyncllm.engine.core import EngineCore
 from asyncllm.engine.options import make_config
+from asyncllm.reasoning import text_assembler
 from asyncllm.sampling_params import SamplingParams
 
 
@@ -64,8 +65,9 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[dict | list[dict]]:
         """One dict per prompt ({"text", "token_ids", "finish_reason", "index", "stop_reason",
-        "logprobs"}); a prompt whose params have n > 1 gets a list of n such dicts, in index order.
-        Thread-safe: calls from several threads run one after another."""
+        "logprobs"}, and "reasoning" with a reasoning parser: then "text" is the answer); a prompt whose
+        params have n > 1 gets a list of n such dicts, in index order. Thread-safe: calls from several
+        threads run one after another."""
         check_bool(use_tqdm, "use_tqdm")
         with self._lock:
             return self._generate(prompts, sampling_params, use_tqdm)
@@ -79,9 +81,11 @@ class LLM:
                   for i, (ids, p) in enumerate(zip(token_lists, params))]
         leaders = [self.core.add_checked_request(ids, p) for ids, p in zip(token_lists, params)]
         seqs = [seq for leader in leaders for seq in (leader.group or [leader])]
-        # per sequence: (request id, index) -> its text assembler (stop strings) and log-probs
-        assemblers = {(s.request_id, s.index): TextAssembler(self.tokenizer, s.token_ids, s.params)
-                      for s in seqs if s.params.stop}
+        # per sequence: (request id, index) -> its text assembler (stop strings, reasoning) and log-probs
+        reasoning = self.core.reasoning
+        assemblers = {(s.request_id, s.index): text_assembler(self.tokenizer, reasoning, s.token_ids, s.params,
+                                                              incremental=bool(s.params.stop))
+                      for s in seqs if s.params.stop or reasoning is not None}
         logprobs = {(s.request_id, s.index): [] for s in seqs if s.params.logprobs is not None}
         stop_reasons = {}
         pending = {s.request_id for s in leaders}
@@ -142,6 +146,8 @@ class LLM:
             decode_logprobs(self.tokenizer, token_logprobs)
         output = {"text": text, "token_ids": seq.completion_token_ids, "finish_reason": finish_reason,
                   "index": seq.index, "stop_reason": stop_reason, "logprobs": token_logprobs}
+        if self.core.reasoning is not None:
+            output["reasoning"] = assembler.detokenizer.text
         if seq.prompt_logprobs is not None:
             decode_logprobs(self.tokenizer, seq.prompt_logprobs[1:])
             output["prompt_logprobs"] = seq.prompt_logprobs

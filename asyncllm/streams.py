@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from asyncllm.detokenizer import TextAssembler, decode_logprobs
 from asyncllm.outputs import TokenLogprob
+from asyncllm.reasoning import ReasoningDetokenizer
 
 
 # the longest the event loop waits for one launch of a step (LaunchGate): a launch takes well under a
@@ -80,6 +81,9 @@ class StreamOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (EOS: None)
     # prompt_logprobs: with the first item of index 0, one entry per prompt token (None for the first)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # with a reasoning parser (Config.reasoning_parser): the reasoning's new text, apart from text
+    # (the answer's); None without one
+    reasoning: str | None = None
 
 
 @dataclass
@@ -94,6 +98,7 @@ class RequestResult:
     logprobs: list[TokenLogprob] | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked: one per prompt token (None for the first)
+    reasoning: str | None = None  # with a reasoning parser: the reasoning (text is the answer); None without
 
 
 @dataclass(slots=True)
@@ -240,10 +245,12 @@ class RequestChannel:
 
 class _SequenceState:
     """The consumer's side of one of a request's sequences."""
-    __slots__ = ("assembler", "token_ids", "logprobs", "finish_reason", "stop_reason")
+    __slots__ = ("assembler", "token_ids", "logprobs", "finish_reason", "stop_reason", "reasoning")
 
     def __init__(self, assembler: TextAssembler):
         self.assembler = assembler
+        detokenizer = assembler.detokenizer  # with a reasoning parser, it keeps the reasoning apart
+        self.reasoning = detokenizer if isinstance(detokenizer, ReasoningDetokenizer) else None
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] | None = None
         self.finish_reason: str | None = None
@@ -296,7 +303,8 @@ class RequestStream:
         """Sequence index's result, once it has finished (text: its whole text)."""
         seq = self._sequences[index]
         return RequestResult(self.request_id, text, seq.token_ids, seq.finish_reason, self.metrics,
-                             self.prompt_token_ids, index, seq.logprobs, seq.stop_reason, self.prompt_logprobs)
+                             self.prompt_token_ids, index, seq.logprobs, seq.stop_reason, self.prompt_logprobs,
+                             None if seq.reasoning is None else seq.reasoning.text)
 
     @property
     def metrics(self) -> RequestMetrics | None:
@@ -362,8 +370,9 @@ class RequestStream:
             self._num_open -= 1
             if self._num_open == 0:
                 self.finish_reason = finish_reason
+        reasoning = None if seq.reasoning is None else seq.reasoning.take()  # after the finish's flush
         return StreamOutput(self.request_id, text, token_ids, finish_reason, delta.index, logprobs,
-                            seq.stop_reason, delta.prompt_logprobs)
+                            seq.stop_reason, delta.prompt_logprobs, reasoning)
 
     def _abort(self) -> None:
         if self.finish_reason is None:

@@ -14,6 +14,8 @@ import time
 import pytest
 import torch
 
+from asyncllm import SamplingParams
+
 
 @pytest.fixture(params=["asyncio", "trio"], name="anyio_backend")
 def anyio_asyncio_and_trio(request):
@@ -207,3 +209,32 @@ def lay_out_in_hub_cache(checkpoint_dir: str, hub_cache: str, repo_id: str, revi
     with open(os.path.join(repo, "refs", revision), "w") as f:
         f.write(commit)  # no newline: huggingface_hub reads the file whole
     return snapshot
+
+
+# ---- a random model made to write a reasoning block (tests/test_reasoning.py, test_server_reasoning.py) ----
+MESSAGES_SAY_HI = [{"role": "user", "content": "Say hi."}]
+WORDS = [" apple", " banana", " cherry"]
+ANSWER_WORD = " done"
+THINKING = ["<think>", *WORDS, "</think>", ANSWER_WORD]  # Qwen3's tags: single tokens
+
+
+def chat_prompt(tokenizer, messages=MESSAGES_SAY_HI, **template_kwargs) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def token(tokenizer, text: str) -> int:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) == 1, (text, ids)
+    return ids[0]
+
+
+def forced(tokenizer, sequence: list[str], **kwargs):
+    """SamplingParams under which greedy sampling emits the single tokens of `sequence` in order, then
+    repeats the first: logit biases 100, 92, ..., 60, and a repetition penalty of 2 that halves a
+    token's biased logit once it has appeared (the first, at 50, stays under the last's 60; the
+    model's own logits, within a few units, never reorder biases 8 apart). 6 tokens at most."""
+    bias = {token(tokenizer, text): 100.0 - 8 * i for i, text in enumerate(sequence)}
+    assert len(bias) == len(sequence) <= 6
+    return SamplingParams(**{"temperature": 0, "max_tokens": 10, "logit_bias": bias, "repetition_penalty": 2.0,
+                             **kwargs})

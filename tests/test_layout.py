@@ -15,7 +15,8 @@ MAX_LINES = 450
 # bottom; its grammar and step masks sit under the engine, which drives them, beside the runner.
 LAYERS = (
     ("api", ("asyncllm", "asyncllm.llm", "asyncllm.async_engine", "asyncllm.streams", "asyncllm.detokenizer",
-             "asyncllm.server", "asyncllm.cli", "asyncllm.vllm", "asyncllm.arguments", "asyncllm.chat_template")),
+             "asyncllm.reasoning", "asyncllm.server", "asyncllm.cli", "asyncllm.vllm", "asyncllm.arguments",
+             "asyncllm.chat_template")),
     ("engine", ("asyncllm.engine",)),
     ("runner", ("asyncllm.runner", "asyncllm.structured.grammar", "asyncllm.structured.step_masks")),
     ("models", ("asyncllm.models",)),

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from asyncllm.config import Config
 from asyncllm.engine.block_manager import BlockManager
+from asyncllm.engine.reasoning_format import ReasoningTags
 from asyncllm.engine.scheduler import Scheduler, SchedulerOutput
 from asyncllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from asyncllm.engine.startup_heap import freeze_startup_heap
@@ -96,6 +97,7 @@ class EngineCore:
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_compiler_lock = threading.Lock()
         self._constrained: list[Sequence] = []
+        self.reasoning = ReasoningTags.of(config.reasoning_parser, self.tokenizer)  # a grammar waits for its end
 
     # ---- input --------------------------------------------------------------------------------
     def encode_prompt(self, prompt, argument: str = "prompt") -> list[int]:
@@ -201,7 +203,8 @@ class EngineCore:
         if params.bad_words:
             seq.bad_word_ids = encode_bad_words(self.tokenizer, params.bad_words)
         if params.structured_output is not None:  # each of n sequences follows the grammar on its own
-            seq.grammar = self.grammar_compiler.new_state(params.structured_output)
+            gate = self.reasoning.grammar_gate(prompt_token_ids) if self.reasoning is not None else None
+            seq.grammar = self.grammar_compiler.new_state(params.structured_output, gate)
             self._constrained.append(seq)
         return seq
 

@@ -11,7 +11,8 @@ Request fields map to SamplingParams (protocol.SAMPLING_FIELDS; SamplingParams c
 max_tokens / max_completion_tokens, temperature, top_p, stop (a string or a list), seed, n, the
 penalties, logit_bias, logprobs (chat: with top_logprobs), plus vLLM's extensions top_k, min_p,
 min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, prompt_logprobs and (chat)
-chat_template_kwargs. Chat takes tools, tool_choice and parallel_tool_calls (server/tool_calls.py);
+chat_template_kwargs and enable_thinking. With a reasoning parser (the engine's reasoning_parser),
+answers carry reasoning_content beside content (deltas too). Chat takes tools, tool_choice and parallel_tool_calls (server/tool_calls.py);
 both take the constraints response_format, structured_outputs and guided_* (server/constraints.py),
 whose grammar compiles off the event loop. Fields this server does not implement (functions, echo,
 best_of, suffix, ...) are accepted only at their neutral value, else a 400; an unknown field is

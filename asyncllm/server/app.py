@@ -304,15 +304,16 @@ class OpenAIServer(TokenizationEndpoints):
                 if out is not None:
                     index = out.index
                 logprobs = None if out is None or finish_reason else out.logprobs
+                reasoning = None if out is None or finish_reason else out.reasoning  # tool calls are in the answer
                 if calls_stream is not None and delta is None:
                     text, delta, finish_reason = _tool_call_delta(calls_stream, text, finish_reason)
                     held_logprobs.extend(logprobs or ())
-                    if delta is None and finish_reason is None:
+                    if delta is None and finish_reason is None and not reasoning:
                         return None  # held back: it may be part of a tool call
                     logprobs = list(held_logprobs) or None
                     held_logprobs.clear()
                 choice = shaper.chunk_choice(index, text, finish_reason, delta=delta, logprobs=logprobs,
-                                             stop_reason=None if out is None else out.stop_reason)
+                                             stop_reason=None if out is None else out.stop_reason, reasoning=reasoning)
                 kind = {"object": "chat.completion.chunk"} if chat else {}
                 usage_field = {"usage": usage(stream) if continuous_usage else None} if include_usage else {}
                 return {**base, **kind, "choices": [choice], **usage_field}
@@ -323,11 +324,12 @@ class OpenAIServer(TokenizationEndpoints):
             return EventStreamResponse(chunk_events(stream, close, chunk, first, include_usage), on_close=close,
                                        keepalive_interval=self.sse_keepalive_interval)
         results = await self._collect(request, stream)
-        choices = [shaper.choice(r.index, r.text, r.finish_reason, r.stop_reason, r.logprobs) for r in results]
+        choices = [shaper.choice(r.index, r.text, r.finish_reason, r.stop_reason, r.logprobs, r.reasoning)
+                   for r in results]
         if tools is not None:  # n == 1
             content, calls = tool_calls.parse_output(results[0].text, *tools)
             if calls:
-                choices[0]["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                choices[0]["message"].update(content=content, tool_calls=calls)  # beside reasoning_content
                 if choices[0]["finish_reason"] == "stop":
                     choices[0]["finish_reason"] = "tool_calls"
         extra = {}

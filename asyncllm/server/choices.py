@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from asyncllm.outputs import TokenLogprob
 
+REASONING_FIELD = "reasoning_content"  # a reasoning parser's output, beside content (text)
 MIN_LOGPROB = -9999.0  # JSON has no -Infinity: a token the model gives no chance to is reported at this (vLLM's)
 
 
@@ -72,20 +73,27 @@ class ChoiceShaper:
             return chat_logprobs(entries)
         return self._completion_logprobs.setdefault(index, CompletionLogprobs()).shape(entries)
 
-    def choice(self, index: int, text: str, finish_reason: str, stop_reason, logprobs) -> dict:
-        """A whole answer's choice."""
+    def choice(self, index: int, text: str, finish_reason: str, stop_reason, logprobs,
+               reasoning: str | None = None) -> dict:
+        """A whole answer's choice; reasoning: with a reasoning parser, the reasoning (None: no parser)."""
         answer = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+        if reasoning is not None:  # as vLLM and SGLang name it; null when the output did not reason
+            (answer["message"] if self.chat else answer)[REASONING_FIELD] = reasoning or None
         return {"index": index, **answer, "logprobs": self._logprobs(index, logprobs if logprobs is not None else []),
                 "finish_reason": finish_reason, "stop_reason": stop_reason}
 
     def chunk_choice(self, index: int, text: str | None, finish_reason: str | None, logprobs=None,
-                     delta: dict | None = None, stop_reason=None) -> dict:
-        """A stream chunk's choice: new text (with its tokens' logprobs), or the finish."""
+                     delta: dict | None = None, stop_reason=None, reasoning: str | None = None) -> dict:
+        """A stream chunk's choice: new text and new reasoning (with their tokens' logprobs), or the finish."""
         choice = {"index": index}
         if self.chat:
-            choice["delta"] = delta if delta is not None else {} if text is None else {"content": text}
+            if delta is None:
+                delta = {} if text is None or (reasoning and not text) else {"content": text}
+            choice["delta"] = {REASONING_FIELD: reasoning, **delta} if reasoning else delta
         else:
             choice["text"] = text or ""
+            if reasoning:
+                choice[REASONING_FIELD] = reasoning
         choice["logprobs"] = self._logprobs(index, logprobs)
         choice["finish_reason"] = finish_reason
         if finish_reason is not None:

@@ -95,7 +95,7 @@ CONSTRAINT_FIELDS = {"response_format", "structured_outputs", "guided_json", "gu
 COMMON_FIELDS = {"model", "stream", "stream_options", "max_tokens", "logprobs", "logit_bias", *SAMPLING_FIELDS,
                  *CONSTRAINT_FIELDS}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "chat_template_kwargs", "chat_template",
-                               "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
+                               "enable_thinking", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 
 
@@ -234,7 +234,9 @@ def stream_options(body: dict) -> tuple[bool, bool]:
     return include, include and continuous
 
 
-MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id"}  # others: ignored with a warning
+# others: ignored with a warning. reasoning_content: an earlier answer's reasoning, which templates
+# (Qwen3's) may render
+MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}
 
 
 def messages(body: dict) -> list[dict]:
@@ -258,7 +260,7 @@ def messages(body: dict) -> list[dict]:
                                 "'developer', 'user', 'assistant', 'tool'", param=f"{where}.role", code="invalid_value")
         for name in sorted(set(message) - MESSAGE_FIELDS):  # e.g. "refusal", "audio", vendor fields
             warn_unknown_field(f"messages[].{name}")
-        for name in ("name", "tool_call_id"):
+        for name in ("name", "tool_call_id", "reasoning_content"):
             if message.get(name) is not None and not isinstance(message[name], str):
                 raise APIError(400, f"'{where}.{name}': expected a string, got {type_name(message[name])}",
                                param=f"{where}.{name}", code="invalid_type")
@@ -282,7 +284,8 @@ def messages(body: dict) -> list[dict]:
             raise APIError(400, f"'{where}.content': expected a string or an array of text parts, got "
                                 f"{type_name(content)}", param=f"{where}.content", code="invalid_type")
         result.append({"role": "system" if role == "developer" else role, "content": content,
-                       **{key: message[key] for key in ("tool_calls", "tool_call_id") if key in message}})
+                       **{key: message[key] for key in ("tool_calls", "tool_call_id", "reasoning_content")
+                          if key in message}})
     return result
 
 
@@ -291,6 +294,13 @@ def chat_template_kwargs(body: dict, trust_request_chat_template: bool) -> dict:
     refused unless the operator trusts request templates."""
     kwargs = expect(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object")
     kwargs = {} if kwargs is MISSING else dict(kwargs)
+    # Qwen3's switch, also taken at the top level (as Qwen's own API takes it)
+    thinking = expect(body, "enable_thinking", lambda v: isinstance(v, bool), "a boolean")
+    if thinking is not MISSING:
+        if kwargs.get("enable_thinking", thinking) != thinking:
+            raise APIError(400, "'enable_thinking' and 'chat_template_kwargs.enable_thinking' differ: send one",
+                           param="enable_thinking", code="invalid_value")
+        kwargs["enable_thinking"] = thinking
     for param, template in (("chat_template", body.get("chat_template")),
                             ("chat_template_kwargs.chat_template", kwargs.get("chat_template"))):
         if template is None:

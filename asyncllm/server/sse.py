@@ -139,15 +139,15 @@ async def chunk_events(stream, close: Callable[[str | None], Awaitable[None]],
                        make_chunk: Callable[..., dict], first: list[dict],
                        include_usage: bool) -> AsyncIterator[str]:
     """The SSE body of an OpenAI streamed answer: the `first` chunks, chunks built by
-    make_chunk(text, finish_reason, stream item) (a choice's new text and its tokens' logprobs,
-    then its finish; None: nothing to send yet), the usage chunk if asked for, then [DONE].
+    make_chunk(text, finish_reason, stream item) (a choice's new text, reasoning and its tokens'
+    logprobs, then its finish; None: nothing to send yet), the usage chunk if asked for, then [DONE].
     close(finish_reason) runs last."""
     finish_reason = None
     try:
         for chunk in first:
             yield sse(chunk)
         async for out in stream:
-            if (out.text or out.logprobs) and (chunk := make_chunk(out.text, None, out)) is not None:
+            if (out.text or out.logprobs or out.reasoning) and (chunk := make_chunk(out.text, None, out)) is not None:
                 yield sse(chunk)
             if out.finish_reason is not None:
                 finish_reason = out.finish_reason

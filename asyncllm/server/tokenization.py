@@ -20,7 +20,7 @@ from asyncllm.server.protocol import APIError, field_error
 
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "return_token_strs",
                    "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
-                   "tools", "tool_choice", "parallel_tool_calls"}
+                   "enable_thinking", "tools", "tool_choice", "parallel_tool_calls"}
 DETOKENIZE_FIELDS = {"model", "tokens"}
 _BOOLEAN = (lambda v: isinstance(v, bool), "a boolean")
 

@@ -83,18 +83,26 @@ class GrammarCompiler:
         except Exception as e:  # xgrammar raises RuntimeError/ValueError subclasses of its own
             raise ValueError(f"SamplingParams.structured_output: invalid {kind}: {_first_line(e)}") from None
 
-    def new_state(self, spec: StructuredOutput) -> "GrammarState":
-        return GrammarState(self.compile(spec))
+    def new_state(self, spec: StructuredOutput, gate=None) -> "GrammarState":
+        """gate: an engine.reasoning_format.ReasoningGate, which holds the grammar back while the
+        output reasons (None: it applies from the first token)."""
+        return GrammarState(self.compile(spec), gate)
 
     def fill_bitmask(self, states: list["GrammarState"], bitmask: torch.Tensor) -> None:
         """bitmask[i] = the tokens states[i] allows next; all of them for a state that is done
-        (its row's token will be dropped) or failed."""
-        live = [i for i, state in enumerate(states) if not state.failed and not state.matcher.is_terminated()]
+        (its row's token will be dropped), failed, or held back while its output reasons."""
+        live = [i for i, state in enumerate(states) if not state.failed and not state.matcher.is_terminated()
+                and (state.gate is None or not state.gate.in_reasoning)]
         if len(live) < len(states):
             bitmask[:] = -1
         if live:
             self._batch_matcher.batch_fill_next_token_bitmask(
                 [states[i].matcher for i in live], bitmask, None if len(live) == len(states) else live)
+            for i in live:
+                token = states[i].gate.optional_token if states[i].gate is not None else None
+                if token is not None:  # the output may open a reasoning block instead
+                    bit = 1 << (token % 32)
+                    bitmask[i, token // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit  # int32 words
 
 
 class GrammarState:
@@ -103,12 +111,13 @@ class GrammarState:
     Only delivered tokens are ever fed: a token the engine drops (in flight when the request ended)
     belongs to a request that is over, and its state is dropped with it, so nothing is rolled back."""
 
-    __slots__ = ("matcher", "num_consumed", "failed")
+    __slots__ = ("matcher", "num_consumed", "failed", "gate")
 
-    def __init__(self, compiled):
+    def __init__(self, compiled, gate=None):
         self.matcher = xgrammar.GrammarMatcher(compiled)
-        self.num_consumed = 0  # completion tokens accepted so far
+        self.num_consumed = 0  # completion tokens taken so far (the grammar's, and the reasoning's before them)
         self.failed = False  # a token the grammar refused (it cannot be sampled; a bug if it was)
+        self.gate = gate  # a ReasoningGate: the tokens it does not admit are the reasoning's, not the grammar's
 
     def catch_up(self, seq, pending_value: int | None = None) -> None:
         """Feed seq's completion tokens not fed yet, up to its first PENDING_TOKEN, whose value is
@@ -120,6 +129,9 @@ class GrammarState:
                 if pending_value is None:
                     return
                 token, pending_value = pending_value, None
+            if self.gate is not None and not self.gate.admits(token):
+                self.num_consumed += 1
+                continue
             if not self.failed and not self.matcher.accept_token(token):
                 logger.warning("request %s: token %d does not match its grammar", seq.request_id, token)
                 self.failed = True
