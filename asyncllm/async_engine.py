@@ -24,6 +24,7 @@ from asyncllm.engine.options import make_config
 from asyncllm.engine.step_budget import STREAMING_TARGET_STEP_MS
 from asyncllm.errors import EngineDeadError, QueueFullError
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.structured import StructuredOutput
 from asyncllm.streams import LaunchGate, RequestChannel, RequestMetrics, RequestResult, RequestStream, wake
 
 logger = logging.getLogger("asyncllm")
@@ -179,6 +180,14 @@ class AsyncLLMEngine:
         results = [stream.result(i, "".join(text_parts.get(i, ()))) for i in range(stream.num_sequences)]
         return results[0] if len(results) == 1 else results
 
+    async def compile_structured_output(self, structured_output: StructuredOutput | dict) -> None:
+        """Compile a constraint's grammar ahead of stream(), which then finds it compiled instead of
+        compiling it in the caller's thread: here the event loop goes on meanwhile, and cancelling
+        this call drops the compile if it has not started. ValueError as stream() would raise it
+        (invalid, or past the compile deadline); QueueFullError when too many compiles are queued."""
+        self._check_alive()
+        await self._core.grammar_compiler.compile_async(StructuredOutput.coerce(structured_output))
+
     def abort(self, request_id: str) -> None:
         """Abort a request; its blocks are free before the next step. Unknown or finished ids: no-op."""
         self._post(("finish", request_id, "abort", None, None))
@@ -240,6 +249,8 @@ class AsyncLLMEngine:
         with self._cv:
             stats = dict(self._stats)
             stats["num_inbox"] = len(self._inbox)
+        if self._core is not None:  # compiles run beside the engine thread: their counters are live
+            stats.update(self._core.grammar_stats())
         return stats
 
     # ---- the engine thread ---------------------------------------------------------------------

@@ -183,6 +183,13 @@ def test_json_object_regex_choice_and_vllm_fields(client):
     ({"tools": [{"type": "function"}]}, "tools[0]"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "guided_regex"),
+    # what xgrammar would accept without enforcing it (issue 52: 26 of 40 outputs broke this pattern)
+    ({"guided_json": {"type": "string", "pattern": "^(?!a)[ab]$"}}, "guided_json"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}}, "response_format"),
+    # past the size limits (a grammar that would compile for seconds)
+    ({"guided_regex": "(" + "|".join(f"w{i:06d}" for i in range(20000)) + ")"}, "guided_regex"),
+    ({"guided_choice": [f"c{i}" for i in range(9000)]}, "guided_choice"),
 ])
 def test_bad_constraints_are_a_400_naming_the_field(client, body, param):
     with pytest.raises(openai.BadRequestError) as info:

@@ -140,8 +140,8 @@ class EngineCore:
         if params.stop_token_ids:  # banned below min_tokens: an id past the logits would fail the step
             self.check_token_ids(params.stop_token_ids, "SamplingParams.stop_token_ids")
         if params.structured_output is not None:
-            # compiled here, in the caller's thread, and cached: the engine thread finds it compiled
-            self.grammar_compiler.compile(params.structured_output)
+            # compiled here (the caller waits) and kept with the request's copy: the engine thread never compiles
+            self.grammar_compiler.prepare(params.structured_output)
         if len(prompt_token_ids) >= self.max_seq_len:
             what = "max_model_len" if self.max_seq_len == self.config.max_model_len else "the KV cache's capacity"
             raise PromptTooLongError(f"{argument}: {len(prompt_token_ids)} tokens leave no room to generate within "
@@ -154,6 +154,9 @@ class EngineCore:
             if self._grammar_compiler is None:
                 self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
             return self._grammar_compiler
+
+    def grammar_stats(self) -> dict:  # live, from any thread; {} before the first constrained request
+        return self._grammar_compiler.stats() if self._grammar_compiler is not None else {}
 
     @staticmethod
     def new_request_id() -> str:

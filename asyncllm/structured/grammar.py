@@ -2,20 +2,28 @@
 
 Why xgrammar (docs/BENCHMARKS.md has the numbers): its per-token mask fill, the work done for every
 constrained row of every step, measured 2-15 us against llguidance's 26-121 us on our tokenizers;
-its compile is slower (2-24 ms against about 1 ms) but happens once per schema, off the engine
-thread, and is cached.
+its compile is slower (2-24 ms for a usual schema, about a second at structured/checks.py's size
+limits) but happens once per schema, off the engine thread, and is cached.
+
+Compiles run on CompileJobs' threads (xgrammar frees the GIL), one at a time plus a bounded number
+left running by waiters that gave up; a caller waits up to deadline_s of compile time. The cache
+of compiled grammars is bounded by their size in bytes, not by their count (one can be 50 MB).
 """
 from __future__ import annotations
 
+import collections
+import functools
 import json
 import logging
 import os
 import threading
-from collections import OrderedDict
+import time
 
+import anyio
 import torch
 
 from asyncllm.engine.sequence import PENDING_TOKEN
+from asyncllm.structured.compile_jobs import CompileJobs
 from asyncllm.structured.spec import StructuredOutput
 
 try:
@@ -26,23 +34,34 @@ except ImportError:  # an optional dependency: only constrained requests need it
 logger = logging.getLogger("asyncllm")
 
 INSTALL_HINT = "structured output needs xgrammar: pip install 'asyncllm-engine[structured]' (or pip install xgrammar)"
-MAX_CACHED_GRAMMARS = 512
+# a compile running longer than this fails its request (checks.py's limits keep an accepted one to
+# about 2 s on an idle CPU; this leaves room for a busy one)
+COMPILE_DEADLINE_S = 20.0
+CACHE_LIMIT_BYTES = 256 << 20
 
 
 class GrammarCompiler:
-    """Compiles StructuredOutputs for one tokenizer; thread-safe, so requests compile in the thread
-    that submits them. Compiled grammars are cached by (kind, canonical text)."""
+    """Compiles StructuredOutputs for one tokenizer; thread-safe. Compiled grammars are cached by
+    (kind, canonical text)."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int]):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int], *,
+                 deadline_s: float = COMPILE_DEADLINE_S, cache_limit_bytes: int = CACHE_LIMIT_BYTES,
+                 jobs: CompileJobs | None = None):
         if xgrammar is None:
             raise ValueError(f"SamplingParams.structured_output: {INSTALL_HINT}")
         self.vocab_size = vocab_size
-        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                       stop_token_ids=sorted(stop_token_ids))
-        self._compiler = xgrammar.GrammarCompiler(info, max_threads=2)
+        self.deadline_s = deadline_s
+        self.cache_limit_bytes = cache_limit_bytes
+        self.jobs = jobs if jobs is not None else CompileJobs()
+        # xgrammar's compiler reads the whole vocabulary (about a second): made by the first
+        # compile, on its thread, not by whoever makes this object (possibly an event loop)
+        self._tokenizer, self._stop_token_ids = tokenizer, sorted(stop_token_ids)
+        self._xgrammar_compiler = None
+        self._xgrammar_lock = threading.Lock()
         # fills a step's rows on several threads (C++, without the GIL)
         self._batch_matcher = xgrammar.BatchGrammarMatcher(max_threads=max(1, min(8, (os.cpu_count() or 1) // 2)))
-        self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._cache: collections.OrderedDict[tuple[str, str], object] = collections.OrderedDict()
+        self._cache_bytes = 0
         self._lock = threading.Lock()
 
     @property
@@ -51,40 +70,108 @@ class GrammarCompiler:
         return (self.vocab_size + 31) // 32
 
     def compile(self, spec: StructuredOutput):
-        """The compiled grammar of spec; ValueError naming SamplingParams.structured_output when the
-        schema, regex or grammar is invalid."""
+        """spec's compiled grammar, from the cache or compiled on a compile thread (this one
+        blocks meanwhile). ValueError naming SamplingParams.structured_output when the schema,
+        regex or grammar is invalid or its compile runs past deadline_s; QueueFullError when too
+        many compiles are queued."""
+        compiled = self._cached(spec.key)
+        if compiled is not None:
+            return compiled
+        job = self.jobs.submit(spec.key, functools.partial(self._compile_and_cache, spec))
+        try:
+            return self.jobs.wait(job, self.deadline_s)
+        except TimeoutError:
+            raise self._too_slow() from None
+        finally:
+            self.jobs.leave(job)
+
+    async def compile_async(self, spec: StructuredOutput) -> None:
+        """compile(spec) for a caller on an event loop (asyncio or trio): it waits without holding
+        the loop or a thread, and cancelling it (a client gone) drops the compile if it has not
+        started. The result is cached, for the submission that follows."""
+        if self._cached(spec.key) is not None:
+            return
+        job = self.jobs.submit(spec.key, functools.partial(self._compile_and_cache, spec))
+        try:
+            delay = 0.001  # polled: a few checks for a quick compile, 20 a second for a long one
+            while not job.done:
+                if job.overdue(self.deadline_s):
+                    raise self._too_slow()
+                await anyio.sleep(delay)
+                delay = min(2 * delay, 0.05)
+            job.outcome()
+        finally:
+            self.jobs.leave(job)
+
+    def prepare(self, spec: StructuredOutput) -> None:
+        """compile(spec) for a request about to be queued, spec being the request's own copy: the
+        compiled grammar stays with it, so the engine thread never compiles, whatever the cache
+        evicts meanwhile."""
+        object.__setattr__(spec, "_compiled", (self, self.compile(spec)))
+
+    def new_state(self, spec: StructuredOutput) -> "GrammarState":
+        prepared = spec.__dict__.get("_compiled")
+        return GrammarState(prepared[1] if prepared is not None and prepared[0] is self else self.compile(spec))
+
+    def stats(self) -> dict:
+        """Compiles queued, running (detached: their waiters left, they run on unseen) and the cache."""
+        jobs = self.jobs.stats()
         with self._lock:
-            compiled = self._cache.get(spec.key)
+            return {"grammar_compiles_queued": jobs["queued"], "grammar_compiles_running": jobs["running"],
+                    "grammar_compiles_detached": jobs["detached"], "grammar_cache_bytes": self._cache_bytes,
+                    "grammar_cache_entries": len(self._cache)}
+
+    def _too_slow(self) -> ValueError:
+        return ValueError(f"SamplingParams.structured_output: the grammar did not compile within "
+                          f"{self.deadline_s:g} s (COMPILE_DEADLINE_S); make it smaller or simpler")
+
+    def _cached(self, key: tuple[str, str]):
+        with self._lock:
+            compiled = self._cache.get(key)
             if compiled is not None:
-                self._cache.move_to_end(spec.key)
-                return compiled
+                self._cache.move_to_end(key)
+            return compiled
+
+    def _compile_and_cache(self, spec: StructuredOutput):
+        """On a compile thread. A compile past the deadline is not cached: its waiters have failed."""
+        started = time.monotonic()
         compiled = self._compile(spec)
-        with self._lock:
-            self._cache[spec.key] = compiled
-            if len(self._cache) > MAX_CACHED_GRAMMARS:
-                self._cache.popitem(last=False)
+        if time.monotonic() - started <= self.deadline_s:
+            size = compiled.memory_size_bytes
+            with self._lock:
+                if spec.key not in self._cache and size <= self.cache_limit_bytes:
+                    self._cache[spec.key] = compiled
+                    self._cache_bytes += size
+                    while self._cache_bytes > self.cache_limit_bytes:
+                        self._cache_bytes -= self._cache.popitem(last=False)[1].memory_size_bytes
         return compiled
 
     def _compile(self, spec: StructuredOutput):
+        compiler = self._compiler()
         kind, text = spec.key
         try:
             if kind == "json":
                 # compact JSON (no free whitespace): a model cannot spend its tokens on blank space
-                return self._compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
+                return compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
             if kind == "json_object":
-                return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
-                                                          strict_mode=False)
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
             if kind == "regex":
-                return self._compiler.compile_regex(text)
+                return compiler.compile_regex(text)
             if kind == "choice":
-                return self._compiler.compile_grammar(
+                return compiler.compile_grammar(
                     "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(text)))
-            return self._compiler.compile_grammar(text)
+            return compiler.compile_grammar(text)
         except Exception as e:  # xgrammar raises RuntimeError/ValueError subclasses of its own
             raise ValueError(f"SamplingParams.structured_output: invalid {kind}: {_first_line(e)}") from None
 
-    def new_state(self, spec: StructuredOutput) -> "GrammarState":
-        return GrammarState(self.compile(spec))
+    def _compiler(self):
+        with self._xgrammar_lock:
+            if self._xgrammar_compiler is None:
+                info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
+                                                               stop_token_ids=self._stop_token_ids)
+                # its own cache off: this class's, bounded by bytes, holds what is worth keeping
+                self._xgrammar_compiler = xgrammar.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+            return self._xgrammar_compiler
 
     def fill_bitmask(self, states: list["GrammarState"], bitmask: torch.Tensor) -> None:
         """bitmask[i] = the tokens states[i] allows next; all of them for a state that is done
