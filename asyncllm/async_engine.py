@@ -22,7 +22,7 @@ from asyncllm.detokenizer import TextAssembler
 from asyncllm.engine.core import EngineCore, check_text
 from asyncllm.engine.options import make_config
 from asyncllm.engine.step_budget import STREAMING_TARGET_STEP_MS
-from asyncllm.errors import EngineDeadError, QueueFullError
+from asyncllm.errors import EngineDeadError, QueueFullError, UnsatisfiableConstraintsError
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.structured import StructuredOutput
 from asyncllm.streams import LaunchGate, RequestChannel, RequestMetrics, RequestResult, RequestStream, wake
@@ -384,6 +384,11 @@ class AsyncLLMEngine:
             seq = event.seq
             channel = channels.get(seq.request_id)
             if channel is None:
+                continue
+            if event.error is not None:  # the request cannot go on: its stream raises, its other sequences end
+                del channels[seq.request_id]
+                self._core.finish_request(seq.request_id, "abort")
+                channel.put([], None, UnsatisfiableConstraintsError(event.error))
                 continue
             record(channel, seq, now, len(event.new_token_ids))
             if event.request_finished:

@@ -197,6 +197,19 @@ def test_bad_constraints_are_a_400_naming_the_field(client, body, param):
     assert info.value.body["param"] == param, info.value.body
 
 
+def test_constraints_that_leave_no_token_end_the_answer_with_an_error(client):
+    """min_tokens past the grammar's end bans the stop token a complete answer needs: no token is
+    left. The answer is a 400 (streamed: an error event), never the sampler's fallback token."""
+    body = {"guided_regex": "ab", "min_tokens": 5}
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, ASK, max_tokens=8, extra_body=body)
+    assert info.value.body["code"] == "unsatisfiable_constraints" and "min_tokens" in info.value.body["message"]
+    with pytest.raises(openai.APIError, match="min_tokens") as info:
+        streamed_text(chat(client, ASK, max_tokens=8, stream=True, extra_body=body))
+    assert info.value.body["code"] == "unsatisfiable_constraints"
+    assert chat(client, ASK, extra_body={"guided_regex": "ab"}).choices[0].message.content == "ab"  # still serving
+
+
 def validate_calls(calls, tools) -> None:
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     assert calls

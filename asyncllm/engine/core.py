@@ -39,6 +39,7 @@ class StepEvent:
     stop_reason: int | None = None  # the stop token id that ended it (EOS: None, as vLLM)
     request_finished: bool = False  # every sequence of the request has finished (n == 1: finish_reason set)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first token, when the request asked
+    error: str | None = None  # ended with no token: its grammar refused the one sampled (GrammarState.error)
 
 
 def check_text(text: str, argument: str) -> None:
@@ -360,10 +361,14 @@ class EngineCore:
             reason = self._finish_reason(seq, token_id, length) if token_id in seq.stop_ids or \
                 length >= seq.max_len or seq.grammar is not None else None
             if reason is not None:
-                del seq.token_ids[item.token_index + 1:]  # a later step's token in flight, if any
+                refused = reason == "abort" and seq.grammar is not None and seq.grammar.error is not None
+                del seq.token_ids[item.token_index + (not refused):]  # tokens in flight; one the grammar refused
                 self._end(seq, reason)
                 if seq.request_finished:
                     self.requests.pop(seq.request_id, None)
+                if refused:
+                    events.append(StepEvent(seq, [], reason, request_finished=seq.request_finished, error=seq.grammar.error))
+                    continue
             elif (item.token_index + 1) % block_size == 0 and seq.num_computed_tokens > item.token_index:
                 # the token closes a block whose KV a later step already computed: it can be hashed now
                 self.block_manager.commit_computed(seq)
@@ -390,10 +395,10 @@ class EngineCore:
             return "stop"
         if seq.grammar is not None:
             seq.grammar.catch_up(seq)
+            if seq.grammar.error is not None:  # its constraints left no token the grammar allows
+                return "abort"
             if seq.grammar.is_terminated:  # the output is complete: the grammar allows nothing more
                 return "stop"
-            if seq.grammar.failed:
-                return "abort"
         if length >= seq.max_len:  # the scheduler plans no step past this length either
             return "length"
         return None

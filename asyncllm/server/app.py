@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from asyncllm.errors import EngineDeadError, QueueFullError
+from asyncllm.errors import EngineDeadError, QueueFullError, UnsatisfiableConstraintsError
 from asyncllm.sampling_params import SamplingParams
 import asyncllm.server.protocol as protocol
 from asyncllm.server import tool_calls
@@ -238,12 +238,14 @@ class OpenAIServer(TokenizationEndpoints):
                 try:
                     async for out in stream:
                         parts[out.index].append(out.text)
-                except EngineDeadError as e:
+                except (EngineDeadError, UnsatisfiableConstraintsError) as e:
                     error = e
                 tasks.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
-                await close("error" if error is not None else None)
+                await close("error" if isinstance(error, EngineDeadError) else None)
+        if isinstance(error, UnsatisfiableConstraintsError):
+            raise APIError(400, str(error).removeprefix("SamplingParams."), code="unsatisfiable_constraints")
         if error is not None:
             raise APIError(503, f"the engine failed: {error}", code="engine_unavailable")
         results = [stream.result(i, "".join(texts)) for i, texts in parts.items()]

@@ -175,8 +175,8 @@ class GrammarCompiler:
 
     def fill_bitmask(self, states: list["GrammarState"], bitmask: torch.Tensor) -> None:
         """bitmask[i] = the tokens states[i] allows next; all of them for a state that is done
-        (its row's token will be dropped) or failed."""
-        live = [i for i, state in enumerate(states) if not state.failed and not state.matcher.is_terminated()]
+        (its row's token will be dropped) or has refused a token."""
+        live = [i for i, state in enumerate(states) if state.error is None and not state.matcher.is_terminated()]
         if len(live) < len(states):
             bitmask[:] = -1
         if live:
@@ -188,14 +188,16 @@ class GrammarState:
     """One request's matcher, advanced over the request's completion tokens as the host learns them.
 
     Only delivered tokens are ever fed: a token the engine drops (in flight when the request ended)
-    belongs to a request that is over, and its state is dropped with it, so nothing is rolled back."""
+    belongs to a request that is over, and its state is dropped with it, so nothing is rolled back.
+    A token the matcher refuses was sampled because the request's other constraints left no token
+    the grammar allows: error says so, and the engine ends the request without that token."""
 
-    __slots__ = ("matcher", "num_consumed", "failed")
+    __slots__ = ("matcher", "num_consumed", "error")
 
     def __init__(self, compiled):
         self.matcher = xgrammar.GrammarMatcher(compiled)
         self.num_consumed = 0  # completion tokens accepted so far
-        self.failed = False  # a token the grammar refused (it cannot be sampled; a bug if it was)
+        self.error: str | None = None
 
     def catch_up(self, seq, pending_value: int | None = None) -> None:
         """Feed seq's completion tokens not fed yet, up to its first PENDING_TOKEN, whose value is
@@ -207,14 +209,26 @@ class GrammarState:
                 if pending_value is None:
                     return
                 token, pending_value = pending_value, None
-            if not self.failed and not self.matcher.accept_token(token):
-                logger.warning("request %s: token %d does not match its grammar", seq.request_id, token)
-                self.failed = True
+            if self.error is None and not self.matcher.accept_token(token):
+                self.error = _refusal(seq.params, token, self.num_consumed)
+                logger.warning("request %s: %s", seq.request_id, self.error)
             self.num_consumed += 1
 
     @property
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
+
+
+def _refusal(params, token: int, index: int) -> str:
+    """Why the request ends at its index-th output token, which its grammar refused."""
+    others = [name for name, given in (("allowed_token_ids", params.allowed_token_ids is not None),
+                                       ("bad_words", bool(params.bad_words)), ("min_tokens", params.min_tokens > 0))
+              if given]
+    if not others:  # the grammar's mask alone decides: a refused token is the engine's fault
+        return f"SamplingParams.structured_output: output token {index} ({token}) does not match the grammar"
+    why = " (min_tokens bans the stop tokens that end a complete output)" if "min_tokens" in others else ""
+    return (f"SamplingParams.structured_output: at output token {index} no token is allowed by both the grammar "
+            f"and {' and '.join(others)}{why}; the request ends there, without that token")
 
 
 def _first_line(error: Exception) -> str:
