@@ -23,9 +23,10 @@ from asyncllm.chat_template import chat_prompt_ids
 from asyncllm.engine.core import EngineCore
 from asyncllm.engine.options import make_config
 from asyncllm.engine.step_budget import STREAMING_TARGET_STEP_MS
-from asyncllm.errors import EngineDeadError, QueueFullError
+from asyncllm.errors import EngineDeadError, QueueFullError, UnsatisfiableConstraintsError
 from asyncllm.reasoning import text_assembler
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.structured import StructuredOutput
 from asyncllm.streams import LaunchGate, RequestChannel, RequestMetrics, RequestResult, RequestStream, wake
 
 logger = logging.getLogger("asyncllm")
@@ -188,6 +189,14 @@ class AsyncLLMEngine:
         results = [stream.result(i, "".join(text_parts.get(i, ()))) for i in range(stream.num_sequences)]
         return results[0] if len(results) == 1 else results
 
+    async def compile_structured_output(self, structured_output: StructuredOutput | dict) -> None:
+        """Compile a constraint's grammar ahead of stream(), which then finds it compiled instead of
+        compiling it in the caller's thread: here the event loop goes on meanwhile, and cancelling
+        this call drops the compile if it has not started. ValueError as stream() would raise it
+        (invalid, or past the compile deadline); QueueFullError when too many compiles are queued."""
+        self._check_alive()
+        await self._core.grammar_compiler.compile_async(StructuredOutput.coerce(structured_output))
+
     def abort(self, request_id: str) -> None:
         """Abort a request; its blocks are free before the next step. Unknown or finished ids: no-op."""
         self._post(("finish", check_request_id(request_id), "abort", None, None))
@@ -253,6 +262,8 @@ class AsyncLLMEngine:
         with self._cv:
             stats = dict(self._stats)
             stats["num_inbox"] = len(self._inbox)
+        if self._core is not None:  # compiles run beside the engine thread: their counters are live
+            stats.update(self._core.grammar_stats())
         return stats
 
     # ---- the engine thread ---------------------------------------------------------------------
@@ -388,6 +399,11 @@ class AsyncLLMEngine:
             seq = event.seq
             channel = channels.get(seq.request_id)
             if channel is None:
+                continue
+            if event.error is not None:  # the request cannot go on: its stream raises, its other sequences end
+                del channels[seq.request_id]
+                self._core.finish_request(seq.request_id, "abort")
+                channel.put([], None, UnsatisfiableConstraintsError(event.error))
                 continue
             record(channel, seq, now, len(event.new_token_ids))
             if event.request_finished:

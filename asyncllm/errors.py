@@ -12,3 +12,9 @@ class PromptTooLongError(AsyncLLMError, ValueError):
 
 class QueueFullError(AsyncLLMError):
     """More requests are queued than max_queued_requests allows; retry later."""
+
+
+class UnsatisfiableConstraintsError(AsyncLLMError, ValueError):
+    """A request's constraints left no token to sample: its grammar allows none of the tokens that
+    allowed_token_ids, bad_words or min_tokens leave. Raised by its stream; nothing they forbid was
+    delivered, and the other requests go on."""

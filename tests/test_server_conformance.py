@@ -453,7 +453,8 @@ def test_engine_collector_into_a_given_registry():
         def stats(self):
             return {"num_waiting": 2, "num_running": 3, "num_free_blocks": 6, "num_total_blocks": 8, "num_inbox": 1,
                     "prefix_cache_hit_rate": 0.25, "prefix_cache_queries": 40, "prefix_cache_hits": 10,
-                    "num_preemptions": 5}
+                    "num_preemptions": 5, "grammar_compiles_queued": 4, "grammar_compiles_running": 1,
+                    "grammar_compiles_detached": 2, "grammar_cache_bytes": 1000}
 
     registry = CollectorRegistry()
     registry.register(EngineCollector(FakeEngine(), "m"))
@@ -462,7 +463,9 @@ def test_engine_collector_into_a_given_registry():
                  "asyncllm_num_requests_running": 3, "asyncllm_kv_blocks_in_use": 2, "asyncllm_kv_blocks_total": 8,
                  "asyncllm_kv_cache_usage_ratio": 0.25, "asyncllm_prefix_cache_hit_rate": 0.25,
                  "asyncllm_num_preemptions_total": 5, "asyncllm_prefix_cache_queries_total": 40,
-                 "asyncllm_prefix_cache_hits_total": 10}
+                 "asyncllm_prefix_cache_hits_total": 10, "asyncllm_grammar_compiles_queued": 4,
+                 "asyncllm_grammar_compiles_running": 1, "asyncllm_grammar_compiles_detached": 2,
+                 "asyncllm_grammar_cache_bytes": 1000}
     shared = CollectorRegistry()  # an app's registry: EngineMetrics adds no process metrics to it
     EngineMetrics(FakeEngine(), "a", registry=shared)
     assert b"process_cpu_seconds_total" not in generate_latest(shared)

@@ -183,11 +183,31 @@ def test_json_object_regex_choice_and_vllm_fields(client):
     ({"tools": [{"type": "function"}]}, "tools[0]"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "guided_regex"),
+    # what xgrammar would accept without enforcing it (issue 52: 26 of 40 outputs broke this pattern)
+    ({"guided_json": {"type": "string", "pattern": "^(?!a)[ab]$"}}, "guided_json"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}}, "response_format"),
+    # past the size limits (a grammar that would compile for seconds)
+    ({"guided_regex": "(" + "|".join(f"w{i:06d}" for i in range(20000)) + ")"}, "guided_regex"),
+    ({"guided_choice": [f"c{i}" for i in range(9000)]}, "guided_choice"),
 ])
 def test_bad_constraints_are_a_400_naming_the_field(client, body, param):
     with pytest.raises(openai.BadRequestError) as info:
         chat(client, ASK, max_tokens=4, extra_body=body)
     assert info.value.body["param"] == param, info.value.body
+
+
+def test_constraints_that_leave_no_token_end_the_answer_with_an_error(client):
+    """min_tokens past the grammar's end bans the stop token a complete answer needs: no token is
+    left. The answer is a 400 (streamed: an error event), never the sampler's fallback token."""
+    body = {"guided_regex": "ab", "min_tokens": 5}
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, ASK, max_tokens=8, extra_body=body)
+    assert info.value.body["code"] == "unsatisfiable_constraints" and "min_tokens" in info.value.body["message"]
+    with pytest.raises(openai.APIError, match="min_tokens") as info:
+        streamed_text(chat(client, ASK, max_tokens=8, stream=True, extra_body=body))
+    assert info.value.body["code"] == "unsatisfiable_constraints"
+    assert chat(client, ASK, extra_body={"guided_regex": "ab"}).choices[0].message.content == "ab"  # still serving
 
 
 def validate_calls(calls, tools) -> None:

@@ -9,6 +9,7 @@ import functools
 import json
 import re
 
+import anyio
 import jsonschema
 import pytest
 import torch
@@ -287,6 +288,53 @@ async def test_stream_with_a_stop_string_and_an_abort(tiny_qwen3):
         check_output({"json": SCHEMA}, out.text)
         with pytest.raises(ValueError, match="SamplingParams.structured_output: invalid regex"):
             engine.stream("hi", constrained({"regex": "(("}))
+    finally:
+        await engine.shutdown()
+    assert_all_blocks_free(engine._core)
+
+
+# ---- constraints that leave no token (issue 52) ------------------------------------------------------
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_grammar_refusing_every_token_the_other_constraints_leave_ends_the_request_without_it(llms, overlap):
+    """allowed_token_ids disjoint from the grammar's tokens, or min_tokens past the grammar's end (it
+    bans the stop tokens a complete output needs), leave every logit at -inf: the sampler's fallback,
+    token 0 ('!'), was delivered. The request now ends with "abort" and nothing the grammar refused;
+    its neighbour is untouched."""
+    llm = llms(overlap)
+    letter_a = llm.tokenizer.encode("a", add_special_tokens=False)
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = llm.generate(["three"], plain, use_tqdm=False)[0]
+    disjoint, too_short, neighbour = llm.generate(["one", "two", "three"], [
+        constrained({"regex": "[0-9]+"}, allowed_token_ids=letter_a),
+        constrained({"regex": "ab"}, min_tokens=5, max_tokens=8), plain], use_tqdm=False)
+    assert disjoint["token_ids"] == [] and disjoint["finish_reason"] == "abort"
+    assert too_short["text"] == "ab" and too_short["finish_reason"] == "abort"
+    assert neighbour["token_ids"] == alone["token_ids"]
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.anyio
+async def test_a_stream_whose_constraints_leave_no_token_raises_naming_them(tiny_qwen3):
+    from asyncllm.async_engine import AsyncLLMEngine
+    from asyncllm.errors import UnsatisfiableConstraintsError
+    engine = AsyncLLMEngine(tiny_qwen3, overlap_scheduling=True, num_kvcache_blocks=32)
+    await engine.start()
+    try:
+        with anyio.fail_after(240):
+            letter_a = engine.tokenizer.encode("a", add_special_tokens=False)
+            received = []
+            with pytest.raises(UnsatisfiableConstraintsError, match="grammar and allowed_token_ids"):
+                async for out in engine.stream("hi", constrained({"regex": "[0-9]+"}, allowed_token_ids=letter_a,
+                                                                 n=2, temperature=1.0)):
+                    received.append(out)
+            assert received == []  # both sequences: no token at all, not even the fallback
+            with pytest.raises(UnsatisfiableConstraintsError, match="min_tokens"):
+                async for out in engine.stream("hi", constrained({"regex": "ab"}, min_tokens=5, max_tokens=8)):
+                    received.append(out)
+            assert "ab".startswith("".join(out.text for out in received))  # a reader may miss the last ones
+            out = await engine.generate("hi", constrained({"json": SCHEMA}))  # the engine goes on
+            check_output({"json": SCHEMA}, out.text)
+            assert engine.stats()["num_running"] == 0
     finally:
         await engine.shutdown()
     assert_all_blocks_free(engine._core)

@@ -41,6 +41,7 @@ class StepEvent:
     stop_reason: int | None = None  # the stop token id that ended it (EOS: None, as vLLM)
     request_finished: bool = False  # every sequence of the request has finished (n == 1: finish_reason set)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first token, when the request asked
+    error: str | None = None  # ended with no token: its grammar refused the one sampled (GrammarState.error)
 
 
 def check_text(text: str, argument: str) -> None:
@@ -144,8 +145,8 @@ class EngineCore:
             self.check_token_ids(params.stop_token_ids, "SamplingParams.stop_token_ids")
         check_some_token_samplable(params, self.vocab_size, self.eos_token_ids, self.tokenizer)
         if params.structured_output is not None:
-            # compiled here, in the caller's thread, and cached: the engine thread finds it compiled
-            self.grammar_compiler.compile(params.structured_output)
+            # compiled here (the caller waits) and kept with the request's copy: the engine thread never compiles
+            self.grammar_compiler.prepare(params.structured_output)
         if len(prompt_token_ids) >= self.max_seq_len:
             what = "max_model_len" if self.max_seq_len == self.config.max_model_len else "the KV cache's capacity"
             raise PromptTooLongError(f"{argument}: {len(prompt_token_ids)} tokens leave no room to generate within "
@@ -158,6 +159,9 @@ class EngineCore:
             if self._grammar_compiler is None:
                 self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
             return self._grammar_compiler
+
+    def grammar_stats(self) -> dict:  # live, from any thread; {} before the first constrained request
+        return self._grammar_compiler.stats() if self._grammar_compiler is not None else {}
 
     @staticmethod
     def new_request_id() -> str:
@@ -350,10 +354,14 @@ class EngineCore:
             reason = self._finish_reason(seq, token_id, length) if token_id in seq.stop_ids or \
                 length >= seq.max_len or seq.grammar is not None else None
             if reason is not None:
-                del seq.token_ids[item.token_index + 1:]  # a later step's token in flight, if any
+                refused = reason == "abort" and seq.grammar is not None and seq.grammar.error is not None
+                del seq.token_ids[item.token_index + (not refused):]  # tokens in flight; one the grammar refused
                 self._end(seq, reason)
                 if seq.request_finished:
                     self.requests.pop(seq.request_id, None)
+                if refused:
+                    events.append(StepEvent(seq, [], reason, request_finished=seq.request_finished, error=seq.grammar.error))
+                    continue
             elif (item.token_index + 1) % block_size == 0 and seq.num_computed_tokens > item.token_index:
                 # the token closes a block whose KV a later step already computed: it can be hashed now
                 self.block_manager.commit_computed(seq)
@@ -380,10 +388,10 @@ class EngineCore:
             return "stop"
         if seq.grammar is not None:
             seq.grammar.catch_up(seq)
+            if seq.grammar.error is not None:  # its constraints left no token the grammar allows
+                return "abort"
             if seq.grammar.is_terminated:  # the output is complete: the grammar allows nothing more
                 return "stop"
-            if seq.grammar.failed:
-                return "abort"
         if length >= seq.max_len:  # the scheduler plans no step past this length either
             return "length"
         return None

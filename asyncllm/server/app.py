@@ -17,12 +17,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from asyncllm.errors import EngineDeadError, QueueFullError
+from asyncllm.errors import EngineDeadError, QueueFullError, UnsatisfiableConstraintsError
 from asyncllm.sampling_params import SamplingParams
 import asyncllm.server.protocol as protocol
 from asyncllm.server import tool_calls
 from asyncllm.server.choices import ChoiceShaper, prompt_logprobs_field
-from asyncllm.server.constraints import requested_constraint
+from asyncllm.server.constraints import compile_constraint, requested_constraint
 from asyncllm.server.errors import RETRY_AFTER_SECONDS, exception_handlers
 from asyncllm.server.metrics import EngineMetrics
 from asyncllm.server.protocol import APIError, field_error, is_int
@@ -184,8 +184,8 @@ class OpenAIServer(TokenizationEndpoints):
             raise field_error("prompt", e) from None
 
     # ---- answering ----
-    async def _submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, field: str,
-                      constraint_field: str | None = None):
+    async def _submit(self, request: Request, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                      field: str, constraint_field: str | None = None):
         """engine.stream with the engine's exceptions mapped to HTTP errors (429, 400, 503);
         constraint_field: the request field that brought params.structured_output."""
         self._check_engine()
@@ -193,7 +193,9 @@ class OpenAIServer(TokenizationEndpoints):
         try:
             if params.structured_output is None:
                 return submit()
-            # its grammar compiles at submission (seconds for a large schema or choice list): off the loop
+            # its grammar (seconds for a large schema) compiles first, on the engine's compile threads,
+            # given up if the client leaves; then stream() finds it compiled (a worker thread all the same)
+            await compile_constraint(self.engine, request, params.structured_output)
             return await anyio.to_thread.run_sync(submit)
         except QueueFullError as e:
             raise APIError(429, f"the server is busy: {e}", code="queue_full",
@@ -236,12 +238,14 @@ class OpenAIServer(TokenizationEndpoints):
                 try:
                     async for out in stream:
                         parts[out.index].append(out.text)
-                except EngineDeadError as e:
+                except (EngineDeadError, UnsatisfiableConstraintsError) as e:
                     error = e
                 tasks.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
-                await close("error" if error is not None else None)
+                await close("error" if isinstance(error, EngineDeadError) else None)
+        if isinstance(error, UnsatisfiableConstraintsError):
+            raise APIError(400, str(error).removeprefix("SamplingParams."), code="unsatisfiable_constraints")
         if error is not None:
             raise APIError(503, f"the engine failed: {error}", code="engine_unavailable")
         results = [stream.result(i, "".join(texts)) for i, texts in parts.items()]
@@ -290,7 +294,7 @@ class OpenAIServer(TokenizationEndpoints):
             params = dataclasses.replace(params, stop=[*params.stop, tools[1].end])
         self._check_context(body, max_tokens_field, prompt_ids, room, params)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        stream = await self._submit(prompt_ids, params, request_id, "messages" if chat else "prompt",
+        stream = await self._submit(request, prompt_ids, params, request_id, "messages" if chat else "prompt",
                                     constraint_field)
         base = {"id": request_id, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": self.model_name}

@@ -1,11 +1,15 @@
 """The request fields that constrain an answer, mapped to a StructuredOutput: OpenAI's
 response_format, and vLLM's structured_outputs and older guided_* fields. StructuredOutput checks
-the values; this module only maps them and names the field in a 400."""
+the values; this module only maps them and names the field in a 400. compile_constraint compiles
+one for a request, given up when its client leaves."""
 from __future__ import annotations
 
 import json
 
+import anyio
+
 from asyncllm.server.protocol import APIError, field_error, type_name
+from asyncllm.server.sse import await_disconnect
 from asyncllm.structured import StructuredOutput
 
 # vLLM's older names, each one kind of StructuredOutput
@@ -60,3 +64,25 @@ def _from_response_format(value: dict) -> StructuredOutput:
     # items beyond the schema's)
     schema = spec.get("schema")
     return StructuredOutput(json_object=True) if schema is None else StructuredOutput(json=schema)
+
+
+async def compile_constraint(engine, request, structured_output: StructuredOutput) -> None:
+    """engine.compile_structured_output, cancelled if the client disconnects meanwhile (a compile
+    still queued is then dropped, never started)."""
+    compiled, error = False, None
+    async with anyio.create_task_group() as tasks:
+        async def watch() -> None:
+            await await_disconnect(request.receive)
+            tasks.cancel_scope.cancel()
+
+        tasks.start_soon(watch)
+        try:
+            await engine.compile_structured_output(structured_output)
+            compiled = True
+        except Exception as e:  # noqa: BLE001 - raised below, outside the task group
+            error = e
+        tasks.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    if not compiled:  # nobody reads this answer
+        raise APIError(499, "the client disconnected while its grammar compiled", code="client_disconnected")

@@ -60,6 +60,15 @@ class EngineCollector(Collector):
                      in_use / total if total else 0.0)
         yield family(gauge, "asyncllm_prefix_cache_hit_rate", "Fraction of prompt tokens served from the prefix cache.",
                      float(stats.get("prefix_cache_hit_rate", 0.0)))
+        yield family(gauge, "asyncllm_grammar_compiles_queued", "Grammar compiles waiting for a compile thread.",
+                     stats.get("grammar_compiles_queued", 0))
+        yield family(gauge, "asyncllm_grammar_compiles_running", "Grammar compiles running for a waiting request.",
+                     stats.get("grammar_compiles_running", 0))
+        yield family(gauge, "asyncllm_grammar_compiles_detached",
+                     "Grammar compiles running on after their requests left or timed out (bounded).",
+                     stats.get("grammar_compiles_detached", 0))
+        yield family(gauge, "asyncllm_grammar_cache_bytes", "Memory held by cached compiled grammars.",
+                     stats.get("grammar_cache_bytes", 0))
         # counters: the *_total sample names are what the hand-written text had
         yield family(counter, "asyncllm_num_preemptions", "Requests preempted for lack of KV blocks.",
                      stats.get("num_preemptions", 0))

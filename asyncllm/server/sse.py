@@ -10,7 +10,7 @@ import anyio
 from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
-from asyncllm.errors import EngineDeadError
+from asyncllm.errors import EngineDeadError, UnsatisfiableConstraintsError
 
 logger = logging.getLogger("asyncllm.server")
 
@@ -161,6 +161,10 @@ async def chunk_events(stream, close: Callable[[str | None], Awaitable[None]],
         finish_reason = "error"
         yield sse({"error": {"message": f"the engine failed: {e}", "type": "server_error", "param": None,
                              "code": "engine_unavailable"}})
+        yield sse("[DONE]")
+    except UnsatisfiableConstraintsError as e:  # the request's own constraints: it ends here (an abort)
+        yield sse({"error": {"message": str(e).removeprefix("SamplingParams."), "type": "invalid_request_error",
+                             "param": None, "code": "unsatisfiable_constraints"}})
         yield sse("[DONE]")
     finally:
         await close(finish_reason)  # aborts the request unless it has finished

@@ -1,21 +1,29 @@
 """Compiling a StructuredOutput with xgrammar, and the per-request matcher that follows its tokens.
 
-Why xgrammar (docs/BENCHMARKS.md has the numbers, benchmarks/bench_grammar_engines.py makes them):
-its per-token mask fill, the work done for every constrained row of every step, is several times
-faster than llguidance's on our tokenizers; its compile is slower, but happens once per schema, off
-the engine thread, and is cached.
+Why xgrammar (docs/BENCHMARKS.md has the numbers): its per-token mask fill, the work done for every
+constrained row of every step, measured 2-15 us against llguidance's 26-121 us on our tokenizers;
+its compile is slower (2-24 ms for a usual schema, about a second at structured/checks.py's size
+limits) but happens once per schema, off the engine thread, and is cached.
+
+Compiles run on CompileJobs' threads (xgrammar frees the GIL), one at a time plus a bounded number
+left running by waiters that gave up; a caller waits up to deadline_s of compile time. The cache
+of compiled grammars is bounded by their size in bytes, not by their count (one can be 50 MB).
 """
 from __future__ import annotations
 
+import collections
+import functools
 import json
 import logging
 import os
 import threading
-from collections import OrderedDict
+import time
 
+import anyio
 import torch
 
 from asyncllm.engine.sequence import PENDING_TOKEN
+from asyncllm.structured.compile_jobs import CompileJobs
 from asyncllm.structured.spec import StructuredOutput
 
 try:
@@ -26,23 +34,34 @@ except ImportError:  # an optional dependency: only constrained requests need it
 logger = logging.getLogger("asyncllm")
 
 INSTALL_HINT = "structured output needs xgrammar: pip install 'asyncllm-engine[structured]' (or pip install xgrammar)"
-MAX_CACHED_GRAMMARS = 512
+# a compile running longer than this fails its request (checks.py's limits keep an accepted one to
+# about 2 s on an idle CPU; this leaves room for a busy one)
+COMPILE_DEADLINE_S = 20.0
+CACHE_LIMIT_BYTES = 256 << 20
 
 
 class GrammarCompiler:
-    """Compiles StructuredOutputs for one tokenizer; thread-safe, so requests compile in the thread
-    that submits them. Compiled grammars are cached by (kind, canonical text)."""
+    """Compiles StructuredOutputs for one tokenizer; thread-safe. Compiled grammars are cached by
+    (kind, canonical text)."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int]):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int], *,
+                 deadline_s: float = COMPILE_DEADLINE_S, cache_limit_bytes: int = CACHE_LIMIT_BYTES,
+                 jobs: CompileJobs | None = None):
         if xgrammar is None:
             raise ValueError(f"SamplingParams.structured_output: {INSTALL_HINT}")
         self.vocab_size = vocab_size
-        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                       stop_token_ids=sorted(stop_token_ids))
-        self._compiler = xgrammar.GrammarCompiler(info, max_threads=2)
+        self.deadline_s = deadline_s
+        self.cache_limit_bytes = cache_limit_bytes
+        self.jobs = jobs if jobs is not None else CompileJobs()
+        # xgrammar's compiler reads the whole vocabulary (about a second): made by the first
+        # compile, on its thread, not by whoever makes this object (possibly an event loop)
+        self._tokenizer, self._stop_token_ids = tokenizer, sorted(stop_token_ids)
+        self._xgrammar_compiler = None
+        self._xgrammar_lock = threading.Lock()
         # fills a step's rows on several threads (C++, without the GIL)
         self._batch_matcher = xgrammar.BatchGrammarMatcher(max_threads=max(1, min(8, (os.cpu_count() or 1) // 2)))
-        self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._cache: collections.OrderedDict[tuple[str, str], object] = collections.OrderedDict()
+        self._cache_bytes = 0
         self._lock = threading.Lock()
 
     @property
@@ -51,47 +70,115 @@ class GrammarCompiler:
         return (self.vocab_size + 31) // 32
 
     def compile(self, spec: StructuredOutput):
-        """The compiled grammar of spec; ValueError naming SamplingParams.structured_output when the
-        schema, regex or grammar is invalid."""
-        with self._lock:
-            compiled = self._cache.get(spec.key)
-            if compiled is not None:
-                self._cache.move_to_end(spec.key)
-                return compiled
-        compiled = self._compile(spec)
-        with self._lock:
-            self._cache[spec.key] = compiled
-            if len(self._cache) > MAX_CACHED_GRAMMARS:
-                self._cache.popitem(last=False)
-        return compiled
-
-    def _compile(self, spec: StructuredOutput):
-        kind, text = spec.key
+        """spec's compiled grammar, from the cache or compiled on a compile thread (this one
+        blocks meanwhile). ValueError naming SamplingParams.structured_output when the schema,
+        regex or grammar is invalid or its compile runs past deadline_s; QueueFullError when too
+        many compiles are queued."""
+        compiled = self._cached(spec.key)
+        if compiled is not None:
+            return compiled
+        job = self.jobs.submit(spec.key, functools.partial(self._compile_and_cache, spec))
         try:
-            if kind == "json":
-                # compact JSON (no free whitespace): a model cannot spend its tokens on blank space
-                return self._compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
-            if kind == "json_object":
-                return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
-                                                          strict_mode=False)
-            if kind == "regex":
-                return self._compiler.compile_regex(text)
-            if kind == "choice":
-                return self._compiler.compile_grammar(
-                    "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(text)))
-            return self._compiler.compile_grammar(text)
-        except Exception as e:  # xgrammar raises RuntimeError/ValueError subclasses of its own
-            raise ValueError(f"SamplingParams.structured_output: invalid {kind}: {_first_line(e)}") from None
+            return self.jobs.wait(job, self.deadline_s)
+        except TimeoutError:
+            raise self._too_slow() from None
+        finally:
+            self.jobs.leave(job)
+
+    async def compile_async(self, spec: StructuredOutput) -> None:
+        """compile(spec) for a caller on an event loop (asyncio or trio): it waits without holding
+        the loop or a thread, and cancelling it (a client gone) drops the compile if it has not
+        started. The result is cached, for the submission that follows."""
+        if self._cached(spec.key) is not None:
+            return
+        job = self.jobs.submit(spec.key, functools.partial(self._compile_and_cache, spec))
+        try:
+            delay = 0.001  # polled: a few checks for a quick compile, 20 a second for a long one
+            while not job.done:
+                if job.overdue(self.deadline_s):
+                    raise self._too_slow()
+                await anyio.sleep(delay)
+                delay = min(2 * delay, 0.05)
+            job.outcome()
+        finally:
+            self.jobs.leave(job)
+
+    def prepare(self, spec: StructuredOutput) -> None:
+        """compile(spec) for a request about to be queued, spec being the request's own copy: the
+        compiled grammar stays with it, so the engine thread never compiles, whatever the cache
+        evicts meanwhile."""
+        object.__setattr__(spec, "_compiled", (self, self.compile(spec)))
 
     def new_state(self, spec: StructuredOutput, gate=None) -> "GrammarState":
         """gate: an engine.reasoning_format.ReasoningGate, which holds the grammar back while the
         output reasons (None: it applies from the first token)."""
-        return GrammarState(self.compile(spec), gate)
+        prepared = spec.__dict__.get("_compiled")
+        return GrammarState(prepared[1] if prepared is not None and prepared[0] is self else self.compile(spec), gate)
+
+    def stats(self) -> dict:
+        """Compiles queued, running (detached: their waiters left, they run on unseen) and the cache."""
+        jobs = self.jobs.stats()
+        with self._lock:
+            return {"grammar_compiles_queued": jobs["queued"], "grammar_compiles_running": jobs["running"],
+                    "grammar_compiles_detached": jobs["detached"], "grammar_cache_bytes": self._cache_bytes,
+                    "grammar_cache_entries": len(self._cache)}
+
+    def _too_slow(self) -> ValueError:
+        return ValueError(f"SamplingParams.structured_output: the grammar did not compile within "
+                          f"{self.deadline_s:g} s (COMPILE_DEADLINE_S); make it smaller or simpler")
+
+    def _cached(self, key: tuple[str, str]):
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+            return compiled
+
+    def _compile_and_cache(self, spec: StructuredOutput):
+        """On a compile thread. A compile past the deadline is not cached: its waiters have failed."""
+        started = time.monotonic()
+        compiled = self._compile(spec)
+        if time.monotonic() - started <= self.deadline_s:
+            size = compiled.memory_size_bytes
+            with self._lock:
+                if spec.key not in self._cache and size <= self.cache_limit_bytes:
+                    self._cache[spec.key] = compiled
+                    self._cache_bytes += size
+                    while self._cache_bytes > self.cache_limit_bytes:
+                        self._cache_bytes -= self._cache.popitem(last=False)[1].memory_size_bytes
+        return compiled
+
+    def _compile(self, spec: StructuredOutput):
+        compiler = self._compiler()
+        kind, text = spec.key
+        try:
+            if kind == "json":
+                # compact JSON (no free whitespace): a model cannot spend its tokens on blank space
+                return compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
+            if kind == "json_object":
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+            if kind == "regex":
+                return compiler.compile_regex(text)
+            if kind == "choice":
+                return compiler.compile_grammar(
+                    "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(text)))
+            return compiler.compile_grammar(text)
+        except Exception as e:  # xgrammar raises RuntimeError/ValueError subclasses of its own
+            raise ValueError(f"SamplingParams.structured_output: invalid {kind}: {_first_line(e)}") from None
+
+    def _compiler(self):
+        with self._xgrammar_lock:
+            if self._xgrammar_compiler is None:
+                info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
+                                                               stop_token_ids=self._stop_token_ids)
+                # its own cache off: this class's, bounded by bytes, holds what is worth keeping
+                self._xgrammar_compiler = xgrammar.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+            return self._xgrammar_compiler
 
     def fill_bitmask(self, states: list["GrammarState"], bitmask: torch.Tensor) -> None:
         """bitmask[i] = the tokens states[i] allows next; all of them for a state that is done
-        (its row's token will be dropped), failed, or held back while its output reasons."""
-        live = [i for i, state in enumerate(states) if not state.failed and not state.matcher.is_terminated()
+        (its row's token will be dropped), has refused a token, or is held back while its output reasons."""
+        live = [i for i, state in enumerate(states) if state.error is None and not state.matcher.is_terminated()
                 and (state.gate is None or not state.gate.in_reasoning)]
         if len(live) < len(states):
             bitmask[:] = -1
@@ -109,14 +196,16 @@ class GrammarState:
     """One request's matcher, advanced over the request's completion tokens as the host learns them.
 
     Only delivered tokens are ever fed: a token the engine drops (in flight when the request ended)
-    belongs to a request that is over, and its state is dropped with it, so nothing is rolled back."""
+    belongs to a request that is over, and its state is dropped with it, so nothing is rolled back.
+    A token the matcher refuses was sampled because the request's other constraints left no token
+    the grammar allows: error says so, and the engine ends the request without that token."""
 
-    __slots__ = ("matcher", "num_consumed", "failed", "gate")
+    __slots__ = ("matcher", "num_consumed", "error", "gate")
 
     def __init__(self, compiled, gate=None):
         self.matcher = xgrammar.GrammarMatcher(compiled)
         self.num_consumed = 0  # completion tokens taken so far (the grammar's, and the reasoning's before them)
-        self.failed = False  # a token the grammar refused (it cannot be sampled; a bug if it was)
+        self.error: str | None = None  # why a token was refused (the other constraints left none it allows)
         self.gate = gate  # a ReasoningGate: the tokens it does not admit are the reasoning's, not the grammar's
 
     def catch_up(self, seq, pending_value: int | None = None) -> None:
@@ -132,14 +221,26 @@ class GrammarState:
             if self.gate is not None and not self.gate.admits(token):
                 self.num_consumed += 1
                 continue
-            if not self.failed and not self.matcher.accept_token(token):
-                logger.warning("request %s: token %d does not match its grammar", seq.request_id, token)
-                self.failed = True
+            if self.error is None and not self.matcher.accept_token(token):
+                self.error = _refusal(seq.params, token, self.num_consumed)
+                logger.warning("request %s: %s", seq.request_id, self.error)
             self.num_consumed += 1
 
     @property
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
+
+
+def _refusal(params, token: int, index: int) -> str:
+    """Why the request ends at its index-th output token, which its grammar refused."""
+    others = [name for name, given in (("allowed_token_ids", params.allowed_token_ids is not None),
+                                       ("bad_words", bool(params.bad_words)), ("min_tokens", params.min_tokens > 0))
+              if given]
+    if not others:  # the grammar's mask alone decides: a refused token is the engine's fault
+        return f"SamplingParams.structured_output: output token {index} ({token}) does not match the grammar"
+    why = " (min_tokens bans the stop tokens that end a complete output)" if "min_tokens" in others else ""
+    return (f"SamplingParams.structured_output: at output token {index} no token is allowed by both the grammar "
+            f"and {' and '.join(others)}{why}; the request ends there, without that token")
 
 
 def _first_line(error: Exception) -> str:

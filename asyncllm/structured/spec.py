@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from asyncllm.structured import checks
+
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # JSON schemas whose objects and arrays nest deeper are refused: copying one (SamplingParams.snapshot)
 # recurses per level, and some 300 levels exhaust Python's stack; a schema's nested object property
@@ -16,7 +18,11 @@ class StructuredOutput:
     """Exactly one of:
     json: a JSON schema (a dict, or its JSON text); json_object: True for any JSON object;
     regex: a regular expression; choice: the outputs allowed, as strings; grammar: an EBNF grammar
-    (xgrammar's dialect, the GBNF of llama.cpp, with a `root` rule)."""
+    (xgrammar's dialect, the GBNF of llama.cpp, with a `root` rule).
+
+    Refused here (ValueError naming the field, the limit or the feature; structured/checks.py):
+    specs over the size limits, and regex features and JSON-schema keywords xgrammar would not
+    enforce."""
     json: dict | str | None = None
     json_object: bool = False
     regex: str | None = None
@@ -48,6 +54,12 @@ class StructuredOutput:
             if _depth_over(schema, MAX_SCHEMA_DEPTH):
                 fail("json", f"objects and arrays nested more than {MAX_SCHEMA_DEPTH} levels deep")
             text = json.dumps(schema, ensure_ascii=False)  # key order kept: properties come out in it
+            problem = checks.check_text_size(text)  # first: the walk below is linear in the size
+            if problem is not None:
+                fail("json", f"the schema is too large: {problem}")
+            problem = checks.check_schema(schema)
+            if problem is not None:
+                fail("json", problem)
         elif kind == "json_object":
             if self.json_object is not True:
                 fail("json_object", f"expected True, got {self.json_object!r}")
@@ -59,11 +71,19 @@ class StructuredOutput:
                 fail("choice", f"expected a non-empty list of non-empty strings, got {_short(choice)}")
             object.__setattr__(self, "choice", list(choice))
             text = json.dumps(list(choice), ensure_ascii=False)
+            problem = checks.check_choice(choice) or checks.check_text_size(text)
+            if problem is not None:
+                fail("choice", f"too many choices: {problem}")
         else:  # regex, grammar
             value = getattr(self, kind)
             if not isinstance(value, str) or not value:
                 fail(kind, f"expected a non-empty string, got {_short(value)}")
             text = value
+            problem = checks.check_text_size(text)
+            if problem is not None:
+                fail(kind, f"too large: {problem}")
+            if kind == "regex" and (problem := checks.regex_problem(text)) is not None:
+                fail("regex", problem)
         object.__setattr__(self, "key", (kind, text))
 
     @property
