@@ -27,19 +27,21 @@ def normalize_prompts(prompts) -> list:
     return list(prompts)
 
 
-def normalize_params(sampling_params, num_prompts: int) -> list[SamplingParams]:
+def normalize_params(sampling_params, num_prompts: int, params_type: type = SamplingParams,
+                     type_name: str = "SamplingParams") -> list:
+    """One params_type object per prompt: None (the defaults), one for all, or a list of them."""
     if sampling_params is None:
-        return [SamplingParams()] * num_prompts
-    if isinstance(sampling_params, SamplingParams):
+        return [params_type()] * num_prompts
+    if isinstance(sampling_params, params_type):
         return [sampling_params] * num_prompts
     if isinstance(sampling_params, (list, tuple)):
         if len(sampling_params) != num_prompts:
             raise ValueError(f"sampling_params: {len(sampling_params)} given for {num_prompts} prompts")
         for i, p in enumerate(sampling_params):
-            if not isinstance(p, SamplingParams):
-                raise TypeError(f"sampling_params[{i}]: expected SamplingParams, got {type(p).__name__}")
+            if not isinstance(p, params_type):
+                raise TypeError(f"sampling_params[{i}]: expected {type_name}, got {type(p).__name__}")
         return list(sampling_params)
-    raise TypeError(f"sampling_params: expected SamplingParams or a list of them, got {type(sampling_params).__name__}")
+    raise TypeError(f"sampling_params: expected {type_name} or a list of them, got {type(sampling_params).__name__}")
 
 
 class LLM:

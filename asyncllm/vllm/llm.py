@@ -5,27 +5,10 @@ from __future__ import annotations
 import itertools
 
 from asyncllm.chat_template import chat_prompt_ids
-from asyncllm.llm import LLM as NativeLLM
+from asyncllm.llm import LLM as NativeLLM, normalize_params
 from asyncllm.vllm.inputs import engine_options, prompt_list, prompt_parts, truncated
 from asyncllm.vllm.outputs import RequestOutput, completion_output, prompt_token_logprobs
 from asyncllm.vllm.sampling_params import SamplingParams
-
-
-def params_list(sampling_params, num_prompts: int) -> list[SamplingParams]:
-    if sampling_params is None:
-        return [SamplingParams()] * num_prompts
-    if isinstance(sampling_params, SamplingParams):
-        return [sampling_params] * num_prompts
-    if isinstance(sampling_params, (list, tuple)):
-        if len(sampling_params) != num_prompts:
-            raise ValueError(f"sampling_params: {len(sampling_params)} given for {num_prompts} prompts")
-        for i, params in enumerate(sampling_params):
-            if not isinstance(params, SamplingParams):
-                raise TypeError(f"sampling_params[{i}]: expected asyncllm.vllm.SamplingParams, got "
-                                f"{type(params).__name__}")
-        return list(sampling_params)
-    raise TypeError(f"sampling_params: expected asyncllm.vllm.SamplingParams or a list of them, got "
-                    f"{type(sampling_params).__name__}")
 
 
 class LLM:
@@ -54,7 +37,8 @@ class LLM:
         if lora_request is not None:
             raise ValueError("lora_request: LoRA adapters are not supported")
         prompts = prompt_list(prompts)
-        params = params_list(sampling_params, len(prompts))
+        params = normalize_params(sampling_params, len(prompts), SamplingParams,
+                                  "asyncllm.vllm.SamplingParams")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority: {len(priority)} given for {len(prompts)} prompts")
         core = self.native_llm.core
