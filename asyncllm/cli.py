@@ -185,7 +185,7 @@ def serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from asyncllm.server import create_app
-        from asyncllm.server.connections import HeadTimeoutH11Protocol, answer_over_limit_in_openai_shape
+        from asyncllm.server.connections import HeadTimeoutH11Protocol
     except ImportError as e:
         print(f"asyncllm serve needs the server extra: pip install 'asyncllm-engine[server]' ({e})", file=sys.stderr)
         return 2
@@ -226,7 +226,6 @@ def serve(args: argparse.Namespace) -> int:
                      max_tokens_limit=args.max_tokens_limit, body_timeout=args.body_timeout,
                      trust_request_chat_template=args.trust_request_chat_template,
                      sse_keepalive_interval=args.sse_keepalive_interval, manage_engine=True)
-    answer_over_limit_in_openai_shape()
     if args.host not in LOOPBACK_HOSTS and api_key is None:
         logging.getLogger("asyncllm.server").warning(
             "serving on %s without an API key: anyone who can reach this port can use the model", args.host)

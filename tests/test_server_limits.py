@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import select
 import socket
 import subprocess
 import threading
@@ -170,7 +172,8 @@ def test_huge_prompt_is_refused_by_its_length_before_tokenizing(http):
 
 
 # ---- a real server: connection limits, and an event loop that keeps answering ------------------------------
-LIVE_OPTIONS = ["--body-timeout", "2", "--timeout-keep-alive", "2", "--trust-request-chat-template"]
+LIVE_OPTIONS = ["--body-timeout", "2", "--timeout-keep-alive", "2", "--trust-request-chat-template",
+                "--limit-concurrency", "16"]
 
 
 @pytest.fixture(scope="module")
@@ -231,6 +234,82 @@ def test_connections_that_send_no_request_are_closed(live):
             assert read_until_closed(sock, limit=30) == b""  # --timeout-keep-alive 2
     finally:
         for sock in [*idle, slow_head]:
+            sock.close()
+
+
+def request_on(sock: socket.socket, limit: float = 60) -> int:
+    """GET /health on an open connection, its whole answer read (the connection stays open); the status."""
+    sock.settimeout(limit)
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    data = b""
+    while b"\r\n\r\n" not in data and (chunk := sock.recv(65536)):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(re.search(rb"(?im)^content-length: *(\d+)", head).group(1))
+    while len(body) < length and (chunk := sock.recv(65536)):
+        body += chunk
+    return int(head.split()[1])
+
+
+class SlowHead(threading.Thread):
+    """Sends a request head on `sock` a byte every 0.5 s and never ends it, until the server closes the
+    connection (closed: set) or `stop` is set."""
+
+    def __init__(self, sock: socket.socket):
+        super().__init__(daemon=True)
+        self.sock, self.stop, self.closed = sock, threading.Event(), threading.Event()
+
+    def run(self) -> None:
+        try:
+            self.sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            while not self.stop.is_set():
+                readable, _, _ = select.select([self.sock], [], [], 0.5)
+                if readable and self.sock.recv(65536) == b"":
+                    break
+                self.sock.sendall(b"a")
+            else:
+                return
+        except OSError:  # reset by the server
+            pass
+        self.closed.set()
+
+
+def test_a_slow_head_after_a_first_request_is_closed(live):
+    # uvicorn's keep-alive timer stops at the next request's first byte: a head sent slowly after a
+    # first request held the connection forever (issue 52, item 4)
+    with socket.create_connection(("127.0.0.1", live["port"])) as sock:
+        assert request_on(sock) == 200
+        slow = SlowHead(sock)
+        slow.start()
+        try:
+            assert slow.closed.wait(60), "still open after 60 s (--timeout-keep-alive 2)"
+        finally:
+            slow.stop.set()
+
+
+def test_slow_heads_on_kept_alive_connections_do_not_hold_the_concurrency_limit(live):
+    # --limit-concurrency 16: 16 such connections made every other request a 503, for as long as they trickled
+    socks, slow_heads = [], []
+    try:
+        for _ in range(16):
+            socks.append(socket.create_connection(("127.0.0.1", live["port"])))
+            status = request_on(socks[-1])
+            assert status in (200, 503), status  # 503: the connections made so far reach the limit
+            if status == 200:
+                slow_heads.append(SlowHead(socks[-1]))
+                slow_heads[-1].start()
+        deadline = time.monotonic() + 60
+        while (r := httpx.get(f"{live['base']}/health", timeout=30)).status_code != 200:
+            assert_openai_error(r, 503)
+            assert time.monotonic() < deadline, "no request got through in 60 s"
+            time.sleep(0.2)
+        r = httpx.post(f"{live['base']}{COMPLETIONS}", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert all(slow.closed.wait(60) for slow in slow_heads)
+    finally:
+        for slow in slow_heads:
+            slow.stop.set()
+        for sock in socks:
             sock.close()
 
 
