@@ -171,6 +171,69 @@ def test_huge_prompt_is_refused_by_its_length_before_tokenizing(http):
     assert error["code"] == error_chat["code"] == "context_length_exceeded"
 
 
+# ---- issue 52, item 13: n x max_tokens and the logprob payload ------------------------------------------------
+OUTPUT_LIMITS = {"max_generated_tokens": 64, "max_logprob_entries": 200}
+
+
+@pytest.fixture(scope="module")
+def limited(tiny_qwen3):
+    with in_process(tiny_qwen3, **OUTPUT_LIMITS) as client:
+        yield client
+
+
+@pytest.mark.parametrize("path, body, param, flag", [
+    (CHAT, {"n": 16, "max_tokens": 8}, "max_tokens", "--max-generated-tokens"),
+    (CHAT, {"n": 16, "max_completion_tokens": 8}, "max_completion_tokens", "--max-generated-tokens"),
+    (COMPLETIONS, {"n": 2, "max_tokens": 33}, "max_tokens", "--max-generated-tokens"),
+    (CHAT, {"n": 65}, "n", "--max-generated-tokens"),  # not even one token a choice fits
+    (CHAT, {"n": 2, "max_tokens": 8, "logprobs": True, "top_logprobs": 20}, "top_logprobs", "--max-logprob-entries"),
+    (CHAT, {"n": 10, "logprobs": True, "top_logprobs": 20}, "top_logprobs", "--max-logprob-entries"),
+    (COMPLETIONS, {"max_tokens": 20, "logprobs": 10}, "logprobs", "--max-logprob-entries"),
+    (COMPLETIONS, {"prompt": "word " * 200, "max_tokens": 1, "prompt_logprobs": 1}, "prompt_logprobs",
+     "--max-logprob-entries"),
+])
+def test_output_over_the_limits_is_a_400_naming_them(limited, path, body, param, flag):
+    base = {"messages": MESSAGES} if path == CHAT else {"prompt": "Hi"}
+    error = assert_openai_error(limited.post(path, json={**base, **body}), 400, param)
+    assert flag in error["message"], error
+
+
+@pytest.mark.parametrize("path, body, most", [
+    (CHAT, {"n": 16}, 64 // 16),
+    (CHAT, {"n": 2, "logprobs": True, "top_logprobs": 20}, 200 // (2 * 21)),
+    (COMPLETIONS, {"n": 3, "max_tokens": 21}, 21),  # 63 tokens: within the limit, as asked
+])
+def test_without_max_tokens_the_default_is_lowered_to_fit_the_limits(limited, path, body, most):
+    base = {"messages": MESSAGES} if path == CHAT else {"prompt": "Hi"}
+    r = limited.post(path, json={**base, **body, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert len(answer["choices"]) == body["n"]
+    assert answer["usage"]["completion_tokens"] == body["n"] * most
+    assert all(choice["finish_reason"] == "length" for choice in answer["choices"])
+    for choice in answer["choices"]:
+        if body.get("logprobs"):
+            assert len(choice["logprobs"]["content"]) == most
+
+
+def test_the_default_output_limits_refuse_the_amplified_request(http):
+    # n=16 x top_logprobs=20 without max_tokens made a 12.6 MB answer after 123 s of CPU
+    error = assert_openai_error(http.post(CHAT, json={"messages": MESSAGES, "n": 16, "max_tokens": 2048,
+                                                      "logprobs": True, "top_logprobs": 20}), 400, "top_logprobs")
+    assert "--max-logprob-entries" in error["message"]
+    error = assert_openai_error(http.post(CHAT, json={"messages": MESSAGES, "n": 128, "max_tokens": 1024}), 400,
+                                "max_tokens")
+    assert "--max-generated-tokens" in error["message"]
+
+
+@pytest.mark.parametrize("name", ["max_generated_tokens", "max_logprob_entries"])
+@pytest.mark.parametrize("value", [0, -1, 1.5, "64", True])
+def test_bad_output_limits_are_refused_naming_them(name, value):
+    from asyncllm.server import create_app
+    with pytest.raises(ValueError, match=name):
+        create_app(object(), "tiny", **{name: value})
+
+
 # ---- a real server: connection limits, and an event loop that keeps answering ------------------------------
 LIVE_OPTIONS = ["--body-timeout", "2", "--timeout-keep-alive", "2", "--trust-request-chat-template",
                 "--limit-concurrency", "16"]
@@ -181,14 +244,14 @@ def live(tiny_qwen3, tmp_path_factory):
     port = free_port()
     log_path = str(tmp_path_factory.mktemp("server-limits") / "server.log")
     cmd = serve_command() + ["serve", tiny_qwen3, "--port", str(port), "--num-kvcache-blocks", "64",
-                             *LIVE_OPTIONS, "--log-level", "warning"]
+                             *LIVE_OPTIONS, "--log-level", "debug"]
     env = {k: v for k, v in os.environ.items() if k != "ASYNCLLM_API_KEY"}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base, proc, log_path)
-        yield {"base": base, "port": port}
+        yield {"base": base, "port": port, "log": log_path}
     finally:
         stop_process(proc)
 
@@ -311,6 +374,22 @@ def test_slow_heads_on_kept_alive_connections_do_not_hold_the_concurrency_limit(
             slow.stop.set()
         for sock in socks:
             sock.close()
+
+
+def test_a_client_gone_mid_body_is_one_short_log_line(live):
+    # it was "unhandled error in /v1/completions" with a whole traceback (issue 52, item 15)
+    start = len(open(live["log"]).read())
+    with socket.create_connection(("127.0.0.1", live["port"])) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
+    deadline = time.monotonic() + 30
+    while "disconnected before its request body ended" not in (log := open(live["log"]).read()[start:]):
+        assert time.monotonic() < deadline, f"the disconnect was not logged (--log-level debug):\n{log[-3000:]}"
+        time.sleep(0.1)
+    assert health_seconds(live["base"]) < 30
+    log = open(live["log"]).read()[start:]
+    assert "Traceback" not in log and "unhandled error" not in log and "ERROR" not in log, log[-3000:]
+    assert log.count("disconnected before its request body ended") == 1, log[-3000:]
 
 
 def test_health_answers_while_a_trusted_template_renders(live):
