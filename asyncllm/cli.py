@@ -157,7 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="seconds a stream may wait (queue, long prefill) before it sends a ': keep-alive' "
                            f"comment (default {DEFAULT_SSE_KEEPALIVE_INTERVAL:g})")
     http.add_argument("--graceful-shutdown-timeout", type=_non_negative_float, default=5.0,
-                      help="seconds to let open requests finish on shutdown before they are aborted (default 5)")
+                      help="on SIGTERM or Ctrl-C, requests not yet submitted get 503 and those running may "
+                           "finish for this many seconds; then streams still running end with an error event and "
+                           "[DONE], whole answers get 503 (default 5; the server exits as soon as nothing runs)")
     http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.set_defaults(config_fields=add_config_options(serve.add_argument_group("engine")))
 
@@ -195,7 +197,7 @@ def serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from asyncllm.server import create_app
-        from asyncllm.server.connections import HeadTimeoutH11Protocol
+        from asyncllm.server.connections import DrainingServer, HeadTimeoutH11Protocol
     except ImportError as e:
         print(f"asyncllm serve needs the server extra: pip install 'asyncllm-engine[server]' ({e})", file=sys.stderr)
         return 2
@@ -240,11 +242,14 @@ def serve(args: argparse.Namespace) -> int:
     if args.host not in LOOPBACK_HOSTS and api_key is None:
         logging.getLogger("asyncllm.server").warning(
             "serving on %s without an API key: anyone who can reach this port can use the model", args.host)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, http=HeadTimeoutH11Protocol,
+                            timeout_keep_alive=args.timeout_keep_alive,
+                            limit_concurrency=args.limit_concurrency or default_limit_concurrency())
+    server = DrainingServer(config, app.state.server.drain, args.graceful_shutdown_timeout)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, http=HeadTimeoutH11Protocol,
-                    timeout_keep_alive=args.timeout_keep_alive,
-                    limit_concurrency=args.limit_concurrency or default_limit_concurrency(),
-                    timeout_graceful_shutdown=round(args.graceful_shutdown_timeout))
+        server.run()
+    except KeyboardInterrupt:  # uvicorn raises the signal it shut down on again once done: that is the exit
+        pass
     finally:
         anyio.run(engine.shutdown)  # the lifespan's already, unless uvicorn never started it (a port in use)
     return 0

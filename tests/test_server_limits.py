@@ -86,11 +86,11 @@ def test_non_loopback_without_key_warns(tiny_qwen3, monkeypatch, caplog):
 
     from asyncllm import cli
     runs = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: runs.append(kwargs))  # nothing is bound
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server, sockets=None: runs.append(server.config))  # no bind
     monkeypatch.delenv("ASYNCLLM_API_KEY", raising=False)
     with caplog.at_level("WARNING", logger="asyncllm.server"):
         assert cli.main(["serve", tiny_qwen3, "--host", "0.0.0.0"]) == 0
-    assert runs and runs[0]["host"] == "0.0.0.0"
+    assert runs and runs[0].host == "0.0.0.0"
     assert any("without an API key" in r.getMessage() for r in caplog.records), caplog.text
 
 

@@ -27,8 +27,8 @@ request: the engine frees its KV blocks before its next step.
 Modules: protocol (request fields, error bodies), errors (Starlette's and uvicorn's own errors),
 metrics (EngineCollector, EngineMetrics: also for apps that embed the engine), sse (event streams),
 tokenization (/tokenize, /detokenize), app (routes), limits (request bodies, n x max_tokens, logprob
-entries), connections (uvicorn's h11 protocol as `asyncllm serve` runs it: head timeouts, the
---limit-concurrency 503).
+entries), shutdown (the drain on SIGTERM), connections (uvicorn as `asyncllm serve` runs it: head
+timeouts, the --limit-concurrency 503, the draining shutdown).
 """
 from asyncllm.server.app import DEFAULT_SSE_KEEPALIVE_INTERVAL, OpenAIServer, create_app
 from asyncllm.server.limits import (DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_GENERATED_TOKENS,

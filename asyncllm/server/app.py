@@ -26,6 +26,7 @@ from asyncllm.server.errors import RETRY_AFTER_SECONDS, exception_handlers
 from asyncllm.server.limits import RequestLimits, limit_output, read_json_body
 from asyncllm.server.metrics import EngineMetrics
 from asyncllm.server.protocol import APIError, field_error
+from asyncllm.server.shutdown import Drain, shutting_down_error
 from asyncllm.server.sse import EventStreamResponse, await_disconnect, chunk_events, usage
 from asyncllm.server.tokenization import TokenizationEndpoints
 from asyncllm.server.tool_call_stream import ToolCallStream
@@ -57,6 +58,7 @@ class OpenAIServer(TokenizationEndpoints):
         self.sse_keepalive_interval = sse_keepalive_interval
         self.metrics = EngineMetrics(engine, model_name)  # its own registry: several apps in a process
         self.created = int(time.time())
+        self.drain = Drain(engine.abort)  # driven by connections.DrainingServer at shutdown
 
     # ---- plumbing ----
     def _check_auth(self, request: Request) -> None:
@@ -92,6 +94,8 @@ class OpenAIServer(TokenizationEndpoints):
         return body
 
     def _check_engine(self) -> None:
+        if self.drain.refusing:
+            raise shutting_down_error()
         try:
             self.engine.check_alive()
         except (EngineDeadError, RuntimeError) as e:
@@ -102,7 +106,11 @@ class OpenAIServer(TokenizationEndpoints):
             try:
                 if auth:
                     self._check_auth(request)
-                return await handler(request)
+                with self.drain.handling() as handling:
+                    response = await handler(request)
+                if handling.cancel_called:  # the shutdown's drain ended: whatever the handler did is cut
+                    raise shutting_down_error()
+                return response
             except EngineDeadError as e:  # the engine died between a route's check and its use of the engine
                 e = APIError(503, f"the engine is not available: {e}", code="engine_unavailable")
                 self.metrics.observe_rejection(e.status)
@@ -171,12 +179,14 @@ class OpenAIServer(TokenizationEndpoints):
     def _closer(self, stream) -> Callable[..., Awaitable[None]]:
         """close(reason=None): aborts `stream` unless it has finished, and records its metrics, once."""
         done = False
+        self.drain.track(stream.request_id)
 
         async def close(reason: str | None = None) -> None:
             nonlocal done
             await stream.aclose()
             if not done:
                 done = True
+                self.drain.untrack(stream.request_id)
                 self.metrics.observe_request(stream, reason or stream.finish_reason or "abort")
         return close
 
@@ -281,7 +291,8 @@ class OpenAIServer(TokenizationEndpoints):
             first = [chunk(None, None, delta={"role": "assistant", "content": ""}, index=i)
                      for i in range(params.n)] if chat else []
             close = self._closer(stream)
-            return EventStreamResponse(chunk_events(stream, close, chunk, first, include_usage), on_close=close,
+            events = chunk_events(stream, close, chunk, first, include_usage, self.drain.ended_by_shutdown)
+            return EventStreamResponse(events, on_close=close,
                                        keepalive_interval=self.sse_keepalive_interval)
         results = await self._collect(request, stream)
         choices = [shaper.choice(r.index, r.text, r.finish_reason, r.stop_reason, r.logprobs) for r in results]

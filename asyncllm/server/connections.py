@@ -1,12 +1,17 @@
-"""What `asyncllm serve` adds to uvicorn's h11 protocol: every request head must arrive in time, and
-the 503 past --limit-concurrency comes in OpenAI's shape."""
+"""What `asyncllm serve` adds to uvicorn: every request head must arrive in time, the 503 past
+--limit-concurrency comes in OpenAI's shape (HeadTimeoutH11Protocol), and a shutdown drains the
+requests in flight, then ends those left in OpenAI's shape (DrainingServer)."""
 from __future__ import annotations
 
 import asyncio
 
+import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from asyncllm.server.errors import service_unavailable
+from asyncllm.server.shutdown import Drain
+
+END_GRACE_S = 5.0  # after the drain: for the requests ended to send their ends before uvicorn cancels them
 
 
 class HeadTimeoutH11Protocol(H11Protocol):
@@ -64,3 +69,25 @@ class HeadTimeoutH11Protocol(H11Protocol):
             self._head_deadline.cancel()
         super().connection_lost(exc)
 
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose shutdown (SIGTERM, SIGINT) drains: uvicorn stops accepting
+    connections and closes idle ones, a request not yet submitted to the engine gets a 503, and
+    those submitted run for up to drain_s seconds; then the drain ends those still running
+    (Drain.end_in_flight: an error event and [DONE] for a stream, a 503 for a whole answer), and
+    the engine shuts down. The wait ends as soon as nothing runs. uvicorn's own cancellation (a cut
+    stream, a plain-text 500) is left for requests that have not ended END_GRACE_S after that."""
+
+    def __init__(self, config: uvicorn.Config, drain: Drain, drain_s: float):
+        config.timeout_graceful_shutdown = drain_s + END_GRACE_S  # type: ignore[assignment]
+        super().__init__(config)
+        self.drain = drain
+        self.drain_s = drain_s
+
+    async def shutdown(self, sockets=None) -> None:
+        self.drain.begin()
+        ending = asyncio.get_running_loop().call_later(self.drain_s, self.drain.end_in_flight)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ending.cancel()
