@@ -31,6 +31,8 @@ DEFAULT_PORT = 8000
 DEFAULT_BODY_TIMEOUT = 30.0
 DEFAULT_TIMEOUT_KEEP_ALIVE = 5.0
 DEFAULT_SSE_KEEPALIVE_INTERVAL = 10.0  # = asyncllm.server.DEFAULT_SSE_KEEPALIVE_INTERVAL (not imported: optional)
+DEFAULT_MAX_GENERATED_TOKENS = 1 << 16  # = asyncllm.server.DEFAULT_MAX_GENERATED_TOKENS
+DEFAULT_MAX_LOGPROB_ENTRIES = 1 << 18  # = asyncllm.server.DEFAULT_MAX_LOGPROB_ENTRIES
 MAX_DEFAULT_CONCURRENCY = 1024
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 _CONFIG_HELP = {
@@ -155,11 +157,21 @@ def build_parser() -> argparse.ArgumentParser:
                            "they run on this server, so by default they get 400")
     http.add_argument("--max-tokens-limit", type=_positive_int, default=None,
                       help="largest max_tokens a request may ask for, larger ones get 400 (default: the context)")
+    http.add_argument("--max-generated-tokens", type=_positive_int, default=DEFAULT_MAX_GENERATED_TOKENS,
+                      help="most tokens one request may generate over its choices, n x max_tokens; more get 400, "
+                           "and a request without max_tokens gets at most this / n a choice "
+                           f"(default {DEFAULT_MAX_GENERATED_TOKENS})")
+    http.add_argument("--max-logprob-entries", type=_positive_int, default=DEFAULT_MAX_LOGPROB_ENTRIES,
+                      help="most logprobs one answer may carry, n x max_tokens x (top_logprobs + 1) plus the "
+                           "prompt's with prompt_logprobs; more get 400, and a request without max_tokens gets "
+                           f"a max_tokens that fits (default {DEFAULT_MAX_LOGPROB_ENTRIES})")
     http.add_argument("--sse-keepalive-interval", type=_positive_float, default=DEFAULT_SSE_KEEPALIVE_INTERVAL,
                       help="seconds a stream may wait (queue, long prefill) before it sends a ': keep-alive' "
                            f"comment (default {DEFAULT_SSE_KEEPALIVE_INTERVAL:g})")
     http.add_argument("--graceful-shutdown-timeout", type=_non_negative_float, default=5.0,
-                      help="seconds to let open requests finish on shutdown before they are aborted (default 5)")
+                      help="on SIGTERM or Ctrl-C, requests not yet submitted get 503 and those running may "
+                           "finish for this many seconds; then streams still running end with an error event and "
+                           "[DONE], whole answers get 503 (default 5; the server exits as soon as nothing runs)")
     http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.set_defaults(config_fields=add_config_options(serve.add_argument_group("engine")))
 
@@ -223,7 +235,7 @@ def serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from asyncllm.server import create_app
-        from asyncllm.server.connections import HeadTimeoutH11Protocol, answer_over_limit_in_openai_shape
+        from asyncllm.server.connections import DrainingServer, HeadTimeoutH11Protocol
     except ImportError as e:
         print(f"asyncllm serve needs the server extra: pip install 'asyncllm-engine[server]' ({e})", file=sys.stderr)
         return 2
@@ -258,17 +270,20 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     app = create_app(engine, name, api_key, max_body_bytes=args.max_body_bytes,
                      max_tokens_limit=args.max_tokens_limit, body_timeout=args.body_timeout,
+                     max_generated_tokens=args.max_generated_tokens, max_logprob_entries=args.max_logprob_entries,
                      trust_request_chat_template=args.trust_request_chat_template,
                      sse_keepalive_interval=args.sse_keepalive_interval, manage_engine=True)
-    answer_over_limit_in_openai_shape()
     if args.host not in LOOPBACK_HOSTS and api_key is None:
         logging.getLogger("asyncllm.server").warning(
             "serving on %s without an API key: anyone who can reach this port can use the model", args.host)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, http=HeadTimeoutH11Protocol,
+                            timeout_keep_alive=args.timeout_keep_alive,
+                            limit_concurrency=args.limit_concurrency or default_limit_concurrency())
+    server = DrainingServer(config, app.state.server.drain, args.graceful_shutdown_timeout)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, http=HeadTimeoutH11Protocol,
-                    timeout_keep_alive=args.timeout_keep_alive,
-                    limit_concurrency=args.limit_concurrency or default_limit_concurrency(),
-                    timeout_graceful_shutdown=round(args.graceful_shutdown_timeout))
+        server.run()
+    except KeyboardInterrupt:  # uvicorn raises the signal it shut down on again once done: that is the exit
+        pass
     finally:
         anyio.run(engine.shutdown)  # the lifespan's already, unless uvicorn never started it (a port in use)
     return 0

@@ -12,7 +12,8 @@ so its KV blocks are free before the engine's next step. GET /stats shows engine
 GET /metrics is Prometheus text from the app's own registry: the engine's collectors
 (asyncllm.server.EngineMetrics: engine state at scrape time, request latencies as requests end)
 beside a metric of the app's own. If the engine dies mid-answer, the stream sends an error event
-and the page shows it.
+and the page shows it. Request bodies are read by the server's reader (asyncllm.server.read_json_body):
+over 1 MiB is a 413, slower than 30 s a 408.
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from asyncllm import AsyncLLMEngine, EngineDeadError, QueueFullError, SamplingParams
-from asyncllm.server import EngineMetrics, EventStreamResponse, sse
+from asyncllm.server import (DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, APIError, EngineMetrics, EventStreamResponse,
+                             read_json_body, sse)
 
 PAGE = """<!doctype html>
 <html lang="en">
@@ -130,7 +132,8 @@ $("prompt").addEventListener("keydown", (e) => {
 
 
 def create_app(model: str | None = None, *, max_tokens: int = 256, max_tokens_limit: int = 4096,
-               ignore_eos: bool = False, **engine_options) -> Starlette:
+               ignore_eos: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               body_timeout: float = DEFAULT_BODY_TIMEOUT, **engine_options) -> Starlette:
     engine = AsyncLLMEngine(model, **engine_options)
     # the app's own registry: the engine's metrics and the app's side by side on one /metrics
     registry = CollectorRegistry()
@@ -148,7 +151,8 @@ def create_app(model: str | None = None, *, max_tokens: int = 256, max_tokens_li
 
     async def generate(request: Request):
         try:
-            body = await request.json()
+            # the server's reader: a body over max_body_bytes is a 413, one slower than body_timeout a 408
+            body = await read_json_body(request, max_body_bytes, body_timeout)
             prompt = body["prompt"]
             if not isinstance(prompt, str) or not prompt.strip():
                 raise ValueError("prompt: expected a non-empty string")
@@ -164,6 +168,8 @@ def create_app(model: str | None = None, *, max_tokens: int = 256, max_tokens_li
         except EngineDeadError as e:
             metrics.observe_rejection(503)
             return JSONResponse({"error": str(e)}, status_code=503)
+        except APIError as e:
+            return JSONResponse({"error": e.message}, status_code=e.status, headers=e.headers or None)
         except (ValueError, TypeError, KeyError) as e:
             return JSONResponse({"error": f"bad request: {e}"}, status_code=400)
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import select
 import socket
 import subprocess
 import threading
@@ -84,12 +86,12 @@ def test_non_loopback_without_key_warns(tiny_qwen3, monkeypatch, caplog):
 
     from asyncllm import cli
     runs = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: runs.append(kwargs))  # nothing is bound
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server, sockets=None: runs.append(server.config))  # no bind
     monkeypatch.delenv("ASYNCLLM_API_KEY", raising=False)
     with caplog.at_level("WARNING", logger="asyncllm.server"):
         # a free port: serve binds it (and lets go) before loading the model
         assert cli.main(["serve", tiny_qwen3, "--host", "0.0.0.0", "--port", str(free_port())]) == 0
-    assert runs and runs[0]["host"] == "0.0.0.0"
+    assert runs and runs[0].host == "0.0.0.0"
     assert any("without an API key" in r.getMessage() for r in caplog.records), caplog.text
 
 
@@ -170,8 +172,72 @@ def test_huge_prompt_is_refused_by_its_length_before_tokenizing(http):
     assert error["code"] == error_chat["code"] == "context_length_exceeded"
 
 
+# ---- issue 52, item 13: n x max_tokens and the logprob payload ------------------------------------------------
+OUTPUT_LIMITS = {"max_generated_tokens": 64, "max_logprob_entries": 200}
+
+
+@pytest.fixture(scope="module")
+def limited(tiny_qwen3):
+    with in_process(tiny_qwen3, **OUTPUT_LIMITS) as client:
+        yield client
+
+
+@pytest.mark.parametrize("path, body, param, flag", [
+    (CHAT, {"n": 16, "max_tokens": 8}, "max_tokens", "--max-generated-tokens"),
+    (CHAT, {"n": 16, "max_completion_tokens": 8}, "max_completion_tokens", "--max-generated-tokens"),
+    (COMPLETIONS, {"n": 2, "max_tokens": 33}, "max_tokens", "--max-generated-tokens"),
+    (CHAT, {"n": 65}, "n", "--max-generated-tokens"),  # not even one token a choice fits
+    (CHAT, {"n": 2, "max_tokens": 8, "logprobs": True, "top_logprobs": 20}, "top_logprobs", "--max-logprob-entries"),
+    (CHAT, {"n": 10, "logprobs": True, "top_logprobs": 20}, "top_logprobs", "--max-logprob-entries"),
+    (COMPLETIONS, {"max_tokens": 20, "logprobs": 10}, "logprobs", "--max-logprob-entries"),
+    (COMPLETIONS, {"prompt": "word " * 200, "max_tokens": 1, "prompt_logprobs": 1}, "prompt_logprobs",
+     "--max-logprob-entries"),
+])
+def test_output_over_the_limits_is_a_400_naming_them(limited, path, body, param, flag):
+    base = {"messages": MESSAGES} if path == CHAT else {"prompt": "Hi"}
+    error = assert_openai_error(limited.post(path, json={**base, **body}), 400, param)
+    assert flag in error["message"], error
+
+
+@pytest.mark.parametrize("path, body, most", [
+    (CHAT, {"n": 16}, 64 // 16),
+    (CHAT, {"n": 2, "logprobs": True, "top_logprobs": 20}, 200 // (2 * 21)),
+    (COMPLETIONS, {"n": 3, "max_tokens": 21}, 21),  # 63 tokens: within the limit, as asked
+])
+def test_without_max_tokens_the_default_is_lowered_to_fit_the_limits(limited, path, body, most):
+    base = {"messages": MESSAGES} if path == CHAT else {"prompt": "Hi"}
+    r = limited.post(path, json={**base, **body, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert len(answer["choices"]) == body["n"]
+    assert answer["usage"]["completion_tokens"] == body["n"] * most
+    assert all(choice["finish_reason"] == "length" for choice in answer["choices"])
+    for choice in answer["choices"]:
+        if body.get("logprobs"):
+            assert len(choice["logprobs"]["content"]) == most
+
+
+def test_the_default_output_limits_refuse_the_amplified_request(http):
+    # n=16 x top_logprobs=20 without max_tokens made a 12.6 MB answer after 123 s of CPU
+    error = assert_openai_error(http.post(CHAT, json={"messages": MESSAGES, "n": 16, "max_tokens": 2048,
+                                                      "logprobs": True, "top_logprobs": 20}), 400, "top_logprobs")
+    assert "--max-logprob-entries" in error["message"]
+    error = assert_openai_error(http.post(CHAT, json={"messages": MESSAGES, "n": 128, "max_tokens": 1024}), 400,
+                                "max_tokens")
+    assert "--max-generated-tokens" in error["message"]
+
+
+@pytest.mark.parametrize("name", ["max_generated_tokens", "max_logprob_entries"])
+@pytest.mark.parametrize("value", [0, -1, 1.5, "64", True])
+def test_bad_output_limits_are_refused_naming_them(name, value):
+    from asyncllm.server import create_app
+    with pytest.raises(ValueError, match=name):
+        create_app(object(), "tiny", **{name: value})
+
+
 # ---- a real server: connection limits, and an event loop that keeps answering ------------------------------
-LIVE_OPTIONS = ["--body-timeout", "2", "--timeout-keep-alive", "2", "--trust-request-chat-template"]
+LIVE_OPTIONS = ["--body-timeout", "2", "--timeout-keep-alive", "2", "--trust-request-chat-template",
+                "--limit-concurrency", "16"]
 
 
 @pytest.fixture(scope="module")
@@ -179,14 +245,14 @@ def live(tiny_qwen3, tmp_path_factory):
     port = free_port()
     log_path = str(tmp_path_factory.mktemp("server-limits") / "server.log")
     cmd = serve_command() + ["serve", tiny_qwen3, "--port", str(port), "--num-kvcache-blocks", "64",
-                             *LIVE_OPTIONS, "--log-level", "warning"]
+                             *LIVE_OPTIONS, "--log-level", "debug"]
     env = {k: v for k, v in os.environ.items() if k != "ASYNCLLM_API_KEY"}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base, proc, log_path)
-        yield {"base": base, "port": port}
+        yield {"base": base, "port": port, "log": log_path}
     finally:
         stop_process(proc)
 
@@ -233,6 +299,98 @@ def test_connections_that_send_no_request_are_closed(live):
     finally:
         for sock in [*idle, slow_head]:
             sock.close()
+
+
+def request_on(sock: socket.socket, limit: float = 60) -> int:
+    """GET /health on an open connection, its whole answer read (the connection stays open); the status."""
+    sock.settimeout(limit)
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    data = b""
+    while b"\r\n\r\n" not in data and (chunk := sock.recv(65536)):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(re.search(rb"(?im)^content-length: *(\d+)", head).group(1))
+    while len(body) < length and (chunk := sock.recv(65536)):
+        body += chunk
+    return int(head.split()[1])
+
+
+class SlowHead(threading.Thread):
+    """Sends a request head on `sock` a byte every 0.5 s and never ends it, until the server closes the
+    connection (closed: set) or `stop` is set."""
+
+    def __init__(self, sock: socket.socket):
+        super().__init__(daemon=True)
+        self.sock, self.stop, self.closed = sock, threading.Event(), threading.Event()
+
+    def run(self) -> None:
+        try:
+            self.sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            while not self.stop.is_set():
+                readable, _, _ = select.select([self.sock], [], [], 0.5)
+                if readable and self.sock.recv(65536) == b"":
+                    break
+                self.sock.sendall(b"a")
+            else:
+                return
+        except OSError:  # reset by the server
+            pass
+        self.closed.set()
+
+
+def test_a_slow_head_after_a_first_request_is_closed(live):
+    # uvicorn's keep-alive timer stops at the next request's first byte: a head sent slowly after a
+    # first request held the connection forever (issue 52, item 4)
+    with socket.create_connection(("127.0.0.1", live["port"])) as sock:
+        assert request_on(sock) == 200
+        slow = SlowHead(sock)
+        slow.start()
+        try:
+            assert slow.closed.wait(60), "still open after 60 s (--timeout-keep-alive 2)"
+        finally:
+            slow.stop.set()
+
+
+def test_slow_heads_on_kept_alive_connections_do_not_hold_the_concurrency_limit(live):
+    # --limit-concurrency 16: 16 such connections made every other request a 503, for as long as they trickled
+    socks, slow_heads = [], []
+    try:
+        for _ in range(16):
+            socks.append(socket.create_connection(("127.0.0.1", live["port"])))
+            status = request_on(socks[-1])
+            assert status in (200, 503), status  # 503: the connections made so far reach the limit
+            if status == 200:
+                slow_heads.append(SlowHead(socks[-1]))
+                slow_heads[-1].start()
+        deadline = time.monotonic() + 60
+        while (r := httpx.get(f"{live['base']}/health", timeout=30)).status_code != 200:
+            assert_openai_error(r, 503)
+            assert time.monotonic() < deadline, "no request got through in 60 s"
+            time.sleep(0.2)
+        r = httpx.post(f"{live['base']}{COMPLETIONS}", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert all(slow.closed.wait(60) for slow in slow_heads)
+    finally:
+        for slow in slow_heads:
+            slow.stop.set()
+        for sock in socks:
+            sock.close()
+
+
+def test_a_client_gone_mid_body_is_one_short_log_line(live):
+    # it was "unhandled error in /v1/completions" with a whole traceback (issue 52, item 15)
+    start = len(open(live["log"]).read())
+    with socket.create_connection(("127.0.0.1", live["port"])) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
+    deadline = time.monotonic() + 30
+    while "disconnected before its request body ended" not in (log := open(live["log"]).read()[start:]):
+        assert time.monotonic() < deadline, f"the disconnect was not logged (--log-level debug):\n{log[-3000:]}"
+        time.sleep(0.1)
+    assert health_seconds(live["base"]) < 30
+    log = open(live["log"]).read()[start:]
+    assert "Traceback" not in log and "unhandled error" not in log and "ERROR" not in log, log[-3000:]
+    assert log.count("disconnected before its request body ended") == 1, log[-3000:]
 
 
 def test_health_answers_while_a_trusted_template_renders(live):

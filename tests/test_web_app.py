@@ -1,9 +1,11 @@
-"""examples/web_app.py driven in headless Chromium (Debian's /usr/bin/chromium) through Playwright."""
+"""examples/web_app.py: its HTTP answers, and its page driven in headless Chromium (Debian's
+/usr/bin/chromium) through Playwright (those tests skip without Chromium)."""
 from __future__ import annotations
 
 import importlib.util
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -19,12 +21,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
                  "--disable-dev-shm-usage"]  # containers often have a tiny /dev/shm
 
-if not os.path.exists(CHROMIUM):
-    pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install -y chromium, or set CHROMIUM=path)",
-                allow_module_level=True)
-
 httpx = pytest.importorskip("httpx")
-sync_api = pytest.importorskip("playwright.sync_api")
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
@@ -64,6 +61,9 @@ def web_app(tiny_qwen3, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser():
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install -y chromium, or set CHROMIUM=path)")
+    sync_api = pytest.importorskip("playwright.sync_api")
     with sync_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         try:
@@ -143,6 +143,18 @@ def test_a_bad_max_tokens_is_a_400_naming_it(web_app, max_tokens):
     # 1e400 (infinity) was a 500 (int() of it); 0 and {} became the default, 2.9 became 2, "5" became 5
     r = httpx.post(web_app + "/generate", content=f'{{"prompt": "hi", "max_tokens": {max_tokens}}}', timeout=30)
     assert r.status_code == 400 and "max_tokens" in r.json()["error"], r.text
+
+
+def test_a_body_over_the_limit_is_a_413(web_app):
+    # a 200 MB body was read whole, and accepted (issue 52, item 15)
+    r = httpx.post(web_app + "/generate", json={"prompt": "hi " * (1 << 19), "max_tokens": 1}, timeout=60)
+    assert r.status_code == 413 and "limit" in r.json()["error"], r.text
+    with socket.create_connection(("127.0.0.1", int(web_app.rsplit(":", 1)[1])), timeout=60) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 200000000\r\n\r\n{")  # refused by its length, before any more is sent
+        assert sock.recv(65536).startswith(b"HTTP/1.1 413"), "no 413 before the body"
+    r = httpx.post(web_app + "/generate", json={"prompt": "hi", "max_tokens": 1}, timeout=60)
+    assert r.status_code == 200, r.text
 
 
 def test_engine_death_mid_stream_shows_an_error(web_app_in_process, browser):

@@ -17,23 +17,28 @@ both take the constraints response_format, structured_outputs and guided_* (serv
 whose grammar compiles off the event loop. Fields this server does not implement (functions, echo,
 best_of, suffix, ...) are accepted only at their neutral value, else a 400; an unknown field is
 ignored with one logged warning per field name (clients send newer OpenAI fields). A max_tokens
-that runs past the context is a 400. Every error has an OpenAI-style body; a 429 (the queue is
-full) has Retry-After. A chat template sent by the client is refused unless the operator trusts
-request templates.
+that runs past the context is a 400, and so is one whose n x max_tokens, or logprob entries, pass
+the server's limits (RequestLimits; without max_tokens the default is lowered to fit). Every error
+has an OpenAI-style body; a 429 (the queue is full) has Retry-After. A chat template sent by the
+client is refused unless the operator trusts request templates.
 
 A client that disconnects, mid-stream or while waiting for a non-streamed answer, aborts its
 request: the engine frees its KV blocks before its next step.
 
 Modules: protocol (request fields, error bodies), errors (Starlette's and uvicorn's own errors),
 metrics (EngineCollector, EngineMetrics: also for apps that embed the engine), sse (event streams),
-tokenization (/tokenize, /detokenize), app (routes), connections (uvicorn connection limits).
+tokenization (/tokenize, /detokenize), app (routes), limits (request bodies, n x max_tokens, logprob
+entries), shutdown (the drain on SIGTERM), connections (uvicorn as `asyncllm serve` runs it: head
+timeouts, the --limit-concurrency 503, the draining shutdown).
 """
-from asyncllm.server.app import (DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, DEFAULT_SSE_KEEPALIVE_INTERVAL,
-                                 OpenAIServer, create_app)
+from asyncllm.server.app import DEFAULT_SSE_KEEPALIVE_INTERVAL, OpenAIServer, create_app
+from asyncllm.server.limits import (DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_GENERATED_TOKENS,
+                                    DEFAULT_MAX_LOGPROB_ENTRIES, RequestLimits, read_json_body)
 from asyncllm.server.metrics import EngineCollector, EngineMetrics, RequestMetricsRecorder
 from asyncllm.server.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS, APIError
 from asyncllm.server.sse import EventStreamResponse, sse
 
 __all__ = ["APIError", "COMPLETIONS_DEFAULT_MAX_TOKENS", "DEFAULT_BODY_TIMEOUT", "DEFAULT_MAX_BODY_BYTES",
-           "DEFAULT_SSE_KEEPALIVE_INTERVAL", "EngineCollector", "EngineMetrics", "EventStreamResponse", "OpenAIServer",
-           "RequestMetricsRecorder", "create_app", "sse"]
+           "DEFAULT_MAX_GENERATED_TOKENS", "DEFAULT_MAX_LOGPROB_ENTRIES", "DEFAULT_SSE_KEEPALIVE_INTERVAL",
+           "EngineCollector", "EngineMetrics", "EventStreamResponse", "OpenAIServer", "RequestLimits",
+           "RequestMetricsRecorder", "create_app", "read_json_body", "sse"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hmac
-import json
 import logging
 import time
 import uuid
@@ -24,30 +23,27 @@ from asyncllm.server import tool_calls
 from asyncllm.server.choices import ChoiceShaper, prompt_logprobs_field
 from asyncllm.server.constraints import compile_constraint, requested_constraint
 from asyncllm.server.errors import RETRY_AFTER_SECONDS, exception_handlers
+from asyncllm.server.limits import RequestLimits, limit_output, read_json_body
 from asyncllm.server.metrics import EngineMetrics
-from asyncllm.server.protocol import APIError, field_error, is_int
+from asyncllm.server.protocol import APIError, field_error
+from asyncllm.server.shutdown import Drain, shutting_down_error
 from asyncllm.server.sse import EventStreamResponse, await_disconnect, chunk_events, usage
 from asyncllm.server.tokenization import TokenizationEndpoints
 from asyncllm.server.tool_call_stream import ToolCallStream
 
 logger = logging.getLogger("asyncllm.server")
 
-DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB
-DEFAULT_BODY_TIMEOUT = 30.0  # seconds for a whole request body to arrive
 DEFAULT_SSE_KEEPALIVE_INTERVAL = 10.0  # seconds without an event before a stream sends a comment
 
 
 class OpenAIServer(TokenizationEndpoints):
+    """limits: RequestLimits' fields (max_body_bytes, body_timeout, max_tokens_limit,
+    max_generated_tokens, max_logprob_entries)."""
+
     def __init__(self, engine, model_name: str, api_key: str | None = None, *,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_tokens_limit: int | None = None,
-                 body_timeout: float = DEFAULT_BODY_TIMEOUT, trust_request_chat_template: bool = False,
-                 sse_keepalive_interval: float | None = DEFAULT_SSE_KEEPALIVE_INTERVAL):
-        if max_tokens_limit is not None and (not is_int(max_tokens_limit) or max_tokens_limit < 1):
-            raise ValueError(f"max_tokens_limit: expected a positive int or None, got {max_tokens_limit!r}")
-        if not is_int(max_body_bytes) or max_body_bytes < 1:
-            raise ValueError(f"max_body_bytes: expected a positive int, got {max_body_bytes!r}")
-        if not isinstance(body_timeout, (int, float)) or not body_timeout > 0:
-            raise ValueError(f"body_timeout: expected a positive number of seconds, got {body_timeout!r}")
+                 trust_request_chat_template: bool = False,
+                 sse_keepalive_interval: float | None = DEFAULT_SSE_KEEPALIVE_INTERVAL, **limits):
+        self.limits = RequestLimits(**limits)
         if sse_keepalive_interval is not None and (not isinstance(sse_keepalive_interval, (int, float))
                                                    or not sse_keepalive_interval > 0):
             raise ValueError(f"sse_keepalive_interval: expected a positive number of seconds or None, "
@@ -58,13 +54,11 @@ class OpenAIServer(TokenizationEndpoints):
         self.model_name = model_name
         # compared as UTF-8 bytes: a non-ASCII key is sent as its UTF-8 bytes
         self.api_key = api_key.encode("utf-8") if api_key is not None else None
-        self.max_body_bytes = max_body_bytes
-        self.max_tokens_limit = max_tokens_limit
-        self.body_timeout = body_timeout
         self.trust_request_chat_template = trust_request_chat_template
         self.sse_keepalive_interval = sse_keepalive_interval
         self.metrics = EngineMetrics(engine, model_name)  # its own registry: several apps in a process
         self.created = int(time.time())
+        self.drain = Drain(engine.abort)  # driven by connections.DrainingServer at shutdown
 
     # ---- plumbing ----
     def _check_auth(self, request: Request) -> None:
@@ -88,39 +82,7 @@ class OpenAIServer(TokenizationEndpoints):
 
     async def _read_json(self, request: Request) -> dict:
         self._check_content_type(request)
-        length = request.headers.get("content-length")
-        if length is not None:
-            if not length.isdigit():
-                raise APIError(400, "invalid Content-Length header")
-            if int(length) > self.max_body_bytes:
-                raise APIError(413, f"the request body is {length} bytes; the limit is {self.max_body_bytes}",
-                               code="request_too_large")
-        chunks, size = [], 0
-        try:
-            # uvicorn has no body timeout: a client sending a byte now and then would hold its
-            # connection (and file descriptor) forever
-            with anyio.fail_after(self.body_timeout):
-                async for chunk in request.stream():
-                    size += len(chunk)
-                    if size > self.max_body_bytes:
-                        raise APIError(413, f"the request body is over the limit of {self.max_body_bytes} bytes",
-                                       code="request_too_large")
-                    chunks.append(chunk)
-        except TimeoutError:
-            raise APIError(408, f"the request body did not arrive within {self.body_timeout:g} s",
-                           code="request_timeout", headers={"Connection": "close"}) from None
-        raw = b"".join(chunks)
-        if json.detect_encoding(raw) not in ("utf-8", "utf-8-sig"):  # json.loads would take UTF-16/32 too
-            raise APIError(415, "the request body must be JSON in UTF-8", code="unsupported_media_type")
-        try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError) as e:
-            raise APIError(400, f"We could not parse the JSON body of your request ({e}). "
-                                "The body must be a JSON object.", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise APIError(400, f"the request body must be a JSON object, got {protocol.type_name(body)}",
-                           code="invalid_json")
-        return body
+        return await read_json_body(request, self.limits.max_body_bytes, self.limits.body_timeout)
 
     async def _request_body(self, request: Request, known: set[str], neutral: dict) -> dict:
         body = await self._read_json(request)
@@ -132,6 +94,8 @@ class OpenAIServer(TokenizationEndpoints):
         return body
 
     def _check_engine(self) -> None:
+        if self.drain.refusing:
+            raise shutting_down_error()
         try:
             self.engine.check_alive()
         except (EngineDeadError, RuntimeError) as e:
@@ -142,7 +106,11 @@ class OpenAIServer(TokenizationEndpoints):
             try:
                 if auth:
                     self._check_auth(request)
-                return await handler(request)
+                with self.drain.handling() as handling:
+                    response = await handler(request)
+                if handling.cancel_called:  # the shutdown's drain ended: whatever the handler did is cut
+                    raise shutting_down_error()
+                return response
             except EngineDeadError as e:  # the engine died between a route's check and its use of the engine
                 e = APIError(503, f"the engine is not available: {e}", code="engine_unavailable")
                 self.metrics.observe_rejection(e.status)
@@ -213,12 +181,14 @@ class OpenAIServer(TokenizationEndpoints):
     def _closer(self, stream) -> Callable[..., Awaitable[None]]:
         """close(reason=None): aborts `stream` unless it has finished, and records its metrics, once."""
         done = False
+        self.drain.track(stream.request_id)
 
         async def close(reason: str | None = None) -> None:
             nonlocal done
             await stream.aclose()
             if not done:
                 done = True
+                self.drain.untrack(stream.request_id)
                 self.metrics.observe_request(stream, reason or stream.finish_reason or "abort")
         return close
 
@@ -281,7 +251,7 @@ class OpenAIServer(TokenizationEndpoints):
             constraint, constraint_field = tools[0].constraint(), "tools"
         room = self.engine.max_seq_len - len(prompt_ids)
         default_max_tokens = max(1, room if default_max_tokens is None else min(default_max_tokens, room))
-        params = protocol.sampling_params(body, max_tokens_field, default_max_tokens, self.max_tokens_limit,
+        params = protocol.sampling_params(body, max_tokens_field, default_max_tokens, self.limits.max_tokens_limit,
                                           chat=chat, structured_output=constraint)
         if params.prompt_logprobs and body.get("stream"):  # as vLLM: the prompt's logprobs come whole or not at all
             raise APIError(400, "'prompt_logprobs' is not available with 'stream': true", param="prompt_logprobs",
@@ -293,6 +263,7 @@ class OpenAIServer(TokenizationEndpoints):
             # accepts a call left open at the end)
             params = dataclasses.replace(params, stop=[*params.stop, tools[1].end])
         self._check_context(body, max_tokens_field, prompt_ids, room, params)
+        params = limit_output(params, body, max_tokens_field, chat, len(prompt_ids), self.limits)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         stream = await self._submit(request, prompt_ids, params, request_id, "messages" if chat else "prompt",
                                     constraint_field)
@@ -325,7 +296,8 @@ class OpenAIServer(TokenizationEndpoints):
             first = [chunk(None, None, delta={"role": "assistant", "content": ""}, index=i)
                      for i in range(params.n)] if chat else []
             close = self._closer(stream)
-            return EventStreamResponse(chunk_events(stream, close, chunk, first, include_usage), on_close=close,
+            events = chunk_events(stream, close, chunk, first, include_usage, self.drain.ended_by_shutdown)
+            return EventStreamResponse(events, on_close=close,
                                        keepalive_interval=self.sse_keepalive_interval)
         results = await self._collect(request, stream)
         choices = [shaper.choice(r.index, r.text, r.finish_reason, r.stop_reason, r.logprobs, r.reasoning)
@@ -412,23 +384,20 @@ def _tool_call_delta(calls_stream: ToolCallStream, text: str | None,
     return None, (delta if delta or finish_reason is not None else None), finish_reason
 
 
-def create_app(engine, model_name: str, api_key: str | None = None, *,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_tokens_limit: int | None = None,
-               body_timeout: float = DEFAULT_BODY_TIMEOUT, trust_request_chat_template: bool = False,
-               sse_keepalive_interval: float | None = DEFAULT_SSE_KEEPALIVE_INTERVAL,
-               manage_engine: bool | None = None) -> Starlette:
+def create_app(engine, model_name: str, api_key: str | None = None, *, manage_engine: bool | None = None,
+               **options) -> Starlette:
     """The OpenAI-compatible Starlette app for `engine` (an AsyncLLMEngine).
 
     manage_engine: True = the app's lifespan starts the engine and shuts it down; False = the caller
     does; None (default) = the lifespan starts it if it is not started yet, and then owns it.
     The API key, when set, guards /v1/*; /health and /metrics stay open for probes and scrapers.
-    trust_request_chat_template: render chat templates that requests bring (they run on this server).
-    sse_keepalive_interval: seconds a stream may go without an event before it sends a comment (None: never).
+    options: OpenAIServer's --
+    trust_request_chat_template: render chat templates that requests bring (they run on this server);
+    sse_keepalive_interval: seconds a stream may go without an event before it sends a comment (None: never);
+    and the request limits (limits.RequestLimits): max_body_bytes, body_timeout, max_tokens_limit,
+    max_generated_tokens (n x max_tokens), max_logprob_entries.
     """
-    server = OpenAIServer(engine, model_name, api_key, max_body_bytes=max_body_bytes,
-                          max_tokens_limit=max_tokens_limit, body_timeout=body_timeout,
-                          trust_request_chat_template=trust_request_chat_template,
-                          sse_keepalive_interval=sse_keepalive_interval)
+    server = OpenAIServer(engine, model_name, api_key, **options)
 
     @asynccontextmanager
     async def lifespan(app):

@@ -1,35 +1,93 @@
-"""Connection limits uvicorn lacks: a connection must send its first request head in time; and the
-503 uvicorn answers past its own limit, in OpenAI's shape."""
+"""What `asyncllm serve` adds to uvicorn: every request head must arrive in time, the 503 past
+--limit-concurrency comes in OpenAI's shape (HeadTimeoutH11Protocol), and a shutdown drains the
+requests in flight, then ends those left in OpenAI's shape (DrainingServer)."""
 from __future__ import annotations
 
 import asyncio
 
-from uvicorn.protocols.http import h11_impl
+import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from asyncllm.server.errors import service_unavailable
+from asyncllm.server.shutdown import Drain
+
+END_GRACE_S = 5.0  # after the drain: for the requests ended to send their ends before uvicorn cancels them
 
 
 class HeadTimeoutH11Protocol(H11Protocol):
     """uvicorn's h11 protocol, closing a connection that has not sent a whole request head within
-    the keep-alive timeout. uvicorn arms that timeout only after a response, so a connection that
-    sends nothing, or its headers a byte at a time, would otherwise hold a file descriptor forever."""
+    the keep-alive timeout of opening or of its last response.
+
+    uvicorn arms that timeout only after a response and cancels it on the next byte received, so a
+    connection that sends nothing, or a head a byte at a time (on its first request or any later
+    one), would otherwise hold a file descriptor, and a --limit-concurrency slot, forever.
+
+    It also enforces --limit-concurrency itself, with the same test as uvicorn, answering past it with
+    errors.service_unavailable (uvicorn's own answer is plain text, taken from a module global that
+    could only be replaced process-wide)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_deadline: asyncio.TimerHandle | None = None
+        self._concurrency_limit, self.limit_concurrency = self.limit_concurrency, None  # uvicorn's test: off
+        if self._concurrency_limit is not None:
+            self.app = self._limited(self.app)
+
+    def _limited(self, app):
+        async def limited(scope, receive, send) -> None:
+            # uvicorn tests before it adds the request's task; here that task is already in self.tasks
+            over = (len(self.connections) >= self._concurrency_limit
+                    or len(self.tasks) > self._concurrency_limit)
+            if over:
+                self.logger.warning("Exceeded concurrency limit.")
+            await (service_unavailable if over else app)(scope, receive, send)
+        return limited
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._head_deadline = self.loop.call_later(self.timeout_keep_alive, self._close_if_no_request)
+        self._arm_head_deadline()
 
-    def _close_if_no_request(self) -> None:
-        if self.cycle is None and not self.transport.is_closing():
+    def on_response_complete(self) -> None:
+        # armed before uvicorn starts a pipelined request's cycle: the deadline is for the next head
+        self._arm_head_deadline()
+        super().on_response_complete()
+
+    def _arm_head_deadline(self) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+        waiting_after = self.cycle  # None on a new connection; the finished cycle after a response
+        self._head_deadline = self.loop.call_later(self.timeout_keep_alive, self._close_if_no_new_request,
+                                                   waiting_after)
+
+    def _close_if_no_new_request(self, waiting_after) -> None:
+        # a new head makes uvicorn start a new cycle; the same one means no head came in time
+        if self.cycle is waiting_after and not self.transport.is_closing():
             self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._head_deadline.cancel()
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
         super().connection_lost(exc)
 
 
-def answer_over_limit_in_openai_shape() -> None:
-    """Make uvicorn's h11 protocol answer its --limit-concurrency 503 with an OpenAI error body.
-    uvicorn takes that ASGI app from a module global of h11_impl, so it is swapped there; only
-    `asyncllm serve` calls this, for the process it owns."""
-    h11_impl.service_unavailable = service_unavailable
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose shutdown (SIGTERM, SIGINT) drains: uvicorn stops accepting
+    connections and closes idle ones, a request not yet submitted to the engine gets a 503, and
+    those submitted run for up to drain_s seconds; then the drain ends those still running
+    (Drain.end_in_flight: an error event and [DONE] for a stream, a 503 for a whole answer), and
+    the engine shuts down. The wait ends as soon as nothing runs. uvicorn's own cancellation (a cut
+    stream, a plain-text 500) is left for requests that have not ended END_GRACE_S after that."""
+
+    def __init__(self, config: uvicorn.Config, drain: Drain, drain_s: float):
+        config.timeout_graceful_shutdown = drain_s + END_GRACE_S  # type: ignore[assignment]
+        super().__init__(config)
+        self.drain = drain
+        self.drain_s = drain_s
+
+    async def shutdown(self, sockets=None) -> None:
+        self.drain.begin()
+        ending = asyncio.get_running_loop().call_later(self.drain_s, self.drain.end_in_flight)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ending.cancel()

@@ -1,5 +1,5 @@
 """OpenAI-shaped error bodies for what the routes do not answer themselves: Starlette's 404 and 405,
-an exception that escapes a handler (500), and uvicorn's own 503 past --limit-concurrency."""
+an exception that escapes a handler (500), and the 503 past --limit-concurrency."""
 from __future__ import annotations
 
 import json
@@ -39,8 +39,8 @@ SERVICE_UNAVAILABLE_BODY = json.dumps(APIError(
 
 
 async def service_unavailable(scope, receive, send) -> None:
-    """The ASGI app uvicorn runs instead of ours past --limit-concurrency (its own answers in plain
-    text): the same status, in OpenAI's shape, with Retry-After."""
+    """The ASGI app connections.HeadTimeoutH11Protocol runs instead of ours past --limit-concurrency
+    (uvicorn's own answer is plain text): the same status, in OpenAI's shape, with Retry-After."""
     await send({"type": "http.response.start", "status": 503, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(SERVICE_UNAVAILABLE_BODY)).encode()),
         (b"retry-after", str(RETRY_AFTER_SECONDS).encode()), (b"connection", b"close")]})

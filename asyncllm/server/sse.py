@@ -11,6 +11,8 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
 from asyncllm.errors import EngineDeadError, UnsatisfiableConstraintsError
+from asyncllm.server.protocol import APIError
+from asyncllm.server.shutdown import shutting_down_error
 
 logger = logging.getLogger("asyncllm.server")
 
@@ -137,16 +139,22 @@ def usage(stream) -> dict:
 
 async def chunk_events(stream, close: Callable[[str | None], Awaitable[None]],
                        make_chunk: Callable[..., dict], first: list[dict],
-                       include_usage: bool) -> AsyncIterator[str]:
+                       include_usage: bool, ended_by_shutdown: Callable[[str], bool] = lambda request_id: False,
+                       ) -> AsyncIterator[str]:
     """The SSE body of an OpenAI streamed answer: the `first` chunks, chunks built by
     make_chunk(text, finish_reason, stream item) (a choice's new text, reasoning and its tokens'
     logprobs, then its finish; None: nothing to send yet), the usage chunk if asked for, then [DONE].
-    close(finish_reason) runs last."""
+    An engine that dies, or a server shutdown that ends the request (ended_by_shutdown(request_id)),
+    ends it with an OpenAI error event, then [DONE]. close(finish_reason) runs last."""
     finish_reason = None
     try:
         for chunk in first:
             yield sse(chunk)
         async for out in stream:
+            if out.finish_reason == "abort" and ended_by_shutdown(stream.request_id):
+                yield sse(shutting_down_error().body())
+                yield sse("[DONE]")
+                return
             if (out.text or out.logprobs or out.reasoning) and (chunk := make_chunk(out.text, None, out)) is not None:
                 yield sse(chunk)
             if out.finish_reason is not None:
@@ -159,12 +167,10 @@ async def chunk_events(stream, close: Callable[[str | None], Awaitable[None]],
         yield sse("[DONE]")
     except EngineDeadError as e:
         finish_reason = "error"
-        yield sse({"error": {"message": f"the engine failed: {e}", "type": "server_error", "param": None,
-                             "code": "engine_unavailable"}})
+        yield sse(APIError(503, f"the engine failed: {e}", code="engine_unavailable").body())
         yield sse("[DONE]")
     except UnsatisfiableConstraintsError as e:  # the request's own constraints: it ends here (an abort)
-        yield sse({"error": {"message": str(e).removeprefix("SamplingParams."), "type": "invalid_request_error",
-                             "param": None, "code": "unsatisfiable_constraints"}})
+        yield sse(APIError(400, str(e).removeprefix("SamplingParams."), code="unsatisfiable_constraints").body())
         yield sse("[DONE]")
     finally:
         await close(finish_reason)  # aborts the request unless it has finished
