@@ -24,6 +24,7 @@ from asyncllm.engine.core import EngineCore
 from asyncllm.engine.options import make_config
 from asyncllm.engine.step_budget import STREAMING_TARGET_STEP_MS
 from asyncllm.errors import EngineDeadError, QueueFullError, UnsatisfiableConstraintsError
+from asyncllm.outputs import FinishReason
 from asyncllm.reasoning import text_assembler
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.structured import StructuredOutput
@@ -48,7 +49,7 @@ class AsyncLLMEngine:
         self._cv = threading.Condition()
         self._inbox: collections.deque = collections.deque()
         self._channels: dict[str, RequestChannel] = {}  # engine thread's view
-        self._endings: list[tuple[RequestChannel, str]] = []  # engine thread: final items not yet sent
+        self._endings: list[tuple[RequestChannel, FinishReason, int | None]] = []  # engine thread: final items not yet sent
         self._thread: threading.Thread | None = None
         self._core: EngineCore | None = None
         self._ready = threading.Event()
@@ -199,9 +200,9 @@ class AsyncLLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Abort a request; its blocks are free before the next step. Unknown or finished ids: no-op."""
-        self._post(("finish", check_request_id(request_id), "abort", None, None))
+        self._post(("finish", check_request_id(request_id), FinishReason.ABORT, None, None))
 
-    def _finish(self, request_id: str, reason: str, channel: RequestChannel | None = None,
+    def _finish(self, request_id: str, reason: FinishReason, channel: RequestChannel | None = None,
                 index: int | None = None) -> None:
         # with its channel, a stream ends only its own request, never another one that has its id;
         # index ends one of its n sequences (a stop string), None all of them
@@ -337,7 +338,7 @@ class AsyncLLMEngine:
             return
         # orderly stop: whatever is still in flight is aborted
         for request_id in list(self._channels):
-            self._end(request_id, "abort", force=True)
+            self._end(request_id, FinishReason.ABORT, force=True)
         self._publish_stats()
         self._send_endings()
         self._close_core()
@@ -371,7 +372,7 @@ class AsyncLLMEngine:
             if request_id in self._channels and (channel is None or channel is self._channels[request_id]):
                 self._end(request_id, reason, index)
 
-    def _end(self, request_id: str, reason: str, index: int | None = None, force: bool = False) -> None:
+    def _end(self, request_id: str, reason: FinishReason, index: int | None = None, force: bool = False) -> None:
         """End a request (index None) or one of its n sequences."""
         seq = self._core.finish_request(request_id, reason, index)
         if seq is None and not force:
@@ -402,7 +403,7 @@ class AsyncLLMEngine:
                 continue
             if event.error is not None:  # the request cannot go on: its stream raises, its other sequences end
                 del channels[seq.request_id]
-                self._core.finish_request(seq.request_id, "abort")
+                self._core.finish_request(seq.request_id, FinishReason.ABORT)
                 channel.put([], None, UnsatisfiableConstraintsError(event.error))
                 continue
             record(channel, seq, now, len(event.new_token_ids))

@@ -11,6 +11,7 @@ from asyncllm.arguments import check_bool
 from asyncllm.detokenizer import decode_logprobs
 from asyncllm.engine.core import EngineCore
 from asyncllm.engine.options import make_config
+from asyncllm.outputs import FinishReason
 from asyncllm.reasoning import text_assembler
 from asyncllm.sampling_params import SamplingParams
 
@@ -105,8 +106,8 @@ class LLM:
                     if assembler is not None:
                         assembler.add(event.new_token_ids)
                         if assembler.stopped and finish is None:
-                            self.core.finish_request(seq.request_id, "stop", seq.index)
-                            finish = "stop"
+                            self.core.finish_request(seq.request_id, FinishReason.STOP, seq.index)
+                            finish = FinishReason.STOP
                     if finish is not None:
                         stop_reasons[key] = event.stop_reason
                     if seq.request_finished and seq.request_id in pending:

@@ -6,6 +6,7 @@ nothing waits on a sleep except engine.wait_idle()'s own polling.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import threading
 
@@ -15,6 +16,7 @@ import pytest
 from asyncllm.async_engine import AsyncLLMEngine
 from asyncllm.errors import EngineDeadError, QueueFullError
 from asyncllm.llm import LLM
+from asyncllm.outputs import FinishReason
 from asyncllm.sampling_params import SamplingParams
 from helpers import anyio_asyncio_and_trio, engine_threads  # noqa: F401 - a fixture: both event loops
 
@@ -453,6 +455,33 @@ async def test_stop_string_ends_the_stream_and_frees_blocks(make_engine):
         assert "".join(out.text for out in items) == expected == stream.text
         # the engine ended the request once the stop string showed up, long before max_tokens
         assert stream.metrics.num_completion_tokens < 40
+
+
+async def test_finish_reasons_are_typed_and_read_as_plain_strings(make_engine, sync_reference):
+    """Every finish reason the engine hands out is a FinishReason, which users, JSON and f-strings
+    read as its plain value: "stop" (a stop string, a stop token), "length" and "abort"."""
+    prompt = "Hello, my name is"
+    with anyio.fail_after(TIMEOUT):
+        async with make_engine() as engine:
+            length = await engine.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+            by_string = await engine.generate(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                                                     stop=[length.text[5:12]]))
+            by_token = await engine.generate(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                                                    stop_token_ids=[length.token_ids[3]]))
+            stream = engine.stream(prompt, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+            await stream.__anext__()
+            await stream.aclose()
+            engine.abort("nobody")  # an unknown id: a no-op
+            await assert_idle(engine)
+    outputs, _ = sync_reference
+    reasons = {"length": [length.finish_reason, outputs[0]["finish_reason"]],
+               "stop": [by_string.finish_reason, by_token.finish_reason], "abort": [stream.finish_reason]}
+    for value, found in reasons.items():
+        for reason in found:
+            assert isinstance(reason, FinishReason) and reason is FinishReason(value)
+            assert reason == value and hash(reason) == hash(value) and {value: 1}[reason] == 1
+            assert (str(reason), f"{reason}", "%s" % reason, json.dumps({"r": reason})) == \
+                (value, value, value, json.dumps({"r": value}))
 
 
 async def test_a_reader_that_falls_behind_gets_no_tokens_past_a_stop_string(make_engine):

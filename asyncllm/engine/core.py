@@ -23,7 +23,7 @@ from asyncllm.runner.launched_step import LaunchedStep
 from asyncllm.runner.model_runner import ModelRunner
 from asyncllm.runner.tp_workers import TensorParallelWorkers
 from asyncllm.models.checkpoint import check_tokenizer, find_eos_token_ids, load_tokenizer
-from asyncllm.outputs import TokenLogprob
+from asyncllm.outputs import FinishReason, TokenLogprob
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.structured.grammar import GrammarCompiler
 from asyncllm.structured.step_masks import StepConstraints
@@ -36,7 +36,7 @@ class StepEvent:
     """What happened to one request in one step: a new token and/or its end."""
     seq: Sequence  # seq.index tells which of an n > 1 request's sequences
     new_token_ids: list[int]
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked
     stop_reason: int | None = None  # the stop token id that ended it (EOS: None, as vLLM)
     request_finished: bool = False  # every sequence of the request has finished (n == 1: finish_reason set)
@@ -225,12 +225,13 @@ class EngineCore:
             self.scheduler.add(child)
         seq.forks = []
 
-    def _end(self, seq: Sequence, reason: str) -> None:
+    def _end(self, seq: Sequence, reason: FinishReason) -> None:
         """End one sequence: its blocks and its sampler state are freed."""
         self.scheduler.finish(seq, reason)
         self.runner.release_sequence(seq)
 
-    def finish_request(self, request_id: str, reason: str = "abort", index: int | None = None) -> Sequence | None:
+    def finish_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
+                       index: int | None = None) -> Sequence | None:
         """End a request now (abort, or a stop string found by the caller); its blocks are freed at once.
         Unknown or finished ids are ignored. With n > 1, index ends one of its sequences (None: all);
         returns the request's first sequence."""
@@ -354,7 +355,7 @@ class EngineCore:
             reason = self._finish_reason(seq, token_id, length) if token_id in seq.stop_ids or \
                 length >= seq.max_len or seq.grammar is not None else None
             if reason is not None:
-                refused = reason == "abort" and seq.grammar is not None and seq.grammar.error is not None
+                refused = reason is FinishReason.ABORT and seq.grammar is not None and seq.grammar.error is not None
                 del seq.token_ids[item.token_index + (not refused):]  # tokens in flight; one the grammar refused
                 self._end(seq, reason)
                 if seq.request_finished:
@@ -368,7 +369,7 @@ class EngineCore:
             event = StepEvent(seq, [token_id], reason)
             if reason is not None:
                 event.request_finished = seq.request_finished
-                if reason == "stop" and token_id in seq.params.stop_token_ids and not self._is_eos(seq, token_id):
+                if reason is FinishReason.STOP and token_id in seq.params.stop_token_ids and not self._is_eos(seq, token_id):
                     event.stop_reason = token_id
             if logprobs is not None and logprobs[row] is not None:
                 event.logprobs = [logprobs[row]]
@@ -380,20 +381,20 @@ class EngineCore:
     def _is_eos(self, seq: Sequence, token_id: int) -> bool:
         return not seq.params.ignore_eos and token_id in self.eos_token_ids
 
-    def _finish_reason(self, seq: Sequence, token_id: int, length: int) -> str | None:
+    def _finish_reason(self, seq: Sequence, token_id: int, length: int) -> FinishReason | None:
         """Why seq ends with token_id as its length-th token, if it does."""
         params = seq.params
         if (self._is_eos(seq, token_id) or token_id in params.stop_token_ids) and \
                 length - seq.num_prompt_tokens > params.min_tokens:
-            return "stop"
+            return FinishReason.STOP
         if seq.grammar is not None:
             seq.grammar.catch_up(seq)
             if seq.grammar.error is not None:  # its constraints left no token the grammar allows
-                return "abort"
+                return FinishReason.ABORT
             if seq.grammar.is_terminated:  # the output is complete: the grammar allows nothing more
-                return "stop"
+                return FinishReason.STOP
         if length >= seq.max_len:  # the scheduler plans no step past this length either
-            return "length"
+            return FinishReason.LENGTH
         return None
 
     @property
