@@ -14,7 +14,8 @@ MAX_LINES = 450
 # of lower ones; a new module must be placed here. structured/'s spec sits with sampling_params at the
 # bottom; its grammar and step masks sit under the engine, which drives them, beside the runner.
 LAYERS = (
-    ("api", ("asyncllm", "asyncllm.llm", "asyncllm.async_engine", "asyncllm.streams", "asyncllm.detokenizer",
+    ("api", ("asyncllm", "asyncllm.llm", "asyncllm.async_engine", "asyncllm.engine_thread", "asyncllm.streams",
+             "asyncllm.detokenizer",
              "asyncllm.reasoning", "asyncllm.server", "asyncllm.cli", "asyncllm.vllm", "asyncllm.arguments",
              "asyncllm.chat_template")),
     ("engine", ("asyncllm.engine",)),
