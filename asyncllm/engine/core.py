@@ -2,27 +2,24 @@
 AsyncLLMEngine drive this same object; it knows nothing of threads or event loops."""
 from __future__ import annotations
 
-import dataclasses
 import logging
-import threading
 import time
 import uuid
 from dataclasses import dataclass
 
 from asyncllm.config import Config
 from asyncllm.engine.block_manager import BlockManager
-from asyncllm.engine.reasoning_format import ReasoningTags
+# check_text: server/tokenization.py imports it from here
+from asyncllm.engine.intake import RequestIntake, check_text  # noqa: F401
 from asyncllm.engine.scheduler import Scheduler, SchedulerOutput
 from asyncllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from asyncllm.engine.startup_heap import freeze_startup_heap
 from asyncllm.engine.step_logprobs import add_prompt_logprobs, token_logprobs
 from asyncllm.engine.step_budget import StepBudget, StepTimeModel, StepTimer, calibration_shapes
-from asyncllm.engine.token_bans import check_some_token_samplable, encode_bad_words
-from asyncllm.errors import PromptTooLongError
 from asyncllm.runner.launched_step import LaunchedStep
 from asyncllm.runner.model_runner import ModelRunner
 from asyncllm.runner.tp_workers import TensorParallelWorkers
-from asyncllm.models.checkpoint import check_tokenizer, find_eos_token_ids, load_tokenizer
+from asyncllm.models.checkpoint import check_tokenizer, load_tokenizer
 from asyncllm.outputs import FinishReason, TokenLogprob
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.structured.grammar import GrammarCompiler
@@ -42,16 +39,6 @@ class StepEvent:
     request_finished: bool = False  # every sequence of the request has finished (n == 1: finish_reason set)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first token, when the request asked
     error: str | None = None  # ended with no token: its grammar refused the one sampled (GrammarState.error)
-
-
-def check_text(text: str, argument: str) -> None:
-    """Refuse a str that is not valid Unicode text (lone surrogates, e.g. from bytes decoded with
-    errors="surrogateescape"), which the tokenizer would reject with an obscure error."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"{argument}: not valid Unicode text (lone surrogate {text[e.start]!r} at index "
-                         f"{e.start}); decode bytes with errors='replace' first") from None
 
 
 class EngineCore:
@@ -82,86 +69,38 @@ class EngineCore:
                                    self.step_budget)
         # a sequence can never outgrow the whole cache, so that is a length limit too
         self.max_seq_len = min(config.max_model_len, self.block_manager.num_total_blocks * config.kvcache_block_size)
-        self.vocab_size = config.hf_config.vocab_size
-        self.eos_token_ids = find_eos_token_ids(config.model, config.hf_config, self.tokenizer)
-        # no token decodes to more characters than this: a longer text cannot fit in max_seq_len
-        # tokens, and is refused before the tokenizer spends seconds on it
-        self.max_prompt_chars = self.max_seq_len * max(map(len, self.tokenizer.get_vocab()), default=1)
+        self.intake = RequestIntake(config, self.tokenizer, self.max_seq_len)
+        # the intake's, read by the callers that hold the core (set once, never changed)
+        self.vocab_size, self.eos_token_ids = self.intake.vocab_size, self.intake.eos_token_ids
+        self.max_prompt_chars, self.reasoning = self.intake.max_prompt_chars, self.intake.reasoning
         self.requests: dict[str, Sequence] = {}
         self.num_steps = 0
         self._last_sched: SchedulerOutput | None = None
         self.overlap = config.overlap_scheduling
         self._in_flight: LaunchedStep | None = None  # launched, not yet resolved (overlap only)
         self._launched: LaunchedStep | None = None  # launched by launch_step, before its resolve_step
-        # constrained decoding: the compiler is made on the first constrained request (xgrammar reads
-        # the whole vocabulary); requests with a grammar, pruned once finished
+        # constrained decoding: the intake's compiler once a request has a grammar; the sequences
+        # with a grammar, pruned once finished
         self._grammar_compiler: GrammarCompiler | None = None
-        self._grammar_compiler_lock = threading.Lock()
         self._constrained: list[Sequence] = []
-        self.reasoning = ReasoningTags.of(config.reasoning_parser, self.tokenizer)  # a grammar waits for its end
 
-    # ---- input --------------------------------------------------------------------------------
+    # ---- input: the intake's checks, for the callers that hold the core (LLM, AsyncLLMEngine, the
+    # chat template, asyncllm.vllm) ---------------------------------------------------------------
     def encode_prompt(self, prompt, argument: str = "prompt") -> list[int]:
         """A prompt string or token-id list, checked, as token ids."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError(f"{argument}: the prompt is empty")
-            check_text(prompt, argument)
-            if len(prompt) > self.max_prompt_chars:
-                raise PromptTooLongError(f"{argument}: {len(prompt)} characters cannot fit in max_model_len "
-                                 f"({self.max_seq_len} tokens)")
-            token_ids = self.tokenizer.encode(prompt)
-            if not token_ids:
-                raise ValueError(f"{argument}: the prompt encodes to no tokens")
-            return self.check_token_ids(token_ids, argument)
-        if isinstance(prompt, (list, tuple)):
-            if not prompt:
-                raise ValueError(f"{argument}: the token-id list is empty")
-            return self.check_token_ids(list(prompt), argument)
-        raise TypeError(f"{argument}: expected a string or a list of token ids, got {type(prompt).__name__}")
-
-    def check_token_ids(self, token_ids: list[int], argument: str) -> list[int]:
-        """Every id an int inside the model's vocabulary: an id past it would fail inside a step."""
-        for i, t in enumerate(token_ids):
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise TypeError(f"{argument}[{i}]: token ids must be ints, got {type(t).__name__}")
-            if not 0 <= t < self.vocab_size:
-                raise ValueError(f"{argument}[{i}]: token id {t} is outside the vocabulary [0, {self.vocab_size})")
-        return token_ids
+        return self.intake.encode_prompt(prompt, argument)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
                       argument: str = "prompt") -> SamplingParams:
         """Check a request; returns the validated snapshot of params that the request must keep."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
-        # a snapshot: fields set on the caller's object later would otherwise reach a step and
-        # fail there, killing the engine for every request
-        params = params.snapshot()
-        if params.logit_bias is not None:
-            self.check_token_ids(list(params.logit_bias), "SamplingParams.logit_bias")
-        if params.allowed_token_ids is not None:
-            self.check_token_ids(params.allowed_token_ids, "SamplingParams.allowed_token_ids")
-        if params.stop_token_ids:  # banned below min_tokens: an id past the logits would fail the step
-            self.check_token_ids(params.stop_token_ids, "SamplingParams.stop_token_ids")
-        check_some_token_samplable(params, self.vocab_size, self.eos_token_ids, self.tokenizer)
-        if params.structured_output is not None:
-            # compiled here (the caller waits) and kept with the request's copy: the engine thread never compiles
-            self.grammar_compiler.prepare(params.structured_output)
-        if len(prompt_token_ids) >= self.max_seq_len:
-            what = "max_model_len" if self.max_seq_len == self.config.max_model_len else "the KV cache's capacity"
-            raise PromptTooLongError(f"{argument}: {len(prompt_token_ids)} tokens leave no room to generate within "
-                             f"{what} ({self.max_seq_len} tokens)")
-        return params
+        return self.intake.check_request(prompt_token_ids, params, argument)
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
-        with self._grammar_compiler_lock:
-            if self._grammar_compiler is None:
-                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
-            return self._grammar_compiler
+        return self.intake.grammar_compiler
 
     def grammar_stats(self) -> dict:  # live, from any thread; {} before the first constrained request
-        return self._grammar_compiler.stats() if self._grammar_compiler is not None else {}
+        return self.intake.grammar_stats()
 
     @staticmethod
     def new_request_id() -> str:
@@ -192,23 +131,9 @@ class EngineCore:
 
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       index: int) -> Sequence:
-        if params.n > 1:
-            seed = params.seed
-            if seed is not None:  # each sequence its own stream, reproducible: seed + index (wrapped)
-                seed = seed + index if seed + index < 1 << 64 else seed + index - (1 << 64)
-            # the first sequence alone computes the prompt, and scores it if asked
-            params = dataclasses.replace(params, n=1, seed=seed,
-                                         prompt_logprobs=params.prompt_logprobs if index == 0 else None)
-        seq = Sequence(request_id, prompt_token_ids, params, self.config.kvcache_block_size, self.max_seq_len)
-        seq.index = index
-        seq.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        if params.min_tokens:
-            seq.early_stop_ids = sorted(seq.stop_ids)
-        if params.bad_words:
-            seq.bad_word_ids = encode_bad_words(self.tokenizer, params.bad_words)
-        if params.structured_output is not None:  # each of n sequences follows the grammar on its own
-            gate = self.reasoning.grammar_gate(prompt_token_ids) if self.reasoning is not None else None
-            seq.grammar = self.grammar_compiler.new_state(params.structured_output, gate)
+        seq = self.intake.new_sequence(request_id, prompt_token_ids, params, index)
+        if seq.grammar is not None:  # its steps build a token mask (with the compiler it was made by)
+            self._grammar_compiler = self.intake.grammar_compiler
             self._constrained.append(seq)
         return seq
 
