@@ -22,6 +22,7 @@ from asyncllm.errors import EngineDeadError, QueueFullError
 from asyncllm.outputs import FinishReason
 from asyncllm.reasoning import text_assembler
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.startup import CONFIG, StartupTimings
 from asyncllm.structured import StructuredOutput
 from asyncllm.streams import LaunchGate, RequestChannel, RequestResult, RequestStream
 
@@ -38,7 +39,9 @@ class AsyncLLMEngine:
                                                                 "parse_special_tokens_in_chat_content")
         # streams first: a bounded step time (target_step_ms=None asks for throughput first, as LLM)
         config_kwargs.setdefault("target_step_ms", STREAMING_TARGET_STEP_MS)
-        self.config = make_config(model, config_kwargs)
+        self._startup = StartupTimings()  # the engine thread's EngineCore goes on with it
+        with self._startup.phase(CONFIG):
+            self.config = make_config(model, config_kwargs)
         self._closed = False  # shut down: no new requests
         # With overlap: closed by the engine thread from the moment a step's results reach the host
         # until the next step is launched; streams' reads that find it closed wait for it
@@ -46,7 +49,7 @@ class AsyncLLMEngine:
         # ASYNCLLM_LAUNCH_GATE=0: the channels get none (to compare).
         self._launch_gate = LaunchGate()
         self._use_launch_gate = settings.LAUNCH_GATE.read()
-        self._engine_thread = EngineThread(self.config, self._launch_gate)
+        self._engine_thread = EngineThread(self.config, self._launch_gate, self._startup)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def __aenter__(self) -> "AsyncLLMEngine":
@@ -203,6 +206,12 @@ class AsyncLLMEngine:
     @property
     def started(self) -> bool:
         return self._engine_thread.thread is not None
+
+    @property
+    def startup_timings(self) -> dict[str, float]:
+        """Each start-up phase's wall time in seconds, in the order they ran (asyncllm/startup.py);
+        complete once start() has returned."""
+        return dict(self._startup.seconds)
 
     @property
     def tokenizer(self):

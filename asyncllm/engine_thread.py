@@ -25,6 +25,7 @@ from asyncllm.engine.core import EngineCore
 from asyncllm.errors import EngineDeadError, UnsatisfiableConstraintsError
 from asyncllm.outputs import FinishReason
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.startup import StartupTimings
 from asyncllm.streams import LaunchGate, RequestChannel, RequestMetrics, wake
 
 logger = logging.getLogger("asyncllm")
@@ -58,8 +59,9 @@ class EngineThread:
     The caller's side (any thread): start, post, stop, is_idle, num_queued, stats. The rest runs on
     the engine thread."""
 
-    def __init__(self, config: Config, launch_gate: LaunchGate):
+    def __init__(self, config: Config, launch_gate: LaunchGate, startup: StartupTimings):
         self.config = config
+        self.startup = startup  # the core's start-up phases are timed into it
         self.launch_gate = launch_gate  # closed while the loop launches a step (with overlap)
         self.core: EngineCore | None = None  # made by the thread; None until then, or if that failed
         self.thread: threading.Thread | None = None
@@ -122,7 +124,7 @@ class EngineThread:
     # ---- the engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            self.core = EngineCore(self.config)
+            self.core = EngineCore(self.config, startup=self.startup)
         except BaseException as e:  # noqa: BLE001 - reported to the starter
             self.dead = e
             self.ready.set()

@@ -14,6 +14,7 @@ from asyncllm.engine.options import make_config
 from asyncllm.outputs import FinishReason
 from asyncllm.reasoning import text_assembler
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.startup import CONFIG, StartupTimings
 
 
 def normalize_prompts(prompts) -> list:
@@ -45,13 +46,21 @@ def normalize_params(sampling_params, num_prompts: int) -> list[SamplingParams]:
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs):
-        self.core = EngineCore(make_config(model, kwargs))
+        startup = StartupTimings()
+        with startup.phase(CONFIG):
+            config = make_config(model, kwargs)
+        self.core = EngineCore(config, startup=startup)
         self.tokenizer = self.core.tokenizer
         # tensor-parallel workers end with the LLM, or at interpreter exit at the latest
         self._finalizer = weakref.finalize(self, self.core.close)
         # one generate() at a time drives the core: another thread's steps would take this call's
         # events, and its own loop would then wait, spinning, for tokens that never come
         self._lock = threading.Lock()
+
+    @property
+    def startup_timings(self) -> dict[str, float]:
+        """Each start-up phase's wall time in seconds, in the order they ran (asyncllm/startup.py)."""
+        return dict(self.core.startup.seconds)
 
     def close(self) -> None:
         with self._lock:  # after a generate() running in another thread

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import threading
 
 import anyio
 import pytest
 
+from asyncllm import startup
 from asyncllm.async_engine import AsyncLLMEngine
 from asyncllm.engine_thread import AddRequest
 from asyncllm.errors import EngineDeadError, QueueFullError
@@ -661,6 +663,45 @@ async def test_invalid_input_raises_before_queueing_and_queue_is_bounded(make_en
 
 
 # ---- lifecycle -------------------------------------------------------------------------------------
+async def test_start_up_phases_are_timed_in_order_and_logged(make_engine, tiny_qwen3, caplog):
+    caplog.set_level(logging.DEBUG, logger="asyncllm")
+    with anyio.fail_after(TIMEOUT):
+        engine = make_engine()
+        assert list(engine.startup_timings) == [startup.CONFIG]  # made in the constructor; the rest at start()
+        async with engine:
+            async_timings = engine.startup_timings
+    with LLM(tiny_qwen3, **ENGINE_KW) as llm:
+        llm_timings = llm.startup_timings
+    on_cpu = {startup.CONFIG, startup.HEAP_FREEZE, startup.TOKENIZER, startup.BUILD_MODEL, startup.LOAD_WEIGHTS,
+              startup.SAMPLER, startup.MEMORY_PROBE, startup.KV_CACHE, startup.ATTENTION_BACKEND,
+              startup.BLOCK_MANAGER, startup.STEP_BUDGET, startup.SCHEDULER, startup.REQUEST_INTAKE}
+    for timings in (async_timings, llm_timings):
+        assert list(timings) == [phase for phase in startup.STARTUP_PHASES if phase in timings]  # in order
+        assert set(timings) == on_cpu  # one rank, no CUDA: no workers, graphs, tuning or calibration
+        assert all(seconds >= 0 for seconds in timings.values())
+    logged = [(record.startup_phase, record.startup_s) for record in caplog.records
+              if hasattr(record, "startup_phase")]
+    assert logged == [*async_timings.items(), *llm_timings.items()]
+    assert all(record.getMessage().startswith(f"start-up: {record.startup_phase} ") for record in caplog.records
+               if hasattr(record, "startup_phase"))
+
+
+def test_a_start_up_phase_out_of_order_or_unknown_is_refused():
+    timings = startup.StartupTimings()
+    with timings.phase(startup.TOKENIZER):
+        pass
+    with pytest.raises(RuntimeError, match="'config' runs after 'tokenizer'"):
+        with timings.phase(startup.CONFIG):
+            pass
+    with pytest.raises(ValueError, match="not in STARTUP_PHASES"):
+        with timings.phase("warm-up"):
+            pass
+    with pytest.raises(ZeroDivisionError):  # a phase that fails is not recorded
+        with timings.phase(startup.BUILD_MODEL):
+            1 / 0
+    assert list(timings.seconds) == [startup.TOKENIZER]
+
+
 async def test_drain_shutdown_and_chat(make_engine):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     results = {}

@@ -15,9 +15,8 @@ MAX_LINES = 450
 # bottom; its grammar and step masks sit under the engine, which drives them, beside the runner.
 LAYERS = (
     ("api", ("asyncllm", "asyncllm.llm", "asyncllm.async_engine", "asyncllm.engine_thread", "asyncllm.streams",
-             "asyncllm.detokenizer",
-             "asyncllm.reasoning", "asyncllm.server", "asyncllm.cli", "asyncllm.vllm", "asyncllm.arguments",
-             "asyncllm.chat_template")),
+             "asyncllm.detokenizer", "asyncllm.reasoning", "asyncllm.server", "asyncllm.cli", "asyncllm.vllm",
+             "asyncllm.arguments", "asyncllm.chat_template")),
     ("engine", ("asyncllm.engine",)),
     ("runner", ("asyncllm.runner", "asyncllm.structured.grammar", "asyncllm.structured.step_masks")),
     ("models", ("asyncllm.models",)),
@@ -25,7 +24,7 @@ LAYERS = (
     ("kernels", ("asyncllm.kernels",)),
     ("base", ("asyncllm.config", "asyncllm.settings", "asyncllm.sampling_params", "asyncllm.structured",
               "asyncllm.structured.spec", "asyncllm.errors", "asyncllm.outputs", "asyncllm.distributed",
-              "asyncllm.testing")),
+              "asyncllm.startup", "asyncllm.testing")),
 )
 
 # The upward imports there are today, each an exact (importer, imported) pair: the runner and the

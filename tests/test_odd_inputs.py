@@ -303,7 +303,7 @@ async def test_concurrent_starts_all_return_once_the_engine_serves(tiny_qwen3):
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 async def test_concurrent_starts_all_raise_the_start_failure(tiny_qwen3, monkeypatch):
-    def failing_core(config):
+    def failing_core(config, **kwargs):
         raise RuntimeError("no device for you")
     monkeypatch.setattr(engine_thread, "EngineCore", failing_core)
     engine = AsyncLLMEngine(tiny_qwen3, **ENGINE_KW)

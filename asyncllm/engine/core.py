@@ -22,6 +22,8 @@ from asyncllm.runner.tp_workers import TensorParallelWorkers
 from asyncllm.models.checkpoint import check_tokenizer, load_tokenizer
 from asyncllm.outputs import FinishReason, TokenLogprob
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.startup import (BLOCK_MANAGER, HEAP_FREEZE, REQUEST_INTAKE, SCHEDULER, STEP_BUDGET,
+                              STEP_MODEL_CALIBRATION, TOKENIZER, TP_WORKERS, StartupTimings)
 from asyncllm.structured.grammar import GrammarCompiler
 from asyncllm.structured.step_masks import StepConstraints
 
@@ -42,34 +44,49 @@ class StepEvent:
 
 
 class EngineCore:
-    def __init__(self, config: Config, weights=None):
-        freeze_startup_heap()
+    def __init__(self, config: Config, weights=None, startup: StartupTimings | None = None):
+        """The start-up's phases, in order (asyncllm/startup.py; the ModelRunner's in the middle),
+        each timed into startup (a new record unless the caller's, which timed the config)."""
         self.config = config
-        self.tokenizer = load_tokenizer(config.model)
-        check_tokenizer(self.tokenizer, config.hf_config, config.model)
-        # rank 0 of a tensor-parallel engine starts the other ranks; the runner steps them from then on
-        workers = TensorParallelWorkers(config) if config.tensor_parallel_size > 1 else None
-        self.runner = ModelRunner(config, weights=weights, workers=workers)
-        self.block_manager = BlockManager(self.runner.num_kvcache_blocks, config.kvcache_block_size,
-                                          config.enable_prefix_caching)
-        # every step is timed and modelled, with a target or without (stats show the step time)
-        self.step_model = StepTimeModel()
-        self.step_timer = StepTimer(self.step_model, self.runner.device)
-        # a chunk of one KV block: the least a waiting prefill advances per step; a full block is
-        # hashed (prefix cache) as soon as it is computed
-        self.step_budget = StepBudget(config.target_step_ms, config.max_num_batched_tokens,
-                                      config.kvcache_block_size, self.step_model,
-                                      config.max_num_seqs) if config.target_step_ms else None
+        self.startup = StartupTimings() if startup is None else startup
+        phase = self.startup.phase
+        with phase(HEAP_FREEZE):
+            freeze_startup_heap()
+        with phase(TOKENIZER):
+            self.tokenizer = load_tokenizer(config.model)
+            check_tokenizer(self.tokenizer, config.hf_config, config.model)
+        workers = None
+        if config.tensor_parallel_size > 1:
+            # rank 0 of a tensor-parallel engine starts the other ranks; the runner steps them from then on
+            with phase(TP_WORKERS):
+                workers = TensorParallelWorkers(config)
+        self.runner = ModelRunner(config, weights=weights, workers=workers, startup=self.startup)
+        with phase(BLOCK_MANAGER):
+            self.block_manager = BlockManager(self.runner.num_kvcache_blocks, config.kvcache_block_size,
+                                              config.enable_prefix_caching)
+        with phase(STEP_BUDGET):
+            # every step is timed and modelled, with a target or without (stats show the step time)
+            self.step_model = StepTimeModel()
+            self.step_timer = StepTimer(self.step_model, self.runner.device)
+            # a chunk of one KV block: the least a waiting prefill advances per step; a full block is
+            # hashed (prefix cache) as soon as it is computed
+            self.step_budget = StepBudget(config.target_step_ms, config.max_num_batched_tokens,
+                                          config.kvcache_block_size, self.step_model,
+                                          config.max_num_seqs) if config.target_step_ms else None
         if self.step_budget is not None and self.runner.device.type == "cuda" and config.tensor_parallel_size == 1:
             # a fresh engine's first steps compile kernels, so their times teach nothing: measure
             # steps now, after a warm-up, and start with a fitted model
-            self.step_model.calibrate(self.runner.time_steps(
-                calibration_shapes(config.max_num_batched_tokens, config.max_num_seqs)))
-        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
-                                   self.step_budget)
-        # a sequence can never outgrow the whole cache, so that is a length limit too
-        self.max_seq_len = min(config.max_model_len, self.block_manager.num_total_blocks * config.kvcache_block_size)
-        self.intake = RequestIntake(config, self.tokenizer, self.max_seq_len)
+            with phase(STEP_MODEL_CALIBRATION):
+                self.step_model.calibrate(self.runner.time_steps(
+                    calibration_shapes(config.max_num_batched_tokens, config.max_num_seqs)))
+        with phase(SCHEDULER):
+            self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
+                                       self.step_budget)
+            # a sequence can never outgrow the whole cache, so that is a length limit too
+            self.max_seq_len = min(config.max_model_len,
+                                   self.block_manager.num_total_blocks * config.kvcache_block_size)
+        with phase(REQUEST_INTAKE):
+            self.intake = RequestIntake(config, self.tokenizer, self.max_seq_len)
         # the intake's, read by the callers that hold the core (set once, never changed)
         self.vocab_size, self.eos_token_ids = self.intake.vocab_size, self.intake.eos_token_ids
         self.max_prompt_chars, self.reasoning = self.intake.max_prompt_chars, self.intake.reasoning
