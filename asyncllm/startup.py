@@ -6,10 +6,11 @@ the ModelRunner's alone). A phase whose condition does not hold (CUDA graphs and
 them, tensor parallelism, calibration) is skipped and absent from the timings. A new phase gets a
 name here, in its place, and a `with timings.phase(NAME):` block where its work is.
 
-Each phase's wall time is kept (StartupTimings.seconds: LLM.startup_timings,
-AsyncLLMEngine.startup_timings) and logged as "start-up: <phase> <seconds> s" on the "asyncllm"
-logger at debug level, the record carrying `startup_phase` and `startup_s` (benchmarks/
-bench_startup.py reads them, also from a server's process). Imports nothing of the package.
+Each phase's wall time on the host (device work a phase queued and did not wait for counts to a
+later one) is kept (StartupTimings.seconds: LLM.startup_timings, AsyncLLMEngine.startup_timings)
+and logged as "start-up: <phase> <seconds> s" on the "asyncllm" logger at debug level, the record
+carrying `startup_phase` and `startup_s` (benchmarks/bench_startup.py reads them, also from a
+server's process). Imports nothing of the package.
 """
 from __future__ import annotations
 
