@@ -15,7 +15,7 @@ _EXPORTS = {
     "AsyncLLMEngine": "asyncllm.async_engine", "StreamOutput": "asyncllm.streams", "RequestResult": "asyncllm.streams",
     "LLM": "asyncllm.llm", "Config": "asyncllm.config", "SamplingParams": "asyncllm.sampling_params",
     "StructuredOutput": "asyncllm.structured", "EngineDeadError": "asyncllm.errors",
-    "PromptTooLongError": "asyncllm.errors", "QueueFullError": "asyncllm.errors",
+    "PromptTooLongError": "asyncllm.errors", "QueueFullError": "asyncllm.errors", "FinishReason": "asyncllm.outputs",
 }
 __all__ = list(_EXPORTS)
 
@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ impo
     from asyncllm.config import Config
     from asyncllm.errors import EngineDeadError, PromptTooLongError, QueueFullError
     from asyncllm.llm import LLM
+    from asyncllm.outputs import FinishReason
     from asyncllm.sampling_params import SamplingParams
     from asyncllm.streams import RequestResult, StreamOutput
     from asyncllm.structured import StructuredOutput

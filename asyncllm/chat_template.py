@@ -17,7 +17,7 @@ import inspect
 
 import transformers
 
-from asyncllm.engine.core import check_text
+from asyncllm.engine.intake import check_text
 from asyncllm.errors import PromptTooLongError
 
 # apply_chat_template's own keywords, not template variables: the engine sets them, the caller cannot

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import weakref
 
+from asyncllm.outputs import FinishReason
 from asyncllm.sampling_params import SamplingParams
 
 try:
@@ -298,9 +299,9 @@ class TextAssembler:
         self._undecoded = []
         return self._append(text + self.detokenizer.flush(), final=True, stops_count=not self._stop_ignoring_tokens)
 
-    def finish_reason(self, engine_reason: str | None) -> str | None:
+    def finish_reason(self, engine_reason: FinishReason | None) -> FinishReason | None:
         """The request's finish reason: a stop string wins, also one that came with the last token."""
-        return "stop" if self.stopped else engine_reason
+        return FinishReason.STOP if self.stopped else engine_reason
 
     def _append(self, new_text: str, final: bool, stops_count: bool = True) -> str:
         if not self._matchers:  # no stop strings (most requests): nothing is ever held back

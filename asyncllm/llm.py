@@ -11,8 +11,10 @@ from asyncllm.arguments import check_bool
 from asyncllm.detokenizer import decode_logprobs
 from asyncllm.engine.core import EngineCore
 from asyncllm.engine.options import make_config
+from asyncllm.outputs import FinishReason
 from asyncllm.reasoning import text_assembler
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.startup import CONFIG, StartupTimings
 
 
 def normalize_prompts(prompts) -> list:
@@ -46,13 +48,21 @@ def normalize_params(sampling_params, num_prompts: int, params_type: type = Samp
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs):
-        self.core = EngineCore(make_config(model, kwargs))
+        startup = StartupTimings()
+        with startup.phase(CONFIG):
+            config = make_config(model, kwargs)
+        self.core = EngineCore(config, startup=startup)
         self.tokenizer = self.core.tokenizer
         # tensor-parallel workers end with the LLM, or at interpreter exit at the latest
         self._finalizer = weakref.finalize(self, self.core.close)
         # one generate() at a time drives the core: another thread's steps would take this call's
         # events, and its own loop would then wait, spinning, for tokens that never come
         self._lock = threading.Lock()
+
+    @property
+    def startup_timings(self) -> dict[str, float]:
+        """Each start-up phase's wall time in seconds, in the order they ran (asyncllm/startup.py)."""
+        return dict(self.core.startup.seconds)
 
     def close(self) -> None:
         with self._lock:  # after a generate() running in another thread
@@ -107,8 +117,8 @@ class LLM:
                     if assembler is not None:
                         assembler.add(event.new_token_ids)
                         if assembler.stopped and finish is None:
-                            self.core.finish_request(seq.request_id, "stop", seq.index)
-                            finish = "stop"
+                            self.core.finish_request(seq.request_id, FinishReason.STOP, seq.index)
+                            finish = FinishReason.STOP
                     if finish is not None:
                         stop_reasons[key] = event.stop_reason
                     if seq.request_finished and seq.request_id in pending:

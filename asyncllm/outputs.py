@@ -1,8 +1,17 @@
-"""What generation hands back per token beside its id (imports nothing of the package: the engine
-makes these, the API layers pass them on)."""
+"""What generation hands back beside the token ids: each token's log-probability, each sequence's
+finish reason (imports nothing of the package: the engine makes these, the API layers pass them on)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from enum import StrEnum
+
+
+class FinishReason(StrEnum):
+    """Why a sequence ended. A str (StrEnum: str(), f-strings and JSON give the value), so that
+    `out.finish_reason == "stop"`, JSON encoding and the server's OpenAI fields see the plain value."""
+    STOP = "stop"  # an EOS or stop token, a stop string, or a grammar that allows nothing more
+    LENGTH = "length"  # max_tokens, or the engine's length limit
+    ABORT = "abort"  # aborted (a caller, a dropped stream, shutdown), or no token its constraints allow
 
 
 class TokenLogprob:

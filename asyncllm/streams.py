@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from asyncllm.detokenizer import TextAssembler, decode_logprobs
-from asyncllm.outputs import TokenLogprob
+from asyncllm.outputs import FinishReason, TokenLogprob
 from asyncllm.reasoning import ReasoningDetokenizer
 
 
@@ -75,7 +75,7 @@ class StreamOutput:
     request_id: str
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # None until the sequence's last item: "stop", "length" or "abort"
+    finish_reason: FinishReason | None = None  # None until the sequence's last item (a str: "stop", "length", "abort")
     index: int = 0  # which of the request's n sequences
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the request asked
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (EOS: None)
@@ -91,7 +91,7 @@ class RequestResult:
     request_id: str
     text: str
     token_ids: list[int]
-    finish_reason: str
+    finish_reason: FinishReason
     metrics: RequestMetrics
     prompt_token_ids: list[int] = field(default_factory=list)
     index: int = 0
@@ -107,7 +107,7 @@ class SequenceDelta:
     index: int
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
@@ -178,7 +178,7 @@ class RequestChannel:
         self.last_token_times: list[float | None] = [None] * num_sequences
 
     # engine thread
-    def put(self, token_ids: list[int], finish_reason: str | None, error: BaseException | None = None,
+    def put(self, token_ids: list[int], finish_reason: FinishReason | None, error: BaseException | None = None,
             index: int | None = None, logprobs: list[TokenLogprob] | None = None, stop_reason: int | None = None,
             prompt_logprobs: list | None = None) -> None:
         waiting = self.put_quietly(token_ids, finish_reason, error, index, logprobs, stop_reason, prompt_logprobs)
@@ -186,7 +186,7 @@ class RequestChannel:
             waker, waiter = waiting
             wake({waker: [waiter]})
 
-    def put_quietly(self, token_ids: list[int], finish_reason: str | None, error: BaseException | None = None,
+    def put_quietly(self, token_ids: list[int], finish_reason: FinishReason | None, error: BaseException | None = None,
                     index: int | None = None, logprobs: list[TokenLogprob] | None = None,
                     stop_reason: int | None = None, prompt_logprobs: list | None = None,
                     ) -> tuple[Callable, object] | None:
@@ -253,7 +253,7 @@ class _SequenceState:
         self.reasoning = detokenizer if isinstance(detokenizer, ReasoningDetokenizer) else None
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] | None = None
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
 
 
@@ -269,14 +269,14 @@ class RequestStream:
 
     def __init__(self, finish: Callable[..., None], channel: RequestChannel,
                  assemblers: list[TextAssembler], prompt_token_ids: list[int]):
-        self._finish = finish  # the engine's: end the request or one sequence (reason "stop" or "abort")
+        self._finish = finish  # the engine's: end the request or one sequence (FinishReason.STOP or ABORT)
         self._channel = channel
         self._sequences = [_SequenceState(assembler) for assembler in assemblers]
         self._num_open = len(assemblers)
         self._ready: collections.deque[StreamOutput] = collections.deque()
         self.request_id = channel.request_id
         self.prompt_token_ids = prompt_token_ids
-        self.finish_reason: str | None = None  # set once every sequence has finished
+        self.finish_reason: FinishReason | None = None  # set once every sequence has finished
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self._reading = False  # a read waits for the channel (it has one waiter's slot)
 
@@ -332,7 +332,7 @@ class RequestStream:
             if gate is not None:
                 gate.wait()  # if the engine is launching a step, it goes first
             if not deltas:  # closed with nothing left: cannot happen while a sequence is open
-                self.finish_reason = self.finish_reason or "abort"
+                self.finish_reason = self.finish_reason or FinishReason.ABORT
             for delta in deltas:
                 out = self._take(delta)
                 if out is not None:
@@ -359,8 +359,8 @@ class RequestStream:
             decode_logprobs(assembler.tokenizer, delta.prompt_logprobs[1:])
             self.prompt_logprobs = delta.prompt_logprobs
         if assembler.stopped and finish_reason is None:
-            self._finish(self.request_id, "stop", self._channel, delta.index)
-            finish_reason = "stop"
+            self._finish(self.request_id, FinishReason.STOP, self._channel, delta.index)
+            finish_reason = FinishReason.STOP
         if finish_reason is not None:
             text += assembler.finish()
             # a stop string found in the last token (or in the final flush) still says "stop"
@@ -376,8 +376,8 @@ class RequestStream:
 
     def _abort(self) -> None:
         if self.finish_reason is None:
-            self.finish_reason = "abort"
-            self._finish(self.request_id, "abort", self._channel)
+            self.finish_reason = FinishReason.ABORT
+            self._finish(self.request_id, FinishReason.ABORT, self._channel)
 
     async def aclose(self) -> None:
         self._abort()
@@ -391,4 +391,4 @@ class RequestStream:
     def __del__(self) -> None:
         # a `break` out of `async for` drops the last reference here: abort at once, not at GC time
         if self.finish_reason is None and not self._channel.closed:
-            self._finish(self.request_id, "abort", self._channel)
+            self._finish(self.request_id, FinishReason.ABORT, self._channel)

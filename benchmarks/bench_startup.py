@@ -16,18 +16,17 @@ cold: the caches empty: TRITON_CACHE_DIR, ASYNCLLM_CACHE, CUDA_CACHE_PATH and TO
 point at a fresh directory per (shape, API). warm: a second run on the same directories. (The
 checkpoint's files stay in the page cache from the build: a fresh machine reads them from disk too.)
 
-Phases: the engine logs no start-up timings, so the child wraps the functions each phase is (PHASES
-below: config, heap freeze, tokenizer, model build, weights, memory probe, CUDA graphs, decode
-tuning, sampler graphs, step-model calibration) and records their wall time; "other" is ready -
-imports - the phases (KV-cache allocation, the engine thread's start, uvicorn's). A wrapped name the
-engine no longer has is listed under "phases not found". The engine's own INFO/DEBUG log lines are
-kept with their time since the spawn (JSON "logs"; printed). The 8B shape and its cold runs take
-minutes: give a GPU call one shape (--shapes 0.6b, then --shapes 8b).
+Phases: the engine's own start-up timings (asyncllm/startup.py: config, heap freeze, tokenizer,
+build model, load weights, ..., CUDA graphs, decode tuning, sampler graphs, step-model calibration,
+request intake; STARTUP_PHASES), read from its debug log records "start-up: <phase> <s>" (also in
+the serve child, where the engine is the server's); a phase that did not run (CUDA only) is None.
+"other" is ready - imports - the phases (the engine thread's start, uvicorn's). The engine's own
+INFO/DEBUG log lines are kept with their time since the spawn (JSON "logs"; printed). The 8B shape
+and its cold runs take minutes: give a GPU call one shape (--shapes 0.6b, then --shapes 8b).
 """
 from __future__ import annotations
 
 import asyncio
-import functools
 import importlib
 import json
 import logging
@@ -46,35 +45,22 @@ from common import (REPO_ROOT, SHAPES, Report, add_engine_args, child_env, engin
 from load_clients import close_client, make_client
 
 from asyncllm import LLM, AsyncLLMEngine, SamplingParams
+from asyncllm.startup import STARTUP_PHASES
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "tests"))  # tests/helpers.py: how the tests start and stop a server
 from helpers import free_port, stop_process  # noqa: E402
 
 BENCHMARKS = os.path.dirname(os.path.abspath(__file__))
 APIS = ("llm", "async", "serve")
-# (module, attribute or Class.method, phase): what each start-up phase is today
-PHASES = [("asyncllm.llm", "make_config", "config"), ("asyncllm.async_engine", "make_config", "config"),
-          ("asyncllm.engine.core", "freeze_startup_heap", "heap freeze"),
-          ("asyncllm.engine.core", "load_tokenizer", "tokenizer"),
-          ("asyncllm.engine.core", "check_tokenizer", "tokenizer"),
-          ("asyncllm.engine.core", "find_eos_token_ids", "tokenizer"),
-          ("asyncllm.engine.core", "TensorParallelWorkers", "TP workers"),
-          ("asyncllm.runner.model_runner", "create_model", "build model"),
-          ("asyncllm.runner.model_runner", "load_weights", "load weights"),
-          ("asyncllm.runner.model_runner", "ModelRunner._decide_num_blocks", "memory probe"),
-          ("asyncllm.runner.model_runner", "CudaGraphRunner", "CUDA graphs"),
-          ("asyncllm.runner.model_runner", "tune_batch1_projections", "decode tuning"),
-          ("asyncllm.runner.model_runner", "SamplerGraphs", "sampler graphs"),
-          ("asyncllm.runner.model_runner", "ModelRunner.time_steps", "step-model calibration")]
-PHASE_NAMES = list(dict.fromkeys(name for _, _, name in PHASES))
+PHASE_NAMES = list(STARTUP_PHASES)  # the engine's, in order
 CACHE_VARIABLES = ("TRITON_CACHE_DIR", "ASYNCLLM_CACHE", "CUDA_CACHE_PATH", "TORCHINDUCTOR_CACHE_DIR")
 FIRST_PROMPT = random_prompt(random.Random(0), 16)
 
 
 # ---- the child: one start-up, recorded --------------------------------------------------------------------------
 class Recorder(logging.Handler):
-    """Events, phases and the engine's log lines, each a JSON line (wall-clock times) appended at once,
-    so that a server stopped by a signal leaves them all."""
+    """Events, the engine's start-up phases and its log lines, each a JSON line (wall-clock times)
+    appended at once, so that a server stopped by a signal leaves them all."""
 
     def __init__(self, path: str):
         super().__init__(logging.DEBUG)
@@ -90,30 +76,10 @@ class Recorder(logging.Handler):
         self.write(event=name, t=time.time())
 
     def emit(self, record: logging.LogRecord) -> None:
+        phase = getattr(record, "startup_phase", None)  # the engine's start-up timings (asyncllm/startup.py)
+        if phase is not None:
+            self.write(phase=phase, seconds=record.startup_s)
         self.write(log=record.getMessage(), level=record.levelname, t=record.created)
-
-
-def timed_phase(fn, phase: str, recorder: Recorder):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        start = time.time()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            recorder.write(phase=phase, start=start, end=time.time())
-    return wrapper
-
-
-def install_phase_timers(recorder: Recorder) -> None:
-    for module_name, attribute, phase in PHASES:
-        owner = importlib.import_module(module_name)
-        *classes, name = attribute.split(".")
-        for cls in classes:
-            owner = getattr(owner, cls, None)
-        if owner is None or not hasattr(owner, name):
-            recorder.write(missing=f"{module_name}.{attribute}")
-            continue
-        setattr(owner, name, timed_phase(getattr(owner, name), phase, recorder))
 
 
 async def first_stream_item(model_dir: str, kwargs: dict, recorder: Recorder) -> None:
@@ -131,7 +97,6 @@ def run_child(args) -> int:
         importlib.import_module("asyncllm.server")  # what `asyncllm serve` imports before the engine starts
     recorder = Recorder(args.phases_file)
     recorder.event("imports")
-    install_phase_timers(recorder)
     engine_logger = logging.getLogger("asyncllm")
     engine_logger.setLevel(logging.DEBUG)
     engine_logger.addHandler(recorder)
@@ -225,10 +190,9 @@ def startup_row(records: list[dict], spawn: float) -> dict:
     row = dict(imports_s=events["imports"], ready_s=events["ready"],
                first_token_s=events["first_token"] - events["ready"], total_s=events["first_token"])
     for phase in PHASE_NAMES:
-        spans = [r["end"] - r["start"] for r in records if r.get("phase") == phase]
-        row[phase] = sum(spans) if spans else None
+        seconds = [r["seconds"] for r in records if r.get("phase") == phase]
+        row[phase] = sum(seconds) if seconds else None
     row["other_s"] = row["ready_s"] - row["imports_s"] - sum(row[p] or 0 for p in PHASE_NAMES)
-    row["phases_not_found"] = [r["missing"] for r in records if "missing" in r]
     row["logs"] = [[round(r["t"] - spawn, 3), r["level"], r["log"]] for r in records if "log" in r]
     return row
 

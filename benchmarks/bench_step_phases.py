@@ -14,7 +14,7 @@ phase of every step, in wall time and in the calling thread's CPU time:
   replay: both count where both run);
 - wait: EngineCore.wait_step, the engine thread blocked on the device (the interpreter lock free;
   stream() only: LLM.generate waits inside resolve);
-- resolve: EngineCore.resolve_step; deliver: AsyncLLMEngine._deliver (stream() only).
+- resolve: EngineCore.resolve_step; deliver: EngineThread._deliver (stream() only).
 
 With --detail, the parts of launch too (each inside one of the phases above): schedule and commit
 (the scheduler's), timer (the step timer's events), upload (host_upload.upload_arrays, inside
@@ -126,7 +126,7 @@ class PhaseClock:
         self.wrap(runner.sampler, "forward", "sampler")
         self.wrap(getattr(runner, "sampler_graphs", None), "sample", "sampler")
         if engine is not None:
-            self.wrap(engine, "_deliver", "deliver")
+            self.wrap(engine._engine_thread, "_deliver", "deliver")
 
     def summary(self, skip: int = 4) -> dict[str, float]:
         """Median per step (us) of each phase's summed calls, over steps after the first `skip`."""
@@ -146,7 +146,7 @@ async def stream_rows(model_dir: str, kwargs: dict, rng: random.Random, args) ->
     rows = []
     async with AsyncLLMEngine(model_dir, **kwargs) as engine:
         await engine.generate(random_prompt(rng, args.prompt_len), SamplingParams(max_tokens=8, ignore_eos=True))
-        engine_thread = engine._thread
+        engine_thread = engine._engine_thread.thread
         for temperature, staged, greedy_graph in variants(args):
             set_staging(engine._core.runner, staged, greedy_graph)
             params = SamplingParams(temperature=temperature, max_tokens=args.tokens, ignore_eos=True)

@@ -6,15 +6,20 @@ nothing waits on a sleep except engine.wait_idle()'s own polling.
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import random
 import threading
 
 import anyio
 import pytest
 
+from asyncllm import startup
 from asyncllm.async_engine import AsyncLLMEngine
+from asyncllm.engine_thread import AddRequest
 from asyncllm.errors import EngineDeadError, QueueFullError
 from asyncllm.llm import LLM
+from asyncllm.outputs import FinishReason
 from asyncllm.sampling_params import SamplingParams
 from helpers import anyio_asyncio_and_trio, engine_threads  # noqa: F401 - a fixture: both event loops
 
@@ -261,7 +266,7 @@ async def test_concurrent_streams_cancelled_by_every_route(make_engine, monkeypa
 
             stats = await assert_idle(engine)
             assert stats["num_inbox"] == 0
-            assert engine._core.requests == {} and engine._channels == {}
+            assert engine._core.requests == {} and engine._engine_thread.channels == {}
 
     assert len(seqs) == 64 and all(seq.is_finished for seq in seqs.values())
     aborted_by_route = {}
@@ -455,6 +460,33 @@ async def test_stop_string_ends_the_stream_and_frees_blocks(make_engine):
         assert stream.metrics.num_completion_tokens < 40
 
 
+async def test_finish_reasons_are_typed_and_read_as_plain_strings(make_engine, sync_reference):
+    """Every finish reason the engine hands out is a FinishReason, which users, JSON and f-strings
+    read as its plain value: "stop" (a stop string, a stop token), "length" and "abort"."""
+    prompt = "Hello, my name is"
+    with anyio.fail_after(TIMEOUT):
+        async with make_engine() as engine:
+            length = await engine.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+            by_string = await engine.generate(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                                                     stop=[length.text[5:12]]))
+            by_token = await engine.generate(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                                                    stop_token_ids=[length.token_ids[3]]))
+            stream = engine.stream(prompt, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+            await stream.__anext__()
+            await stream.aclose()
+            engine.abort("nobody")  # an unknown id: a no-op
+            await assert_idle(engine)
+    outputs, _ = sync_reference
+    reasons = {"length": [length.finish_reason, outputs[0]["finish_reason"]],
+               "stop": [by_string.finish_reason, by_token.finish_reason], "abort": [stream.finish_reason]}
+    for value, found in reasons.items():
+        for reason in found:
+            assert isinstance(reason, FinishReason) and reason is FinishReason(value)
+            assert reason == value and hash(reason) == hash(value) and {value: 1}[reason] == 1
+            assert (str(reason), f"{reason}", "%s" % reason, json.dumps({"r": reason})) == \
+                (value, value, value, json.dumps({"r": value}))
+
+
 async def test_a_reader_that_falls_behind_gets_no_tokens_past_a_stop_string(make_engine):
     """A consumer that reads late gets several steps' tokens in one item; where a stop string ends in
     one of them, the tokens after it (generated before the stop was seen) are not output: not in the
@@ -501,7 +533,7 @@ async def test_a_finish_after_the_core_ended_the_request_keeps_its_last_tokens(m
                     request_id = event.seq.request_id
                     if event.request_finished and request_id == "late-finish" and not posted:
                         # what a consumer or engine.abort() posts from another thread, at the worst moment
-                        engine._finish(request_id, reason, engine._channels[request_id], index)
+                        engine._finish(request_id, reason, engine._engine_thread.channels[request_id], index)
                         posted.append(request_id)
                 return events
             monkeypatch.setattr(core, "resolve_step", resolve_then_finish)
@@ -577,12 +609,12 @@ async def test_invalid_input_raises_before_queueing_and_queue_is_bounded(make_en
     with anyio.fail_after(TIMEOUT):
         async with make_engine(max_num_seqs=1, max_queued_requests=2, max_model_len=256) as engine:
             posted = []
-            post = engine._post
+            post = engine._engine_thread.post
 
             def recording_post(command):
                 posted.append(command)
                 post(command)
-            monkeypatch.setattr(engine, "_post", recording_post)
+            monkeypatch.setattr(engine._engine_thread, "post", recording_post)
             vocab = engine.config.hf_config.vocab_size
             ok = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
             bad_prompts = [("", ValueError), ([], ValueError), ((), ValueError), ({"a": 1}, TypeError),
@@ -620,7 +652,8 @@ async def test_invalid_input_raises_before_queueing_and_queue_is_bounded(make_en
                     streams.append(engine.stream([4, 5, 6], SamplingParams(temperature=0, max_tokens=30,
                                                                            ignore_eos=True)))
             assert len(streams) >= 2
-            assert [c[0] for c in posted[before:]] == ["add"] * len(streams)  # the refused one was not queued
+            # the refused one was not queued
+            assert len(posted) - before == len(streams) and all(isinstance(c, AddRequest) for c in posted[before:])
             for s in streams:
                 await s.aclose()
             await assert_idle(engine)
@@ -630,6 +663,45 @@ async def test_invalid_input_raises_before_queueing_and_queue_is_bounded(make_en
 
 
 # ---- lifecycle -------------------------------------------------------------------------------------
+async def test_start_up_phases_are_timed_in_order_and_logged(make_engine, tiny_qwen3, caplog):
+    caplog.set_level(logging.DEBUG, logger="asyncllm")
+    with anyio.fail_after(TIMEOUT):
+        engine = make_engine()
+        assert list(engine.startup_timings) == [startup.CONFIG]  # made in the constructor; the rest at start()
+        async with engine:
+            async_timings = engine.startup_timings
+    with LLM(tiny_qwen3, **ENGINE_KW) as llm:
+        llm_timings = llm.startup_timings
+    on_cpu = {startup.CONFIG, startup.HEAP_FREEZE, startup.TOKENIZER, startup.BUILD_MODEL, startup.LOAD_WEIGHTS,
+              startup.SAMPLER, startup.MEMORY_PROBE, startup.KV_CACHE, startup.ATTENTION_BACKEND,
+              startup.BLOCK_MANAGER, startup.STEP_BUDGET, startup.SCHEDULER, startup.REQUEST_INTAKE}
+    for timings in (async_timings, llm_timings):
+        assert list(timings) == [phase for phase in startup.STARTUP_PHASES if phase in timings]  # in order
+        assert set(timings) == on_cpu  # one rank, no CUDA: no workers, graphs, tuning or calibration
+        assert all(seconds >= 0 for seconds in timings.values())
+    logged = [(record.startup_phase, record.startup_s) for record in caplog.records
+              if hasattr(record, "startup_phase")]
+    assert logged == [*async_timings.items(), *llm_timings.items()]
+    assert all(record.getMessage().startswith(f"start-up: {record.startup_phase} ") for record in caplog.records
+               if hasattr(record, "startup_phase"))
+
+
+def test_a_start_up_phase_out_of_order_or_unknown_is_refused():
+    timings = startup.StartupTimings()
+    with timings.phase(startup.TOKENIZER):
+        pass
+    with pytest.raises(RuntimeError, match="'config' runs after 'tokenizer'"):
+        with timings.phase(startup.CONFIG):
+            pass
+    with pytest.raises(ValueError, match="not in STARTUP_PHASES"):
+        with timings.phase("warm-up"):
+            pass
+    with pytest.raises(ZeroDivisionError):  # a phase that fails is not recorded
+        with timings.phase(startup.BUILD_MODEL):
+            1 / 0
+    assert list(timings.seconds) == [startup.TOKENIZER]
+
+
 async def test_drain_shutdown_and_chat(make_engine):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     results = {}

@@ -27,8 +27,8 @@ PROMPTS = [[11, 22, 33, 44], [5, 6, 7], [101, 102, 103, 104, 105, 106]]
 
 def record_loop(engine: AsyncLLMEngine, log: list) -> None:
     """Log the engine thread's launches (with the gate's state), resolves and deliveries, in order."""
-    core, gate = engine._core, engine._launch_gate
-    launch, resolve, deliver = core.launch_step, core.resolve_step, engine._deliver
+    core, gate, engine_thread = engine._core, engine._launch_gate, engine._engine_thread
+    launch, resolve, deliver = core.launch_step, core.resolve_step, engine_thread._deliver
 
     def logged_launch():
         log.append(("launch", gate.is_open))
@@ -42,7 +42,7 @@ def record_loop(engine: AsyncLLMEngine, log: list) -> None:
     def logged_deliver(events):
         log.append(("deliver", len(events)))
         deliver(events)
-    core.launch_step, core.resolve_step, engine._deliver = logged_launch, logged_resolve, logged_deliver
+    core.launch_step, core.resolve_step, engine_thread._deliver = logged_launch, logged_resolve, logged_deliver
 
 
 async def stream_tokens(engine: AsyncLLMEngine, prompt) -> list[int]:

@@ -46,7 +46,7 @@ async def assert_idle_and_free(engine: AsyncLLMEngine) -> None:
     await engine.wait_idle()
     stats = engine.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
-    assert engine._core.requests == {} and engine._channels == {}
+    assert engine._core.requests == {} and engine._engine_thread.channels == {}
 
 
 class Arm:

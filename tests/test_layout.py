@@ -14,9 +14,9 @@ MAX_LINES = 450
 # of lower ones; a new module must be placed here. structured/'s spec sits with sampling_params at the
 # bottom; its grammar and step masks sit under the engine, which drives them, beside the runner.
 LAYERS = (
-    ("api", ("asyncllm", "asyncllm.llm", "asyncllm.async_engine", "asyncllm.streams", "asyncllm.detokenizer",
-             "asyncllm.reasoning", "asyncllm.server", "asyncllm.cli", "asyncllm.vllm", "asyncllm.arguments",
-             "asyncllm.chat_template")),
+    ("api", ("asyncllm", "asyncllm.llm", "asyncllm.async_engine", "asyncllm.engine_thread", "asyncllm.streams",
+             "asyncllm.detokenizer", "asyncllm.reasoning", "asyncllm.server", "asyncllm.cli", "asyncllm.vllm",
+             "asyncllm.arguments", "asyncllm.chat_template")),
     ("engine", ("asyncllm.engine",)),
     ("runner", ("asyncllm.runner", "asyncllm.structured.grammar", "asyncllm.structured.step_masks")),
     ("models", ("asyncllm.models",)),
@@ -24,7 +24,7 @@ LAYERS = (
     ("kernels", ("asyncllm.kernels",)),
     ("base", ("asyncllm.config", "asyncllm.settings", "asyncllm.sampling_params", "asyncllm.structured",
               "asyncllm.structured.spec", "asyncllm.errors", "asyncllm.outputs", "asyncllm.distributed",
-              "asyncllm.testing")),
+              "asyncllm.startup", "asyncllm.testing")),
 )
 
 # The upward imports there are today, each an exact (importer, imported) pair: the runner and the

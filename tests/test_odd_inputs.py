@@ -18,7 +18,7 @@ import threading
 import anyio
 import pytest
 
-from asyncllm import async_engine
+from asyncllm import engine_thread
 from asyncllm.async_engine import AsyncLLMEngine
 from asyncllm.errors import EngineDeadError
 from asyncllm.llm import LLM
@@ -298,14 +298,14 @@ async def test_concurrent_starts_all_return_once_the_engine_serves(tiny_qwen3):
         finally:
             await engine.shutdown()
     assert [r.finish_reason for r in results] == ["length"] * 3
-    assert not engine._thread.is_alive()
+    assert not engine._engine_thread.thread.is_alive()
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 async def test_concurrent_starts_all_raise_the_start_failure(tiny_qwen3, monkeypatch):
-    def failing_core(config):
+    def failing_core(config, **kwargs):
         raise RuntimeError("no device for you")
-    monkeypatch.setattr(async_engine, "EngineCore", failing_core)
+    monkeypatch.setattr(engine_thread, "EngineCore", failing_core)
     engine = AsyncLLMEngine(tiny_qwen3, **ENGINE_KW)
     errors = []
 
@@ -338,9 +338,9 @@ async def test_a_cancelled_drain_still_stops_the_engine(tiny_qwen3, then):
                 engine.stream(PROMPT, SHORT)
             if then == "shutdown":
                 await engine.shutdown()
-                assert not engine._thread.is_alive()
+                assert not engine._engine_thread.thread.is_alive()
         # leaving `async with` (or the shutdown() before it) stopped the thread; it stepped on forever before
-        assert not engine._thread.is_alive()
+        assert not engine._engine_thread.thread.is_alive()
         items = [out async for out in stream]
         assert items[-1].finish_reason == "abort" and len(stream.token_ids) < LONG.max_tokens
 
@@ -356,18 +356,18 @@ async def test_a_shutdown_cancelled_while_waiting_for_the_thread_can_be_finished
         with anyio.fail_after(120):
             engine = AsyncLLMEngine(tiny_qwen3, **ENGINE_KW)
             await engine.start()
-            close_core = engine._close_core
+            close_core = engine._engine_thread._close_core
 
             def slow_close_core() -> None:
                 release.wait()
                 close_core()
-            engine._close_core = slow_close_core
+            engine._engine_thread._close_core = slow_close_core
             with anyio.move_on_after(0.5) as wait:
                 await engine.shutdown()
             assert wait.cancelled_caught, "the wait for the engine thread could not be cancelled"
-            assert engine._thread.is_alive()  # stopping: blocked in its last act
+            assert engine._engine_thread.thread.is_alive()  # stopping: blocked in its last act
             release.set()
             await engine.shutdown()  # waits for it this time
-            assert not engine._thread.is_alive()
+            assert not engine._engine_thread.thread.is_alive()
     finally:
         timer.cancel()

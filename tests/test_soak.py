@@ -203,7 +203,7 @@ async def soak(model: str, num_requests: int, seed: int = 0) -> dict:
         stats = engine.stats()
         assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
         assert stats["num_running"] == stats["num_waiting"] == stats["num_inbox"] == 0
-        assert engine._core.requests == {} and engine._channels == {}
+        assert engine._core.requests == {} and engine._engine_thread.channels == {}
         assert engine._core.scheduler.num_unfinished == 0
         assert all(b.ref_count == 0 for b in engine._core.block_manager.blocks)
         prompt_lens = {r.request_id: len(r.prompt) if isinstance(r.prompt, list) else

@@ -2,29 +2,28 @@
 AsyncLLMEngine drive this same object; it knows nothing of threads or event loops."""
 from __future__ import annotations
 
-import dataclasses
 import logging
-import threading
 import time
 import uuid
 from dataclasses import dataclass
 
 from asyncllm.config import Config
 from asyncllm.engine.block_manager import BlockManager
-from asyncllm.engine.reasoning_format import ReasoningTags
+# check_text: server/tokenization.py imports it from here
+from asyncllm.engine.intake import RequestIntake, check_text  # noqa: F401
 from asyncllm.engine.scheduler import Scheduler, SchedulerOutput
 from asyncllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from asyncllm.engine.startup_heap import freeze_startup_heap
 from asyncllm.engine.step_logprobs import add_prompt_logprobs, token_logprobs
 from asyncllm.engine.step_budget import StepBudget, StepTimeModel, StepTimer, calibration_shapes
-from asyncllm.engine.token_bans import check_some_token_samplable, encode_bad_words
-from asyncllm.errors import PromptTooLongError
 from asyncllm.runner.launched_step import LaunchedStep
 from asyncllm.runner.model_runner import ModelRunner
 from asyncllm.runner.tp_workers import TensorParallelWorkers
-from asyncllm.models.checkpoint import check_tokenizer, find_eos_token_ids, load_tokenizer
-from asyncllm.outputs import TokenLogprob
+from asyncllm.models.checkpoint import check_tokenizer, load_tokenizer
+from asyncllm.outputs import FinishReason, TokenLogprob
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.startup import (BLOCK_MANAGER, HEAP_FREEZE, REQUEST_INTAKE, SCHEDULER, STEP_BUDGET,
+                              STEP_MODEL_CALIBRATION, TOKENIZER, TP_WORKERS, StartupTimings)
 from asyncllm.structured.grammar import GrammarCompiler
 from asyncllm.structured.step_masks import StepConstraints
 
@@ -36,7 +35,7 @@ class StepEvent:
     """What happened to one request in one step: a new token and/or its end."""
     seq: Sequence  # seq.index tells which of an n > 1 request's sequences
     new_token_ids: list[int]
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked
     stop_reason: int | None = None  # the stop token id that ended it (EOS: None, as vLLM)
     request_finished: bool = False  # every sequence of the request has finished (n == 1: finish_reason set)
@@ -44,124 +43,81 @@ class StepEvent:
     error: str | None = None  # ended with no token: its grammar refused the one sampled (GrammarState.error)
 
 
-def check_text(text: str, argument: str) -> None:
-    """Refuse a str that is not valid Unicode text (lone surrogates, e.g. from bytes decoded with
-    errors="surrogateescape"), which the tokenizer would reject with an obscure error."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"{argument}: not valid Unicode text (lone surrogate {text[e.start]!r} at index "
-                         f"{e.start}); decode bytes with errors='replace' first") from None
-
-
 class EngineCore:
-    def __init__(self, config: Config, weights=None):
-        freeze_startup_heap()
+    def __init__(self, config: Config, weights=None, startup: StartupTimings | None = None):
+        """The start-up's phases, in order (asyncllm/startup.py; the ModelRunner's in the middle),
+        each timed into startup (a new record unless the caller's, which timed the config)."""
         self.config = config
-        self.tokenizer = load_tokenizer(config.model)
-        check_tokenizer(self.tokenizer, config.hf_config, config.model)
-        # rank 0 of a tensor-parallel engine starts the other ranks; the runner steps them from then on
-        workers = TensorParallelWorkers(config) if config.tensor_parallel_size > 1 else None
-        self.runner = ModelRunner(config, weights=weights, workers=workers)
-        self.block_manager = BlockManager(self.runner.num_kvcache_blocks, config.kvcache_block_size,
-                                          config.enable_prefix_caching)
-        # every step is timed and modelled, with a target or without (stats show the step time)
-        self.step_model = StepTimeModel()
-        self.step_timer = StepTimer(self.step_model, self.runner.device)
-        # a chunk of one KV block: the least a waiting prefill advances per step; a full block is
-        # hashed (prefix cache) as soon as it is computed
-        self.step_budget = StepBudget(config.target_step_ms, config.max_num_batched_tokens,
-                                      config.kvcache_block_size, self.step_model,
-                                      config.max_num_seqs) if config.target_step_ms else None
+        self.startup = StartupTimings() if startup is None else startup
+        phase = self.startup.phase
+        with phase(HEAP_FREEZE):
+            freeze_startup_heap()
+        with phase(TOKENIZER):
+            self.tokenizer = load_tokenizer(config.model)
+            check_tokenizer(self.tokenizer, config.hf_config, config.model)
+        workers = None
+        if config.tensor_parallel_size > 1:
+            # rank 0 of a tensor-parallel engine starts the other ranks; the runner steps them from then on
+            with phase(TP_WORKERS):
+                workers = TensorParallelWorkers(config)
+        self.runner = ModelRunner(config, weights=weights, workers=workers, startup=self.startup)
+        with phase(BLOCK_MANAGER):
+            self.block_manager = BlockManager(self.runner.num_kvcache_blocks, config.kvcache_block_size,
+                                              config.enable_prefix_caching)
+        with phase(STEP_BUDGET):
+            # every step is timed and modelled, with a target or without (stats show the step time)
+            self.step_model = StepTimeModel()
+            self.step_timer = StepTimer(self.step_model, self.runner.device)
+            # a chunk of one KV block: the least a waiting prefill advances per step; a full block is
+            # hashed (prefix cache) as soon as it is computed
+            self.step_budget = StepBudget(config.target_step_ms, config.max_num_batched_tokens,
+                                          config.kvcache_block_size, self.step_model,
+                                          config.max_num_seqs) if config.target_step_ms else None
         if self.step_budget is not None and self.runner.device.type == "cuda" and config.tensor_parallel_size == 1:
             # a fresh engine's first steps compile kernels, so their times teach nothing: measure
             # steps now, after a warm-up, and start with a fitted model
-            self.step_model.calibrate(self.runner.time_steps(
-                calibration_shapes(config.max_num_batched_tokens, config.max_num_seqs)))
-        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
-                                   self.step_budget)
-        # a sequence can never outgrow the whole cache, so that is a length limit too
-        self.max_seq_len = min(config.max_model_len, self.block_manager.num_total_blocks * config.kvcache_block_size)
-        self.vocab_size = config.hf_config.vocab_size
-        self.eos_token_ids = find_eos_token_ids(config.model, config.hf_config, self.tokenizer)
-        # no token decodes to more characters than this: a longer text cannot fit in max_seq_len
-        # tokens, and is refused before the tokenizer spends seconds on it
-        self.max_prompt_chars = self.max_seq_len * max(map(len, self.tokenizer.get_vocab()), default=1)
+            with phase(STEP_MODEL_CALIBRATION):
+                self.step_model.calibrate(self.runner.time_steps(
+                    calibration_shapes(config.max_num_batched_tokens, config.max_num_seqs)))
+        with phase(SCHEDULER):
+            self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
+                                       self.step_budget)
+            # a sequence can never outgrow the whole cache, so that is a length limit too
+            self.max_seq_len = min(config.max_model_len,
+                                   self.block_manager.num_total_blocks * config.kvcache_block_size)
+        with phase(REQUEST_INTAKE):
+            self.intake = RequestIntake(config, self.tokenizer, self.max_seq_len)
+        # the intake's, read by the callers that hold the core (set once, never changed)
+        self.vocab_size, self.eos_token_ids = self.intake.vocab_size, self.intake.eos_token_ids
+        self.max_prompt_chars, self.reasoning = self.intake.max_prompt_chars, self.intake.reasoning
         self.requests: dict[str, Sequence] = {}
         self.num_steps = 0
         self._last_sched: SchedulerOutput | None = None
         self.overlap = config.overlap_scheduling
         self._in_flight: LaunchedStep | None = None  # launched, not yet resolved (overlap only)
         self._launched: LaunchedStep | None = None  # launched by launch_step, before its resolve_step
-        # constrained decoding: the compiler is made on the first constrained request (xgrammar reads
-        # the whole vocabulary); requests with a grammar, pruned once finished
+        # constrained decoding: the intake's compiler once a request has a grammar; the sequences
+        # with a grammar, pruned once finished
         self._grammar_compiler: GrammarCompiler | None = None
-        self._grammar_compiler_lock = threading.Lock()
         self._constrained: list[Sequence] = []
-        self.reasoning = ReasoningTags.of(config.reasoning_parser, self.tokenizer)  # a grammar waits for its end
 
-    # ---- input --------------------------------------------------------------------------------
+    # ---- input: the intake's checks, for the callers that hold the core (LLM, AsyncLLMEngine, the
+    # chat template, asyncllm.vllm) ---------------------------------------------------------------
     def encode_prompt(self, prompt, argument: str = "prompt") -> list[int]:
         """A prompt string or token-id list, checked, as token ids."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError(f"{argument}: the prompt is empty")
-            check_text(prompt, argument)
-            if len(prompt) > self.max_prompt_chars:
-                raise PromptTooLongError(f"{argument}: {len(prompt)} characters cannot fit in max_model_len "
-                                 f"({self.max_seq_len} tokens)")
-            token_ids = self.tokenizer.encode(prompt)
-            if not token_ids:
-                raise ValueError(f"{argument}: the prompt encodes to no tokens")
-            return self.check_token_ids(token_ids, argument)
-        if isinstance(prompt, (list, tuple)):
-            if not prompt:
-                raise ValueError(f"{argument}: the token-id list is empty")
-            return self.check_token_ids(list(prompt), argument)
-        raise TypeError(f"{argument}: expected a string or a list of token ids, got {type(prompt).__name__}")
-
-    def check_token_ids(self, token_ids: list[int], argument: str) -> list[int]:
-        """Every id an int inside the model's vocabulary: an id past it would fail inside a step."""
-        for i, t in enumerate(token_ids):
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise TypeError(f"{argument}[{i}]: token ids must be ints, got {type(t).__name__}")
-            if not 0 <= t < self.vocab_size:
-                raise ValueError(f"{argument}[{i}]: token id {t} is outside the vocabulary [0, {self.vocab_size})")
-        return token_ids
+        return self.intake.encode_prompt(prompt, argument)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
                       argument: str = "prompt") -> SamplingParams:
         """Check a request; returns the validated snapshot of params that the request must keep."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
-        # a snapshot: fields set on the caller's object later would otherwise reach a step and
-        # fail there, killing the engine for every request
-        params = params.snapshot()
-        if params.logit_bias is not None:
-            self.check_token_ids(list(params.logit_bias), "SamplingParams.logit_bias")
-        if params.allowed_token_ids is not None:
-            self.check_token_ids(params.allowed_token_ids, "SamplingParams.allowed_token_ids")
-        if params.stop_token_ids:  # banned below min_tokens: an id past the logits would fail the step
-            self.check_token_ids(params.stop_token_ids, "SamplingParams.stop_token_ids")
-        check_some_token_samplable(params, self.vocab_size, self.eos_token_ids, self.tokenizer)
-        if params.structured_output is not None:
-            # compiled here (the caller waits) and kept with the request's copy: the engine thread never compiles
-            self.grammar_compiler.prepare(params.structured_output)
-        if len(prompt_token_ids) >= self.max_seq_len:
-            what = "max_model_len" if self.max_seq_len == self.config.max_model_len else "the KV cache's capacity"
-            raise PromptTooLongError(f"{argument}: {len(prompt_token_ids)} tokens leave no room to generate within "
-                             f"{what} ({self.max_seq_len} tokens)")
-        return params
+        return self.intake.check_request(prompt_token_ids, params, argument)
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
-        with self._grammar_compiler_lock:
-            if self._grammar_compiler is None:
-                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
-            return self._grammar_compiler
+        return self.intake.grammar_compiler
 
     def grammar_stats(self) -> dict:  # live, from any thread; {} before the first constrained request
-        return self._grammar_compiler.stats() if self._grammar_compiler is not None else {}
+        return self.intake.grammar_stats()
 
     @staticmethod
     def new_request_id() -> str:
@@ -192,23 +148,9 @@ class EngineCore:
 
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       index: int) -> Sequence:
-        if params.n > 1:
-            seed = params.seed
-            if seed is not None:  # each sequence its own stream, reproducible: seed + index (wrapped)
-                seed = seed + index if seed + index < 1 << 64 else seed + index - (1 << 64)
-            # the first sequence alone computes the prompt, and scores it if asked
-            params = dataclasses.replace(params, n=1, seed=seed,
-                                         prompt_logprobs=params.prompt_logprobs if index == 0 else None)
-        seq = Sequence(request_id, prompt_token_ids, params, self.config.kvcache_block_size, self.max_seq_len)
-        seq.index = index
-        seq.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        if params.min_tokens:
-            seq.early_stop_ids = sorted(seq.stop_ids)
-        if params.bad_words:
-            seq.bad_word_ids = encode_bad_words(self.tokenizer, params.bad_words)
-        if params.structured_output is not None:  # each of n sequences follows the grammar on its own
-            gate = self.reasoning.grammar_gate(prompt_token_ids) if self.reasoning is not None else None
-            seq.grammar = self.grammar_compiler.new_state(params.structured_output, gate)
+        seq = self.intake.new_sequence(request_id, prompt_token_ids, params, index)
+        if seq.grammar is not None:  # its steps build a token mask (with the compiler it was made by)
+            self._grammar_compiler = self.intake.grammar_compiler
             self._constrained.append(seq)
         return seq
 
@@ -225,12 +167,13 @@ class EngineCore:
             self.scheduler.add(child)
         seq.forks = []
 
-    def _end(self, seq: Sequence, reason: str) -> None:
+    def _end(self, seq: Sequence, reason: FinishReason) -> None:
         """End one sequence: its blocks and its sampler state are freed."""
         self.scheduler.finish(seq, reason)
         self.runner.release_sequence(seq)
 
-    def finish_request(self, request_id: str, reason: str = "abort", index: int | None = None) -> Sequence | None:
+    def finish_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
+                       index: int | None = None) -> Sequence | None:
         """End a request now (abort, or a stop string found by the caller); its blocks are freed at once.
         Unknown or finished ids are ignored. With n > 1, index ends one of its sequences (None: all);
         returns the request's first sequence."""
@@ -354,7 +297,7 @@ class EngineCore:
             reason = self._finish_reason(seq, token_id, length) if token_id in seq.stop_ids or \
                 length >= seq.max_len or seq.grammar is not None else None
             if reason is not None:
-                refused = reason == "abort" and seq.grammar is not None and seq.grammar.error is not None
+                refused = reason is FinishReason.ABORT and seq.grammar is not None and seq.grammar.error is not None
                 del seq.token_ids[item.token_index + (not refused):]  # tokens in flight; one the grammar refused
                 self._end(seq, reason)
                 if seq.request_finished:
@@ -368,7 +311,7 @@ class EngineCore:
             event = StepEvent(seq, [token_id], reason)
             if reason is not None:
                 event.request_finished = seq.request_finished
-                if reason == "stop" and token_id in seq.params.stop_token_ids and not self._is_eos(seq, token_id):
+                if reason is FinishReason.STOP and token_id in seq.params.stop_token_ids and not self._is_eos(seq, token_id):
                     event.stop_reason = token_id
             if logprobs is not None and logprobs[row] is not None:
                 event.logprobs = [logprobs[row]]
@@ -380,20 +323,20 @@ class EngineCore:
     def _is_eos(self, seq: Sequence, token_id: int) -> bool:
         return not seq.params.ignore_eos and token_id in self.eos_token_ids
 
-    def _finish_reason(self, seq: Sequence, token_id: int, length: int) -> str | None:
+    def _finish_reason(self, seq: Sequence, token_id: int, length: int) -> FinishReason | None:
         """Why seq ends with token_id as its length-th token, if it does."""
         params = seq.params
         if (self._is_eos(seq, token_id) or token_id in params.stop_token_ids) and \
                 length - seq.num_prompt_tokens > params.min_tokens:
-            return "stop"
+            return FinishReason.STOP
         if seq.grammar is not None:
             seq.grammar.catch_up(seq)
             if seq.grammar.error is not None:  # its constraints left no token the grammar allows
-                return "abort"
+                return FinishReason.ABORT
             if seq.grammar.is_terminated:  # the output is complete: the grammar allows nothing more
-                return "stop"
+                return FinishReason.STOP
         if length >= seq.max_len:  # the scheduler plans no step past this length either
-            return "length"
+            return FinishReason.LENGTH
         return None
 
     @property

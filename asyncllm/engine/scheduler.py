@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from asyncllm.engine.block_manager import BlockManager
 from asyncllm.engine.sequence import Sequence, SequenceStatus
+from asyncllm.outputs import FinishReason
 
 # prompt tokens a step may compute for requests with prompt_logprobs: each is a row of logits over the
 # whole vocabulary (float32), memory the KV-cache sizing does not set aside beyond this many rows
@@ -69,7 +70,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         bisect.insort(self.waiting, seq, key=_sort_key)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence (finished or aborted) wherever it is, and free its blocks at once."""
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)

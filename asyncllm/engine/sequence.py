@@ -8,6 +8,7 @@ from enum import Enum, auto
 
 import numpy as np
 
+from asyncllm.outputs import FinishReason
 from asyncllm.sampling_params import SamplingParams
 
 
@@ -43,7 +44,7 @@ class Sequence:
         self.block_table: list[int] = []
         # chained hashes of this sequence's full, computed blocks, in block order
         self.block_hashes: list[int] = []
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         # metrics
         self.arrival_time = time.monotonic()
         # the scheduler's order for admission and (reversed) preemption: lower priority value first,

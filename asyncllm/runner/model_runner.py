@@ -29,23 +29,30 @@ from asyncllm.runner.sampling_inputs import SamplingInputs, plan_prompt_logprobs
 from asyncllm.runner.step_inputs import StepInputs
 from asyncllm.runner.step_bitmask import StepBitmasks
 from asyncllm.runner.tp_protocol import agree_on_min
+from asyncllm.startup import (ATTENTION_BACKEND, BUILD_MODEL, CUDA_GRAPHS, DECODE_TUNING, KV_CACHE, LOAD_WEIGHTS,
+                              MEMORY_PROBE, SAMPLER, SAMPLER_GRAPHS, StartupTimings)
 
 logger = logging.getLogger("asyncllm")
 
 
 class ModelRunner:
-    def __init__(self, config: Config, weights=None, rank: int = 0, step_group=None, workers=None):
+    def __init__(self, config: Config, weights=None, rank: int = 0, step_group=None, workers=None,
+                 startup: StartupTimings | None = None):
         """Rank 0 of a tensor-parallel engine gets the started workers (tp_workers.TensorParallelWorkers)
-        and steps through their group; a worker rank gets its step_group."""
+        and steps through their group; a worker rank gets its step_group. startup: the engine's
+        start-up record, which the runner's phases join (build model ... sampler graphs)."""
         self.workers = workers
         try:
-            self._init(config, weights, rank, step_group)
+            self._init(config, weights, rank, step_group, StartupTimings() if startup is None else startup)
         except BaseException:
             if self.workers is not None:
                 self.workers.abort()  # a failed start-up leaves no worker process behind
             raise
 
-    def _init(self, config: Config, weights, rank: int, step_group) -> None:
+    def _init(self, config: Config, weights, rank: int, step_group, startup: StartupTimings) -> None:
+        """The runner's start-up phases, in order (asyncllm/startup.py): the model built and loaded,
+        the KV cache sized by a probe step and allocated, then (CUDA, not eager) the graphs, the
+        batch-1 decode graph's tuning and the sampler graphs, which replay what the probe sized."""
         self.config = config
         hf = config.hf_config
         self.rank = rank
@@ -64,36 +71,46 @@ class ModelRunner:
         self.graph_runner = None  # captured last; the memory probe below runs the model eagerly
         self.sampler_graphs = None  # plain sampling over each graph's logits, captured after the graphs
         torch.manual_seed(config.seed)
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                self.model = create_model(hf, max_model_len=config.max_model_len)
-        finally:
-            torch.set_default_dtype(default_dtype)
-        load_weights(self.model, weights if weights is not None else iter_safetensors(config.model))
-        self.model.eval()
-        self.sampler = Sampler()
-        self.sampling_inputs = SamplingInputs(hf.vocab_size, self.device, config.seed)
-        self.num_layers = hf.num_hidden_layers
-        attn = self.model.model.layers[0].self_attn
-        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        self.vocab_size = hf.vocab_size
-        self.bitmasks = StepBitmasks(self.vocab_size, self.device)  # constrained steps' token masks
-        self.num_kvcache_blocks = self._decide_num_blocks()
-        if self.step_group is not None:
-            self.num_kvcache_blocks = agree_on_min(self.num_kvcache_blocks, self.step_group)
-        kv_shape = (2, self.num_layers, self.num_kvcache_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_cache = torch.zeros(kv_shape, dtype=self.dtype, device=self.device)
-        self.attn_backend = self._create_backend(self.kv_cache)
+        phase = startup.phase
+        with phase(BUILD_MODEL):
+            default_dtype = torch.get_default_dtype()
+            torch.set_default_dtype(self.dtype)
+            try:
+                with torch.device(self.device):
+                    self.model = create_model(hf, max_model_len=config.max_model_len)
+            finally:
+                torch.set_default_dtype(default_dtype)
+        with phase(LOAD_WEIGHTS):
+            load_weights(self.model, weights if weights is not None else iter_safetensors(config.model))
+            self.model.eval()
+        with phase(SAMPLER):
+            self.sampler = Sampler()
+            self.sampling_inputs = SamplingInputs(hf.vocab_size, self.device, config.seed)
+            self.num_layers = hf.num_hidden_layers
+            attn = self.model.model.layers[0].self_attn
+            self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+            self.vocab_size = hf.vocab_size
+            self.bitmasks = StepBitmasks(self.vocab_size, self.device)  # constrained steps' token masks
+        with phase(MEMORY_PROBE):
+            self.num_kvcache_blocks = self._decide_num_blocks()
+            if self.step_group is not None:
+                self.num_kvcache_blocks = agree_on_min(self.num_kvcache_blocks, self.step_group)
+        with phase(KV_CACHE):
+            kv_shape = (2, self.num_layers, self.num_kvcache_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+            self.kv_cache = torch.zeros(kv_shape, dtype=self.dtype, device=self.device)
+        with phase(ATTENTION_BACKEND):
+            self.attn_backend = self._create_backend(self.kv_cache)
         if self.device.type == "cuda" and not config.enforce_eager and self.attn_backend.supports_cuda_graphs:
-            self.graph_runner = CudaGraphRunner(
-                self.model, self.attn_backend, min(config.max_num_seqs, 512), config.max_model_len, self.device,
-                max_mixed_tokens=min(config.cuda_graph_max_tokens, config.max_num_batched_tokens))
+            with phase(CUDA_GRAPHS):
+                self.graph_runner = CudaGraphRunner(
+                    self.model, self.attn_backend, min(config.max_num_seqs, 512), config.max_model_len, self.device,
+                    max_mixed_tokens=min(config.cuda_graph_max_tokens, config.max_num_batched_tokens))
             if self.step_group is None:  # one rank: its batch-1 graph's tilings by the step's time
-                tune_batch1_projections(self.graph_runner, lambda context: self._synthetic_step(0, 0, 1, context))
+                with phase(DECODE_TUNING):
+                    tune_batch1_projections(self.graph_runner, lambda context: self._synthetic_step(0, 0, 1, context))
             if rank == 0:  # the other tensor-parallel ranks never sample
-                self.sampler_graphs = SamplerGraphs(self.graph_runner)
+                with phase(SAMPLER_GRAPHS):
+                    self.sampler_graphs = SamplerGraphs(self.graph_runner)
         logger.info("KV cache: %d blocks of %d tokens, %.1f MiB", self.num_kvcache_blocks, self.block_size,
                     self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
 

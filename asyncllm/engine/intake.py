@@ -1,0 +1,131 @@
+"""A request's way into the engine: its prompt encoded and checked, its sampling params checked (a
+grammar compiled), and its sequences made (stop ids, bad words, a grammar's state). Runs in the
+caller's thread (AsyncLLMEngine's checks) and on the engine thread (new sequences); holds nothing
+that a step changes."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+from asyncllm.config import Config
+from asyncllm.engine.reasoning_format import ReasoningTags
+from asyncllm.engine.sequence import Sequence
+from asyncllm.engine.token_bans import check_some_token_samplable, encode_bad_words
+from asyncllm.errors import PromptTooLongError
+from asyncllm.models.checkpoint import find_eos_token_ids
+from asyncllm.sampling_params import SamplingParams
+from asyncllm.structured.grammar import GrammarCompiler
+
+
+def check_text(text: str, argument: str) -> None:
+    """Refuse a str that is not valid Unicode text (lone surrogates, e.g. from bytes decoded with
+    errors="surrogateescape"), which the tokenizer would reject with an obscure error."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{argument}: not valid Unicode text (lone surrogate {text[e.start]!r} at index "
+                         f"{e.start}); decode bytes with errors='replace' first") from None
+
+
+class RequestIntake:
+    """The tokenizer, the model's vocabulary and EOS ids, the length limits and the grammar compiler
+    that a request is checked against and its sequences made with."""
+
+    def __init__(self, config: Config, tokenizer, max_seq_len: int):
+        self.tokenizer = tokenizer
+        self.max_seq_len = max_seq_len  # max_model_len, or less where the KV cache is smaller
+        self.max_model_len = config.max_model_len
+        self.block_size = config.kvcache_block_size
+        self.vocab_size = config.hf_config.vocab_size
+        self.eos_token_ids = find_eos_token_ids(config.model, config.hf_config, tokenizer)
+        # no token decodes to more characters than this: a longer text cannot fit in max_seq_len
+        # tokens, and is refused before the tokenizer spends seconds on it
+        self.max_prompt_chars = max_seq_len * max(map(len, tokenizer.get_vocab()), default=1)
+        self.reasoning = ReasoningTags.of(config.reasoning_parser, tokenizer)  # a grammar waits for its end
+        # made on the first constrained request (xgrammar reads the whole vocabulary)
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._grammar_compiler_lock = threading.Lock()
+
+    def encode_prompt(self, prompt, argument: str = "prompt") -> list[int]:
+        """A prompt string or token-id list, checked, as token ids."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError(f"{argument}: the prompt is empty")
+            check_text(prompt, argument)
+            if len(prompt) > self.max_prompt_chars:
+                raise PromptTooLongError(f"{argument}: {len(prompt)} characters cannot fit in max_model_len "
+                                         f"({self.max_seq_len} tokens)")
+            token_ids = self.tokenizer.encode(prompt)
+            if not token_ids:
+                raise ValueError(f"{argument}: the prompt encodes to no tokens")
+            return self.check_token_ids(token_ids, argument)
+        if isinstance(prompt, (list, tuple)):
+            if not prompt:
+                raise ValueError(f"{argument}: the token-id list is empty")
+            return self.check_token_ids(list(prompt), argument)
+        raise TypeError(f"{argument}: expected a string or a list of token ids, got {type(prompt).__name__}")
+
+    def check_token_ids(self, token_ids: list[int], argument: str) -> list[int]:
+        """Every id an int inside the model's vocabulary: an id past it would fail inside a step."""
+        for i, t in enumerate(token_ids):
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise TypeError(f"{argument}[{i}]: token ids must be ints, got {type(t).__name__}")
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"{argument}[{i}]: token id {t} is outside the vocabulary [0, {self.vocab_size})")
+        return token_ids
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                      argument: str = "prompt") -> SamplingParams:
+        """Check a request; returns the validated snapshot of params that the request must keep."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        # a snapshot: fields set on the caller's object later would otherwise reach a step and
+        # fail there, killing the engine for every request
+        params = params.snapshot()
+        if params.logit_bias is not None:
+            self.check_token_ids(list(params.logit_bias), "SamplingParams.logit_bias")
+        if params.allowed_token_ids is not None:
+            self.check_token_ids(params.allowed_token_ids, "SamplingParams.allowed_token_ids")
+        if params.stop_token_ids:  # banned below min_tokens: an id past the logits would fail the step
+            self.check_token_ids(params.stop_token_ids, "SamplingParams.stop_token_ids")
+        check_some_token_samplable(params, self.vocab_size, self.eos_token_ids, self.tokenizer)
+        if params.structured_output is not None:
+            # compiled here (the caller waits) and kept with the request's copy: the engine thread never compiles
+            self.grammar_compiler.prepare(params.structured_output)
+        if len(prompt_token_ids) >= self.max_seq_len:
+            what = "max_model_len" if self.max_seq_len == self.max_model_len else "the KV cache's capacity"
+            raise PromptTooLongError(f"{argument}: {len(prompt_token_ids)} tokens leave no room to generate within "
+                                     f"{what} ({self.max_seq_len} tokens)")
+        return params
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        with self._grammar_compiler_lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            return self._grammar_compiler
+
+    def grammar_stats(self) -> dict:  # live, from any thread; {} before the first constrained request
+        return self._grammar_compiler.stats() if self._grammar_compiler is not None else {}
+
+    def new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     index: int) -> Sequence:
+        """Sequence index (of params.n) of a request whose params check_request returned."""
+        if params.n > 1:
+            seed = params.seed
+            if seed is not None:  # each sequence its own stream, reproducible: seed + index (wrapped)
+                seed = seed + index if seed + index < 1 << 64 else seed + index - (1 << 64)
+            # the first sequence alone computes the prompt, and scores it if asked
+            params = dataclasses.replace(params, n=1, seed=seed,
+                                         prompt_logprobs=params.prompt_logprobs if index == 0 else None)
+        seq = Sequence(request_id, prompt_token_ids, params, self.block_size, self.max_seq_len)
+        seq.index = index
+        seq.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        if params.min_tokens:
+            seq.early_stop_ids = sorted(seq.stop_ids)
+        if params.bad_words:
+            seq.bad_word_ids = encode_bad_words(self.tokenizer, params.bad_words)
+        if params.structured_output is not None:  # each of n sequences follows the grammar on its own
+            gate = self.reasoning.grammar_gate(prompt_token_ids) if self.reasoning is not None else None
+            seq.grammar = self.grammar_compiler.new_state(params.structured_output, gate)
+        return seq
