@@ -30,7 +30,7 @@ async def all_free(engine: AsyncLLMEngine) -> None:
 
 
 @pytest.mark.parametrize("field, value", [
-    ("top_k", 10 ** 30), ("max_tokens", "5"), ("temperature", "0.7"), ("stop_token_ids", None), ("min_p", None),
+    ("top_k", 10 ** 30), ("max_tokens", "5"), ("temperature", "0.7"), ("stop_token_ids", [1.5]), ("min_p", None),
     ("stop", 7), ("seed", 2 ** 70)])
 async def test_params_changed_after_submission_never_reach_the_engine(tiny_qwen3, field, value):
     shared = SamplingParams(temperature=0.7, max_tokens=6, ignore_eos=True, seed=1)
