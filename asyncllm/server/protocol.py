@@ -199,16 +199,18 @@ def sampling_params(body: dict, max_tokens_field: str, default_max_tokens: int,
     stop = body.get("stop")
     if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
         raise APIError(400, f"'stop': at most {MAX_STOP_STRINGS} stop strings", param="stop", code="invalid_value")
-    # one field at a time first, so that the 400 names the field whatever the error's wording
-    for name, (argument, value) in sent.items():
-        try:
-            SamplingParams(**{argument: value})
-        except (ValueError, TypeError, OverflowError) as e:
-            raise field_error(name, e, argument) from None
     try:
         return SamplingParams(**dict(sent.values()), structured_output=structured_output)
-    except (ValueError, TypeError, OverflowError) as e:  # a combination of fields
-        raise APIError(400, str(e).removeprefix("SamplingParams."), code="invalid_value") from None
+    except (ValueError, TypeError, OverflowError) as e:
+        error = e
+    # refused: one field at a time (each beside the max_tokens asked for), so that the 400 names the
+    # field whatever the error's wording; a valid request builds SamplingParams once
+    for name, (argument, value) in sent.items():
+        try:
+            SamplingParams(**{"max_tokens": max_tokens, argument: value})
+        except (ValueError, TypeError, OverflowError) as e:
+            raise field_error(name, e, argument) from None
+    raise APIError(400, str(error).removeprefix("SamplingParams."), code="invalid_value")  # a combination of fields
 
 
 def stream_options(body: dict) -> tuple[bool, bool]:
