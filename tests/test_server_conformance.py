@@ -243,7 +243,7 @@ def test_an_escaped_exception_is_an_openai_500(http, monkeypatch):
     async def broken(*args, **kwargs):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(server, "_answer", broken)
+    monkeypatch.setattr(server, "generate", broken)
     error = assert_openai_error(http.post(CHAT, json={"messages": MESSAGES}), 500, None, "internal_error")
     assert error["type"] == "server_error" and "a bug" not in error["message"]  # no internals leak
 

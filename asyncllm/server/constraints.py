@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import json
 
-import anyio
-
 from asyncllm.server.protocol import APIError, field_error, type_name
-from asyncllm.server.sse import await_disconnect
+from asyncllm.server.sse import unless_disconnected
 from asyncllm.structured import StructuredOutput
 
 # vLLM's older names, each one kind of StructuredOutput
@@ -60,29 +58,18 @@ def _from_response_format(value: dict) -> StructuredOutput:
     if not isinstance(spec, dict):
         raise APIError(400, f"'response_format.json_schema': expected an object, got {type_name(spec)}",
                        param="response_format.json_schema", code="invalid_type")
+    return _json_schema(spec.get("schema"))
+
+
+def _json_schema(schema) -> StructuredOutput:
     # strict or not, the output is held to the schema (xgrammar's strict mode: no properties or
     # items beyond the schema's)
-    schema = spec.get("schema")
     return StructuredOutput(json_object=True) if schema is None else StructuredOutput(json=schema)
 
 
 async def compile_constraint(engine, request, structured_output: StructuredOutput) -> None:
     """engine.compile_structured_output, cancelled if the client disconnects meanwhile (a compile
     still queued is then dropped, never started)."""
-    compiled, error = False, None
-    async with anyio.create_task_group() as tasks:
-        async def watch() -> None:
-            await await_disconnect(request.receive)
-            tasks.cancel_scope.cancel()
-
-        tasks.start_soon(watch)
-        try:
-            await engine.compile_structured_output(structured_output)
-            compiled = True
-        except Exception as e:  # noqa: BLE001 - raised below, outside the task group
-            error = e
-        tasks.cancel_scope.cancel()
-    if error is not None:
-        raise error
+    compiled, _ = await unless_disconnected(request.receive, lambda: engine.compile_structured_output(structured_output))
     if not compiled:  # nobody reads this answer
         raise APIError(499, "the client disconnected while its grammar compiled", code="client_disconnected")
