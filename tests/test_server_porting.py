@@ -137,3 +137,121 @@ def test_echo_refusals(http):
     r = http.post("/v1/completions", json={"prompt": "a", "echo": True, "logprobs": 1, "stream": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
 
+
+# ---- /v1/responses -------------------------------------------------------------------------------------
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city", "strict": True,
+           "parameters": {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}},
+                          "required": ["unit"], "additionalProperties": False}}
+CHOICE = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
+          "additionalProperties": False}
+TEXT_EVENTS = ["response.output_item.added", "response.content_part.added", "response.output_text.delta",
+               "response.output_text.done", "response.content_part.done", "response.output_item.done"]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_qwen3, tmp_path_factory):
+    """`asyncllm serve` on a loopback port, and the official client for it."""
+    import os
+    import subprocess
+    port = free_port()
+    log_path = str(tmp_path_factory.mktemp("server") / "server.log")
+    cmd = serve_command() + ["serve", tiny_qwen3, "--port", str(port), "--served-model-name", MODEL_NAME,
+                             "--max-model-len", "512", "--num-kvcache-blocks", "64", "--log-level", "warning"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base, proc, log_path)
+        yield openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    finally:
+        stop_process(proc)
+    assert proc.returncode == 0, open(log_path).read()[-4000:]
+
+
+def collapsed(kinds: list[str]) -> list[str]:
+    """Event types with runs of one delta type made one."""
+    return [k for i, k in enumerate(kinds) if not (k.endswith(".delta") and i and kinds[i - 1] == k)]
+
+
+def test_responses_text_whole_and_streamed(served):
+    ask = dict(model=MODEL_NAME, input="Say something.", instructions="Be terse.", max_output_tokens=6,
+               temperature=0)
+    whole = served.responses.create(**ask)
+    assert whole.object == "response" and whole.id.startswith("resp") and whole.model == MODEL_NAME
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert [item.type for item in whole.output] == ["message"] and whole.output[0].role == "assistant"
+    assert whole.output_text and whole.usage.output_tokens == 6
+    assert whole.usage.total_tokens == whole.usage.input_tokens + 6
+    events = list(served.responses.create(stream=True, **ask))
+    kinds = [e.type for e in events]
+    assert collapsed(kinds) == ["response.created", "response.in_progress", *TEXT_EVENTS, "response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert events[-1].response.output_text == whole.output_text and events[-1].response.usage.output_tokens == 6
+
+
+def test_responses_structured_output_completes_whole_and_streamed(served):
+    ask = dict(model=MODEL_NAME, input=[{"role": "user", "content": [{"type": "input_text", "text": "Yes or no?"}]}],
+               text={"format": {"type": "json_schema", "name": "answer", "schema": CHOICE, "strict": True}},
+               max_output_tokens=40, temperature=0)
+    whole = served.responses.create(**ask)
+    assert whole.status == "completed" and json.loads(whole.output_text)["answer"] in ("yes", "no")
+    with served.responses.stream(**ask) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()  # the client's own accumulation of the events
+    assert collapsed(kinds) == ["response.created", "response.in_progress", *TEXT_EVENTS, "response.completed"]
+    assert final.output_text == whole.output_text and final.status == "completed"
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "name": "get_weather"}])
+def test_responses_function_call_and_its_output_back(served, tool_choice):
+    ask = dict(model=MODEL_NAME, input="What is the weather in Oslo?", tools=[WEATHER], tool_choice=tool_choice,
+               parallel_tool_calls=False, max_output_tokens=60, temperature=0)
+    whole = served.responses.create(**ask)
+    (call,) = whole.output
+    assert whole.status == "completed" and call.type == "function_call" and call.name == "get_weather"
+    assert json.loads(call.arguments)["unit"] in ("celsius", "fahrenheit") and call.call_id.startswith("call_")
+    with served.responses.stream(**ask) as stream:
+        kinds = collapsed([event.type for event in stream])
+        final = stream.get_final_response()
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.function_call_arguments.delta", "response.function_call_arguments.done",
+                     "response.output_item.done", "response.completed"]
+    assert [(c.name, c.arguments) for c in final.output] == [(call.name, call.arguments)]
+    # the round trip: the call and its output go back in `input`, and the model answers in text
+    answer = served.responses.create(model=MODEL_NAME, tools=[WEATHER], max_output_tokens=4, temperature=0, input=[
+        {"role": "user", "content": "What is the weather in Oslo?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": json.dumps({"sky": "clear"})}])
+    assert answer.output[0].type in ("message", "function_call") and answer.usage.input_tokens > whole.usage.input_tokens
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"store": True}, "store"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+    ({"tool_choice": {"type": "allowed_tools", "tools": []}, "tools": [WEATHER]}, "tool_choice"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+    ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+    ({"input": None}, "input"),
+    ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+])
+def test_responses_refusals_name_the_field(http, extra, param):
+    r = http.post("/v1/responses", json={"model": MODEL_NAME, "input": "Hi", **extra})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"], error
+
+
+def test_responses_neutral_fields_and_logprobs(http):
+    body = {"model": MODEL_NAME, "input": "Hi", "max_output_tokens": 3, "store": False, "metadata": {"k": "v"},
+            "user": "u", "truncation": "disabled", "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    r = http.post("/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    part = r.json()["output"][0]["content"][0]
+    assert len(part["logprobs"]) == 3 and all(len(entry["top_logprobs"]) == 2 for entry in part["logprobs"])
+    wait_blocks_free(http.engine)

@@ -26,6 +26,7 @@ from asyncllm.server.errors import RETRY_AFTER_SECONDS, exception_handlers
 from asyncllm.server.limits import RequestLimits, limit_output, read_json_body
 from asyncllm.server.metrics import EngineMetrics
 from asyncllm.server.protocol import APIError, field_error
+from asyncllm.server.responses import create_response
 from asyncllm.server.shutdown import Drain, shutting_down_error
 from asyncllm.server.sse import unless_disconnected
 from asyncllm.server.stream_group import StreamGroup
@@ -361,6 +362,7 @@ class OpenAIServer(TokenizationEndpoints):
         return [
             Route("/v1/chat/completions", e(self.chat_completions), methods=["POST"]),
             Route("/v1/completions", e(self.completions), methods=["POST"]),
+            Route("/v1/responses", e(functools.partial(create_response, self)), methods=["POST"]),
             Route("/v1/models", e(self.models), methods=["GET"]),
             Route("/v1/models/{model:path}", e(self.model), methods=["GET"]),
             Route("/tokenize", e(self.tokenize), methods=["POST"]),

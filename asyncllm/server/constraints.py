@@ -67,6 +67,32 @@ def _json_schema(schema) -> StructuredOutput:
     return StructuredOutput(json_object=True) if schema is None else StructuredOutput(json=schema)
 
 
+def text_format_constraint(text) -> tuple[StructuredOutput | None, str | None]:
+    """The Responses API's text.format ({"type": "text"}, "json_object", or "json_schema" with the
+    schema beside name and strict, not nested as in response_format) as a StructuredOutput."""
+    if text is None:
+        return None, None
+    if not isinstance(text, dict):
+        raise APIError(400, f"'text': expected an object, got {type_name(text)}", param="text", code="invalid_type")
+    value = text.get("format")
+    if value is None:
+        return None, None
+    if not isinstance(value, dict):
+        raise APIError(400, f"'text.format': expected an object, got {type_name(value)}", param="text.format",
+                       code="invalid_type")
+    kind = value.get("type")
+    if kind == "text":
+        return None, None
+    if kind not in ("json_object", "json_schema"):
+        raise APIError(400, f"'text.format.type': expected 'text', 'json_object' or 'json_schema', got "
+                            f"{json.dumps(kind)}", param="text.format.type", code="invalid_value")
+    try:
+        return (StructuredOutput(json_object=True) if kind == "json_object" else _json_schema(value.get("schema"))), \
+            "text.format"
+    except ValueError as e:
+        raise field_error("text.format", e) from None
+
+
 async def compile_constraint(engine, request, structured_output: StructuredOutput) -> None:
     """engine.compile_structured_output, cancelled if the client disconnects meanwhile (a compile
     still queued is then dropped, never started)."""
