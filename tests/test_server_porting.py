@@ -255,3 +255,48 @@ def test_responses_neutral_fields_and_logprobs(http):
     part = r.json()["output"][0]["content"][0]
     assert len(part["logprobs"]) == 3 and all(len(entry["top_logprobs"]) == 2 for entry in part["logprobs"])
     wait_blocks_free(http.engine)
+
+
+def test_responses_stream_that_the_engine_dies_under_ends_with_response_failed(tiny_qwen3):
+    from starlette.testclient import TestClient
+
+    from asyncllm import AsyncLLMEngine
+    from asyncllm.server import create_app
+
+    engine = AsyncLLMEngine(tiny_qwen3, num_kvcache_blocks=16)
+    with TestClient(create_app(engine, MODEL_NAME)) as http:
+        def failing_step():
+            raise RuntimeError("injected step failure")
+
+        engine._core.launch_step = failing_step
+        with http.stream("POST", "/v1/responses", json={"input": "Hi", "max_output_tokens": 5, "stream": True}) as r:
+            assert r.status_code == 200  # the status line went out before the engine failed
+            lines = [line for line in r.iter_lines() if line]
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+        assert [line[7:] for line in lines if line.startswith("event: ")] == [e["type"] for e in events]
+        assert [e["type"] for e in events] == ["response.created", "response.in_progress", "response.failed"]
+        failed = events[-1]["response"]
+        assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+        assert "injected step failure" in failed["error"]["message"]
+        r = http.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 5})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable", r.text
+
+
+def test_odd_values_inside_responses_fields_are_never_a_500(http):
+    odd = [None, -1, 0, "x", "", [], [1, "a"], {}, {"a": 1}, True, [{}], [None], [{"type": 5}]]
+    bodies = [{"input": [item]} for item in [
+        *({"role": "user", "content": v} for v in odd), *({"type": "reasoning", "content": v} for v in odd),
+        *({"type": "function_call", key: v} for key in ("call_id", "name", "arguments") for v in odd),
+        *({"type": "function_call_output", "call_id": "c", "output": v} for v in odd), *({"type": v} for v in odd),
+        *odd]]
+    bodies += [{"input": "Hi", "tools": [tool], "tool_choice": choice}
+               for tool in [*({"type": "function", "name": "f", "parameters": v} for v in odd), *odd]
+               for choice in (None, "required", {"type": "function", "name": "f"}, {"type": "function"}, 5)]
+    bodies += [{"input": "Hi", "text": {"format": fmt}} for fmt in [*odd, *({"type": "json_schema", "schema": v}
+                                                                          for v in odd)]]
+    statuses = {}
+    for body in bodies:
+        status = http.post("/v1/responses", json={**body, "max_output_tokens": 1}).status_code
+        statuses.setdefault(status, []).append(json.dumps(body)[:80])
+    assert set(statuses) <= {200, 400}, {s: v[:5] for s, v in statuses.items()}
+    wait_blocks_free(http.engine)

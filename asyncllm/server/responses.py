@@ -165,7 +165,10 @@ def input_messages(body: dict) -> list[dict]:
                              "content": output if isinstance(output, str) else _text(output, where, "output")})
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
-            reasoning = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            if not isinstance(parts, list):
+                raise APIError(400, f"'{where}.content': expected an array of reasoning_text parts, got "
+                                    f"{type_name(parts)}", param=f"{where}.content", code="invalid_type")
+            reasoning = "".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
         else:
             raise APIError(400, f"'{where}.type': {json.dumps(kind)} is not supported: send messages, function_call "
                                 "and function_call_output items", param=f"{where}.type", code="invalid_value")
