@@ -83,10 +83,10 @@ def test_a_batch_streams_every_choice(client, http):
 
 
 def test_a_batch_is_refused_whole_naming_the_prompt(http):
-    for prompt, message in ((["ok", ""], "prompt[1]"), (["ok", [1, "a"]], "prompt[1]"), ([[1], [10 ** 9]], "prompt[1]")):
+    for prompt in (["ok", ""], ["ok", [1, "a"]], [[1], [10 ** 9]]):
         r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
         assert r.status_code == 400 and r.json()["error"]["param"].startswith("prompt"), r.text
-        assert message in r.json()["error"]["message"], r.text
+        assert "prompt[1]" in r.json()["error"]["message"], r.text
     # prompts x n x max_tokens against --max-generated-tokens (65536 by default)
     r = http.post("/v1/completions", json={"prompt": ["a"] * 40, "n": 20, "max_tokens": 100})
     assert r.status_code == 400 and "40 prompts" in r.json()["error"]["message"], r.text
@@ -97,7 +97,8 @@ def test_a_batch_is_refused_whole_naming_the_prompt(http):
 def test_echo_puts_the_prompt_before_each_choice_whole_and_streamed(client, tiny_qwen3):
     from transformers import AutoTokenizer
     tokens = [785, 12884, 374]
-    for prompt, text in (("The sky is", "The sky is"), (tokens, AutoTokenizer.from_pretrained(tiny_qwen3).decode(tokens))):
+    decoded = AutoTokenizer.from_pretrained(tiny_qwen3).decode(tokens)
+    for prompt, text in (("The sky is", "The sky is"), (tokens, decoded)):
         plain = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, n=2, extra_body=GREEDY)
         echoed = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, n=2, echo=True,
                                            extra_body=GREEDY)
@@ -175,7 +176,7 @@ def collapsed(kinds: list[str]) -> list[str]:
 
 def test_responses_text_whole_and_streamed(served):
     ask = dict(model=MODEL_NAME, input="Say something.", instructions="Be terse.", max_output_tokens=6,
-               temperature=0)
+               temperature=0, extra_body={"ignore_eos": True})
     whole = served.responses.create(**ask)
     assert whole.object == "response" and whole.id.startswith("resp") and whole.model == MODEL_NAME
     assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
@@ -223,7 +224,8 @@ def test_responses_function_call_and_its_output_back(served, tool_choice):
         {"role": "user", "content": "What is the weather in Oslo?"},
         {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
         {"type": "function_call_output", "call_id": call.call_id, "output": json.dumps({"sky": "clear"})}])
-    assert answer.output[0].type in ("message", "function_call") and answer.usage.input_tokens > whole.usage.input_tokens
+    assert answer.output[0].type in ("message", "function_call")
+    assert answer.usage.input_tokens > whole.usage.input_tokens  # the call and its output were rendered
 
 
 @pytest.mark.parametrize("extra, param", [

@@ -96,6 +96,7 @@ def text_format_constraint(text) -> tuple[StructuredOutput | None, str | None]:
 async def compile_constraint(engine, request, structured_output: StructuredOutput) -> None:
     """engine.compile_structured_output, cancelled if the client disconnects meanwhile (a compile
     still queued is then dropped, never started)."""
-    compiled, _ = await unless_disconnected(request.receive, lambda: engine.compile_structured_output(structured_output))
+    compiled, _ = await unless_disconnected(request.receive,
+                                            lambda: engine.compile_structured_output(structured_output))
     if not compiled:  # nobody reads this answer
         raise APIError(499, "the client disconnected while its grammar compiled", code="client_disconnected")

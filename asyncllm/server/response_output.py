@@ -76,8 +76,9 @@ class ResponseOutput:
         else:
             part = item["content"][0]
             if item["type"] == "message":
-                done = {"text": part["text"], "logprobs": part["logprobs"]} if self.logprobs else {"text": part["text"]}
-                events.append(self._event("response.output_text.done", **where, content_index=0, **done))
+                done = {"logprobs": part["logprobs"]} if self.logprobs else {}
+                events.append(self._event("response.output_text.done", **where, content_index=0, text=part["text"],
+                                          **done))
             else:
                 events.append(self._event("response.reasoning_text.done", **where, content_index=0, text=part["text"]))
             events.append(self._event("response.content_part.done", **where, content_index=0, part=_copy_part(part)))
@@ -145,10 +146,10 @@ class ResponseOutput:
             self.reasoning_tokens += len(out.token_ids)
         events = self._reasoning(out.reasoning) if out.reasoning else []
         if self.calls is None:
-            if out.text or (self.logprobs and out.logprobs):
+            if out.text:  # an item of reasoning only: its tokens' logprobs are the reasoning's, not sent
                 events += self._text(out.text, out.logprobs)
         else:
-            events += self._answer(*self.calls.feed(out.text), out.logprobs)
+            events += self._answer(*self.calls.feed(out.text), out.logprobs if out.text else None)
         return events
 
     def finish(self, finish_reason: str, usage: dict) -> list[dict]:
