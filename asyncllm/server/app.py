@@ -315,18 +315,17 @@ class OpenAIServer(TokenizationEndpoints):
     async def completions(self, request: Request) -> Response:
         body = await self._request_body(request, protocol.COMPLETION_FIELDS, protocol.NEUTRAL_COMPLETIONS)
         prompts = protocol.prompts(body)
-        echo = protocol.echo(body)
         prompt_ids = await self._completion_prompt_ids(prompts)
         include_usage, continuous_usage = protocol.stream_options(body)
+        # before submission: nothing may come between submitting and the answer that closes the streams
+        echo = await self._echo(prompts, prompt_ids, body.get("logprobs") is not None) if protocol.echo(body) else None
         gen = await self.generate(request, body, prompt_ids, kind="completions", max_tokens_field="max_tokens",
                                   default_max_tokens=protocol.COMPLETIONS_DEFAULT_MAX_TOKENS,
-                                  constraint=requested_constraint(body), echo_logprobs=echo)
-        if echo:
-            echo = await self._echo(prompts, prompt_ids, with_first_tokens=gen.params.logprobs is not None)
+                                  constraint=requested_constraint(body), echo_logprobs=echo is not None)
         if body.get("stream"):
             return stream_response(self, gen, chat=False, include_usage=include_usage,
-                                   continuous_usage=continuous_usage, echo=echo or None)
-        return await whole_response(self, request, gen, chat=False, echo=echo or None)
+                                   continuous_usage=continuous_usage, echo=echo)
+        return await whole_response(self, request, gen, chat=False, echo=echo)
 
     async def _echo(self, prompts: list[str | list[int]], prompt_ids: list[list[int]], with_first_tokens: bool) -> Echo:
         """Each prompt as text (a token prompt decoded), and its first token's text for the logprobs."""
