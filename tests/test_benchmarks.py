@@ -25,6 +25,7 @@ import bench_latency  # noqa: E402
 import bench_multiturn  # noqa: E402
 import bench_profile  # noqa: E402
 import bench_serving  # noqa: E402
+import bench_server_libs  # noqa: E402
 import bench_startup  # noqa: E402
 import bench_step_phases  # noqa: E402
 import bench_throughput  # noqa: E402
@@ -216,3 +217,10 @@ def test_bench_serving_times_every_request_of_each_level(tiny_model):
     assert len(rows) == 2  # the closed-loop level and the Poisson rate
     for row in rows:
         assert row["output_tok_s"] > 0, row
+
+
+def test_bench_server_libs_runs_with_or_without_the_libraries():
+    data = bench_server_libs.main(["--repeat", "20", "--events", "50"])
+    assert data["validation_us_per_request"]["protocol.py"] > 0
+    assert all(row["json_scan"] > 0 for row in data["tool_call_us_per_piece"])
+    assert data["sse_us_per_event"]["sse.py"] > 0

@@ -307,9 +307,9 @@ BAD_REQUESTS = [
     ("body-too-large", CHAT, with_(messages=[{"role": "user", "content": "x" * (1 << 20)}]), 413, None),
     ("prompt-missing", COMPLETIONS, json.dumps({"model": MODEL_NAME}), 400, "prompt"),
     ("prompt-empty", COMPLETIONS, json.dumps({"prompt": ""}), 400, "prompt"),
-    ("prompt-batch", COMPLETIONS, json.dumps({"prompt": ["a", "b"]}), 400, "prompt"),
+    ("prompt-batch-with-an-empty-prompt", COMPLETIONS, json.dumps({"prompt": ["a", ""]}), 400, "prompt"),
     ("prompt-token-out-of-vocab", COMPLETIONS, json.dumps({"prompt": [10 ** 9]}), 400, "prompt"),
-    ("echo", COMPLETIONS, json.dumps({"prompt": "a", "echo": True}), 400, "echo"),
+    ("echo-not-a-boolean", COMPLETIONS, json.dumps({"prompt": "a", "echo": "yes"}), 400, "echo"),
     ("best-of", COMPLETIONS, json.dumps({"prompt": "a", "best_of": 3}), 400, "best_of"),
 ]
 

@@ -152,6 +152,18 @@ def test_default_max_tokens_stays_within_the_context(http):
                         "context_length_exceeded")
 
 
+def test_fields_are_checked_against_the_max_tokens_sent_not_the_default():
+    """min_tokens above SamplingParams' default max_tokens (64) with a max_tokens that holds it is
+    valid (it was a 400 citing the default 64); one above the max_tokens sent names both figures."""
+    from asyncllm.server import protocol
+
+    params = protocol.sampling_params({"max_tokens": 200, "min_tokens": 100}, "max_tokens", 16, None, chat=False)
+    assert (params.max_tokens, params.min_tokens) == (200, 100)
+    with pytest.raises(protocol.APIError) as info:
+        protocol.sampling_params({"max_tokens": 50, "min_tokens": 100}, "max_tokens", 16, None, chat=False)
+    assert info.value.param == "min_tokens" and "50" in info.value.message and "64" not in info.value.message
+
+
 # ---- /tokenize and /detokenize ---------------------------------------------------------------------
 def test_tokenize_and_detokenize_match_the_tokenizer(http, tokenizer):
     text = "Hello, world! Ünïcode ✓"
@@ -231,7 +243,7 @@ def test_an_escaped_exception_is_an_openai_500(http, monkeypatch):
     async def broken(*args, **kwargs):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(server, "_answer", broken)
+    monkeypatch.setattr(server, "generate", broken)
     error = assert_openai_error(http.post(CHAT, json={"messages": MESSAGES}), 500, None, "internal_error")
     assert error["type"] == "server_error" and "a bug" not in error["message"]  # no internals leak
 

@@ -25,7 +25,7 @@ pytest.importorskip("uvicorn", reason="the server tests need asyncllm[server] (u
 
 from helpers import serve_command, wait_healthy  # noqa: E402
 
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+CHAT, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
 MESSAGES = [{"role": "user", "content": "Hi"}]
 NON_ASCII_KEY = "ключ-é-🔑"
 JSON = {"Content-Type": "application/json"}
@@ -423,18 +423,23 @@ CONSTRAINT_FIELDS = ["response_format", "structured_outputs", "guided_json", "gu
                      "guided_grammar"]
 FIELDS = {CHAT: SAMPLING_FIELDS + CONSTRAINT_FIELDS + ["messages", "max_completion_tokens", "chat_template_kwargs",
                                                        "tools", "tool_choice", "parallel_tool_calls"],
-          COMPLETIONS: SAMPLING_FIELDS + CONSTRAINT_FIELDS + ["prompt", "echo", "best_of"]}
+          COMPLETIONS: SAMPLING_FIELDS + CONSTRAINT_FIELDS + ["prompt", "echo", "best_of"],
+          RESPONSES: [f for f in SAMPLING_FIELDS if f not in ("n", "max_tokens", "logprobs", "stream_options")]
+          + ["input", "instructions", "max_output_tokens", "tools", "tool_choice", "parallel_tool_calls", "text",
+             "include", "top_logprobs", "store", "previous_response_id", "reasoning", "metadata", "truncation"]}
+BASES = {CHAT: {"messages": MESSAGES, "max_tokens": 1}, COMPLETIONS: {"prompt": "Hi", "max_tokens": 1},
+         RESPONSES: {"input": "Hi", "max_output_tokens": 1}}
 
 
-@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS, RESPONSES])
 def test_odd_values_of_every_field_are_never_a_500(http, path):
-    base = {"messages": MESSAGES} if path == CHAT else {"prompt": "Hi"}
     statuses = {}
     for field in FIELDS[path]:
         for value in ODD_VALUES:
-            if field in ("max_tokens", "max_completion_tokens") and (value is None or type(value) is int and value > 1):
+            if field in ("max_tokens", "max_completion_tokens", "max_output_tokens") and (
+                    value is None or type(value) is int and value > 1):
                 continue  # valid, and as long as the context allows (null: chat's default): too slow here
-            body = {**base, "max_tokens": 1, field: value}
+            body = {**BASES[path], field: value}
             status = http.post(path, content=json.dumps(body).encode(), headers=JSON).status_code
             statuses.setdefault(status, []).append(f"{field}={value!r}"[:60])
     assert set(statuses) <= {200, 400, 404}, {s: v[:5] for s, v in statuses.items()}

@@ -151,3 +151,23 @@ def test_an_earlier_turns_reasoning_content_reaches_the_template(server, tokeniz
     r = httpx.post(server + "/v1/chat/completions", timeout=60,
                    json={"model": MODEL_NAME, "messages": [*turns[:1], {**turns[1], "reasoning_content": 3}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages[1].reasoning_content"
+
+
+def test_the_responses_api_gives_the_reasoning_its_own_item(client, tokenizer):
+    """/v1/responses: the reasoning is a reasoning item before the message (streamed as
+    response.reasoning_text.* events), and the usage counts its tokens as reasoning tokens."""
+    params = forced(tokenizer, THINKING)
+    ask = dict(model=MODEL_NAME, input=MESSAGES, temperature=0, max_output_tokens=params.max_tokens,
+               extra_body={"logit_bias": {str(t): v for t, v in params.logit_bias.items()},
+                           "repetition_penalty": params.repetition_penalty})
+    whole = client.responses.create(**ask)
+    reasoning, message = whole.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == REASONING
+    assert message.type == "message" and whole.output_text == ANSWER_WORD + "<think>" * 4
+    assert 0 < whole.usage.output_tokens_details.reasoning_tokens < whole.usage.output_tokens
+    events = list(client.responses.create(stream=True, **ask))
+    kinds = [e.type for e in events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == REASONING
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert [item.type for item in events[-1].response.output] == ["reasoning", "message"]

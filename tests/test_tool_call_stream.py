@@ -8,7 +8,7 @@ import json
 import pytest
 
 from asyncllm.server import tool_calls
-from asyncllm.server.app import _tool_call_delta
+from asyncllm.server.answers import tool_call_delta
 from asyncllm.server.json_scan import OpenContainer, scan_object, value_end
 from asyncllm.server.tool_call_stream import ToolCallStream
 
@@ -47,7 +47,7 @@ def stream_chunks(tools, fmt, text: str, piece: int, finish_reason: str = "stop"
     chunks = [{**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}]
     pieces = [(text[i:i + piece], None) for i in range(0, len(text), piece)] + [(None, finish_reason)]
     for text_piece, finish in pieces:
-        _, delta, reason = _tool_call_delta(calls_stream, text_piece, finish)
+        _, delta, reason = tool_call_delta(calls_stream, text_piece, finish)
         if delta is not None:
             chunks.append({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": reason}]})
     return chunks
@@ -112,6 +112,41 @@ def test_a_call_cut_short_keeps_what_streamed_and_its_finish_reason():
     assert choice.finish_reason == "length"
     assert choice.message.tool_calls[0].function.name == "get_time"
     assert choice.message.tool_calls[0].function.arguments == '{"city": "Os'
+
+
+NAMED = tool_calls.ToolRequest([WEATHER, TIME], "named", "get_weather")
+REQUIRED = tool_calls.ToolRequest([WEATHER, TIME], "required")
+
+
+@pytest.mark.parametrize("tools, text, names", [
+    (NAMED, '{"city": "Ber', ["get_weather"]),
+    (REQUIRED, '[{"name": "get_time", "parameters": {"city": "Os', ["get_time"]),
+    (REQUIRED, '[{"name": "get_ti', []),
+    (REQUIRED, '[{"name": "get_time", "parameters": {"city": "Oslo"}}, {"name": "get_weather", "param',
+     ["get_time", "get_weather"]),
+])
+def test_a_forced_call_cut_short_is_never_content(tools, text, names):
+    """tool_choice required or named, output cut by max_tokens: the calls named so far with their
+    arguments as far as they got, finish_reason "length", and no content (it was the raw JSON, so
+    frameworks saw a text answer), whole and streamed alike."""
+    content, calls = tool_calls.parse_output(text, tools, HERMES)
+    assert content is None and [c["function"]["name"] for c in calls] == names
+    whole = [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    for piece in (1, 4, 1000):
+        choice = accumulate(stream_chunks(tools, HERMES, text, piece, finish_reason="length"), tools, final=False)
+        assert choice.finish_reason == "length" and not choice.message.content
+        assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []] == whole
+
+
+def test_a_forced_call_cut_short_by_max_tokens_over_http(http):
+    body = {"messages": [{"role": "user", "content": "weather?"}], "tools": [WEATHER, TIME], "max_tokens": 3,
+            "tool_choice": "required", "ignore_eos": True}
+    message = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert message["finish_reason"] == "length" and message["message"]["content"] is None
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ") and line[6:] != "[DONE]"]
+    assert not "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call():

@@ -1,7 +1,9 @@
 """An OpenAI-compatible HTTP server around AsyncLLMEngine (Starlette; run it with `asyncllm serve`).
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (streaming as server-sent events ending
-in `data: [DONE]`, with `: keep-alive` comments while a stream waits; or one JSON body), GET /v1/models,
+in `data: [DONE]`, with `: keep-alive` comments while a stream waits; or one JSON body; completions
+take a list of prompts, prompt p's choice i being p * n + i, and echo), POST /v1/responses (OpenAI's
+Responses API, stateless: its output items whole or as its stream events), GET /v1/models,
 POST /tokenize and /detokenize (vLLM's shapes), GET /health, GET /metrics (prometheus_client).
 
     app = create_app(engine, "my-model", api_key="secret")   # engine started by the app's lifespan
@@ -14,7 +16,7 @@ min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, prompt_logpr
 chat_template_kwargs and enable_thinking. With a reasoning parser (the engine's reasoning_parser),
 answers carry reasoning_content beside content (deltas too). Chat takes tools, tool_choice and parallel_tool_calls (server/tool_calls.py);
 both take the constraints response_format, structured_outputs and guided_* (server/constraints.py),
-whose grammar compiles off the event loop. Fields this server does not implement (functions, echo,
+whose grammar compiles off the event loop. Fields this server does not implement (functions,
 best_of, suffix, ...) are accepted only at their neutral value, else a 400; an unknown field is
 ignored with one logged warning per field name (clients send newer OpenAI fields). A max_tokens
 that runs past the context is a 400, and so is one whose n x max_tokens, or logprob entries, pass
@@ -27,8 +29,9 @@ request: the engine frees its KV blocks before its next step.
 
 Modules: protocol (request fields, error bodies), errors (Starlette's and uvicorn's own errors),
 metrics (EngineCollector, EngineMetrics: also for apps that embed the engine), sse (event streams),
-tokenization (/tokenize, /detokenize), app (routes), limits (request bodies, n x max_tokens, logprob
-entries), shutdown (the drain on SIGTERM), connections (uvicorn as `asyncllm serve` runs it: head
+tokenization (/tokenize, /detokenize), app (routes, submission), answers (chat and completions
+answers), stream_group (a request's prompts' engine streams), responses and response_output
+(/v1/responses), limits (request bodies, n x max_tokens, logprob entries), shutdown (the drain on SIGTERM), connections (uvicorn as `asyncllm serve` runs it: head
 timeouts, the --limit-concurrency 503, the draining shutdown).
 """
 from asyncllm.server.app import DEFAULT_SSE_KEEPALIVE_INTERVAL, OpenAIServer, create_app

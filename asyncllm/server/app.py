@@ -20,20 +20,22 @@ from asyncllm.errors import EngineDeadError, QueueFullError, UnsatisfiableConstr
 from asyncllm.sampling_params import SamplingParams
 import asyncllm.server.protocol as protocol
 from asyncllm.server import tool_calls
-from asyncllm.server.choices import ChoiceShaper, prompt_logprobs_field
+from asyncllm.server.answers import Echo, Generation, stream_response, whole_response
 from asyncllm.server.constraints import compile_constraint, requested_constraint
 from asyncllm.server.errors import RETRY_AFTER_SECONDS, exception_handlers
 from asyncllm.server.limits import RequestLimits, limit_output, read_json_body
 from asyncllm.server.metrics import EngineMetrics
 from asyncllm.server.protocol import APIError, field_error
+from asyncllm.server.responses import create_response
 from asyncllm.server.shutdown import Drain, shutting_down_error
-from asyncllm.server.sse import EventStreamResponse, await_disconnect, chunk_events, usage
+from asyncllm.server.sse import unless_disconnected
+from asyncllm.server.stream_group import StreamGroup
 from asyncllm.server.tokenization import TokenizationEndpoints
-from asyncllm.server.tool_call_stream import ToolCallStream
 
 logger = logging.getLogger("asyncllm.server")
 
 DEFAULT_SSE_KEEPALIVE_INTERVAL = 10.0  # seconds without an event before a stream sends a comment
+REQUEST_ID_PREFIXES = {"chat": "chatcmpl", "completions": "cmpl", "responses": "resp"}
 
 
 class OpenAIServer(TokenizationEndpoints):
@@ -142,14 +144,21 @@ class OpenAIServer(TokenizationEndpoints):
                            code="invalid_value") from None
         return prompt_ids
 
-    async def _completion_prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        if not isinstance(prompt, str):
-            return prompt  # token ids: the engine checks them against the vocabulary
+    async def _completion_prompt_ids(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        """Each prompt's ids (token ids as they are: the engine checks them against the vocabulary)."""
         self._check_engine()
+        texts = [(i, p) for i, p in enumerate(prompts) if isinstance(p, str)]
+        if not texts:
+            return prompts
+        field = "prompt" if len(prompts) == 1 else "prompt[{}]"
+
+        def encode() -> list[list[int]]:
+            return [self.engine.encode(p, field.format(i)) for i, p in texts]
         try:
-            return await anyio.to_thread.run_sync(self.engine.encode, prompt, "prompt")
+            encoded = dict(zip((i for i, _ in texts), await anyio.to_thread.run_sync(encode)))
         except (ValueError, TypeError) as e:
             raise field_error("prompt", e) from None
+        return [encoded.get(i, p) for i, p in enumerate(prompts)]
 
     # ---- answering ----
     async def _submit(self, request: Request, prompt_ids: list[int], params: SamplingParams, request_id: str,
@@ -178,39 +187,39 @@ class OpenAIServer(TokenizationEndpoints):
                 raise field_error(name, e) from None
             raise field_error(field, e, "prompt") from None
 
-    def _closer(self, stream) -> Callable[..., Awaitable[None]]:
-        """close(reason=None): aborts `stream` unless it has finished, and records its metrics, once."""
+    def closer(self, streams: StreamGroup) -> Callable[..., Awaitable[None]]:
+        """close(reason=None): aborts each of `streams` that has not finished, and records each one's
+        metrics (its own finish reason unless reason is given), once."""
         done = False
-        self.drain.track(stream.request_id)
+        for stream in streams.streams:
+            self.drain.track(stream.request_id)
 
         async def close(reason: str | None = None) -> None:
             nonlocal done
-            await stream.aclose()
+            await streams.aclose()
             if not done:
                 done = True
-                self.drain.untrack(stream.request_id)
-                self.metrics.observe_request(stream, reason or stream.finish_reason or "abort")
+                for stream in streams.streams:
+                    self.drain.untrack(stream.request_id)
+                    self.metrics.observe_request(stream, reason or stream.finish_reason or "abort")
         return close
 
-    async def _collect(self, request: Request, stream) -> list:
+    async def collect(self, request: Request, streams: StreamGroup, observe: Callable | None = None) -> list:
         """The whole answer, a RequestResult per choice; a client that disconnects meanwhile aborts
-        the request."""
-        parts: dict[int, list[str]] = {i: [] for i in range(stream.num_sequences)}
-        error = None
-        close = self._closer(stream)
-        try:
-            async with anyio.create_task_group() as tasks:
-                async def watch() -> None:
-                    await await_disconnect(request.receive)
-                    tasks.cancel_scope.cancel()
+        the request. observe: called with each stream item as it comes."""
+        parts: dict[int, list[str]] = {i: [] for i in range(streams.num_choices)}
+        close = self.closer(streams)
 
-                tasks.start_soon(watch)
-                try:
-                    async for out in stream:
-                        parts[out.index].append(out.text)
-                except (EngineDeadError, UnsatisfiableConstraintsError) as e:
-                    error = e
-                tasks.cancel_scope.cancel()
+        async def read() -> None:
+            async for out in streams:
+                parts[out.index].append(out.text)
+                if observe is not None:
+                    observe(out)
+        error = None
+        try:
+            await unless_disconnected(request.receive, read)
+        except (EngineDeadError, UnsatisfiableConstraintsError) as e:
+            error = e
         finally:
             with anyio.CancelScope(shield=True):
                 await close("error" if isinstance(error, EngineDeadError) else None)
@@ -218,7 +227,7 @@ class OpenAIServer(TokenizationEndpoints):
             raise APIError(400, str(error).removeprefix("SamplingParams."), code="unsatisfiable_constraints")
         if error is not None:
             raise APIError(503, f"the engine failed: {error}", code="engine_unavailable")
-        results = [stream.result(i, "".join(texts)) for i, texts in parts.items()]
+        results = [streams.result(i, "".join(texts)) for i, texts in parts.items()]
         for result in results:
             result.finish_reason = result.finish_reason or "abort"
         return results
@@ -236,23 +245,31 @@ class OpenAIServer(TokenizationEndpoints):
                             f"exceed this model's context of {self.engine.max_seq_len} tokens; ask for at most "
                             f"{room}", param=field, code="context_length_exceeded")
 
-    async def _answer(self, request: Request, body: dict, prompt_ids: list[int], *, chat: bool,
-                      max_tokens_field: str, default_max_tokens: int | None,
-                      tools: tuple[tool_calls.ToolRequest, tool_calls.ToolCallFormat] | None = None) -> Response:
-        """What chat and completions share: sampling, submission, and the answer streamed or whole.
-        default_max_tokens: when the request has none; capped by the room the prompt leaves (None: that room)."""
-        include_usage, continuous_usage = protocol.stream_options(body)
+    async def generate(self, request: Request, body: dict, prompts: list[list[int]], *, kind: str,
+                       max_tokens_field: str, default_max_tokens: int | None, constraint=(None, None),
+                       tools: tuple[tool_calls.ToolRequest, tool_calls.ToolCallFormat] | None = None,
+                       echo_logprobs: bool = False) -> Generation:
+        """What every generating route shares: sampling (from body's fields), the constraint (its
+        StructuredOutput and the field that asked) or a forced tool call's, the limits, and one
+        submission per prompt. kind: "chat", "completions" or "responses"; default_max_tokens: when
+        the request has none, capped by the room the longest prompt leaves (None: that room);
+        echo_logprobs: completions' echo with logprobs, whose prompt tokens need their logprobs too."""
         self._check_engine()
-        constraint, constraint_field = requested_constraint(body)
+        chat = kind != "completions"
+        constraint, constraint_field = constraint
         if tools is not None and tools[0].forced:
             if constraint is not None:
                 raise APIError(400, f"'{constraint_field}': tool_choice forces a tool call; leave it out",
                                param=constraint_field, code="invalid_value")
             constraint, constraint_field = tools[0].constraint(), "tools"
-        room = self.engine.max_seq_len - len(prompt_ids)
+        longest = max(prompts, key=len)
+        room = self.engine.max_seq_len - len(longest)
         default_max_tokens = max(1, room if default_max_tokens is None else min(default_max_tokens, room))
         params = protocol.sampling_params(body, max_tokens_field, default_max_tokens, self.limits.max_tokens_limit,
                                           chat=chat, structured_output=constraint)
+        prompt_logprobs_asked = params.prompt_logprobs is not None
+        if echo_logprobs and params.logprobs is not None:  # the prompt's tokens are in the answer
+            params = dataclasses.replace(params, prompt_logprobs=max(params.prompt_logprobs or 0, params.logprobs))
         if params.prompt_logprobs and body.get("stream"):  # as vLLM: the prompt's logprobs come whole or not at all
             raise APIError(400, "'prompt_logprobs' is not available with 'stream': true", param="prompt_logprobs",
                            code="unsupported_value")
@@ -262,59 +279,23 @@ class OpenAIServer(TokenizationEndpoints):
             # parallel_tool_calls false: the first call's closing marker ends the answer (parse_output
             # accepts a call left open at the end)
             params = dataclasses.replace(params, stop=[*params.stop, tools[1].end])
-        self._check_context(body, max_tokens_field, prompt_ids, room, params)
-        params = limit_output(params, body, max_tokens_field, chat, len(prompt_ids), self.limits)
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        stream = await self._submit(request, prompt_ids, params, request_id, "messages" if chat else "prompt",
-                                    constraint_field)
-        base = {"id": request_id, "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": self.model_name}
-        shaper = ChoiceShaper(chat, params.logprobs is not None)
-        if body.get("stream"):
-            calls_stream = ToolCallStream(*tools) if tools is not None else None
-            held_logprobs = []  # a tool-calling answer's: of tokens whose text is held back, sent with the next chunk
-
-            def chunk(text: str | None, finish_reason: str | None, out=None, delta: dict | None = None,
-                      index: int = 0) -> dict | None:
-                if out is not None:
-                    index = out.index
-                logprobs = None if out is None or finish_reason else out.logprobs
-                reasoning = None if out is None or finish_reason else out.reasoning  # tool calls are in the answer
-                if calls_stream is not None and delta is None:
-                    text, delta, finish_reason = _tool_call_delta(calls_stream, text, finish_reason)
-                    held_logprobs.extend(logprobs or ())
-                    if delta is None and finish_reason is None and not reasoning:
-                        return None  # held back: it may be part of a tool call
-                    logprobs = list(held_logprobs) or None
-                    held_logprobs.clear()
-                choice = shaper.chunk_choice(index, text, finish_reason, delta=delta, logprobs=logprobs,
-                                             stop_reason=None if out is None else out.stop_reason, reasoning=reasoning)
-                kind = {"object": "chat.completion.chunk"} if chat else {}
-                usage_field = {"usage": usage(stream) if continuous_usage else None} if include_usage else {}
-                return {**base, **kind, "choices": [choice], **usage_field}
-
-            first = [chunk(None, None, delta={"role": "assistant", "content": ""}, index=i)
-                     for i in range(params.n)] if chat else []
-            close = self._closer(stream)
-            events = chunk_events(stream, close, chunk, first, include_usage, self.drain.ended_by_shutdown)
-            return EventStreamResponse(events, on_close=close,
-                                       keepalive_interval=self.sse_keepalive_interval)
-        results = await self._collect(request, stream)
-        choices = [shaper.choice(r.index, r.text, r.finish_reason, r.stop_reason, r.logprobs, r.reasoning)
-                   for r in results]
-        if tools is not None:  # n == 1
-            content, calls = tool_calls.parse_output(results[0].text, *tools)
-            if calls:
-                choices[0]["message"].update(content=content, tool_calls=calls)  # beside reasoning_content
-                if choices[0]["finish_reason"] == "stop":
-                    choices[0]["finish_reason"] = "tool_calls"
-        extra = {}
-        if params.prompt_logprobs is not None:  # vLLM's field (completions: also in each choice, as vLLM has it)
-            extra["prompt_logprobs"] = prompt_logprobs_field(results[0].prompt_logprobs)
-            if not chat:
-                for choice in choices:
-                    choice["prompt_logprobs"] = extra["prompt_logprobs"]
-        return JSONResponse({**base, "choices": choices, "usage": usage(stream), **extra})
+        self._check_context(body, max_tokens_field, longest, room, params)
+        params = limit_output(params, body, max_tokens_field, chat, sum(map(len, prompts)), self.limits,
+                              num_prompts=len(prompts))
+        request_id = f"{REQUEST_ID_PREFIXES[kind]}-{uuid.uuid4().hex}"
+        field = {"chat": "messages", "completions": "prompt", "responses": "input"}[kind]
+        streams = []
+        try:
+            for i, prompt_ids in enumerate(prompts):
+                single = len(prompts) == 1
+                streams.append(await self._submit(request, prompt_ids, params,
+                                                  request_id if single else f"{request_id}-{i}",
+                                                  field if single else f"{field}[{i}]", constraint_field))
+        except BaseException:
+            for stream in streams:  # a batch is admitted whole or not at all
+                await stream.aclose()
+            raise
+        return Generation(request_id, params, StreamGroup(streams, params.n), tools, prompt_logprobs_asked)
 
     # ---- endpoints ----
     async def chat_completions(self, request: Request) -> Response:
@@ -323,15 +304,36 @@ class OpenAIServer(TokenizationEndpoints):
             body, protocol.messages(body), protocol.chat_template_kwargs(body, self.trust_request_chat_template),
             self.engine.chat_template)
         prompt_ids = await self._chat_prompt_ids(messages, template_kwargs)
-        return await self._answer(request, body, prompt_ids, chat=True, max_tokens_field="max_completion_tokens",
-                                  default_max_tokens=None, tools=tools)
-
+        include_usage, continuous_usage = protocol.stream_options(body)
+        gen = await self.generate(request, body, [prompt_ids], kind="chat", max_tokens_field="max_completion_tokens",
+                                  default_max_tokens=None, constraint=requested_constraint(body), tools=tools)
+        if body.get("stream"):
+            return stream_response(self, gen, chat=True, include_usage=include_usage,
+                                   continuous_usage=continuous_usage)
+        return await whole_response(self, request, gen, chat=True)
 
     async def completions(self, request: Request) -> Response:
         body = await self._request_body(request, protocol.COMPLETION_FIELDS, protocol.NEUTRAL_COMPLETIONS)
-        prompt_ids = await self._completion_prompt_ids(protocol.prompt(body))
-        return await self._answer(request, body, prompt_ids, chat=False, max_tokens_field="max_tokens",
-                                  default_max_tokens=protocol.COMPLETIONS_DEFAULT_MAX_TOKENS)
+        prompts = protocol.prompts(body)
+        prompt_ids = await self._completion_prompt_ids(prompts)
+        include_usage, continuous_usage = protocol.stream_options(body)
+        # before submission: nothing may come between submitting and the answer that closes the streams
+        echo = await self._echo(prompts, prompt_ids, body.get("logprobs") is not None) if protocol.echo(body) else None
+        gen = await self.generate(request, body, prompt_ids, kind="completions", max_tokens_field="max_tokens",
+                                  default_max_tokens=protocol.COMPLETIONS_DEFAULT_MAX_TOKENS,
+                                  constraint=requested_constraint(body), echo_logprobs=echo is not None)
+        if body.get("stream"):
+            return stream_response(self, gen, chat=False, include_usage=include_usage,
+                                   continuous_usage=continuous_usage, echo=echo)
+        return await whole_response(self, request, gen, chat=False, echo=echo)
+
+    async def _echo(self, prompts: list[str | list[int]], prompt_ids: list[list[int]], with_first_tokens: bool) -> Echo:
+        """Each prompt as text (a token prompt decoded), and its first token's text for the logprobs."""
+        def decode() -> Echo:
+            tokenizer = self.engine.tokenizer
+            return Echo([p if isinstance(p, str) else tokenizer.decode(p) for p in prompts],
+                        [tokenizer.decode(ids[:1]) for ids in prompt_ids] if with_first_tokens else [])
+        return await anyio.to_thread.run_sync(decode)
 
     def _model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "asyncllm",
@@ -359,6 +361,7 @@ class OpenAIServer(TokenizationEndpoints):
         return [
             Route("/v1/chat/completions", e(self.chat_completions), methods=["POST"]),
             Route("/v1/completions", e(self.completions), methods=["POST"]),
+            Route("/v1/responses", e(functools.partial(create_response, self)), methods=["POST"]),
             Route("/v1/models", e(self.models), methods=["GET"]),
             Route("/v1/models/{model:path}", e(self.model), methods=["GET"]),
             Route("/tokenize", e(self.tokenize), methods=["POST"]),
@@ -366,22 +369,6 @@ class OpenAIServer(TokenizationEndpoints):
             Route("/health", e(self.health, auth=False), methods=["GET"]),
             Route("/metrics", e(self.metrics_endpoint, auth=False), methods=["GET"]),
         ]
-
-
-def _tool_call_delta(calls_stream: ToolCallStream, text: str | None,
-                     finish_reason: str | None) -> tuple[str | None, dict | None, str | None]:
-    """(text, delta, finish_reason) of a chunk of an answer that may call tools: content until a
-    call begins, then each call's name and its arguments in pieces; finish_reason tool_calls."""
-    if finish_reason is None:
-        content, calls = calls_stream.feed(text or "")
-        called = False
-    else:
-        content, calls, called = calls_stream.finish()
-        finish_reason = "tool_calls" if called and finish_reason == "stop" else finish_reason
-    delta = {"content": content} if content else {}
-    if calls:
-        delta["tool_calls"] = calls
-    return None, (delta if delta or finish_reason is not None else None), finish_reason
 
 
 def create_app(engine, model_name: str, api_key: str | None = None, *, manage_engine: bool | None = None,

@@ -44,15 +44,22 @@ class CompletionLogprobs:
     def __init__(self):
         self.offset = 0
 
-    def shape(self, entries: list[TokenLogprob]) -> dict:
+    def shape(self, entries: list[TokenLogprob | None], first_token: str | None = None) -> dict:
+        """entries: None for a prompt's first token (echo: it has no logprob), whose text is first_token."""
         tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
         for e in entries:
+            text_offset.append(self.offset)
+            if e is None:
+                tokens.append(first_token or "")
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+                self.offset += len(first_token or "")
+                continue
             tokens.append(e.token)
             token_logprobs.append(_logprob(e.logprob))
             top = {text: _logprob(lp) for text, (_, lp) in zip(e.top_tokens, e.top)}
             top.setdefault(e.token, _logprob(e.logprob))  # the chosen token too, as vLLM and OpenAI list it
             top_logprobs.append(top)
-            text_offset.append(self.offset)
             self.offset += len(e.token)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": text_offset}
@@ -66,21 +73,24 @@ class ChoiceShaper:
         self.wants_logprobs = wants_logprobs
         self._completion_logprobs: dict[int, CompletionLogprobs] = {}
 
-    def _logprobs(self, index: int, entries: list[TokenLogprob] | None) -> dict | None:
+    def _logprobs(self, index: int, entries: list[TokenLogprob | None] | None,
+                  first_token: str | None = None) -> dict | None:
         if not self.wants_logprobs or entries is None:
             return None
         if self.chat:
             return chat_logprobs(entries)
-        return self._completion_logprobs.setdefault(index, CompletionLogprobs()).shape(entries)
+        return self._completion_logprobs.setdefault(index, CompletionLogprobs()).shape(entries, first_token)
 
     def choice(self, index: int, text: str, finish_reason: str, stop_reason, logprobs,
-               reasoning: str | None = None) -> dict:
-        """A whole answer's choice; reasoning: with a reasoning parser, the reasoning (None: no parser)."""
+               reasoning: str | None = None, first_token: str | None = None) -> dict:
+        """A whole answer's choice; reasoning: with a reasoning parser, the reasoning (None: no parser);
+        first_token: completions' echo with logprobs, the prompt's first token (logprobs[0] is None)."""
         answer = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
         if reasoning is not None:  # as vLLM and SGLang name it; null when the output did not reason
             (answer["message"] if self.chat else answer)[REASONING_FIELD] = reasoning or None
-        return {"index": index, **answer, "logprobs": self._logprobs(index, logprobs if logprobs is not None else []),
-                "finish_reason": finish_reason, "stop_reason": stop_reason}
+        logprobs = self._logprobs(index, logprobs if logprobs is not None else [], first_token)
+        return {"index": index, **answer, "logprobs": logprobs, "finish_reason": finish_reason,
+                "stop_reason": stop_reason}
 
     def chunk_choice(self, index: int, text: str | None, finish_reason: str | None, logprobs=None,
                      delta: dict | None = None, stop_reason=None, reasoning: str | None = None) -> dict:

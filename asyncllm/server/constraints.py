@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import json
 
-import anyio
-
 from asyncllm.server.protocol import APIError, field_error, type_name
-from asyncllm.server.sse import await_disconnect
+from asyncllm.server.sse import unless_disconnected
 from asyncllm.structured import StructuredOutput
 
 # vLLM's older names, each one kind of StructuredOutput
@@ -60,29 +58,45 @@ def _from_response_format(value: dict) -> StructuredOutput:
     if not isinstance(spec, dict):
         raise APIError(400, f"'response_format.json_schema': expected an object, got {type_name(spec)}",
                        param="response_format.json_schema", code="invalid_type")
+    return _json_schema(spec.get("schema"))
+
+
+def _json_schema(schema) -> StructuredOutput:
     # strict or not, the output is held to the schema (xgrammar's strict mode: no properties or
     # items beyond the schema's)
-    schema = spec.get("schema")
     return StructuredOutput(json_object=True) if schema is None else StructuredOutput(json=schema)
+
+
+def text_format_constraint(text) -> tuple[StructuredOutput | None, str | None]:
+    """The Responses API's text.format ({"type": "text"}, "json_object", or "json_schema" with the
+    schema beside name and strict, not nested as in response_format) as a StructuredOutput."""
+    if text is None:
+        return None, None
+    if not isinstance(text, dict):
+        raise APIError(400, f"'text': expected an object, got {type_name(text)}", param="text", code="invalid_type")
+    value = text.get("format")
+    if value is None:
+        return None, None
+    if not isinstance(value, dict):
+        raise APIError(400, f"'text.format': expected an object, got {type_name(value)}", param="text.format",
+                       code="invalid_type")
+    kind = value.get("type")
+    if kind == "text":
+        return None, None
+    if kind not in ("json_object", "json_schema"):
+        raise APIError(400, f"'text.format.type': expected 'text', 'json_object' or 'json_schema', got "
+                            f"{json.dumps(kind)}", param="text.format.type", code="invalid_value")
+    try:
+        return (StructuredOutput(json_object=True) if kind == "json_object" else _json_schema(value.get("schema"))), \
+            "text.format"
+    except ValueError as e:
+        raise field_error("text.format", e) from None
 
 
 async def compile_constraint(engine, request, structured_output: StructuredOutput) -> None:
     """engine.compile_structured_output, cancelled if the client disconnects meanwhile (a compile
     still queued is then dropped, never started)."""
-    compiled, error = False, None
-    async with anyio.create_task_group() as tasks:
-        async def watch() -> None:
-            await await_disconnect(request.receive)
-            tasks.cancel_scope.cancel()
-
-        tasks.start_soon(watch)
-        try:
-            await engine.compile_structured_output(structured_output)
-            compiled = True
-        except Exception as e:  # noqa: BLE001 - raised below, outside the task group
-            error = e
-        tasks.cancel_scope.cancel()
-    if error is not None:
-        raise error
+    compiled, _ = await unless_disconnected(request.receive,
+                                            lambda: engine.compile_structured_output(structured_output))
     if not compiled:  # nobody reads this answer
         raise APIError(499, "the client disconnected while its grammar compiled", code="client_disconnected")

@@ -91,11 +91,13 @@ async def read_json_body(request: Request, max_body_bytes: int, body_timeout: fl
 
 
 def limit_output(params: SamplingParams, body: dict, max_tokens_field: str, chat: bool, num_prompt_tokens: int,
-                 limits: RequestLimits) -> SamplingParams:
+                 limits: RequestLimits, num_prompts: int = 1) -> SamplingParams:
     """params held to limits.max_generated_tokens and limits.max_logprob_entries: a max_tokens the
     client sent that goes past either is a 400 naming the limit; the server's default max_tokens
-    is lowered to fit (a 400 only where not even one token a choice fits)."""
-    n, max_tokens = params.n, params.max_tokens
+    is lowered to fit (a 400 only where not even one token a choice fits). num_prompts: a batch's
+    prompts (each gets params.n choices); num_prompt_tokens: all of theirs."""
+    n, max_tokens = params.n * num_prompts, params.max_tokens
+    choices = f"{num_prompts} prompts x 'n'" if num_prompts > 1 else "'n'"
     field = max_tokens_field_sent(body, max_tokens_field)
     sent = body.get(field) is not None
     room = {}  # the limit's name -> the most max_tokens it leaves
@@ -114,7 +116,7 @@ def limit_output(params: SamplingParams, body: dict, max_tokens_field: str, chat
     flag, most = min(room.items(), key=lambda item: item[1])
     if flag == "--max-generated-tokens":
         param = field if sent else "n"
-        message = (f"'n' x '{field}' = {n} x {max_tokens} tokens is over this server's limit of "
+        message = (f"{choices} x '{field}' = {n} x {max_tokens} tokens is over this server's limit of "
                    f"{limits.max_generated_tokens} generated tokens a request (--max-generated-tokens)")
     else:
         param = logprobs_field(body, chat)[0]

@@ -79,7 +79,7 @@ NEUTRAL_CHAT = {
 NEUTRAL_COMPLETIONS = {name: check for name, check in NEUTRAL_CHAT.items()
                        if name not in ("tools", "tool_choice", "functions", "function_call",
                                        "parallel_tool_calls", "response_format", "store", "modalities")}
-NEUTRAL_COMPLETIONS.update(echo=lambda v: v is False, best_of=lambda v: v == 1,
+NEUTRAL_COMPLETIONS.update(best_of=lambda v: v == 1,
                            suffix=lambda v: v == "")
 
 # request field -> SamplingParams field; max_tokens is handled apart (the server's limit and default),
@@ -96,7 +96,7 @@ COMMON_FIELDS = {"model", "stream", "stream_options", "max_tokens", "logprobs", 
                  *CONSTRAINT_FIELDS}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "chat_template_kwargs", "chat_template",
                                "enable_thinking", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
 
 
 def check_fields(body: dict, known: set[str], neutral: dict) -> None:
@@ -199,16 +199,18 @@ def sampling_params(body: dict, max_tokens_field: str, default_max_tokens: int,
     stop = body.get("stop")
     if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
         raise APIError(400, f"'stop': at most {MAX_STOP_STRINGS} stop strings", param="stop", code="invalid_value")
-    # one field at a time first, so that the 400 names the field whatever the error's wording
-    for name, (argument, value) in sent.items():
-        try:
-            SamplingParams(**{argument: value})
-        except (ValueError, TypeError, OverflowError) as e:
-            raise field_error(name, e, argument) from None
     try:
         return SamplingParams(**dict(sent.values()), structured_output=structured_output)
-    except (ValueError, TypeError, OverflowError) as e:  # a combination of fields
-        raise APIError(400, str(e).removeprefix("SamplingParams."), code="invalid_value") from None
+    except (ValueError, TypeError, OverflowError) as e:
+        error = e
+    # refused: one field at a time (each beside the max_tokens asked for), so that the 400 names the
+    # field whatever the error's wording; a valid request builds SamplingParams once
+    for name, (argument, value) in sent.items():
+        try:
+            SamplingParams(**{"max_tokens": max_tokens, argument: value})
+        except (ValueError, TypeError, OverflowError) as e:
+            raise field_error(name, e, argument) from None
+    raise APIError(400, str(error).removeprefix("SamplingParams."), code="invalid_value")  # a combination of fields
 
 
 def stream_options(body: dict) -> tuple[bool, bool]:
@@ -316,20 +318,29 @@ def chat_template_kwargs(body: dict, trust_request_chat_template: bool) -> dict:
     return kwargs
 
 
-def prompt(body: dict) -> str | list[int]:
+def prompts(body: dict) -> list[str | list[int]]:
+    """The completions request's prompts: a string or token ids, or an array of either (a batch: its
+    prompt p's choices are p * n .. p * n + n - 1, as OpenAI numbers them)."""
     if body.get("prompt") is None:
         raise APIError(400, "'prompt' is required", param="prompt", code="missing_required_parameter")
     prompt = body["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise APIError(400, "batched prompts are not supported: send one prompt per request", param="prompt",
-                       code="unsupported_value")
-    if isinstance(prompt, str):
-        if not prompt:
-            raise APIError(400, "'prompt' must not be empty", param="prompt", code="invalid_value")
-        return prompt
-    if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
-        return prompt
-    raise APIError(400, f"'prompt': expected a string or an array of token ids, got {type_name(prompt)}",
-                   param="prompt", code="invalid_type")
+    batch = isinstance(prompt, list) and prompt != [] and all(isinstance(p, (str, list)) for p in prompt)
+    prompts = prompt if batch else [prompt]
+    for i, prompt in enumerate(prompts):
+        where = f"prompt[{i}]" if batch else "prompt"
+        if isinstance(prompt, str):
+            if not prompt:
+                raise APIError(400, f"'{where}' must not be empty", param="prompt", code="invalid_value")
+        elif not (isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt)):
+            raise APIError(400, f"'{where}': expected a string or an array of token ids, got {type_name(prompt)}",
+                           param="prompt", code="invalid_type")
+    return prompts
+
+
+def echo(body: dict) -> bool:
+    """Completions' echo: each choice begins with its prompt (with logprobs, the prompt's tokens' too)."""
+    echo = expect(body, "echo", lambda v: isinstance(v, bool), "a boolean") is True
+    if echo and body.get("logprobs") is not None and body.get("stream") is True:
+        raise APIError(400, "'echo' with 'logprobs' is not available with 'stream': true (the prompt's logprobs "
+                            "come whole)", param="echo", code="unsupported_value")
+    return echo

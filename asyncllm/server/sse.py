@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 import anyio
 from starlette.requests import ClientDisconnect
@@ -15,6 +16,9 @@ from asyncllm.server.protocol import APIError
 from asyncllm.server.shutdown import shutting_down_error
 
 logger = logging.getLogger("asyncllm.server")
+
+T = TypeVar("T")
+DONE = "data: [DONE]\n\n"
 
 
 class EventStreamResponse(StreamingResponse):
@@ -120,9 +124,11 @@ class EventStreamResponse(StreamingResponse):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-def sse(data) -> str:
-    """One server-sent event carrying `data` (JSON-encoded unless it is a string)."""
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+def sse(data, event: str | None = None) -> str:
+    """One server-sent event carrying `data` (JSON-encoded unless it is a string); event: its type
+    line (the Responses API names each event; chat and completions send data lines only)."""
+    line = f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+    return line if event is None else f"event: {event}\n{line}"
 
 
 async def await_disconnect(receive) -> None:
@@ -132,45 +138,91 @@ async def await_disconnect(receive) -> None:
             return
 
 
-def usage(stream) -> dict:
-    prompt, completion = len(stream.prompt_token_ids), stream.num_completion_tokens
+async def unless_disconnected(receive, work: Callable[[], Awaitable[T]]) -> tuple[bool, T | None]:
+    """(True, what work() returned), or (False, None) when the client disconnected first: work is
+    then cancelled (an engine stream it reads is aborted, a compile it waits for given up). An
+    exception work raises is raised here as it is (not in an exception group)."""
+    done, result, error = False, None, None
+    async with anyio.create_task_group() as tasks:
+        async def watch() -> None:
+            await await_disconnect(receive)
+            tasks.cancel_scope.cancel()
+
+        tasks.start_soon(watch)
+        try:
+            result, done = await work(), True
+        except Exception as e:  # noqa: BLE001 - raised below, outside the task group
+            error = e
+        tasks.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    return done, result
+
+
+def usage(streams) -> dict:
+    """OpenAI's usage of a request's streams (a StreamGroup: every prompt's, every choice's tokens)."""
+    prompt, completion = streams.num_prompt_tokens, streams.num_completion_tokens
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def chunk_events(stream, close: Callable[[str | None], Awaitable[None]],
-                       make_chunk: Callable[..., dict], first: list[dict],
-                       include_usage: bool, ended_by_shutdown: Callable[[str], bool] = lambda request_id: False,
-                       ) -> AsyncIterator[str]:
-    """The SSE body of an OpenAI streamed answer: the `first` chunks, chunks built by
-    make_chunk(text, finish_reason, stream item) (a choice's new text, reasoning and its tokens'
-    logprobs, then its finish; None: nothing to send yet), the usage chunk if asked for, then [DONE].
-    An engine that dies, or a server shutdown that ends the request (ended_by_shutdown(request_id)),
-    ends it with an OpenAI error event, then [DONE]. close(finish_reason) runs last."""
+async def answer_events(stream, close: Callable[[str | None], Awaitable[None]],
+                        item_events: Callable[..., list[str]], end_events: Callable[[], list[str]],
+                        error_events: Callable[[APIError], list[str]], first: list[str] = (),
+                        ended_by_shutdown: Callable[[str], bool] = lambda request_id: False) -> AsyncIterator[str]:
+    """The SSE body of a streamed answer, in any API's shape: `first`, item_events(out) for each
+    stream item, then end_events() once every choice has finished. An engine that dies, constraints
+    that leave no token, or a server shutdown that ends the request (ended_by_shutdown(request_id))
+    send error_events(the APIError) instead of what is left. close(finish_reason) runs last."""
     finish_reason = None
     try:
-        for chunk in first:
-            yield sse(chunk)
+        for event in first:
+            yield event
         async for out in stream:
-            if out.finish_reason == "abort" and ended_by_shutdown(stream.request_id):
-                yield sse(shutting_down_error().body())
-                yield sse("[DONE]")
+            if out.finish_reason == "abort" and ended_by_shutdown(out.request_id):
+                for event in error_events(shutting_down_error()):
+                    yield event
                 return
-            if (out.text or out.logprobs or out.reasoning) and (chunk := make_chunk(out.text, None, out)) is not None:
-                yield sse(chunk)
             if out.finish_reason is not None:
                 finish_reason = out.finish_reason
-                yield sse(make_chunk(None, out.finish_reason, out))
-        if include_usage:
-            chunk = make_chunk(None, None, delta={})  # a delta: never held back
-            chunk["choices"], chunk["usage"] = [], usage(stream)
-            yield sse(chunk)
-        yield sse("[DONE]")
+            for event in item_events(out):
+                yield event
+        for event in end_events():
+            yield event
     except EngineDeadError as e:
         finish_reason = "error"
-        yield sse(APIError(503, f"the engine failed: {e}", code="engine_unavailable").body())
-        yield sse("[DONE]")
+        for event in error_events(APIError(503, f"the engine failed: {e}", code="engine_unavailable")):
+            yield event
     except UnsatisfiableConstraintsError as e:  # the request's own constraints: it ends here (an abort)
-        yield sse(APIError(400, str(e).removeprefix("SamplingParams."), code="unsatisfiable_constraints").body())
-        yield sse("[DONE]")
+        for event in error_events(APIError(400, str(e).removeprefix("SamplingParams."),
+                                           code="unsatisfiable_constraints")):
+            yield event
     finally:
         await close(finish_reason)  # aborts the request unless it has finished
+
+
+def chunk_events(stream, close: Callable[[str | None], Awaitable[None]], make_chunk: Callable[..., dict],
+                 first: list[dict], include_usage: bool,
+                 ended_by_shutdown: Callable[[str], bool] = lambda request_id: False) -> AsyncIterator[str]:
+    """The SSE body of a chat or completions answer: the `first` chunks, chunks built by
+    make_chunk(text, finish_reason, stream item) (a choice's new text, reasoning and its tokens'
+    logprobs, then its finish; None: nothing to send yet), the usage chunk if asked for, then [DONE];
+    an error as an OpenAI error body, then [DONE]."""
+    def item_events(out) -> list[str]:
+        events = []
+        if (out.text or out.logprobs or out.reasoning) and (chunk := make_chunk(out.text, None, out)) is not None:
+            events.append(sse(chunk))
+        if out.finish_reason is not None:
+            events.append(sse(make_chunk(None, out.finish_reason, out)))
+        return events
+
+    def end_events() -> list[str]:
+        if not include_usage:
+            return [DONE]
+        chunk = make_chunk(None, None, delta={})  # a delta: never held back
+        chunk["choices"], chunk["usage"] = [], usage(stream)
+        return [sse(chunk), DONE]
+
+    def error_events(error: APIError) -> list[str]:
+        return [sse(error.body()), DONE]
+    return answer_events(stream, close, item_events, end_events, error_events, [sse(c) for c in first],
+                         ended_by_shutdown)

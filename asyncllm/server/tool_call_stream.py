@@ -136,7 +136,9 @@ class ToolCallStream:
         once the answer is complete."""
         _, calls = parse_output(self.text, self.tools, self.fmt)
         if not calls:  # no call parses (cut short by max_tokens): what streamed stays
-            return ("", [], True) if self.calls else (self.text[self.sent:], [], False)
+            if self.calls or self.tools.forced:  # a forced call's output is never content
+                return "", [], bool(self.calls)
+            return self.text[self.sent:], [], False
         deltas = []
         for index, call in enumerate(calls):
             arguments = call["function"]["arguments"]  # read before a header blanks it

@@ -188,21 +188,39 @@ def parse_output(text: str, tools: ToolRequest, fmt: ToolCallFormat) -> tuple[st
     """(content, tool_calls) of a whole answer. Arguments are the raw JSON text the model wrote, as
     streaming sends it piece by piece."""
     if tools.forced:
-        try:
-            value = json.loads(text)
-            if tools.choice == "named":
-                return None, [new_call(tools.named, text.strip())]
-            scans = scan_array_of_objects(text, skip_whitespace(text, 0))
-            if len(scans) != len(value):
-                raise ValueError("not an array of calls")
-            return None, [new_call(c["name"], _raw_value(text, scan, ("parameters",)))
-                          for c, scan in zip(value, scans)]
-        except (ValueError, TypeError, KeyError):  # cut short by max_tokens: no call to return
-            return text, []
+        return None, _forced_calls(text, tools)
     known = {t["function"]["name"] for t in tools.tools}
     calls = _parse_auto(text, fmt, known)
     if not tools.parallel and len(calls[1]) > 1:
         return calls[0], calls[1][:1]
+    return calls
+
+
+def _forced_calls(text: str, tools: ToolRequest) -> list[dict]:
+    """The calls of a forced call's output (a named function's arguments object, or "required"'s
+    array of {"name", "parameters"}): each whose name is complete, with its arguments' raw text.
+    Output cut short by max_tokens keeps what it has, as vLLM and OpenAI return it (finish_reason
+    "length" says so): the call named so far, arguments incomplete; never the raw JSON as content."""
+    start = skip_whitespace(text, 0)
+    if tools.choice == "named":
+        if not text.startswith("{", start):
+            return []
+        end = scan_object(text, start).end
+        return [new_call(tools.named, text[start:end] if end is not None else text[start:])]
+    if not text.startswith("[", start):
+        return []
+    known = {t["function"]["name"] for t in tools.tools}
+    calls = []
+    for scan in scan_array_of_objects(text, start):
+        name = scan.string(text, "name")
+        if name not in known:  # not complete yet (the grammar allows only these)
+            break
+        value_start, value_end = scan.fields.get("parameters", (None, None))
+        if value_start is None or (value_end is None and text[value_start] not in "{["):
+            arguments = ""  # not begun, or a scalar whose end is not known: what streaming has sent
+        else:
+            arguments = text[value_start:value_end] if value_end is not None else text[value_start:]
+        calls.append(new_call(name, arguments))
     return calls
 
 
