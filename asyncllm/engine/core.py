@@ -9,8 +9,7 @@ from dataclasses import dataclass
 
 from asyncllm.config import Config
 from asyncllm.engine.block_manager import BlockManager
-# check_text: server/tokenization.py imports it from here
-from asyncllm.engine.intake import RequestIntake, check_text  # noqa: F401
+from asyncllm.engine.intake import RequestIntake
 from asyncllm.engine.scheduler import Scheduler, SchedulerOutput
 from asyncllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from asyncllm.engine.startup_heap import freeze_startup_heap

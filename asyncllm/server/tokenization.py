@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 
 import asyncllm.server.protocol as protocol
 from asyncllm.server import tool_calls
-from asyncllm.engine.core import check_text
+from asyncllm.engine.intake import check_text
 from asyncllm.server.protocol import APIError, field_error
 
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "return_token_strs",
