@@ -16,14 +16,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from asyncllm.errors import EngineDeadError, QueueFullError, UnsatisfiableConstraintsError
+from asyncllm.errors import EngineDeadError, QueueFullError, RequestTimeoutError, UnsatisfiableConstraintsError
 from asyncllm.sampling_params import SamplingParams
 import asyncllm.server.protocol as protocol
 from asyncllm.server import tool_calls
 from asyncllm.server.choices import ChoiceShaper, prompt_logprobs_field
 from asyncllm.server.constraints import compile_constraint, requested_constraint
 from asyncllm.server.errors import RETRY_AFTER_SECONDS, exception_handlers
-from asyncllm.server.limits import RequestLimits, limit_output, read_json_body
+from asyncllm.server.limits import (RequestLimits, limit_output, limit_timeout, read_json_body,
+                                    request_timeout_error)
 from asyncllm.server.metrics import EngineMetrics
 from asyncllm.server.protocol import APIError, field_error
 from asyncllm.server.shutdown import Drain, shutting_down_error
@@ -38,7 +39,7 @@ DEFAULT_SSE_KEEPALIVE_INTERVAL = 10.0  # seconds without an event before a strea
 
 class OpenAIServer(TokenizationEndpoints):
     """limits: RequestLimits' fields (max_body_bytes, body_timeout, max_tokens_limit,
-    max_generated_tokens, max_logprob_entries)."""
+    max_generated_tokens, max_logprob_entries, request_timeout)."""
 
     def __init__(self, engine, model_name: str, api_key: str | None = None, *,
                  trust_request_chat_template: bool = False,
@@ -208,12 +209,15 @@ class OpenAIServer(TokenizationEndpoints):
                 try:
                     async for out in stream:
                         parts[out.index].append(out.text)
-                except (EngineDeadError, UnsatisfiableConstraintsError) as e:
+                except (EngineDeadError, UnsatisfiableConstraintsError, RequestTimeoutError) as e:
                     error = e
                 tasks.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
-                await close("error" if isinstance(error, EngineDeadError) else None)
+                await close("error" if isinstance(error, EngineDeadError) else
+                            "timeout" if isinstance(error, RequestTimeoutError) else None)
+        if isinstance(error, RequestTimeoutError):
+            raise request_timeout_error(error)
         if isinstance(error, UnsatisfiableConstraintsError):
             raise APIError(400, str(error).removeprefix("SamplingParams."), code="unsatisfiable_constraints")
         if error is not None:
@@ -264,6 +268,7 @@ class OpenAIServer(TokenizationEndpoints):
             params = dataclasses.replace(params, stop=[*params.stop, tools[1].end])
         self._check_context(body, max_tokens_field, prompt_ids, room, params)
         params = limit_output(params, body, max_tokens_field, chat, len(prompt_ids), self.limits)
+        params = limit_timeout(params, self.limits)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         stream = await self._submit(request, prompt_ids, params, request_id, "messages" if chat else "prompt",
                                     constraint_field)
@@ -395,7 +400,8 @@ def create_app(engine, model_name: str, api_key: str | None = None, *, manage_en
     trust_request_chat_template: render chat templates that requests bring (they run on this server);
     sse_keepalive_interval: seconds a stream may go without an event before it sends a comment (None: never);
     and the request limits (limits.RequestLimits): max_body_bytes, body_timeout, max_tokens_limit,
-    max_generated_tokens (n x max_tokens), max_logprob_entries.
+    max_generated_tokens (n x max_tokens), max_logprob_entries, request_timeout (seconds from submission:
+    the default and the most of a request's `timeout`).
     """
     server = OpenAIServer(engine, model_name, api_key, **options)
 

@@ -10,7 +10,8 @@ import anyio
 from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
-from asyncllm.errors import EngineDeadError, UnsatisfiableConstraintsError
+from asyncllm.errors import EngineDeadError, RequestTimeoutError, UnsatisfiableConstraintsError
+from asyncllm.server.limits import request_timeout_error
 from asyncllm.server.protocol import APIError
 from asyncllm.server.shutdown import shutting_down_error
 
@@ -145,7 +146,9 @@ async def chunk_events(stream, close: Callable[[str | None], Awaitable[None]],
     make_chunk(text, finish_reason, stream item) (a choice's new text, reasoning and its tokens'
     logprobs, then its finish; None: nothing to send yet), the usage chunk if asked for, then [DONE].
     An engine that dies, or a server shutdown that ends the request (ended_by_shutdown(request_id)),
-    ends it with an OpenAI error event, then [DONE]. close(finish_reason) runs last."""
+    ends it with an OpenAI error event, then [DONE], and so does a timeout that passed before the
+    first token (a 408's body; one that passed later is a chunk with finish_reason "timeout").
+    close(finish_reason) runs last."""
     finish_reason = None
     try:
         for chunk in first:
@@ -168,6 +171,10 @@ async def chunk_events(stream, close: Callable[[str | None], Awaitable[None]],
     except EngineDeadError as e:
         finish_reason = "error"
         yield sse(APIError(503, f"the engine failed: {e}", code="engine_unavailable").body())
+        yield sse("[DONE]")
+    except RequestTimeoutError as e:
+        finish_reason = "timeout"
+        yield sse(request_timeout_error(e).body())
         yield sse("[DONE]")
     except UnsatisfiableConstraintsError as e:  # the request's own constraints: it ends here (an abort)
         yield sse(APIError(400, str(e).removeprefix("SamplingParams."), code="unsatisfiable_constraints").body())
