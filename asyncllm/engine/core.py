@@ -7,10 +7,13 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import numpy as np
+
 from asyncllm.config import Config
 from asyncllm.engine.block_manager import BlockManager
 # check_text: server/tokenization.py imports it from here
 from asyncllm.engine.intake import RequestIntake, check_text  # noqa: F401
+from asyncllm.engine.pooling import PoolingPlan
 from asyncllm.engine.scheduler import Scheduler, SchedulerOutput
 from asyncllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from asyncllm.engine.startup_heap import freeze_startup_heap
@@ -21,6 +24,7 @@ from asyncllm.runner.model_runner import ModelRunner
 from asyncllm.runner.tp_workers import TensorParallelWorkers
 from asyncllm.models.checkpoint import check_tokenizer, load_tokenizer
 from asyncllm.outputs import FinishReason, TokenLogprob
+from asyncllm.pooling_params import PoolingParams
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.startup import (BLOCK_MANAGER, HEAP_FREEZE, REQUEST_INTAKE, SCHEDULER, STEP_BUDGET,
                               STEP_MODEL_CALIBRATION, TOKENIZER, TP_WORKERS, StartupTimings)
@@ -41,6 +45,7 @@ class StepEvent:
     request_finished: bool = False  # every sequence of the request has finished (n == 1: finish_reason set)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first token, when the request asked
     error: str | None = None  # ended with no token: its grammar refused the one sampled (GrammarState.error)
+    embedding: np.ndarray | None = None  # an embedding request's vector (float32), with its end
 
 
 class EngineCore:
@@ -112,6 +117,11 @@ class EngineCore:
         """Check a request; returns the validated snapshot of params that the request must keep."""
         return self.intake.check_request(prompt_token_ids, params, argument)
 
+    def check_embedding_request(self, prompt_token_ids: list[int], params: PoolingParams,
+                                argument: str = "prompt") -> PoolingParams:
+        """Check an embedding request (engine/pooling.py); returns its params."""
+        return self.intake.check_embedding_request(prompt_token_ids, params, argument)
+
     @property
     def grammar_compiler(self) -> GrammarCompiler:
         return self.intake.grammar_compiler
@@ -128,15 +138,19 @@ class EngineCore:
         """Check a request and queue it."""
         return self.add_checked_request(prompt_token_ids, self.check_request(prompt_token_ids, params), request_id)
 
-    def add_checked_request(self, prompt_token_ids: list[int], params: SamplingParams,
+    def add_checked_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
                             request_id: str | None = None) -> Sequence:
-        """Queue a request whose params are what check_request returned for it (its own snapshot)."""
+        """Queue a request whose params are what check_request returned for it (its own snapshot), or
+        an embedding request with what check_embedding_request returned."""
         if request_id is None:
             request_id = self.new_request_id()
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        seq = self._new_sequence(request_id, prompt_token_ids, params, 0)
-        if params.n > 1:
+        if isinstance(params, PoolingParams):  # an embedding: one sequence, prefilled, never sampled
+            seq = self.intake.new_embedding_sequence(request_id, prompt_token_ids, params)
+        else:
+            seq = self._new_sequence(request_id, prompt_token_ids, params, 0)
+        if seq.pooling is None and params.n > 1:
             # the first sequence prefills the prompt; the others wait in its forks until then
             seq.forks = [self._new_sequence(request_id, prompt_token_ids, params, i) for i in range(1, params.n)]
             seq.group = [seq, *seq.forks]
@@ -255,7 +269,9 @@ class EngineCore:
         if self._constrained:  # requests without a grammar pay this one check
             self._constrained = [seq for seq in self._constrained if not seq.is_finished]
             constraints = StepConstraints.of(sched, self._grammar_compiler)
-        launched = self.runner.launch(sched, self._in_flight, constraints=constraints, stream=stream)
+        pooling_plan = PoolingPlan.of(sched) if sched.has_pooling else None  # before the commit below
+        launched = self.runner.launch(sched, self._in_flight, constraints=constraints, stream=stream,
+                                      pooling_plan=pooling_plan)
         self.step_timer.stop(started, sched.num_batched_tokens - sched.num_decodes, sched.num_decodes, stream)
         self.scheduler.commit(sched)
         self._last_sched = sched
@@ -318,6 +334,17 @@ class EngineCore:
             if seq.prompt_logprobs is not None and item.token_index == seq.num_prompt_tokens:
                 event.prompt_logprobs = seq.prompt_logprobs
             events.append(event)
+        if launched.pooling_plan is not None:
+            events += self._pooled_events(launched.pooling_plan, launched.pooled_sums())
+        return events
+
+    def _pooled_events(self, plan: PoolingPlan, sums) -> list[StepEvent]:
+        """The embedding requests this step completes: each ends "stop" with its vector."""
+        events = []
+        for seq, vector in plan.vectors(sums):
+            self._end(seq, FinishReason.STOP)
+            self.requests.pop(seq.request_id, None)
+            events.append(StepEvent(seq, [], FinishReason.STOP, request_finished=True, embedding=vector))
         return events
 
     def _is_eos(self, seq: Sequence, token_id: int) -> bool:

@@ -22,6 +22,7 @@ import asyncllm.server.protocol as protocol
 from asyncllm.server import tool_calls
 from asyncllm.server.choices import ChoiceShaper, prompt_logprobs_field
 from asyncllm.server.constraints import compile_constraint, requested_constraint
+from asyncllm.server.embeddings import create_embeddings
 from asyncllm.server.errors import RETRY_AFTER_SECONDS, exception_handlers
 from asyncllm.server.limits import RequestLimits, limit_output, read_json_body
 from asyncllm.server.metrics import EngineMetrics
@@ -359,6 +360,7 @@ class OpenAIServer(TokenizationEndpoints):
         return [
             Route("/v1/chat/completions", e(self.chat_completions), methods=["POST"]),
             Route("/v1/completions", e(self.completions), methods=["POST"]),
+            Route("/v1/embeddings", e(functools.partial(create_embeddings, self)), methods=["POST"]),
             Route("/v1/models", e(self.models), methods=["GET"]),
             Route("/v1/models/{model:path}", e(self.model), methods=["GET"]),
             Route("/tokenize", e(self.tokenize), methods=["POST"]),
