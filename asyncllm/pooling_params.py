@@ -28,4 +28,10 @@ class PoolingParams:
             if isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int):
                 raise TypeError(f"dimensions: expected an int or None, got {type(self.dimensions).__name__}")
             if self.dimensions < 1:
-                raise ValueError(f"dimensions: expected an int >= 1, got {self.dimensions}")
+                raise ValueError(f"dimensions: expected an int >= 1, got {shown_int(self.dimensions)}")
+
+
+def shown_int(value: int) -> str:
+    """An int for a message: whole unless it is too long to print (10**400)."""
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:12]}... ({len(text)} digits)"

@@ -13,7 +13,7 @@ from asyncllm.engine.sequence import Sequence
 from asyncllm.engine.token_bans import check_some_token_samplable, encode_bad_words
 from asyncllm.errors import PromptTooLongError
 from asyncllm.models.checkpoint import find_eos_token_ids
-from asyncllm.pooling_params import PoolingParams
+from asyncllm.pooling_params import PoolingParams, shown_int
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.structured.grammar import GrammarCompiler
 
@@ -113,7 +113,7 @@ class RequestIntake:
             # the worker ranks would replay CUDA graphs of a step that rank 0 runs eagerly to pool it
             raise ValueError("embeddings are not available with tensor_parallel_size > 1")
         if params.dimensions is not None and params.dimensions > self.hidden_size:
-            raise ValueError(f"dimensions: {params.dimensions} is more than the model's hidden size "
+            raise ValueError(f"dimensions: {shown_int(params.dimensions)} is more than the model's hidden size "
                              f"({self.hidden_size})")
         if len(prompt_token_ids) > self.max_seq_len:  # no room to generate needed: nothing is generated
             raise PromptTooLongError(f"{argument}: {len(prompt_token_ids)} tokens exceed {self._length_limit} "
