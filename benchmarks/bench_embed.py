@@ -84,9 +84,9 @@ async def run_async(model_dir: str, kwargs: dict, prompts, pooling: str, num_str
                     embed_s = time.perf_counter() - embed_start
                     tasks.cancel_scope.cancel()
             elapsed = time.perf_counter() - start
-            row = dict(row="async+streams" if with_embed else "streams", stream_tokens_s=tokens[0] /
-                       (embed_s if with_embed else elapsed), itl_median_ms=ms(statistics.median(gaps)) if gaps else None,
-                       itl_p99_ms=ms(percentile(gaps, 99)))
+            row = dict(row="async+streams" if with_embed else "streams",
+                       stream_tokens_s=tokens[0] / (embed_s if with_embed else elapsed),
+                       itl_median_ms=ms(statistics.median(gaps)) if gaps else None, itl_p99_ms=ms(percentile(gaps, 99)))
             if with_embed:
                 row["elapsed_s"] = embed_s
             rows.append(row)

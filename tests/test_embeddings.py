@@ -8,7 +8,10 @@ must not change).
 """
 from __future__ import annotations
 
+import json
+import os
 import random
+import shutil
 import threading
 
 import anyio
@@ -172,6 +175,33 @@ def test_a_repeated_prompt_hits_the_prefix_cache_with_last_pooling_only(llm, tin
     assert bm.num_prefix_hit_tokens == hits
     assert_matches_hf(hf, tiny_qwen3, [prompt], mean, pooling="mean")
     assert_idle(llm)
+
+
+@pytest.mark.parametrize("architecture", ["Qwen3ForCausalLM", "Qwen3Model"])
+def test_a_base_model_checkpoint_as_qwen3_embedding_ships_loads_and_embeds(tiny_qwen3, tmp_path, hf, caplog,
+                                                                          architecture):
+    # Qwen3-Embedding's checkpoints are saved from the base model: tensors named without "model.",
+    # no LM head (its config.json still says Qwen3ForCausalLM); AutoModel saves the same, saying Qwen3Model
+    from transformers import AutoModel
+    base = tmp_path / "base"
+    AutoModel.from_pretrained(tiny_qwen3, dtype=torch.float32).save_pretrained(base)
+    for name in os.listdir(tiny_qwen3):
+        if name.startswith("tokenizer"):
+            shutil.copy(os.path.join(tiny_qwen3, name), base)
+    config = json.loads((base / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3Model"] and not config.get("tie_word_embeddings")
+    (base / "config.json").write_text(json.dumps(dict(config, architectures=[architecture])))
+    from safetensors import safe_open
+    with safe_open(str(base / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "embed_tokens.weight" in names and not any(n.startswith(("model.", "lm_head")) for n in names)
+    with caplog.at_level("WARNING", logger="asyncllm"):
+        engine = LLM(str(base), **SMALL)
+    assert "no LM head" in caplog.text
+    prompts = PROMPTS[3:6]
+    assert_matches_hf(hf, tiny_qwen3, prompts, engine.embed(prompts))
+    assert engine.generate([[5, 6]], GREEDY, use_tqdm=False)[0]["finish_reason"] == "length"  # runs, meaning nothing
+    assert_idle(engine)
 
 
 # ---- beside generation ------------------------------------------------------------------------------

@@ -306,7 +306,7 @@ class ModelRunner:
                 logits = self.graph_runner.run(batch)
                 if logits is not None:
                     return logits
-            else:  # the graphs keep no hidden states: eagerly, and no sampler graph over an older replay's logits
+            else:  # graphs keep no hidden states: eagerly, and no sampler graph over an older replay's logits
                 self.graph_runner.last_prefix_key = None
         self.attn_backend.prepare_metadata(batch)  # a replay reads the graph's own: eager steps only
         hidden_states = self.model(batch.input_ids, batch.positions, batch)
@@ -366,7 +366,7 @@ class ModelRunner:
                 batch, uploaded = self._make_batch(inputs, scattered + sampling_arrays)
                 input_ids = batch.input_ids
                 forward = lambda: self._forward(batch, pooling)  # noqa: E731
-            else:  # a decode graph's step (never one that pools: its rows do not all sample): its inputs straight into the graph's buffers
+            else:  # a decode graph's step: its inputs straight into the graph's buffers (never a pooling step)
                 input_ids, uploaded = self.graph_runner.staging.stage(inputs, scattered, sampling_plan.arrays)
                 forward = lambda: self.graph_runner.replay_staged(key, len(input_ids))  # noqa: E731
             if in_place:

@@ -4,8 +4,9 @@
 
 LLM.generate / LLM.chat return lists of RequestOutput, LLM.embed a list of EmbeddingRequestOutput;
 AsyncLLM.generate(prompt, sampling_params, request_id) is an async generator of RequestOutput
-(output_kind: CUMULATIVE, DELTA or FINAL_ONLY); abort() is awaitable. Everything here is a thin layer over asyncllm's own API (asyncllm.LLM,
-asyncllm.AsyncLLMEngine), which stays as it is. docs/PORTING.md lists what still differs, and why.
+(output_kind: CUMULATIVE, DELTA or FINAL_ONLY); abort() is awaitable. Everything here is a thin
+layer over asyncllm's own API (asyncllm.LLM, asyncllm.AsyncLLMEngine), which stays as it is.
+docs/PORTING.md lists what still differs, and why.
 """
 from asyncllm.vllm.async_llm import AsyncLLM
 from asyncllm.vllm.inputs import AsyncEngineArgs, EngineArgs
