@@ -13,7 +13,7 @@ from asyncllm.config import Config
 from asyncllm.engine.block_manager import BlockManager
 # check_text: server/tokenization.py imports it from here
 from asyncllm.engine.intake import RequestIntake, check_text  # noqa: F401
-from asyncllm.engine.pooling import PoolingPlan
+from asyncllm.engine.pooling import PoolingPlan, embedding_sequence
 from asyncllm.engine.scheduler import Scheduler, SchedulerOutput
 from asyncllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from asyncllm.engine.startup_heap import freeze_startup_heap
@@ -147,7 +147,7 @@ class EngineCore:
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         if isinstance(params, PoolingParams):  # an embedding: one sequence, prefilled, never sampled
-            seq = self.intake.new_embedding_sequence(request_id, prompt_token_ids, params)
+            seq = embedding_sequence(request_id, prompt_token_ids, params, self.block_manager.block_size)
         else:
             seq = self._new_sequence(request_id, prompt_token_ids, params, 0)
         if seq.pooling is None and params.n > 1:

@@ -120,15 +120,6 @@ class RequestIntake:
                                      f"({self.max_seq_len} tokens)")
         return params
 
-    def new_embedding_sequence(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams) -> Sequence:
-        """The one sequence of an embedding request that check_embedding_request accepted: prefilled
-        (its last chunk pools, engine/pooling.py) and never sampled: its length limit is its prompt."""
-        seq = Sequence(request_id, prompt_token_ids, SamplingParams(max_tokens=1), self.block_size)
-        seq.max_len = seq.num_prompt_tokens
-        seq.pooling = params
-        seq.pools_every_token = params.pooling == "mean"
-        return seq
-
     @property
     def grammar_compiler(self) -> GrammarCompiler:
         with self._grammar_compiler_lock:

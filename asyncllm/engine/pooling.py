@@ -18,9 +18,21 @@ import numpy as np
 from asyncllm.engine.scheduler import SchedulerOutput
 from asyncllm.engine.sequence import Sequence
 from asyncllm.pooling_params import PoolingParams
+from asyncllm.sampling_params import SamplingParams
 
 # torch.nn.functional.normalize's: a zero vector stays zero
 NORM_EPS = 1e-12
+
+
+def embedding_sequence(request_id: str, prompt_token_ids: list[int], params: PoolingParams,
+                       block_size: int) -> Sequence:
+    """The one sequence of an embedding request (checked by RequestIntake.check_embedding_request):
+    prefilled and never sampled; its length limit is its prompt."""
+    seq = Sequence(request_id, prompt_token_ids, SamplingParams(max_tokens=1), block_size)
+    seq.max_len = seq.num_prompt_tokens
+    seq.pooling = params
+    seq.pools_every_token = params.pooling == "mean"
+    return seq
 
 
 class PoolingPlan:
