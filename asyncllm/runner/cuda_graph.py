@@ -23,6 +23,7 @@ import time
 import torch
 
 from asyncllm.attention.base import AttentionBackend, ForwardBatch
+from asyncllm.layers.device_wide import capturing
 from asyncllm.runner.decode_staging import DecodeStaging
 
 logger = logging.getLogger("asyncllm")
@@ -127,7 +128,7 @@ class CudaGraphRunner:
         self._run_model(batch)  # warm-up: autotuning and lazy initialisation stay out of the graph
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with capturing(graph, self._pool):
             self.outputs[key] = self._run_model(batch)
         if self._pool is None:
             self._pool = graph.pool()

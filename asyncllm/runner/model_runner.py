@@ -20,6 +20,7 @@ from asyncllm.distributed import get_tp_size
 from asyncllm.engine.scheduler import SchedulerOutput
 from asyncllm.engine.sequence import PENDING_TOKEN
 from asyncllm.layers.logits_adjustments import LogitsAdjustments, TokenCounts
+from asyncllm.layers.device_wide import DEVICE_WIDE
 from asyncllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors, gather_logprobs
 from asyncllm.models.checkpoint import iter_safetensors, load_weights
 from asyncllm.models.registry import create_model
@@ -70,47 +71,46 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         self.graph_runner = None  # captured last; the memory probe below runs the model eagerly
         self.sampler_graphs = None  # plain sampling over each graph's logits, captured after the graphs
-        torch.manual_seed(config.seed)
         phase = startup.phase
         with phase(BUILD_MODEL):
-            default_dtype = torch.get_default_dtype()
-            torch.set_default_dtype(self.dtype)
-            try:
-                with torch.device(self.device):
-                    self.model = create_model(hf, max_model_len=config.max_model_len)
-            finally:
-                torch.set_default_dtype(default_dtype)
+            with torch.device(self.device):
+                self.model = create_model(hf, max_model_len=config.max_model_len, dtype=self.dtype)
         with phase(LOAD_WEIGHTS):
             load_weights(self.model, weights if weights is not None else iter_safetensors(config.model))
             self.model.eval()
         with phase(SAMPLER):
-            self.sampler = Sampler()
+            # the CPU path's noise for unseeded rows, the engine's own (the process's generator is the
+            # application's, and another engine's)
+            self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
             self.sampling_inputs = SamplingInputs(hf.vocab_size, self.device, config.seed)
             self.num_layers = hf.num_hidden_layers
             attn = self.model.model.layers[0].self_attn
             self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
             self.vocab_size = hf.vocab_size
             self.bitmasks = StepBitmasks(self.vocab_size, self.device)  # constrained steps' token masks
-        with phase(MEMORY_PROBE):
-            self.num_kvcache_blocks = self._decide_num_blocks()
-            if self.step_group is not None:
-                self.num_kvcache_blocks = agree_on_min(self.num_kvcache_blocks, self.step_group)
-        with phase(KV_CACHE):
-            kv_shape = (2, self.num_layers, self.num_kvcache_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-            self.kv_cache = torch.zeros(kv_shape, dtype=self.dtype, device=self.device)
-        with phase(ATTENTION_BACKEND):
-            self.attn_backend = self._create_backend(self.kv_cache)
-        if self.device.type == "cuda" and not config.enforce_eager and self.attn_backend.supports_cuda_graphs:
-            with phase(CUDA_GRAPHS):
-                self.graph_runner = CudaGraphRunner(
-                    self.model, self.attn_backend, min(config.max_num_seqs, 512), config.max_model_len, self.device,
-                    max_mixed_tokens=min(config.cuda_graph_max_tokens, config.max_num_batched_tokens))
-            if self.step_group is None:  # one rank: its batch-1 graph's tilings by the step's time
-                with phase(DECODE_TUNING):
-                    tune_batch1_projections(self.graph_runner, lambda context: self._synthetic_step(0, 0, 1, context))
-            if rank == 0:  # the other tensor-parallel ranks never sample
-                with phase(SAMPLER_GRAPHS):
-                    self.sampler_graphs = SamplerGraphs(self.graph_runner)
+        with DEVICE_WIDE:  # one engine of the process at a time (layers/device_wide.py)
+            with phase(MEMORY_PROBE):
+                self.num_kvcache_blocks = self._decide_num_blocks()
+                if self.step_group is not None:
+                    self.num_kvcache_blocks = agree_on_min(self.num_kvcache_blocks, self.step_group)
+            with phase(KV_CACHE):
+                kv_shape = (2, self.num_layers, self.num_kvcache_blocks, self.block_size, self.num_kv_heads,
+                            self.head_dim)
+                self.kv_cache = torch.zeros(kv_shape, dtype=self.dtype, device=self.device)
+            with phase(ATTENTION_BACKEND):
+                self.attn_backend = self._create_backend(self.kv_cache)
+            if self.device.type == "cuda" and not config.enforce_eager and self.attn_backend.supports_cuda_graphs:
+                with phase(CUDA_GRAPHS):
+                    self.graph_runner = CudaGraphRunner(
+                        self.model, self.attn_backend, min(config.max_num_seqs, 512), config.max_model_len, self.device,
+                        max_mixed_tokens=min(config.cuda_graph_max_tokens, config.max_num_batched_tokens))
+                if self.step_group is None:  # one rank: its batch-1 graph's tilings by the step's time
+                    with phase(DECODE_TUNING):
+                        tune_batch1_projections(self.graph_runner,
+                                                lambda context: self._synthetic_step(0, 0, 1, context))
+                if rank == 0:  # the other tensor-parallel ranks never sample
+                    with phase(SAMPLER_GRAPHS):
+                        self.sampler_graphs = SamplerGraphs(self.graph_runner)
         logger.info("KV cache: %d blocks of %d tokens, %.1f MiB", self.num_kvcache_blocks, self.block_size,
                     self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
 
