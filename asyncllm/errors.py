@@ -18,3 +18,7 @@ class UnsatisfiableConstraintsError(AsyncLLMError, ValueError):
     """A request's constraints left no token to sample: its grammar allows none of the tokens that
     allowed_token_ids, bad_words or min_tokens leave. Raised by its stream; nothing they forbid was
     delivered, and the other requests go on."""
+
+
+class EngineAsleepError(AsyncLLMError):
+    """A request reached an engine that sleep() put to sleep; wake() it first (engine/lifecycle.py)."""

@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass
 
 from asyncllm.config import Config
+from asyncllm.engine import lifecycle
 from asyncllm.engine.block_manager import BlockManager
 # check_text: server/tokenization.py imports it from here
 from asyncllm.engine.intake import RequestIntake, check_text  # noqa: F401
@@ -20,6 +21,7 @@ from asyncllm.runner.launched_step import LaunchedStep
 from asyncllm.runner.model_runner import ModelRunner
 from asyncllm.runner.tp_workers import TensorParallelWorkers
 from asyncllm.models.checkpoint import check_tokenizer, load_tokenizer
+from asyncllm.errors import EngineAsleepError
 from asyncllm.outputs import FinishReason, TokenLogprob
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.startup import (BLOCK_MANAGER, HEAP_FREEZE, REQUEST_INTAKE, SCHEDULER, STEP_BUDGET,
@@ -86,10 +88,7 @@ class EngineCore:
             self.max_seq_len = min(config.max_model_len,
                                    self.block_manager.num_total_blocks * config.kvcache_block_size)
         with phase(REQUEST_INTAKE):
-            self.intake = RequestIntake(config, self.tokenizer, self.max_seq_len)
-        # the intake's, read by the callers that hold the core (set once, never changed)
-        self.vocab_size, self.eos_token_ids = self.intake.vocab_size, self.intake.eos_token_ids
-        self.max_prompt_chars, self.reasoning = self.intake.max_prompt_chars, self.intake.reasoning
+            self.use_tokenizer(self.tokenizer)
         self.requests: dict[str, Sequence] = {}
         self.num_steps = 0
         self._last_sched: SchedulerOutput | None = None
@@ -112,6 +111,14 @@ class EngineCore:
         """Check a request; returns the validated snapshot of params that the request must keep."""
         return self.intake.check_request(prompt_token_ids, params, argument)
 
+    def use_tokenizer(self, tokenizer) -> None:
+        """Check and encode requests with tokenizer (start-up's, or a reload's checkpoint's): a new
+        intake, and what it read of the tokenizer and config, read by the callers that hold the core."""
+        self.tokenizer = tokenizer
+        self.intake = RequestIntake(self.config, tokenizer, self.max_seq_len)
+        self.vocab_size, self.eos_token_ids = self.intake.vocab_size, self.intake.eos_token_ids
+        self.max_prompt_chars, self.reasoning = self.intake.max_prompt_chars, self.intake.reasoning
+
     @property
     def grammar_compiler(self) -> GrammarCompiler:
         return self.intake.grammar_compiler
@@ -131,6 +138,7 @@ class EngineCore:
     def add_checked_request(self, prompt_token_ids: list[int], params: SamplingParams,
                             request_id: str | None = None) -> Sequence:
         """Queue a request whose params are what check_request returned for it (its own snapshot)."""
+        self.check_awake()
         if request_id is None:
             request_id = self.new_request_id()
         if request_id in self.requests:
@@ -348,8 +356,32 @@ class EngineCore:
         return sched.num_batched_tokens - sched.num_decodes, sched.num_decodes
 
     def close(self) -> None:
-        """Release what outlives Python's garbage collection: tensor-parallel worker processes."""
+        """Release what outlives Python's garbage collection (tensor-parallel worker processes) and
+        every tensor of the engine, whose device memory goes back (runner/memory.py). Idempotent."""
+        self._in_flight = self._launched = None
         self.runner.close()
+
+    # ---- lifecycle between requests: sleep, wake, reload (engine/lifecycle.py) ------------------
+    @property
+    def sleep_level(self) -> int | None:
+        """1 or 2 while asleep (sleep()'s level), None while awake."""
+        return self.runner.sleep_level
+
+    def check_awake(self) -> None:
+        """Raise EngineAsleepError while asleep: a request waits for no wake()."""
+        if self.runner.sleep_level is not None:
+            raise EngineAsleepError(f"the engine is asleep (sleep(level={self.runner.sleep_level})): wake() it "
+                                    "before submitting requests")
+
+    def sleep(self, level: int = 1) -> None:
+        lifecycle.sleep(self, level)
+
+    def wake(self) -> None:
+        lifecycle.wake(self)
+
+    def reload(self, checkpoint: lifecycle.Checkpoint) -> None:
+        """Serve checkpoint (lifecycle.prepare_reload's) from now on."""
+        lifecycle.reload(self, checkpoint)
 
     def stats(self) -> dict:
         bm = self.block_manager

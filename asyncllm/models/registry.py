@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from asyncllm.models.transformer import CausalLM
+from asyncllm.models.transformer import CausalLM, head_dim_of
 
 
 def _attention_bias(config) -> bool:
@@ -52,3 +52,14 @@ def create_model(config, max_model_len: int | None = None, dtype: torch.dtype | 
                 return CausalLM(config, **MODEL_REGISTRY[arch](config), max_positions=max_model_len)
     raise ValueError(f"unsupported architecture {architectures!r}; supported: {', '.join(sorted(MODEL_REGISTRY))}")
 
+
+def model_structure(config) -> dict:
+    """What the model create_model builds for a Hugging Face config depends on: two configs with the
+    same structure build models of the same parameters, shapes and constants, so either's checkpoint
+    loads into either's model (an engine's reload())."""
+    arch = next((a for a in getattr(config, "architectures", None) or [] if a in MODEL_REGISTRY), None)
+    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "rope_theta", "asyncllm_rope_scaling", "rms_norm_eps")
+    return {"architecture": arch, **(MODEL_REGISTRY[arch](config) if arch else {}),
+            **{name: getattr(config, name, None) for name in fields}, "head_dim": head_dim_of(config),
+            "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False))}
