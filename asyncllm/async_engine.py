@@ -15,9 +15,10 @@ from asyncllm import settings
 from asyncllm.arguments import check_bool, check_request_id, check_seconds, check_str
 from asyncllm.chat_template import chat_prompt_ids
 from asyncllm.engine.core import EngineCore
+from asyncllm.engine.lifecycle import check_sleep_level, prepare_reload
 from asyncllm.engine.options import make_config
 from asyncllm.engine.step_budget import STREAMING_TARGET_STEP_MS
-from asyncllm.engine_thread import AddRequest, EngineThread, FinishRequest
+from asyncllm.engine_thread import AddRequest, EngineThread, FinishRequest, Reload, Sleep, Wake
 from asyncllm.errors import EngineDeadError, QueueFullError
 from asyncllm.llm import normalize_prompts
 from asyncllm.outputs import FinishReason
@@ -106,6 +107,40 @@ class AsyncLLMEngine:
             if engine_thread.is_idle():
                 return
             await anyio.sleep(poll_interval)
+
+    # ---- lifecycle between requests: sleep, wake, reload (engine/lifecycle.py) -------------------
+    async def sleep(self, level: int = 1) -> None:
+        """Free the device's memory, keeping the engine: level 1 moves the weights to host memory and
+        drops the KV cache (and CUDA graphs), level 2 drops the weights too (vLLM's levels). Runs on
+        the engine thread between steps; refused (RuntimeError) while a request is queued or running,
+        and while asleep. Requests while asleep raise EngineAsleepError."""
+        await self._run_on_engine_thread(Sleep(check_sleep_level(level)))
+
+    async def wake(self) -> None:
+        """Back from sleep(): weights, an empty KV cache and the CUDA graphs, with start-up's decisions
+        (no model build, memory probe or tuning). Does nothing while awake. A wake that fails (device
+        memory) leaves the engine asleep."""
+        await self._run_on_engine_thread(Wake())
+
+    async def reload(self, model, *, revision: str | None = None) -> None:
+        """Serve another checkpoint of the same model structure (a directory, a .gguf file or a hub id):
+        its weights loaded in place, its tokenizer; the prefix cache emptied. Between requests, as
+        sleep(); another structure is a ValueError, and a checkpoint that fails to load leaves the
+        current weights."""
+        self._check_alive()
+        checkpoint = await anyio.to_thread.run_sync(prepare_reload, self.config, model, revision)
+        await self._run_on_engine_thread(Reload(checkpoint))
+
+    @property
+    def is_sleeping(self) -> bool:
+        core = self._engine_thread.core
+        return core is not None and core.sleep_level is not None
+
+    async def _run_on_engine_thread(self, command: Sleep | Wake | Reload) -> None:
+        self._check_alive()
+        self._engine_thread.post(command)
+        # a cancelled wait leaves the command to run: the engine thread applies it all the same
+        await anyio.to_thread.run_sync(command.done.result, abandon_on_cancel=True)
 
     # ---- requests ------------------------------------------------------------------------------
     def stream(self, prompt, sampling_params: SamplingParams | None = None, *,
@@ -231,6 +266,7 @@ class AsyncLLMEngine:
     def _submit(self, prompt_token_ids: list[int], params: SamplingParams | None, request_id: str | None,
                 argument: str = "prompt", incremental_text: bool = True):
         core = self._core
+        core.check_awake()  # here, at the call; the engine thread checks again when it adds the request
         request_id = core.new_request_id() if request_id is None else check_request_id(request_id)
         params = core.check_request(prompt_token_ids, SamplingParams() if params is None else params, argument)
         limit = self.config.max_queued_requests

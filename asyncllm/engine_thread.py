@@ -1,7 +1,7 @@
 """The engine thread behind an AsyncLLMEngine: the one thread that owns its EngineCore.
 
 It runs the step loop while there is work and sleeps on a condition variable when there is none.
-The inbox of commands (AddRequest, FinishRequest), applied between steps, is the only way in; each
+The inbox of commands (AddRequest, FinishRequest; Sleep, Wake, Reload), applied between steps, is the only way in; each
 request's RequestChannel (streams.py) is the only way out. With overlap a step's events go out once
 the next step is launched, and the launch gate is closed from the moment a step's results are on
 the host until that launch (docs/ARCHITECTURE.md, "The overlapped step loop"): torch frees the
@@ -18,11 +18,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 from asyncllm.config import Config
 from asyncllm.engine.core import EngineCore
-from asyncllm.errors import EngineDeadError, RequestTimeoutError, UnsatisfiableConstraintsError
+from asyncllm.engine.lifecycle import Checkpoint
+from asyncllm.errors import EngineAsleepError, EngineDeadError, RequestTimeoutError, UnsatisfiableConstraintsError
 from asyncllm.outputs import FinishReason
 from asyncllm.pooling_params import PoolingParams
 from asyncllm.sampling_params import SamplingParams
@@ -54,7 +56,36 @@ class FinishRequest:
     index: int | None = None  # one of its n sequences; None: all of them
 
 
-InboxCommand = AddRequest | FinishRequest
+# the engine's lifecycle between requests (engine/lifecycle.py): run on the core between steps, each
+# command's outcome (None, or what it raised) set on its future, which the caller awaits
+@dataclass(slots=True)
+class Sleep:
+    level: int
+    done: Future = field(default_factory=Future)
+
+    def run(self, core: EngineCore) -> None:
+        core.sleep(self.level)
+
+
+@dataclass(slots=True)
+class Wake:
+    done: Future = field(default_factory=Future)
+
+    def run(self, core: EngineCore) -> None:
+        core.wake()
+
+
+@dataclass(slots=True)
+class Reload:
+    checkpoint: Checkpoint  # lifecycle.prepare_reload's, made in the caller's thread
+    done: Future = field(default_factory=Future)
+
+    def run(self, core: EngineCore) -> None:
+        core.reload(self.checkpoint)
+
+
+LIFECYCLE_COMMANDS = (Sleep, Wake, Reload)
+InboxCommand = AddRequest | FinishRequest | Sleep | Wake | Reload
 
 
 class EngineThread:
@@ -102,8 +133,16 @@ class EngineThread:
                 self._num_inbox_adds += isinstance(command, AddRequest)
                 self._cv.notify()
                 return
-        if isinstance(command, AddRequest):  # died or stopped since the caller checked: don't leave it waiting
-            command.channel.put([], None, EngineDeadError("the engine has failed or is shut down"))
+        # died or stopped since the caller checked: don't leave it waiting
+        self._refuse(command, EngineDeadError("the engine has failed or is shut down"))
+
+    @staticmethod
+    def _refuse(command: InboxCommand, error: BaseException) -> None:
+        """Tell whoever waits for command that it will never be applied."""
+        if isinstance(command, AddRequest):
+            command.channel.put([], None, error)
+        elif isinstance(command, LIFECYCLE_COMMANDS):
+            command.done.set_exception(error)
 
     def is_idle(self) -> bool:
         """No request queued or running, and every command applied."""
@@ -139,6 +178,7 @@ class EngineThread:
         # With overlap a step's events go out after the next step is launched, and the launch gate is
         # closed from the wait's end to the launch; without overlap events go out at once.
         undelivered = []
+        unapplied = collections.deque()
         gate = self.launch_gate
         try:
             while True:
@@ -150,12 +190,13 @@ class EngineThread:
                         gate.open()
                         self._cv.wait()
                     commands = list(self._inbox)
+                    unapplied = collections.deque(commands)  # a command that ends the engine leaves the rest
                     self._inbox.clear()
                     self._applying = bool(commands)
                     self._num_adds_applying, self._num_inbox_adds = self._num_inbox_adds, 0
                     stopping = self._stop_requested
-                for command in commands:
-                    self._apply(command)
+                while unapplied:
+                    self._apply(unapplied.popleft())
                 if commands:
                     self._publish_stats()  # so wait_idle sees the applied commands before the step ends
                     self._send_endings()
@@ -182,15 +223,17 @@ class EngineThread:
             logger.exception("engine step failed; the engine is dead")
             with self._cv:
                 self.dead = e
-                # requests posted but not yet applied: their consumers must hear of it too
-                pending = [command.channel for command in self._inbox if isinstance(command, AddRequest)]
+                # commands posted but not yet applied: their callers must hear of it too
+                pending = list(unapplied) + list(self._inbox)
                 self._inbox.clear()
                 self._num_inbox_adds = 0
             error = EngineDeadError(f"the engine has failed: {e!r}")
             error.__cause__ = e
             self._send_endings()
-            for channel in list(self.channels.values()) + pending:
+            for channel in self.channels.values():
                 channel.put([], None, error)
+            for command in pending:
+                self._refuse(command, error)
             self.channels.clear()
             self._close_core()
             return
@@ -218,8 +261,27 @@ class EngineThread:
             if command.request_id in self.channels and \
                     (command.channel is None or command.channel is self.channels[command.request_id]):
                 self._end(command.request_id, command.reason, command.index)
+        elif isinstance(command, LIFECYCLE_COMMANDS):
+            self._run_lifecycle(command)
         else:
             raise TypeError(f"unknown inbox command {command!r}")  # a bug of this module: fails loudly
+
+    def _run_lifecycle(self, command: Sleep | Wake | Reload) -> None:
+        """Its outcome to its caller. Refusals and failures that leave the core as it was (engine/
+        lifecycle.py) end there; EngineDeadError (a reload that could not restore the weights) and
+        interruptions end the engine too."""
+        try:
+            command.run(self.core)
+        except BaseException as e:  # noqa: BLE001 - the caller gets it
+            fatal = isinstance(e, EngineDeadError) or not isinstance(e, Exception)
+            if fatal:
+                with self._cv:
+                    self.dead = e  # before the caller hears: its next call finds the engine dead
+            command.done.set_exception(e)
+            if fatal:
+                raise
+        else:
+            command.done.set_result(None)
 
     def _add(self, command: AddRequest) -> None:
         channel, prompt_token_ids = command.channel, command.prompt_token_ids
@@ -229,7 +291,7 @@ class EngineThread:
         try:
             seq = self.core.add_checked_request(prompt_token_ids, command.params, channel.request_id,
                                                 command.submitted_at)
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, EngineAsleepError) as e:
             channel.put([], None, e)
             return
         channel.metrics = RequestMetrics(arrival_time=seq.arrival_time, num_prompt_tokens=len(prompt_token_ids))

@@ -24,3 +24,7 @@ class RequestTimeoutError(AsyncLLMError, TimeoutError):
     """A request's timeout (SamplingParams.timeout) passed before it produced its first token: it
     waited in the queue (or was still computing its prompt) that long, and was dropped there. Raised
     by its stream; a request that had produced tokens ends instead with finish_reason "timeout"."""
+
+
+class EngineAsleepError(AsyncLLMError):
+    """A request reached an engine that sleep() put to sleep; wake() it first (engine/lifecycle.py)."""

@@ -10,7 +10,9 @@ from tqdm.auto import tqdm
 from asyncllm.arguments import check_bool
 from asyncllm.detokenizer import decode_logprobs
 from asyncllm.engine.core import EngineCore
+from asyncllm.engine.lifecycle import check_sleep_level, prepare_reload
 from asyncllm.engine.options import make_config
+from asyncllm.errors import EngineDeadError
 from asyncllm.outputs import FinishReason
 from asyncllm.pooling_params import PoolingParams
 from asyncllm.reasoning import text_assembler
@@ -66,8 +68,45 @@ class LLM:
         return dict(self.core.startup.seconds)
 
     def close(self) -> None:
+        """Release the engine: its worker processes, and every tensor (the device memory goes back)."""
         with self._lock:  # after a generate() running in another thread
             self._finalizer()
+
+    def _check_open(self) -> None:
+        if not self._finalizer.alive:
+            raise EngineDeadError("the LLM is closed")
+
+    # ---- lifecycle between generate() calls (engine/lifecycle.py; AsyncLLMEngine's say more) ------
+    def sleep(self, level: int = 1) -> None:
+        """Free the device's memory: level 1 moves the weights to host memory and drops the KV cache,
+        level 2 drops the weights too; generate() raises EngineAsleepError until wake()."""
+        level = check_sleep_level(level)
+        with self._lock:  # after a generate() running in another thread
+            self._check_open()
+            self.core.sleep(level)
+
+    def wake(self) -> None:
+        """Back from sleep(), with start-up's decisions; nothing while awake."""
+        with self._lock:
+            self._check_open()
+            self.core.wake()
+
+    def reload(self, model, *, revision: str | None = None) -> None:
+        """Serve another checkpoint of the same model structure: weights loaded in place, its tokenizer."""
+        self._check_open()
+        checkpoint = prepare_reload(self.core.config, model, revision)
+        with self._lock:
+            self._check_open()
+            try:
+                self.core.reload(checkpoint)
+            except EngineDeadError:  # neither checkpoint's weights could be loaded: nothing left to serve
+                self._finalizer()
+                raise
+            self.tokenizer = self.core.tokenizer
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._finalizer.alive and self.core.sleep_level is not None
 
     def __enter__(self) -> "LLM":
         return self
@@ -83,6 +122,8 @@ class LLM:
         threads run one after another."""
         check_bool(use_tqdm, "use_tqdm")
         with self._lock:
+            self._check_open()
+            self.core.check_awake()
             return self._generate(prompts, sampling_params, use_tqdm)
 
     def _generate(self, prompts, sampling_params, use_tqdm: bool) -> list[dict | list[dict]]:

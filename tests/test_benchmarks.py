@@ -23,6 +23,7 @@ import bench_embed  # noqa: E402
 import bench_host_ops  # noqa: E402
 import bench_http  # noqa: E402
 import bench_latency  # noqa: E402
+import bench_lifecycle  # noqa: E402
 import bench_multiturn  # noqa: E402
 import bench_profile  # noqa: E402
 import bench_serving  # noqa: E402
@@ -235,3 +236,12 @@ def test_bench_server_libs_runs_with_or_without_the_libraries():
     assert data["validation_us_per_request"]["protocol.py"] > 0
     assert all(row["json_scan"] > 0 for row in data["tool_call_us_per_piece"])
     assert data["sse_us_per_event"]["sse.py"] > 0
+
+
+def test_bench_lifecycle_times_sleep_and_wake_against_a_fresh_start(tiny_model):
+    data = bench_lifecycle.main(["--model-dir", tiny_model, "--device", "cpu"])
+    rows = rows_without_errors(data)
+    assert [row["step"] for row in rows] == ["fresh start", "sleep(1) + wake()", "sleep(2) + wake()", "close()"]
+    assert rows[0]["seconds"] > 0 and rows[0]["startup_timings"]["load weights"] > 0
+    assert all(row["same_tokens"] and row["wake_speedup"] > 0 for row in rows[1:3])
+    assert rows[3]["closed_delta_mib"] is None  # memory figures are the GPU's

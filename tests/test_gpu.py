@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import importlib.util
+import threading
 
 import pytest
 import torch
@@ -570,3 +571,96 @@ def test_bad_words_hanging_on_the_token_in_flight_with_graphs_and_overlap(model_
         tokens = out["token_ids"]
         for e in encodings:
             assert not any(tokens[i:i + len(e)] == e for i in range(len(tokens) - len(e) + 1))
+
+
+# ---- an engine's lifecycle in one process (issue 50; tests/test_lifecycle.py on CPU) ----------------------
+LIFECYCLE = dict(dtype="float32", max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=4096)
+
+
+def test_close_returns_the_device_memory(model_dir):
+    """After close(), torch's allocated memory is within 64 MiB of what it was before the engine
+    (the KV cache, weights, graphs and their pools, sampler state all gone), the LLM still held.
+    Measured from the process's second engine: the first makes what the process keeps for any
+    later one (cuBLAS's workspace per stream, the capture stream's among them)."""
+    release_llms()
+    ps, params = random_prompts(8, seed=30), SamplingParams(max_tokens=16, presence_penalty=0.5, logprobs=2)
+    with LLM(model_dir, gpu_memory_utilization=0.3, **LIFECYCLE) as first:
+        generate(first, ps, params)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    llm = LLM(model_dir, gpu_memory_utilization=0.3, **LIFECYCLE)
+    generate(llm, ps, params)
+    assert torch.cuda.memory_allocated() - before > 1 << 30  # a KV cache of 0.3 of the device, weights, graphs
+    llm.close()
+    torch.cuda.synchronize()
+    print(f"allocated after close - before: {(torch.cuda.memory_allocated() - before) / 2**20:.1f} MiB")
+    assert torch.cuda.memory_allocated() - before <= 64 << 20
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_returns_the_memory_and_wake_replays_graphs_with_the_same_tokens(model_dir, level):
+    release_llms()
+    ps = random_prompts(8, seed=31)
+    with LLM(model_dir, gpu_memory_utilization=0.3, **LIFECYCLE) as llm:
+        runner = llm.core.runner
+        before = generate(llm, ps)
+        weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+        kv_cache = runner.kv_cache.numel() * runner.kv_cache.element_size()
+        torch.cuda.synchronize()
+        awake = torch.cuda.memory_allocated()
+        llm.sleep(level)
+        torch.cuda.synchronize()
+        freed = awake - torch.cuda.memory_allocated()
+        print(f"sleep({level}) freed {freed / 2**20:.0f} MiB (weights {weights / 2**20:.0f}, KV cache "
+              f"{kv_cache / 2**20:.0f})")
+        assert freed >= weights + kv_cache
+        llm.wake()
+        assert generate(llm, ps) == before
+        assert runner.graph_runner is not None and runner.graph_runner.num_replays["decode"] > 0
+        assert runner.sampler_graphs is not None
+
+
+def test_reload_in_place_keeps_the_graphs_and_gives_a_fresh_engines_tokens(model_dir, tmp_path):
+    release_llms()
+    other = build_tiny_checkpoint(str(tmp_path / "other"), "qwen3", dtype=torch.bfloat16, seed=3, **SHAPE)
+    ps = random_prompts(8, seed=32)
+    with LLM(other, num_kvcache_blocks=64, kvcache_block_size=64, **LIFECYCLE) as fresh:
+        theirs = generate(fresh, ps)
+    with LLM(model_dir, num_kvcache_blocks=64, kvcache_block_size=64, **LIFECYCLE) as llm:
+        ours, graphs = generate(llm, ps), llm.core.runner.graph_runner
+        assert ours != theirs
+        llm.reload(other)
+        assert llm.core.runner.graph_runner is graphs  # the weights were loaded where the graphs read them
+        replays = graphs.num_replays["decode"]
+        assert generate(llm, ps) == theirs and graphs.num_replays["decode"] > replays
+
+
+def test_two_engines_of_different_models_start_and_generate_at_once_as_alone(model_dir, tmp_path):
+    """Each engine starts (probe, KV cache, graph captures) on its own thread while the other runs:
+    captures are one at a time in the process, in the thread-local capture mode, so the other
+    engine's steps go on; each engine's tokens equal its tokens alone."""
+    release_llms()
+    other = build_tiny_checkpoint(str(tmp_path / "llama"), "llama", dtype=torch.bfloat16, **SHAPE)
+    ps = random_prompts(8, seed=33)
+    options = dict(num_kvcache_blocks=128, kvcache_block_size=64, **LIFECYCLE)
+    alone = {}
+    for model in (model_dir, other):
+        with LLM(model, **options) as llm:
+            alone[model] = generate(llm, ps)
+    results, errors = {model: [] for model in alone}, []
+
+    def run_engine(model: str) -> None:
+        try:
+            with LLM(model, **options) as llm:
+                for _ in range(3):
+                    results[model].append(generate(llm, ps))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run_engine, args=(model,)) for model in alone]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    assert not errors, errors
+    assert all(runs == [alone[model]] * 3 for model, runs in results.items())

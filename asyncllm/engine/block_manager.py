@@ -147,3 +147,12 @@ class BlockManager:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.num_prefix_hit_tokens / self.num_prefix_query_tokens if self.num_prefix_query_tokens else 0.0
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix: the KV it points at is gone (a sleeping engine) or was computed
+        by other weights (a reload). Only while no block is in use."""
+        assert self.num_free_blocks == self.num_total_blocks, "a block is still in use"
+        self.hash_to_block_id.clear()
+        for block in self.blocks:
+            block.hash = -1
+            block.token_ids = []

@@ -7,6 +7,7 @@ import time
 import uuid
 
 from asyncllm.config import Config
+from asyncllm.engine import lifecycle
 from asyncllm.engine.block_manager import BlockManager
 from asyncllm.engine.deadlines import RequestDeadlines
 from asyncllm.engine.intake import RequestIntake
@@ -16,11 +17,13 @@ from asyncllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from asyncllm.engine.startup_heap import freeze_startup_heap
 from asyncllm.engine.step_logprobs import add_prompt_logprobs, token_logprobs
 from asyncllm.engine.step_event import StepEvent
+from asyncllm.engine.stats import engine_stats
 from asyncllm.engine.step_budget import StepBudget, StepTimeModel, StepTimer, calibration_shapes
 from asyncllm.runner.launched_step import LaunchedStep
 from asyncllm.runner.model_runner import ModelRunner
 from asyncllm.runner.tp_workers import TensorParallelWorkers
 from asyncllm.models.checkpoint import check_tokenizer, load_tokenizer
+from asyncllm.errors import EngineAsleepError
 from asyncllm.outputs import FinishReason
 from asyncllm.pooling_params import PoolingParams
 from asyncllm.sampling_params import SamplingParams
@@ -75,10 +78,7 @@ class EngineCore:
             self.max_seq_len = min(config.max_model_len,
                                    self.block_manager.num_total_blocks * config.kvcache_block_size)
         with phase(REQUEST_INTAKE):
-            self.intake = RequestIntake(config, self.tokenizer, self.max_seq_len)
-        # the intake's, read by the callers that hold the core (set once, never changed)
-        self.vocab_size, self.eos_token_ids = self.intake.vocab_size, self.intake.eos_token_ids
-        self.max_prompt_chars, self.reasoning = self.intake.max_prompt_chars, self.intake.reasoning
+            self.use_tokenizer(self.tokenizer)
         self.requests: dict[str, Sequence] = {}
         self.num_steps = 0
         self._last_sched: SchedulerOutput | None = None
@@ -109,6 +109,14 @@ class EngineCore:
         """Check an embedding request (engine/pooling.py); returns its params."""
         return self.intake.check_embedding_request(prompt_token_ids, params, argument)
 
+    def use_tokenizer(self, tokenizer) -> None:
+        """Check and encode requests with tokenizer (start-up's, or a reload's checkpoint's): a new
+        intake, and what it read of the tokenizer and config, read by the callers that hold the core."""
+        self.tokenizer = tokenizer
+        self.intake = RequestIntake(self.config, tokenizer, self.max_seq_len)
+        self.vocab_size, self.eos_token_ids = self.intake.vocab_size, self.intake.eos_token_ids
+        self.max_prompt_chars, self.reasoning = self.intake.max_prompt_chars, self.intake.reasoning
+
     @property
     def grammar_compiler(self) -> GrammarCompiler:
         return self.intake.grammar_compiler
@@ -130,6 +138,7 @@ class EngineCore:
         """Queue a request whose params are what check_request returned for it (its own snapshot), or
         an embedding request with what check_embedding_request returned. submitted_at: when the caller
         submitted it, on self.deadlines.clock (None: now); a timeout counts from then."""
+        self.check_awake()
         if request_id is None:
             request_id = self.new_request_id()
         if request_id in self.requests:
@@ -399,39 +408,32 @@ class EngineCore:
         return sched.num_batched_tokens - sched.num_decodes, sched.num_decodes
 
     def close(self) -> None:
-        """Release what outlives Python's garbage collection: tensor-parallel worker processes."""
+        """Release what outlives Python's garbage collection (tensor-parallel worker processes) and
+        every tensor of the engine, whose device memory goes back (runner/memory.py). Idempotent."""
+        self._in_flight = self._launched = None
         self.runner.close()
 
+    # ---- lifecycle between requests: sleep, wake, reload (engine/lifecycle.py) ------------------
+    @property
+    def sleep_level(self) -> int | None:
+        """1 or 2 while asleep (sleep()'s level), None while awake."""
+        return self.runner.sleep_level
+
+    def check_awake(self) -> None:
+        """Raise EngineAsleepError while asleep: a request waits for no wake()."""
+        if self.runner.sleep_level is not None:
+            raise EngineAsleepError(f"the engine is asleep (sleep(level={self.runner.sleep_level})): wake() it "
+                                    "before submitting requests")
+
+    def sleep(self, level: int = 1) -> None:
+        lifecycle.sleep(self, level)
+
+    def wake(self) -> None:
+        lifecycle.wake(self)
+
+    def reload(self, checkpoint: lifecycle.Checkpoint) -> None:
+        """Serve checkpoint (lifecycle.prepare_reload's) from now on."""
+        lifecycle.reload(self, checkpoint)
+
     def stats(self) -> dict:
-        bm = self.block_manager
-        return {
-            "num_waiting": len(self.scheduler.waiting),
-            "num_running": len(self.scheduler.running),
-            "num_free_blocks": bm.num_free_blocks,
-            "num_total_blocks": bm.num_total_blocks,
-            "block_size": bm.block_size,
-            "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
-            # cumulative prompt tokens: looked up in the prefix cache, and found there
-            "prefix_cache_queries": bm.num_prefix_query_tokens,
-            "prefix_cache_hits": bm.num_prefix_hit_tokens,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_steps": self.num_steps,
-            **self._step_time_stats(),
-        }
-
-    def _step_time_stats(self) -> dict:
-        """The latency policy's state: its target, the last step's prefill budget and step time."""
-        model, budget = self.step_model, self.step_budget
-        last = self.last_step
-        return {
-            "target_step_ms": self.config.target_step_ms,
-            # None without a target: prefill takes what the decodes leave of max_num_batched_tokens
-            "prefill_budget": budget.last_budget if budget is not None else None,
-            "step_ms": model.last_step_ms,
-            # every step's device time so far (CUDA events; on CPU the forwards' wall time)
-            "steps_total_s": self.step_timer.total_ms / 1e3,
-            "predicted_step_ms": model.predict(*last) if model.ready and last is not None else None,
-            "step_model": {"ms": model.a, "ms_per_prefill_token": model.b, "ms_per_decode": model.c}
-            if model.ready else None,
-        }
-
+        return engine_stats(self)

@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import gc
+import threading
 
 _frozen = False
+# two engines starting at once on two threads: without it both may freeze, the second freezing the
+# first one's start-up objects for good (gc.freeze's price, below)
+_lock = threading.Lock()
 
 
 def freeze_startup_heap() -> None:
@@ -16,7 +20,8 @@ def freeze_startup_heap() -> None:
     the price is gc.freeze's: an object alive now that later becomes part of unreachable cycles is
     never collected (gc.unfreeze() gives the frozen objects back to the collector)."""
     global _frozen
-    if not _frozen:
-        _frozen = True
-        gc.collect()
-        gc.freeze()
+    with _lock:
+        if not _frozen:
+            _frozen = True
+            gc.collect()
+            gc.freeze()

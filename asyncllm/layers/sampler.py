@@ -122,6 +122,11 @@ class SamplingTensors:
 
 
 class Sampler(nn.Module):
+    def __init__(self, generator: torch.Generator | None = None):
+        """generator: the PyTorch path's noise for unseeded rows (None: the process's default generator)."""
+        super().__init__()
+        self.generator = generator
+
     def forward(self, logits: torch.Tensor, params: SamplingTensors) -> SamplerOutput:
         # the model's logits, in their own dtype, are never written (they may be a CUDA graph's output
         # buffer): log-probabilities read them, and adjustments and masks change a float32 copy
@@ -144,8 +149,7 @@ class Sampler(nn.Module):
             logprobs = gather_logprobs(raw, token_ids[rows], params.num_top_logprobs)
         return SamplerOutput(token_ids, logprobs)
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
         if params.all_greedy:
             return logits.argmax(dim=-1)
         temperatures = params.temperatures
@@ -160,7 +164,7 @@ class Sampler(nn.Module):
         if cutoffs is not None:
             logits = apply_cutoffs(logits, cutoffs)
         probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_()
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, key in params.seeded_rows:
             noise[row].exponential_(generator=torch.Generator(noise.device).manual_seed(key))
         sampled = (probs / noise).argmax(dim=-1)

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from asyncllm import settings
 from asyncllm.layers.activation import SiluAndMul
+from asyncllm.layers.device_wide import capturing
 from asyncllm.layers.fused import kernel_module
 
 logger = logging.getLogger("asyncllm")
@@ -304,7 +305,7 @@ def _capture(call, device: torch.device, repeats: int):
     try:
         torch.cuda.synchronize(device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with capturing(graph):
             for _ in range(repeats):
                 call()
         graph.replay()

@@ -23,6 +23,7 @@ import time
 import torch
 
 from asyncllm.attention.base import AttentionBackend, ForwardBatch
+from asyncllm.layers.device_wide import capturing
 from asyncllm.runner.decode_staging import DecodeStaging
 
 logger = logging.getLogger("asyncllm")
@@ -49,8 +50,11 @@ def graph_token_sizes(max_num_tokens: int) -> list[int]:
 
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, max_batch_size: int,
-                 max_seq_len: int, device: torch.device, max_mixed_tokens: int = 0):
+                 max_seq_len: int, device: torch.device, max_mixed_tokens: int = 0, warm_up: bool = True):
+        """warm_up: an eager run before each capture (start-up: kernels compile and the skinny GEMM
+        decides there, never inside a capture); a wake's re-capture, where all that is done, skips it."""
         self.model = model
+        self.warm_up = warm_up
         self.backend = backend
         self.batch_sizes = graph_batch_sizes(max_batch_size)
         self.max_batch_size = self.batch_sizes[-1]
@@ -124,10 +128,11 @@ class CudaGraphRunner:
 
     def _capture(self, key: tuple[str, int, int]) -> None:
         batch = self._static_batch(*key)
-        self._run_model(batch)  # warm-up: autotuning and lazy initialisation stay out of the graph
+        if self.warm_up:
+            self._run_model(batch)  # autotuning and lazy initialisation stay out of the graph
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with capturing(graph, self._pool):
             self.outputs[key] = self._run_model(batch)
         if self._pool is None:
             self._pool = graph.pool()

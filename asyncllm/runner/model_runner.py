@@ -19,11 +19,12 @@ from asyncllm.runner.host_upload import upload_arrays
 from asyncllm.distributed import get_tp_size
 from asyncllm.engine.scheduler import SchedulerOutput
 from asyncllm.engine.sequence import PENDING_TOKEN
-from asyncllm.layers.logits_adjustments import LogitsAdjustments, TokenCounts
+from asyncllm.layers.device_wide import DEVICE_WIDE
 from asyncllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors, gather_logprobs
 from asyncllm.models.checkpoint import iter_safetensors, load_weights
 from asyncllm.models.registry import create_model
 from asyncllm.runner.launched_step import LaunchedStep
+from asyncllm.runner.memory import RunnerMemory
 from asyncllm.runner.pooling import StepPooling
 from asyncllm.runner.sampler_graphs import SamplerGraphs
 from asyncllm.runner.sampling_inputs import SamplingInputs, plan_prompt_logprobs
@@ -36,7 +37,7 @@ from asyncllm.startup import (ATTENTION_BACKEND, BUILD_MODEL, CUDA_GRAPHS, DECOD
 logger = logging.getLogger("asyncllm")
 
 
-class ModelRunner:
+class ModelRunner(RunnerMemory):
     def __init__(self, config: Config, weights=None, rank: int = 0, step_group=None, workers=None,
                  startup: StartupTimings | None = None):
         """Rank 0 of a tensor-parallel engine gets the started workers (tp_workers.TensorParallelWorkers)
@@ -71,49 +72,53 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         self.graph_runner = None  # captured last; the memory probe below runs the model eagerly
         self.sampler_graphs = None  # plain sampling over each graph's logits, captured after the graphs
-        torch.manual_seed(config.seed)
         phase = startup.phase
         with phase(BUILD_MODEL):
-            default_dtype = torch.get_default_dtype()
-            torch.set_default_dtype(self.dtype)
-            try:
-                with torch.device(self.device):
-                    self.model = create_model(hf, max_model_len=config.max_model_len)
-            finally:
-                torch.set_default_dtype(default_dtype)
+            with torch.device(self.device):
+                self.model = create_model(hf, max_model_len=config.max_model_len, dtype=self.dtype)
         with phase(LOAD_WEIGHTS):
             load_weights(self.model, weights if weights is not None else iter_safetensors(config.model))
             self.model.eval()
         with phase(SAMPLER):
-            self.sampler = Sampler()
+            # the CPU path's noise for unseeded rows, the engine's own (the process's generator is the
+            # application's, and another engine's)
+            self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
             self.sampling_inputs = SamplingInputs(hf.vocab_size, self.device, config.seed)
             self.num_layers = hf.num_hidden_layers
             attn = self.model.model.layers[0].self_attn
             self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
             self.vocab_size = hf.vocab_size
             self.bitmasks = StepBitmasks(self.vocab_size, self.device)  # constrained steps' token masks
-        with phase(MEMORY_PROBE):
-            self.num_kvcache_blocks = self._decide_num_blocks()
-            if self.step_group is not None:
-                self.num_kvcache_blocks = agree_on_min(self.num_kvcache_blocks, self.step_group)
-        with phase(KV_CACHE):
-            kv_shape = (2, self.num_layers, self.num_kvcache_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-            self.kv_cache = torch.zeros(kv_shape, dtype=self.dtype, device=self.device)
-        with phase(ATTENTION_BACKEND):
-            self.attn_backend = self._create_backend(self.kv_cache)
-        if self.device.type == "cuda" and not config.enforce_eager and self.attn_backend.supports_cuda_graphs:
-            with phase(CUDA_GRAPHS):
-                self.graph_runner = CudaGraphRunner(
-                    self.model, self.attn_backend, min(config.max_num_seqs, 512), config.max_model_len, self.device,
-                    max_mixed_tokens=min(config.cuda_graph_max_tokens, config.max_num_batched_tokens))
-            if self.step_group is None:  # one rank: its batch-1 graph's tilings by the step's time
-                with phase(DECODE_TUNING):
-                    tune_batch1_projections(self.graph_runner, lambda context: self._synthetic_step(0, 0, 1, context))
-            if rank == 0:  # the other tensor-parallel ranks never sample
-                with phase(SAMPLER_GRAPHS):
-                    self.sampler_graphs = SamplerGraphs(self.graph_runner)
+        with DEVICE_WIDE:  # one engine of the process at a time (layers/device_wide.py)
+            with phase(MEMORY_PROBE):
+                self.num_kvcache_blocks = self._decide_num_blocks()
+                if self.step_group is not None:
+                    self.num_kvcache_blocks = agree_on_min(self.num_kvcache_blocks, self.step_group)
+            with phase(KV_CACHE):
+                self._allocate_kv_cache()
+            with phase(ATTENTION_BACKEND):
+                self.attn_backend = self._create_backend(self.kv_cache)
+            self._capture_graphs(phase, warm_up=True, tune=True)
         logger.info("KV cache: %d blocks of %d tokens, %.1f MiB", self.num_kvcache_blocks, self.block_size,
                     self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
+
+    def _capture_graphs(self, phase, warm_up: bool, tune: bool) -> None:
+        """(CUDA, not eager) the graphs, the batch-1 decode graph's tuning and the sampler graphs,
+        which replay what the probe sized. Start-up's run a warm-up before each capture (kernels
+        compile, the skinny GEMM decides) and tune; a wake's re-capture reuses what those decided."""
+        config = self.config
+        if self.device.type != "cuda" or config.enforce_eager or not self.attn_backend.supports_cuda_graphs:
+            return
+        with phase(CUDA_GRAPHS):
+            self.graph_runner = CudaGraphRunner(
+                self.model, self.attn_backend, min(config.max_num_seqs, 512), config.max_model_len, self.device,
+                max_mixed_tokens=min(config.cuda_graph_max_tokens, config.max_num_batched_tokens), warm_up=warm_up)
+        if tune and self.step_group is None:  # one rank: its batch-1 graph's tilings by the step's time
+            with phase(DECODE_TUNING):
+                tune_batch1_projections(self.graph_runner, lambda context: self._synthetic_step(0, 0, 1, context))
+        if self.rank == 0:  # the other tensor-parallel ranks never sample
+            with phase(SAMPLER_GRAPHS):
+                self.sampler_graphs = SamplerGraphs(self.graph_runner)
 
     # ---- set-up -------------------------------------------------------------------------------
     def _create_backend(self, kv_cache: torch.Tensor):
@@ -122,73 +127,6 @@ class ModelRunner:
             k_caches=list(kv_cache[0].unbind(0)), v_caches=list(kv_cache[1].unbind(0)),
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
             scale=self.head_dim ** -0.5)
-
-    @property
-    def kv_bytes_per_block(self) -> int:
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
-
-    def _decide_num_blocks(self) -> int:
-        if self.config.num_kvcache_blocks > 0:
-            return self.config.num_kvcache_blocks
-        if self.device.type == "cpu":
-            blocks = self.config.cpu_kvcache_bytes // self.kv_bytes_per_block
-        else:
-            blocks = self._blocks_from_gpu_memory()
-        if blocks < 1:
-            raise ValueError("not enough memory for even one KV-cache block; lower kvcache_block_size or "
-                             "raise gpu_memory_utilization / cpu_kvcache_bytes")
-        return int(blocks)
-
-    def _blocks_from_gpu_memory(self) -> int:
-        """Measure the activation peak of a worst-case step, then give the KV cache what is left."""
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        probe_cache = torch.zeros((2, self.num_layers, 1, self.block_size, self.num_kv_heads, self.head_dim),
-                                  dtype=self.dtype, device=self.device)
-        self.attn_backend = self._create_backend(probe_cache)
-        num_tokens = self.config.max_num_batched_tokens
-        seq_len = min(self.config.max_model_len, num_tokens)
-        num_seqs = max(1, min(self.config.max_num_seqs, num_tokens // seq_len))
-        batch = self._synthetic_step(num_seqs, seq_len)
-        with torch.inference_mode():
-            self._forward(batch)
-            # the sampler's worst case too: every sequence with top-k/top-p/min-p, penalties, logprobs
-            rows = self.config.max_num_seqs
-            # in the model's dtype: the kernels that read the model's logits compile for it here
-            logits = torch.randn(rows, self.vocab_size, device=self.device).to(self.dtype)
-            ones = torch.ones(rows, device=self.device)
-            rows_index = torch.arange(rows, device=self.device)
-            # with penalties and a grammar's mask on every row (one token-count slot: the kernels
-            # are compiled here, not in the first step that needs them)
-            counts = TokenCounts(self.vocab_size, self.device)
-            same_slot = torch.full((rows,), counts.acquire([], []), device=self.device)
-            penalties = LogitsAdjustments(penalty_rows=rows_index, penalty_slots=same_slot, presence=ones,
-                                          frequency=ones, repetition=ones, token_counts=counts)
-            every_token = torch.full((rows, self.bitmasks.words), -1, dtype=torch.int32, device=self.device)
-            for mask_rows in (rows_index, rows_index[:1]):
-                self.sampler(logits, SamplingTensors(
-                    temperatures=ones, top_ks=ones.long() * 50, top_ps=ones * 0.9, min_ps=ones * 0.05,
-                    seeded_rows=[], all_greedy=False, keys=rows_index, adjustments=penalties,
-                    logprob_rows=rows_index, num_top_logprobs=20, mask_rows=mask_rows,
-                    token_bitmask=every_token[:len(mask_rows)]))
-            # and the other common filter sets (each is a compile of the cutoff kernels), then none
-            for top_ks, top_ps in ((None, ones * 0.9), (ones.long() * 50, ones * 0.9), (None, None)):
-                self.sampler(logits, SamplingTensors(
-                    temperatures=ones, top_ks=top_ks, top_ps=top_ps, min_ps=None, seeded_rows=[],
-                    all_greedy=False, keys=rows_index, logprob_rows=rows_index, num_top_logprobs=20))
-            del logits, ones, counts, penalties, every_token
-        torch.cuda.synchronize()
-        del probe_cache, self.attn_backend, batch
-        peak = torch.cuda.max_memory_allocated()
-        current = torch.cuda.memory_allocated()
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info()
-        used = total - free  # weights, the CUDA context, and anything else on the device
-        budget = total * self.config.gpu_memory_utilization - used - (peak - current)
-        logger.info("GPU memory: %.1f GiB total, %.1f GiB in use, %.1f GiB activation peak, %.1f GiB for the "
-                    "KV cache", total / 2**30, used / 2**30, (peak - current) / 2**30, max(budget, 0) / 2**30)
-        return int(budget // self.kv_bytes_per_block)
 
     def _synthetic_step(self, num_prompts: int, prompt_len: int, num_decodes: int = 0,
                         context: int = 0) -> ForwardBatch:
@@ -417,10 +355,15 @@ class ModelRunner:
             self.graph_runner.release()
             self.graph_runner = None
 
+    def load_checkpoint(self, weights) -> None:
+        """A checkpoint's tensors into the parameters, in place: the CUDA graphs read them where they are."""
+        load_weights(self.model, weights)
+
     def close(self) -> None:
-        """Stop tensor-parallel workers, if any. Idempotent."""
+        """Stop tensor-parallel workers, if any, and release every tensor (RunnerMemory). Idempotent."""
         self.release_cuda_graphs()  # first: graphs holding NCCL work would stall the group's teardown
         self.bitmasks.close()
         if self.workers is not None:
             self.workers.close()
             self.step_group = None  # it holds the rendezvous store, whose port a new engine may reuse
+        self._release_device_state()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from asyncllm.layers.device_wide import capturing
 from asyncllm.layers.sampler import SamplerOutput, SamplingTensors, sample_race
 from asyncllm.runner.cuda_graph import CudaGraphRunner
 
@@ -48,7 +49,7 @@ class SamplerGraphs:
             sample_race(logits, temperatures, keys)  # warm-up: compiles stay out
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with capturing(graph, self._pool):
                 self.token_ids[key] = sample_race(logits, temperatures, keys)
             self.graphs[key] = graph
         torch.cuda.synchronize()

@@ -68,6 +68,11 @@ class SamplingInputs:
         self.key_source = np.random.default_rng(seed)  # unseeded rows' noise keys
         self.token_counts = TokenCounts(vocab_size, device)
 
+    def release_token_counts(self) -> None:
+        """Every sequence has ended (a sleeping engine): the penalties' slots and their memory go;
+        the next sequences that ask make new ones."""
+        self.token_counts = TokenCounts(self.vocab_size, self.device)
+
     def plan(self, seqs: list[Sequence]) -> SamplingPlan:
         """The step's sampling settings as host arrays (the runner sends them in the step's one copy)."""
         params = [seq.params for seq in seqs]

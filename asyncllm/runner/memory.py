@@ -1,0 +1,218 @@
+"""The runner's device memory: the KV cache sized (the memory probe), allocated and released; the
+weights a sleeping engine parks (in host memory, or dropped) and brings back; and everything handed
+back to the device when the engine closes. What other engines of the process would disturb (the
+probe with the allocation, graph captures, empty_cache) runs under layers/device_wide.DEVICE_WIDE.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from asyncllm.layers.device_wide import DEVICE_WIDE
+from asyncllm.layers.logits_adjustments import LogitsAdjustments, TokenCounts
+from asyncllm.layers.sampler import SamplingTensors
+from asyncllm.models.checkpoint import iter_safetensors, load_weights
+
+logger = logging.getLogger("asyncllm")
+
+SLEEP_LEVELS = (1, 2)  # vLLM's: 1 weights to host memory, 2 weights dropped; the KV cache goes at both
+
+
+def free_device_memory(device: torch.device) -> None:
+    """Hand the memory of tensors just dropped back to the device. A model's modules hold bound
+    methods of themselves (each parameter's weight_loader, the attention's norm-rope path): cycles
+    that only the cyclic collector frees, so it runs first (the process's start-up heap is frozen
+    out of its walk, engine/startup_heap.py)."""
+    gc.collect()
+    if device.type == "cuda":
+        with DEVICE_WIDE:
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+
+
+class ParkedWeights:
+    """A sleeping model's weights: level 1 keeps a copy of every parameter in host memory (pinned on
+    CUDA, for a fast copy back; on CPU they stay where they are), level 2 drops them (wake reads the
+    checkpoint again); buffers (the rotary cache, computed when the model was built) go to host
+    memory at both levels. Made whole or not at all (host memory), so a sleep that fails changes nothing."""
+
+    def __init__(self, model: nn.Module, level: int, device: torch.device):
+        self.level = level
+        self.device = device
+        params = list(model.parameters())  # a tied weight is one parameter: listed once
+        self._tensors = params + list(model.buffers())
+        self._shapes = [t.shape for t in self._tensors]
+        self._dropped = [level == 2 and i < len(params) for i in range(len(self._tensors))]
+        # a host copy, or None: dropped (level 2), or on CPU already where it would go
+        self._host = [torch.empty_like(t, device="cpu", pin_memory=device.type == "cuda").copy_(t)
+                      if device.type != "cpu" and not dropped else None
+                      for t, dropped in zip(self._tensors, self._dropped)]
+
+    def swap_out(self) -> None:
+        """The device copies go (their memory is free once nothing else holds them)."""
+        for tensor, host, dropped in zip(self._tensors, self._host, self._dropped):
+            if dropped:  # no memory (a meta tensor cannot take a device tensor's place)
+                tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+            elif host is not None:
+                tensor.data = host
+
+    def restore(self, load_checkpoint: Callable[[], None]) -> None:
+        """The weights back on the device: host copies copied back, dropped ones read again by
+        load_checkpoint. A failure (device memory, the checkpoint) swaps them out again."""
+        copies = [torch.empty(shape, dtype=t.dtype, device=self.device) if dropped else
+                  host.to(self.device, non_blocking=True) if host is not None else None
+                  for t, shape, host, dropped in zip(self._tensors, self._shapes, self._host, self._dropped)]
+        for tensor, copy in zip(self._tensors, copies):
+            if copy is not None:
+                tensor.data = copy
+        del copies
+        try:
+            if self.level == 2:
+                load_checkpoint()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the copies out of pinned memory end before it is freed
+        except BaseException:
+            self.swap_out()
+            raise
+
+
+class RunnerMemory:
+    """ModelRunner's device memory, a mixin over the runner's own attributes (config, device, dtype,
+    model, sampler, the KV geometry) and steps (_create_backend, _synthetic_step, _forward,
+    _capture_graphs). A sleeping runner has no KV cache, attention backend or graphs, and its
+    weights are parked (ParkedWeights); it runs no step until wake()."""
+
+    sleep_level: int | None = None  # 1 or 2 while asleep
+    _parked: ParkedWeights | None = None
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def _allocate_kv_cache(self) -> None:
+        shape = (2, self.num_layers, self.num_kvcache_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        # zeros, not garbage: the CPU path's attention reads whole blocks (masked), where NaN would spread
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def _release_kv_cache(self) -> None:
+        """The graphs, the attention backend (views of the cache, and its workspaces) and the cache go."""
+        self.release_cuda_graphs()
+        self.attn_backend = None
+        self.kv_cache = None
+
+    # ---- sleep and wake (between requests: engine/lifecycle.py) -------------------------------
+    def sleep(self, level: int) -> None:
+        """Release the KV cache (and the graphs, which read its addresses) and park the weights
+        (ParkedWeights, level 1 or 2); a failure (host memory) changes nothing."""
+        parked = ParkedWeights(self.model, level, self.device)
+        self._release_kv_cache()
+        parked.swap_out()
+        self.sampling_inputs.release_token_counts()  # every sequence has ended: the slots go
+        self._parked, self.sleep_level = parked, level
+        free_device_memory(self.device)
+
+    def wake(self) -> None:
+        """Bring the weights back and the KV cache (as many blocks as before, zeroed), the attention
+        backend and the graphs, with every decision start-up took (no build, probe or tuning); a
+        failure (device memory) leaves the runner asleep."""
+        parked = self._parked
+        with DEVICE_WIDE:
+            try:
+                parked.restore(lambda: load_weights(self.model, iter_safetensors(self.config.model)))
+                self._allocate_kv_cache()
+                self.attn_backend = self._create_backend(self.kv_cache)
+                try:
+                    # the kernels were compiled and decided at start-up: no warm-up before each capture
+                    self._capture_graphs(_untimed, warm_up=False, tune=False)
+                except Exception:  # noqa: BLE001 - something lazy met a capture after all: as start-up does
+                    logger.warning("CUDA graphs: re-capture without warm-ups failed; capturing with them",
+                                   exc_info=True)
+                    self.release_cuda_graphs()
+                    self._capture_graphs(_untimed, warm_up=True, tune=False)
+            except BaseException:
+                self._release_kv_cache()
+                parked.swap_out()
+                free_device_memory(self.device)
+                raise
+        self._parked, self.sleep_level = None, None
+
+    def _release_device_state(self) -> None:
+        """close(): every tensor the runner holds goes (model, KV cache, graphs, sampler state,
+        parked weights), and their memory back to the device."""
+        self._release_kv_cache()
+        self.model = self.sampler = self.sampling_inputs = self._parked = None
+        free_device_memory(self.device)
+
+    # ---- the memory probe ------------------------------------------------------------------------
+    def _decide_num_blocks(self) -> int:
+        if self.config.num_kvcache_blocks > 0:
+            return self.config.num_kvcache_blocks
+        if self.device.type == "cpu":
+            blocks = self.config.cpu_kvcache_bytes // self.kv_bytes_per_block
+        else:
+            blocks = self._blocks_from_gpu_memory()
+        if blocks < 1:
+            raise ValueError("not enough memory for even one KV-cache block; lower kvcache_block_size or "
+                             "raise gpu_memory_utilization / cpu_kvcache_bytes")
+        return int(blocks)
+
+    def _blocks_from_gpu_memory(self) -> int:
+        """Measure the activation peak of a worst-case step, then give the KV cache what is left."""
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        probe_cache = torch.zeros((2, self.num_layers, 1, self.block_size, self.num_kv_heads, self.head_dim),
+                                  dtype=self.dtype, device=self.device)
+        self.attn_backend = self._create_backend(probe_cache)
+        num_tokens = self.config.max_num_batched_tokens
+        seq_len = min(self.config.max_model_len, num_tokens)
+        num_seqs = max(1, min(self.config.max_num_seqs, num_tokens // seq_len))
+        batch = self._synthetic_step(num_seqs, seq_len)
+        with torch.inference_mode():
+            self._forward(batch)
+            # the sampler's worst case too: every sequence with top-k/top-p/min-p, penalties, logprobs
+            rows = self.config.max_num_seqs
+            # in the model's dtype: the kernels that read the model's logits compile for it here
+            logits = torch.randn(rows, self.vocab_size, device=self.device).to(self.dtype)
+            ones = torch.ones(rows, device=self.device)
+            rows_index = torch.arange(rows, device=self.device)
+            # with penalties and a grammar's mask on every row (one token-count slot: the kernels
+            # are compiled here, not in the first step that needs them)
+            counts = TokenCounts(self.vocab_size, self.device)
+            same_slot = torch.full((rows,), counts.acquire([], []), device=self.device)
+            penalties = LogitsAdjustments(penalty_rows=rows_index, penalty_slots=same_slot, presence=ones,
+                                          frequency=ones, repetition=ones, token_counts=counts)
+            every_token = torch.full((rows, self.bitmasks.words), -1, dtype=torch.int32, device=self.device)
+            for mask_rows in (rows_index, rows_index[:1]):
+                self.sampler(logits, SamplingTensors(
+                    temperatures=ones, top_ks=ones.long() * 50, top_ps=ones * 0.9, min_ps=ones * 0.05,
+                    seeded_rows=[], all_greedy=False, keys=rows_index, adjustments=penalties,
+                    logprob_rows=rows_index, num_top_logprobs=20, mask_rows=mask_rows,
+                    token_bitmask=every_token[:len(mask_rows)]))
+            # and the other common filter sets (each is a compile of the cutoff kernels), then none
+            for top_ks, top_ps in ((None, ones * 0.9), (ones.long() * 50, ones * 0.9), (None, None)):
+                self.sampler(logits, SamplingTensors(
+                    temperatures=ones, top_ks=top_ks, top_ps=top_ps, min_ps=None, seeded_rows=[],
+                    all_greedy=False, keys=rows_index, logprob_rows=rows_index, num_top_logprobs=20))
+            del logits, ones, counts, penalties, every_token
+        torch.cuda.synchronize()
+        del probe_cache, self.attn_backend, batch
+        peak = torch.cuda.max_memory_allocated()
+        current = torch.cuda.memory_allocated()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        used = total - free  # weights, the CUDA context, other engines and processes: anything on the device
+        budget = total * self.config.gpu_memory_utilization - used - (peak - current)
+        logger.info("GPU memory: %.1f GiB total, %.1f GiB in use, %.1f GiB activation peak, %.1f GiB for the "
+                    "KV cache", total / 2**30, used / 2**30, (peak - current) / 2**30, max(budget, 0) / 2**30)
+        return int(budget // self.kv_bytes_per_block)
+
+
+def _untimed(name: str) -> contextlib.AbstractContextManager:
+    """A wake's stand-in for StartupTimings.phase: its steps are start-up's, not timed as start-up."""
+    return contextlib.nullcontext()
