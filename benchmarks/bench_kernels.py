@@ -98,7 +98,7 @@ def time_ms(calls: list, timing: str) -> list[float]:
 
 def bench_case(kind: str, batch: int, query_len: int, context: int, block_size: int, fa4, use_fa4: bool,
                timing: str = "graph", num_splits: int | None = None) -> dict:
-    from asyncllm.kernels import choose_num_splits, decode_workspace_numel
+    from asyncllm.kernels import choose_num_splits, split_workspace_numel
 
     c = make_case(batch, query_len, context, block_size)
     scale = HEAD_DIM ** -0.5
@@ -110,7 +110,7 @@ def bench_case(kind: str, batch: int, query_len: int, context: int, block_size: 
         if num_splits is None:
             num_splits = choose_num_splits(batch, NUM_KV_HEADS, c["max_seq_len"],
                                            torch.cuda.get_device_properties(0).multi_processor_count)
-        workspace = torch.empty(max(1, decode_workspace_numel(batch, NUM_HEADS, HEAD_DIM, num_splits)),
+        workspace = torch.empty(max(1, split_workspace_numel(batch, NUM_HEADS, HEAD_DIM, num_splits)),
                                 dtype=torch.float32, device="cuda")
 
     def ours():
@@ -176,7 +176,7 @@ def print_table(rows: list[dict]) -> None:
 
 def splits_sweep(timing: str) -> list[dict]:
     """Our decode alone at batches 1/4/16 x contexts 128..8k x every split count up to MAX_SPLITS."""
-    from asyncllm.kernels import decode_workspace_numel
+    from asyncllm.kernels import split_workspace_numel
     from asyncllm.kernels.paged_attention import MAX_SPLITS
     rows = []
     for batch in (1, 4, 16):
@@ -184,7 +184,7 @@ def splits_sweep(timing: str) -> list[dict]:
             splits = 1
             while splits <= MAX_SPLITS:
                 c = make_case(batch, 1, context, 128)
-                workspace = torch.empty(max(1, decode_workspace_numel(batch, NUM_HEADS, HEAD_DIM, splits)),
+                workspace = torch.empty(max(1, split_workspace_numel(batch, NUM_HEADS, HEAD_DIM, splits)),
                                         dtype=torch.float32, device="cuda")
                 out = torch.empty_like(c["q"])
 
@@ -209,12 +209,12 @@ TILE_SWEEP_TILES = [(n, stages, warps) for n in (32, 64, 128) for stages in (2, 
 
 def tile_sweep(timing: str, fa4) -> list[dict]:
     """Our decode at each (split count, decode tile) of TILE_SWEEP_CASES, and FA4 (called without num_splits)."""
-    from asyncllm.kernels import decode_workspace_numel
+    from asyncllm.kernels import split_workspace_numel
     rows = []
     for batch, context, split_counts in TILE_SWEEP_CASES:
         c = make_case(batch, 1, context, 128)
         out = torch.empty_like(c["q"])
-        workspace = torch.empty(decode_workspace_numel(batch, NUM_HEADS, HEAD_DIM, max(split_counts)),
+        workspace = torch.empty(split_workspace_numel(batch, NUM_HEADS, HEAD_DIM, max(split_counts)),
                                 dtype=torch.float32, device="cuda")
         ref = None
         labels, calls = [], []

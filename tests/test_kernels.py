@@ -20,9 +20,9 @@ from asyncllm.attention.base import ForwardBatch  # noqa: E402
 from asyncllm.attention.torch_ref import (TorchAttentionBackend, paged_attention_torch,  # noqa: E402
                                           store_kvcache_torch)
 from asyncllm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from asyncllm.kernels import (choose_decode_tile, choose_num_splits, decode_workspace_numel,  # noqa: E402
-                              paged_attention, store_kvcache)
-from asyncllm.kernels.paged_attention import MAX_SPLITS  # noqa: E402
+from asyncllm.kernels import (choose_decode_tile, choose_num_splits, choose_prefill_splits,  # noqa: E402
+                              paged_attention, split_workspace_numel, store_kvcache)
+from asyncllm.kernels.paged_attention import MAX_PREFILL_SPLITS, MAX_SPLITS, PREFILL_SPLIT_TOKENS  # noqa: E402
 from asyncllm.kernels.host import cdiv  # noqa: E402
 from helpers import compile_for_sm90_in_subprocess, seed_every_test  # noqa: E402
 
@@ -401,6 +401,107 @@ def test_batch_size_and_table_width_compile_no_new_variants():
             assert counts(batch, width, query_len) == first, (batch, width, query_len)
 
 
+# ----------------------------------------------------------------------------- prefill split-KV
+
+def run_split(step: dict, prefill_splits: int, split_tokens: int, **kwargs) -> torch.Tensor:
+    """run_ours with the varlen kernel's KV split prefill_splits ways (split_tokens: the least KV a
+    split takes), into a NaN-poisoned workspace that the split path must have written."""
+    num_tokens, num_heads, head_dim = step["q"].shape
+    numel = split_workspace_numel(num_tokens, num_heads, head_dim, prefill_splits)
+    workspace = torch.full((numel + 1,), float("nan"), device=DEVICE)  # decodes here: one split, no scratch
+    out = run_ours(step, prefill_splits=prefill_splits, split_tokens=split_tokens, workspace=workspace,
+                   num_splits=1, **kwargs)
+    assert not workspace[:numel].isnan().all(), "the split path wrote no partials"
+    return out
+
+
+# (query_lens, context_lens, prefill_splits, split_tokens, block_size, group): CPU tiles are fp32
+# BLOCK_N 32 / bf16 BLOCK_N 64, BLOCK_Q = 64 // group rows
+PREFILL_SPLIT_CASES = [
+    # 8 splits of one 64-position tile over 305 positions: the last three empty (lse -inf)
+    ([5], [300], 8, 1, 16, 2),
+    # 3 splits of 64 over [0, 132): the boundary at 128 lies inside the diagonal (positions 100..131)
+    ([40], [100], 3, 1, 16, 2),
+    # uneven splits; decodes beside the chunks (the decode kernel's), a fresh prompt, GQA 4
+    ([1, 33, 1, 70], [150, 270, 64, 0], 5, 1, 64, 4),
+    # one KV head per query head, splits of at least 96 positions: the short chunk's tiles go unsplit
+    ([2, 17, 1], [400, 20, 33], 4, 96, 16, 1),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", PREFILL_SPLIT_CASES, ids=lambda case: f"{case[0]}-over-{case[1]}")
+def test_prefill_split_kv_matches_reference(dtype, case):
+    """The varlen kernel with split KV and the merge, against the reference: empty splits, uneven
+    ones, a split boundary inside the causal diagonal, decodes beside, GQA, tiles left unsplit; rows
+    past the last sequence stay poisoned."""
+    query_lens, context_lens, splits, split_tokens, block_size, group = case
+    step = make_step(query_lens, context_lens, block_size, 2 * group, 2, 64, dtype)
+    ref = reference(step)
+    step["q"] = torch.cat([step["q"], torch.randn_like(step["q"][:3])])  # 3 rows beyond the last sequence
+    out = run_split(step, splits, split_tokens)
+    assert out[-3:].isnan().all()
+    assert_close(out[:-3], ref, dtype)
+
+
+def test_prefill_split_one_row_chunks_in_the_varlen_kernel():
+    """single_rows=False: one-row sequences are the varlen kernel's too, split and merged like the rest."""
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    step = make_step([1, 9, 1], [200, 130, 7], 16, 4, 2, 64, dtype)
+    assert_close(run_split(step, 4, 1, single_rows=False), reference(step), dtype)
+
+
+def test_prefill_unsplit_tiles_write_directly_bit_for_bit():
+    """A tile whose KV is under two splits' worth is not split: its output is the unsplit kernel's,
+    bit for bit (the same loop, written directly), and nothing is left for the merge to clobber."""
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    step = make_step([30, 12], [90, 5], 16, 4, 2, 64, dtype)
+    unsplit = run_ours(step, prefill_splits=1)
+    assert torch.equal(run_ours(step, prefill_splits=4, split_tokens=4096), unsplit)
+    assert_close(unsplit, reference(step), dtype)
+
+
+def test_choose_prefill_splits():
+    # 0.6B's shape (16 heads, 8 KV heads, bf16): 64 new tokens over 32k, one 64-row tile per KV head
+    chat_turn = dict(num_heads=16, num_kv_heads=8, head_dim=128, small_elems=True, max_seq_len=32768 + 64, num_sms=132)
+    assert choose_prefill_splits(64, 1, 64, **chat_turn) == MAX_PREFILL_SPLITS
+    # a mixed CUDA graph of 64 tokens has room for 64 sequences: its grid's surplus programs cap the count
+    in_graph = choose_prefill_splits(64, 64, 64, **chat_turn)
+    assert 1 < in_graph < MAX_PREFILL_SPLITS
+    # a short context does not split, nor a chunk whose tiles already fill the SMs
+    assert choose_prefill_splits(64, 1, 64, **dict(chat_turn, max_seq_len=2 * PREFILL_SPLIT_TOKENS - 1)) == 1
+    assert choose_prefill_splits(64, 1, 64, **dict(chat_turn, max_seq_len=2 * PREFILL_SPLIT_TOKENS)) == 2
+    assert choose_prefill_splits(8192, 1, 8192, **chat_turn) == 1
+    # more rows, fewer splits; never more than the context gives splits of split_tokens
+    counts = [choose_prefill_splits(n, 1, n, **chat_turn) for n in (16, 64, 256, 512, 1024, 2048)]
+    assert counts == sorted(counts, reverse=True) and counts[-1] == 1, counts
+    assert choose_prefill_splits(64, 1, 64, **dict(chat_turn, max_seq_len=8192)) == 8192 // PREFILL_SPLIT_TOKENS
+    assert choose_prefill_splits(64, 1, 64, **chat_turn, split_tokens=16) == MAX_PREFILL_SPLITS
+    assert split_workspace_numel(64, 16, 128, 1) == 0 and split_workspace_numel(64, 16, 128, 4) == 64 * 16 * 4 * 129
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("num_heads", [16, 32])
+@pytest.mark.parametrize("query_len", [1, 16, 64, 300, 512])
+@pytest.mark.parametrize("context", [8192, 32768 - 512])
+def test_prefill_split_large(block_size, num_heads, query_len, context):
+    """Short chunks over long contexts in bf16, beside decodes and a short chunk: the split count
+    chosen and a forced uneven one, against the reference."""
+    query_lens, context_lens = [query_len, 1, 40, 1], [context, 30000, 100, 5]
+    step = make_step(query_lens, context_lens, block_size, num_heads, 8, 128, torch.bfloat16)
+    ref = reference(step)
+    chosen = choose_prefill_splits(step["q"].shape[0], 4, step["max_query_len"], num_heads, 8, 128, True,
+                                   step["max_seq_len"], torch.cuda.get_device_properties(0).multi_processor_count)
+    assert_close(run_ours(step), ref, torch.bfloat16)
+    for splits in {chosen, 7}:
+        if splits > 1:
+            assert_close(run_split(step, splits, PREFILL_SPLIT_TOKENS), ref, torch.bfloat16)
+    # the varlen kernel alone (a one-row chunk there too)
+    assert_close(run_split(step, 7, PREFILL_SPLIT_TOKENS, single_rows=False), ref, torch.bfloat16)
+
+
 # ----------------------------------------------------------------------------- num_splits
 
 def test_choose_num_splits():
@@ -414,7 +515,7 @@ def test_choose_num_splits():
     assert 16 <= one <= MAX_SPLITS
     assert choose_num_splits(16, 8, 8192, 132) < one
     assert choose_num_splits(1, 1, 10 ** 6, 132) == MAX_SPLITS
-    assert decode_workspace_numel(4, 8, 128, 1) == 0
+    assert split_workspace_numel(4, 8, 128, 1) == 0
 
 
 # ----------------------------------------------------------------------------- backend
