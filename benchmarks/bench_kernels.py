@@ -3,6 +3,7 @@
 
     python benchmarks/bench_kernels.py [--json results.json] [--no-fa4] [--budget-s 60] [--grid]
                                        [--timing graph|eager] [--splits-sweep] [--mixed] [--tile-sweep]
+                                       [--short-over-long]
 
 Timing (--timing graph, the default) is the median of CUDA-graph replays of each call, with L2 flushed
 before every one (asyncllm.layers.skinny_linear.time_calls): decode runs in graphs, and a
@@ -15,6 +16,10 @@ the data behind choose_num_splits and the decode graphs' context buckets. --tile
 decode at batches 8..256 over 1k and 8k contexts for each split count and decode tile (BLOCK_N,
 num_stages, num_warps), beside FA4 where installed: the data behind choose_decode_tile. --mixed times mixed
 steps (decodes beside a prefill) with the decodes in the varlen kernel and in the decode kernel. FA2 has no
+paged KV here: --short-over-long times a
+short prefill chunk over a long cached context (issue 44: a new chat turn over a long history) with
+the varlen kernel's KV splits as choose_prefill_splits picks them against one split, beside FA4, alone
+and with the grid of a mixed CUDA graph (the bucket's room for more sequences: empty ones). FA2 has no
 paged KV here: it reads the same K/V gathered into contiguous varlen tensors (cum_seq_k). FA4
 reads the paged cache through page_table, like ours. Decode reports achieved K+V bandwidth;
 prefill reports TFLOP/s counting only the causally visible keys. "err" is ours vs FA2, relative.
@@ -250,6 +255,50 @@ MIXED_CASES = [(16, 59, 1100, 1500, 1024), (16, 59, 1100, 1024, 0), (32, 60, 110
                (16, 4, 1100, 1500, 1024), (16, 200, 2000, 512, 512)]
 
 
+# --short-over-long: (query heads, new tokens, cached context, sequence slots); 16 heads are Qwen3-0.6B's, 32
+# the 8B's (8 KV heads each); slots > 1 give the grid the mixed CUDA graph of that token bucket has
+SHORT_OVER_LONG_CASES = [(16, 64, 32768, 1), (16, 64, 32768, 64), (16, 16, 8192, 1), (16, 256, 8192, 1),
+                         (16, 16, 32768, 1), (16, 256, 32768, 1), (16, 256, 32768, 256), (32, 64, 32768, 1)]
+
+
+def short_over_long(timing: str, fa4) -> list[dict]:
+    """A prefill chunk over a long cached context: our varlen kernel at choose_prefill_splits' count
+    and at one split, and FA4 (its own split heuristic), with the K+V bytes each read once (the floor)."""
+    from asyncllm.kernels import choose_prefill_splits, paged_attention
+    rows = []
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for num_heads, query_len, context, slots in SHORT_OVER_LONG_CASES:
+        c = make_case(1, query_len, context, 256)
+        c["q"] = torch.randn(query_len, num_heads, HEAD_DIM, device="cuda", dtype=DTYPE)
+        # empty sequences after the live one: a mixed graph's padding (no rows, no KV)
+        qsl = torch.full((slots + 1,), query_len, dtype=torch.int32, device="cuda")
+        qsl[0] = 0
+        seq_lens = torch.zeros(slots, dtype=torch.int32, device="cuda")
+        seq_lens[0] = context + query_len
+        tables = c["block_tables"].expand(slots, -1).contiguous()
+        args = (c["q"], c["k_cache"], c["v_cache"], qsl, seq_lens, tables, query_len, context + query_len,
+                HEAD_DIM ** -0.5)
+        splits = choose_prefill_splits(query_len, slots, query_len, num_heads, NUM_KV_HEADS, HEAD_DIM, True,
+                                       context + query_len, num_sms)
+        calls = [lambda: paged_attention(*args, prefill_splits=splits, num_sms=num_sms),
+                 lambda: paged_attention(*args, prefill_splits=1, num_sms=num_sms)]
+        if fa4 is not None and slots == 1:
+            calls.append(lambda: run_fa4(fa4, c, num_splits=0))
+        ref = calls[1]().float()
+        diff = (calls[0]().float() - ref).abs().max().item()
+        times = time_ms(calls, timing)
+        kv_bytes = 2 * (context + query_len) * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
+        row = dict(num_heads=num_heads, new_tokens=query_len, context=context, seq_slots=slots, num_splits=splits,
+                   split_ms=times[0], one_split_ms=times[1], fa4_ms=times[2] if len(times) > 2 else None,
+                   split_gbps=kv_bytes / times[0] / 1e6, max_abs_diff=diff)
+        rows.append(row)
+        fa4_text = f", FA4 {times[2] * 1e3:.1f} us" if len(times) > 2 else ""
+        print(f"H={num_heads}: {query_len} new over {context} cached ({slots} slots): {splits} splits "
+              f"{times[0] * 1e3:.1f} us ({row['split_gbps']:.0f} GB/s of K+V), 1 split {times[1] * 1e3:.1f} us"
+              f"{fa4_text}; max |diff| {diff:.2g}", flush=True)
+    return rows
+
+
 def mixed_steps(timing: str) -> list[dict]:
     """A mixed step's attention with its decodes in the varlen kernel (single_rows=False) against the
     decode kernel, at one split and at choose_num_splits' count for the decodes."""
@@ -302,6 +351,8 @@ def main() -> None:
                         help="only our decode at each split count and decode tile, beside FA4 (batches 8..256)")
     parser.add_argument("--mixed", action="store_true",
                         help="only mixed steps: their decodes in the varlen kernel against the decode kernel")
+    parser.add_argument("--short-over-long", action="store_true",
+                        help="only short prefill chunks over long contexts: split KV against one split, and FA4")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs a CUDA GPU")
@@ -309,6 +360,13 @@ def main() -> None:
     if args.tile_sweep:
         fa4, fa4_error = (None, "disabled") if args.no_fa4 else load_fa4()
         rows = tile_sweep(args.timing, fa4)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(timing=args.timing, fa4=fa4_error or "installed", results=rows), f, indent=2)
+        return
+    if args.short_over_long:
+        fa4, fa4_error = (None, "disabled") if args.no_fa4 else load_fa4()
+        rows = short_over_long(args.timing, fa4)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(dict(timing=args.timing, fa4=fa4_error or "installed", results=rows), f, indent=2)

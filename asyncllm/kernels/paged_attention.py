@@ -1,5 +1,5 @@
-"""Causal attention over a paged KV cache: one varlen kernel for prefill / mixed steps, and a
-split-KV (flash-decoding) kernel pair for decode-only steps.
+"""Causal attention over a paged KV cache: one varlen kernel for prefill / mixed steps (split-KV for
+short chunks over long contexts), and a split-KV (flash-decoding) kernel pair for decode-only steps.
 
 Layout: k_cache / v_cache are (num_blocks, block_size, num_kv_heads, head_dim); sequence b's KV
 position p lives in block block_tables[b, p // block_size] at offset p % block_size. KV is walked
@@ -19,7 +19,12 @@ Prefill / mixed: programs tile each sequence's query rows into BLOCK_Q = BLOCK_M
 grid is an upper bound on the number of tiles computed from host ints (T // BLOCK_Q + num_seqs)
 and each program finds its sequence by binary search over query_start_loc, so no host sync is
 needed. KV tiles wholly below the tile's first query position skip the causal mask; tiles past
-its last query position are never visited.
+its last query position are never visited. A short chunk over a long context (a chat turn of 64
+tokens over 32k cached ones) is a few tiles, each a program streaming the whole context; such a
+step splits each tile's KV over a third grid axis (choose_prefill_splits), each split a
+BLOCK_N-aligned share of the tile's KV sized in-kernel from its runtime length (at least
+split_tokens, so a tile over a short context is not split and writes its output directly), and
+_merge_splits_kernel, the decode merge with per-token rows, combines the partials.
 
 Decode: one query token per sequence gives only num_seqs * Hkv programs, far too few to fill an
 H200's 132 SMs at small batch, and each would stream the whole context serially. Split-KV cuts
@@ -230,16 +235,19 @@ def _prefill_kernel(
     first_pos = context_len + tile * BLOCK_Q
     kv_hi = context_len + tl.minimum(q_len, (tile + 1) * BLOCK_Q)
     full_hi = (first_pos + 1) // BLOCK_N * BLOCK_N
+    split = 0
+    splits_here = 1
+    if SPLIT:
+        split = tl.program_id(2)
+        splits_here = _prefill_split_count(kv_hi, num_splits, split_tokens)
+    if split >= splits_here:
+        return  # neither written nor merged: _merge_splits_kernel asks the same count
     lo = 0
     hi = kv_hi
     if SPLIT:
         # split-KV (short queries over long contexts): this program attends [lo, hi), a BLOCK_N-aligned
         # share of [0, kv_hi) sized from the runtime lengths, so a fixed num_splits (a CUDA graph's)
         # suits any context; the causal diagonal falls in the last splits, a split past kv_hi is empty
-        splits_here = _prefill_split_count(kv_hi, num_splits, split_tokens)
-        split = tl.program_id(2)
-        if split >= splits_here:
-            return  # neither written nor merged: _merge_splits_kernel asks the same count
         split_len = tl.cdiv(tl.cdiv(kv_hi, splits_here), BLOCK_N) * BLOCK_N
         lo = split * split_len
         hi = tl.maximum(tl.minimum(lo + split_len, kv_hi), lo)
@@ -271,10 +279,7 @@ def _prefill_kernel(
                             HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, True, UPCAST_DOT, PRECISION)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    direct = True
-    if SPLIT:
-        direct = splits_here == 1
-    if direct:
+    if splits_here == 1:
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
