@@ -3,6 +3,7 @@
 
     python benchmarks/bench_kernels.py [--json results.json] [--no-fa4] [--budget-s 60] [--grid]
                                        [--timing graph|eager] [--splits-sweep] [--mixed] [--tile-sweep]
+                                       [--short-over-long]
 
 Timing (--timing graph, the default) is the median of CUDA-graph replays of each call, with L2 flushed
 before every one (asyncllm.layers.skinny_linear.time_calls): decode runs in graphs, and a
@@ -15,6 +16,10 @@ the data behind choose_num_splits and the decode graphs' context buckets. --tile
 decode at batches 8..256 over 1k and 8k contexts for each split count and decode tile (BLOCK_N,
 num_stages, num_warps), beside FA4 where installed: the data behind choose_decode_tile. --mixed times mixed
 steps (decodes beside a prefill) with the decodes in the varlen kernel and in the decode kernel. FA2 has no
+paged KV here: --short-over-long times a
+short prefill chunk over a long cached context (issue 44: a new chat turn over a long history) with
+the varlen kernel's KV splits as choose_prefill_splits picks them against one split, beside FA4, alone
+and with the grid of a mixed CUDA graph (the bucket's room for more sequences: empty ones). FA2 has no
 paged KV here: it reads the same K/V gathered into contiguous varlen tensors (cum_seq_k). FA4
 reads the paged cache through page_table, like ours. Decode reports achieved K+V bandwidth;
 prefill reports TFLOP/s counting only the causally visible keys. "err" is ours vs FA2, relative.
@@ -98,7 +103,7 @@ def time_ms(calls: list, timing: str) -> list[float]:
 
 def bench_case(kind: str, batch: int, query_len: int, context: int, block_size: int, fa4, use_fa4: bool,
                timing: str = "graph", num_splits: int | None = None) -> dict:
-    from asyncllm.kernels import choose_num_splits, decode_workspace_numel
+    from asyncllm.kernels import choose_num_splits, split_workspace_numel
 
     c = make_case(batch, query_len, context, block_size)
     scale = HEAD_DIM ** -0.5
@@ -110,7 +115,7 @@ def bench_case(kind: str, batch: int, query_len: int, context: int, block_size: 
         if num_splits is None:
             num_splits = choose_num_splits(batch, NUM_KV_HEADS, c["max_seq_len"],
                                            torch.cuda.get_device_properties(0).multi_processor_count)
-        workspace = torch.empty(max(1, decode_workspace_numel(batch, NUM_HEADS, HEAD_DIM, num_splits)),
+        workspace = torch.empty(max(1, split_workspace_numel(batch, NUM_HEADS, HEAD_DIM, num_splits)),
                                 dtype=torch.float32, device="cuda")
 
     def ours():
@@ -176,7 +181,7 @@ def print_table(rows: list[dict]) -> None:
 
 def splits_sweep(timing: str) -> list[dict]:
     """Our decode alone at batches 1/4/16 x contexts 128..8k x every split count up to MAX_SPLITS."""
-    from asyncllm.kernels import decode_workspace_numel
+    from asyncllm.kernels import split_workspace_numel
     from asyncllm.kernels.paged_attention import MAX_SPLITS
     rows = []
     for batch in (1, 4, 16):
@@ -184,7 +189,7 @@ def splits_sweep(timing: str) -> list[dict]:
             splits = 1
             while splits <= MAX_SPLITS:
                 c = make_case(batch, 1, context, 128)
-                workspace = torch.empty(max(1, decode_workspace_numel(batch, NUM_HEADS, HEAD_DIM, splits)),
+                workspace = torch.empty(max(1, split_workspace_numel(batch, NUM_HEADS, HEAD_DIM, splits)),
                                         dtype=torch.float32, device="cuda")
                 out = torch.empty_like(c["q"])
 
@@ -209,12 +214,12 @@ TILE_SWEEP_TILES = [(n, stages, warps) for n in (32, 64, 128) for stages in (2, 
 
 def tile_sweep(timing: str, fa4) -> list[dict]:
     """Our decode at each (split count, decode tile) of TILE_SWEEP_CASES, and FA4 (called without num_splits)."""
-    from asyncllm.kernels import decode_workspace_numel
+    from asyncllm.kernels import split_workspace_numel
     rows = []
     for batch, context, split_counts in TILE_SWEEP_CASES:
         c = make_case(batch, 1, context, 128)
         out = torch.empty_like(c["q"])
-        workspace = torch.empty(decode_workspace_numel(batch, NUM_HEADS, HEAD_DIM, max(split_counts)),
+        workspace = torch.empty(split_workspace_numel(batch, NUM_HEADS, HEAD_DIM, max(split_counts)),
                                 dtype=torch.float32, device="cuda")
         ref = None
         labels, calls = [], []
@@ -248,6 +253,50 @@ def tile_sweep(timing: str, fa4) -> list[dict]:
 # block 256 (the engine's default). The first is issue 17's 64-stream serving step on Qwen3-0.6B's heads.
 MIXED_CASES = [(16, 59, 1100, 1500, 1024), (16, 59, 1100, 1024, 0), (32, 60, 1100, 1500, 1024),
                (16, 4, 1100, 1500, 1024), (16, 200, 2000, 512, 512)]
+
+
+# --short-over-long: (query heads, new tokens, cached context, sequence slots); 16 heads are Qwen3-0.6B's, 32
+# the 8B's (8 KV heads each); slots > 1 give the grid the mixed CUDA graph of that token bucket has
+SHORT_OVER_LONG_CASES = [(16, 64, 32768, 1), (16, 64, 32768, 64), (16, 16, 8192, 1), (16, 256, 8192, 1),
+                         (16, 16, 32768, 1), (16, 256, 32768, 1), (16, 256, 32768, 256), (32, 64, 32768, 1)]
+
+
+def short_over_long(timing: str, fa4) -> list[dict]:
+    """A prefill chunk over a long cached context: our varlen kernel at choose_prefill_splits' count
+    and at one split, and FA4 (its own split heuristic), with the K+V bytes each read once (the floor)."""
+    from asyncllm.kernels import choose_prefill_splits, paged_attention
+    rows = []
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for num_heads, query_len, context, slots in SHORT_OVER_LONG_CASES:
+        c = make_case(1, query_len, context, 256)
+        c["q"] = torch.randn(query_len, num_heads, HEAD_DIM, device="cuda", dtype=DTYPE)
+        # empty sequences after the live one: a mixed graph's padding (no rows, no KV)
+        qsl = torch.full((slots + 1,), query_len, dtype=torch.int32, device="cuda")
+        qsl[0] = 0
+        seq_lens = torch.zeros(slots, dtype=torch.int32, device="cuda")
+        seq_lens[0] = context + query_len
+        tables = c["block_tables"].expand(slots, -1).contiguous()
+        args = (c["q"], c["k_cache"], c["v_cache"], qsl, seq_lens, tables, query_len, context + query_len,
+                HEAD_DIM ** -0.5)
+        splits = choose_prefill_splits(query_len, slots, query_len, num_heads, NUM_KV_HEADS, HEAD_DIM, True,
+                                       context + query_len, num_sms)
+        calls = [lambda: paged_attention(*args, prefill_splits=splits, num_sms=num_sms),
+                 lambda: paged_attention(*args, prefill_splits=1, num_sms=num_sms)]
+        if fa4 is not None and slots == 1:
+            calls.append(lambda: run_fa4(fa4, c, num_splits=0))
+        ref = calls[1]().float()
+        diff = (calls[0]().float() - ref).abs().max().item()
+        times = time_ms(calls, timing)
+        kv_bytes = 2 * (context + query_len) * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
+        row = dict(num_heads=num_heads, new_tokens=query_len, context=context, seq_slots=slots, num_splits=splits,
+                   split_ms=times[0], one_split_ms=times[1], fa4_ms=times[2] if len(times) > 2 else None,
+                   split_gbps=kv_bytes / times[0] / 1e6, max_abs_diff=diff)
+        rows.append(row)
+        fa4_text = f", FA4 {times[2] * 1e3:.1f} us" if len(times) > 2 else ""
+        print(f"H={num_heads}: {query_len} new over {context} cached ({slots} slots): {splits} splits "
+              f"{times[0] * 1e3:.1f} us ({row['split_gbps']:.0f} GB/s of K+V), 1 split {times[1] * 1e3:.1f} us"
+              f"{fa4_text}; max |diff| {diff:.2g}", flush=True)
+    return rows
 
 
 def mixed_steps(timing: str) -> list[dict]:
@@ -302,6 +351,8 @@ def main() -> None:
                         help="only our decode at each split count and decode tile, beside FA4 (batches 8..256)")
     parser.add_argument("--mixed", action="store_true",
                         help="only mixed steps: their decodes in the varlen kernel against the decode kernel")
+    parser.add_argument("--short-over-long", action="store_true",
+                        help="only short prefill chunks over long contexts: split KV against one split, and FA4")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs a CUDA GPU")
@@ -309,6 +360,13 @@ def main() -> None:
     if args.tile_sweep:
         fa4, fa4_error = (None, "disabled") if args.no_fa4 else load_fa4()
         rows = tile_sweep(args.timing, fa4)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(timing=args.timing, fa4=fa4_error or "installed", results=rows), f, indent=2)
+        return
+    if args.short_over_long:
+        fa4, fa4_error = (None, "disabled") if args.no_fa4 else load_fa4()
+        rows = short_over_long(args.timing, fa4)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(dict(timing=args.timing, fa4=fa4_error or "installed", results=rows), f, indent=2)

@@ -213,6 +213,39 @@ def test_decode_graphs_per_context_bound_match_eager(model_dir):
         assert_equivalent(run(eager_llm, [p]), graphed_result, "float32")
 
 
+def test_new_turn_over_a_long_cached_history_splits_kv(model_dir):
+    """Issue 44's chat turn: a 3,000-token history the prefix cache holds, then short new turns one
+    at a time. Each turn's chunk runs the varlen kernel with its KV split: in a mixed graph at the
+    default split length (the graphs' count fixed for the 4k max_model_len), and eagerly with the
+    split length lowered to 64 tokens (every tile split, into many more). Tokens and logits match
+    the plain-PyTorch backend's (checked against HF in test_logits_and_tokens_match_hf), fp32."""
+    history = random_prompts(1, seed=21, lo=3000, hi=3001)[0]
+    turns = [history + p for p in random_prompts(3, seed=22, lo=16, hi=200)]
+
+    def turn_by_turn(llm) -> tuple[list, list]:
+        generate(llm, [history])  # caches the history
+        hits = llm.core.block_manager.num_prefix_hit_tokens
+        results = [run(llm, [t]) for t in turns]
+        assert llm.core.block_manager.num_prefix_hit_tokens - hits >= len(turns) * 2048
+        return [r[0][0] for r in results], [r[1][0] for r in results]
+
+    reference = turn_by_turn(get_llm(model_dir, "torch", dtype="float32"))
+    graphed = get_llm(model_dir, "triton", dtype="float32")
+    graphs = graphed.core.runner.graph_runner
+    replays = graphs.num_replays["mixed"]
+    assert_equivalent(reference, turn_by_turn(graphed), "float32")
+    assert graphs.num_replays["mixed"] > replays
+    assert all(batch.attn_metadata.prefill_splits > 1 for key, batch in graphs.batches.items()
+               if key[0] == "mixed" and key[1] <= 256)
+    del graphed, graphs
+    eager = get_llm(model_dir, "triton", dtype="float32", enforce_eager=True)
+    eager.core.runner.attn_backend.split_tokens = 64
+    try:
+        assert_equivalent(reference, turn_by_turn(eager), "float32")
+    finally:
+        eager.core.runner.attn_backend.split_tokens = 1024
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_prefix_cache_chunking_preemption_same_tokens(model_dir, backend):
     shared = random_prompts(1, seed=3, lo=600, hi=601)[0]

@@ -20,9 +20,9 @@ from asyncllm.attention.base import ForwardBatch  # noqa: E402
 from asyncllm.attention.torch_ref import (TorchAttentionBackend, paged_attention_torch,  # noqa: E402
                                           store_kvcache_torch)
 from asyncllm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from asyncllm.kernels import (choose_decode_tile, choose_num_splits, decode_workspace_numel,  # noqa: E402
-                              paged_attention, store_kvcache)
-from asyncllm.kernels.paged_attention import MAX_SPLITS  # noqa: E402
+from asyncllm.kernels import (choose_decode_tile, choose_num_splits, choose_prefill_splits,  # noqa: E402
+                              paged_attention, split_workspace_numel, store_kvcache)
+from asyncllm.kernels.paged_attention import MAX_PREFILL_SPLITS, MAX_SPLITS, PREFILL_SPLIT_TOKENS  # noqa: E402
 from asyncllm.kernels.host import cdiv  # noqa: E402
 from helpers import compile_for_sm90_in_subprocess, seed_every_test  # noqa: E402
 
@@ -401,6 +401,107 @@ def test_batch_size_and_table_width_compile_no_new_variants():
             assert counts(batch, width, query_len) == first, (batch, width, query_len)
 
 
+# ----------------------------------------------------------------------------- prefill split-KV
+
+def run_split(step: dict, prefill_splits: int, split_tokens: int, **kwargs) -> torch.Tensor:
+    """run_ours with the varlen kernel's KV split prefill_splits ways (split_tokens: the least KV a
+    split takes), into a NaN-poisoned workspace that the split path must have written."""
+    num_tokens, num_heads, head_dim = step["q"].shape
+    numel = split_workspace_numel(num_tokens, num_heads, head_dim, prefill_splits)
+    workspace = torch.full((numel + 1,), float("nan"), device=DEVICE)  # decodes here: one split, no scratch
+    out = run_ours(step, prefill_splits=prefill_splits, split_tokens=split_tokens, workspace=workspace,
+                   num_splits=1, **kwargs)
+    assert not workspace[:numel].isnan().all(), "the split path wrote no partials"
+    return out
+
+
+# (query_lens, context_lens, prefill_splits, split_tokens, block_size, group): CPU tiles are fp32
+# BLOCK_N 32 / bf16 BLOCK_N 64, BLOCK_Q = 64 // group rows
+PREFILL_SPLIT_CASES = [
+    # 8 splits of one 64-position tile over 305 positions: the last three empty (lse -inf)
+    ([5], [300], 8, 1, 16, 2),
+    # 3 splits of 64 over [0, 132): the boundary at 128 lies inside the diagonal (positions 100..131)
+    ([40], [100], 3, 1, 16, 2),
+    # uneven splits; decodes beside the chunks (the decode kernel's), a fresh prompt, GQA 4
+    ([1, 33, 1, 70], [150, 270, 64, 0], 5, 1, 64, 4),
+    # one KV head per query head, splits of at least 96 positions: the short chunk's tiles go unsplit
+    ([2, 17, 1], [400, 20, 33], 4, 96, 16, 1),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", PREFILL_SPLIT_CASES, ids=lambda case: f"{case[0]}-over-{case[1]}")
+def test_prefill_split_kv_matches_reference(dtype, case):
+    """The varlen kernel with split KV and the merge, against the reference: empty splits, uneven
+    ones, a split boundary inside the causal diagonal, decodes beside, GQA, tiles left unsplit; rows
+    past the last sequence stay poisoned."""
+    query_lens, context_lens, splits, split_tokens, block_size, group = case
+    step = make_step(query_lens, context_lens, block_size, 2 * group, 2, 64, dtype)
+    ref = reference(step)
+    step["q"] = torch.cat([step["q"], torch.randn_like(step["q"][:3])])  # 3 rows beyond the last sequence
+    out = run_split(step, splits, split_tokens)
+    assert out[-3:].isnan().all()
+    assert_close(out[:-3], ref, dtype)
+
+
+def test_prefill_split_one_row_chunks_in_the_varlen_kernel():
+    """single_rows=False: one-row sequences are the varlen kernel's too, split and merged like the rest."""
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    step = make_step([1, 9, 1], [200, 130, 7], 16, 4, 2, 64, dtype)
+    assert_close(run_split(step, 4, 1, single_rows=False), reference(step), dtype)
+
+
+def test_prefill_unsplit_tiles_write_directly_bit_for_bit():
+    """A tile whose KV is under two splits' worth is not split: its output is the unsplit kernel's,
+    bit for bit (the same loop, written directly), and nothing is left for the merge to clobber."""
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    step = make_step([30, 12], [90, 5], 16, 4, 2, 64, dtype)
+    unsplit = run_ours(step, prefill_splits=1)
+    assert torch.equal(run_ours(step, prefill_splits=4, split_tokens=4096), unsplit)
+    assert_close(unsplit, reference(step), dtype)
+
+
+def test_choose_prefill_splits():
+    # 0.6B's shape (16 heads, 8 KV heads, bf16): 64 new tokens over 32k, one 64-row tile per KV head
+    chat_turn = dict(num_heads=16, num_kv_heads=8, head_dim=128, small_elems=True, max_seq_len=32768 + 64, num_sms=132)
+    assert choose_prefill_splits(64, 1, 64, **chat_turn) == MAX_PREFILL_SPLITS
+    # a mixed CUDA graph of 64 tokens has room for 64 sequences: its grid's surplus programs cap the count
+    in_graph = choose_prefill_splits(64, 64, 64, **chat_turn)
+    assert 1 < in_graph < MAX_PREFILL_SPLITS
+    # a short context does not split, nor a chunk whose tiles already fill the SMs
+    assert choose_prefill_splits(64, 1, 64, **dict(chat_turn, max_seq_len=2 * PREFILL_SPLIT_TOKENS - 1)) == 1
+    assert choose_prefill_splits(64, 1, 64, **dict(chat_turn, max_seq_len=2 * PREFILL_SPLIT_TOKENS)) == 2
+    assert choose_prefill_splits(8192, 1, 8192, **chat_turn) == 1
+    # more rows, fewer splits; never more than the context gives splits of split_tokens
+    counts = [choose_prefill_splits(n, 1, n, **chat_turn) for n in (16, 64, 256, 512, 1024, 2048)]
+    assert counts == sorted(counts, reverse=True) and counts[-1] == 1, counts
+    assert choose_prefill_splits(64, 1, 64, **dict(chat_turn, max_seq_len=8192)) == 8192 // PREFILL_SPLIT_TOKENS
+    assert choose_prefill_splits(64, 1, 64, **chat_turn, split_tokens=16) == MAX_PREFILL_SPLITS
+    assert split_workspace_numel(64, 16, 128, 1) == 0 and split_workspace_numel(64, 16, 128, 4) == 64 * 16 * 4 * 129
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("num_heads", [16, 32])
+@pytest.mark.parametrize("query_len", [1, 16, 64, 300, 512])
+@pytest.mark.parametrize("context", [8192, 32768 - 512])
+def test_prefill_split_large(block_size, num_heads, query_len, context):
+    """Short chunks over long contexts in bf16, beside decodes and a short chunk: the split count
+    chosen and a forced uneven one, against the reference."""
+    query_lens, context_lens = [query_len, 1, 40, 1], [context, 30000, 100, 5]
+    step = make_step(query_lens, context_lens, block_size, num_heads, 8, 128, torch.bfloat16)
+    ref = reference(step)
+    chosen = choose_prefill_splits(step["q"].shape[0], 4, step["max_query_len"], num_heads, 8, 128, True,
+                                   step["max_seq_len"], torch.cuda.get_device_properties(0).multi_processor_count)
+    assert_close(run_ours(step), ref, torch.bfloat16)
+    for splits in {chosen, 7}:
+        if splits > 1:
+            assert_close(run_split(step, splits, PREFILL_SPLIT_TOKENS), ref, torch.bfloat16)
+    # the varlen kernel alone (a one-row chunk there too)
+    assert_close(run_split(step, 7, PREFILL_SPLIT_TOKENS, single_rows=False), ref, torch.bfloat16)
+
+
 # ----------------------------------------------------------------------------- num_splits
 
 def test_choose_num_splits():
@@ -414,7 +515,7 @@ def test_choose_num_splits():
     assert 16 <= one <= MAX_SPLITS
     assert choose_num_splits(16, 8, 8192, 132) < one
     assert choose_num_splits(1, 1, 10 ** 6, 132) == MAX_SPLITS
-    assert decode_workspace_numel(4, 8, 128, 1) == 0
+    assert split_workspace_numel(4, 8, 128, 1) == 0
 
 
 # ----------------------------------------------------------------------------- backend
@@ -438,12 +539,12 @@ def make_batch(query_lens: list[int], context_lens: list[int], block_tables: tor
 
 
 def make_backends(block_size: int, num_blocks: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                  dtype: torch.dtype, num_layers: int = 2):
+                  dtype: torch.dtype, num_layers: int = 2, split_tokens: int = PREFILL_SPLIT_TOKENS):
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     caches = [torch.randn(shape).to(dtype).to(DEVICE) for _ in range(2 * num_layers)]
     ours = TritonAttentionBackend([c.clone() for c in caches[:num_layers]],
                                   [c.clone() for c in caches[num_layers:]],
-                                  num_heads, num_kv_heads, head_dim, head_dim ** -0.5)
+                                  num_heads, num_kv_heads, head_dim, head_dim ** -0.5, split_tokens=split_tokens)
     ref = TorchAttentionBackend([c.float() for c in caches[:num_layers]], [c.float() for c in caches[num_layers:]],
                                 num_heads, num_kv_heads, head_dim, head_dim ** -0.5)
     return ours, ref
@@ -465,15 +566,19 @@ def check_backend_step(ours, ref, batch, layer, q, k, v, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES[-1:] if CUDA else [torch.float32])
-def test_backend_prefill_then_decode(dtype):
+@pytest.mark.parametrize("split_tokens", [PREFILL_SPLIT_TOKENS, 16])
+def test_backend_prefill_then_decode(dtype, split_tokens):
+    """An eager mixed step, then a decode step; with split_tokens 16 the step's chunks split their KV
+    (a prefix-cache hit's chunk over cached context is such a step)."""
     block_size, num_heads, num_kv_heads, head_dim = 16, 4, 2, 64
-    ours, ref = make_backends(block_size, 24, num_heads, num_kv_heads, head_dim, dtype)
+    ours, ref = make_backends(block_size, 24, num_heads, num_kv_heads, head_dim, dtype, split_tokens=split_tokens)
     block_tables = torch.randperm(24, dtype=torch.int32).view(3, 8).to(DEVICE)
     # a mixed step: a fresh prefill, a chunk over cached context, a decode
     query_lens, context_lens = [20, 9, 1], [0, 30, 60]
     batch = make_batch(query_lens, context_lens, block_tables, block_size)
     for layer in range(2):
         ours.prepare_metadata(batch)
+        assert (batch.attn_metadata.prefill_splits > 1) == (split_tokens < PREFILL_SPLIT_TOKENS)
         check_backend_step(ours, ref, batch, layer, *qkv(batch.num_tokens, num_heads, num_kv_heads, head_dim,
                                                           dtype), dtype)
     # then a decode step of all three
@@ -660,17 +765,22 @@ def run_mixed_replays(ours, ref, run_graph, q_buf, k_buf, v_buf, tables, block_s
         assert torch.equal(ours.v_caches[0].float(), ref.v_caches[0].to(dtype).float())
 
 
-def test_backend_mixed_graph_buffers_eagerly():
+@pytest.mark.parametrize("split_tokens", [PREFILL_SPLIT_TOKENS, 16])
+def test_backend_mixed_graph_buffers_eagerly(split_tokens):
     """A mixed CUDA graph's metadata path without a graph: a step of 64 tokens and 8 sequences,
     then live steps with fewer tokens and sequences (prefill chunks over cached context beside
-    decodes) padded into it. The padding must store nothing and leave the live rows exact."""
+    decodes) padded into it. The padding must store nothing and leave the live rows exact. With
+    split_tokens 16 the graph's varlen kernel splits KV, the count fixed at capture for a 128-token
+    context, and replays with shorter contexts (tiles split fewer ways, or not at all) stay exact."""
     dtype, block_size, num_heads, num_kv_heads, head_dim = torch.float32, 16, 4, 2, 64
     graph_tokens, graph_seqs, max_blocks, num_blocks = 64, 8, 8, 48
-    ours, ref = make_backends(block_size, num_blocks, num_heads, num_kv_heads, head_dim, dtype, num_layers=1)
+    ours, ref = make_backends(block_size, num_blocks, num_heads, num_kv_heads, head_dim, dtype, num_layers=1,
+                              split_tokens=split_tokens)
     ours.init_cuda_graph_state(graph_seqs, max_blocks, max_mixed_tokens=graph_tokens)
     capture = mixed_capture_batch(graph_tokens, graph_seqs, max_blocks * block_size)
     ours.prepare_for_capture(capture)
     assert capture.max_query_len == graph_tokens and capture.max_seq_len == max_blocks * block_size
+    assert (capture.attn_metadata.prefill_splits > 1) == (split_tokens < PREFILL_SPLIT_TOKENS)
     q_buf, k_buf, v_buf = qkv(graph_tokens, num_heads, num_kv_heads, head_dim, dtype)
     k_before = ours.k_caches[0].clone()
     ours.forward(0, q_buf, k_buf, v_buf, capture)  # what warm-up and capture run: stores nothing
@@ -685,19 +795,13 @@ def test_backend_mixed_graph_buffers_eagerly():
         ([20, 1, 9], [0, 40, 30]),  # a fresh prompt, a decode, a chunk over cached context
         ([1, 1, 1, 1], [10, 63, 30, 100]),  # decodes only, through the varlen kernel
         ([50, 14], [0, 5]),  # exactly the graph's token count
+        ([5, 1, 30], [120, 90, 60]),  # chunks over the longest contexts the graph takes
     ])
 
 
-@gpu
-@needs_cuda
-def test_backend_mixed_cuda_graph_replay():
-    """Capture a mixed step of 256 tokens and 16 sequences; replay it with smaller mixed steps."""
-    dtype, block_size, num_heads, num_kv_heads, head_dim = torch.bfloat16, 16, 16, 8, 128
-    graph_tokens, graph_seqs, max_blocks, num_blocks = 256, 16, 64, 16 * 64
-    ours, ref = make_backends(block_size, num_blocks, num_heads, num_kv_heads, head_dim, dtype, num_layers=1)
-    ours.init_cuda_graph_state(graph_seqs, max_blocks, max_mixed_tokens=graph_tokens)
-    capture = mixed_capture_batch(graph_tokens, graph_seqs, max_blocks * block_size)
-    q_buf, k_buf, v_buf = qkv(graph_tokens, num_heads, num_kv_heads, head_dim, dtype)
+def capture_mixed_graph(ours, capture, q_buf, k_buf, v_buf):
+    """A CUDA graph of the backend's forward over the capture batch (after a warm-up off the graph),
+    as run_mixed_replays' run_graph."""
     ours.prepare_for_capture(capture)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -712,6 +816,49 @@ def test_backend_mixed_cuda_graph_replay():
         graph.replay()
         return out_buf
     run_graph.capture_batch = capture
+    return run_graph
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_backend_mixed_cuda_graph_long_context_splits(block_size):
+    """Issue 44's chat turn in a mixed graph: 64 tokens (room for 64 sequences) captured for a 32k
+    context, so its varlen kernel splits KV; replays bring a new turn over 32k cached tokens, turns
+    beside decodes, and short contexts (tiles unsplit) with the graph's split count."""
+    dtype, num_heads, num_kv_heads, head_dim = torch.bfloat16, 16, 8, 128
+    graph_tokens, graph_seqs, max_blocks = 64, 64, cdiv(32768, block_size)
+    num_blocks = 4 * max_blocks
+    ours, ref = make_backends(block_size, num_blocks, num_heads, num_kv_heads, head_dim, dtype, num_layers=1)
+    ours.init_cuda_graph_state(graph_seqs, max_blocks, max_mixed_tokens=graph_tokens)
+    capture = mixed_capture_batch(graph_tokens, graph_seqs, max_blocks * block_size)
+    q_buf, k_buf, v_buf = qkv(graph_tokens, num_heads, num_kv_heads, head_dim, dtype)
+    run_graph = capture_mixed_graph(ours, capture, q_buf, k_buf, v_buf)
+    assert capture.attn_metadata.prefill_splits > 1
+    tables = torch.randperm(num_blocks, dtype=torch.int32).view(4, max_blocks).to(DEVICE)
+    run_mixed_replays(ours, ref, run_graph, q_buf, k_buf, v_buf, tables, block_size, dtype, [
+        ([64], [32768 - 64]),
+        ([16, 1, 1, 30], [20000, 32000, 9000, 4000]),
+        ([1, 1], [32000, 100]),
+        ([40, 20], [300, 0]),
+    ])
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("split_tokens", [PREFILL_SPLIT_TOKENS, 64])
+def test_backend_mixed_cuda_graph_replay(split_tokens):
+    """Capture a mixed step of 256 tokens and 16 sequences; replay it with smaller mixed steps
+    (split_tokens 64: with the varlen kernel's KV split, as over a long context)."""
+    dtype, block_size, num_heads, num_kv_heads, head_dim = torch.bfloat16, 16, 16, 8, 128
+    graph_tokens, graph_seqs, max_blocks, num_blocks = 256, 16, 64, 16 * 64
+    ours, ref = make_backends(block_size, num_blocks, num_heads, num_kv_heads, head_dim, dtype, num_layers=1,
+                              split_tokens=split_tokens)
+    ours.init_cuda_graph_state(graph_seqs, max_blocks, max_mixed_tokens=graph_tokens)
+    capture = mixed_capture_batch(graph_tokens, graph_seqs, max_blocks * block_size)
+    q_buf, k_buf, v_buf = qkv(graph_tokens, num_heads, num_kv_heads, head_dim, dtype)
+    run_graph = capture_mixed_graph(ours, capture, q_buf, k_buf, v_buf)
+    assert (capture.attn_metadata.prefill_splits > 1) == (split_tokens < PREFILL_SPLIT_TOKENS)
     tables = torch.randperm(num_blocks, dtype=torch.int32).view(graph_seqs, max_blocks).to(DEVICE)
     run_mixed_replays(ours, ref, run_graph, q_buf, k_buf, v_buf, tables, block_size, dtype, [
         ([128, 1, 1, 60], [0, 500, 1000, 200]),
@@ -814,7 +961,8 @@ def _record_launches(configs: list[dict]) -> list:
                 norm = [torch.ones(head_dim, dtype=torch.bfloat16)] * 2 if cfg["rope"] == "norm" else []
                 rope = DecodeRope(cfg["num_heads"], torch.zeros(tokens, dtype=torch.int64),
                                   torch.randn(64, head_dim), torch.zeros(tokens, dtype=torch.int64), *norm)
-            paged_attention(**step, num_splits=cfg.get("num_splits"), rope=rope)
+            paged_attention(**step, num_splits=cfg.get("num_splits"), rope=rope,
+                            prefill_splits=cfg.get("prefill_splits"))
         k = torch.randn(4, 8, cfg["head_dim"], dtype=torch.bfloat16)
         store_kvcache(k, k, step["k_cache"], step["v_cache"], torch.arange(4))
         x = torch.randn(4, 4096, dtype=torch.bfloat16)
@@ -877,6 +1025,7 @@ def compile_all_for_sm90() -> int:
         dict(query_lens=[1, 1], block_size=128, num_heads=16, head_dim=128, num_splits=4),  # split decode
         dict(query_lens=[1, 1], block_size=16, num_heads=32, head_dim=128, num_splits=1),  # direct, gathered
         dict(query_lens=[300, 1], block_size=256, num_heads=16, head_dim=128),  # prefill
+        dict(query_lens=[64, 1], block_size=16, num_heads=32, head_dim=128, prefill_splits=8),  # split prefill
         dict(query_lens=[1, 1], block_size=256, num_heads=16, head_dim=128, num_splits=64),  # no early tile
         dict(query_lens=[1], block_size=16, num_heads=32, head_dim=128, num_splits=8, rope="norm"),  # own rotary
         dict(query_lens=[1], block_size=128, num_heads=32, head_dim=128, num_splits=1, rope="plain"),
@@ -895,9 +1044,9 @@ def compile_all_for_sm90() -> int:
 def test_kernels_compile_for_sm90():
     """The CPU interpreter never compiles; build the real launch configurations for sm_90 (the
     H200) in a subprocess without TRITON_INTERPRET, so compile-only errors surface on CPU too."""
-    # decode x2 + x2 with its own rotary, reduce, prefill, store, rms norm, silu, qk x3, skinny GEMM
-    # (FMA, dot, split-K reduce), gated skinny GEMM (FMA, dot)
-    assert compile_for_sm90_in_subprocess("test_kernels", "compile_all_for_sm90") >= 16
+    # decode x2 + x2 with its own rotary, reduce, prefill, split prefill + its merge, store, rms norm,
+    # silu, qk x3, skinny GEMM (FMA, dot, split-K reduce), gated skinny GEMM (FMA, dot)
+    assert compile_for_sm90_in_subprocess("test_kernels", "compile_all_for_sm90") >= 18
 
 
 # ----------------------------------------------------------------------------- skinny GEMM

@@ -9,6 +9,11 @@ for whatever lengths up to the bound a replay brings. Each batch size has graphs
 DECODE_GRAPH_CONTEXTS where the count differs (decode_graph_context_bounds): one bound of
 max_model_len gave a batch-1 chat 64 splits, most of them empty. A mixed graph runs the varlen kernel with the
 grid and tile shape of its token bound; padding sequences have no query rows and return at once.
+A chunk of a few hundred query rows over a long context splits its KV across programs
+(choose_prefill_splits): eager steps choose the count per step; a mixed graph fixes it at capture
+for its token bucket and the longest context, and the kernel sizes each tile's splits from the
+runtime lengths (a short tile is not split at all), so that count suits any replay: a new chat
+turn over a long cached history, a prefix-cache hit, or a prompt's last chunk beside decodes.
 All per-step metadata a graph reads lives in static buffers that prepare_for_replay refreshes
 with a few small device copies; the decode graphs' are the runner's staging buffer's views, which
 it fills from the host itself (runner/decode_staging.py).
@@ -21,8 +26,9 @@ import torch
 
 from asyncllm.attention.base import AttentionBackend, DecodeRope, ForwardBatch
 from asyncllm.attention.graph_buffers import PagedGraphBuffers
-from asyncllm.kernels import choose_num_splits, decode_workspace_numel, paged_attention, store_kvcache
-from asyncllm.kernels.paged_attention import DEFAULT_NUM_SMS
+from asyncllm.kernels import (choose_num_splits, choose_prefill_splits, paged_attention, split_workspace_numel,
+                              store_kvcache)
+from asyncllm.kernels.paged_attention import DEFAULT_NUM_SMS, PREFILL_SPLIT_TOKENS
 
 # decode graphs' context bounds below max_model_len. A graph bakes its split count in, and the best
 # count grows with the context (in the batch-1 decode graph about one split per 40 tokens), so short
@@ -34,7 +40,8 @@ DECODE_GRAPH_CONTEXTS = (256, 1024, 2048)
 @dataclass
 class TritonAttentionMetadata:
     num_splits: int = 1  # the decode kernel's (decode steps, and a mixed step's decodes)
-    workspace: torch.Tensor | None = None  # decode split-KV scratch, shared by all layers of a step
+    prefill_splits: int = 1  # the varlen kernel's KV splits per query tile (prefill / mixed steps)
+    workspace: torch.Tensor | None = None  # split-KV scratch (decode's, then prefill's), shared by a step's layers
     single_rows: bool = True  # a mixed step's one-row sequences (decodes) go to the decode kernel
 
 
@@ -44,8 +51,11 @@ class TritonAttentionBackend(AttentionBackend):
     supports_mixed_cuda_graphs = True
 
     def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], num_heads: int,
-                 num_kv_heads: int, head_dim: int, scale: float):
+                 num_kv_heads: int, head_dim: int, scale: float, split_tokens: int = PREFILL_SPLIT_TOKENS):
         super().__init__(k_caches, v_caches, num_heads, num_kv_heads, head_dim, scale)
+        # the least KV a prefill split takes (kernels.choose_prefill_splits); tests lower it to send
+        # short contexts down the split path
+        self.split_tokens = split_tokens
         self.device = k_caches[0].device
         if self.device.type == "cuda":
             self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -71,10 +81,23 @@ class TritonAttentionBackend(AttentionBackend):
         meta.single_rows = num_single > 0
         if num_single:
             meta.num_splits = choose_num_splits(num_single, self.num_kv_heads, batch.max_seq_len, self.num_sms)
-            numel = decode_workspace_numel(batch.num_seqs, self.num_heads, self.head_dim, meta.num_splits)
-            if numel:
-                meta.workspace = self._workspace(numel)
+        if batch.max_query_len > 1:
+            meta.prefill_splits = self._prefill_splits(batch.num_tokens, batch.num_seqs, batch.max_query_len,
+                                                       batch.max_seq_len)
+        numel = self._workspace_numel(batch.num_seqs, batch.num_tokens, meta)
+        if numel:
+            meta.workspace = self._workspace(numel)
         batch.attn_metadata = meta
+
+    def _prefill_splits(self, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int) -> int:
+        return choose_prefill_splits(num_tokens, num_seqs, max_query_len, self.num_heads, self.num_kv_heads,
+                                     self.head_dim, self.k_caches[0].element_size() <= 2, max_seq_len, self.num_sms,
+                                     self.split_tokens)
+
+    def _workspace_numel(self, num_seqs: int, num_tokens: int, meta: TritonAttentionMetadata) -> int:
+        # paged_attention's layout: the decode kernel's partials, then the varlen kernel's
+        return (split_workspace_numel(num_seqs, self.num_heads, self.head_dim, meta.num_splits)
+                + split_workspace_numel(num_tokens, self.num_heads, self.head_dim, meta.prefill_splits))
 
     store_kv = staticmethod(store_kvcache)
 
@@ -85,7 +108,8 @@ class TritonAttentionBackend(AttentionBackend):
         return paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
                                batch.max_query_len, batch.max_seq_len, self.scale,
                                num_splits=meta.num_splits, workspace=meta.workspace, num_sms=self.num_sms,
-                               single_rows=meta.single_rows, rope=rope)
+                               single_rows=meta.single_rows, rope=rope, prefill_splits=meta.prefill_splits,
+                               split_tokens=self.split_tokens)
 
     def attend_qkv(self, layer_id: int, qkv: torch.Tensor, rope: DecodeRope, batch: ForwardBatch) -> torch.Tensor:
         # paged_attention decides: on the small grids of batch-1 decodes the decode kernel does the q/k
@@ -97,15 +121,27 @@ class TritonAttentionBackend(AttentionBackend):
                               decode_buffers: PagedGraphBuffers | None = None) -> None:
         self._graph = decode_buffers or PagedGraphBuffers(max_batch_size, max_batch_size, max_blocks_per_seq,
                                                           self.block_size, self.device)
-        # one scratch buffer sized for the most demanding graph; graphs replay one at a time
+        # one scratch buffer sized for the most demanding graph, decode or mixed; graphs replay one at a time
         longest = self._graph.max_seq_len
-        numel = max(decode_workspace_numel(bs, self.num_heads, self.head_dim, self._graph_num_splits(bs, longest))
+        numel = max(split_workspace_numel(bs, self.num_heads, self.head_dim, self._graph_num_splits(bs, longest))
                     for bs in range(1, max_batch_size + 1))
-        self._graph_workspace = torch.empty(max(numel, 1), dtype=torch.float32, device=self.device)
         self._mixed_graph = None
         if max_mixed_tokens:
             self._mixed_graph = PagedGraphBuffers(max_mixed_tokens, min(max_mixed_tokens, max_batch_size),
                                                   max_blocks_per_seq, self.block_size, self.device, decode_only=False)
+            # every token count a mixed bucket may have, not just the runner's buckets (which it owns)
+            numel = max(numel, *(split_workspace_numel(tokens, self.num_heads, self.head_dim,
+                                                       self._mixed_graph_prefill_splits(
+                                                           tokens, min(tokens, max_batch_size)))
+                                 for tokens in range(1, max_mixed_tokens + 1)))
+        self._graph_workspace = torch.empty(max(numel, 1), dtype=torch.float32, device=self.device)
+
+    def _mixed_graph_prefill_splits(self, num_tokens: int, num_seqs: int) -> int:
+        # fixed at capture for the bucket's worst case: its tokens as one chunk (the fewest tiles, so the
+        # most splits), its sequence capacity (the grid's bound) and the longest context a replay may
+        # bring; the kernel cuts each tile's KV by its runtime length, so shorter replays stay right
+        # and tiles over short contexts go unsplit
+        return self._prefill_splits(num_tokens, num_seqs, num_tokens, self._mixed_graph.max_seq_len)
 
     def _graph_num_splits(self, batch_size: int, context_bound: int) -> int:
         # fixed at capture; the kernel sizes each split from the runtime length. A replay's context
@@ -132,7 +168,10 @@ class TritonAttentionBackend(AttentionBackend):
             self._mixed_graph.bind(batch)
             batch.max_query_len = batch.num_tokens
             # a replay's decodes are not known at capture: one split each (no reduce, no scratch)
-            batch.attn_metadata = TritonAttentionMetadata(num_splits=1, single_rows=True)
+            prefill_splits = self._mixed_graph_prefill_splits(batch.num_tokens, batch.num_seqs)
+            batch.attn_metadata = TritonAttentionMetadata(
+                num_splits=1, single_rows=True, prefill_splits=prefill_splits,
+                workspace=self._graph_workspace if prefill_splits > 1 else None)
             return
         self._graph.bind(batch)
         num_splits = self._graph_num_splits(batch.num_seqs, batch.max_seq_len)

@@ -32,7 +32,7 @@ if settings.TRITON_INTERPRET.read():
 
 from asyncllm.kernels.kv_store import store_kvcache  # noqa: E402
 from asyncllm.kernels.paged_attention import (choose_decode_tile, choose_num_splits,  # noqa: E402
-                                              decode_workspace_numel, paged_attention)
+                                              choose_prefill_splits, paged_attention, split_workspace_numel)
 
 
 def compiled_variants() -> dict[str, int]:
@@ -54,5 +54,5 @@ def compiled_variants() -> dict[str, int]:
     return counts
 
 
-__all__ = ["store_kvcache", "paged_attention", "choose_num_splits", "choose_decode_tile", "decode_workspace_numel",
-           "compiled_variants"]
+__all__ = ["store_kvcache", "paged_attention", "choose_num_splits", "choose_prefill_splits", "choose_decode_tile",
+           "split_workspace_numel", "compiled_variants"]

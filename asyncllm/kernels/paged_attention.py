@@ -1,5 +1,5 @@
-"""Causal attention over a paged KV cache: one varlen kernel for prefill / mixed steps, and a
-split-KV (flash-decoding) kernel pair for decode-only steps.
+"""Causal attention over a paged KV cache: one varlen kernel for prefill / mixed steps (split-KV for
+short chunks over long contexts), and a split-KV (flash-decoding) kernel pair for decode-only steps.
 
 Layout: k_cache / v_cache are (num_blocks, block_size, num_kv_heads, head_dim); sequence b's KV
 position p lives in block block_tables[b, p // block_size] at offset p % block_size. KV is walked
@@ -19,7 +19,12 @@ Prefill / mixed: programs tile each sequence's query rows into BLOCK_Q = BLOCK_M
 grid is an upper bound on the number of tiles computed from host ints (T // BLOCK_Q + num_seqs)
 and each program finds its sequence by binary search over query_start_loc, so no host sync is
 needed. KV tiles wholly below the tile's first query position skip the causal mask; tiles past
-its last query position are never visited.
+its last query position are never visited. A short chunk over a long context (a chat turn of 64
+tokens over 32k cached ones) is a few tiles, each a program streaming the whole context; such a
+step splits each tile's KV over a third grid axis (choose_prefill_splits), each split a
+BLOCK_N-aligned share of the tile's KV sized in-kernel from its runtime length (at least
+split_tokens, so a tile over a short context is not split and writes its output directly), and
+_merge_splits_kernel, the decode merge with per-token rows, combines the partials.
 
 Decode: one query token per sequence gives only num_seqs * Hkv programs, far too few to fill an
 H200's 132 SMs at small batch, and each would stream the whole context serially. Split-KV cuts
@@ -61,6 +66,14 @@ PROGRAMS_PER_SM = 4  # decode programs are small and memory-bound: several resid
 # ptxas), three resident programs per SM for five, which a grid this small never needs. Batch 1 over
 # short contexts, where the load chain is the kernel's time, is such a grid.
 FIRST_TILE_EARLY_PROGRAMS_PER_SM = 2
+# Prefill split-KV (choose_prefill_splits): the least KV one split of a prefill tile takes (its fixed cost
+# is a q tile's load and a partial's write and merge), the most splits, the working programs per SM aimed
+# at (a prefill program is 4-8 warps with ~100 KB of shared memory: one or two fit an SM), and the most
+# programs per SM the whole grid may have, counting those that find no tile and return
+PREFILL_SPLIT_TOKENS = 1024
+MAX_PREFILL_SPLITS = 32
+PREFILL_PROGRAMS_PER_SM = 2
+PREFILL_MAX_GRID_PER_SM = 32
 
 # The Triton CPU interpreter multiplies bf16 tensors as raw uint16 bit patterns in tl.dot; compiled
 # kernels are unaffected. Under the interpreter only, bf16 dot operands are upcast to fp32. Read at import:
@@ -182,16 +195,26 @@ def _find_seq(query_start_loc_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr):
 # left specialized they would make eager steps compile new variants (about a second each) in the
 # middle of serving; they gain nothing from it, being only loop bounds and
 # row offsets.
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt", "max_blocks"])
+@triton.jit
+def _prefill_split_count(kv_hi, num_splits, split_tokens):
+    """KV splits a prefill tile attending [0, kv_hi) takes: num_splits, fewer where its KV would give
+    a split less than split_tokens, one (no partial, direct write) where the KV is short. The prefill
+    kernel and the merge both ask it, so they agree on which tiles were split and into how many."""
+    return tl.maximum(1, tl.minimum(num_splits, kv_hi // split_tokens))
+
+
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt", "max_blocks", "num_splits", "split_tokens"])
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    qk_scale, num_seqs,
+    qk_scale, num_seqs, num_splits, split_tokens,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt, max_blocks,
+    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    SKIP_SINGLE: tl.constexpr, UPCAST_DOT: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    SPLIT: tl.constexpr, SKIP_SINGLE: tl.constexpr, UPCAST_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     wait_for_previous(USE_PDL)  # kernels/pdl.py: before any read of an earlier kernel's output
     # reversed so the last (typically longest, causally heaviest) tiles are scheduled first
@@ -208,6 +231,28 @@ def _prefill_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - q_len
 
+    # KV this tile needs: [0, kv_hi). Below full_hi every row sees every position.
+    first_pos = context_len + tile * BLOCK_Q
+    kv_hi = context_len + tl.minimum(q_len, (tile + 1) * BLOCK_Q)
+    full_hi = (first_pos + 1) // BLOCK_N * BLOCK_N
+    split = 0
+    splits_here = 1
+    if SPLIT:
+        split = tl.program_id(2)
+        splits_here = _prefill_split_count(kv_hi, num_splits, split_tokens)
+    if split >= splits_here:
+        return  # neither written nor merged: _merge_splits_kernel asks the same count
+    lo = 0
+    hi = kv_hi
+    if SPLIT:
+        # split-KV (short queries over long contexts): this program attends [lo, hi), a BLOCK_N-aligned
+        # share of [0, kv_hi) sized from the runtime lengths, so a fixed num_splits (a CUDA graph's)
+        # suits any context; the causal diagonal falls in the last splits, a split past kv_hi is empty
+        split_len = tl.cdiv(tl.cdiv(kv_hi, splits_here), BLOCK_N) * BLOCK_N
+        lo = split * split_len
+        hi = tl.maximum(tl.minimum(lo + split_len, kv_hi), lo)
+        full_hi = tl.maximum(lo, tl.minimum(full_hi, hi))
+
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     row_tok = offs_m // G  # rows are (token, head) pairs: G heads of one token are adjacent
@@ -220,11 +265,6 @@ def _prefill_kernel(
                 mask=io_mask, other=0.0)
     q_pos = context_len + q_idx
 
-    # KV this tile needs: [0, kv_hi). Below full_hi every row sees every position.
-    first_pos = context_len + tile * BLOCK_Q
-    kv_hi = context_len + tl.minimum(q_len, (tile + 1) * BLOCK_Q)
-    full_hi = (first_pos + 1) // BLOCK_N * BLOCK_N
-
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -232,16 +272,23 @@ def _prefill_kernel(
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_kh
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, k_base, v_base, bt_row, max_blocks,
-                            0, full_hi, kv_hi, qk_scale, stride_kb, stride_ks,
+                            lo, full_hi, hi, qk_scale, stride_kb, stride_ks,
                             HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, True, UPCAST_DOT, PRECISION)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, k_base, v_base, bt_row, max_blocks,
-                            full_hi, kv_hi, kv_hi, qk_scale, stride_kb, stride_ks,
+                            full_hi, hi, hi, qk_scale, stride_kb, stride_ks,
                             HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, True, UPCAST_DOT, PRECISION)
 
-    l_i = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if splits_here == 1:
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    else:
+        # a row that saw nothing here (every position of the split past it, or an empty split) gets
+        # lse = -inf, which the merge weighs at zero
+        part = part_out_ptr + token[:, None] * stride_pt + head[:, None] * stride_ph + split * stride_ps
+        tl.store(part + offs_d[None, :], out, mask=io_mask)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + token * stride_lt + head * stride_lh + split, lse, mask=row_mask)
 
 
 # ----------------------------------------------------------------------------- decode (split-KV)
@@ -422,31 +469,66 @@ def _decode_kernel(
         tl.store(part_lse_ptr + seq * stride_lb + head * stride_lh + split, lse, mask=offs_g < G)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _decode_reduce_kernel(
-    out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, num_splits,
+@triton.jit
+def _token_seq(query_start_loc_ptr, token, num_seqs):
+    """The sequence whose query rows hold token: the last one starting at or before it (sequences
+    with no rows start where the next one does, so the last of equal starts is the one with rows)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) <= token:
+            lo = mid + 1
+        else:
+            hi = mid
+    return tl.maximum(lo - 1, 0)
+
+
+@triton.jit(do_not_specialize=["num_splits", "num_seqs", "split_tokens"])
+def _merge_splits_kernel(
+    out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, seq_lens_ptr, num_seqs, num_splits, split_tokens,
     stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PER_TOKEN: tl.constexpr,
+    BLOCK_Q: tl.constexpr, SKIP_SINGLE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    """One output row (one head of one query row) from its splits' partial outputs and log-sum-exps.
+    Rows are decodes (PER_TOKEN false: row = sequence, as the decode kernel writes them) or query
+    tokens (PER_TOKEN: the prefill kernel's; row = token, merged only where its tile was split)."""
     launch_dependents(USE_PDL)  # first thing: kernels/pdl.py
-    seq = tl.program_id(0)
+    row = tl.program_id(0)
     head = tl.program_id(1)
-    token, is_decode = _decode_row(query_start_loc_ptr, seq)  # the step's metadata: before the wait
+    # the step's metadata: before the wait
+    if PER_TOKEN:
+        token = row
+        seq = _token_seq(query_start_loc_ptr, token, num_seqs)
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+        live = token < tl.load(query_start_loc_ptr + num_seqs)  # rows past the step's tokens: no one's
+        if SKIP_SINGLE:
+            live = live & (q_len != 1)  # the decode kernel's
+        tile = (token - q_start) // BLOCK_Q
+        kv_hi = tl.load(seq_lens_ptr + seq) - q_len + tl.minimum(q_len, (tile + 1) * BLOCK_Q)
+        splits = _prefill_split_count(kv_hi, num_splits, split_tokens)
+        live = live & (splits > 1)  # an unsplit tile wrote its output directly
+    else:
+        token, live = _decode_row(query_start_loc_ptr, row)  # not a decode: the decode kernel skipped it
+        splits = num_splits
     wait_for_previous(USE_PDL)
-    if not is_decode:
-        return  # no partials: the decode kernel skipped this row
+    if not live:
+        return
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    lse = tl.load(part_lse_ptr + seq * stride_lb + head * stride_lh + offs_s,
-                  mask=offs_s < num_splits, other=float("-inf"))
+    row = row.to(tl.int64)
+    lse = tl.load(part_lse_ptr + row * stride_lb + head * stride_lh + offs_s,
+                  mask=offs_s < splits, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # every split empty (seq_len == 0): output zeros
     w = tl.exp2(lse - m)
-    live = lse > float("-inf")
+    live_split = lse > float("-inf")
     d_mask = offs_d < HEAD_DIM
-    part = tl.load(part_out_ptr + seq * stride_pb + head * stride_ph
+    part = tl.load(part_out_ptr + row * stride_pb + head * stride_ph
                    + offs_s[:, None] * stride_ps + offs_d[None, :],
-                   mask=live[:, None] & d_mask[None, :], other=0.0)
+                   mask=live_split[:, None] & d_mask[None, :], other=0.0)
     denom = tl.sum(w, 0)
     out = tl.sum(part * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
     tl.store(out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
@@ -484,11 +566,47 @@ def _first_tile_early(num_seqs: int, num_kv_heads: int, num_splits: int, num_sms
     return num_seqs * num_kv_heads * num_splits <= FIRST_TILE_EARLY_PROGRAMS_PER_SM * num_sms
 
 
-def decode_workspace_numel(num_seqs: int, num_heads: int, head_dim: int, num_splits: int) -> int:
-    """fp32 elements of split-KV scratch: partial outputs then partial log-sum-exps."""
+def split_workspace_numel(num_rows: int, num_heads: int, head_dim: int, num_splits: int) -> int:
+    """fp32 elements of split-KV scratch for num_rows rows (a decode step's sequences, a prefill's
+    query tokens) of num_heads heads: partial outputs then partial log-sum-exps."""
     if num_splits <= 1:
         return 0
-    return num_seqs * num_heads * num_splits * (head_dim + 1)
+    return num_rows * num_heads * num_splits * (head_dim + 1)
+
+
+def _prefill_tile(max_query_len: int, group: int, head_dim: int, small_elems: bool) -> tuple[int, int, int, int]:
+    """The varlen kernel's (BLOCK_M, BLOCK_Q, BLOCK_N, num_stages): rows of a tile are (token, head)
+    pairs, BLOCK_M = BLOCK_Q * G rounded up to a power of two."""
+    block_n, stages = (64, 3) if small_elems else (32, 2)
+    max_m = 128 if small_elems and next_power_of_2(head_dim) <= 128 else 64
+    block_m = max(16, min(max_m, next_power_of_2(max_query_len * group)), next_power_of_2(group))
+    return block_m, block_m // group, block_n, stages
+
+
+def choose_prefill_splits(num_tokens: int, num_seqs: int, max_query_len: int, num_heads: int, num_kv_heads: int,
+                          head_dim: int, small_elems: bool, max_seq_len: int, num_sms: int = DEFAULT_NUM_SMS,
+                          split_tokens: int = PREFILL_SPLIT_TOKENS) -> int:
+    """KV splits per query tile of a prefill / mixed step's varlen kernel (1: none, no workspace).
+
+    A tile's program streams all of the KV below its rows, so a chunk of a few hundred rows over a
+    long context is a handful of programs each reading the whole context: a 64-token turn over 32k
+    cached tokens is 8 programs on 132 SMs. Split only where that holds: the tiles' programs
+    (cdiv(num_tokens, BLOCK_Q) per KV head) are fewer than the SMs and the context gives at least
+    two splits of split_tokens (shorter, a split's fixed cost, its q load and its partial's write
+    and merge, outweighs its KV). Then as many splits as give about PREFILL_PROGRAMS_PER_SM working
+    programs per SM, at most MAX_PREFILL_SPLITS, and no more than keep the whole grid, whose tile axis
+    is an upper bound (num_tokens // BLOCK_Q + num_seqs: in a CUDA graph num_seqs is the bucket's
+    capacity) and whose surplus programs each return after a search, within PREFILL_MAX_GRID_PER_SM
+    programs per SM. The kernel sizes each tile's splits from its own KV length (at least
+    split_tokens each), so the count is a bound that short tiles in the same step do not pay for."""
+    block_q = _prefill_tile(max_query_len, num_heads // num_kv_heads, head_dim, small_elems)[1]
+    working = cdiv(max(num_tokens, 1), block_q) * num_kv_heads
+    grid = (num_tokens // block_q + num_seqs) * num_kv_heads
+    by_length = max_seq_len // split_tokens
+    if working >= num_sms or by_length < 2:
+        return 1
+    return max(1, min(PREFILL_PROGRAMS_PER_SM * num_sms // working, by_length,
+                      PREFILL_MAX_GRID_PER_SM * num_sms // grid, MAX_PREFILL_SPLITS))
 
 
 def _dot_config(dtype: torch.dtype) -> tuple[bool, str]:
@@ -502,7 +620,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     max_query_len: int, max_seq_len: int, scale: float, out: torch.Tensor | None = None,
                     num_splits: int | None = None, workspace: torch.Tensor | None = None,
                     num_sms: int = DEFAULT_NUM_SMS, single_rows: bool = True,
-                    rope=None, decode_tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+                    rope=None, decode_tile: tuple[int, int, int] | None = None,
+                    prefill_splits: int | None = None, split_tokens: int = PREFILL_SPLIT_TOKENS) -> torch.Tensor:
     """Causal attention of each sequence's query rows over its paged KV; see the module docstring.
 
     q: (T, H, D); k_cache, v_cache: (num_blocks, block_size, Hkv, D); query_start_loc: (B+1,) int32;
@@ -511,10 +630,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     of one query row (decodes) still go to the decode kernel where single_rows (its GQA tile is 16
     rows, the varlen kernel's up to 128, of which such a row fills G), the rest to the varlen
     kernel; single_rows=False sends every row to the varlen kernel. num_splits (default: from
-    choose_num_splits), decode_tile (its (BLOCK_N, num_stages, num_warps), default: from
-    choose_decode_tile; bench_kernels.py --tile-sweep sets it) and workspace, a flat fp32 tensor of
-    at least decode_workspace_numel(...) elements (default: allocated here), are the decode kernel's.
-    Rows of out beyond query_start_loc[-1] are not written.
+    choose_num_splits) and decode_tile (its (BLOCK_N, num_stages, num_warps), default: from
+    choose_decode_tile; bench_kernels.py --tile-sweep sets it) are the decode kernel's;
+    prefill_splits (default: from choose_prefill_splits) the varlen kernel's KV splits per tile, each
+    of at least split_tokens of the tile's KV (tests pass a small one to split short contexts).
+    workspace: a flat fp32 tensor of at least split_workspace_numel(B, H, D, num_splits) +
+    split_workspace_numel(T, H, D, prefill_splits) elements, the decode kernel's partials first
+    (default: allocated here). Rows of out beyond query_start_loc[-1] are not written.
 
     With rope (an attention.base.DecodeRope: what the q/k norm + rotary reads besides the row), q is
     the fused projection (T, (H + 2 * Hkv) * D), rows [q | k | v], before that norm + rotary, and
@@ -560,6 +682,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     pdl = launch_options(q)
     common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
                   UPCAST_DOT=upcast, PRECISION=precision, **pdl)
+    if max_query_len > 1 and prefill_splits is None:
+        prefill_splits = choose_prefill_splits(num_tokens, num_seqs, max_query_len, num_heads, num_kv_heads, head_dim,
+                                               small_elems, max_seq_len, num_sms, split_tokens)
+    decode_numel = split_workspace_numel(num_seqs, num_heads, head_dim, num_splits or 1)
+    prefill_numel = split_workspace_numel(num_tokens, num_heads, head_dim, prefill_splits or 1)
+    if decode_numel + prefill_numel:
+        if workspace is None:
+            workspace = torch.empty(decode_numel + prefill_numel, dtype=torch.float32, device=q.device)
+        assert workspace.dtype == torch.float32 and workspace.numel() >= decode_numel + prefill_numel
 
     if decode_kernel:
         direct = num_splits == 1
@@ -567,14 +698,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             part_out = part_lse = out  # unused
             part_strides = (0, 0, 0, 0, 0)
         else:
-            numel = decode_workspace_numel(num_seqs, num_heads, head_dim, num_splits)
-            if workspace is None:
-                workspace = torch.empty(numel, dtype=torch.float32, device=q.device)
-            assert workspace.dtype == torch.float32 and workspace.numel() >= numel
-            n_out = num_seqs * num_heads * num_splits * head_dim
-            part_out = workspace[:n_out].view(num_seqs, num_heads, num_splits, head_dim)
-            part_lse = workspace[n_out:numel].view(num_seqs, num_heads, num_splits)
-            part_strides = (*part_out.stride()[:3], *part_lse.stride()[:2])
+            part_out, part_lse, part_strides = _partials(workspace, 0, num_seqs, num_heads, num_splits, head_dim)
         if rope is None:
             rope_args = (q, q, q, q, q, 0, 0.0)  # unused
         else:
@@ -597,31 +721,57 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             num_warps=tile_warps, num_stages=tile_stages, **common,
         )
         if not direct:
-            _decode_reduce_kernel[(num_seqs, num_heads)](
-                out, part_out, part_lse, query_start_loc, num_splits,
-                out.stride(0), out.stride(1), *part_strides,
-                HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=next_power_of_2(num_splits),
-                num_warps=4 if num_splits * block_d >= 2048 else 2, **pdl,
-            )
+            _merge(out, part_out, part_lse, part_strides, query_start_loc, seq_lens, num_seqs, num_splits,
+                   split_tokens, head_dim, block_d, pdl, per_token=False)
         if max_query_len == 1:
             return out
 
-    # prefill / mixed: rows of a tile are (token, head) pairs, BLOCK_M = BLOCK_Q * G rounded up
-    block_n, stages = (64, 3) if small_elems else (32, 2)
-    max_m = 128 if small_elems and block_d <= 128 else 64
-    block_m = max(16, min(max_m, next_power_of_2(max_query_len * group)))
-    block_m = max(block_m, next_power_of_2(group))
-    block_q = block_m // group
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    block_m, block_q, block_n, stages = _prefill_tile(max_query_len, group, head_dim, small_elems)
+    split = prefill_splits > 1
+    if split:
+        part_out, part_lse, part_strides = _partials(workspace, decode_numel, num_tokens, num_heads, prefill_splits,
+                                                     head_dim)
+    else:
+        part_out = part_lse = out  # unused
+        part_strides = (0, 0, 0, 0, 0)
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads) + ((prefill_splits,) if split else ())
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out,
+        q, k_cache, v_cache, out, part_out, part_lse,
         query_start_loc, seq_lens, block_tables,
-        qk_scale, num_seqs,
+        qk_scale, num_seqs, prefill_splits, split_tokens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         block_tables.shape[1],
-        G=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, SKIP_SINGLE=single_rows,
+        *part_strides,
+        G=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, SPLIT=split, SKIP_SINGLE=single_rows,
         num_warps=8 if block_m >= 128 else 4, num_stages=stages,
         **common,
     )
+    if split:
+        _merge(out, part_out, part_lse, part_strides, query_start_loc, seq_lens, num_seqs, prefill_splits,
+               split_tokens, head_dim, block_d, pdl, per_token=True, block_q=block_q, skip_single=single_rows)
     return out
+
+
+def _partials(workspace: torch.Tensor, offset: int, num_rows: int, num_heads: int, num_splits: int,
+              head_dim: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """Views of workspace from offset: partial outputs (rows, heads, splits, D), then log-sum-exps
+    (rows, heads, splits), and their strides as the kernels take them."""
+    n_out = num_rows * num_heads * num_splits * head_dim
+    n_lse = num_rows * num_heads * num_splits
+    part_out = workspace[offset:offset + n_out].view(num_rows, num_heads, num_splits, head_dim)
+    part_lse = workspace[offset + n_out:offset + n_out + n_lse].view(num_rows, num_heads, num_splits)
+    return part_out, part_lse, (*part_out.stride()[:3], *part_lse.stride()[:2])
+
+
+def _merge(out, part_out, part_lse, part_strides, query_start_loc, seq_lens, num_seqs: int, num_splits: int,
+           split_tokens: int, head_dim: int, block_d: int, pdl: dict, per_token: bool, block_q: int = 1,
+           skip_single: bool = False) -> None:
+    rows = part_out.shape[0]
+    _merge_splits_kernel[(rows, part_out.shape[1])](
+        out, part_out, part_lse, query_start_loc, seq_lens, num_seqs, num_splits, split_tokens,
+        out.stride(0), out.stride(1), *part_strides,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=next_power_of_2(num_splits), PER_TOKEN=per_token,
+        BLOCK_Q=block_q, SKIP_SINGLE=skip_single,
+        num_warps=4 if num_splits * block_d >= 2048 else 2, **pdl,
+    )
