@@ -200,7 +200,9 @@ class AsyncLLMEngine:
         assemblers = [text_assembler(core.tokenizer, core.reasoning, prompt_token_ids, params,
                                      incremental=incremental_text) for _ in range(params.n)]
         stream = RequestStream(self._finish, channel, assemblers, prompt_token_ids)
-        self._engine_thread.post(AddRequest(channel, prompt_token_ids, params))
+        # a timeout counts from here, not from when the engine thread takes the request in
+        submitted_at = None if params.timeout is None else core.deadlines.clock()
+        self._engine_thread.post(AddRequest(channel, prompt_token_ids, params, submitted_at))
         return stream
 
     @property

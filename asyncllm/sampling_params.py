@@ -91,6 +91,10 @@ class SamplingParams:
     # constrained decoding: the output must match a JSON schema, any JSON object, a regex, a choice
     # or a grammar (a StructuredOutput, or a dict of its fields)
     structured_output: StructuredOutput | None = None
+    # seconds from submission: a request with no token by then is dropped (its stream raises
+    # RequestTimeoutError), one generating then ends with finish_reason "timeout" (None: no limit);
+    # with equal priorities, earlier deadlines are admitted first
+    timeout: float | None = None
 
     def __post_init__(self) -> None:
         def fail(name: str, message: str) -> None:
@@ -226,6 +230,11 @@ class SamplingParams:
         for name in ("skip_special_tokens", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, f"expected a bool, got {_short_repr(getattr(self, name))}")
+        if self.timeout is not None:
+            timeout = _as_finite_float(self.timeout)
+            if timeout is None or timeout <= 0:
+                fail("timeout", f"expected None or a finite number of seconds > 0, got {_short_repr(self.timeout)}")
+            self.timeout = timeout
 
     def snapshot(self) -> "SamplingParams":
         """A validated copy that owns its lists: what a request keeps, so that changing these

@@ -92,6 +92,12 @@ BAD_INPUTS: list[Bad] = [
     Bad(SP, "stop_token_ids=[1] * 129", dict(stop_token_ids=[1] * 129), ValueError, "stop_token_ids", "at most 128"),
     Bad(SP, "logit_bias of 1025 entries", dict(logit_bias={i: 1.0 for i in range(1025)}), ValueError, "logit_bias",
         "at most 1024"),
+    Bad(SP, "timeout=0", dict(timeout=0), ValueError, "timeout", "> 0"),
+    Bad(SP, "timeout=-1", dict(timeout=-1), ValueError, "timeout", "> 0"),
+    Bad(SP, "timeout=nan", dict(timeout=float("nan")), ValueError, "timeout", "finite"),
+    Bad(SP, "timeout=inf", dict(timeout=float("inf")), ValueError, "timeout", "finite"),
+    Bad(SP, 'timeout="5"', dict(timeout="5"), ValueError, "timeout", "seconds"),
+    Bad(SP, "timeout=True", dict(timeout=True), ValueError, "timeout", "seconds"),
     # ---- Config / LLM / AsyncLLMEngine options ----
     Bad(CFG, "max_num_seqs=0", dict(max_num_seqs=0), ValueError, "max_num_seqs", ">= 1"),
     Bad(CFG, "max_num_batched_tokens=-1", dict(max_num_batched_tokens=-1), ValueError, "max_num_batched_tokens"),
@@ -231,6 +237,8 @@ BAD_INPUTS: list[Bad] = [
         b'{"messages": [{"role": "user", "content": "\\udcff"}]}', 400, "messages", "surrogate"),
     Bad(HTTP_CHAT, '{"n": 0}', dict(messages=MSG, n=0), 400, "n"),
     Bad(HTTP_CHAT, '{"logit_bias": {"x": 1}}', dict(messages=MSG, logit_bias={"x": 1}), 400, "logit_bias"),
+    Bad(HTTP_CMPL, '{"timeout": 0}', dict(prompt="Hi", timeout=0), 400, "timeout", "> 0"),
+    Bad(HTTP_CHAT, '{"timeout": "10"}', dict(messages=MSG, timeout="10"), 400, "timeout", "seconds"),
 ]
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from asyncllm.config import Config
 from asyncllm.engine.block_manager import BlockManager
+from asyncllm.engine.deadlines import RequestDeadlines
 from asyncllm.engine.intake import RequestIntake
 from asyncllm.engine.scheduler import Scheduler, SchedulerOutput
 from asyncllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
@@ -39,7 +40,9 @@ class StepEvent:
     stop_reason: int | None = None  # the stop token id that ended it (EOS: None, as vLLM)
     request_finished: bool = False  # every sequence of the request has finished (n == 1: finish_reason set)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first token, when the request asked
-    error: str | None = None  # ended with no token: its grammar refused the one sampled (GrammarState.error)
+    # ended with no token, why: its grammar refused the one sampled (GrammarState.error; finish_reason
+    # ABORT), or its deadline passed before its first token (TIMEOUT)
+    error: str | None = None
 
 
 class EngineCore:
@@ -102,6 +105,9 @@ class EngineCore:
         # with a grammar, pruned once finished
         self._grammar_compiler: GrammarCompiler | None = None
         self._constrained: list[Sequence] = []
+        # requests with a timeout; those ended at a launch report with the next resolve
+        self.deadlines = RequestDeadlines()
+        self._timed_out: list[StepEvent] = []
         self.startup.finish(self.runner.decisions.num_read, self.runner.decisions.num_measured)  # ready
 
     # ---- input: the intake's checks, for the callers that hold the core (LLM, AsyncLLMEngine, the
@@ -132,26 +138,34 @@ class EngineCore:
         return self.add_checked_request(prompt_token_ids, self.check_request(prompt_token_ids, params), request_id)
 
     def add_checked_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                            request_id: str | None = None) -> Sequence:
-        """Queue a request whose params are what check_request returned for it (its own snapshot)."""
+                            request_id: str | None = None, submitted_at: float | None = None) -> Sequence:
+        """Queue a request whose params are what check_request returned for it (its own snapshot).
+        submitted_at: when the caller submitted it, on self.deadlines.clock (None: now); its timeout
+        counts from then."""
         if request_id is None:
             request_id = self.new_request_id()
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        seq = self._new_sequence(request_id, prompt_token_ids, params, 0)
+        deadline = None
+        if params.timeout is not None:
+            deadline = (self.deadlines.clock() if submitted_at is None else submitted_at) + params.timeout
+        seq = self._new_sequence(request_id, prompt_token_ids, params, 0, deadline)
         if params.n > 1:
             # the first sequence prefills the prompt; the others wait in its forks until then
-            seq.forks = [self._new_sequence(request_id, prompt_token_ids, params, i) for i in range(1, params.n)]
+            seq.forks = [self._new_sequence(request_id, prompt_token_ids, params, i, deadline)
+                         for i in range(1, params.n)]
             seq.group = [seq, *seq.forks]
             for child in seq.forks:
                 child.group = seq.group
         self.requests[request_id] = seq
         self.scheduler.add(seq)
+        if deadline is not None:
+            self.deadlines.add(seq)
         return seq
 
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      index: int) -> Sequence:
-        seq = self.intake.new_sequence(request_id, prompt_token_ids, params, index)
+                      index: int, deadline: float | None) -> Sequence:
+        seq = self.intake.new_sequence(request_id, prompt_token_ids, params, index, deadline)
         if seq.grammar is not None:  # its steps build a token mask (with the compiler it was made by)
             self._grammar_compiler = self.intake.grammar_compiler
             self._constrained.append(seq)
@@ -196,6 +210,28 @@ class EngineCore:
             del self.requests[request_id]
         return leader
 
+    def end_expired_requests(self) -> list[StepEvent]:
+        """End the requests whose deadline has passed (finish_request: blocks freed at once, tokens in
+        flight dropped), each sequence still open with finish_reason TIMEOUT. A request without a
+        token yet gets one event, carrying the error its stream raises (RequestTimeoutError);
+        otherwise each sequence ended gets an event (the last: request_finished)."""
+        events = []
+        for leader in self.deadlines.pop_expired(self.requests):
+            group = leader.group or [leader]
+            # tokens the host knows are (or will be) delivered; the ones in flight are dropped below
+            produced = any(seq.num_resolved_tokens > seq.num_prompt_tokens for seq in group)
+            ending = [seq for seq in group if not seq.is_finished]
+            queued = leader.first_scheduled_time is None
+            self.finish_request(leader.request_id, FinishReason.TIMEOUT)
+            if not produced:
+                events.append(StepEvent(leader, [], FinishReason.TIMEOUT, request_finished=True, error=(
+                    f"request {leader.request_id!r}: no token within its timeout of {leader.params.timeout:g} s "
+                    f"(SamplingParams.timeout); it was {'still queued' if queued else 'computing its prompt'}")))
+                continue
+            events.extend(StepEvent(seq, [], FinishReason.TIMEOUT) for seq in ending)
+            events[-1].request_finished = True
+        return events
+
     # ---- the step -----------------------------------------------------------------------------
     # A step is launched (inputs built, forward and sampling queued on the device) and later
     # resolved (its sampled ids read, finishes checked). Launching commits the step's KV and gives
@@ -217,6 +253,8 @@ class EngineCore:
     def launch_step(self) -> None:
         """Schedule the next step and queue it on the device (with overlap, behind the one in flight)."""
         try:
+            if self.deadlines:  # before scheduling: a request past its deadline takes no further step
+                self._timed_out.extend(self.end_expired_requests())
             sched = self.scheduler.schedule()
             self._launched = None if sched.is_empty else self._launch(sched)
         except BaseException:
@@ -225,15 +263,20 @@ class EngineCore:
 
     def resolve_step(self) -> list[StepEvent]:
         """Resolve a step and return its events: with overlap the one launched before the latest
-        (which stays in flight), without it the latest."""
+        (which stays in flight), without it the latest; then those of the requests that timed out
+        at the latest launch."""
         launched, self._launched = self._launched, None
         try:
             if self.overlap:
                 launched, self._in_flight = self._in_flight, launched
-            return [] if launched is None else self._resolve(launched)
+            events = [] if launched is None else self._resolve(launched)
         except BaseException:
             self._abandon_steps()
             raise
+        if self._timed_out:
+            events += self._timed_out
+            self._timed_out = []
+        return events
 
     def wait_step(self) -> None:
         """Block until the step that resolve_step() resolves next has its results on the host."""
@@ -243,6 +286,7 @@ class EngineCore:
 
     def _abandon_steps(self) -> None:
         self._in_flight = self._launched = None  # their requests are ended by whoever handles this
+        self._timed_out = []
         self.step_timer.reset()
 
     def drain(self) -> list[StepEvent]:

@@ -109,8 +109,9 @@ class RequestIntake:
         return self._grammar_compiler.stats() if self._grammar_compiler is not None else {}
 
     def new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     index: int) -> Sequence:
-        """Sequence index (of params.n) of a request whose params check_request returned."""
+                     index: int, deadline: float | None = None) -> Sequence:
+        """Sequence index (of params.n) of a request whose params check_request returned (deadline:
+        when the request times out, None: never)."""
         if params.n > 1:
             seed = params.seed
             if seed is not None:  # each sequence its own stream, reproducible: seed + index (wrapped)
@@ -118,7 +119,7 @@ class RequestIntake:
             # the first sequence alone computes the prompt, and scores it if asked
             params = dataclasses.replace(params, n=1, seed=seed,
                                          prompt_logprobs=params.prompt_logprobs if index == 0 else None)
-        seq = Sequence(request_id, prompt_token_ids, params, self.block_size, self.max_seq_len)
+        seq = Sequence(request_id, prompt_token_ids, params, self.block_size, self.max_seq_len, deadline)
         seq.index = index
         seq.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         if params.min_tokens:
