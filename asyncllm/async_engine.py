@@ -295,6 +295,15 @@ class AsyncLLMEngine:
         return dict(self._startup.seconds)
 
     @property
+    def startup_phase(self) -> str | None:
+        """While start() is under way, the start-up phase running (asyncllm/startup.py's name; the
+        last one begun between two); None before start() and once it has succeeded or failed."""
+        engine_thread = self._engine_thread
+        if engine_thread.thread is None or engine_thread.ready.is_set():
+            return None
+        return self._startup.current
+
+    @property
     def tokenizer(self):
         """The model's tokenizer (None until the engine has started)."""
         core = self._engine_thread.core

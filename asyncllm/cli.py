@@ -11,8 +11,12 @@ of an engine whose rank 0 runs elsewhere (docs/TENSOR_PARALLEL.md). Engine optio
 fields of Config, spelled with dashes (add_config_options), the same for both.
 
 The command answers at once: the parser and every check of the command line import nothing heavy
-(asyncllm.config imports no torch), and `serve` checks that it can listen on its port before it
-loads the model. What the command refuses is one line on stderr and exit code 2; nothing was started.
+(asyncllm.config imports no torch), and `serve` checks that it can listen on its port and resolves
+the model (its config) before the HTTP server starts. What the command refuses is one line on
+stderr and exit code 2; nothing was started. The engine then starts while the port already answers
+(/health: 503 "starting" with the phase, then 200 "ready"; server/lifespan.py); a start-up that
+fails there (weights that do not load) stops the server, and is one line and exit code 2 too.
+`serve` logs its time to ready, from the command's start.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import logging
 import os
 import socket
 import sys
+import time
 
 from asyncllm import __version__, settings
 from asyncllm.config import ATTENTION_BACKENDS, DTYPES, REASONING_PARSERS, Config, is_hub_id
@@ -47,6 +52,7 @@ _CONFIG_HELP = {
                         "structured output applies after the reasoning (default: none, content holds everything)",
 }
 _CONFIG_ALIASES = {"enable_prefix_caching": ["--prefix-caching"]}  # --no-prefix-caching, as before
+COMMAND_START = time.perf_counter()  # the command's first import: `serve` counts its time to ready from here
 
 
 def _positive_int(text: str) -> int:
@@ -247,7 +253,6 @@ def serve(args: argparse.Namespace) -> int:
     import anyio
 
     from asyncllm.async_engine import AsyncLLMEngine
-    from asyncllm.errors import EngineDeadError
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
     if args.model is None:
@@ -262,23 +267,31 @@ def serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or name
     options = config_options(args, args.config_fields)
     try:
+        # the options checked and the model resolved (a hub download, a GGUF conversion, its config)
+        # before the HTTP server: what is refused here is this one line and exit code 2
         engine = AsyncLLMEngine(model, **options)
-        # the model loads here, before the HTTP server: a checkpoint it refuses is this one line and
-        # exit code 2, not a traceback of the server's failed start-up
-        anyio.run(engine.start)
     except (ValueError, TypeError, OSError) as e:
         print(f"asyncllm serve: {e}", file=sys.stderr)
         return 2
-    except EngineDeadError as e:
-        print(f"asyncllm serve: {e.__cause__ if isinstance(e.__cause__, (ValueError, TypeError, OSError)) else e}",
-              file=sys.stderr)
-        return 2
+    failed_start: list[BaseException] = []
+
+    def engine_started(error: BaseException | None) -> None:
+        if error is None:
+            logging.getLogger("asyncllm.server").info("asyncllm serve: ready %.1f s after the command started, on "
+                                                      "http://%s:%d", time.perf_counter() - COMMAND_START, args.host,
+                                                      args.port)
+            return
+        failed_start.append(error)  # the port answered 503 meanwhile; the server stops, and the command fails
+        server.should_exit = True
+
+    # the engine starts once the HTTP server listens: /health says "starting" (and the phase) until then
     app = create_app(engine, name, api_key, max_body_bytes=args.max_body_bytes,
                      max_tokens_limit=args.max_tokens_limit, body_timeout=args.body_timeout,
                      max_generated_tokens=args.max_generated_tokens, max_logprob_entries=args.max_logprob_entries,
                      request_timeout=args.request_timeout,
                      trust_request_chat_template=args.trust_request_chat_template,
-                     sse_keepalive_interval=args.sse_keepalive_interval, manage_engine=True)
+                     sse_keepalive_interval=args.sse_keepalive_interval, manage_engine=True,
+                     start_in_background=True, on_engine_started=engine_started)
     if args.host not in LOOPBACK_HOSTS and api_key is None:
         logging.getLogger("asyncllm.server").warning(
             "serving on %s without an API key: anyone who can reach this port can use the model", args.host)
@@ -292,6 +305,11 @@ def serve(args: argparse.Namespace) -> int:
         pass
     finally:
         anyio.run(engine.shutdown)  # the lifespan's already, unless uvicorn never started it (a port in use)
+    if failed_start:
+        error = failed_start[0]
+        cause = error.__cause__ if isinstance(error.__cause__, (ValueError, TypeError, OSError)) else error
+        print(f"asyncllm serve: {cause}", file=sys.stderr)
+        return 2
     return 0
 
 

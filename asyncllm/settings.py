@@ -1,7 +1,8 @@
 """Every environment variable the package reads: each declared once, with its default, parser and meaning.
 
 Code reads a variable through its Setting here (`settings.PDL.read()`), never through os.environ
-(tests/test_layout.py checks that only this module touches os.environ). read() looks at the
+(tests/test_layout.py checks that only this module touches os.environ), and writes one only in
+place_triton_cache (Triton's cache folder, when unset: Triton reads it itself). read() looks at the
 environment each time it is called, so a test's monkeypatch.setenv applies to the next read; the
 few modules that keep a value in a global read at import say why where they do (a hot path, or a
 value Triton itself fixes at its import). README.md's table of them is markdown_table()'s output
@@ -78,7 +79,16 @@ DECODE_TUNING = Setting(
     "0: the batch-1 decode graph's 1-row tilings are not re-timed inside that graph at start-up")
 CACHE = Setting(
     "ASYNCLLM_CACHE", "", _cache_dir,
-    "where GGUF files are converted to safetensors checkpoints (once per file)", default_shown="~/.cache/asyncllm")
+    "where GGUF files are converted to safetensors checkpoints (once per file), and the start-up cache is kept "
+    "(startup/: what start-up measured; triton/: Triton's compiled kernels)", default_shown="~/.cache/asyncllm")
+STARTUP_CACHE = Setting(
+    "ASYNCLLM_STARTUP_CACHE", "1", _on_unless_zero,
+    "0: no start-up cache: every start-up measures its decisions again and stores none, and Triton's cache "
+    "stays where Triton puts it")
+TRITON_CACHE_DIR = Setting(
+    "TRITON_CACHE_DIR", None, str,
+    "Triton's own: where it caches compiled kernels; a CUDA engine sets it, when unset, to $ASYNCLLM_CACHE/triton",
+    default_shown="$ASYNCLLM_CACHE/triton")
 API_KEY = Setting(
     "ASYNCLLM_API_KEY", None, str,
     "`asyncllm serve`'s API key when --api-key is not given (empty: refused)", default_shown="none: no auth")
@@ -102,8 +112,29 @@ LOCAL_RANK = Setting("LOCAL_RANK", None, int, "this rank's GPU index on its mach
 MASTER_ADDR = Setting("MASTER_ADDR", None, str, "env:// rendezvous: rank 0's host")
 MASTER_PORT = Setting("MASTER_PORT", None, int, "env:// rendezvous: rank 0's port")
 
-ALL = (LAUNCH_GATE, PDL, SKINNY_GEMM, DECODE_TUNING, CACHE, API_KEY, TRITON_INTERPRET, TP_INIT_METHOD,
-       TP_LOCAL_RANKS, TP_TIMEOUT_S, RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)
+ALL = (LAUNCH_GATE, PDL, SKINNY_GEMM, DECODE_TUNING, CACHE, STARTUP_CACHE, TRITON_CACHE_DIR, API_KEY,
+       TRITON_INTERPRET, TP_INIT_METHOD, TP_LOCAL_RANKS, TP_TIMEOUT_S, RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+       MASTER_PORT)
+
+
+def place_triton_cache() -> str | None:
+    """The one write to the environment: Triton's cache of compiled kernels under $ASYNCLLM_CACHE/triton,
+    so that one folder holds the whole start-up cache. Triton reads TRITON_CACHE_DIR at each compile,
+    so this must run before the process's first compile (ModelRunner's start-up calls it first thing;
+    tensor-parallel workers inherit it). Nothing is changed where TRITON_CACHE_DIR is set already,
+    ASYNCLLM_STARTUP_CACHE=0, or the folder cannot be made (Triton would fail to write there).
+    Returns the folder it set, else None."""
+    if TRITON_CACHE_DIR.read() or not STARTUP_CACHE.read():
+        return None
+    path = os.path.join(CACHE.read(), "triton")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:
+        return None
+    if not os.access(path, os.W_OK | os.X_OK):
+        return None
+    os.environ[TRITON_CACHE_DIR.name] = path
+    return path
 
 
 def markdown_table() -> str:

@@ -12,16 +12,24 @@ pytest, about 0.3 s on a CPU host), "ready" = the engine constructed /
 started / /health answering 200, "first token" = ready -> the first request's first token (kernels
 the start-up did not meet compile there).
 
-cold: the caches empty: TRITON_CACHE_DIR, ASYNCLLM_CACHE, CUDA_CACHE_PATH and TORCHINDUCTOR_CACHE_DIR
-point at a fresh directory per (shape, API). warm: a second run on the same directories. (The
+cold: the caches empty: ASYNCLLM_CACHE, CUDA_CACHE_PATH and TORCHINDUCTOR_CACHE_DIR point at a
+fresh directory per (shape, API), TRITON_CACHE_DIR is unset and the start-up cache on
+(ASYNCLLM_STARTUP_CACHE=1), so the engine keeps both halves of its start-up cache under that
+ASYNCLLM_CACHE as it does for a user: Triton's compiled kernels in triton/, the decisions start-up
+measured (skinny GEMM, decode tuning, the step model's calibration; asyncllm/startup_cache.py) in
+startup/. warm: a second run on the same directories, which reads them. Each row counts the files
+there after its run ("triton_files", "startup_files") and the decisions its start-up read from the
+cache and measured ("decisions_read", "decisions_measured", from the engine's "ready" line). (The
 checkpoint's files stay in the page cache from the build: a fresh machine reads them from disk too.)
 
 Phases: the engine's own start-up timings (asyncllm/startup.py: config, heap freeze, tokenizer,
 build model, load weights, ..., CUDA graphs, decode tuning, sampler graphs, step-model calibration,
-request intake; STARTUP_PHASES), read from its debug log records "start-up: <phase> <s>" (also in
-the serve child, where the engine is the server's); a phase that did not run (CUDA only) is None.
-"other" is ready - imports - the phases (the engine thread's start, uvicorn's). The engine's own
-INFO/DEBUG log lines are kept with their time since the spawn (JSON "logs"; printed). The 8B shape
+request intake; STARTUP_PHASES), read from the log records that end each phase (their
+`startup_phase` and `startup_s`; also in the serve child, where the engine is the server's); a
+phase that did not run (CUDA only) is None. "other" is ready - imports - the phases (the engine
+thread's start, uvicorn's). The engine's own INFO/DEBUG log lines are kept with their time since the
+spawn (JSON "logs"; the INFO ones printed: what each phase does as it starts and ends, the
+engine's "start-up: ready after ..." and serve's "asyncllm serve: ready ..."). The 8B shape
 and its cold runs take minutes: give a GPU call one shape (--shapes 0.6b, then --shapes 8b).
 """
 from __future__ import annotations
@@ -53,7 +61,7 @@ from helpers import free_port, stop_process  # noqa: E402
 BENCHMARKS = os.path.dirname(os.path.abspath(__file__))
 APIS = ("llm", "async", "serve")
 PHASE_NAMES = list(STARTUP_PHASES)  # the engine's, in order
-CACHE_VARIABLES = ("TRITON_CACHE_DIR", "ASYNCLLM_CACHE", "CUDA_CACHE_PATH", "TORCHINDUCTOR_CACHE_DIR")
+CACHE_VARIABLES = ("ASYNCLLM_CACHE", "CUDA_CACHE_PATH", "TORCHINDUCTOR_CACHE_DIR")
 FIRST_PROMPT = random_prompt(random.Random(0), 16)
 
 
@@ -79,6 +87,9 @@ class Recorder(logging.Handler):
         phase = getattr(record, "startup_phase", None)  # the engine's start-up timings (asyncllm/startup.py)
         if phase is not None:
             self.write(phase=phase, seconds=record.startup_s)
+        if hasattr(record, "startup_total_s"):  # the engine's "ready" line: what its start-up cache held
+            self.write(decisions_read=record.startup_decisions_read,
+                       decisions_measured=record.startup_decisions_measured)
         self.write(log=record.getMessage(), level=record.levelname, t=record.created)
 
 
@@ -154,7 +165,9 @@ def spawn_child(args, model_dir: str, api: str, caches: str, log_path: str) -> t
         os.remove(records)
     command = [sys.executable, os.path.abspath(__file__), *argv, "--child", api, "--model-dir", model_dir,
                "--phases-file", records]
-    env = child_env(**{name: os.path.join(caches, name.lower()) for name in CACHE_VARIABLES})
+    env = child_env(ASYNCLLM_STARTUP_CACHE="1",
+                    **{name: os.path.join(caches, name.lower()) for name in CACHE_VARIABLES})
+    env.pop("TRITON_CACHE_DIR", None)  # the engine places Triton's cache under ASYNCLLM_CACHE, as for a user
     with open(log_path, "w") as log:
         if api != "serve":
             spawn = time.time()
@@ -185,6 +198,13 @@ def read_records(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def cached_files(caches: str) -> dict:
+    """The files in the engine's start-up cache under this run's ASYNCLLM_CACHE: Triton's, the decisions'."""
+    root = os.path.join(caches, "asyncllm_cache")
+    return {f"{part}_files": sum(len(files) for _, _, files in os.walk(os.path.join(root, part)))
+            for part in ("triton", "startup")}
+
+
 def startup_row(records: list[dict], spawn: float) -> dict:
     events = {r["event"]: r["t"] - spawn for r in records if "event" in r}
     row = dict(imports_s=events["imports"], ready_s=events["ready"],
@@ -193,6 +213,8 @@ def startup_row(records: list[dict], spawn: float) -> dict:
         seconds = [r["seconds"] for r in records if r.get("phase") == phase]
         row[phase] = sum(seconds) if seconds else None
     row["other_s"] = row["ready_s"] - row["imports_s"] - sum(row[p] or 0 for p in PHASE_NAMES)
+    (ready,) = [r for r in records if "decisions_read" in r]  # one engine started
+    row.update(decisions_read=ready["decisions_read"], decisions_measured=ready["decisions_measured"])
     row["logs"] = [[round(r["t"] - spawn, 3), r["level"], r["log"]] for r in records if "log" in r]
     return row
 
@@ -206,7 +228,8 @@ def measure_shape(args, shape: str, model_dir: str, report: Report) -> None:
                 with tempfile.TemporaryDirectory() as tmp:
                     try:
                         records, spawn = spawn_child(args, model_dir, api, caches, os.path.join(tmp, "child.log"))
-                        row = dict(shape=shape, api=api, caches=state, **startup_row(records, spawn))
+                        row = dict(shape=shape, api=api, caches=state, **startup_row(records, spawn),
+                                   **cached_files(caches))
                     except Exception as exc:  # noqa: BLE001 - one failed start-up must not end the run
                         row = dict(shape=shape, api=api, caches=state, error=f"{type(exc).__name__}: {exc}"[:2000])
                 if state in args.caches:
@@ -223,7 +246,9 @@ def print_row(row: dict) -> None:
         return
     phases = ", ".join(f"{p} {row[p]:.2f}" for p in PHASE_NAMES if row[p] is not None)
     print(f"{head}: ready {row['ready_s']:.2f} s, first token +{row['first_token_s']:.2f} s (imports "
-          f"{row['imports_s']:.2f}; {phases}; other {row['other_s']:.2f})", flush=True)
+          f"{row['imports_s']:.2f}; {phases}; other {row['other_s']:.2f}); start-up cache: "
+          f"{row['decisions_read']} decisions read, {row['decisions_measured']} measured, "
+          f"{row['triton_files']} Triton files, {row['startup_files']} decision files", flush=True)
     for t, level, message in row["logs"]:
         if level != "DEBUG":
             print(f"    {t:8.2f} s  {message}", flush=True)
@@ -231,7 +256,9 @@ def print_row(row: dict) -> None:
 
 COLUMNS = ([("shape", "shape"), ("API", "api"), ("caches", "caches"), ("ready (s)", "ready_s"),
             ("first token (s after ready)", "first_token_s"), ("imports", "imports_s")]
-           + [(phase, phase) for phase in PHASE_NAMES] + [("other", "other_s"), ("error", "error")])
+           + [(phase, phase) for phase in PHASE_NAMES]
+           + [("other", "other_s"), ("decisions read", "decisions_read"), ("decisions measured", "decisions_measured"),
+              ("Triton files", "triton_files"), ("error", "error")])
 
 
 def main(argv=None) -> dict:

@@ -682,8 +682,9 @@ async def test_start_up_phases_are_timed_in_order_and_logged(make_engine, tiny_q
     logged = [(record.startup_phase, record.startup_s) for record in caplog.records
               if hasattr(record, "startup_phase")]
     assert logged == [*async_timings.items(), *llm_timings.items()]
-    assert all(record.getMessage().startswith(f"start-up: {record.startup_phase} ") for record in caplog.records
-               if hasattr(record, "startup_phase"))
+    assert all(record.getMessage().startswith(
+        f"start-up: {startup.PHASE_ACTIONS.get(record.startup_phase, record.startup_phase)}: ")
+        for record in caplog.records if hasattr(record, "startup_phase"))
 
 
 def test_a_start_up_phase_out_of_order_or_unknown_is_refused():

@@ -219,7 +219,15 @@ def test_bench_startup_times_each_api_cold_and_warm_by_phase(tiny_model, tmp_pat
         assert 0 < row["imports_s"] < row["ready_s"] < row["total_s"]
         assert sum(row[phase] or 0 for phase in bench_startup.PHASE_NAMES) < row["ready_s"] - row["imports_s"]
         assert any(message.startswith("KV cache:") for _, _, message in row["logs"])
-        assert any(message.startswith("start-up: tokenizer ") for _, _, message in row["logs"])
+        # what each slow phase does, as it starts and ends, and the engine's ready line (INFO)
+        said = [m for _, level, m in row["logs"] if m.startswith("start-up: loading the tokenizer") and level == "INFO"]
+        assert len(said) == 2 and said[0] == "start-up: loading the tokenizer..." and said[1].endswith(" s"), said
+        assert any(message.startswith("start-up: ready after ") for _, _, message in row["logs"])
+        assert (row["api"] == "serve") == any(message.startswith("asyncllm serve: ready ")
+                                              for _, _, message in row["logs"])
+        # the start-up cache: nothing measured on CPU, so nothing stored or read, and Triton's cache not placed
+        assert (row["decisions_read"], row["decisions_measured"], row["triton_files"], row["startup_files"]) \
+            == (0, 0, 0, 0)
 
 
 def test_bench_serving_times_every_request_of_each_level(tiny_model):

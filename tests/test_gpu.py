@@ -697,3 +697,61 @@ def test_two_engines_of_different_models_start_and_generate_at_once_as_alone(mod
         thread.join(timeout=600)
     assert not errors, errors
     assert all(runs == [alone[model]] * 3 for model, runs in results.items())
+
+
+# a fresh process's start-up and greedy run (argv: model dir, prompts as JSON): what its start-up
+# cache read and measured, and the tokens
+_START_UP_CHILD = """
+import json, sys
+from asyncllm import LLM, SamplingParams
+llm = LLM(sys.argv[1], attention_backend="triton", dtype="bfloat16", gpu_memory_utilization=0.3,
+          max_model_len=4096, max_num_seqs=8, max_num_batched_tokens=1024, target_step_ms=20)
+outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                    use_tqdm=False)
+decisions = llm.core.runner.decisions
+print("RESULT " + json.dumps({"read": decisions.num_read, "measured": decisions.num_measured,
+                              "path": decisions.path, "tokens": [o["token_ids"] for o in outs]}))
+"""
+
+
+def test_start_up_cache_round_trip_in_fresh_processes(model_dir, tmp_path):
+    """asyncllm/startup_cache.py on a GPU: a cold start-up in a fresh process measures the skinny-GEMM
+    choices, the batch-1 decode tuning and the step model's calibration and stores them (and Triton's
+    kernels) under ASYNCLLM_CACHE; a second fresh process on the same cache reads every one of them,
+    measures nothing, and generates the same greedy tokens. A file damaged in between is a warning,
+    measured again, never a crash."""
+    import json
+    import os
+    import subprocess
+    import sys
+    release_llms()  # the children need the GPU's memory
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_CACHE_DIR", "ASYNCLLM_STARTUP_CACHE")}
+    env.update(ASYNCLLM_CACHE=str(tmp_path / "cache"), ASYNCLLM_DECODE_TUNING="1", ASYNCLLM_SKINNY_GEMM="1",
+               PYTHONPATH=os.pathsep.join([root, env.get("PYTHONPATH", "")]))
+    prompts = json.dumps(random_prompts(4, seed=31))
+
+    def start_up() -> tuple[dict, str]:
+        done = subprocess.run([sys.executable, "-c", _START_UP_CHILD, model_dir, prompts], env=env, cwd=root,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-4000:]
+        (line,) = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+        return json.loads(line[len("RESULT "):]), done.stderr
+
+    cold, _ = start_up()
+    assert cold["read"] == 0 and cold["measured"] > 0, cold
+    assert os.path.dirname(cold["path"]) == str(tmp_path / "cache" / "startup")
+    with open(cold["path"]) as f:
+        stored = json.load(f)["decisions"]
+    assert {"skinny GEMM", "decode tuning", "step-model calibration"} <= set(stored), sorted(stored)
+    assert sum(len(files) for _, _, files in os.walk(tmp_path / "cache" / "triton")) > 0, "Triton's cache not placed"
+    warm, _ = start_up()
+    assert warm["path"] == cold["path"]
+    assert (warm["read"], warm["measured"]) == (cold["measured"], 0), (cold, warm)
+    assert warm["tokens"] == cold["tokens"]
+    with open(cold["path"], "w") as f:  # damaged: ignored with a warning, measured and stored again
+        f.write('{"format": 1, "fingerp')
+    damaged, log = start_up()
+    assert (damaged["read"], damaged["measured"]) == (0, cold["measured"]), damaged
+    assert "start-up cache" in log and "ignored" in log, log[-4000:]
+    assert damaged["tokens"] == cold["tokens"]

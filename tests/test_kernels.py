@@ -24,6 +24,7 @@ from asyncllm.kernels import (choose_decode_tile, choose_num_splits, choose_pref
                               paged_attention, split_workspace_numel, store_kvcache)
 from asyncllm.kernels.paged_attention import MAX_PREFILL_SPLITS, MAX_SPLITS, PREFILL_SPLIT_TOKENS  # noqa: E402
 from asyncllm.kernels.host import cdiv  # noqa: E402
+from asyncllm.startup_cache import StartupDecisions  # noqa: E402
 from helpers import compile_for_sm90_in_subprocess, seed_every_test  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -1194,6 +1195,7 @@ def test_linear_layers_take_skinny_gemm_only_for_few_rows(monkeypatch):
     # routing only: the kernel's first tiling is taken without timing it against cuBLAS (which runs
     # the kernel once per candidate, and may keep cuBLAS)
     monkeypatch.setattr(skinny_linear, "choose_fastest", lambda kernels, x, weight, bias, candidates: candidates[0])
+    monkeypatch.setattr(skinny_linear, "_decisions", StartupDecisions(None))  # no answer from an engine's cache
     dtype = torch.bfloat16
     column = ColumnParallelLinear(48, 40, bias=True).to(DEVICE, dtype)
     row = RowParallelLinear(48, 24, bias=True).to(DEVICE, dtype)
@@ -1264,6 +1266,7 @@ def test_mlp_takes_gated_skinny_gemm_where_linear_takes_the_kernel(monkeypatch):
     monkeypatch.setattr(skinny_linear, "_enabled", True)
     monkeypatch.setattr(skinny_linear, "choose_fastest",
                         lambda kernels, x, weight, bias, candidates, gated=False: candidates[0])
+    monkeypatch.setattr(skinny_linear, "_decisions", StartupDecisions(None))  # no answer from an engine's cache
     dtype = torch.bfloat16
     mlp = DecoderMLP(SimpleNamespace(hidden_size=48, intermediate_size=40)).to(DEVICE, dtype)
     row = RowParallelLinear(40, 24, bias=True).to(DEVICE, dtype)

@@ -24,7 +24,7 @@ LAYERS = (
     ("kernels", ("asyncllm.kernels",)),
     ("base", ("asyncllm.config", "asyncllm.settings", "asyncllm.sampling_params", "asyncllm.pooling_params",
               "asyncllm.structured", "asyncllm.structured.spec", "asyncllm.errors", "asyncllm.outputs",
-              "asyncllm.distributed", "asyncllm.startup", "asyncllm.testing")),
+              "asyncllm.distributed", "asyncllm.startup", "asyncllm.startup_cache", "asyncllm.testing")),
 )
 
 # The upward imports there are today, each an exact (importer, imported) pair: the runner and the

@@ -104,7 +104,7 @@ def next_content(events) -> str:
 # ---- basics --------------------------------------------------------------------------------------
 def test_health_models_and_loopback_default(server, client):
     r = httpx.get(server["base"] + "/health", timeout=10)  # no key needed for probes
-    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    assert r.status_code == 200 and r.json() == {"status": "ready"}
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
     # started without --host: listening on 127.0.0.1 only
@@ -442,7 +442,7 @@ def test_create_app_in_process(tiny_qwen3):
     engine = AsyncLLMEngine(tiny_qwen3, num_kvcache_blocks=2, kvcache_block_size=16, max_model_len=64)
     app = create_app(engine, "tiny", api_key=None, max_tokens_limit=16)
     with TestClient(app) as http:  # the lifespan starts the engine and stops it
-        assert http.get("/health").json() == {"status": "ok"}
+        assert http.get("/health").json() == {"status": "ready"}
         # the context a request can have: the KV cache's 32 tokens, not max_model_len's 64
         assert http.get("/v1/models").json()["data"][0]["max_model_len"] == engine.max_seq_len == 32
         assert http.get("/v1/models/tiny").json()["max_model_len"] == 32

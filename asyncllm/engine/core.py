@@ -18,7 +18,7 @@ from asyncllm.engine.startup_heap import freeze_startup_heap
 from asyncllm.engine.step_logprobs import add_prompt_logprobs, token_logprobs
 from asyncllm.engine.step_event import StepEvent
 from asyncllm.engine.stats import engine_stats
-from asyncllm.engine.step_budget import StepBudget, StepTimeModel, StepTimer, calibration_shapes
+from asyncllm.engine.step_budget import StepBudget, StepTimeModel, StepTimer, calibration_fits, calibration_shapes
 from asyncllm.runner.launched_step import LaunchedStep
 from asyncllm.runner.model_runner import ModelRunner
 from asyncllm.runner.tp_workers import TensorParallelWorkers
@@ -67,10 +67,13 @@ class EngineCore:
                                           config.max_num_seqs) if config.target_step_ms else None
         if self.step_budget is not None and self.runner.device.type == "cuda" and config.tensor_parallel_size == 1:
             # a fresh engine's first steps compile kernels, so their times teach nothing: measure
-            # steps now, after a warm-up, and start with a fitted model
+            # steps now, after a warm-up, and start with a fitted model (or with the start-up
+            # cache's measurement of the same steps on this GPU, model and settings)
             with phase(STEP_MODEL_CALIBRATION):
-                self.step_model.calibrate(self.runner.time_steps(
-                    calibration_shapes(config.max_num_batched_tokens, config.max_num_seqs)))
+                shapes = calibration_shapes(config.max_num_batched_tokens, config.max_num_seqs)
+                self.step_model.calibrate(self.runner.decisions.remembered(
+                    "step-model calibration", shapes, lambda: self.runner.time_steps(shapes),
+                    valid=lambda steps: calibration_fits(steps, shapes)))
         with phase(SCHEDULER):
             self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                        self.step_budget)
@@ -92,6 +95,7 @@ class EngineCore:
         # requests with a timeout; those ended at a launch report with the next resolve
         self.deadlines = RequestDeadlines()
         self._timed_out: list[StepEvent] = []
+        self.startup.finish(self.runner.decisions.num_read, self.runner.decisions.num_measured)  # ready
 
     # ---- input: the intake's checks, for the callers that hold the core (LLM, AsyncLLMEngine, the
     # chat template, asyncllm.vllm) ---------------------------------------------------------------

@@ -28,6 +28,7 @@ follow the current mix of contexts instead, which costs nothing per step.
 from __future__ import annotations
 
 import collections
+import math
 import time
 
 import torch
@@ -173,6 +174,17 @@ def calibration_shapes(max_num_batched_tokens: int, max_num_seqs: int) -> list[t
     prefill = sorted({min(n, max_num_batched_tokens) for n in (256, 1024, 2048)})
     decodes = sorted({min(n, max_num_seqs) for n in (0, 16, 64)})
     return [(p, d) for p in prefill for d in decodes if p + d <= max_num_batched_tokens]
+
+
+def calibration_fits(steps, shapes: list[tuple[int, int]]) -> bool:
+    """Whether steps (as the start-up cache gives them back) are a calibration of these shapes: per
+    shape (prefill tokens p, decodes d) a [prefill tokens, d, ms], the prefill tokens those of
+    whole prompts (time_steps: at most p, none only where p is 0), the ms positive and finite."""
+    return isinstance(steps, list) and len(steps) == len(shapes) and all(
+        isinstance(step, list) and len(step) == 3 and all(type(v) is int for v in step[:2])
+        and type(step[2]) in (int, float) and 0 < step[2] < math.inf
+        and step[1] == decodes and (0 < step[0] <= prefill if prefill else step[0] == 0)
+        for step, (prefill, decodes) in zip(steps, shapes))
 
 
 class StepBudget:

@@ -8,6 +8,8 @@ MIN_GAIN goes to the kernel, which keeps the step's chain of early launches that
 (_neighbour_kernel says why timing alone cannot see that).
 That first call is the CUDA-graph warm-up's (an eager run before each capture), so the timing
 never runs inside a capture and replays pay nothing; a shape first seen while capturing keeps cuBLAS.
+Each timing's answer is looked up in the start-up cache first, and stored there (startup_cache.py:
+the same shape and candidates, on the same GPU, versions and code), so a later start-up skips it.
 
 silu_mul_linear is the MLP's down projection of silu(gate) * up. Where linear() takes the kernel
 for that (rows, N, K) (decided on the unfused input, as linear() decides it), the kernel's gated
@@ -25,7 +27,7 @@ ASYNCLLM_SKINNY_GEMM=0 in the environment turns it off (cuBLAS everywhere).
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +36,7 @@ from asyncllm import settings
 from asyncllm.layers.activation import SiluAndMul
 from asyncllm.layers.device_wide import capturing
 from asyncllm.layers.fused import kernel_module
+from asyncllm.startup_cache import StartupDecisions
 
 logger = logging.getLogger("asyncllm")
 
@@ -57,6 +60,8 @@ _gated_choices: dict[tuple, object] = {}
 # (gated, key) of the decisions runner/decode_tuning.py settled inside the batch-1 decode step
 _settled: set[tuple[bool, tuple]] = set()
 _silu_and_mul = SiluAndMul()  # the unfused gate: the fused kernel on CUDA, PyTorch's on CPU
+# the start-up cache a timing's answer is looked up in first and stored to (use_decisions)
+_decisions = StartupDecisions(None)
 
 
 def set_enabled(enabled: bool) -> None:
@@ -112,6 +117,13 @@ def batch1_alternatives() -> list[tuple[bool, tuple, list]]:
             unique = [tiling for tiling in dict.fromkeys(tilings) if not (tiling.grouped and tiling.dot)]
             alternatives.append((gated, key, unique))
     return sorted(alternatives, key=lambda item: -item[1][3] * item[1][4])
+
+
+def use_decisions(decisions: StartupDecisions) -> None:
+    """Look timings' answers up in this start-up cache from now on, and store new ones there (the
+    runner's, at its start-up; the decisions themselves stay the process's, as before)."""
+    global _decisions
+    _decisions = decisions
 
 
 def set_choice(gated: bool, key: tuple, config) -> None:
@@ -171,8 +183,8 @@ def _decide(key: tuple, kernels, x: torch.Tensor, weight: torch.Tensor, bias: to
     candidates = kernels.candidate_configs(rows, n, k, _num_sms(x.device))[:MAX_CANDIDATES]
     config = _choices.get(key, _UNDECIDED)
     if config is _UNDECIDED:
-        unfused = _silu_and_mul(x) if gated else x
-        config = choose_fastest(kernels, unfused, weight, bias, candidates) if x.is_cuda else candidates[0]
+        config = _remembered(key, False, candidates, lambda: choose_fastest(
+            kernels, _silu_and_mul(x) if gated else x, weight, bias, candidates)) if x.is_cuda else candidates[0]
         _choices[key] = config
         logger.debug("skinny GEMM for %d rows x (%d, %d)%s: %s", rows, n, k, " + bias" if bias is not None else "",
                      "cuBLAS" if config is None else config.label())
@@ -180,11 +192,27 @@ def _decide(key: tuple, kernels, x: torch.Tensor, weight: torch.Tensor, bias: to
         return config
     # the gated form of the product's own tiling first: the interpreter's runs (no timing) take that
     candidates = [config] + [candidate for candidate in candidates if candidate != config]
-    gated_config = choose_fastest(kernels, x, weight, bias, candidates, gated=True) if x.is_cuda else config
+    gated_config = _remembered(key, True, candidates, lambda: choose_fastest(
+        kernels, x, weight, bias, candidates, gated=True)) if x.is_cuda else config
     _gated_choices[key] = gated_config
     logger.debug("skinny GEMM for %d rows x (%d, %d)%s, gated: %s", rows, n, k, " + bias" if bias is not None else "",
                  "unfused" if gated_config is None else gated_config.label())
     return gated_config
+
+
+def _remembered(key: tuple, gated: bool, candidates: list, measure):
+    """measure()'s choice among candidates (None: cuBLAS, or where gated the unfused pair), or the
+    start-up cache's answer to the same question (this shape, these candidates): an index into them."""
+    _, dtype, rows, n, k, has_bias = key
+    question = {"shape": [str(dtype), rows, n, k, has_bias], "gated": gated,
+                "candidates": [asdict(candidate) for candidate in candidates]}
+
+    def measured_index():
+        choice = measure()
+        return None if choice is None else candidates.index(choice)
+    index = _decisions.remembered("skinny GEMM", question, measured_index,
+                                  valid=lambda i: i is None or type(i) is int and 0 <= i < len(candidates))
+    return None if index is None else candidates[index]
 
 
 def _num_sms(device: torch.device) -> int:

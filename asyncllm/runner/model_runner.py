@@ -19,6 +19,7 @@ from asyncllm.runner.host_upload import upload_arrays
 from asyncllm.distributed import get_tp_size
 from asyncllm.engine.scheduler import SchedulerOutput
 from asyncllm.engine.sequence import PENDING_TOKEN
+from asyncllm.layers import skinny_linear
 from asyncllm.layers.device_wide import DEVICE_WIDE
 from asyncllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors, gather_logprobs
 from asyncllm.models.checkpoint import iter_safetensors, load_weights
@@ -33,6 +34,7 @@ from asyncllm.runner.step_bitmask import StepBitmasks
 from asyncllm.runner.tp_protocol import agree_on_min
 from asyncllm.startup import (ATTENTION_BACKEND, BUILD_MODEL, CUDA_GRAPHS, DECODE_TUNING, KV_CACHE, LOAD_WEIGHTS,
                               MEMORY_PROBE, SAMPLER, SAMPLER_GRAPHS, StartupTimings)
+from asyncllm.startup_cache import StartupDecisions
 
 logger = logging.getLogger("asyncllm")
 
@@ -68,6 +70,9 @@ class ModelRunner(RunnerMemory):
         self.step_group = step_group
         self.device = torch.device(config.device, torch.cuda.current_device()) if config.device == "cuda" \
             else torch.device("cpu")
+        # the start-up cache (startup_cache.py), opened before anything compiles: Triton's folder, stored decisions
+        self.decisions = StartupDecisions.opened_for(config, self.device)
+        skinny_linear.use_decisions(self.decisions)
         self.dtype = config.torch_dtype
         self.block_size = config.kvcache_block_size
         self.graph_runner = None  # captured last; the memory probe below runs the model eagerly
@@ -115,7 +120,8 @@ class ModelRunner(RunnerMemory):
                 max_mixed_tokens=min(config.cuda_graph_max_tokens, config.max_num_batched_tokens), warm_up=warm_up)
         if tune and self.step_group is None:  # one rank: its batch-1 graph's tilings by the step's time
             with phase(DECODE_TUNING):
-                tune_batch1_projections(self.graph_runner, lambda context: self._synthetic_step(0, 0, 1, context))
+                tune_batch1_projections(self.graph_runner, lambda context: self._synthetic_step(0, 0, 1, context),
+                                        self.decisions)
         if self.rank == 0:  # the other tensor-parallel ranks never sample
             with phase(SAMPLER_GRAPHS):
                 self.sampler_graphs = SamplerGraphs(self.graph_runner)

@@ -8,7 +8,6 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from contextlib import asynccontextmanager
 
 import anyio
 from starlette.applications import Starlette
@@ -24,6 +23,7 @@ from asyncllm.server.answers import Echo, Generation, stream_response, whole_res
 from asyncllm.server.constraints import compile_constraint, requested_constraint
 from asyncllm.server.embeddings import create_embeddings
 from asyncllm.server.errors import RETRY_AFTER_SECONDS, exception_handlers
+from asyncllm.server.lifespan import EngineLifespan, EngineStartup
 from asyncllm.server.limits import (RequestLimits, limit_output, limit_timeout, read_json_body,
                                     request_timeout_error)
 from asyncllm.server.metrics import EngineMetrics
@@ -63,6 +63,7 @@ class OpenAIServer(TokenizationEndpoints):
         self.metrics = EngineMetrics(engine, model_name)  # its own registry: several apps in a process
         self.created = int(time.time())
         self.drain = Drain(engine.abort)  # driven by connections.DrainingServer at shutdown
+        self.startup = EngineStartup(engine)  # its state during start-up: /health and the 503s
 
     # ---- plumbing ----
     def _check_auth(self, request: Request) -> None:
@@ -105,11 +106,15 @@ class OpenAIServer(TokenizationEndpoints):
         except (EngineDeadError, RuntimeError) as e:
             raise APIError(503, f"the engine is not available: {e}", code="engine_unavailable") from None
 
-    def _endpoint(self, handler, *, auth: bool = True):
+    def _endpoint(self, handler, *, auth: bool = True, while_starting: bool = False):
+        """handler's endpoint: the API key checked (auth), OpenAI-shaped errors, the drain; during the
+        engine's start-up a 503 unless while_starting."""
         async def endpoint(request: Request) -> Response:
             try:
                 if auth:
                     self._check_auth(request)
+                if not while_starting:
+                    self.startup.check_started()
                 with self.drain.handling() as handling:
                     response = await handler(request)
                 if handling.cancel_called:  # the shutdown's drain ended: whatever the handler did is cut
@@ -355,8 +360,16 @@ class OpenAIServer(TokenizationEndpoints):
         return JSONResponse(self._model_card())
 
     async def health(self, request: Request) -> Response:
+        """200 {"status": "ready"} once the engine serves; while it starts 503 {"status": "starting",
+        "phase": ...} (readiness probes and load balancers wait); after a failure, or while the server
+        shuts down, a 503 error."""
+        if self.drain.refusing:
+            raise shutting_down_error()
+        starting = self.startup.health()
+        if starting is not None:
+            return starting
         self._check_engine()
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ready"})
 
     async def metrics_endpoint(self, request: Request) -> Response:
         content, media_type = self.metrics.render()
@@ -373,17 +386,23 @@ class OpenAIServer(TokenizationEndpoints):
             Route("/v1/models/{model:path}", e(self.model), methods=["GET"]),
             Route("/tokenize", e(self.tokenize), methods=["POST"]),
             Route("/detokenize", e(self.detokenize), methods=["POST"]),
-            Route("/health", e(self.health, auth=False), methods=["GET"]),
-            Route("/metrics", e(self.metrics_endpoint, auth=False), methods=["GET"]),
+            Route("/health", e(self.health, auth=False, while_starting=True), methods=["GET"]),
+            Route("/metrics", e(self.metrics_endpoint, auth=False, while_starting=True), methods=["GET"]),
         ]
 
 
 def create_app(engine, model_name: str, api_key: str | None = None, *, manage_engine: bool | None = None,
-               **options) -> Starlette:
+               start_in_background: bool = False,
+               on_engine_started: Callable[[BaseException | None], None] | None = None, **options) -> Starlette:
     """The OpenAI-compatible Starlette app for `engine` (an AsyncLLMEngine).
 
     manage_engine: True = the app's lifespan starts the engine and shuts it down; False = the caller
     does; None (default) = the lifespan starts it if it is not started yet, and then owns it.
+    start_in_background: the lifespan does not wait for the engine it starts, so HTTP answers at
+    once: /health 503 {"status": "starting", "phase": ...} and every other route but /metrics 503
+    (code server_starting) until the engine is ready (then /health 200 {"status": "ready"}).
+    on_engine_started(error): called once the engine the lifespan started is ready (None) or has
+    failed to start (its exception; `asyncllm serve` stops then).
     The API key, when set, guards /v1/*; /health and /metrics stay open for probes and scrapers.
     options: OpenAIServer's --
     trust_request_chat_template: render chat templates that requests bring (they run on this server);
@@ -393,21 +412,8 @@ def create_app(engine, model_name: str, api_key: str | None = None, *, manage_en
     the default and the most of a request's `timeout`).
     """
     server = OpenAIServer(engine, model_name, api_key, **options)
-
-    @asynccontextmanager
-    async def lifespan(app):
-        owns = (not engine.started) if manage_engine is None else manage_engine
-        if owns:
-            await engine.start()
-        stats = engine.stats()
-        logger.info("asyncllm: serving %s (%s KV blocks of %s tokens)", model_name,
-                    stats.get("num_total_blocks"), stats.get("block_size"))
-        try:
-            yield
-        finally:
-            if owns:
-                await engine.shutdown(drain=False)
-
-    app = Starlette(routes=server.routes(), lifespan=lifespan, exception_handlers=exception_handlers())
+    lifespan = EngineLifespan(engine, server.startup, model_name, manage_engine, start_in_background,
+                              on_engine_started)
+    app = Starlette(routes=server.routes(), lifespan=lifespan.run, exception_handlers=exception_handlers())
     app.state.server = server
     return app
