@@ -15,6 +15,7 @@ from asyncllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from asyncllm.engine.startup_heap import freeze_startup_heap
 from asyncllm.engine.step_logprobs import add_prompt_logprobs, token_logprobs
 from asyncllm.engine.step_budget import StepBudget, StepTimeModel, StepTimer, calibration_shapes
+from asyncllm.errors import InvalidValueError
 from asyncllm.runner.launched_step import LaunchedStep
 from asyncllm.runner.model_runner import ModelRunner
 from asyncllm.runner.tp_workers import TensorParallelWorkers
@@ -133,7 +134,7 @@ class EngineCore:
         if request_id is None:
             request_id = self.new_request_id()
         if request_id in self.requests:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
+            raise InvalidValueError("request_id", f"{request_id!r} is already in use")
         seq = self._new_sequence(request_id, prompt_token_ids, params, 0)
         if params.n > 1:
             # the first sequence prefills the prompt; the others wait in its forks until then
