@@ -16,13 +16,14 @@ _EXPORTS = {
     "LLM": "asyncllm.llm", "Config": "asyncllm.config", "SamplingParams": "asyncllm.sampling_params",
     "StructuredOutput": "asyncllm.structured", "EngineDeadError": "asyncllm.errors",
     "PromptTooLongError": "asyncllm.errors", "QueueFullError": "asyncllm.errors", "FinishReason": "asyncllm.outputs",
+    "RequestTimeoutError": "asyncllm.errors",
 }
 __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ imports them
     from asyncllm.async_engine import AsyncLLMEngine
     from asyncllm.config import Config
-    from asyncllm.errors import EngineDeadError, PromptTooLongError, QueueFullError
+    from asyncllm.errors import EngineDeadError, PromptTooLongError, QueueFullError, RequestTimeoutError
     from asyncllm.llm import LLM
     from asyncllm.outputs import FinishReason
     from asyncllm.sampling_params import SamplingParams

@@ -165,6 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="most logprobs one answer may carry, n x max_tokens x (top_logprobs + 1) plus the "
                            "prompt's with prompt_logprobs; more get 400, and a request without max_tokens gets "
                            f"a max_tokens that fits (default {DEFAULT_MAX_LOGPROB_ENTRIES})")
+    http.add_argument("--request-timeout", type=_positive_float, default=None,
+                      help="seconds a request may take from its submission to the engine: one with no token by "
+                           "then gets 408 (streamed: an error event), one generating ends with finish_reason "
+                           "\"timeout\"; the default of a request's own `timeout` field and the most it may ask "
+                           "for (default: none)")
     http.add_argument("--sse-keepalive-interval", type=_positive_float, default=DEFAULT_SSE_KEEPALIVE_INTERVAL,
                       help="seconds a stream may wait (queue, long prefill) before it sends a ': keep-alive' "
                            f"comment (default {DEFAULT_SSE_KEEPALIVE_INTERVAL:g})")
@@ -271,6 +276,7 @@ def serve(args: argparse.Namespace) -> int:
     app = create_app(engine, name, api_key, max_body_bytes=args.max_body_bytes,
                      max_tokens_limit=args.max_tokens_limit, body_timeout=args.body_timeout,
                      max_generated_tokens=args.max_generated_tokens, max_logprob_entries=args.max_logprob_entries,
+                     request_timeout=args.request_timeout,
                      trust_request_chat_template=args.trust_request_chat_template,
                      sse_keepalive_interval=args.sse_keepalive_interval, manage_engine=True)
     if args.host not in LOOPBACK_HOSTS and api_key is None:

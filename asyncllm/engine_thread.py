@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 from asyncllm.config import Config
 from asyncllm.engine.core import EngineCore
-from asyncllm.errors import EngineDeadError, UnsatisfiableConstraintsError
+from asyncllm.errors import EngineDeadError, RequestTimeoutError, UnsatisfiableConstraintsError
 from asyncllm.outputs import FinishReason
+from asyncllm.pooling_params import PoolingParams
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.startup import StartupTimings
 from asyncllm.streams import LaunchGate, RequestChannel, RequestMetrics, wake
@@ -37,7 +38,10 @@ class AddRequest:
     """Queue a request; its outputs go to channel (whose request_id it has)."""
     channel: RequestChannel
     prompt_token_ids: list[int]
-    params: SamplingParams  # what EngineCore.check_request returned for it: checked, its own snapshot
+    # what EngineCore.check_request returned for it: checked, its own snapshot (an embedding request:
+    # check_embedding_request's PoolingParams)
+    params: SamplingParams | PoolingParams
+    submitted_at: float | None = None  # on the core's deadline clock: its timeout counts from then (None: when applied)
 
 
 @dataclass(slots=True)
@@ -141,7 +145,9 @@ class EngineThread:
                 with self._cv:
                     while not self._inbox and not self._stop_requested and not core.has_unfinished() \
                             and not undelivered:
-                        gate.open()  # idle: no launch to wait for
+                        # idle: no launch to wait for, and no live request, so no deadline to wake
+                        # for (they are checked at each launch: EngineCore.end_expired_requests)
+                        gate.open()
                         self._cv.wait()
                     commands = list(self._inbox)
                     self._inbox.clear()
@@ -221,7 +227,8 @@ class EngineThread:
             channel.put([], None, ValueError(f"request_id: {channel.request_id!r} is already in use"))
             return
         try:
-            seq = self.core.add_checked_request(prompt_token_ids, command.params, channel.request_id)
+            seq = self.core.add_checked_request(prompt_token_ids, command.params, channel.request_id,
+                                                command.submitted_at)
         except (ValueError, TypeError) as e:
             channel.put([], None, e)
             return
@@ -260,13 +267,15 @@ class EngineThread:
             if event.error is not None:  # the request cannot go on: its stream raises, its other sequences end
                 del channels[seq.request_id]
                 self.core.finish_request(seq.request_id, FinishReason.ABORT)
-                channel.put([], None, UnsatisfiableConstraintsError(event.error))
+                error = RequestTimeoutError if event.finish_reason is FinishReason.TIMEOUT else \
+                    UnsatisfiableConstraintsError
+                channel.put([], None, error(event.error))
                 continue
             record(channel, seq, now, len(event.new_token_ids))
             if event.request_finished:
                 del channels[seq.request_id]
             waiting = channel.put_quietly(event.new_token_ids, event.finish_reason, None, seq.index,
-                                          event.logprobs, event.stop_reason, event.prompt_logprobs)
+                                          event.logprobs, event.stop_reason, event.prompt_logprobs, event.embedding)
             if waiting is not None:
                 waker, waiter = waiting
                 waiters = to_wake.get(waker)

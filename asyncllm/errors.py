@@ -63,3 +63,9 @@ class UnsatisfiableConstraintsError(InvalidValueError):
 
     def __reduce__(self):
         return type(self), (self.reason,)
+
+
+class RequestTimeoutError(AsyncLLMError, TimeoutError):
+    """A request's timeout (SamplingParams.timeout) passed before it produced its first token: it
+    waited in the queue (or was still computing its prompt) that long, and was dropped there. Raised
+    by its stream; a request that had produced tokens ends instead with finish_reason "timeout"."""

@@ -12,6 +12,7 @@ class FinishReason(StrEnum):
     STOP = "stop"  # an EOS or stop token, a stop string, or a grammar that allows nothing more
     LENGTH = "length"  # max_tokens, or the engine's length limit
     ABORT = "abort"  # aborted (a caller, a dropped stream, shutdown), or no token its constraints allow
+    TIMEOUT = "timeout"  # its SamplingParams.timeout passed while it generated: the tokens so far
 
 
 class TokenLogprob:

@@ -78,6 +78,10 @@ class SamplingParams:
     # constrained decoding: the output must match a JSON schema, any JSON object, a regex, a choice
     # or a grammar (a StructuredOutput, or a dict of its fields)
     structured_output: StructuredOutput | None = None
+    # seconds from submission: a request with no token by then is dropped (its stream raises
+    # RequestTimeoutError), one generating then ends with finish_reason "timeout" (None: no limit);
+    # with equal priorities, earlier deadlines are admitted first
+    timeout: float | None = None
 
     def __post_init__(self) -> None:
         self._check_original_fields(_fail)
@@ -199,6 +203,8 @@ class SamplingParams:
             self.bad_words = list(self.bad_words)
         for name in ("skip_special_tokens", "spaces_between_special_tokens"):
             fail.expect_bool(name, getattr(self, name))
+        if self.timeout is not None:
+            self.timeout = fail.positive_seconds("timeout", self.timeout)
 
     def snapshot(self) -> "SamplingParams":
         """A validated copy that owns its lists: what a request keeps, so that changing these

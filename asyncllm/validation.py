@@ -37,10 +37,11 @@ def short_repr(value, limit: int = 80) -> str:
 
 class FieldChecks:
     """The refusals of one class's fields: fail(field, reason) raises InvalidValueError naming the
-    owner and the field ("SamplingParams.top_p: must be in (0, 1], got 0.0"). show: how a refused
+    owner and the field ("SamplingParams.top_p: must be in (0, 1], got 0.0"; owner None: the
+    field alone). show: how a refused
     value is quoted in the messages of the checks below."""
 
-    def __init__(self, owner: str, show: Callable[[object], str] = repr):
+    def __init__(self, owner: str | None, show: Callable[[object], str] = repr):
         self.owner = owner
         self.show = show
 
@@ -64,3 +65,11 @@ class FieldChecks:
         if number is None:
             self(field, f"expected a finite number, got {self.show(value)}")
         return number
+
+    def positive_seconds(self, field: str, value) -> float:
+        """value, a duration that is set (None is the caller's to allow), as a float; refused unless a
+        finite number of seconds > 0."""
+        seconds = as_finite_float(value)
+        if seconds is None or seconds <= 0:
+            self(field, f"expected None or a finite number of seconds > 0, got {self.show(value)}")
+        return seconds

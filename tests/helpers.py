@@ -31,6 +31,43 @@ def seed_every_test(seed: int):
     return _seed
 
 
+class ManualClock:
+    """A fake clock for an engine core's deadlines (SamplingParams.timeout) that moves only when the
+    test sets `now`. install() puts it in (through monkeypatch where given: undone after the test)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def install(self, core, monkeypatch=None):
+        _set(monkeypatch, core.deadlines, "clock", self)
+        return self
+
+
+class StepClock(ManualClock):
+    """A fake deadline clock that moves one second after each step the core launches: a timeout
+    counts steps, whatever the machine's speed."""
+
+    def install(self, core, monkeypatch=None):
+        super().install(core, monkeypatch)
+        launch = core.launch_step
+
+        def launch_and_tick() -> None:
+            launch()
+            self.now += 1.0
+        _set(monkeypatch, core, "launch_step", launch_and_tick)
+        return self
+
+
+def _set(monkeypatch, target, name: str, value) -> None:
+    if monkeypatch is None:
+        setattr(target, name, value)
+    else:
+        monkeypatch.setattr(target, name, value)
+
+
 def engine_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "asyncllm-engine" and t.is_alive()]
 
@@ -238,3 +275,14 @@ def forced(tokenizer, sequence: list[str], **kwargs):
     assert len(bias) == len(sequence) <= 6
     return SamplingParams(**{"temperature": 0, "max_tokens": 10, "logit_bias": bias, "repetition_penalty": 2.0,
                              **kwargs})
+
+
+def live_server_client(base: str, timeout: float = 120, api_key: str = "none"):
+    """The official openai client for a real `asyncllm serve` that module-scoped fixtures share
+    between tests: no kept-alive connections, so a gap between two tests longer than the server's
+    keep-alive timeout (a busy machine, a slow fixture) cannot hand the next request a connection
+    the server is closing; and no retries, so every error a test provokes reaches it."""
+    import httpx
+    import openai
+    http = httpx.Client(timeout=timeout, limits=httpx.Limits(max_keepalive_connections=0))
+    return openai.OpenAI(base_url=base + "/v1", api_key=api_key, max_retries=0, http_client=http)

@@ -185,8 +185,8 @@ async def test_concurrent_streams_cancelled_by_every_route(make_engine, monkeypa
         async with make_engine() as engine:
             add_request = engine._core.add_checked_request
 
-            def recording_add_request(prompt_token_ids, params, request_id=None):
-                seq = add_request(prompt_token_ids, params, request_id)
+            def recording_add_request(prompt_token_ids, params, request_id=None, submitted_at=None):
+                seq = add_request(prompt_token_ids, params, request_id, submitted_at)
                 seqs[request_id] = seq
                 return seq
             monkeypatch.setattr(engine._core, "add_checked_request", recording_add_request)

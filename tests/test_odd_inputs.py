@@ -5,8 +5,9 @@ shutdown.
 
 For each (field, value) pair of ODD_VALUES x SAMPLING_FIELDS: SamplingParams either accepts it or
 raises ValueError/TypeError naming `SamplingParams.<field>`, nothing else; an accepted one is run
-through a live AsyncLLMEngine while a reference stream decodes, and the engine never dies; the same
-value sent as JSON to the server gets 200 or an OpenAI-shaped 400, never a 500. The counts are
+through a live AsyncLLMEngine while a reference stream decodes, and the engine never dies (a
+timeout too short for a step ends with RequestTimeoutError); the same value sent as JSON to the
+server gets 200 or an OpenAI-shaped 400 (408 for such a timeout), never a 500. The counts are
 printed (docs/RELIABILITY.md quotes them): zero engine deaths, hangs or 500s is the outcome.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 
 from asyncllm import engine_thread
 from asyncllm.async_engine import AsyncLLMEngine
-from asyncllm.errors import EngineDeadError
+from asyncllm.errors import EngineDeadError, RequestTimeoutError
 from asyncllm.llm import LLM
 from asyncllm.sampling_params import SamplingParams
 from helpers import assert_all_blocks_free, engine_threads
@@ -28,7 +29,7 @@ from helpers import assert_all_blocks_free, engine_threads
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 
 SAMPLING_FIELDS = ["temperature", "top_k", "top_p", "min_p", "max_tokens", "ignore_eos", "stop_token_ids", "stop",
-                   "include_stop_str_in_output", "seed"]
+                   "include_stop_str_in_output", "seed", "timeout"]
 ODD_VALUES = [None, True, False, 0, 1, -1, 2, 0.5, -0.5, 1e-9, 1e300, -1e300, math.nan, math.inf, -math.inf,
               2 ** 31, 2 ** 63, 2 ** 64, -(2 ** 63) - 1, 10 ** 30, 10 ** 400, -(10 ** 400), "", "0.7", "5", "stop",
               "\ud800", [], [None], [-1], [1.5], ["a", 3], [2 ** 70], ["x" * 5000], ["y"] * 200, {}, {"a": 1},
@@ -53,7 +54,7 @@ def build(field: str, value):
 
 
 async def test_every_sampling_field_with_every_odd_value(tiny_qwen3):
-    counts = {"tried": 0, "refused": 0, "ran": 0, "engine_deaths": 0}
+    counts = {"tried": 0, "refused": 0, "ran": 0, "timed_out": 0, "engine_deaths": 0}
     reference_params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     with anyio.fail_after(240):
         async with AsyncLLMEngine(tiny_qwen3, num_kvcache_blocks=128, kvcache_block_size=16) as engine:
@@ -77,6 +78,8 @@ async def test_every_sampling_field_with_every_odd_value(tiny_qwen3):
                             break  # one item is enough: the step that made it took this request
                         await stream.aclose()
                         counts["ran"] += 1
+                    except RequestTimeoutError:  # a timeout too short for a step (1e-9 s): no token
+                        counts["timed_out"] += 1
                     except EngineDeadError:
                         counts["engine_deaths"] += 1
                         raise
@@ -107,7 +110,9 @@ async def test_every_sampling_field_with_every_odd_json_value_is_never_a_500(tin
                         response = await client.post("/v1/completions", content=body,
                                                      headers={"content-type": "application/json"})
                         counts[response.status_code] = counts.get(response.status_code, 0) + 1
-                        assert response.status_code in (200, 400), (field, value, response.status_code, response.text)
+                        # 408: a timeout too short for a step (1e-9 s)
+                        assert response.status_code in (200, 400) or response.status_code == 408 and \
+                            field == "timeout", (field, value, response.status_code, response.text)
                         if response.status_code == 400:
                             error = response.json()["error"]
                             assert error["type"] == "invalid_request_error" and error["message"], error
@@ -139,6 +144,10 @@ ENGINE_CALLS = [
     ("chat", "request_id", lambda e, v: e.chat(MSG, SHORT, request_id=v)),
     *[("chat", name, lambda e, v, name=name: e.chat(MSG, SHORT, **{name: v})) for name in CHAT_KEYWORDS],
     ("apply_chat_template", "messages", lambda e, v: e.apply_chat_template(v)),
+    ("embed", "prompts", lambda e, v: e.embed(v)),
+    ("embed", "pooling", lambda e, v: e.embed(PROMPT, pooling=v)),
+    ("embed", "normalize", lambda e, v: e.embed(PROMPT, normalize=v)),
+    ("embed", "dimensions", lambda e, v: e.embed(PROMPT, dimensions=v)),
     ("encode", "prompt", lambda e, v: e.encode(v)),
     ("encode", "argument", lambda e, v: e.encode(PROMPT, v)),
     ("abort", "request_id", lambda e, v: e.abort(v)),
@@ -150,7 +159,7 @@ ENGINE_CALLS = [
 # arguments whose accepted values must all be of one type (the others are refused, never passed on);
 # request_id None: an id of the engine's (abort refuses it)
 ACCEPTS_ONLY = {"request_id": (str, type(None)), "argument": str, "drain": bool, "use_tqdm": bool, "add_generation_prompt": bool,
-                "poll_interval": (int, float)}
+                "poll_interval": (int, float), "pooling": str, "normalize": bool, "dimensions": (int, type(None))}
 
 
 def named(argument: str, message: str) -> bool:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from helpers import free_port, serve_command, stop_process, wait_healthy
+from helpers import free_port, live_server_client, serve_command, stop_process, wait_healthy
 
 httpx = pytest.importorskip("httpx", reason="the server tests need the server/test extras (httpx)")
 openai = pytest.importorskip("openai", reason="the server tests need the test extras (openai)")
@@ -19,6 +19,7 @@ pytest.importorskip("uvicorn", reason="the server tests need asyncllm[server] (u
 
 API_KEY = "test-key-123"
 MAX_TOKENS_LIMIT = 2048
+REQUEST_TIMEOUT = 600  # --request-timeout: far beyond any request here but the ones that test it
 MODEL_NAME = "tiny-qwen3"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 LONG = {"max_tokens": 2000, "ignore_eos": True}  # ~minutes on CPU: only ever cut short
@@ -34,7 +35,8 @@ def server(tiny_qwen3, tmp_path_factory):
     # no --host: the default must be loopback. The key comes from the environment.
     cmd = serve_command() + ["serve", tiny_qwen3, "--port", str(port), "--served-model-name", MODEL_NAME,
                              "--max-tokens-limit", str(MAX_TOKENS_LIMIT), "--max-num-seqs", "1",
-                             "--max-queued-requests", "2", "--num-kvcache-blocks", "64", "--log-level", "warning"]
+                             "--max-queued-requests", "2", "--num-kvcache-blocks", "64", "--log-level", "warning",
+                             "--request-timeout", str(REQUEST_TIMEOUT)]
     env = dict(os.environ, ASYNCLLM_API_KEY=API_KEY)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -49,7 +51,7 @@ def server(tiny_qwen3, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server["base"] + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    return live_server_client(server["base"], 60, API_KEY)
 
 
 @pytest.fixture(scope="module")
@@ -214,6 +216,20 @@ def test_disconnect_while_waiting_for_non_streamed_answer(server):
     after = wait_idle(base)
     assert after['asyncllm_requests_total{finish_reason="abort"}'] == \
         before['asyncllm_requests_total{finish_reason="abort"}'] + 1
+
+
+def test_request_timeout_ends_a_long_answer_and_bounds_what_a_request_may_ask(server, client):
+    wait_idle(server["base"])
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=5, extra_body={"timeout": REQUEST_TIMEOUT + 1})
+    assert info.value.body["param"] == "timeout" and "--request-timeout" in info.value.body["message"]
+    try:  # the real clock: tokens by 0.5 s end "timeout"; none (a very busy machine) is a 408
+        answer = client.completions.create(model=MODEL_NAME, prompt="Count to a thousand:", max_tokens=2000,
+                                           extra_body={"timeout": 0.5, "ignore_eos": True})
+        assert answer.choices[0].finish_reason == "timeout" and 1 <= answer.usage.completion_tokens < 2000
+    except openai.APIStatusError as e:
+        assert e.status_code == 408 and e.body["code"] == "request_timeout"
+    wait_idle(server["base"])
 
 
 def test_queue_full_gives_429(server, client):
@@ -439,7 +455,8 @@ def test_create_app_in_process(tiny_qwen3):
 
 
 @pytest.mark.parametrize("option, value", [("--port", "70000"), ("--port", "-1"), ("--graceful-shutdown-timeout", "nan"),
-                                           ("--graceful-shutdown-timeout", "inf"), ("--body-timeout", "inf")])
+                                           ("--graceful-shutdown-timeout", "inf"), ("--body-timeout", "inf"),
+                                           ("--request-timeout", "0"), ("--request-timeout", "nan")])
 def test_cli_refuses_out_of_range_numbers_before_loading(option, value, capsys):
     # they passed the parser and failed after the model had loaded (round(nan), uvicorn's port)
     from asyncllm.cli import build_parser

@@ -5,22 +5,25 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 
 from asyncllm.config import Config
 from asyncllm.engine.block_manager import BlockManager
+from asyncllm.engine.deadlines import RequestDeadlines
 from asyncllm.engine.intake import RequestIntake
+from asyncllm.engine.pooling import PoolingPlan, embedding_sequence
 from asyncllm.engine.scheduler import Scheduler, SchedulerOutput
 from asyncllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from asyncllm.engine.startup_heap import freeze_startup_heap
 from asyncllm.engine.step_logprobs import add_prompt_logprobs, token_logprobs
+from asyncllm.engine.step_event import StepEvent
 from asyncllm.engine.step_budget import StepBudget, StepTimeModel, StepTimer, calibration_shapes
 from asyncllm.errors import InvalidValueError
 from asyncllm.runner.launched_step import LaunchedStep
 from asyncllm.runner.model_runner import ModelRunner
 from asyncllm.runner.tp_workers import TensorParallelWorkers
 from asyncllm.models.checkpoint import check_tokenizer, load_tokenizer
-from asyncllm.outputs import FinishReason, TokenLogprob
+from asyncllm.outputs import FinishReason
+from asyncllm.pooling_params import PoolingParams
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.startup import (BLOCK_MANAGER, HEAP_FREEZE, REQUEST_INTAKE, SCHEDULER, STEP_BUDGET,
                               STEP_MODEL_CALIBRATION, TOKENIZER, TP_WORKERS, StartupTimings)
@@ -28,19 +31,6 @@ from asyncllm.structured.grammar import GrammarCompiler
 from asyncllm.structured.step_masks import StepConstraints
 
 logger = logging.getLogger("asyncllm")
-
-
-@dataclass(slots=True)
-class StepEvent:
-    """What happened to one request in one step: a new token and/or its end."""
-    seq: Sequence  # seq.index tells which of an n > 1 request's sequences
-    new_token_ids: list[int]
-    finish_reason: FinishReason | None
-    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked
-    stop_reason: int | None = None  # the stop token id that ended it (EOS: None, as vLLM)
-    request_finished: bool = False  # every sequence of the request has finished (n == 1: finish_reason set)
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first token, when the request asked
-    error: str | None = None  # ended with no token: its grammar refused the one sampled (GrammarState.error)
 
 
 class EngineCore:
@@ -100,6 +90,9 @@ class EngineCore:
         # with a grammar, pruned once finished
         self._grammar_compiler: GrammarCompiler | None = None
         self._constrained: list[Sequence] = []
+        # requests with a timeout; those ended at a launch report with the next resolve
+        self.deadlines = RequestDeadlines()
+        self._timed_out: list[StepEvent] = []
 
     # ---- input: the intake's checks, for the callers that hold the core (LLM, AsyncLLMEngine, the
     # chat template, asyncllm.vllm) ---------------------------------------------------------------
@@ -111,6 +104,11 @@ class EngineCore:
                       argument: str = "prompt") -> SamplingParams:
         """Check a request; returns the validated snapshot of params that the request must keep."""
         return self.intake.check_request(prompt_token_ids, params, argument)
+
+    def check_embedding_request(self, prompt_token_ids: list[int], params: PoolingParams,
+                                argument: str = "prompt") -> PoolingParams:
+        """Check an embedding request (engine/pooling.py); returns its params."""
+        return self.intake.check_embedding_request(prompt_token_ids, params, argument)
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
@@ -128,27 +126,38 @@ class EngineCore:
         """Check a request and queue it."""
         return self.add_checked_request(prompt_token_ids, self.check_request(prompt_token_ids, params), request_id)
 
-    def add_checked_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                            request_id: str | None = None) -> Sequence:
-        """Queue a request whose params are what check_request returned for it (its own snapshot)."""
+    def add_checked_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
+                            request_id: str | None = None, submitted_at: float | None = None) -> Sequence:
+        """Queue a request whose params are what check_request returned for it (its own snapshot), or
+        an embedding request with what check_embedding_request returned. submitted_at: when the caller
+        submitted it, on self.deadlines.clock (None: now); a timeout counts from then."""
         if request_id is None:
             request_id = self.new_request_id()
         if request_id in self.requests:
             raise InvalidValueError("request_id", f"{request_id!r} is already in use")
-        seq = self._new_sequence(request_id, prompt_token_ids, params, 0)
-        if params.n > 1:
+        deadline = None
+        if isinstance(params, PoolingParams):  # an embedding: one sequence, prefilled, never sampled
+            seq = embedding_sequence(request_id, prompt_token_ids, params, self.block_manager.block_size)
+        else:
+            if params.timeout is not None:
+                deadline = (self.deadlines.clock() if submitted_at is None else submitted_at) + params.timeout
+            seq = self._new_sequence(request_id, prompt_token_ids, params, 0, deadline)
+        if seq.pooling is None and params.n > 1:
             # the first sequence prefills the prompt; the others wait in its forks until then
-            seq.forks = [self._new_sequence(request_id, prompt_token_ids, params, i) for i in range(1, params.n)]
+            seq.forks = [self._new_sequence(request_id, prompt_token_ids, params, i, deadline)
+                         for i in range(1, params.n)]
             seq.group = [seq, *seq.forks]
             for child in seq.forks:
                 child.group = seq.group
         self.requests[request_id] = seq
         self.scheduler.add(seq)
+        if deadline is not None:
+            self.deadlines.add(seq)
         return seq
 
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      index: int) -> Sequence:
-        seq = self.intake.new_sequence(request_id, prompt_token_ids, params, index)
+                      index: int, deadline: float | None) -> Sequence:
+        seq = self.intake.new_sequence(request_id, prompt_token_ids, params, index, deadline)
         if seq.grammar is not None:  # its steps build a token mask (with the compiler it was made by)
             self._grammar_compiler = self.intake.grammar_compiler
             self._constrained.append(seq)
@@ -193,6 +202,28 @@ class EngineCore:
             del self.requests[request_id]
         return leader
 
+    def end_expired_requests(self) -> list[StepEvent]:
+        """End the requests whose deadline has passed (finish_request: blocks freed at once, tokens in
+        flight dropped), each sequence still open with finish_reason TIMEOUT. A request without a
+        token yet gets one event, carrying the error its stream raises (RequestTimeoutError);
+        otherwise each sequence ended gets an event (the last: request_finished)."""
+        events = []
+        for leader in self.deadlines.pop_expired(self.requests):
+            group = leader.group or [leader]
+            # tokens the host knows are (or will be) delivered; the ones in flight are dropped below
+            produced = any(seq.num_resolved_tokens > seq.num_prompt_tokens for seq in group)
+            ending = [seq for seq in group if not seq.is_finished]
+            queued = leader.first_scheduled_time is None
+            self.finish_request(leader.request_id, FinishReason.TIMEOUT)
+            if not produced:
+                events.append(StepEvent(leader, [], FinishReason.TIMEOUT, request_finished=True, error=(
+                    f"request {leader.request_id!r}: no token within its timeout of {leader.params.timeout:g} s "
+                    f"(SamplingParams.timeout); it was {'still queued' if queued else 'computing its prompt'}")))
+                continue
+            events.extend(StepEvent(seq, [], FinishReason.TIMEOUT) for seq in ending)
+            events[-1].request_finished = True
+        return events
+
     # ---- the step -----------------------------------------------------------------------------
     # A step is launched (inputs built, forward and sampling queued on the device) and later
     # resolved (its sampled ids read, finishes checked). Launching commits the step's KV and gives
@@ -214,6 +245,8 @@ class EngineCore:
     def launch_step(self) -> None:
         """Schedule the next step and queue it on the device (with overlap, behind the one in flight)."""
         try:
+            if self.deadlines:  # before scheduling: a request past its deadline takes no further step
+                self._timed_out.extend(self.end_expired_requests())
             sched = self.scheduler.schedule()
             self._launched = None if sched.is_empty else self._launch(sched)
         except BaseException:
@@ -222,15 +255,20 @@ class EngineCore:
 
     def resolve_step(self) -> list[StepEvent]:
         """Resolve a step and return its events: with overlap the one launched before the latest
-        (which stays in flight), without it the latest."""
+        (which stays in flight), without it the latest; then those of the requests that timed out
+        at the latest launch."""
         launched, self._launched = self._launched, None
         try:
             if self.overlap:
                 launched, self._in_flight = self._in_flight, launched
-            return [] if launched is None else self._resolve(launched)
+            events = [] if launched is None else self._resolve(launched)
         except BaseException:
             self._abandon_steps()
             raise
+        if self._timed_out:
+            events += self._timed_out
+            self._timed_out = []
+        return events
 
     def wait_step(self) -> None:
         """Block until the step that resolve_step() resolves next has its results on the host."""
@@ -240,6 +278,7 @@ class EngineCore:
 
     def _abandon_steps(self) -> None:
         self._in_flight = self._launched = None  # their requests are ended by whoever handles this
+        self._timed_out = []
         self.step_timer.reset()
 
     def drain(self) -> list[StepEvent]:
@@ -255,7 +294,9 @@ class EngineCore:
         if self._constrained:  # requests without a grammar pay this one check
             self._constrained = [seq for seq in self._constrained if not seq.is_finished]
             constraints = StepConstraints.of(sched, self._grammar_compiler)
-        launched = self.runner.launch(sched, self._in_flight, constraints=constraints, stream=stream)
+        pooling_plan = PoolingPlan.of(sched) if sched.has_pooling else None  # before the commit below
+        launched = self.runner.launch(sched, self._in_flight, constraints=constraints, stream=stream,
+                                      pooling_plan=pooling_plan)
         self.step_timer.stop(started, sched.num_batched_tokens - sched.num_decodes, sched.num_decodes, stream)
         self.scheduler.commit(sched)
         self._last_sched = sched
@@ -318,6 +359,17 @@ class EngineCore:
             if seq.prompt_logprobs is not None and item.token_index == seq.num_prompt_tokens:
                 event.prompt_logprobs = seq.prompt_logprobs
             events.append(event)
+        if launched.pooling_plan is not None:
+            events += self._pooled_events(launched.pooling_plan, launched.pooled_sums())
+        return events
+
+    def _pooled_events(self, plan: PoolingPlan, sums) -> list[StepEvent]:
+        """The embedding requests this step completes: each ends "stop" with its vector."""
+        events = []
+        for seq, vector in plan.vectors(sums):
+            self._end(seq, FinishReason.STOP)
+            self.requests.pop(seq.request_id, None)
+            events.append(StepEvent(seq, [], FinishReason.STOP, request_finished=True, embedding=vector))
         return events
 
     def _is_eos(self, seq: Sequence, token_id: int) -> bool:

@@ -6,9 +6,12 @@ is just "the next n of its uncomputed tokens", so decodes, prefill chunks and pr
 one mechanism. When blocks run out the last running sequence in order is preempted (its KV dropped,
 to be recomputed later), so the first one always makes progress and nothing deadlocks.
 
-Order is (priority, arrival) everywhere: the waiting queue and the running list are kept sorted by
-it, so admission takes the lowest priority value first and preemption takes the highest-valued,
-newest one; with equal priorities that is first come first served and newest preempted first.
+Order is (priority, deadline, arrival) everywhere (Sequence.sort_key): the waiting queue and the
+running list are kept sorted by it, so admission takes the lowest priority value first and, among
+equal priorities, the earliest deadline (SamplingParams.timeout; none counts as the latest), and
+preemption takes the other end; with equal priorities and no deadlines that is first come first
+served and newest preempted first. Requests that share one timeout (a server's default) keep
+arrival order, since their deadlines follow their arrivals.
 
 With a budget policy (engine/step_budget.py) the prefill chunks of a step are capped by a per-step
 budget, and chunking is fair: a prefill that cannot finish in this step leaves up to half of the
@@ -44,6 +47,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     num_batched_tokens: int = 0
     num_decodes: int = 0  # sequences that take one decode token this step
+    has_pooling: bool = False  # an embedding request's chunk is in it (engine/pooling.py: PoolingPlan)
 
     @property
     def is_empty(self) -> bool:
@@ -59,7 +63,7 @@ class Scheduler:
         # None: prefill takes whatever the decodes leave of max_num_batched_tokens (throughput
         # first); else its prefill_budget(num_decodes, num_prompts) caps the step's prefill tokens (a StepBudget)
         self.budget_policy = budget_policy
-        self.waiting: list[Sequence] = []  # sorted by seq.sort_key: (priority, arrival)
+        self.waiting: list[Sequence] = []  # sorted by seq.sort_key: (priority, deadline, arrival)
         self.running: list[Sequence] = []  # sorted by seq.sort_key: the last is the first preempted
         self.num_preemptions = 0
 
@@ -152,6 +156,9 @@ class Scheduler:
         def take(seq: Sequence, num_tokens: int) -> None:
             nonlocal budget
             samples = seq.num_computed_tokens + num_tokens == len(seq)
+            if seq.pooling is not None:  # an embedding: its last chunk pools hidden states, never samples
+                samples = False
+                out.has_pooling = True
             out.scheduled.append(ScheduledSeq(seq, num_tokens, samples))
             out.num_batched_tokens += num_tokens
             budget -= num_tokens
@@ -171,6 +178,8 @@ class Scheduler:
                     prefills.append(seq)
                 continue
             if length >= seq.max_len or budget == 0 or seq.status is not running:  # not running: preempted
+                if seq.pooling is not None:  # an embedding's last prompt token is a prefill chunk, not a decode
+                    prefills.append(seq)
                 continue
             if num_computed >= len(seq.block_table) * block_size and not self._reserve(seq, 1, scheduled_ids, out):
                 continue
@@ -205,10 +214,11 @@ class Scheduler:
             take(seq, fit)
             if seq.prompt_logprobs is not None:
                 scoring_left -= fit
-        # 3. new (or preempted) requests, first come first served; no preemption on their behalf
+        # 3. new (or preempted) requests in waiting order (priority, deadline, arrival); no preemption on their behalf
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not seq.block_table and seq.prompt_logprobs is None:  # prompt_logprobs: every position computed
+            # prompt_logprobs and mean pooling: every position computed, so no prefix-cache hits
+            if not seq.block_table and seq.prompt_logprobs is None and not seq.pools_every_token:
                 self.block_manager.match_prefix(seq)
             followers = itertools.islice(self.waiting, 1, None)
             num_tokens = self._tokens_that_fit(seq, self._fair_chunk(seq.num_uncomputed_tokens, budget, followers))

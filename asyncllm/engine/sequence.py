@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 import time
 from enum import Enum, auto
@@ -27,7 +28,7 @@ class SequenceStatus(Enum):
 
 class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, block_size: int,
-                 max_seq_len: int | None = None):
+                 max_seq_len: int | None = None, deadline: float | None = None):
         self.request_id = request_id
         self.params = params
         self.block_size = block_size
@@ -47,10 +48,14 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         # metrics
         self.arrival_time = time.monotonic()
+        # when its request times out (SamplingParams.timeout after submission, on the engine core's
+        # deadline clock: engine/deadlines.py); None: never
+        self.deadline = deadline
         # the scheduler's order for admission and (reversed) preemption: lower priority value first,
-        # then first come first served; computed once, compared on every insertion
+        # then the earlier deadline (none: last), then first come first served; computed once,
+        # compared on every insertion
         self.priority = params.priority
-        self.sort_key = (params.priority, next(_arrival_counter))
+        self.sort_key = (params.priority, math.inf if deadline is None else deadline, next(_arrival_counter))
         self.first_scheduled_time: float | None = None
         self.num_cached_prompt_tokens = 0
         self.num_preemptions = 0
@@ -76,6 +81,13 @@ class Sequence:
         self.adjusts_logits = params.adjusts_logits
         self.needs_sampling_extras = self.adjusts_logits or params.logprobs is not None
         self.grammar = None  # structured.grammar.GrammarState of a constrained request
+        # an embedding request's PoolingParams: prefilled, never sampled (engine/pooling.py); with
+        # mean pooling every prompt position is computed (no prefix-cache hits), and its chunks'
+        # hidden-state sums so far, and how many positions they cover, are kept here
+        self.pooling = None
+        self.pools_every_token = False
+        self.pooled_sum = None
+        self.num_pooled_tokens = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)

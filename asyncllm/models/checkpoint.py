@@ -7,6 +7,7 @@ import os
 from collections.abc import Iterable, Iterator
 
 import contextlib
+import logging
 import math
 
 import torch
@@ -17,6 +18,8 @@ from asyncllm.config import config_error
 from asyncllm.layers.linear import WeightShapeError, check_loaded_shape
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+logger = logging.getLogger("asyncllm")
 
 
 # config.json fields every supported architecture needs, each an int >= 1
@@ -180,6 +183,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple]) -> None:
     errors name the file. model.packed_modules_mapping maps a checkpoint name fragment to (fused param
     fragment, shard id), e.g. "q_proj" -> ("qkv_proj", "q"). Every tensor must have exactly the shape
     its parameter's layer expects (before its sharding): nothing is cut or broadcast silently.
+
+    A base model's checkpoint (transformers' AutoModel saves one: Qwen3-Embedding's) names its tensors
+    without the "model." prefix and has no LM head: its embedding matrix then stands in for the head,
+    as a tied model's does (what it generates means nothing; it is for embed()).
     """
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules_mapping", {})
@@ -190,6 +197,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple]) -> None:
     loaded: set[str] = set()
     seen: set[str] = set()
     fused_loaded: dict[str, tuple[str, set]] = {}  # a fused param -> (its fragment, the shards loaded)
+    targets: set[tuple] = set()  # (param, shard) pairs loaded: two names for one (prefixed or not) are refused
+    base_model = False  # some tensor was named as a base model names it
     for name, tensor, *source in weights:
         where = f" in {source[0]}" if source else ""
         if any(name.startswith(prefix) for prefix in skipped):
@@ -205,8 +214,14 @@ def load_weights(model: nn.Module, weights: Iterable[tuple]) -> None:
             if fragment in name:
                 param_name, shard_args = name.replace(fragment, fused), (shard_id,)
                 break
+        if param_name not in params and "model." + param_name in params:
+            param_name, base_model = "model." + param_name, True
         if param_name not in params:
             raise ValueError(f"checkpoint tensor {name!r}{where} has no place in {type(model).__name__}")
+        if (param_name, *shard_args) in targets:
+            raise ValueError(f"checkpoint tensor {name!r}{where} is the second one for {param_name} (named with "
+                             "and without the 'model.' prefix?)")
+        targets.add((param_name, *shard_args))
         if shard_args:
             fused_loaded.setdefault(param_name, (fused, set()))[1].add(shard_args[0])
         param = params[param_name]
@@ -218,6 +233,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple]) -> None:
                              f"not belong to these weights?)") from None
         loaded.add(param_name)
     missing = set(params) - loaded - set(getattr(model, "tied_parameters", ()))
+    if base_model and "lm_head.weight" in missing and "model.embed_tokens.weight" in loaded:
+        params["lm_head.weight"].data.copy_(params["model.embed_tokens.weight"].data)
+        missing.discard("lm_head.weight")
+        logger.warning("the checkpoint is a base model's (no LM head): its embedding matrix stands in for the "
+                       "head; use it for embeddings, not generation")
     # a fused param is whole only with every part (q, k and v; gate and up): the rest is uninitialised
     missing |= {f"{param_name} ({', '.join(map(str, sorted(shards_of[fused] - got, key=str)))} missing)"
                 for param_name, (fused, got) in fused_loaded.items() if got != shards_of[fused]}
@@ -232,7 +252,7 @@ def _default_loader(param: nn.Parameter, tensor: torch.Tensor) -> None:
 
 # files that hold a tokenizer's vocabulary (tokenizer_config.json alone holds none)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
-_VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
+_VOCAB_TENSORS = ("model.embed_tokens.weight", "embed_tokens.weight", "lm_head.weight")  # a base model's too
 
 
 def check_tokenizer(tokenizer, hf_config, model_dir: str) -> None:

@@ -16,6 +16,10 @@ MODEL_REGISTRY = {
     "Qwen2ForCausalLM": lambda c: dict(qkv_bias=True, o_bias=False, qk_norm=False),
     "LlamaForCausalLM": lambda c: dict(qkv_bias=_attention_bias(c), o_bias=_attention_bias(c), qk_norm=False),
 }
+# base models, as transformers' AutoModel saves them (an embedding model's checkpoint; no LM head:
+# checkpoint.load_weights)
+MODEL_REGISTRY.update(Qwen3Model=MODEL_REGISTRY["Qwen3ForCausalLM"], Qwen2Model=MODEL_REGISTRY["Qwen2ForCausalLM"],
+                      LlamaModel=MODEL_REGISTRY["LlamaForCausalLM"])
 
 
 def create_model(config, max_model_len: int | None = None) -> nn.Module:

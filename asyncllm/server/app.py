@@ -16,15 +16,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from asyncllm.errors import (ArgumentError, EngineDeadError, InvalidValueError, QueueFullError,
+from asyncllm.errors import (ArgumentError, EngineDeadError, InvalidValueError, QueueFullError, RequestTimeoutError,
                              UnsatisfiableConstraintsError)
 from asyncllm.sampling_params import SamplingParams
 import asyncllm.server.protocol as protocol
 from asyncllm.server import tool_calls
 from asyncllm.server.answers import Echo, Generation, stream_response, whole_response
 from asyncllm.server.constraints import compile_constraint, requested_constraint
+from asyncllm.server.embeddings import create_embeddings
 from asyncllm.server.errors import RETRY_AFTER_SECONDS, exception_handlers
-from asyncllm.server.limits import RequestLimits, limit_output, read_json_body
+from asyncllm.server.limits import (RequestLimits, limit_output, limit_timeout, read_json_body,
+                                    request_timeout_error)
 from asyncllm.server.metrics import EngineMetrics
 from asyncllm.server.protocol import APIError, field_error
 from asyncllm.server.responses import create_response
@@ -41,7 +43,7 @@ REQUEST_ID_PREFIXES = {"chat": "chatcmpl", "completions": "cmpl", "responses": "
 
 class OpenAIServer(TokenizationEndpoints):
     """limits: RequestLimits' fields (max_body_bytes, body_timeout, max_tokens_limit,
-    max_generated_tokens, max_logprob_entries)."""
+    max_generated_tokens, max_logprob_entries, request_timeout)."""
 
     def __init__(self, engine, model_name: str, api_key: str | None = None, *,
                  trust_request_chat_template: bool = False,
@@ -218,11 +220,14 @@ class OpenAIServer(TokenizationEndpoints):
         error = None
         try:
             await unless_disconnected(request.receive, read)
-        except (EngineDeadError, UnsatisfiableConstraintsError) as e:
+        except (EngineDeadError, UnsatisfiableConstraintsError, RequestTimeoutError) as e:
             error = e
         finally:
             with anyio.CancelScope(shield=True):
-                await close("error" if isinstance(error, EngineDeadError) else None)
+                await close("error" if isinstance(error, EngineDeadError) else
+                            "timeout" if isinstance(error, RequestTimeoutError) else None)
+        if isinstance(error, RequestTimeoutError):
+            raise request_timeout_error(error)
         if isinstance(error, UnsatisfiableConstraintsError):
             raise APIError(400, error.message_without_owner, code="unsatisfiable_constraints")
         if error is not None:
@@ -282,6 +287,7 @@ class OpenAIServer(TokenizationEndpoints):
         self._check_context(body, max_tokens_field, longest, room, params)
         params = limit_output(params, body, max_tokens_field, chat, sum(map(len, prompts)), self.limits,
                               num_prompts=len(prompts))
+        params = limit_timeout(params, self.limits)
         request_id = f"{REQUEST_ID_PREFIXES[kind]}-{uuid.uuid4().hex}"
         field = {"chat": "messages", "completions": "prompt", "responses": "input"}[kind]
         streams = []
@@ -362,6 +368,7 @@ class OpenAIServer(TokenizationEndpoints):
             Route("/v1/chat/completions", e(self.chat_completions), methods=["POST"]),
             Route("/v1/completions", e(self.completions), methods=["POST"]),
             Route("/v1/responses", e(functools.partial(create_response, self)), methods=["POST"]),
+            Route("/v1/embeddings", e(functools.partial(create_embeddings, self)), methods=["POST"]),
             Route("/v1/models", e(self.models), methods=["GET"]),
             Route("/v1/models/{model:path}", e(self.model), methods=["GET"]),
             Route("/tokenize", e(self.tokenize), methods=["POST"]),
@@ -382,7 +389,8 @@ def create_app(engine, model_name: str, api_key: str | None = None, *, manage_en
     trust_request_chat_template: render chat templates that requests bring (they run on this server);
     sse_keepalive_interval: seconds a stream may go without an event before it sends a comment (None: never);
     and the request limits (limits.RequestLimits): max_body_bytes, body_timeout, max_tokens_limit,
-    max_generated_tokens (n x max_tokens), max_logprob_entries.
+    max_generated_tokens (n x max_tokens), max_logprob_entries, request_timeout (seconds from submission:
+    the default and the most of a request's `timeout`).
     """
     server = OpenAIServer(engine, model_name, api_key, **options)
 

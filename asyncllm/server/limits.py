@@ -1,5 +1,5 @@
-"""What one request may send and ask for: its body (size, time to arrive, encoding) and its output
-(n x max_tokens tokens, and the logprob entries of the answer)."""
+"""What one request may send and ask for: its body (size, time to arrive, encoding), its output
+(n x max_tokens tokens, and the logprob entries of the answer) and its time in the engine (timeout)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,12 +9,13 @@ import logging
 import anyio
 from starlette.requests import ClientDisconnect, Request
 
-from asyncllm.errors import ArgumentError, InvalidValueError
+from asyncllm.errors import ArgumentError
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.server.protocol import APIError, logprobs_field, max_tokens_field_sent, type_name
-from asyncllm.validation import is_int
+from asyncllm.validation import FieldChecks, is_int, short_repr
 
 logger = logging.getLogger("asyncllm.server")
+_fail = FieldChecks(None, show=short_repr)  # RequestLimits' fields: messages name them alone
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds for a whole request body to arrive
@@ -31,23 +32,29 @@ class RequestLimits:
     (408); max_tokens_limit: the largest max_tokens (None: the context); max_generated_tokens: the
     most tokens one request may generate over all its choices, n x max_tokens; max_logprob_entries:
     the most logprob entries its answer may carry, n x max_tokens x (top_logprobs + 1) plus
-    prompt tokens x (prompt_logprobs + 1). None: no limit. A request without max_tokens gets a
-    default lowered to fit both; one whose max_tokens does not fit gets a 400 naming the limit."""
+    prompt tokens x (prompt_logprobs + 1); request_timeout: seconds a request may take from its
+    submission to the engine (SamplingParams.timeout), the default of one that sends no `timeout`
+    and the most one may send. None: no limit. A request without max_tokens gets a default lowered
+    to fit max_generated_tokens and max_logprob_entries; one whose max_tokens (or timeout) does not
+    fit gets a 400 naming the limit."""
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     body_timeout: float = DEFAULT_BODY_TIMEOUT
     max_tokens_limit: int | None = None
     max_generated_tokens: int | None = DEFAULT_MAX_GENERATED_TOKENS
     max_logprob_entries: int | None = DEFAULT_MAX_LOGPROB_ENTRIES
+    request_timeout: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_tokens_limit", "max_generated_tokens", "max_logprob_entries"):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < 1):
-                raise InvalidValueError(name, f"expected a positive int or None, got {value!r}")
+                _fail(name, f"expected a positive int or None, got {value!r}")
         if not is_int(self.max_body_bytes) or self.max_body_bytes < 1:
-            raise InvalidValueError("max_body_bytes", f"expected a positive int, got {self.max_body_bytes!r}")
+            _fail("max_body_bytes", f"expected a positive int, got {self.max_body_bytes!r}")
         if not isinstance(self.body_timeout, (int, float)) or not self.body_timeout > 0:
-            raise InvalidValueError("body_timeout", f"expected a positive number of seconds, got {self.body_timeout!r}")
+            _fail("body_timeout", f"expected a positive number of seconds, got {self.body_timeout!r}")
+        if self.request_timeout is not None:
+            _fail.positive_seconds("request_timeout", self.request_timeout)  # SamplingParams.timeout's check
 
 
 async def read_json_body(request: Request, max_body_bytes: int, body_timeout: float) -> dict:
@@ -133,3 +140,22 @@ def limit_output(params: SamplingParams, body: dict, max_tokens_field: str, chat
     except ArgumentError as e:  # min_tokens above what the limits leave
         raise APIError(400, f"{e.message_without_owner} ({flag} leaves {most} tokens a choice)",
                        code="invalid_value") from None
+
+
+def limit_timeout(params: SamplingParams, limits: RequestLimits) -> SamplingParams:
+    """params with the server's request timeout: the default where the request sent no `timeout`; a
+    request may ask for less, and asking for more is a 400 naming the limit."""
+    limit = limits.request_timeout
+    if limit is None:
+        return params
+    if params.timeout is None:
+        return dataclasses.replace(params, timeout=limit)
+    if params.timeout > limit:
+        raise APIError(400, f"'timeout': {params.timeout:g} s is over this server's limit of {limit:g} s "
+                            "(--request-timeout)", param="timeout", code="invalid_value")
+    return params
+
+
+def request_timeout_error(error: BaseException) -> APIError:
+    """The answer to a request whose timeout passed before its first token (RequestTimeoutError)."""
+    return APIError(408, f"{error}; the server is busy: retry later, or allow more time", code="request_timeout")

@@ -85,7 +85,7 @@ SAMPLING_FIELDS = {name: name for name in ("temperature", "top_p", "top_k", "min
                                            "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "n",
                                            "presence_penalty", "frequency_penalty", "repetition_penalty",
                                            "min_tokens", "skip_special_tokens", "spaces_between_special_tokens",
-                                           "prompt_logprobs")}
+                                           "prompt_logprobs", "timeout")}
 # constraints (server/constraints.py maps them)
 CONSTRAINT_FIELDS = {"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                      "guided_grammar"}

@@ -11,7 +11,8 @@ import anyio
 from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
-from asyncllm.errors import EngineDeadError, InvalidValueError, UnsatisfiableConstraintsError
+from asyncllm.errors import EngineDeadError, InvalidValueError, RequestTimeoutError, UnsatisfiableConstraintsError
+from asyncllm.server.limits import request_timeout_error
 from asyncllm.server.protocol import APIError
 from asyncllm.server.shutdown import shutting_down_error
 
@@ -172,7 +173,9 @@ async def answer_events(stream, close: Callable[[str | None], Awaitable[None]],
     """The SSE body of a streamed answer, in any API's shape: `first`, item_events(out) for each
     stream item, then end_events() once every choice has finished. An engine that dies, constraints
     that leave no token, or a server shutdown that ends the request (ended_by_shutdown(request_id))
-    send error_events(the APIError) instead of what is left. close(finish_reason) runs last."""
+    send error_events(the APIError) instead of what is left, and so does a timeout that passed before
+    the first token (a 408's body; one that passed later is an item with finish_reason "timeout").
+    close(finish_reason) runs last."""
     finish_reason = None
     try:
         for event in first:
@@ -191,6 +194,10 @@ async def answer_events(stream, close: Callable[[str | None], Awaitable[None]],
     except EngineDeadError as e:
         finish_reason = "error"
         for event in error_events(APIError(503, f"the engine failed: {e}", code="engine_unavailable")):
+            yield event
+    except RequestTimeoutError as e:
+        finish_reason = "timeout"
+        for event in error_events(request_timeout_error(e)):
             yield event
     except UnsatisfiableConstraintsError as e:  # the request's own constraints: it ends here (an abort)
         for event in error_events(APIError(400, e.message_without_owner, code="unsatisfiable_constraints")):
