@@ -18,7 +18,7 @@ import inspect
 import transformers
 
 from asyncllm.engine.intake import check_text
-from asyncllm.errors import PromptTooLongError
+from asyncllm.errors import InvalidTypeError, InvalidValueError, PromptTooLongError
 
 # apply_chat_template's own keywords, not template variables: the engine sets them, the caller cannot
 RESERVED_KEYWORDS = frozenset({"conversation", "tokenize", "return_dict", "return_tensors", "padding", "truncation",
@@ -34,30 +34,30 @@ _TYPED_KEYWORDS = {"add_generation_prompt": ((bool,), "a bool"),
 
 def check_messages(messages) -> None:
     if not isinstance(messages, (list, tuple)) or not messages:
-        raise ValueError("messages: expected a non-empty list of {'role': ..., 'content': ...} dicts")
+        raise InvalidValueError("messages", "expected a non-empty list of {'role': ..., 'content': ...} dicts")
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise TypeError(f"messages[{i}]: expected a dict, got {type(message).__name__}")
+            raise InvalidTypeError(f"messages[{i}]", f"expected a dict, got {type(message).__name__}")
         if not isinstance(message.get("role"), str) or not message.get("role"):
-            raise ValueError(f"messages[{i}]: 'role' must be a non-empty string")
+            raise InvalidValueError(f"messages[{i}]", "'role' must be a non-empty string")
         if not isinstance(message.get("content"), str):
-            raise ValueError(f"messages[{i}]: 'content' must be a string")
+            raise InvalidValueError(f"messages[{i}]", "'content' must be a string")
 
 
 def check_template_kwargs(template_kwargs: dict) -> None:
     reserved = sorted(RESERVED_KEYWORDS & set(template_kwargs))
     if reserved:
-        raise TypeError(f"{reserved[0]}: not a chat template variable (the engine tokenizes the chat itself)")
+        raise InvalidTypeError(reserved[0], "not a chat template variable (the engine tokenizes the chat itself)")
     for name, (types, expected) in _TYPED_KEYWORDS.items():
         if name in template_kwargs and not isinstance(template_kwargs[name], types):
-            raise TypeError(f"{name}: expected {expected}, got {type(template_kwargs[name]).__name__}")
+            raise InvalidTypeError(name, f"expected {expected}, got {type(template_kwargs[name]).__name__}")
     for name in ("tools", "documents"):
         for i, item in enumerate(template_kwargs.get(name) or ()):
             if not isinstance(item, dict) and not (name == "tools" and callable(item)):
-                raise TypeError(f"{name}[{i}]: expected a dict{' (a JSON schema) or a function' * (name == 'tools')}"
-                                f", got {type(item).__name__}")
+                expected = "a dict (a JSON schema) or a function" if name == "tools" else "a dict"
+                raise InvalidTypeError(f"{name}[{i}]", f"expected {expected}, got {type(item).__name__}")
     if template_kwargs.get("chat_template") == "":
-        raise ValueError("chat_template: the template is empty (None: the tokenizer's own)")
+        raise InvalidValueError("chat_template", "the template is empty (None: the tokenizer's own)")
 
 
 def check_length(messages, template_kwargs: dict, max_chars: int, max_seq_len: int) -> None:
@@ -79,8 +79,8 @@ def check_length(messages, template_kwargs: dict, max_chars: int, max_seq_len: i
             if isinstance(item, (dict, list, tuple)):
                 stack.extend(item.items() if isinstance(item, dict) else item)
         if total > max_chars:
-            raise PromptTooLongError(f"messages: more than {max_chars} characters cannot fit in max_model_len "
-                                     f"({max_seq_len} tokens)")
+            raise PromptTooLongError("messages", f"more than {max_chars} characters cannot fit in max_model_len "
+                                                 f"({max_seq_len} tokens)")
 
 
 @functools.cache

@@ -13,6 +13,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncllm.errors import InvalidValueError
+from asyncllm.validation import FieldChecks
+
 DTYPES = ("float32", "float16", "bfloat16")  # models/resolve.py maps them to torch dtypes
 _DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # as vLLM accepts them
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "fa4", "fa2")
@@ -27,12 +30,11 @@ def is_hub_id(model: str) -> bool:
     return bool(_HUB_ID.fullmatch(model)) and ".." not in model and not model.endswith(".gguf")
 
 
-def config_error(field_name: str, message: str) -> ValueError:
-    return ValueError(f"Config.{field_name}: {message}")
+_fail = FieldChecks("Config")
 
 
-def _fail(field_name: str, message: str) -> None:
-    raise config_error(field_name, message)
+def config_error(field_name: str, message: str) -> InvalidValueError:
+    return _fail.error(field_name, message)
 
 
 def _dtype_name(dtype) -> str:
@@ -113,8 +115,7 @@ class Config:
                 _fail("revision", f"is for a Hugging Face hub id; {self.model!r} is a local path")
         for name, (low, meaning) in _INT_FIELDS.items():
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                _fail(name, f"expected an int, got {value!r}")
+            _fail.expect_int(name, value)
             if low is not None and value < low:
                 _fail(name, f"must be >= {low} ({meaning})" if meaning else f"must be >= {low}, got {value}")
         if self.seed >= 1 << 64:  # torch.manual_seed's range (and numpy's generator's: not negative)
@@ -128,8 +129,7 @@ class Config:
                 or not (0.0 < self.gpu_memory_utilization <= 1.0):
             _fail("gpu_memory_utilization", f"must be a number in (0, 1], got {self.gpu_memory_utilization!r}")
         for name in ("enforce_eager", "enable_prefix_caching"):
-            if not isinstance(getattr(self, name), bool):
-                _fail(name, f"expected a bool, got {getattr(self, name)!r}")
+            _fail.expect_bool(name, getattr(self, name))
         if self.overlap_scheduling is not None and not isinstance(self.overlap_scheduling, bool):
             _fail("overlap_scheduling", f"expected a bool or None (auto), got {self.overlap_scheduling!r}")
         if self.target_step_ms is not None:

@@ -12,7 +12,7 @@ from asyncllm.detokenizer import decode_logprobs
 from asyncllm.engine.core import EngineCore
 from asyncllm.engine.lifecycle import check_sleep_level, prepare_reload
 from asyncllm.engine.options import make_config
-from asyncllm.errors import EngineDeadError
+from asyncllm.errors import EngineDeadError, InvalidTypeError, InvalidValueError
 from asyncllm.outputs import FinishReason
 from asyncllm.pooling_params import PoolingParams
 from asyncllm.reasoning import text_assembler
@@ -26,9 +26,9 @@ def normalize_prompts(prompts) -> list:
                                     and all(isinstance(t, int) for t in prompts)):
         return [prompts]
     if not isinstance(prompts, (list, tuple)):
-        raise TypeError(f"prompts: expected a list of strings or token-id lists, got {type(prompts).__name__}")
+        raise InvalidTypeError("prompts", f"expected a list of strings or token-id lists, got {type(prompts).__name__}")
     if not prompts:
-        raise ValueError("prompts: the list is empty")
+        raise InvalidValueError("prompts", "the list is empty")
     return list(prompts)
 
 
@@ -41,12 +41,13 @@ def normalize_params(sampling_params, num_prompts: int, params_type: type = Samp
         return [sampling_params] * num_prompts
     if isinstance(sampling_params, (list, tuple)):
         if len(sampling_params) != num_prompts:
-            raise ValueError(f"sampling_params: {len(sampling_params)} given for {num_prompts} prompts")
+            raise InvalidValueError("sampling_params", f"{len(sampling_params)} given for {num_prompts} prompts")
         for i, p in enumerate(sampling_params):
             if not isinstance(p, params_type):
-                raise TypeError(f"sampling_params[{i}]: expected {type_name}, got {type(p).__name__}")
+                raise InvalidTypeError(f"sampling_params[{i}]", f"expected {type_name}, got {type(p).__name__}")
         return list(sampling_params)
-    raise TypeError(f"sampling_params: expected {type_name} or a list of them, got {type(sampling_params).__name__}")
+    raise InvalidTypeError("sampling_params",
+                           f"expected {type_name} or a list of them, got {type(sampling_params).__name__}")
 
 
 class LLM:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from asyncllm.errors import InvalidTypeError, InvalidValueError
+
 POOLING_METHODS = ("last", "mean")
 
 
@@ -21,14 +23,14 @@ class PoolingParams:
     def __post_init__(self):
         if not isinstance(self.pooling, str) or self.pooling not in POOLING_METHODS:
             shown = repr(self.pooling)[:80]
-            raise ValueError(f"pooling: expected one of {', '.join(map(repr, POOLING_METHODS))}, got {shown}")
+            raise InvalidValueError("pooling", f"expected one of {', '.join(map(repr, POOLING_METHODS))}, got {shown}")
         if not isinstance(self.normalize, bool):
-            raise TypeError(f"normalize: expected a bool, got {type(self.normalize).__name__}")
+            raise InvalidTypeError("normalize", f"expected a bool, got {type(self.normalize).__name__}")
         if self.dimensions is not None:
             if isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int):
-                raise TypeError(f"dimensions: expected an int or None, got {type(self.dimensions).__name__}")
+                raise InvalidTypeError("dimensions", f"expected an int or None, got {type(self.dimensions).__name__}")
             if self.dimensions < 1:
-                raise ValueError(f"dimensions: expected an int >= 1, got {shown_int(self.dimensions)}")
+                raise InvalidValueError("dimensions", f"expected an int >= 1, got {shown_int(self.dimensions)}")
 
 
 def shown_int(value: int) -> str:

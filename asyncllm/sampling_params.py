@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 from dataclasses import dataclass, field
 
 from asyncllm.structured.spec import StructuredOutput
+from asyncllm.validation import FieldChecks, as_finite_float, is_int, short_repr
 
 # bounds that keep stop-string matching cheap for everyone sharing the engine thread's loop
 MAX_STOP_STRINGS = 64
@@ -31,20 +31,7 @@ MAX_REPETITION_PENALTY = 1e6
 # could be sampled (allowed_token_ids, grammars and min_tokens' bans all broke at 1e39).
 MAX_TEMPERATURE = 1e6
 
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _as_finite_float(value) -> float | None:
-    """value as a float, or None when it is not a finite number (an int too large for a float too)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        value = float(value)
-    except OverflowError:
-        return None
-    return value if math.isfinite(value) else None
+_fail = FieldChecks("SamplingParams", show=short_repr)
 
 
 @dataclass
@@ -97,19 +84,12 @@ class SamplingParams:
     timeout: float | None = None
 
     def __post_init__(self) -> None:
-        def fail(name: str, message: str) -> None:
-            raise ValueError(f"SamplingParams.{name}: {message}")
+        self._check_original_fields(_fail)
+        self._check_new_fields(_fail)
 
-        self._check_original_fields(fail)
-        self._check_new_fields(fail)
-
-    def _check_original_fields(self, fail) -> None:
-
+    def _check_original_fields(self, fail: FieldChecks) -> None:
         for name in ("temperature", "top_p", "min_p"):
-            value = _as_finite_float(getattr(self, name))
-            if value is None:
-                fail(name, f"expected a finite number, got {_short_repr(getattr(self, name))}")
-            setattr(self, name, value)
+            setattr(self, name, fail.finite_float(name, getattr(self, name)))
         if self.temperature < 0:
             fail("temperature", f"must be >= 0 (0 = greedy), got {self.temperature}")
         if self.temperature != 0 and self.temperature < 1e-5:
@@ -121,33 +101,30 @@ class SamplingParams:
             fail("top_p", f"must be in (0, 1], got {self.top_p}")
         if not (0.0 <= self.min_p <= 1.0):
             fail("min_p", f"must be in [0, 1], got {self.min_p}")
-        for name in ("top_k", "max_tokens"):
-            value = getattr(self, name)
-            if not _is_int(value) and not (name == "max_tokens" and value is None):
-                fail(name, f"expected an int, got {_short_repr(value)}")
+        fail.expect_int("top_k", self.top_k)
+        if self.max_tokens is not None:
+            fail.expect_int("max_tokens", self.max_tokens)
         if self.top_k == 0 or self.top_k < -1:
-            fail("top_k", f"must be -1 (disabled) or >= 1, got {_short_repr(self.top_k)}")
+            fail("top_k", f"must be -1 (disabled) or >= 1, got {short_repr(self.top_k)}")
         if self.top_k >= 1 << 63:  # the sampler's int64 tensor; any top_k >= the vocabulary means all tokens
-            fail("top_k", f"must be < 2**63, got {_short_repr(self.top_k)}")
+            fail("top_k", f"must be < 2**63, got {short_repr(self.top_k)}")
         if self.max_tokens is not None and self.max_tokens < 1:
-            fail("max_tokens", f"must be >= 1, got {_short_repr(self.max_tokens)}")
-        if not isinstance(self.ignore_eos, bool):
-            fail("ignore_eos", f"expected a bool, got {_short_repr(self.ignore_eos)}")
-        if not isinstance(self.include_stop_str_in_output, bool):
-            fail("include_stop_str_in_output", f"expected a bool, got {_short_repr(self.include_stop_str_in_output)}")
-        if self.seed is not None and not _is_int(self.seed):
-            fail("seed", f"expected an int or None, got {_short_repr(self.seed)}")
+            fail("max_tokens", f"must be >= 1, got {short_repr(self.max_tokens)}")
+        fail.expect_bool("ignore_eos", self.ignore_eos)
+        fail.expect_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        if self.seed is not None and not is_int(self.seed):
+            fail("seed", f"expected an int or None, got {short_repr(self.seed)}")
         if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:  # torch.Generator's range
-            fail("seed", f"must be in [-2**63, 2**64), got {_short_repr(self.seed)}")
-        if not _is_int(self.priority):
-            fail("priority", f"expected an int (lower is scheduled first), got {_short_repr(self.priority)}")
+            fail("seed", f"must be in [-2**63, 2**64), got {short_repr(self.seed)}")
+        if not is_int(self.priority):
+            fail("priority", f"expected an int (lower is scheduled first), got {short_repr(self.priority)}")
         if self.stop_token_ids is None:  # vLLM's default
             self.stop_token_ids = []
-        if _is_int(self.stop_token_ids):
+        if is_int(self.stop_token_ids):
             self.stop_token_ids = [self.stop_token_ids]
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-                _is_int(t) and t >= 0 for t in self.stop_token_ids):
-            fail("stop_token_ids", f"expected a list of non-negative ints, got {_short_repr(self.stop_token_ids)}")
+                is_int(t) and t >= 0 for t in self.stop_token_ids):
+            fail("stop_token_ids", f"expected a list of non-negative ints, got {short_repr(self.stop_token_ids)}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             fail("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         self.stop_token_ids = list(self.stop_token_ids)
@@ -156,7 +133,7 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
-            fail("stop", f"expected a string or a list of strings, got {_short_repr(self.stop)}")
+            fail("stop", f"expected a string or a list of strings, got {short_repr(self.stop)}")
         if any(s == "" for s in self.stop):
             fail("stop", "stop strings must not be empty")
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -172,50 +149,47 @@ class SamplingParams:
                 fail("structured_output", str(e))
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
             fail("structured_output", f"expected a StructuredOutput, a dict of its fields or None, got "
-                                      f"{_short_repr(self.structured_output)}")
+                                      f"{short_repr(self.structured_output)}")
 
-    def _check_new_fields(self, fail) -> None:
-        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
-            fail("n", f"expected an int in [1, {MAX_N}], got {_short_repr(self.n)}")
+    def _check_new_fields(self, fail: FieldChecks) -> None:
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
+            fail("n", f"expected an int in [1, {MAX_N}], got {short_repr(self.n)}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
-                fail(name, f"expected None or an int in [0, {MAX_LOGPROBS}], got {_short_repr(value)}")
+            if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                fail(name, f"expected None or an int in [0, {MAX_LOGPROBS}], got {short_repr(value)}")
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
-            value = _as_finite_float(getattr(self, name))
-            if value is None:
-                fail(name, f"expected a finite number, got {_short_repr(getattr(self, name))}")
-            setattr(self, name, value)
+            setattr(self, name, fail.finite_float(name, getattr(self, name)))
         for name in ("presence_penalty", "frequency_penalty"):
             if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
                 fail(name, f"must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {getattr(self, name)}")
         if not 1 / MAX_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
             fail("repetition_penalty", f"must be in [{1 / MAX_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] "
                                        f"(1 = off), got {self.repetition_penalty:g}")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            fail("min_tokens", f"expected an int >= 0, got {_short_repr(self.min_tokens)}")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            fail("min_tokens", f"expected an int >= 0, got {short_repr(self.min_tokens)}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
-                fail("logit_bias", f"expected a dict of token id -> bias, got {_short_repr(self.logit_bias)}")
+                fail("logit_bias", f"expected a dict of token id -> bias, got {short_repr(self.logit_bias)}")
             if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
                 fail("logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(self.logit_bias)}")
             bias = {}
             for token_id, value in self.logit_bias.items():
-                if not _is_int(token_id) or token_id < 0:
-                    fail("logit_bias", f"keys must be token ids (ints >= 0), got {_short_repr(token_id)}")
-                number = _as_finite_float(value)
+                if not is_int(token_id) or token_id < 0:
+                    fail("logit_bias", f"keys must be token ids (ints >= 0), got {short_repr(token_id)}")
+                number = as_finite_float(value)
                 if number is None or not -MAX_LOGIT_BIAS <= number <= MAX_LOGIT_BIAS:
                     fail("logit_bias", f"the bias of token {token_id} must be a number in [-{MAX_LOGIT_BIAS:g}, "
-                         f"{MAX_LOGIT_BIAS:g}], got {_short_repr(value)}")
+                         f"{MAX_LOGIT_BIAS:g}], got {short_repr(value)}")
                 bias[token_id] = number
             self.logit_bias = bias or None
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, (list, tuple)) or not all(
-                    _is_int(t) and t >= 0 for t in self.allowed_token_ids):
+                    is_int(t) and t >= 0 for t in self.allowed_token_ids):
                 fail("allowed_token_ids", f"expected a list of token ids (ints >= 0), got "
-                     f"{_short_repr(self.allowed_token_ids)}")
+                     f"{short_repr(self.allowed_token_ids)}")
             if not self.allowed_token_ids:
                 fail("allowed_token_ids", "the list is empty: no token could be generated")
             # each once: with the engine's check against the vocabulary, at most one entry per token
@@ -225,16 +199,12 @@ class SamplingParams:
                 self.bad_words = [self.bad_words]
             if not isinstance(self.bad_words, (list, tuple)) or not all(
                     isinstance(w, str) and w.strip() for w in self.bad_words):
-                fail("bad_words", f"expected a list of non-blank strings, got {_short_repr(self.bad_words)}")
+                fail("bad_words", f"expected a list of non-blank strings, got {short_repr(self.bad_words)}")
             self.bad_words = list(self.bad_words)
         for name in ("skip_special_tokens", "spaces_between_special_tokens"):
-            if not isinstance(getattr(self, name), bool):
-                fail(name, f"expected a bool, got {_short_repr(getattr(self, name))}")
+            fail.expect_bool(name, getattr(self, name))
         if self.timeout is not None:
-            timeout = _as_finite_float(self.timeout)
-            if timeout is None or timeout <= 0:
-                fail("timeout", f"expected None or a finite number of seconds > 0, got {_short_repr(self.timeout)}")
-            self.timeout = timeout
+            self.timeout = fail.positive_seconds("timeout", self.timeout)
 
     def snapshot(self) -> "SamplingParams":
         """A validated copy that owns its lists: what a request keeps, so that changing these
@@ -260,11 +230,3 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-
-def _short_repr(value, limit: int = 80) -> str:
-    """repr for error messages: a 10,000-digit int or a huge list must not flood the log."""
-    try:
-        text = repr(value)
-    except ValueError:  # int too large for str() (Python's digit limit)
-        return f"an int of about {value.bit_length() * 30103 // 100000} digits"
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"

@@ -2,7 +2,9 @@
 
 Each row: (entry point, label, input, expected error, the argument the message must name, another
 fragment the message must contain). The error is an exception type, or an HTTP status for the
-OpenAI server's JSON rows. After the bad calls the engine still serves: a valid request that was
+OpenAI server's JSON rows. A ValueError or TypeError may be the InvalidValueError or
+InvalidTypeError that carries the argument it names (errors.ArgumentError): then it carries the
+row's argument. After the bad calls the engine still serves: a valid request that was
 in flight meanwhile completes with the same tokens as alone, and a new valid request completes.
 
 docs/RELIABILITY.md carries this table as markdown; test_docs_table_matches_this_table keeps the
@@ -23,6 +25,7 @@ import numpy as np
 import pytest
 
 from asyncllm import LLM, Config, PromptTooLongError
+from asyncllm.errors import ArgumentError, InvalidTypeError, InvalidValueError
 from asyncllm.async_engine import AsyncLLMEngine
 from asyncllm.sampling_params import SamplingParams
 from helpers import assert_all_blocks_free
@@ -183,7 +186,7 @@ BAD_INPUTS: list[Bad] = [
     Bad(STREAM, "request_id=7", dict(prompt="Hi", request_id=7), TypeError, "request_id", "string"),
     Bad(STREAM, f"allowed_token_ids=[{EOS}] (EOS) with min_tokens=2",
         dict(prompt="Hi", sampling_params=SamplingParams(allowed_token_ids=[EOS], min_tokens=2, max_tokens=4)),
-        ValueError, "ignore_eos", "no token could be sampled"),
+        ValueError, "allowed_token_ids, ignore_eos, min_tokens", "no token could be sampled"),
     Bad(AGEN, 'prompt=["Hi", "there"] (a batch)', dict(prompt=["Hi", "there"]), TypeError, "prompt[0]", "int"),
     Bad(AGEN, 'prompt="word " * 2000', dict(prompt="word " * 2000), PromptTooLongError, "prompt", "max_model_len"),
     # ---- AsyncLLMEngine.chat ----
@@ -287,11 +290,26 @@ def check_message(row: Bad, message: str) -> None:
     assert row.says in message, f"{row.id}: the message lacks {row.says!r}: {message!r}"
 
 
+# the refusal that carries the argument it names, where a row expects a plain ValueError or TypeError
+CARRYING_ITS_ARGUMENT = {ValueError: InvalidValueError, TypeError: InvalidTypeError}
+
+
+def check_error(row: Bad, error: BaseException) -> None:
+    assert type(error) in (row.error, CARRYING_ITS_ARGUMENT.get(row.error)), \
+        f"{row.id}: {type(error).__name__}: {error}"
+    # every refusal carries the argument it names (or an item of it), for callers that name it their
+    # own way (the server's `param`) without parsing the message
+    assert isinstance(error, ArgumentError), f"{row.id}: {type(error).__name__} carries no field: {error}"
+    assert error.field == row.argument.partition("[")[0], f"{row.id}: carries the field {error.field!r}: {error}"
+    assert error.argument == row.argument or error.argument.startswith(row.argument + "["), \
+        f"{row.id}: carries {error.argument!r}: {error}"
+    check_message(row, str(error))
+
+
 def expect_error(row: Bad, call) -> None:
     with pytest.raises(row.error) as info:
         call()
-    assert type(info.value) is row.error, f"{row.id}: {type(info.value).__name__}: {info.value}"
-    check_message(row, str(info.value))
+    check_error(row, info.value)
 
 
 def error_name(row: Bad) -> str:
@@ -341,6 +359,22 @@ def model_paths(tiny_qwen3, tmp_path_factory) -> dict:
 @pytest.mark.parametrize("row", **params_of(rows(SP)))
 def test_sampling_params(row):
     expect_error(row, lambda: SamplingParams(**resolve(row)))
+
+
+@pytest.mark.parametrize("row", **params_of(rows(SP, CFG)))
+def test_a_refused_field_is_carried_by_its_error(row, model_paths):
+    """What names the field for a caller that names it its own way (the server's `param`): the
+    error's field and owner, not its message."""
+    kwargs = dict(resolve(row))
+    owner = SamplingParams if row.entry == SP else Config
+    if owner is Config:
+        kwargs["model"] = model_paths.get(kwargs.get("model", TINY), kwargs.get("model"))
+    with pytest.raises(ArgumentError) as info:
+        owner(**kwargs)
+    assert (info.value.field, info.value.owner) == (row.argument, owner.__name__), info.value
+    assert str(info.value) == f"{owner.__name__}.{info.value.message_without_owner}"
+    copy = pickle.loads(pickle.dumps(info.value))  # as a tensor-parallel worker's error would travel
+    assert (type(copy), str(copy), copy.field) == (type(info.value), str(info.value), info.value.field)
 
 
 @pytest.mark.parametrize("row", **params_of(rows(CFG, LLM_, AE)))
@@ -417,8 +451,7 @@ async def test_async_engine(row, engine):
     with anyio.fail_after(30):
         with pytest.raises(row.error) as info:
             await call_async(engine, row)
-        assert type(info.value) is row.error
-        check_message(row, str(info.value))
+        check_error(row, info.value)
         assert engine.stats()["num_inbox"] == 0  # refused before anything was queued
 
 

@@ -323,11 +323,14 @@ async def test_a_stream_whose_constraints_leave_no_token_raises_naming_them(tiny
         with anyio.fail_after(240):
             letter_a = engine.tokenizer.encode("a", add_special_tokens=False)
             received = []
-            with pytest.raises(UnsatisfiableConstraintsError, match="grammar and allowed_token_ids"):
+            with pytest.raises(UnsatisfiableConstraintsError, match="grammar and allowed_token_ids") as info:
                 async for out in engine.stream("hi", constrained({"regex": "[0-9]+"}, allowed_token_ids=letter_a,
                                                                  n=2, temperature=1.0)):
                     received.append(out)
             assert received == []  # both sequences: no token at all, not even the fallback
+            # the field it is about, for a caller that names fields its own way (the server)
+            assert (info.value.owner, info.value.field) == ("SamplingParams", "structured_output")
+            assert str(info.value).startswith("SamplingParams.structured_output: at output token 0 ")
             with pytest.raises(UnsatisfiableConstraintsError, match="min_tokens"):
                 async for out in engine.stream("hi", constrained({"regex": "ab"}, min_tokens=5, max_tokens=8)):
                     received.append(out)

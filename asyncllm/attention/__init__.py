@@ -15,6 +15,7 @@ import torch
 
 from asyncllm.attention.base import AttentionBackend, ForwardBatch
 from asyncllm.attention.torch_ref import TorchAttentionBackend
+from asyncllm.config import config_error
 
 __all__ = ["AttentionBackend", "ForwardBatch", "create_attention_backend"]
 
@@ -25,7 +26,7 @@ def create_attention_backend(name: str, device: torch.device, **kwargs) -> Atten
     if name == "torch":
         return TorchAttentionBackend(**kwargs)
     if device.type != "cuda":
-        raise ValueError(f"Config.attention_backend: {name!r} needs a CUDA device; use 'torch' or 'auto' on CPU")
+        raise config_error("attention_backend", f"{name!r} needs a CUDA device; use 'torch' or 'auto' on CPU")
     if name == "triton":
         from asyncllm.attention.triton_backend import TritonAttentionBackend
         return TritonAttentionBackend(**kwargs)
@@ -35,7 +36,7 @@ def create_attention_backend(name: str, device: torch.device, **kwargs) -> Atten
     if name == "fa2":
         from asyncllm.attention.flash_attn_backend import FA2AttentionBackend
         return FA2AttentionBackend(**kwargs)
-    raise ValueError(f"Config.attention_backend: unknown backend {name!r}")
+    raise config_error("attention_backend", f"unknown backend {name!r}")
 
 
 def _auto_backend(device: torch.device) -> str:

@@ -11,6 +11,7 @@ import torch
 
 from asyncllm.attention.base import AttentionBackend, ForwardBatch
 from asyncllm.attention.graph_buffers import PagedGraphBuffers
+from asyncllm.config import config_error
 
 
 def _store_kvcache():
@@ -54,11 +55,11 @@ class FA4AttentionBackend(_FlashAttnBackend):
         try:
             from flash_attn.cute import flash_attn_varlen_func
         except ImportError as e:
-            raise ValueError("Config.attention_backend: 'fa4' needs FlashAttention-4 "
-                             "(pip install 'asyncllm-engine[fa4]', module flash_attn.cute)") from e
+            raise config_error("attention_backend", "'fa4' needs FlashAttention-4 "
+                               "(pip install 'asyncllm-engine[fa4]', module flash_attn.cute)") from e
         super().__init__(*args, **kwargs)
         if self.k_caches[0].dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"Config.dtype: FlashAttention-4 needs float16 or bfloat16, got {self.k_caches[0].dtype}")
+            raise config_error("dtype", f"FlashAttention-4 needs float16 or bfloat16, got {self.k_caches[0].dtype}")
         self._attn = flash_attn_varlen_func
 
     def attend(self, layer_id: int, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -77,11 +78,11 @@ class FA2AttentionBackend(_FlashAttnBackend):
         try:
             from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
         except ImportError as e:
-            raise ValueError("Config.attention_backend: 'fa2' needs FlashAttention-2 (pip install flash-attn)") from e
+            raise config_error("attention_backend", "'fa2' needs FlashAttention-2 (pip install flash-attn)") from e
         super().__init__(*args, **kwargs)
         if self.block_size % 256:
-            raise ValueError(f"Config.kvcache_block_size: FlashAttention-2's paged KV needs a multiple of 256, "
-                             f"got {self.block_size}")
+            raise config_error("kvcache_block_size", f"FlashAttention-2's paged KV needs a multiple of 256, "
+                               f"got {self.block_size}")
         self._varlen, self._with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
 
     def prepare_metadata(self, batch: ForwardBatch) -> None:

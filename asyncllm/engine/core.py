@@ -19,6 +19,7 @@ from asyncllm.engine.step_logprobs import add_prompt_logprobs, token_logprobs
 from asyncllm.engine.step_event import StepEvent
 from asyncllm.engine.stats import engine_stats
 from asyncllm.engine.step_budget import StepBudget, StepTimeModel, StepTimer, calibration_fits, calibration_shapes
+from asyncllm.errors import InvalidValueError
 from asyncllm.runner.launched_step import LaunchedStep
 from asyncllm.runner.model_runner import ModelRunner
 from asyncllm.runner.tp_workers import TensorParallelWorkers
@@ -146,7 +147,7 @@ class EngineCore:
         if request_id is None:
             request_id = self.new_request_id()
         if request_id in self.requests:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
+            raise InvalidValueError("request_id", f"{request_id!r} is already in use")
         deadline = None
         if isinstance(params, PoolingParams):  # an embedding: one sequence, prefilled, never sampled
             seq = embedding_sequence(request_id, prompt_token_ids, params, self.block_manager.block_size)

@@ -7,11 +7,11 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-from asyncllm.config import Config
+from asyncllm.config import Config, config_error
 from asyncllm.engine.reasoning_format import ReasoningTags
 from asyncllm.engine.sequence import Sequence
 from asyncllm.engine.token_bans import check_some_token_samplable, encode_bad_words
-from asyncllm.errors import PromptTooLongError
+from asyncllm.errors import InvalidTypeError, InvalidValueError, PromptTooLongError
 from asyncllm.models.checkpoint import find_eos_token_ids
 from asyncllm.pooling_params import PoolingParams, shown_int
 from asyncllm.sampling_params import SamplingParams
@@ -24,8 +24,8 @@ def check_text(text: str, argument: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"{argument}: not valid Unicode text (lone surrogate {text[e.start]!r} at index "
-                         f"{e.start}); decode bytes with errors='replace' first") from None
+        raise InvalidValueError(argument, f"not valid Unicode text (lone surrogate {text[e.start]!r} at index "
+                                          f"{e.start}); decode bytes with errors='replace' first") from None
 
 
 class RequestIntake:
@@ -53,51 +53,53 @@ class RequestIntake:
         """A prompt string or token-id list, checked, as token ids."""
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError(f"{argument}: the prompt is empty")
+                raise InvalidValueError(argument, "the prompt is empty")
             check_text(prompt, argument)
             if len(prompt) > self.max_prompt_chars:
-                raise PromptTooLongError(f"{argument}: {len(prompt)} characters cannot fit in max_model_len "
-                                         f"({self.max_seq_len} tokens)")
+                raise PromptTooLongError(argument, f"{len(prompt)} characters cannot fit in max_model_len "
+                                                   f"({self.max_seq_len} tokens)")
             token_ids = self.tokenizer.encode(prompt)
             if not token_ids:
-                raise ValueError(f"{argument}: the prompt encodes to no tokens")
+                raise InvalidValueError(argument, "the prompt encodes to no tokens")
             return self.check_token_ids(token_ids, argument)
         if isinstance(prompt, (list, tuple)):
             if not prompt:
-                raise ValueError(f"{argument}: the token-id list is empty")
+                raise InvalidValueError(argument, "the token-id list is empty")
             return self.check_token_ids(list(prompt), argument)
-        raise TypeError(f"{argument}: expected a string or a list of token ids, got {type(prompt).__name__}")
+        raise InvalidTypeError(argument, f"expected a string or a list of token ids, got {type(prompt).__name__}")
 
-    def check_token_ids(self, token_ids: list[int], argument: str) -> list[int]:
-        """Every id an int inside the model's vocabulary: an id past it would fail inside a step."""
+    def check_token_ids(self, token_ids: list[int], argument: str, owner: str | None = None) -> list[int]:
+        """Every id an int inside the model's vocabulary: an id past it would fail inside a step.
+        owner: the class whose field argument is, if it is one."""
         for i, t in enumerate(token_ids):
             if isinstance(t, bool) or not isinstance(t, int):
-                raise TypeError(f"{argument}[{i}]: token ids must be ints, got {type(t).__name__}")
+                raise InvalidTypeError(f"{argument}[{i}]", f"token ids must be ints, got {type(t).__name__}", owner)
             if not 0 <= t < self.vocab_size:
-                raise ValueError(f"{argument}[{i}]: token id {t} is outside the vocabulary [0, {self.vocab_size})")
+                raise InvalidValueError(f"{argument}[{i}]", f"token id {t} is outside the vocabulary "
+                                                            f"[0, {self.vocab_size})", owner)
         return token_ids
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
                       argument: str = "prompt") -> SamplingParams:
         """Check a request; returns the validated snapshot of params that the request must keep."""
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+            raise InvalidTypeError("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
         # a snapshot: fields set on the caller's object later would otherwise reach a step and
         # fail there, killing the engine for every request
         params = params.snapshot()
         if params.logit_bias is not None:
-            self.check_token_ids(list(params.logit_bias), "SamplingParams.logit_bias")
+            self.check_token_ids(list(params.logit_bias), "logit_bias", "SamplingParams")
         if params.allowed_token_ids is not None:
-            self.check_token_ids(params.allowed_token_ids, "SamplingParams.allowed_token_ids")
+            self.check_token_ids(params.allowed_token_ids, "allowed_token_ids", "SamplingParams")
         if params.stop_token_ids:  # banned below min_tokens: an id past the logits would fail the step
-            self.check_token_ids(params.stop_token_ids, "SamplingParams.stop_token_ids")
+            self.check_token_ids(params.stop_token_ids, "stop_token_ids", "SamplingParams")
         check_some_token_samplable(params, self.vocab_size, self.eos_token_ids, self.tokenizer)
         if params.structured_output is not None:
             # compiled here (the caller waits) and kept with the request's copy: the engine thread never compiles
             self.grammar_compiler.prepare(params.structured_output)
         if len(prompt_token_ids) >= self.max_seq_len:
-            raise PromptTooLongError(f"{argument}: {len(prompt_token_ids)} tokens leave no room to generate within "
-                                     f"{self._length_limit} ({self.max_seq_len} tokens)")
+            raise PromptTooLongError(argument, f"{len(prompt_token_ids)} tokens leave no room to generate within "
+                                               f"{self._length_limit} ({self.max_seq_len} tokens)")
         return params
 
     @property
@@ -108,16 +110,16 @@ class RequestIntake:
                                 argument: str = "prompt") -> PoolingParams:
         """Check an embedding request (its prompt checked by encode_prompt); returns params."""
         if not isinstance(params, PoolingParams):
-            raise TypeError(f"pooling_params: expected PoolingParams, got {type(params).__name__}")
+            raise InvalidTypeError("pooling_params", f"expected PoolingParams, got {type(params).__name__}")
         if self.tensor_parallel_size > 1:
             # the worker ranks would replay CUDA graphs of a step that rank 0 runs eagerly to pool it
-            raise ValueError("embeddings are not available with tensor_parallel_size > 1")
+            raise config_error("tensor_parallel_size", "embeddings are not available with tensor_parallel_size > 1")
         if params.dimensions is not None and params.dimensions > self.hidden_size:
-            raise ValueError(f"dimensions: {shown_int(params.dimensions)} is more than the model's hidden size "
-                             f"({self.hidden_size})")
+            raise InvalidValueError("dimensions", f"{shown_int(params.dimensions)} is more than the model's hidden "
+                                                  f"size ({self.hidden_size})")
         if len(prompt_token_ids) > self.max_seq_len:  # no room to generate needed: nothing is generated
-            raise PromptTooLongError(f"{argument}: {len(prompt_token_ids)} tokens exceed {self._length_limit} "
-                                     f"({self.max_seq_len} tokens)")
+            raise PromptTooLongError(argument, f"{len(prompt_token_ids)} tokens exceed {self._length_limit} "
+                                               f"({self.max_seq_len} tokens)")
         return params
 
     @property

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 
 from asyncllm.config import Config
-from asyncllm.errors import EngineAsleepError, EngineDeadError
+from asyncllm.errors import EngineAsleepError, EngineDeadError, InvalidTypeError, InvalidValueError
 from asyncllm.models.checkpoint import check_tokenizer, iter_safetensors, load_tokenizer
 from asyncllm.models.registry import model_structure
 from asyncllm.models.resolve import resolve_config
@@ -51,9 +51,9 @@ class Checkpoint:
 
 def check_sleep_level(level) -> int:
     if isinstance(level, bool) or not isinstance(level, int):
-        raise TypeError(f"level: expected an int, got {type(level).__name__}")
+        raise InvalidTypeError("level", f"expected an int, got {type(level).__name__}")
     if level not in SLEEP_LEVELS:
-        raise ValueError(f"level: must be 1 (weights to host memory) or 2 (weights dropped), got {level}")
+        raise InvalidValueError("level", f"must be 1 (weights to host memory) or 2 (weights dropped), got {level}")
     return level
 
 
@@ -68,8 +68,9 @@ def prepare_reload(config: Config, model, revision: str | None = None) -> Checkp
         differences.append(f"max_position_embeddings {new.max_model_len} (the engine's max_model_len: "
                            f"{config.max_model_len})")
     if differences:
-        raise ValueError(f"model: {new.model!r} is not the engine's model structure: {'; '.join(differences)}. "
-                         "reload() loads weights of the same structure in place; another model needs a new engine")
+        raise InvalidValueError("model", f"{new.model!r} is not the engine's model structure: "
+                                f"{'; '.join(differences)}. reload() loads weights of the same structure in place; "
+                                "another model needs a new engine")
     tokenizer = load_tokenizer(new.model)
     check_tokenizer(tokenizer, new.hf_config, new.model)
     return Checkpoint(new, tokenizer)

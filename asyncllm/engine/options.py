@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from asyncllm.config import Config
+from asyncllm.errors import InvalidTypeError
 from asyncllm.models.default_model import default_model_path
 from asyncllm.models.resolve import resolve_config
 
@@ -14,7 +15,8 @@ def make_config(model, options: dict) -> Config:
     known = {f.name for f in dataclasses.fields(Config) if f.init} - {"model"}
     unknown = sorted(set(options) - known)
     if unknown:
-        raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+        others = f" (so are {unknown[1:]})" if len(unknown) > 1 else ""
+        raise InvalidTypeError(unknown[0], f"unknown engine option{others}; known: {sorted(known)}")
     if model is None:
         model = default_model_path()
     return resolve_config(Config(model=model, **options))

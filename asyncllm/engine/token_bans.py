@@ -2,6 +2,7 @@
 its constraints leave some token to sample."""
 from __future__ import annotations
 
+from asyncllm.errors import InvalidValueError
 from asyncllm.sampling_params import SamplingParams
 
 
@@ -40,5 +41,6 @@ def check_some_token_samplable(params: SamplingParams, vocab_size: int, eos_toke
     fields = ["allowed_token_ids"] * (allowed is not None) + [name for name, _ in causes] + \
         ["min_tokens"] * any(name != "bad_words" for name, _ in causes)
     what = "every token of allowed_token_ids" if allowed is not None else "every token of the vocabulary"
-    raise ValueError(f"SamplingParams.{', '.join(fields)}: {what} is banned by "
-                     f"{' and '.join(why for _, why in causes)}: no token could be sampled")
+    # the argument: every field that takes part
+    raise InvalidValueError(", ".join(fields), f"{what} is banned by {' and '.join(why for _, why in causes)}: "
+                                               "no token could be sampled", "SamplingParams")

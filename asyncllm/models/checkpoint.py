@@ -14,6 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from asyncllm.config import config_error
 from asyncllm.layers.linear import WeightShapeError, check_loaded_shape
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -29,10 +30,10 @@ _POSITIVE_CONFIG_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "nu
 def load_hf_config(model_dir: str):
     from transformers import AutoConfig
     if not os.path.isdir(model_dir):
-        raise ValueError(f"Config.model: {model_dir!r} is not a model directory")
+        raise config_error("model", f"{model_dir!r} is not a model directory")
     config_path = os.path.join(model_dir, "config.json")
     if not os.path.exists(config_path):
-        raise ValueError(f"Config.model: {model_dir!r} has no config.json")
+        raise config_error("model", f"{model_dir!r} has no config.json")
     try:
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - transformers' own checks raise several types (some not ValueError)
@@ -121,7 +122,7 @@ def safetensors_files(model_dir: str) -> list[str]:
         pickles = [f for f in os.listdir(model_dir) if f.endswith(PICKLE_SUFFIXES)]
         hint = (f" It holds {', '.join(sorted(pickles))}: pickle checkpoints are refused, since loading them "
                 "can run arbitrary code; convert them to safetensors first.") if pickles else ""
-        raise ValueError(f"Config.model: no .safetensors weights in {model_dir!r}.{hint}")
+        raise config_error("model", f"no .safetensors weights in {model_dir!r}.{hint}")
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.exists(index):
         try:
@@ -263,8 +264,8 @@ def check_tokenizer(tokenizer, hf_config, model_dir: str) -> None:
     that one message names all three numbers."""
     present = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(model_dir, name))]
     if not present:
-        raise ValueError(f"Config.model: {model_dir!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}), "
-                         "so every text prompt would encode to no tokens; copy the model's tokenizer files into it")
+        raise config_error("model", f"{model_dir!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}), "
+                           "so every text prompt would encode to no tokens; copy the model's tokenizer files into it")
     vocab_size = hf_config.vocab_size
     rows = _vocab_tensor_rows(model_dir)
     num_token_ids = len(tokenizer)
@@ -298,8 +299,8 @@ def load_tokenizer(model_dir: str):
     try:
         return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - transformers and tokenizers raise many types for broken files
-        raise ValueError(f"Config.model: the tokenizer files in {model_dir!r} cannot be loaded: "
-                         f"{type(e).__name__}: {e}") from e
+        raise config_error("model", f"the tokenizer files in {model_dir!r} cannot be loaded: "
+                           f"{type(e).__name__}: {e}") from e
 
 
 def _as_id_set(value, where: str) -> set[int]:

@@ -14,6 +14,7 @@ import sys
 from huggingface_hub import HfApi, constants, snapshot_download
 from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
+from asyncllm.config import config_error
 from asyncllm.models.checkpoint import PICKLE_SUFFIXES
 
 # the top-level files a checkpoint directory needs: weights, configs, tokenizers, chat templates
@@ -28,13 +29,13 @@ def download_model(repo_id: str, revision: str | None = None) -> str:
     try:
         info = HfApi().model_info(repo_id, revision=revision, files_metadata=True)
     except RevisionNotFoundError:
-        raise ValueError(f"Config.revision: the hub repository {repo_id!r} has no revision {revision!r}") from None
+        raise config_error("revision", f"the hub repository {repo_id!r} has no revision {revision!r}") from None
     except GatedRepoError:
-        raise ValueError(f"Config.model: the hub repository {repo_id!r} is gated: accept its terms on "
-                         "huggingface.co and set HF_TOKEN to a token of that account") from None
+        raise config_error("model", f"the hub repository {repo_id!r} is gated: accept its terms on "
+                           "huggingface.co and set HF_TOKEN to a token of that account") from None
     except RepositoryNotFoundError:
-        raise ValueError(f"Config.model: {repo_id!r} is not a local path, and the Hugging Face hub has no model "
-                         f"{repo_id!r} (a private one needs HF_TOKEN)") from None
+        raise config_error("model", f"{repo_id!r} is not a local path, and the Hugging Face hub has no model "
+                           f"{repo_id!r} (a private one needs HF_TOKEN)") from None
     except Exception as e:  # noqa: BLE001 - no network: requests', httpx's and the hub's own errors, by version
         return _cached_snapshot(repo_id, revision, f"the hub cannot be reached: {type(e).__name__}: {e}")
     files = {s.rfilename: s.size or 0 for s in info.siblings or () if "/" not in s.rfilename}
@@ -72,5 +73,5 @@ def _check_safetensors(repo_id: str, files: list[str]) -> None:
     pickles = sorted(name for name in files if name.endswith(PICKLE_SUFFIXES))
     held = f"it holds {', '.join(pickles)}: pickle checkpoints are refused, since loading them can run arbitrary " \
            "code" if pickles else "it holds no weights asyncllm can read"
-    raise ValueError(f"Config.model: the hub repository {repo_id!r} has no .safetensors weights ({held}); pick a "
-                     "repository with safetensors weights, or convert these and pass the local directory")
+    raise config_error("model", f"the hub repository {repo_id!r} has no .safetensors weights ({held}); pick a "
+                       "repository with safetensors weights, or convert these and pass the local directory")

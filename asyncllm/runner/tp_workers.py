@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from asyncllm import settings
+from asyncllm.config import config_error
 from asyncllm.runner.tp_protocol import (HEARTBEAT, RankDiedError, check_same_model, collective_timeout,
                                          init_distributed, joined_key, make_store, parse_ranks, send_step)
 from asyncllm.runner.tp_worker_main import run_worker
@@ -63,7 +64,7 @@ class TensorParallelWorkers:
                 raise ValueError(f"ASYNCLLM_TP_INIT_METHOD: the engine's process is rank 0, but RANK={rank}")
             env_world = settings.WORLD_SIZE.read()
             if env_world is not None and env_world != world_size:
-                raise ValueError(f"Config.tensor_parallel_size: {world_size}, but WORLD_SIZE={env_world}")
+                raise config_error("tensor_parallel_size", f"{world_size}, but WORLD_SIZE={env_world}")
             local_ranks = parse_ranks(settings.TP_LOCAL_RANKS.read(), world_size)
             first_device = settings.LOCAL_RANK.read() or 0
         else:
@@ -71,8 +72,8 @@ class TensorParallelWorkers:
             local_ranks = list(range(1, world_size))
             first_device = 0
         if config.device == "cuda" and torch.cuda.device_count() < first_device + 1 + len(local_ranks):
-            raise ValueError(f"Config.tensor_parallel_size: {1 + len(local_ranks)} ranks on this machine need as "
-                             f"many GPUs, found {torch.cuda.device_count()}")
+            raise config_error("tensor_parallel_size", f"{1 + len(local_ranks)} ranks on this machine need as "
+                               f"many GPUs, found {torch.cuda.device_count()}")
 
         # rank 0 hosts the rendezvous store; the process group is joined only once every rank has
         # said it is there, so a rank that dies while starting is reported at once (no thread is

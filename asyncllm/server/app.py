@@ -15,7 +15,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from asyncllm.errors import EngineDeadError, QueueFullError, RequestTimeoutError, UnsatisfiableConstraintsError
+from asyncllm.errors import (ArgumentError, EngineDeadError, InvalidValueError, QueueFullError, RequestTimeoutError,
+                             UnsatisfiableConstraintsError)
 from asyncllm.sampling_params import SamplingParams
 import asyncllm.server.protocol as protocol
 from asyncllm.server import tool_calls
@@ -50,10 +51,10 @@ class OpenAIServer(TokenizationEndpoints):
         self.limits = RequestLimits(**limits)
         if sse_keepalive_interval is not None and (not isinstance(sse_keepalive_interval, (int, float))
                                                    or not sse_keepalive_interval > 0):
-            raise ValueError(f"sse_keepalive_interval: expected a positive number of seconds or None, "
-                             f"got {sse_keepalive_interval!r}")
+            raise InvalidValueError("sse_keepalive_interval", f"expected a positive number of seconds or None, "
+                                                            f"got {sse_keepalive_interval!r}")
         if api_key == "":  # e.g. --api-key "$KEY" with KEY unset: never a way to turn auth off
-            raise ValueError("api_key: empty; pass None for no authentication")
+            raise InvalidValueError("api_key", "empty; pass None for no authentication")
         self.engine = engine
         self.model_name = model_name
         # compared as UTF-8 bytes: a non-ASCII key is sent as its UTF-8 bytes
@@ -187,11 +188,10 @@ class OpenAIServer(TokenizationEndpoints):
         except EngineDeadError as e:
             raise APIError(503, f"the engine is not available: {e}", code="engine_unavailable") from None
         except (ValueError, TypeError) as e:
-            if constraint_field is not None and str(e).startswith("SamplingParams.structured_output:"):
-                raise field_error(constraint_field, e, "structured_output") from None
-            if str(e).startswith("SamplingParams."):  # a field the engine checks against the model (token ids)
-                name = str(e).removeprefix("SamplingParams.").split(":")[0].split("[")[0]
-                raise field_error(name, e) from None
+            if isinstance(e, ArgumentError) and e.owner == "SamplingParams":  # a field checked against the model
+                # (token ids, the grammar): the request's field of that name, or the constraint's
+                sent = constraint_field if e.field == "structured_output" and constraint_field is not None else e.field
+                raise field_error(sent, e, e.field) from None
             raise field_error(field, e, "prompt") from None
 
     def closer(self, streams: StreamGroup) -> Callable[..., Awaitable[None]]:
@@ -234,7 +234,7 @@ class OpenAIServer(TokenizationEndpoints):
         if isinstance(error, RequestTimeoutError):
             raise request_timeout_error(error)
         if isinstance(error, UnsatisfiableConstraintsError):
-            raise APIError(400, str(error).removeprefix("SamplingParams."), code="unsatisfiable_constraints")
+            raise APIError(400, error.message_without_owner, code="unsatisfiable_constraints")
         if error is not None:
             raise APIError(503, f"the engine failed: {error}", code="engine_unavailable")
         results = [streams.result(i, "".join(texts)) for i, texts in parts.items()]

@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 import asyncllm.server.protocol as protocol
-from asyncllm.errors import EngineDeadError, QueueFullError
+from asyncllm.errors import ArgumentError, EngineDeadError, QueueFullError
 from asyncllm.server.errors import RETRY_AFTER_SECONDS
 from asyncllm.server.protocol import APIError, field_error
 from asyncllm.server.sse import await_disconnect
@@ -99,8 +99,8 @@ async def create_embeddings(server, request: Request) -> Response:
     if isinstance(error, EngineDeadError):
         raise error  # the route's 503
     if error is not None:
-        name = str(error).split(":")[0]
-        raise field_error(name if name in options else "input", error, "prompts")
+        name = error.field if isinstance(error, ArgumentError) and error.field in options else "input"
+        raise field_error(name, error, "prompts")
     if vectors is None:
         raise APIError(400, "the client disconnected", code="client_disconnected")
     num_tokens = sum(map(len, prompts))

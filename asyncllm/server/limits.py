@@ -9,10 +9,13 @@ import logging
 import anyio
 from starlette.requests import ClientDisconnect, Request
 
+from asyncllm.errors import ArgumentError
 from asyncllm.sampling_params import SamplingParams
-from asyncllm.server.protocol import APIError, is_int, logprobs_field, max_tokens_field_sent, type_name
+from asyncllm.server.protocol import APIError, logprobs_field, max_tokens_field_sent, type_name
+from asyncllm.validation import FieldChecks, is_int, short_repr
 
 logger = logging.getLogger("asyncllm.server")
+_fail = FieldChecks(None, show=short_repr)  # RequestLimits' fields: messages name them alone
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds for a whole request body to arrive
@@ -45,16 +48,13 @@ class RequestLimits:
         for name in ("max_tokens_limit", "max_generated_tokens", "max_logprob_entries"):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < 1):
-                raise ValueError(f"{name}: expected a positive int or None, got {value!r}")
+                _fail(name, f"expected a positive int or None, got {value!r}")
         if not is_int(self.max_body_bytes) or self.max_body_bytes < 1:
-            raise ValueError(f"max_body_bytes: expected a positive int, got {self.max_body_bytes!r}")
+            _fail("max_body_bytes", f"expected a positive int, got {self.max_body_bytes!r}")
         if not isinstance(self.body_timeout, (int, float)) or not self.body_timeout > 0:
-            raise ValueError(f"body_timeout: expected a positive number of seconds, got {self.body_timeout!r}")
+            _fail("body_timeout", f"expected a positive number of seconds, got {self.body_timeout!r}")
         if self.request_timeout is not None:
-            try:
-                SamplingParams(timeout=self.request_timeout)  # the one check of a timeout
-            except ValueError as e:
-                raise ValueError(f"request_timeout: {str(e).partition(': ')[2]}") from None
+            _fail.positive_seconds("request_timeout", self.request_timeout)  # SamplingParams.timeout's check
 
 
 async def read_json_body(request: Request, max_body_bytes: int, body_timeout: float) -> dict:
@@ -137,8 +137,8 @@ def limit_output(params: SamplingParams, body: dict, max_tokens_field: str, chat
         raise APIError(400, message + advice, param=param, code="invalid_value")
     try:
         return dataclasses.replace(params, max_tokens=most)
-    except (ValueError, TypeError) as e:  # min_tokens above what the limits leave
-        raise APIError(400, f"{str(e).removeprefix('SamplingParams.')} ({flag} leaves {most} tokens a choice)",
+    except ArgumentError as e:  # min_tokens above what the limits leave
+        raise APIError(400, f"{e.message_without_owner} ({flag} leaves {most} tokens a choice)",
                        code="invalid_value") from None
 
 

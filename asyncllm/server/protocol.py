@@ -11,8 +11,9 @@ from collections.abc import Callable
 
 from starlette.responses import JSONResponse
 
-from asyncllm.errors import PromptTooLongError
+from asyncllm.errors import ArgumentError, PromptTooLongError
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.validation import is_int
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
 MAX_STOP_STRINGS = 16
@@ -49,10 +50,6 @@ class APIError(Exception):
 def type_name(value) -> str:
     return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "an integer",
             float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
-
-
-def is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def expect(body: dict, name: str, check: Callable[[object], bool], what: str):
@@ -132,17 +129,13 @@ def warn_unknown_field(name: str) -> None:
 
 def field_error(field: str, error: Exception, argument: str | None = None) -> APIError:
     """A 400 naming `field` (what the client sent) for an error raised about `argument` (what the
-    engine or SamplingParams calls it, if not the same)."""
-    message = str(error).removeprefix("SamplingParams.")
-    for name in (argument or field, field):
-        if message.startswith(name + ":"):
-            message = f"'{field}':{message[len(name) + 1:]}"
-            break
-        if message.startswith(name + "["):  # an item: prompt[3], messages[0]
-            message = field + message[len(name):]
-            break
+    engine or SamplingParams calls it, if not the same): an ArgumentError about either reads as
+    about `field`; any other error is quoted whole after it."""
+    if isinstance(error, ArgumentError) and error.field in (argument or field, field):
+        item = error.argument[len(error.field):]  # an item: prompt[3], messages[0]
+        message = f"{field}{item}: {error.reason}" if item else f"'{field}': {error.reason}"
     else:
-        message = f"'{field}': {message}"
+        message = f"'{field}': {error}"
     code = "context_length_exceeded" if isinstance(error, PromptTooLongError) else "invalid_value"
     return APIError(400, message, param=field, code=code)
 
@@ -201,16 +194,11 @@ def sampling_params(body: dict, max_tokens_field: str, default_max_tokens: int,
         raise APIError(400, f"'stop': at most {MAX_STOP_STRINGS} stop strings", param="stop", code="invalid_value")
     try:
         return SamplingParams(**dict(sent.values()), structured_output=structured_output)
-    except (ValueError, TypeError, OverflowError) as e:
-        error = e
-    # refused: one field at a time (each beside the max_tokens asked for), so that the 400 names the
-    # field whatever the error's wording; a valid request builds SamplingParams once
-    for name, (argument, value) in sent.items():
-        try:
-            SamplingParams(**{"max_tokens": max_tokens, argument: value})
-        except (ValueError, TypeError, OverflowError) as e:
-            raise field_error(name, e, argument) from None
-    raise APIError(400, str(error).removeprefix("SamplingParams."), code="invalid_value")  # a combination of fields
+    except ArgumentError as e:  # names the SamplingParams field: the 400 names the request's field that set it
+        sent_as = {argument: name for name, (argument, _) in sent.items()}
+        if e.field in sent_as:
+            raise field_error(sent_as[e.field], e, e.field) from None
+        raise APIError(400, e.message_without_owner, code="invalid_value") from None
 
 
 def stream_options(body: dict) -> tuple[bool, bool]:

@@ -11,7 +11,7 @@ import anyio
 from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
-from asyncllm.errors import EngineDeadError, RequestTimeoutError, UnsatisfiableConstraintsError
+from asyncllm.errors import EngineDeadError, InvalidValueError, RequestTimeoutError, UnsatisfiableConstraintsError
 from asyncllm.server.limits import request_timeout_error
 from asyncllm.server.protocol import APIError
 from asyncllm.server.shutdown import shutting_down_error
@@ -42,8 +42,8 @@ class EventStreamResponse(StreamingResponse):
         is sent, so that proxies and clients with read timeouts do not drop a stream that waits
         in the queue or behind a long prefill; None: never."""
         if keepalive_interval is not None and not keepalive_interval > 0:
-            raise ValueError(f"keepalive_interval: expected a positive number of seconds or None, "
-                             f"got {keepalive_interval!r}")
+            raise InvalidValueError("keepalive_interval", f"expected a positive number of seconds or None, "
+                                                        f"got {keepalive_interval!r}")
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})}
         super().__init__(content, status_code=status_code, headers=headers)
         self.on_close = on_close
@@ -200,8 +200,7 @@ async def answer_events(stream, close: Callable[[str | None], Awaitable[None]],
         for event in error_events(request_timeout_error(e)):
             yield event
     except UnsatisfiableConstraintsError as e:  # the request's own constraints: it ends here (an abort)
-        for event in error_events(APIError(400, str(e).removeprefix("SamplingParams."),
-                                           code="unsatisfiable_constraints")):
+        for event in error_events(APIError(400, e.message_without_owner, code="unsatisfiable_constraints")):
             yield event
     finally:
         await close(finish_reason)  # aborts the request unless it has finished

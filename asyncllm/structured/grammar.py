@@ -23,6 +23,7 @@ import anyio
 import torch
 
 from asyncllm.engine.sequence import PENDING_TOKEN
+from asyncllm.errors import InvalidValueError
 from asyncllm.structured.compile_jobs import CompileJobs
 from asyncllm.structured.spec import StructuredOutput
 
@@ -48,7 +49,7 @@ class GrammarCompiler:
                  deadline_s: float = COMPILE_DEADLINE_S, cache_limit_bytes: int = CACHE_LIMIT_BYTES,
                  jobs: CompileJobs | None = None):
         if xgrammar is None:
-            raise ValueError(f"SamplingParams.structured_output: {INSTALL_HINT}")
+            raise _structured_output_error(INSTALL_HINT)
         self.vocab_size = vocab_size
         self.deadline_s = deadline_s
         self.cache_limit_bytes = cache_limit_bytes
@@ -123,9 +124,9 @@ class GrammarCompiler:
                     "grammar_compiles_detached": jobs["detached"], "grammar_cache_bytes": self._cache_bytes,
                     "grammar_cache_entries": len(self._cache)}
 
-    def _too_slow(self) -> ValueError:
-        return ValueError(f"SamplingParams.structured_output: the grammar did not compile within "
-                          f"{self.deadline_s:g} s (COMPILE_DEADLINE_S); make it smaller or simpler")
+    def _too_slow(self) -> InvalidValueError:
+        return _structured_output_error(f"the grammar did not compile within {self.deadline_s:g} s "
+                                        "(COMPILE_DEADLINE_S); make it smaller or simpler")
 
     def _cached(self, key: tuple[str, str]):
         with self._lock:
@@ -164,7 +165,7 @@ class GrammarCompiler:
                     "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(text)))
             return compiler.compile_grammar(text)
         except Exception as e:  # xgrammar raises RuntimeError/ValueError subclasses of its own
-            raise ValueError(f"SamplingParams.structured_output: invalid {kind}: {_first_line(e)}") from None
+            raise _structured_output_error(f"invalid {kind}: {_first_line(e)}") from None
 
     def _compiler(self):
         with self._xgrammar_lock:
@@ -223,7 +224,7 @@ class GrammarState:
                 continue
             if self.error is None and not self.matcher.accept_token(token):
                 self.error = _refusal(seq.params, token, self.num_consumed)
-                logger.warning("request %s: %s", seq.request_id, self.error)
+                logger.warning("request %s: structured_output: %s", seq.request_id, self.error)
             self.num_consumed += 1
 
     @property
@@ -231,15 +232,21 @@ class GrammarState:
         return self.matcher.is_terminated()
 
 
+def _structured_output_error(reason: str) -> InvalidValueError:
+    """A request's structured_output refused (the request's SamplingParams field)."""
+    return InvalidValueError("structured_output", reason, "SamplingParams")
+
+
 def _refusal(params, token: int, index: int) -> str:
-    """Why the request ends at its index-th output token, which its grammar refused."""
+    """Why the request ends at its index-th output token, which its grammar refused (the reason of
+    the UnsatisfiableConstraintsError its stream raises)."""
     others = [name for name, given in (("allowed_token_ids", params.allowed_token_ids is not None),
                                        ("bad_words", bool(params.bad_words)), ("min_tokens", params.min_tokens > 0))
               if given]
     if not others:  # the grammar's mask alone decides: a refused token is the engine's fault
-        return f"SamplingParams.structured_output: output token {index} ({token}) does not match the grammar"
+        return f"output token {index} ({token}) does not match the grammar"
     why = " (min_tokens bans the stop tokens that end a complete output)" if "min_tokens" in others else ""
-    return (f"SamplingParams.structured_output: at output token {index} no token is allowed by both the grammar "
+    return (f"at output token {index} no token is allowed by both the grammar "
             f"and {' and '.join(others)}{why}; the request ends there, without that token")
 
 

@@ -5,12 +5,15 @@ import json
 from dataclasses import dataclass, field
 
 from asyncllm.structured import checks
+from asyncllm.validation import FieldChecks
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # JSON schemas whose objects and arrays nest deeper are refused: copying one (SamplingParams.snapshot)
 # recurses per level, and some 300 levels exhaust Python's stack; a schema's nested object property
 # costs two levels (the object, its "properties"), and real schemas nest a dozen or so
 MAX_SCHEMA_DEPTH = 128
+
+_fail = FieldChecks("StructuredOutput")
 
 
 @dataclass(frozen=True)
@@ -32,9 +35,6 @@ class StructuredOutput:
     key: tuple[str, str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        def fail(name: str, message: str) -> None:
-            raise ValueError(f"StructuredOutput.{name}: {message}")
-
         given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
         if len(given) != 1:
             raise ValueError(f"StructuredOutput: give exactly one of {', '.join(KINDS)}; got "
@@ -46,44 +46,44 @@ class StructuredOutput:
                 try:
                     schema = json.loads(schema)
                 except ValueError as e:
-                    fail("json", f"not valid JSON: {e}")
+                    _fail("json", f"not valid JSON: {e}")
                 except RecursionError:
-                    fail("json", f"objects and arrays nested more than {MAX_SCHEMA_DEPTH} levels deep")
+                    _fail("json", f"objects and arrays nested more than {MAX_SCHEMA_DEPTH} levels deep")
             if not isinstance(schema, (dict, bool)):
-                fail("json", f"expected a JSON schema (an object), got {type(schema).__name__}")
+                _fail("json", f"expected a JSON schema (an object), got {type(schema).__name__}")
             if _depth_over(schema, MAX_SCHEMA_DEPTH):
-                fail("json", f"objects and arrays nested more than {MAX_SCHEMA_DEPTH} levels deep")
+                _fail("json", f"objects and arrays nested more than {MAX_SCHEMA_DEPTH} levels deep")
             text = json.dumps(schema, ensure_ascii=False)  # key order kept: properties come out in it
             problem = checks.check_text_size(text)  # first: the walk below is linear in the size
             if problem is not None:
-                fail("json", f"the schema is too large: {problem}")
+                _fail("json", f"the schema is too large: {problem}")
             problem = checks.check_schema(schema)
             if problem is not None:
-                fail("json", problem)
+                _fail("json", problem)
         elif kind == "json_object":
             if self.json_object is not True:
-                fail("json_object", f"expected True, got {self.json_object!r}")
+                _fail("json_object", f"expected True, got {self.json_object!r}")
             text = ""
         elif kind == "choice":
             choice = self.choice
             if not isinstance(choice, (list, tuple)) or not choice or not all(
                     isinstance(c, str) and c for c in choice):
-                fail("choice", f"expected a non-empty list of non-empty strings, got {_short(choice)}")
+                _fail("choice", f"expected a non-empty list of non-empty strings, got {_short(choice)}")
             object.__setattr__(self, "choice", list(choice))
             text = json.dumps(list(choice), ensure_ascii=False)
             problem = checks.check_choice(choice) or checks.check_text_size(text)
             if problem is not None:
-                fail("choice", f"too many choices: {problem}")
+                _fail("choice", f"too many choices: {problem}")
         else:  # regex, grammar
             value = getattr(self, kind)
             if not isinstance(value, str) or not value:
-                fail(kind, f"expected a non-empty string, got {_short(value)}")
+                _fail(kind, f"expected a non-empty string, got {_short(value)}")
             text = value
             problem = checks.check_text_size(text)
             if problem is not None:
-                fail(kind, f"too large: {problem}")
+                _fail(kind, f"too large: {problem}")
             if kind == "regex" and (problem := checks.regex_problem(text)) is not None:
-                fail("regex", problem)
+                _fail("regex", problem)
         object.__setattr__(self, "key", (kind, text))
 
     @property

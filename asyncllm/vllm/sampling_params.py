@@ -9,6 +9,9 @@ from typing import Any
 
 from asyncllm.sampling_params import SamplingParams as NativeSamplingParams
 from asyncllm.structured import StructuredOutput
+from asyncllm.validation import FieldChecks
+
+_fail = FieldChecks("SamplingParams")
 
 
 class RequestOutputKind(Enum):
@@ -78,26 +81,22 @@ class SamplingParams:
     extra_args: dict[str, Any] | None = None  # for custom samplers; nothing here reads it
 
     def __post_init__(self) -> None:
-        def fail(name: str, message: str) -> None:
-            raise ValueError(f"SamplingParams.{name}: {message}")
-
         if not isinstance(self.output_kind, RequestOutputKind):
-            fail("output_kind", f"expected a RequestOutputKind, got {self.output_kind!r}")
-        if not isinstance(self.detokenize, bool):
-            fail("detokenize", f"expected a bool, got {self.detokenize!r}")
+            _fail("output_kind", f"expected a RequestOutputKind, got {self.output_kind!r}")
+        _fail.expect_bool("detokenize", self.detokenize)
         if self.stop and not self.detokenize:
-            fail("stop", "stop strings need detokenize=True")
+            _fail("stop", "stop strings need detokenize=True")
         k = self.truncate_prompt_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or (k < 1 and k != -1)):
-            fail("truncate_prompt_tokens", f"expected None, -1 or an int >= 1, got {k!r}")
+            _fail("truncate_prompt_tokens", f"expected None, -1 or an int >= 1, got {k!r}")
         for name in ("structured_outputs", "guided_decoding"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, StructuredOutputsParams):
-                fail(name, f"expected StructuredOutputsParams or None, got {type(value).__name__}")
+                _fail(name, f"expected StructuredOutputsParams or None, got {type(value).__name__}")
         if self.structured_outputs is not None and self.guided_decoding is not None:
-            fail("guided_decoding", "give structured_outputs or guided_decoding (its older name), not both")
+            _fail("guided_decoding", "give structured_outputs or guided_decoding (its older name), not both")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
-            fail("extra_args", f"expected a dict or None, got {type(self.extra_args).__name__}")
+            _fail("extra_args", f"expected a dict or None, got {type(self.extra_args).__name__}")
         self.to_native()  # checks every field asyncllm's SamplingParams shares
 
     def to_native(self, priority: int = 0) -> NativeSamplingParams:
