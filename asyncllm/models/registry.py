@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from asyncllm.models.moe_spec import moe_spec
 from asyncllm.models.transformer import CausalLM
 
 
@@ -15,6 +16,9 @@ MODEL_REGISTRY = {
     "Qwen3ForCausalLM": lambda c: dict(qkv_bias=_attention_bias(c), o_bias=_attention_bias(c), qk_norm=True),
     "Qwen2ForCausalLM": lambda c: dict(qkv_bias=True, o_bias=False, qk_norm=False),
     "LlamaForCausalLM": lambda c: dict(qkv_bias=_attention_bias(c), o_bias=_attention_bias(c), qk_norm=False),
+    "Qwen3MoeForCausalLM": lambda c: dict(qkv_bias=_attention_bias(c), o_bias=_attention_bias(c), qk_norm=True,
+                                          moe=moe_spec(c)),
+    "MixtralForCausalLM": lambda c: dict(qkv_bias=False, o_bias=False, qk_norm=False, moe=moe_spec(c)),
 }
 
 
