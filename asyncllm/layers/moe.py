@@ -7,7 +7,8 @@ reads. Under tensor parallelism each rank keeps every expert's slice of the inte
 (as the dense MLP is split), so tokens never move between ranks: one all-reduce of the weighted sum.
 
 forward_native is the CPU path and the reference: tokens sorted by expert id, then one pair of
-matmuls per expert that has tokens.
+matmuls per expert that has tokens (it reads the counts on the host). On CUDA the experts run as
+kernels/fused_moe.py's two grouped GEMMs, which never wait on the host (CUDA graphs capture them).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncllm.distributed import all_reduce, get_tp_rank, get_tp_size
+from asyncllm.layers.fused import fused_moe_for
 from asyncllm.layers.linear import LinearBase, check_loaded_shape
 
 GATE, UP = 0, 1  # the halves of gate_up_proj's rows; down_proj's one part is 0
@@ -79,10 +81,16 @@ class SparseMoeBlock(nn.Module):
         self.top_k, self.renormalize = top_k, renormalize
         self.gate = LinearBase(hidden_size, num_experts, bias=False, tp_dim=None)
         self.experts = StackedExperts(num_experts, hidden_size, intermediate_size)
+        # chosen once, by where the weights live (the runner builds the model on its device)
+        self._fused = fused_moe_for(self.experts.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        return all_reduce(self.forward_native(x, weights, ids))
+        if self._fused is not None:
+            out = self._fused.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        else:
+            out = self.forward_native(x, weights, ids)
+        return all_reduce(out)
 
     def forward_native(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum over k of weights[t, k] * expert_{ids[t, k]}(x[t]), on this rank's intermediate slice."""
