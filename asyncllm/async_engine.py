@@ -19,7 +19,9 @@ from asyncllm.engine.options import make_config
 from asyncllm.engine.step_budget import STREAMING_TARGET_STEP_MS
 from asyncllm.engine_thread import AddRequest, EngineThread, FinishRequest
 from asyncllm.errors import EngineDeadError, QueueFullError
+from asyncllm.llm import normalize_prompts
 from asyncllm.outputs import FinishReason
+from asyncllm.pooling_params import PoolingParams
 from asyncllm.reasoning import text_assembler
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.startup import CONFIG, StartupTimings
@@ -166,6 +168,47 @@ class AsyncLLMEngine:
             text_parts.setdefault(out.index, []).append(out.text)
         results = [stream.result(i, "".join(text_parts.get(i, ()))) for i in range(stream.num_sequences)]
         return results[0] if len(results) == 1 else results
+
+    async def embed(self, prompts, *, pooling: str = "last", normalize: bool = True,
+                    dimensions: int | None = None) -> list[list[float]]:
+        """One embedding per prompt (a string or token ids, or a list of them), in order: the final-norm
+        hidden state of the last prompt token (pooling="last", as Qwen3-Embedding) or their mean over
+        the prompt ("mean"), cut to its first `dimensions` entries if given, L2-normalised unless
+        normalize=False (asyncllm.pooling_params.PoolingParams). Each prompt is a request of its own,
+        prefilled through the same scheduler as generation and never sampled; text is tokenized on a
+        worker thread. Cancelling the call aborts the prompts not yet embedded. A batch is refused
+        (QueueFullError) only when the queue is already full, as one request would be."""
+        self._check_alive()
+        params = PoolingParams(pooling, normalize, dimensions)
+        prompts = normalize_prompts(prompts)
+        core = self._core
+
+        def checked_token_ids() -> list[list[int]]:
+            token_lists = [core.encode_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
+            for i, ids in enumerate(token_lists):  # all checked before any is queued
+                core.check_embedding_request(ids, params, f"prompts[{i}]")
+            return token_lists
+        token_lists = await anyio.to_thread.run_sync(checked_token_ids)
+        self._check_alive()
+        limit = self.config.max_queued_requests
+        if limit and self._engine_thread.num_queued() >= limit:
+            raise QueueFullError(f"{limit} requests are already queued (max_queued_requests); retry later")
+        # each channel wakes its reader once, when its vector (or an error) is in
+        channels = [RequestChannel(core.new_request_id(), wake_on_finish_only=True) for _ in token_lists]
+        for channel, ids in zip(channels, token_lists):
+            self._engine_thread.post(AddRequest(channel, ids, params))
+        vectors = []
+        try:
+            for channel in channels:
+                (delta,) = await channel.get()
+                if delta.embedding is None:  # ended without one: the engine shut down first
+                    raise EngineDeadError("the engine was shut down before the embedding was computed")
+                vectors.append(delta.embedding.tolist())
+        finally:
+            for channel in channels[len(vectors):]:
+                if not channel.closed:
+                    self._finish(channel.request_id, FinishReason.ABORT, channel)
+        return vectors
 
     async def compile_structured_output(self, structured_output: StructuredOutput | dict) -> None:
         """Compile a constraint's grammar ahead of stream(), which then finds it compiled instead of

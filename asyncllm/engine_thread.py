@@ -24,6 +24,7 @@ from asyncllm.config import Config
 from asyncllm.engine.core import EngineCore
 from asyncllm.errors import EngineDeadError, RequestTimeoutError, UnsatisfiableConstraintsError
 from asyncllm.outputs import FinishReason
+from asyncllm.pooling_params import PoolingParams
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.startup import StartupTimings
 from asyncllm.streams import LaunchGate, RequestChannel, RequestMetrics, wake
@@ -37,7 +38,9 @@ class AddRequest:
     """Queue a request; its outputs go to channel (whose request_id it has)."""
     channel: RequestChannel
     prompt_token_ids: list[int]
-    params: SamplingParams  # what EngineCore.check_request returned for it: checked, its own snapshot
+    # what EngineCore.check_request returned for it: checked, its own snapshot (an embedding request:
+    # check_embedding_request's PoolingParams)
+    params: SamplingParams | PoolingParams
     submitted_at: float | None = None  # on the core's deadline clock: its timeout counts from then (None: when applied)
 
 
@@ -272,7 +275,7 @@ class EngineThread:
             if event.request_finished:
                 del channels[seq.request_id]
             waiting = channel.put_quietly(event.new_token_ids, event.finish_reason, None, seq.index,
-                                          event.logprobs, event.stop_reason, event.prompt_logprobs)
+                                          event.logprobs, event.stop_reason, event.prompt_logprobs, event.embedding)
             if waiting is not None:
                 waker, waiter = waiting
                 waiters = to_wake.get(waker)

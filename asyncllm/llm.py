@@ -12,6 +12,7 @@ from asyncllm.detokenizer import decode_logprobs
 from asyncllm.engine.core import EngineCore
 from asyncllm.engine.options import make_config
 from asyncllm.outputs import FinishReason
+from asyncllm.pooling_params import PoolingParams
 from asyncllm.reasoning import text_assembler
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.startup import CONFIG, StartupTimings
@@ -138,6 +139,31 @@ class LLM:
             results = [self._output(seq, assemblers, logprobs, stop_reasons) for seq in leader.group or [leader]]
             outputs.append(results[0] if len(results) == 1 else results)
         return outputs
+
+    def embed(self, prompts, *, pooling: str = "last", normalize: bool = True,
+              dimensions: int | None = None) -> list[list[float]]:
+        """One embedding per prompt (a string or token ids, or a list of them), in order: the final-norm
+        hidden state of the last prompt token (pooling="last") or their mean over the prompt ("mean"),
+        cut to its first `dimensions` entries if given, and L2-normalised unless normalize=False
+        (asyncllm.pooling_params.PoolingParams). Thread-safe as generate() is."""
+        params = PoolingParams(pooling, normalize, dimensions)
+        with self._lock:
+            prompts = normalize_prompts(prompts)
+            token_lists = [self.core.encode_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
+            for i, ids in enumerate(token_lists):  # all checked before any is queued
+                self.core.check_embedding_request(ids, params, f"prompts[{i}]")
+            seqs = [self.core.add_checked_request(ids, params) for ids in token_lists]
+            vectors = {}
+            try:
+                while len(vectors) < len(seqs):
+                    vectors.update((event.seq.request_id, event.embedding) for event in self.core.step()
+                                   if event.embedding is not None)
+                self.core.drain()
+            finally:
+                for seq in seqs:
+                    if seq.request_id not in vectors:
+                        self.core.finish_request(seq.request_id)
+        return [vectors[seq.request_id].tolist() for seq in seqs]
 
     def _output(self, seq, assemblers: dict, logprobs: dict, stop_reasons: dict) -> dict:
         """One sequence's result: nano-vllm's text and token_ids, and what asyncllm adds."""

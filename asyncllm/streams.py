@@ -110,6 +110,7 @@ class SequenceDelta:
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    embedding: object = None  # an embedding request's vector (a float32 numpy array), with its end
 
 
 def _current_loop_waiter() -> tuple[Callable[[Callable[[], None]], None], object]:
@@ -189,7 +190,7 @@ class RequestChannel:
     def put_quietly(self, token_ids: list[int], finish_reason: FinishReason | None, error: BaseException | None = None,
                     index: int | None = None, logprobs: list[TokenLogprob] | None = None,
                     stop_reason: int | None = None, prompt_logprobs: list | None = None,
-                    ) -> tuple[Callable, object] | None:
+                    embedding=None) -> tuple[Callable, object] | None:
         """Hand over one sequence's tokens (index None: an ending for every sequence still open);
         returns (its loop's waker, waiter) if the consumer is waiting (the caller wakes it).
         Called per token of every stream: kept to a few dictionary and list operations."""
@@ -214,6 +215,8 @@ class RequestChannel:
                         delta.logprobs.extend(logprobs)  # a consumer behind by many steps: no quadratic copying
                     if prompt_logprobs is not None:
                         delta.prompt_logprobs = prompt_logprobs
+                    if embedding is not None:
+                        delta.embedding = embedding
                     if finish_reason is not None:
                         delta.finish_reason, delta.stop_reason = finish_reason, stop_reason
                         self._open[i] = False

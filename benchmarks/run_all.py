@@ -40,6 +40,8 @@ SIZES = {
                         "--output-len", "8"]},
     "profile": {"full": [], "quick": ["--reps", "5", "--workload", "64"],
                 "cpu": ["--reps", "2", "--batch", "4", "--context", "32", "--workload", "4"]},
+    "embed": {"full": [], "quick": ["--num-texts", "256", "--streams", "16"],
+              "cpu": ["--num-texts", "8", "--text-len", "32", "--streams", "2", "--stream-tokens", "8"]},
     "hf": {"full": ["--max-output", "512", "--tpot-tokens", "64", "--tpot-reps", "1", "--compile"],
            "quick": ["--num-requests", "8", "--max-output", "256", "--reps", "3", "--compile"],
            "cpu": ["--num-requests", "4", "--max-input", "64", "--max-output", "16", "--reps", "3",
@@ -89,7 +91,8 @@ def plan(args, ckpt: dict[str, str]) -> list[Step]:
                    "--overlap", "both"),
              bench(f"latency-{small}", "latency", small, 60, "--backend", backend),
              bench(f"serving-{small}", "serving", small, 90, "--backend", backend, *serving_budget,
-                   "--plot", os.path.join(out, "serving.png"))]
+                   "--plot", os.path.join(out, "serving.png")),
+             bench(f"embed-{small}", "embed", small, 60, "--backend", backend)]
     if args.device == "cuda" and fa4_installed():
         # the FA4 backend on workloads 1-3, smaller: the comparison, not every point again
         steps += [bench(f"throughput-{small}-fa4", "throughput", small, 60, "--backends", "fa4", "--mode", "sync"),
@@ -232,6 +235,12 @@ def headline(results: dict, small: str, big: bool) -> list[dict]:
         for prompt_len, target in ((128, ("<=", 12) if shape == small else None), (1024, None)):
             add(f"TTFT {prompt_len}-token prompt, {shape} (ms)",
                 pick(results, f"latency-{shape}", "median_ms", metric="TTFT", prompt_len=prompt_len), target)
+    add(f"embeddings, {small}, LLM.embed, last pooling (tok/s)",
+        pick(results, f"embed-{small}", "embed_tokens_s", row="sync", pooling="last"), (">=", 50000), "{:,.0f}")
+    alone = pick(results, f"embed-{small}", "itl_p99_ms", row="streams", pooling="last")
+    add("ITL p99 of streams beside AsyncLLMEngine.embed (ms)",
+        pick(results, f"embed-{small}", "itl_p99_ms", row="async+streams", pooling="last"), None, "{:.2f}",
+        "" if alone is None else f"{alone:.2f} alone")
     add("ITL p99 at concurrency 64 (ms)",
         pick(results, f"serving-{small}", "itl_p99_ms", load="concurrency", level=64), ("<=", 10))
     hf_requests = pick(results, f"hf-{small}", "num_requests", part="generate_batch")
@@ -250,7 +259,7 @@ def write_summary(args, steps: list[Step], results: dict, table: str) -> None:
     step_rows = [dict(step=s.name, status=s.status, seconds=round(s.seconds)) for s in steps]
     parts = ["# asyncllm benchmarks", "", ", ".join(f"{k} {v}" for k, v in env.items()), "", "## Headline", "", table,
              "", "## Steps", "", format_table(step_rows, [("step", "step"), ("status", "status"), ("s", "seconds")])]
-    order = ["throughput", "latency", "serving", "hf", "kernels"]  # then the rest, by name
+    order = ["throughput", "latency", "serving", "embed", "hf", "kernels"]  # then the rest, by name
     for name in sorted(results, key=lambda n: (next((i for i, k in enumerate(order) if n.startswith(k)), 99), n)):
         data = results[name]
         if data.get("table"):

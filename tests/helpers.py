@@ -275,3 +275,14 @@ def forced(tokenizer, sequence: list[str], **kwargs):
     assert len(bias) == len(sequence) <= 6
     return SamplingParams(**{"temperature": 0, "max_tokens": 10, "logit_bias": bias, "repetition_penalty": 2.0,
                              **kwargs})
+
+
+def live_server_client(base: str, timeout: float = 120, api_key: str = "none"):
+    """The official openai client for a real `asyncllm serve` that module-scoped fixtures share
+    between tests: no kept-alive connections, so a gap between two tests longer than the server's
+    keep-alive timeout (a busy machine, a slow fixture) cannot hand the next request a connection
+    the server is closing; and no retries, so every error a test provokes reaches it."""
+    import httpx
+    import openai
+    http = httpx.Client(timeout=timeout, limits=httpx.Limits(max_keepalive_connections=0))
+    return openai.OpenAI(base_url=base + "/v1", api_key=api_key, max_retries=0, http_client=http)

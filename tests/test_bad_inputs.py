@@ -62,8 +62,10 @@ SP, CFG, LLM_, AE = "SamplingParams(...)", "Config(model, ...)", "LLM(model, ...
 GEN, STREAM, AGEN, CHAT = "LLM.generate", "AsyncLLMEngine.stream", "AsyncLLMEngine.generate", "AsyncLLMEngine.chat"
 ABORT, SHUTDOWN, WAIT, ENCODE = ("AsyncLLMEngine.abort", "AsyncLLMEngine.shutdown", "AsyncLLMEngine.wait_idle",
                                  "AsyncLLMEngine.encode")
-ASYNC_ENTRIES = (STREAM, AGEN, CHAT, ABORT, SHUTDOWN, WAIT, ENCODE)
-HTTP_CMPL, HTTP_CHAT = "POST /v1/completions", "POST /v1/chat/completions"
+EMBED, LLM_EMBED = "AsyncLLMEngine.embed", "LLM.embed"
+ASYNC_ENTRIES = (STREAM, AGEN, CHAT, EMBED, ABORT, SHUTDOWN, WAIT, ENCODE)
+HTTP_CMPL, HTTP_CHAT, HTTP_EMBED = "POST /v1/completions", "POST /v1/chat/completions", "POST /v1/embeddings"
+HIDDEN = 128  # the tiny checkpoint's hidden size: the longest embedding
 MSG = [{"role": "user", "content": "Hi"}]
 
 BAD_INPUTS: list[Bad] = [
@@ -207,6 +209,24 @@ BAD_INPUTS: list[Bad] = [
     Bad(CHAT, 'add_generation_prompt="yes"', dict(messages=MSG, add_generation_prompt="yes"), TypeError,
         "add_generation_prompt", "bool"),
     Bad(CHAT, 'tools="search"', dict(messages=MSG, tools="search"), TypeError, "tools", "list"),
+    # ---- embeddings ----
+    Bad(EMBED, "prompts=None", dict(prompts=None), TypeError, "prompts"),
+    Bad(EMBED, "prompts=[]", dict(prompts=[]), ValueError, "prompts", "empty"),
+    Bad(EMBED, 'prompts=["ok", ""]', dict(prompts=["ok", ""]), ValueError, "prompts[1]", "empty"),
+    Bad(EMBED, f"prompts=[[1, {VOCAB}]]", dict(prompts=[[1, VOCAB]]), ValueError, "prompts[0][1]", "vocabulary"),
+    # nothing is generated: a prompt of max_model_len tokens fits, one more does not
+    Bad(EMBED, f"prompts=[[1] * {MAX_MODEL_LEN + 1}]", dict(prompts=[[1] * (MAX_MODEL_LEN + 1)]), PromptTooLongError,
+        "prompts[0]", "max_model_len"),
+    Bad(EMBED, 'pooling="max"', dict(prompts="ok", pooling="max"), ValueError, "pooling", "'mean'"),
+    Bad(EMBED, 'normalize="yes"', dict(prompts="ok", normalize="yes"), TypeError, "normalize", "bool"),
+    Bad(EMBED, "dimensions=0", dict(prompts="ok", dimensions=0), ValueError, "dimensions", ">= 1"),
+    Bad(EMBED, "dimensions=1.5", dict(prompts="ok", dimensions=1.5), TypeError, "dimensions", "int"),
+    Bad(EMBED, f"dimensions={HIDDEN + 1} (> hidden size)", dict(prompts="ok", dimensions=HIDDEN + 1), ValueError,
+        "dimensions", "hidden size"),
+    Bad(LLM_EMBED, 'prompts=[b"Hello"]', dict(prompts=[b"Hello"]), TypeError, "prompts[0]", "bytes"),
+    Bad(LLM_EMBED, 'prompts=["ok", "word " * 2000]', dict(prompts=["ok", "word " * 2000]), PromptTooLongError,
+        "prompts[1]", "max_model_len"),
+    Bad(LLM_EMBED, "pooling=None", dict(prompts="ok", pooling=None), ValueError, "pooling"),
     # ---- AsyncLLMEngine's other methods: nothing reaches the engine thread unchecked ----
     Bad(ABORT, 'request_id=["id"] (a list)', dict(request_id=["id"]), TypeError, "request_id", "string"),
     Bad(ABORT, 'request_id={"id": 1} (a dict)', dict(request_id={"id": 1}), TypeError, "request_id", "string"),
@@ -239,6 +259,14 @@ BAD_INPUTS: list[Bad] = [
     Bad(HTTP_CHAT, '{"logit_bias": {"x": 1}}', dict(messages=MSG, logit_bias={"x": 1}), 400, "logit_bias"),
     Bad(HTTP_CMPL, '{"timeout": 0}', dict(prompt="Hi", timeout=0), 400, "timeout", "> 0"),
     Bad(HTTP_CHAT, '{"timeout": "10"}', dict(messages=MSG, timeout="10"), 400, "timeout", "seconds"),
+    Bad(HTTP_EMBED, '{"input": ""}', dict(input=""), 400, "input", "empty"),
+    Bad(HTTP_EMBED, '{"input": []}', dict(input=[]), 400, "input", "empty"),
+    Bad(HTTP_EMBED, f'{{"input": [1, {VOCAB}]}}', dict(input=[1, VOCAB]), 400, "input", "vocabulary"),
+    Bad(HTTP_EMBED, '{"input": "word " * 2000}', dict(input="word " * 2000), 400, "input", "max_model_len"),
+    Bad(HTTP_EMBED, '{"dimensions": 0}', dict(input="Hi", dimensions=0), 400, "dimensions"),
+    Bad(HTTP_EMBED, f'{{"dimensions": {HIDDEN + 1}}}', dict(input="Hi", dimensions=HIDDEN + 1), 400, "dimensions",
+        "hidden size"),
+    Bad(HTTP_EMBED, '{"encoding_format": "hex"}', dict(input="Hi", encoding_format="hex"), 400, "encoding_format"),
 ]
 
 
@@ -343,6 +371,13 @@ def test_llm_generate(row, llm):
     assert llm.core.requests == {} and not llm.core.has_unfinished()
 
 
+@pytest.mark.parametrize("row", **params_of(rows(LLM_EMBED)))
+def test_llm_embed(row, llm):
+    kwargs = dict(resolve(row))
+    expect_error(row, lambda: llm.embed(kwargs.pop("prompts"), **kwargs))
+    assert llm.core.requests == {} and not llm.core.has_unfinished()
+
+
 def test_llm_still_serves_after_bad_calls(llm):
     reference = llm.generate(["Hello", [5, 6, 7]], OK, use_tqdm=False)
     for row in rows(GEN):
@@ -371,6 +406,8 @@ async def call_async(engine: AsyncLLMEngine, row: Bad):
         return engine.stream(kwargs.pop("prompt"), kwargs.pop("sampling_params", OK), **kwargs)
     if row.entry == AGEN:
         return await engine.generate(kwargs.pop("prompt"), kwargs.pop("sampling_params", OK), **kwargs)
+    if row.entry == EMBED:
+        return await engine.embed(kwargs.pop("prompts"), **kwargs)
     return engine.chat(kwargs.pop("messages"), kwargs.pop("sampling_params", OK), **kwargs)
 
 
@@ -399,6 +436,7 @@ async def test_async_engine_serves_others_during_and_after_bad_calls(engine):
             pass
         assert stream.finish_reason == "length" and stream.token_ids == alone.token_ids
         result = await engine.generate("Hello", OK)
+        assert [len(v) for v in await engine.embed(["Hello", [5, 6]])] == [HIDDEN, HIDDEN]
         assert result.finish_reason == "length" and len(result.token_ids) == 4
         chat = await engine.generate(engine.apply_chat_template(MSG), OK)
         assert chat.finish_reason == "length"
@@ -417,10 +455,10 @@ def make_app(engine):
 
 
 async def post(client, row: Bad):
-    path = "/v1/completions" if row.entry == HTTP_CMPL else "/v1/chat/completions"
+    path = {HTTP_CMPL: "/v1/completions", HTTP_CHAT: "/v1/chat/completions", HTTP_EMBED: "/v1/embeddings"}[row.entry]
     body = resolve(row)
     if isinstance(body, dict):
-        body = json.dumps({"max_tokens": 4, **body}).encode()
+        body = json.dumps(body if row.entry == HTTP_EMBED else {"max_tokens": 4, **body}).encode()
     return await client.post(path, content=body, headers={"content-type": "application/json"})
 
 
@@ -431,7 +469,7 @@ async def test_server_json(engine):
     failures = []
     with anyio.fail_after(60):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-            for row in rows(HTTP_CMPL, HTTP_CHAT):
+            for row in rows(HTTP_CMPL, HTTP_CHAT, HTTP_EMBED):
                 response = await post(client, row)
                 try:
                     assert response.status_code == row.error, (response.status_code, response.text)
@@ -445,6 +483,8 @@ async def test_server_json(engine):
             assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
             ok = await client.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 3})
             assert ok.status_code == 200, ok.text
+            ok = await client.post("/v1/embeddings", json={"input": ["Hello", [5, 6]]})
+            assert ok.status_code == 200 and len(ok.json()["data"]) == 2, ok.text
     assert not failures, "\n".join(failures)
     await engine.wait_idle()
     assert engine.stats()["num_free_blocks"] == engine.stats()["num_total_blocks"]

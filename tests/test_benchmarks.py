@@ -19,6 +19,7 @@ sys.path.insert(0, BENCHMARKS)
 
 import bench_ablation  # noqa: E402
 import bench_delivery  # noqa: E402
+import bench_embed  # noqa: E402
 import bench_host_ops  # noqa: E402
 import bench_http  # noqa: E402
 import bench_latency  # noqa: E402
@@ -51,6 +52,16 @@ def test_bench_throughput_runs_with_every_feature(tiny_model):
                                   "--mode", "sync", "--features", "penalties+logprobs+json"])
     (row,) = rows_without_errors(data)
     assert row["total_tokens"] > 0 and row["throughput_tok_s"] > 0
+
+
+def test_bench_embed_reports_every_row_of_each_pooling(tiny_model):
+    data = bench_embed.main(["--model-dir", tiny_model, "--device", "cpu", "--num-texts", "6", "--text-len", "40",
+                             "--streams", "2", "--stream-tokens", "8", "--pooling", "last,mean"])
+    rows = rows_without_errors(data)
+    assert [(r["pooling"], r["row"]) for r in rows] == [
+        (pooling, row) for pooling in ("last", "mean") for row in ("sync", "async", "streams", "async+streams")]
+    assert all(r["embed_tokens_s"] > 0 for r in rows if r["row"] != "streams")
+    assert all(r["itl_median_ms"] is not None for r in rows if r["row"] == "streams")
 
 
 def test_bench_throughput_stream_mode_reports_the_host_figures(tiny_model):

@@ -22,9 +22,9 @@ LAYERS = (
     ("models", ("asyncllm.models",)),
     ("layers", ("asyncllm.layers", "asyncllm.attention")),
     ("kernels", ("asyncllm.kernels",)),
-    ("base", ("asyncllm.config", "asyncllm.settings", "asyncllm.sampling_params", "asyncllm.structured",
-              "asyncllm.structured.spec", "asyncllm.errors", "asyncllm.outputs", "asyncllm.distributed",
-              "asyncllm.startup", "asyncllm.testing")),
+    ("base", ("asyncllm.config", "asyncllm.settings", "asyncllm.sampling_params", "asyncllm.pooling_params",
+              "asyncllm.structured", "asyncllm.structured.spec", "asyncllm.errors", "asyncllm.outputs",
+              "asyncllm.distributed", "asyncllm.startup", "asyncllm.testing")),
 )
 
 # The upward imports there are today, each an exact (importer, imported) pair: the runner and the

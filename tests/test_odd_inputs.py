@@ -144,6 +144,10 @@ ENGINE_CALLS = [
     ("chat", "request_id", lambda e, v: e.chat(MSG, SHORT, request_id=v)),
     *[("chat", name, lambda e, v, name=name: e.chat(MSG, SHORT, **{name: v})) for name in CHAT_KEYWORDS],
     ("apply_chat_template", "messages", lambda e, v: e.apply_chat_template(v)),
+    ("embed", "prompts", lambda e, v: e.embed(v)),
+    ("embed", "pooling", lambda e, v: e.embed(PROMPT, pooling=v)),
+    ("embed", "normalize", lambda e, v: e.embed(PROMPT, normalize=v)),
+    ("embed", "dimensions", lambda e, v: e.embed(PROMPT, dimensions=v)),
     ("encode", "prompt", lambda e, v: e.encode(v)),
     ("encode", "argument", lambda e, v: e.encode(PROMPT, v)),
     ("abort", "request_id", lambda e, v: e.abort(v)),
@@ -155,7 +159,7 @@ ENGINE_CALLS = [
 # arguments whose accepted values must all be of one type (the others are refused, never passed on);
 # request_id None: an id of the engine's (abort refuses it)
 ACCEPTS_ONLY = {"request_id": (str, type(None)), "argument": str, "drain": bool, "use_tqdm": bool, "add_generation_prompt": bool,
-                "poll_interval": (int, float)}
+                "poll_interval": (int, float), "pooling": str, "normalize": bool, "dimensions": (int, type(None))}
 
 
 def named(argument: str, message: str) -> bool:

@@ -4,9 +4,10 @@ Two state machines drive random interleavings of operations over small caches an
 the bookkeeping invariants after every single operation:
 
 - BlockManagerMachine: match_prefix / allocate+compute / free on a BlockManager alone.
-- SchedulerMachine: add / abort / step / finish-early on a Scheduler with a real BlockManager. A step
-  fakes the model: schedule(), commit(), then append one token to every item with samples=True and
-  end sequences the way EngineCore.step does (max_tokens, the cache's length limit, stop tokens).
+- SchedulerMachine: add / add an embedding / abort / step / finish-early on a Scheduler with a real
+  BlockManager. A step fakes the model: schedule(), commit(), then append one token to every item
+  with samples=True and end sequences the way EngineCore.step does (max_tokens, the cache's length
+  limit, stop tokens; an embedding once its prompt is computed, never sampled).
 
 Invariants (all checked after every rule):
 - each block's ref_count == the number of live block tables holding it; free list == the blocks at
@@ -25,8 +26,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from asyncllm.engine.block_manager import BlockManager, hash_block
+from asyncllm.engine.pooling import embedding_sequence
 from asyncllm.engine.scheduler import Scheduler
 from asyncllm.engine.sequence import Sequence, SequenceStatus
+from asyncllm.pooling_params import PoolingParams
 from asyncllm.sampling_params import SamplingParams
 
 BS = 16
@@ -248,6 +251,16 @@ class SchedulerMachine(RuleBasedStateMachine, Accounting):
         assert seq.status == SequenceStatus.WAITING
 
     @precondition(lambda self: self.sched is not None)
+    @rule(prompt=prompt_strategy(6 * BS), pooling=st.sampled_from(["last", "mean"]))
+    def add_embedding(self, prompt, pooling):
+        # nothing is generated: a prompt may fill the whole cache (check_embedding_request)
+        seq = embedding_sequence(f"e{self.counter}", prompt[:self.max_seq_len] or [100], PoolingParams(pooling), BS)
+        self.counter += 1
+        self.all_seqs.append(seq)
+        self.tokens_requested += len(seq)
+        self.sched.add(seq)
+
+    @precondition(lambda self: self.sched is not None)
     @rule(data=st.data(), reason=st.sampled_from(["abort", "stop"]))
     def finish_one(self, data, reason):
         """An abort (or a stop string found by the consumer) of a waiting or running request."""
@@ -286,7 +299,10 @@ class SchedulerMachine(RuleBasedStateMachine, Accounting):
             seq = item.seq
             assert seq.status == SequenceStatus.RUNNING and seq in sched.running
             assert 1 <= item.num_tokens and seq.num_computed_tokens + item.num_tokens <= len(seq)
-            assert item.samples == (seq.num_computed_tokens + item.num_tokens == len(seq))
+            # an embedding never samples; mean pooling computes every position (no prefix-cache hits)
+            assert item.samples == (seq.num_computed_tokens + item.num_tokens == len(seq) and seq.pooling is None)
+            assert not seq.pools_every_token or seq.num_cached_prompt_tokens == 0
+            assert out.has_pooling or seq.pooling is None
             assert len(seq.block_table) * BS >= seq.num_computed_tokens + item.num_tokens
         for seq in sched.waiting:
             assert seq.status == SequenceStatus.WAITING and seq.block_table == [] and seq.num_computed_tokens == 0
@@ -294,9 +310,11 @@ class SchedulerMachine(RuleBasedStateMachine, Accounting):
         sched.commit(out)
         self.record_prefixes()
         for item in out.scheduled:
+            seq = item.seq
+            if seq.pooling is not None and seq.num_computed_tokens == len(seq):
+                sched.finish(seq, "stop")  # EngineCore, once the step that computed its last token resolves
             if not item.samples:
                 continue
-            seq = item.seq
             seq.token_ids.append(token)
             # EngineCore._finish_reason
             if token in seq.params.stop_token_ids:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from helpers import free_port, serve_command, stop_process, wait_healthy
+from helpers import free_port, live_server_client, serve_command, stop_process, wait_healthy
 
 httpx = pytest.importorskip("httpx", reason="the server tests need the server/test extras (httpx)")
 openai = pytest.importorskip("openai", reason="the server tests need the test extras (openai)")
@@ -51,7 +51,7 @@ def server(tiny_qwen3, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server["base"] + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    return live_server_client(server["base"], 60, API_KEY)
 
 
 @pytest.fixture(scope="module")

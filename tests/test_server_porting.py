@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from helpers import free_port, serve_command, stop_process, wait_healthy
+from helpers import free_port, live_server_client, serve_command, stop_process, wait_healthy
 
 openai = pytest.importorskip("openai", reason="the server tests need the test extras (openai)")
 pytest.importorskip("starlette", reason="the server tests need asyncllm[server] (starlette)")
@@ -163,7 +163,7 @@ def served(tiny_qwen3, tmp_path_factory):
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base, proc, log_path)
-        yield openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+        yield live_server_client(base)
     finally:
         stop_process(proc)
     assert proc.returncode == 0, open(log_path).read()[-4000:]

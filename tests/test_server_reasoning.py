@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from helpers import (ANSWER_WORD, MESSAGES_SAY_HI as MESSAGES, THINKING, WORDS, chat_prompt, forced, free_port,
-                     serve_command, stop_process, wait_healthy)
+                     live_server_client, serve_command, stop_process, wait_healthy)
 
 httpx = pytest.importorskip("httpx", reason="the server tests need the server/test extras (httpx)")
 openai = pytest.importorskip("openai", reason="the server tests need the test extras (openai)")
@@ -45,7 +45,7 @@ def server(tiny_qwen3, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return live_server_client(server)
 
 
 @pytest.fixture(scope="module")

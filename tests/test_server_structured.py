@@ -18,7 +18,7 @@ import pytest
 
 from asyncllm.server import tool_calls
 from asyncllm.server.tool_call_stream import ToolCallStream
-from helpers import free_port, serve_command, stop_process, wait_healthy
+from helpers import free_port, live_server_client, serve_command, stop_process, wait_healthy
 
 openai = pytest.importorskip("openai", reason="the server tests need the test extras (openai)")
 from openai.lib.streaming.chat import ChatCompletionStreamState  # noqa: E402
@@ -101,7 +101,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=300)
+    return live_server_client(server, 300)
 
 
 def model(client) -> str:

@@ -14,8 +14,9 @@ import pytest
 
 from asyncllm import LLM as NativeLLM
 from asyncllm import SamplingParams as NativeSamplingParams
-from asyncllm.vllm import (LLM, AsyncEngineArgs, AsyncLLM, CompletionOutput, GuidedDecodingParams, RequestOutput,
-                           RequestOutputKind, SamplingParams, StructuredOutputsParams)
+from asyncllm.vllm import (LLM, AsyncEngineArgs, AsyncLLM, CompletionOutput, EmbeddingRequestOutput,
+                           GuidedDecodingParams, PoolingParams, RequestOutput, RequestOutputKind, SamplingParams,
+                           StructuredOutputsParams)
 from helpers import assert_all_blocks_free
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
@@ -67,6 +68,41 @@ def test_example_offline_inference_basic(tiny_qwen3):
     assert all(1 <= len(o.outputs[0].token_ids) <= 16 for o in outputs)  # vLLM's default max_tokens
     assert len({o.request_id for o in outputs}) == 4
     llm.close()
+
+
+def test_example_offline_inference_embed(tiny_qwen3):
+    # examples/offline_inference/basic/embed.py
+    prompts = [
+        "Hello, my name is",
+        "The president of the United States is",
+        "The capital of France is",
+        "The future of AI is",
+    ]
+    # Create an LLM.
+    llm = LLM(model=tiny_qwen3, task="embed", enforce_eager=True, **ENGINE_ARGS)
+    # Generate embedding. The output is a list of EmbeddingRequestOutputs.
+    outputs = llm.embed(prompts)
+    # Print the outputs.
+    print("\nGenerated Outputs:\n" + "-" * 60)
+    for prompt, output in zip(prompts, outputs):
+        embeds = output.outputs.embedding
+        embeds_trimmed = ((str(embeds[:16])[:-1] + ", ...]") if len(embeds) > 16 else embeds)
+        print(f"Prompt: {prompt!r} \nEmbeddings: {embeds_trimmed} (size={len(embeds)})")
+        print("-" * 60)
+    assert all(isinstance(o, EmbeddingRequestOutput) and o.finished for o in outputs)
+    # the native LLM's vectors, each prompt's own token ids
+    native = NativeLLM(tiny_qwen3, **NATIVE_KW)
+    assert [o.prompt_token_ids for o in outputs] == [native.core.encode_prompt(p) for p in prompts]
+    for output, vector in zip(outputs, native.embed(prompts)):
+        assert output.outputs.hidden_size == 128
+        assert output.outputs.embedding == pytest.approx(vector, rel=1e-5, abs=1e-6)
+    short = llm.embed({"prompt_token_ids": [5, 6, 7, 8]}, pooling_params=PoolingParams(dimensions=16),
+                      truncate_prompt_tokens=3)
+    assert short[0].prompt_token_ids == [6, 7, 8] and short[0].outputs.hidden_size == 16
+    assert short[0].outputs.embedding == pytest.approx(native.embed([[6, 7, 8]], dimensions=16)[0], rel=1e-5, abs=1e-6)
+    with pytest.raises(ValueError, match="dimensions"):
+        llm.embed("Hi", pooling_params=PoolingParams(dimensions=0))
+    assert_all_blocks_free(llm.native_llm)
 
 
 def test_example_offline_inference_chat(llm):

@@ -5,22 +5,24 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 
 from asyncllm.config import Config
 from asyncllm.engine.block_manager import BlockManager
 from asyncllm.engine.deadlines import RequestDeadlines
 from asyncllm.engine.intake import RequestIntake
+from asyncllm.engine.pooling import PoolingPlan, embedding_sequence
 from asyncllm.engine.scheduler import Scheduler, SchedulerOutput
 from asyncllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from asyncllm.engine.startup_heap import freeze_startup_heap
 from asyncllm.engine.step_logprobs import add_prompt_logprobs, token_logprobs
+from asyncllm.engine.step_event import StepEvent
 from asyncllm.engine.step_budget import StepBudget, StepTimeModel, StepTimer, calibration_shapes
 from asyncllm.runner.launched_step import LaunchedStep
 from asyncllm.runner.model_runner import ModelRunner
 from asyncllm.runner.tp_workers import TensorParallelWorkers
 from asyncllm.models.checkpoint import check_tokenizer, load_tokenizer
-from asyncllm.outputs import FinishReason, TokenLogprob
+from asyncllm.outputs import FinishReason
+from asyncllm.pooling_params import PoolingParams
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.startup import (BLOCK_MANAGER, HEAP_FREEZE, REQUEST_INTAKE, SCHEDULER, STEP_BUDGET,
                               STEP_MODEL_CALIBRATION, TOKENIZER, TP_WORKERS, StartupTimings)
@@ -28,21 +30,6 @@ from asyncllm.structured.grammar import GrammarCompiler
 from asyncllm.structured.step_masks import StepConstraints
 
 logger = logging.getLogger("asyncllm")
-
-
-@dataclass(slots=True)
-class StepEvent:
-    """What happened to one request in one step: a new token and/or its end."""
-    seq: Sequence  # seq.index tells which of an n > 1 request's sequences
-    new_token_ids: list[int]
-    finish_reason: FinishReason | None
-    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked
-    stop_reason: int | None = None  # the stop token id that ended it (EOS: None, as vLLM)
-    request_finished: bool = False  # every sequence of the request has finished (n == 1: finish_reason set)
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first token, when the request asked
-    # ended with no token, why: its grammar refused the one sampled (GrammarState.error; finish_reason
-    # ABORT), or its deadline passed before its first token (TIMEOUT)
-    error: str | None = None
 
 
 class EngineCore:
@@ -117,6 +104,11 @@ class EngineCore:
         """Check a request; returns the validated snapshot of params that the request must keep."""
         return self.intake.check_request(prompt_token_ids, params, argument)
 
+    def check_embedding_request(self, prompt_token_ids: list[int], params: PoolingParams,
+                                argument: str = "prompt") -> PoolingParams:
+        """Check an embedding request (engine/pooling.py); returns its params."""
+        return self.intake.check_embedding_request(prompt_token_ids, params, argument)
+
     @property
     def grammar_compiler(self) -> GrammarCompiler:
         return self.intake.grammar_compiler
@@ -133,20 +125,23 @@ class EngineCore:
         """Check a request and queue it."""
         return self.add_checked_request(prompt_token_ids, self.check_request(prompt_token_ids, params), request_id)
 
-    def add_checked_request(self, prompt_token_ids: list[int], params: SamplingParams,
+    def add_checked_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
                             request_id: str | None = None, submitted_at: float | None = None) -> Sequence:
-        """Queue a request whose params are what check_request returned for it (its own snapshot).
-        submitted_at: when the caller submitted it, on self.deadlines.clock (None: now); its timeout
-        counts from then."""
+        """Queue a request whose params are what check_request returned for it (its own snapshot), or
+        an embedding request with what check_embedding_request returned. submitted_at: when the caller
+        submitted it, on self.deadlines.clock (None: now); a timeout counts from then."""
         if request_id is None:
             request_id = self.new_request_id()
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         deadline = None
-        if params.timeout is not None:
-            deadline = (self.deadlines.clock() if submitted_at is None else submitted_at) + params.timeout
-        seq = self._new_sequence(request_id, prompt_token_ids, params, 0, deadline)
-        if params.n > 1:
+        if isinstance(params, PoolingParams):  # an embedding: one sequence, prefilled, never sampled
+            seq = embedding_sequence(request_id, prompt_token_ids, params, self.block_manager.block_size)
+        else:
+            if params.timeout is not None:
+                deadline = (self.deadlines.clock() if submitted_at is None else submitted_at) + params.timeout
+            seq = self._new_sequence(request_id, prompt_token_ids, params, 0, deadline)
+        if seq.pooling is None and params.n > 1:
             # the first sequence prefills the prompt; the others wait in its forks until then
             seq.forks = [self._new_sequence(request_id, prompt_token_ids, params, i, deadline)
                          for i in range(1, params.n)]
@@ -298,7 +293,9 @@ class EngineCore:
         if self._constrained:  # requests without a grammar pay this one check
             self._constrained = [seq for seq in self._constrained if not seq.is_finished]
             constraints = StepConstraints.of(sched, self._grammar_compiler)
-        launched = self.runner.launch(sched, self._in_flight, constraints=constraints, stream=stream)
+        pooling_plan = PoolingPlan.of(sched) if sched.has_pooling else None  # before the commit below
+        launched = self.runner.launch(sched, self._in_flight, constraints=constraints, stream=stream,
+                                      pooling_plan=pooling_plan)
         self.step_timer.stop(started, sched.num_batched_tokens - sched.num_decodes, sched.num_decodes, stream)
         self.scheduler.commit(sched)
         self._last_sched = sched
@@ -361,6 +358,17 @@ class EngineCore:
             if seq.prompt_logprobs is not None and item.token_index == seq.num_prompt_tokens:
                 event.prompt_logprobs = seq.prompt_logprobs
             events.append(event)
+        if launched.pooling_plan is not None:
+            events += self._pooled_events(launched.pooling_plan, launched.pooled_sums())
+        return events
+
+    def _pooled_events(self, plan: PoolingPlan, sums) -> list[StepEvent]:
+        """The embedding requests this step completes: each ends "stop" with its vector."""
+        events = []
+        for seq, vector in plan.vectors(sums):
+            self._end(seq, FinishReason.STOP)
+            self.requests.pop(seq.request_id, None)
+            events.append(StepEvent(seq, [], FinishReason.STOP, request_finished=True, embedding=vector))
         return events
 
     def _is_eos(self, seq: Sequence, token_id: int) -> bool:

@@ -13,6 +13,7 @@ from asyncllm.engine.sequence import Sequence
 from asyncllm.engine.token_bans import check_some_token_samplable, encode_bad_words
 from asyncllm.errors import PromptTooLongError
 from asyncllm.models.checkpoint import find_eos_token_ids
+from asyncllm.pooling_params import PoolingParams, shown_int
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.structured.grammar import GrammarCompiler
 
@@ -37,6 +38,8 @@ class RequestIntake:
         self.max_model_len = config.max_model_len
         self.block_size = config.kvcache_block_size
         self.vocab_size = config.hf_config.vocab_size
+        self.hidden_size = config.hf_config.hidden_size  # an embedding's length
+        self.tensor_parallel_size = config.tensor_parallel_size
         self.eos_token_ids = find_eos_token_ids(config.model, config.hf_config, tokenizer)
         # no token decodes to more characters than this: a longer text cannot fit in max_seq_len
         # tokens, and is refused before the tokenizer spends seconds on it
@@ -93,9 +96,28 @@ class RequestIntake:
             # compiled here (the caller waits) and kept with the request's copy: the engine thread never compiles
             self.grammar_compiler.prepare(params.structured_output)
         if len(prompt_token_ids) >= self.max_seq_len:
-            what = "max_model_len" if self.max_seq_len == self.max_model_len else "the KV cache's capacity"
             raise PromptTooLongError(f"{argument}: {len(prompt_token_ids)} tokens leave no room to generate within "
-                                     f"{what} ({self.max_seq_len} tokens)")
+                                     f"{self._length_limit} ({self.max_seq_len} tokens)")
+        return params
+
+    @property
+    def _length_limit(self) -> str:
+        return "max_model_len" if self.max_seq_len == self.max_model_len else "the KV cache's capacity"
+
+    def check_embedding_request(self, prompt_token_ids: list[int], params: PoolingParams,
+                                argument: str = "prompt") -> PoolingParams:
+        """Check an embedding request (its prompt checked by encode_prompt); returns params."""
+        if not isinstance(params, PoolingParams):
+            raise TypeError(f"pooling_params: expected PoolingParams, got {type(params).__name__}")
+        if self.tensor_parallel_size > 1:
+            # the worker ranks would replay CUDA graphs of a step that rank 0 runs eagerly to pool it
+            raise ValueError("embeddings are not available with tensor_parallel_size > 1")
+        if params.dimensions is not None and params.dimensions > self.hidden_size:
+            raise ValueError(f"dimensions: {shown_int(params.dimensions)} is more than the model's hidden size "
+                             f"({self.hidden_size})")
+        if len(prompt_token_ids) > self.max_seq_len:  # no room to generate needed: nothing is generated
+            raise PromptTooLongError(f"{argument}: {len(prompt_token_ids)} tokens exceed {self._length_limit} "
+                                     f"({self.max_seq_len} tokens)")
         return params
 
     @property

@@ -47,6 +47,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     num_batched_tokens: int = 0
     num_decodes: int = 0  # sequences that take one decode token this step
+    has_pooling: bool = False  # an embedding request's chunk is in it (engine/pooling.py: PoolingPlan)
 
     @property
     def is_empty(self) -> bool:
@@ -155,6 +156,9 @@ class Scheduler:
         def take(seq: Sequence, num_tokens: int) -> None:
             nonlocal budget
             samples = seq.num_computed_tokens + num_tokens == len(seq)
+            if seq.pooling is not None:  # an embedding: its last chunk pools hidden states, never samples
+                samples = False
+                out.has_pooling = True
             out.scheduled.append(ScheduledSeq(seq, num_tokens, samples))
             out.num_batched_tokens += num_tokens
             budget -= num_tokens
@@ -174,6 +178,8 @@ class Scheduler:
                     prefills.append(seq)
                 continue
             if length >= seq.max_len or budget == 0 or seq.status is not running:  # not running: preempted
+                if seq.pooling is not None:  # an embedding's last prompt token is a prefill chunk, not a decode
+                    prefills.append(seq)
                 continue
             if num_computed >= len(seq.block_table) * block_size and not self._reserve(seq, 1, scheduled_ids, out):
                 continue
@@ -211,7 +217,8 @@ class Scheduler:
         # 3. new (or preempted) requests in waiting order (priority, deadline, arrival); no preemption on their behalf
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not seq.block_table and seq.prompt_logprobs is None:  # prompt_logprobs: every position computed
+            # prompt_logprobs and mean pooling: every position computed, so no prefix-cache hits
+            if not seq.block_table and seq.prompt_logprobs is None and not seq.pools_every_token:
                 self.block_manager.match_prefix(seq)
             followers = itertools.islice(self.waiting, 1, None)
             num_tokens = self._tokens_that_fit(seq, self._fair_chunk(seq.num_uncomputed_tokens, budget, followers))

@@ -81,6 +81,13 @@ class Sequence:
         self.adjusts_logits = params.adjusts_logits
         self.needs_sampling_extras = self.adjusts_logits or params.logprobs is not None
         self.grammar = None  # structured.grammar.GrammarState of a constrained request
+        # an embedding request's PoolingParams: prefilled, never sampled (engine/pooling.py); with
+        # mean pooling every prompt position is computed (no prefix-cache hits), and its chunks'
+        # hidden-state sums so far, and how many positions they cover, are kept here
+        self.pooling = None
+        self.pools_every_token = False
+        self.pooled_sum = None
+        self.num_pooled_tokens = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -7,6 +7,7 @@ import os
 from collections.abc import Iterable, Iterator
 
 import contextlib
+import logging
 import math
 import re
 
@@ -18,6 +19,8 @@ from asyncllm.layers.linear import WeightShapeError, check_loaded_shape
 from asyncllm.models.moe_spec import moe_spec
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+logger = logging.getLogger("asyncllm")
 
 
 # config.json fields every supported architecture needs, each an int >= 1
@@ -184,6 +187,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple]) -> None:
     expert_projections map each expert's tensor into a stacked parameter (_expert_target). Every tensor
     must have exactly the shape its parameter's layer expects (before its sharding): nothing is cut or
     broadcast silently. A fused or stacked parameter is whole only with every part, each loaded once.
+
+    A base model's checkpoint (transformers' AutoModel saves one: Qwen3-Embedding's) names its tensors
+    without the "model." prefix and has no LM head: its embedding matrix then stands in for the head,
+    as a tied model's does (what it generates means nothing; it is for embed()).
     """
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules_mapping", {})
@@ -191,6 +198,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple]) -> None:
     loaded: set[str] = set()
     seen: set[str] = set()
     parts_loaded: dict[str, dict] = {}  # a fused or stacked param -> {shard id: the checkpoint name}
+    base_model = False  # some tensor was named as a base model names it
     for name, tensor, *source in weights:
         where = f" in {source[0]}" if source else ""
         if any(name.startswith(prefix) for prefix in skipped):
@@ -202,6 +210,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple]) -> None:
             raise ValueError(f"checkpoint tensor {name!r}{where} is {tensor.dtype}: only float16, bfloat16 and "
                              "float32 weights are supported (quantized checkpoints are not)")
         param_name, shard_args = _expert_target(model, name, params) or _packed_target(name, packed)
+        if param_name not in params and "model." + param_name in params:
+            param_name, base_model = "model." + param_name, True
         if param_name not in params:
             raise ValueError(f"checkpoint tensor {name!r}{where} has no place in {type(model).__name__}")
         param = params[param_name]
@@ -215,6 +225,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple]) -> None:
             if clash is not None:
                 raise ValueError(f"checkpoint tensor {name!r}{where} loads the same weights as {parts[clash]!r}")
             parts.update(dict.fromkeys(shards, name))
+        elif param_name in loaded:
+            raise ValueError(f"checkpoint tensor {name!r}{where} is the second one for {param_name} (named with "
+                             "and without the 'model.' prefix?)")
         try:
             getattr(param, "weight_loader", _default_loader)(param, tensor, *shard_args)
         except WeightShapeError as e:
@@ -223,6 +236,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple]) -> None:
                              f"not belong to these weights?)") from None
         loaded.add(param_name)
     missing = set(params) - loaded - set(getattr(model, "tied_parameters", ()))
+    if base_model and "lm_head.weight" in missing and "model.embed_tokens.weight" in loaded:
+        params["lm_head.weight"].data.copy_(params["model.embed_tokens.weight"].data)
+        missing.discard("lm_head.weight")
+        logger.warning("the checkpoint is a base model's (no LM head): its embedding matrix stands in for the "
+                       "head; use it for embeddings, not generation")
     # a fused param is whole only with every part (q, k and v; gate and up; each expert's): the rest is
     # uninitialised
     for param_name, parts in parts_loaded.items():
@@ -281,7 +299,7 @@ def _default_loader(param: nn.Parameter, tensor: torch.Tensor) -> None:
 
 # files that hold a tokenizer's vocabulary (tokenizer_config.json alone holds none)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
-_VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
+_VOCAB_TENSORS = ("model.embed_tokens.weight", "embed_tokens.weight", "lm_head.weight")  # a base model's too
 
 
 def check_tokenizer(tokenizer, hf_config, model_dir: str) -> None:

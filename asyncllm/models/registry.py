@@ -20,6 +20,10 @@ MODEL_REGISTRY = {
                                           moe=moe_spec(c)),
     "MixtralForCausalLM": lambda c: dict(qkv_bias=False, o_bias=False, qk_norm=False, moe=moe_spec(c)),
 }
+# base models, as transformers' AutoModel saves them (an embedding model's checkpoint; no LM head:
+# checkpoint.load_weights)
+MODEL_REGISTRY.update(Qwen3Model=MODEL_REGISTRY["Qwen3ForCausalLM"], Qwen2Model=MODEL_REGISTRY["Qwen2ForCausalLM"],
+                      LlamaModel=MODEL_REGISTRY["LlamaForCausalLM"])
 
 
 def create_model(config, max_model_len: int | None = None) -> nn.Module:

@@ -11,6 +11,7 @@ import torch
 
 from asyncllm.engine.scheduler import SchedulerOutput
 from asyncllm.layers.sampler import LogprobsTensors, SamplerOutput
+from asyncllm.runner.pooling import StepPooling
 from asyncllm.runner.sampling_inputs import PromptLogprobsPlan
 
 
@@ -38,13 +39,17 @@ class LaunchedStep:
 
     def __init__(self, sched: SchedulerOutput, output: SamplerOutput | None = None, logprob_ks: list[int] | None = None,
                  prompt_logprobs: LogprobsTensors | None = None, prompt_plan: PromptLogprobsPlan | None = None,
-                 sample=None, stream=None):
+                 sample=None, stream=None, pooling: StepPooling | None = None):
         self.sched = sched
         self._stream = stream  # the one the step is queued on (None: the current one, looked up)
         self.logprob_ks = logprob_ks  # per sampling row: the top-k it asked for, -1 none; None: no row asked
         self.prompt_plan = prompt_plan  # the prompt positions scored in this step, if any
         self._host_prompt_logprobs = None if prompt_logprobs is None else _logprobs_to_host(prompt_logprobs)
         self._sample = sample  # () -> the SamplerOutput; None once it is queued
+        # embedding rows: their plan (engine/pooling.py) and hidden-state sums, copied before the
+        # event that _queued records
+        self.pooling_plan = None if pooling is None else pooling.plan
+        self._host_pooled_sums = None if pooling is None else _to_host(pooling.sums)
         if output is not None:
             self._queued(output)
 
@@ -86,6 +91,13 @@ class LaunchedStep:
     def prompt_logprobs(self) -> tuple[list[float], list[int], np.ndarray, np.ndarray] | None:
         """The same for the prompt positions of prompt_plan, in its row order."""
         return self._as_lists(self._host_prompt_logprobs)
+
+    def pooled_sums(self) -> np.ndarray | None:
+        """The pooling rows' hidden-state sums on the host, (rows, hidden) float32, in plan order."""
+        if self._host_pooled_sums is None:
+            return None
+        self._on_host()
+        return self._host_pooled_sums.numpy()
 
     def _as_lists(self, lp: LogprobsTensors | None):
         if lp is None:

@@ -24,9 +24,10 @@ from asyncllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors, gat
 from asyncllm.models.checkpoint import iter_safetensors, load_weights
 from asyncllm.models.registry import create_model
 from asyncllm.runner.launched_step import LaunchedStep
+from asyncllm.runner.pooling import StepPooling
 from asyncllm.runner.sampler_graphs import SamplerGraphs
 from asyncllm.runner.sampling_inputs import SamplingInputs, plan_prompt_logprobs
-from asyncllm.runner.step_inputs import StepInputs
+from asyncllm.runner.step_inputs import StepInputs, synthetic_step_inputs
 from asyncllm.runner.step_bitmask import StepBitmasks
 from asyncllm.runner.tp_protocol import agree_on_min
 from asyncllm.startup import (ATTENTION_BACKEND, BUILD_MODEL, CUDA_GRAPHS, DECODE_TUNING, KV_CACHE, LOAD_WEIGHTS,
@@ -191,28 +192,9 @@ class ModelRunner:
 
     def _synthetic_step(self, num_prompts: int, prompt_len: int, num_decodes: int = 0,
                         context: int = 0) -> ForwardBatch:
-        """A step of num_prompts whole prompts of prompt_len tokens, then num_decodes decodes over
-        context tokens each, that stores nothing (slot -1): for measuring, never for results. The
-        prompts' block tables point at block 0; each decode reads blocks of its own (cycling through
-        the cache), so the decodes' KV reads come from memory as a real step's do, not from L2."""
-        blocks_per_prompt = -(-prompt_len // self.block_size)
-        blocks_per_decode = -(-context // self.block_size)
-        width = max(blocks_per_prompt if num_prompts else 0, blocks_per_decode if num_decodes else 0, 1)
-        tables = np.zeros((num_prompts + num_decodes, width), dtype=np.int32)
-        if num_decodes:
-            blocks = np.arange(num_decodes * blocks_per_decode) % max(1, self.num_kvcache_blocks)
-            tables[num_prompts:, :blocks_per_decode] = blocks.reshape(num_decodes, blocks_per_decode)
-        query_lens = np.array([prompt_len] * num_prompts + [1] * num_decodes, dtype=np.int32)
-        num_tokens = int(query_lens.sum())
-        positions = np.concatenate([np.tile(np.arange(prompt_len), num_prompts),
-                                    np.full(num_decodes, max(context - 1, 0))]).astype(np.int64)
-        batch, _ = self._make_batch(StepInputs(
-            input_ids=np.zeros(num_tokens, dtype=np.int64), positions=positions,
-            slot_mapping=np.full(num_tokens, -1),
-            query_lens=query_lens, seq_lens=np.array([prompt_len] * num_prompts + [context] * num_decodes,
-                                                     dtype=np.int32),
-            block_tables=tables, logits_indices=np.cumsum(query_lens) - 1))
-        return batch
+        """The ForwardBatch of step_inputs.synthetic_step_inputs over this runner's cache: for measuring."""
+        return self._make_batch(synthetic_step_inputs(num_prompts, prompt_len, num_decodes, context, self.block_size,
+                                                      self.num_kvcache_blocks))[0]
 
     @torch.inference_mode()
     def time_steps(self, shapes: list[tuple[int, int]], prompt_len: int = 1024, context: int = 1024,
@@ -318,13 +300,18 @@ class ModelRunner:
         """A sequence finished: drop what sampling kept for it."""
         self.sampling_inputs.release(seq)
 
-    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def _forward(self, batch: ForwardBatch, pooling: StepPooling | None = None) -> torch.Tensor:
         if self.graph_runner is not None:
-            logits = self.graph_runner.run(batch)
-            if logits is not None:
-                return logits
+            if pooling is None:
+                logits = self.graph_runner.run(batch)
+                if logits is not None:
+                    return logits
+            else:  # graphs keep no hidden states: eagerly, and no sampler graph over an older replay's logits
+                self.graph_runner.last_prefix_key = None
         self.attn_backend.prepare_metadata(batch)  # a replay reads the graph's own: eager steps only
         hidden_states = self.model(batch.input_ids, batch.positions, batch)
+        if pooling is not None:
+            pooling.pool(hidden_states)
         return self.model.compute_logits(hidden_states[batch.logits_indices])
 
     @torch.inference_mode()
@@ -338,14 +325,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, prev: LaunchedStep | None, constraints=None,
-               stream: torch.cuda.Stream | None = None) -> LaunchedStep:
+               stream: torch.cuda.Stream | None = None, pooling_plan=None) -> LaunchedStep:
         """Queue one step's forward and sampling. Inputs still PENDING_TOKEN are the ids prev sampled:
         they are filled in on the device, so the host never waits for prev.
 
         constraints (structured.step_masks.StepConstraints, or None): rows held to a grammar. Their
         bitmask is filled on the host after the forward is queued, so it overlaps the forward; a row
         whose last token prev is still sampling waits for prev's ids (not for this step's forward).
-        stream: the current stream where the caller has it (None: looked up when needed)."""
+        stream: the current stream where the caller has it (None: looked up when needed).
+        pooling_plan (engine.pooling.PoolingPlan, or None): embedding rows, whose hidden states the
+        step sums (it then runs eagerly: CUDA graphs return logits only)."""
         if prev is not None:
             prev.queue_sampling()  # the device runs prev's sampling before this step's forward
         inputs, pending_at, pending_rows = self.build_inputs(sched)
@@ -359,6 +348,7 @@ class ModelRunner:
         sampling_plan = self.sampling_inputs.plan([item.seq for item in sched.scheduled if item.samples])
         sampling_arrays = list(sampling_plan.arrays.values())
         prev_sampled = None if prev is None else prev.sampled
+        pooling = None if pooling_plan is None else StepPooling(pooling_plan, self.device)
         if self.workers is not None:
             # the other ranks get the inputs from the host: they need prev's ids there
             if len(pending_at):
@@ -375,8 +365,8 @@ class ModelRunner:
             if key is None:
                 batch, uploaded = self._make_batch(inputs, scattered + sampling_arrays)
                 input_ids = batch.input_ids
-                forward = lambda: self._forward(batch)  # noqa: E731
-            else:  # a decode graph's step: its inputs straight into the graph's buffers
+                forward = lambda: self._forward(batch, pooling)  # noqa: E731
+            else:  # a decode graph's step: its inputs straight into the graph's buffers (never a pooling step)
                 input_ids, uploaded = self.graph_runner.staging.stage(inputs, scattered, sampling_plan.arrays)
                 forward = lambda: self.graph_runner.replay_staged(key, len(input_ids))  # noqa: E731
             if in_place:
@@ -398,7 +388,7 @@ class ModelRunner:
         logprob_ks = sampling_plan.logprob_ks
         if constraints is None:
             return LaunchedStep(sched, self.sample(logits, sampling), logprob_ks, prompt_logprobs, prompt_plan,
-                                stream=stream)
+                                stream=stream, pooling=pooling)
         # constrained rows: advance their matchers here (it may wait for prev's ids), then fill the
         # bitmask on a worker thread (xgrammar releases the GIL) while this thread resolves prev and
         # plans the next step; the sampling is queued once the next step needs it
@@ -409,7 +399,8 @@ class ModelRunner:
         def sample() -> SamplerOutput:
             sampling.mask_rows, sampling.token_bitmask = upload_bitmask()
             return self.sampler(logits, sampling)
-        return LaunchedStep(sched, None, logprob_ks, prompt_logprobs, prompt_plan, sample=sample, stream=stream)
+        return LaunchedStep(sched, None, logprob_ks, prompt_logprobs, prompt_plan, sample=sample, stream=stream,
+                            pooling=pooling)
 
     def sample(self, logits: torch.Tensor, sampling: SamplingTensors) -> SamplerOutput:
         """Queue the sampling of a step's logits, just computed: the sampler graph over the forward

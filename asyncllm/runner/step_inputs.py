@@ -31,3 +31,26 @@ class StepInputs:
         parts = np.split(packed[4:4 + sum(sizes)], np.cumsum(sizes)[:-1])
         return StepInputs(parts[0], parts[1], parts[2], parts[3].astype(np.int32), parts[4].astype(np.int32),
                           parts[5].astype(np.int32).reshape(num_seqs, max_blocks), parts[6])
+
+
+def synthetic_step_inputs(num_prompts: int, prompt_len: int, num_decodes: int, context: int, block_size: int,
+                          num_blocks: int) -> StepInputs:
+    """A step of num_prompts whole prompts of prompt_len tokens, then num_decodes decodes over
+    context tokens each, that stores nothing (slot -1): for measuring, never for results. The
+    prompts' block tables point at block 0; each decode reads blocks of its own (cycling through
+    the num_blocks of the cache), so the decodes' KV reads come from memory as a real step's do, not from L2."""
+    blocks_per_prompt = -(-prompt_len // block_size)
+    blocks_per_decode = -(-context // block_size)
+    width = max(blocks_per_prompt if num_prompts else 0, blocks_per_decode if num_decodes else 0, 1)
+    tables = np.zeros((num_prompts + num_decodes, width), dtype=np.int32)
+    if num_decodes:
+        blocks = np.arange(num_decodes * blocks_per_decode) % max(1, num_blocks)
+        tables[num_prompts:, :blocks_per_decode] = blocks.reshape(num_decodes, blocks_per_decode)
+    query_lens = np.array([prompt_len] * num_prompts + [1] * num_decodes, dtype=np.int32)
+    num_tokens = int(query_lens.sum())
+    positions = np.concatenate([np.tile(np.arange(prompt_len), num_prompts),
+                                np.full(num_decodes, max(context - 1, 0))]).astype(np.int64)
+    return StepInputs(
+        input_ids=np.zeros(num_tokens, dtype=np.int64), positions=positions, slot_mapping=np.full(num_tokens, -1),
+        query_lens=query_lens, seq_lens=np.array([prompt_len] * num_prompts + [context] * num_decodes, dtype=np.int32),
+        block_tables=tables, logits_indices=np.cumsum(query_lens) - 1)

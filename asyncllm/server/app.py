@@ -22,6 +22,7 @@ import asyncllm.server.protocol as protocol
 from asyncllm.server import tool_calls
 from asyncllm.server.answers import Echo, Generation, stream_response, whole_response
 from asyncllm.server.constraints import compile_constraint, requested_constraint
+from asyncllm.server.embeddings import create_embeddings
 from asyncllm.server.errors import RETRY_AFTER_SECONDS, exception_handlers
 from asyncllm.server.limits import (RequestLimits, limit_output, limit_timeout, read_json_body,
                                     request_timeout_error)
@@ -367,6 +368,7 @@ class OpenAIServer(TokenizationEndpoints):
             Route("/v1/chat/completions", e(self.chat_completions), methods=["POST"]),
             Route("/v1/completions", e(self.completions), methods=["POST"]),
             Route("/v1/responses", e(functools.partial(create_response, self)), methods=["POST"]),
+            Route("/v1/embeddings", e(functools.partial(create_embeddings, self)), methods=["POST"]),
             Route("/v1/models", e(self.models), methods=["GET"]),
             Route("/v1/models/{model:path}", e(self.model), methods=["GET"]),
             Route("/tokenize", e(self.tokenize), methods=["POST"]),

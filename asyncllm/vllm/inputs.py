@@ -15,7 +15,9 @@ _NEUTRAL = {
     "load_format": ("auto", "weights are read from safetensors only"),
     "kv_cache_dtype": ("auto", "the KV cache has the model's dtype"),
 }
-_IGNORED = ("disable_log_stats", "enable_log_requests", "disable_log_requests", "swap_space", "max_logprobs")
+# (task / runner: an engine both generates and embeds, whichever vLLM's model runner is asked for)
+_IGNORED = ("disable_log_stats", "enable_log_requests", "disable_log_requests", "swap_space", "max_logprobs",
+            "task", "runner")
 
 
 def engine_options(options: dict) -> dict:

@@ -7,8 +7,9 @@ import itertools
 from asyncllm.chat_template import chat_prompt_ids
 from asyncllm.llm import LLM as NativeLLM, normalize_params
 from asyncllm.vllm.inputs import engine_options, prompt_list, prompt_parts, truncated
-from asyncllm.vllm.outputs import RequestOutput, completion_output, prompt_token_logprobs
-from asyncllm.vllm.sampling_params import SamplingParams
+from asyncllm.vllm.outputs import (EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, completion_output,
+                                   prompt_token_logprobs)
+from asyncllm.vllm.sampling_params import PoolingParams, SamplingParams
 
 
 class LLM:
@@ -60,6 +61,27 @@ class LLM:
                                    s["finish_reason"], s["stop_reason"]) for s in sequences],
                 finished=True))
         return outputs
+
+    def embed(self, prompts, *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              pooling_params: PoolingParams | None = None, lora_request=None) -> list[EmbeddingRequestOutput]:
+        """One EmbeddingRequestOutput per prompt, in order: `.outputs.embedding` is the final-norm hidden
+        state of the prompt's last token (as Qwen3-Embedding pools), L2-normalised unless
+        pooling_params.normalize is False, cut to pooling_params.dimensions if given."""
+        if lora_request is not None:
+            raise ValueError("lora_request: LoRA adapters are not supported")
+        params = PoolingParams() if pooling_params is None else pooling_params
+        if not isinstance(params, PoolingParams):
+            raise TypeError(f"pooling_params: expected asyncllm.vllm.PoolingParams, got {type(params).__name__}")
+        core = self.native_llm.core
+        token_lists = []
+        for i, prompt in enumerate(prompt_list(prompts)):
+            _, native_prompt = prompt_parts(prompt, f"prompts[{i}]")
+            token_lists.append(truncated(core.encode_prompt(native_prompt, f"prompts[{i}]"), truncate_prompt_tokens,
+                                         core.max_seq_len))
+        vectors = self.native_llm.embed(token_lists, normalize=True if params.normalize is None else params.normalize,
+                                        dimensions=params.dimensions)  # checked there
+        return [EmbeddingRequestOutput(str(next(self._request_counter)), EmbeddingOutput(vector), token_ids)
+                for token_ids, vector in zip(token_lists, vectors)]
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, lora_request=None, chat_template: str | None = None,

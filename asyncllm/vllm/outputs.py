@@ -1,5 +1,6 @@
 """vLLM's output objects (vllm.outputs): RequestOutput, CompletionOutput and Logprob, made from what
-the native API hands back (LLM.generate's dicts, AsyncLLMEngine's StreamOutput / RequestResult)."""
+the native API hands back (LLM.generate's dicts, AsyncLLMEngine's StreamOutput / RequestResult), and
+EmbeddingRequestOutput / EmbeddingOutput (LLM.embed's vectors)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -47,6 +48,25 @@ class RequestOutput:
     encoder_prompt_token_ids: list[int] | None = None
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache
     kv_transfer_params: Any = field(default=None, repr=False)
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding."""
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """An embedding request's output, as vLLM's (LLM.embed)."""
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
 
 
 def token_logprobs(entries: list[TokenLogprob] | None) -> list[dict[int, Logprob]] | None:

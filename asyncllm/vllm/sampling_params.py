@@ -116,3 +116,11 @@ class SamplingParams:
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             structured_output=None if constraint is None else constraint.to_native(),
             logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids, priority=priority)
+
+
+@dataclass
+class PoolingParams:
+    """vLLM's PoolingParams, for LLM.embed: dimensions (keep the first entries, Matryoshka) and
+    normalize (None: the model's default, here L2-normalised)."""
+    dimensions: int | None = None
+    normalize: bool | None = None
