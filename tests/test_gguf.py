@@ -190,7 +190,7 @@ def test_non_gguf_paths(tmp_path):
 
 
 def _tiny_gguf(path, arch="llama", embedding=None, embedding_length: int | None = 8, head_count: int = 2,
-               drop=()) -> str:
+               drop=(), expert_count: int | None = None) -> str:
     """A one-layer GGUF without tokenizer, for error paths that need no real model."""
     import gguf
     writer = gguf.GGUFWriter(str(path), arch)
@@ -202,6 +202,8 @@ def _tiny_gguf(path, arch="llama", embedding=None, embedding_length: int | None 
     writer.add_head_count(head_count)
     writer.add_head_count_kv(1)
     writer.add_layer_norm_rms_eps(1e-6)
+    if expert_count is not None:
+        writer.add_expert_count(expert_count)
     rng = np.random.default_rng(0)
     tensors = {
         "token_embd.weight": rng.standard_normal((10, 8), dtype=np.float32) if embedding is None else embedding,
@@ -233,6 +235,14 @@ def test_unsupported_architecture_and_quantization(tmp_path):
     with pytest.raises(ValueError, match="unsupported GGUF quantization type I32"):
         convert_gguf(_tiny_gguf(tmp_path / "b.gguf", embedding=int_embedding), str(tmp_path / "b"))
     assert sorted(os.listdir(tmp_path)) == ["a.gguf", "b.gguf"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3moe"])  # Mixtral's GGUFs, Qwen3-MoE's
+def test_mixture_of_experts_gguf_is_refused_pointing_to_safetensors(tmp_path, arch):
+    path = _tiny_gguf(tmp_path / "moe.gguf", arch=arch, expert_count=8)
+    with pytest.raises(ValueError, match=rf"mixture-of-experts model \({arch}, 8 experts\).*safetensors"):
+        convert_gguf(path, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
 
 
 def test_crash_leaves_no_partial_directory(tmp_path, monkeypatch):

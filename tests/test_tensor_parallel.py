@@ -35,7 +35,8 @@ pytestmark = pytest.mark.timeout(180)
 BASE = dict(num_kvcache_blocks=128, kvcache_block_size=16)
 # chunked prefill (a 75-token prompt in chunks of at most 32 / 48 tokens) for qwen3 and qwen2
 OPTIONS = {"qwen3": dict(BASE, max_num_batched_tokens=32), "llama": dict(BASE),
-           "qwen2": dict(BASE, max_num_batched_tokens=48), "qwen3_kv1": dict(BASE)}
+           "qwen2": dict(BASE, max_num_batched_tokens=48), "qwen3_kv1": dict(BASE),
+           "qwen3_moe": dict(BASE, max_num_batched_tokens=32)}
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 _rng = random.Random(7)
@@ -115,7 +116,9 @@ def checkpoints(tmp_path_factory, tokenizer_dir) -> dict[str, str]:
     return {"qwen3": build("qwen3", "qwen3", seed=2), "llama": build("llama", "llama", seed=3),
             "qwen2": build("qwen2", "qwen2", seed=4),
             # one KV head for two ranks: QKVParallelLinear replicates it (kv_replicas=2)
-            "qwen3_kv1": build("kv1", "qwen3", seed=5, num_key_value_heads=1)}
+            "qwen3_kv1": build("kv1", "qwen3", seed=5, num_key_value_heads=1),
+            # experts in layer 0, a dense MLP in layer 1: both split over the ranks' intermediate slices
+            "qwen3_moe": build("moe", "qwen3_moe", seed=6, mlp_only_layers=[1])}
 
 
 @pytest.fixture(scope="module")
@@ -163,11 +166,14 @@ def test_indivisible_heads_or_kv_heads_fail_at_start(checkpoints, tmp_path):
     odd_mlp = copy_config_only(tiny_qwen3, str(tmp_path / "odd-mlp"), intermediate_size=255)
     with pytest.raises(ValueError, match=r"tensor_parallel_size.*intermediate_size=255"):
         LLM(odd_mlp, tensor_parallel_size=2, **BASE)
+    odd_experts = copy_config_only(checkpoints["qwen3_moe"], str(tmp_path / "odd-experts"), moe_intermediate_size=127)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size.*moe_intermediate_size=127 is not divisible by 2"):
+        LLM(odd_experts, tensor_parallel_size=2, **BASE)
     assert live_children() == baseline and not dist.is_initialized()
 
 
 # ---- tp=2 == tp=1 --------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["qwen3", "qwen2"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen2", "qwen3_moe"])
 def test_llm_tp2_matches_tp1(name, checkpoints, reference):
     expected = reference(name)  # tp=1 first: no tp=1 engine can be built beside a running tp=2 one
     baseline = live_children()

@@ -31,3 +31,8 @@ def fused_ops_for(x: torch.Tensor):
 def logits_ops_for(logits: torch.Tensor):
     """The in-place logits kernels (kernels/logits_ops.py) if logits can use them, else None."""
     return kernel_module("logits_ops") if logits.is_cuda else None
+
+
+def fused_moe_for(x: torch.Tensor):
+    """The grouped-GEMM experts kernel (kernels/fused_moe.py) if x can use it, else None."""
+    return kernel_module("fused_moe") if x.is_cuda else None

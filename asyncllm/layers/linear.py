@@ -49,6 +49,13 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    def require_shards(self, shard_ids) -> None:
+        """A fused layer's parameters are loaded in parts (load_weights passes each one's shard id):
+        whole only once every one of shard_ids has been."""
+        for param in (self.weight, self.bias):
+            if param is not None:
+                param.required_shards = frozenset(shard_ids)
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *args) -> None:
         full_shape = list(param.shape)
         sharded = self.tp_dim is not None and param.dim() > self.tp_dim and self.tp_size > 1
@@ -75,6 +82,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
+        self.require_shards(range(len(output_sizes)))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         check_loaded_shape(loaded, (self.output_sizes[shard_id], *param.shape[1:]))
@@ -96,6 +104,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.kv_replicas = max(1, tp_size // num_kv_heads)  # ranks that share one KV head
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
         super().__init__(hidden_size, output_size, bias)
+        self.require_shards(("q", "k", "v"))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         total_heads = self.total_num_heads if shard_id == "q" else self.total_num_kv_heads

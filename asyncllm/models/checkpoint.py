@@ -9,6 +9,7 @@ from collections.abc import Iterable, Iterator
 import contextlib
 import logging
 import math
+import re
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -16,6 +17,7 @@ from torch import nn
 
 from asyncllm.config import config_error
 from asyncllm.layers.linear import WeightShapeError, check_loaded_shape
+from asyncllm.models.moe_spec import moe_spec
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -39,6 +41,7 @@ def load_hf_config(model_dir: str):
     except Exception as e:  # noqa: BLE001 - transformers' own checks raise several types (some not ValueError)
         raise ValueError(f"{config_path}: transformers refuses it: {type(e).__name__}: {e}") from e
     check_model_shape(config, config_path)
+    moe_spec(config, config_path)  # a mixture-of-experts config's fields, checked before anything is built
     # transformers 5 keeps rope settings in rope_parameters; older configs have rope_theta/rope_scaling
     rope_parameters = getattr(config, "rope_parameters", None) or {}
     if getattr(config, "rope_theta", None) is None:
@@ -181,8 +184,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple]) -> None:
 
     weights: (name, tensor) pairs, or (name, tensor, file) triples as iter_safetensors gives, so that
     errors name the file. model.packed_modules_mapping maps a checkpoint name fragment to (fused param
-    fragment, shard id), e.g. "q_proj" -> ("qkv_proj", "q"). Every tensor must have exactly the shape
-    its parameter's layer expects (before its sharding): nothing is cut or broadcast silently.
+    fragment, shard id), e.g. "q_proj" -> ("qkv_proj", "q"); a mixture-of-experts model's
+    expert_projections map each expert's tensor into a stacked parameter (_expert_target). Every tensor
+    must have exactly the shape its parameter's layer expects (before its sharding): nothing is cut or
+    broadcast silently. A fused or stacked parameter is whole only with every part, each loaded once.
 
     A base model's checkpoint (transformers' AutoModel saves one: Qwen3-Embedding's) names its tensors
     without the "model." prefix and has no LM head: its embedding matrix then stands in for the head,
@@ -191,13 +196,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple]) -> None:
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules_mapping", {})
     skipped = getattr(model, "skipped_weight_prefixes", ())
-    shards_of = {}  # a fused param fragment -> the shard ids it is made of
-    for fused, shard_id in packed.values():
-        shards_of.setdefault(fused, set()).add(shard_id)
     loaded: set[str] = set()
     seen: set[str] = set()
-    fused_loaded: dict[str, tuple[str, set]] = {}  # a fused param -> (its fragment, the shards loaded)
-    targets: set[tuple] = set()  # (param, shard) pairs loaded: two names for one (prefixed or not) are refused
+    parts_loaded: dict[str, dict] = {}  # a fused or stacked param -> {shard id: the checkpoint name}
     base_model = False  # some tensor was named as a base model names it
     for name, tensor, *source in weights:
         where = f" in {source[0]}" if source else ""
@@ -209,22 +210,25 @@ def load_weights(model: nn.Module, weights: Iterable[tuple]) -> None:
         if not tensor.is_floating_point() or tensor.element_size() < 2:
             raise ValueError(f"checkpoint tensor {name!r}{where} is {tensor.dtype}: only float16, bfloat16 and "
                              "float32 weights are supported (quantized checkpoints are not)")
-        param_name, shard_args = name, ()
-        for fragment, (fused, shard_id) in packed.items():
-            if fragment in name:
-                param_name, shard_args = name.replace(fragment, fused), (shard_id,)
-                break
+        param_name, shard_args = _expert_target(model, name, params) or _packed_target(name, packed)
         if param_name not in params and "model." + param_name in params:
             param_name, base_model = "model." + param_name, True
         if param_name not in params:
             raise ValueError(f"checkpoint tensor {name!r}{where} has no place in {type(model).__name__}")
-        if (param_name, *shard_args) in targets:
+        param = params[param_name]
+        if hasattr(param, "required_shards"):  # loaded in parts, or (an expert stack) whole
+            if shard_args and shard_args[0] not in param.required_shards:  # an expert past num_experts
+                raise ValueError(f"checkpoint tensor {name!r}{where} has no place in {type(model).__name__} "
+                                 f"(config.json has fewer experts)")
+            parts = parts_loaded.setdefault(param_name, {})
+            shards = shard_args or tuple(param.required_shards)
+            clash = next((shard for shard in shards if shard in parts), None)
+            if clash is not None:
+                raise ValueError(f"checkpoint tensor {name!r}{where} loads the same weights as {parts[clash]!r}")
+            parts.update(dict.fromkeys(shards, name))
+        elif param_name in loaded:
             raise ValueError(f"checkpoint tensor {name!r}{where} is the second one for {param_name} (named with "
                              "and without the 'model.' prefix?)")
-        targets.add((param_name, *shard_args))
-        if shard_args:
-            fused_loaded.setdefault(param_name, (fused, set()))[1].add(shard_args[0])
-        param = params[param_name]
         try:
             getattr(param, "weight_loader", _default_loader)(param, tensor, *shard_args)
         except WeightShapeError as e:
@@ -238,11 +242,55 @@ def load_weights(model: nn.Module, weights: Iterable[tuple]) -> None:
         missing.discard("lm_head.weight")
         logger.warning("the checkpoint is a base model's (no LM head): its embedding matrix stands in for the "
                        "head; use it for embeddings, not generation")
-    # a fused param is whole only with every part (q, k and v; gate and up): the rest is uninitialised
-    missing |= {f"{param_name} ({', '.join(map(str, sorted(shards_of[fused] - got, key=str)))} missing)"
-                for param_name, (fused, got) in fused_loaded.items() if got != shards_of[fused]}
+    # a fused param is whole only with every part (q, k and v; gate and up; each expert's): the rest is
+    # uninitialised
+    for param_name, parts in parts_loaded.items():
+        absent = sorted(params[param_name].required_shards - set(parts), key=str)
+        if absent:
+            missing.add(_describe_absent(model, param_name, parts, absent))
     if missing:
         raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}{'...' if len(missing) > 5 else ''}")
+
+
+def _packed_target(name: str, packed: dict) -> tuple[str, tuple]:
+    for fragment, (fused, shard_id) in packed.items():
+        if fragment in name:
+            return name.replace(fragment, fused), (shard_id,)
+    return name, ()
+
+
+def _describe_absent(model: nn.Module, param_name: str, parts: dict, absent: list) -> str:
+    """The missing parts of a fused param: an expert's by its checkpoint name (spelled as the loaded
+    experts' names are), q/k/v or gate/up by shard id."""
+    more = "..." if len(absent) > 4 else ""
+    expert = _EXPERT_TENSOR.fullmatch(next(iter(parts.values())))
+    if expert is None:
+        return f"{param_name} ({', '.join(map(str, absent[:4]))}{more} missing)"
+    stacked = param_name.rsplit(".", 1)[1]
+    projection_of = {target: projection for projection, target in model.expert_projections.items()}
+    return ", ".join(f"{expert[1]}.{e}.{projection_of[(stacked, part)]}.weight" for e, part in absent[:4]) + more
+
+
+_EXPERT_TENSOR = re.compile(r"(.+\.experts)\.(\d+)\.(\w+)\.weight")
+
+
+def _expert_target(model: nn.Module, name: str, params: dict) -> tuple[str, tuple] | None:
+    """(the stacked parameter, ((expert, part),)) for one expert's projection, (the parameter, ()) for
+    an expert stack stored whole (transformers 5's in-memory names), None for any other tensor."""
+    projections = getattr(model, "expert_projections", None)
+    if not projections:
+        return None
+    for old, new in getattr(model, "checkpoint_renames", ()):
+        name = name.replace(old, new)
+    match = _EXPERT_TENSOR.fullmatch(name)
+    if match and match[3] in projections:
+        stacked, part = projections[match[3]]
+        return f"{match[1]}.{stacked}", ((int(match[2]), part),)
+    if name.endswith(".experts.gate_up_proj") or name.endswith(".experts.down_proj"):
+        return name, ()
+    if name.endswith(".mlp.gate.weight"):  # the router: its own name after a rename (Mixtral's)
+        return name, ()
+    return None
 
 
 def _default_loader(param: nn.Parameter, tensor: torch.Tensor) -> None:

@@ -221,6 +221,11 @@ def convert_gguf(gguf_path: str, out_dir: str, dtype: torch.dtype = torch.float3
         raise ValueError(f"{gguf_path!r} is not a GGUF file (expected a *.gguf file starting with b'GGUF')")
     reader = open_gguf(gguf_path)
     arch = _field(reader, "general.architecture")
+    num_experts = _field(reader, f"{arch}.expert_count")
+    if num_experts:  # Mixtral's GGUFs say arch 'llama'; Qwen3-MoE's 'qwen3moe'
+        raise ValueError(f"{gguf_path!r} is a mixture-of-experts model ({arch}, {num_experts} experts): the GGUF "
+                         "converter does not support those; load its safetensors checkpoint instead "
+                         "(Qwen3MoeForCausalLM and MixtralForCausalLM are supported there)")
     if arch not in _ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r} in {gguf_path!r}; "
                          f"supported: {', '.join(sorted(_ARCHITECTURES))}")

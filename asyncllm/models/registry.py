@@ -5,6 +5,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from asyncllm.models.moe_spec import moe_spec
 from asyncllm.models.transformer import CausalLM, head_dim_of
 
 
@@ -17,6 +18,9 @@ MODEL_REGISTRY = {
     "Qwen3ForCausalLM": lambda c: dict(qkv_bias=_attention_bias(c), o_bias=_attention_bias(c), qk_norm=True),
     "Qwen2ForCausalLM": lambda c: dict(qkv_bias=True, o_bias=False, qk_norm=False),
     "LlamaForCausalLM": lambda c: dict(qkv_bias=_attention_bias(c), o_bias=_attention_bias(c), qk_norm=False),
+    "Qwen3MoeForCausalLM": lambda c: dict(qkv_bias=_attention_bias(c), o_bias=_attention_bias(c), qk_norm=True,
+                                          moe=moe_spec(c)),
+    "MixtralForCausalLM": lambda c: dict(qkv_bias=False, o_bias=False, qk_norm=False, moe=moe_spec(c)),
 }
 # base models, as transformers' AutoModel saves them (an embedding model's checkpoint; no LM head:
 # checkpoint.load_weights)

@@ -12,6 +12,7 @@ from asyncllm.config import Config, config_error
 from asyncllm.models.checkpoint import load_hf_config
 from asyncllm.models.gguf import resolve_model_path
 from asyncllm.models.hub import download_model
+from asyncllm.models.moe_spec import MoESpec, moe_spec
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # config.DTYPES
 
@@ -58,9 +59,13 @@ def _check_cpu_weights(config: Config, memory: int) -> None:
     hidden, layers, vocab = hf.hidden_size, hf.num_hidden_layers, hf.vocab_size
     heads = hf.num_attention_heads
     kv_heads, head_dim = _kv_heads_and_head_dim(hf)
-    per_layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * hf.intermediate_size
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
+    moe = moe_spec(hf) or MoESpec(0, 0, 0, False, frozenset())
+    sparse = len(moe.sparse_layers)
+    mlps = (layers - sparse) * 3 * hidden * hf.intermediate_size + \
+        sparse * moe.num_experts * hidden * (3 * moe.intermediate_size + 1)  # + 1: the router's row
     embeddings = vocab * hidden * (1 if getattr(hf, "tie_word_embeddings", False) else 2)
-    size = (embeddings + layers * per_layer) * config.torch_dtype.itemsize
+    size = (embeddings + layers * attention + mlps) * config.torch_dtype.itemsize
     if size > memory:
         raise ValueError(f"{os.path.join(config.model, 'config.json')}: the model it describes takes "
                          f"{size / 2**30:.1f} GiB of {str(config.torch_dtype).removeprefix('torch.')} weights, more "
@@ -81,9 +86,13 @@ def _check_tensor_parallel_split(hf, size: int) -> None:
         # neither split across ranks nor replicated evenly: ranks would attend to the wrong KV heads
         raise config_error("tensor_parallel_size", f"num_key_value_heads={kv_heads} neither divides nor is "
                                                    f"divisible by {size}")
-    intermediate = getattr(hf, "intermediate_size", 0)
-    if intermediate % size:
-        raise config_error("tensor_parallel_size", f"intermediate_size={intermediate} is not divisible by {size}")
+    moe = moe_spec(hf)
+    splits = {moe.intermediate_size_field: moe.intermediate_size} if moe is not None and moe.sparse_layers else {}
+    if moe is None or len(moe.sparse_layers) < hf.num_hidden_layers:  # dense MLPs: split like the experts
+        splits["intermediate_size"] = getattr(hf, "intermediate_size", 0)
+    for name, intermediate in splits.items():
+        if intermediate % size:
+            raise config_error("tensor_parallel_size", f"{name}={intermediate} is not divisible by {size}")
 
 
 def _check_cpu_kv_cache(config: Config, memory: int) -> None:

@@ -1,10 +1,13 @@
-"""The pre-norm decoder-only transformer shared by Qwen3, Qwen2 and Llama.
+"""The pre-norm decoder-only transformer shared by Qwen3, Qwen2, Llama, Qwen3-MoE and Mixtral.
 
 The three differ only in three switches, set by the registry from the architecture name:
 Qwen3 normalises each q and k head with RMSNorm before rotary (qk_norm); Qwen2 has biases on
 the q/k/v projections (qkv_bias); the output projection has one where the config's
 attention_bias asks (o_bias, as q/k/v then do too). Llama has none of them by default. Parameter names follow Hugging Face's, except
 that q/k/v and gate/up are fused (packed_modules_mapping says how checkpoint tensors map in).
+Mixture-of-experts models (a MoESpec, models/moe_spec.py) have an expert block in place of the MLP
+in their sparse layers; each expert's checkpoint tensors load into the stacked parameters of
+layers/moe.py (expert_projections and checkpoint_renames say how).
 """
 from __future__ import annotations
 
@@ -17,7 +20,9 @@ from asyncllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from asyncllm.layers.fused import fused_ops_for
 from asyncllm.layers.layernorm import RMSNorm
 from asyncllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from asyncllm.layers.moe import SparseMoeBlock
 from asyncllm.layers.rotary import RotaryEmbedding
+from asyncllm.models.moe_spec import MoESpec
 
 
 def head_dim_of(config) -> int:
@@ -102,10 +107,14 @@ class DecoderMLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config, layer_id: int, qkv_bias: bool, o_bias: bool, qk_norm: bool,
-                 rotary_emb: RotaryEmbedding):
+                 rotary_emb: RotaryEmbedding, moe: MoESpec | None):
         super().__init__()
         self.self_attn = DecoderAttention(config, layer_id, qkv_bias, o_bias, qk_norm, rotary_emb)
-        self.mlp = DecoderMLP(config)
+        if moe is not None and layer_id in moe.sparse_layers:
+            self.mlp = SparseMoeBlock(config.hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size,
+                                      moe.renormalize)
+        else:
+            self.mlp = DecoderMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -120,14 +129,15 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, max_positions: int):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, max_positions: int,
+                 moe: MoESpec | None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # one fp32 cos/sin cache shared by every layer, for the positions the engine can reach: one per
         # layer of max_position_embeddings rows took 560 MiB from Qwen3-0.6B's KV cache
         self.rotary_emb = RotaryEmbedding(head_dim_of(config), max_positions, config.rope_theta,
                                           config.asyncllm_rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, qkv_bias, o_bias, qk_norm, self.rotary_emb)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, qkv_bias, o_bias, qk_norm, self.rotary_emb, moe)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -149,13 +159,16 @@ class CausalLM(nn.Module):
     }
     skipped_weight_prefixes = ("model.rotary_emb.",)  # some checkpoints store rotary buffers
 
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, max_positions: int | None = None):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, max_positions: int | None = None,
+                 moe: MoESpec | None = None):
         """max_positions: the positions the rotary cache covers (the engine's max_model_len);
-        default max_position_embeddings."""
+        default max_position_embeddings. moe: the expert layers, for a mixture-of-experts model."""
         super().__init__()
         self.config = config
         self.model = DecoderModel(config, qkv_bias, o_bias, qk_norm,
-                                  max_positions or config.max_position_embeddings)
+                                  max_positions or config.max_position_embeddings, moe)
+        if moe is not None:  # read by load_weights
+            self.checkpoint_renames, self.expert_projections = moe.checkpoint_renames, dict(moe.expert_projections)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tied_parameters: tuple[str, ...] = ()
         if getattr(config, "tie_word_embeddings", False):

@@ -1,0 +1,87 @@
+"""The mixture-of-experts block's experts: kernels/fused_moe.py against the PyTorch path (a loop over
+the experts that have tokens, layers/moe.py's forward_native) and the byte / FLOP floor. CUDA only.
+
+    python benchmarks/bench_moe.py [--tokens 1,8,64,256,4096] [--routing uniform,skewed] [--json out.json]
+
+One layer of Qwen3-30B-A3B's shape (128 experts, top-8, hidden 2048, experts of 768), bf16, random
+weights and inputs, routing from a random router (uniform) or one that sends every token to the same
+9 experts (skewed). Each call is timed as the median of CUDA-graph replays with L2 flushed before each
+(asyncllm.layers.skinny_linear.time_calls); the torch path reads counts on the host and cannot be
+captured, so it is timed eagerly (triton.testing.do_bench). The byte floor is the distinct experts'
+weights read once at --bandwidth; the FLOP floor 2 * 3 * H * I FLOPs per (token, expert) pair at
+--tflops. Router and top-k are outside both (the same torch ops for each path).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from common import REPO_ROOT  # noqa: F401 - importing common puts the repo root on sys.path
+
+from asyncllm.layers.moe import SparseMoeBlock, route  # noqa: E402
+
+HIDDEN, EXPERTS, TOP_K, INTER = 2048, 128, 8, 768
+DTYPE = torch.bfloat16
+
+
+def bench_case(block: SparseMoeBlock, num_tokens: int, skewed: bool, bandwidth: float, tflops: float) -> dict:
+    import triton.testing
+
+    from asyncllm.kernels.fused_moe import fused_moe
+    from asyncllm.layers.skinny_linear import time_calls
+    x = torch.randn(num_tokens, HIDDEN, device="cuda", dtype=DTYPE)
+    logits = block.gate(x).float()
+    if skewed:
+        logits[:, :TOP_K + 1] += 20.0
+    weights, ids = route(logits, TOP_K, True)
+    experts = block.experts
+
+    def fused():
+        return fused_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids)
+
+    fused_ms = time_calls([fused], torch.device("cuda"))[0]
+    torch_ms = triton.testing.do_bench(lambda: block.forward_native(x, weights, ids), return_mode="median")
+    error = ((fused().float() - block.forward_native(x, weights, ids).float()).norm()
+             / block.forward_native(x, weights, ids).float().norm()).item()
+    distinct = ids.unique().numel()
+    expert_bytes = 3 * HIDDEN * INTER * DTYPE.itemsize
+    byte_floor_ms = distinct * expert_bytes / bandwidth * 1e3
+    flop_floor_ms = num_tokens * TOP_K * 2 * 3 * HIDDEN * INTER / tflops * 1e3
+    return dict(tokens=num_tokens, routing="skewed" if skewed else "uniform", distinct_experts=distinct,
+                fused_ms=fused_ms, torch_ms=torch_ms, byte_floor_ms=byte_floor_ms, flop_floor_ms=flop_floor_ms,
+                floor_ms=max(byte_floor_ms, flop_floor_ms), rel_error=error)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", default="1,8,64,256,4096")
+    parser.add_argument("--routing", default="uniform,skewed")
+    parser.add_argument("--bandwidth", type=float, default=4.2e12, help="bytes/s of the floor (H200: ~4.2e12)")
+    parser.add_argument("--tflops", type=float, default=790e12, help="bf16 FLOP/s of the floor (H200: ~790e12)")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_moe.py needs a CUDA GPU")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        block = SparseMoeBlock(HIDDEN, EXPERTS, TOP_K, INTER, renormalize=True)
+    for p in block.parameters():
+        p.data = p.data.to(DTYPE).normal_(0, HIDDEN ** -0.5)
+    rows = [bench_case(block, int(n), routing == "skewed", args.bandwidth, args.tflops)
+            for routing in args.routing.split(",") for n in args.tokens.split(",")]
+    print(f"{torch.cuda.get_device_name(0)}: one Qwen3-30B-A3B MoE layer, {DTYPE}")
+    head = f"{'tokens':>7} {'routing':>8} {'experts':>7} {'fused ms':>9} {'torch ms':>9} {'floor ms':>9} " \
+           f"{'floor/fused':>11} {'rel err':>8}"
+    print(head + "\n" + "-" * len(head))
+    for r in rows:
+        print(f"{r['tokens']:>7} {r['routing']:>8} {r['distinct_experts']:>7} {r['fused_ms']:>9.4f} "
+              f"{r['torch_ms']:>9.4f} {r['floor_ms']:>9.4f} {r['floor_ms'] / r['fused_ms']:>11.2f} "
+              f"{r['rel_error']:>8.1e}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(0), results=rows), f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

