@@ -170,7 +170,7 @@ def test_every_applied_bitmask_is_the_reference_matchers_token_by_token(llms, mo
             rows = params.mask_rows.tolist()
             sampling = llm.core.runner.current_plan.sampling_requests
             for i, row in enumerate(rows):
-                applied.setdefault(sampling[row].sort_key[1], []).append(params.token_bitmask[i].clone())
+                applied.setdefault(sampling[row].sort_key[2], []).append(params.token_bitmask[i].clone())
         return sampler.forward(logits, params)
 
     launch = llm.core.runner.launch
