@@ -159,6 +159,18 @@ def live_server(model: str | None, log_dir, *options: str, env: dict | None = No
     assert proc.returncode in exit_codes, f"the server exited with {proc.returncode}:\n{server.log()[-4000:]}"
 
 
+def read_until_closed(sock: socket.socket, limit: float) -> bytes:
+    """What the server sends until it closes the connection; fails if it is still open after `limit` s."""
+    sock.settimeout(limit)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except TimeoutError:
+        raise AssertionError(f"the connection was still open after {limit} s; got {data[:200]!r}") from None
+    return data
+
+
 # ---- comparing two engines' greedy runs (GPU tests: bf16, tensor parallelism) --------------------
 def generate_with_logits(llm, prompts: list[list[int]], params) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
     """llm.generate(prompts, params), plus the logits each request sampled from at each of its steps

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from helpers import environment_without_api_key, free_port, live_server, serve_command
+from helpers import environment_without_api_key, free_port, live_server, read_until_closed, serve_command
 
 httpx = pytest.importorskip("httpx", reason="the server tests need the test extras (httpx)")
 pytest.importorskip("starlette", reason="the server tests need asyncllm[server] (starlette)")
@@ -249,18 +249,6 @@ def health_seconds(base: str) -> float:
     start = time.monotonic()
     assert httpx.get(f"{base}/health", timeout=60).status_code == 200
     return time.monotonic() - start
-
-
-def read_until_closed(sock: socket.socket, limit: float) -> bytes:
-    """What the server sends until it closes the connection; fails if it is still open after `limit` s."""
-    sock.settimeout(limit)
-    data = b""
-    try:
-        while chunk := sock.recv(65536):
-            data += chunk
-    except TimeoutError:
-        raise AssertionError(f"the connection was still open after {limit} s; got {data[:200]!r}") from None
-    return data
 
 
 def test_slow_body_gets_408_and_health_still_answers(live):

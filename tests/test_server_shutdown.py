@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from helpers import environment_without_api_key, live_server
+from helpers import environment_without_api_key, live_server, read_until_closed
 
 httpx = pytest.importorskip("httpx", reason="the server tests need the test extras (httpx)")
 pytest.importorskip("starlette", reason="the server tests need asyncllm[server] (starlette)")
@@ -94,10 +94,7 @@ def test_sigterm_ends_requests_in_flight_in_openai_shape_after_the_drain(tiny_qw
         for stream in streams:
             stream.join(LIMIT_S)
         whole_thread.join(LIMIT_S)
-        slow_body.settimeout(LIMIT_S)
-        reply = b""
-        while chunk := slow_body.recv(65536):
-            reply += chunk
+        reply = read_until_closed(slow_body, LIMIT_S)
         slow_body.close()
         proc.wait(LIMIT_S)
 
@@ -135,10 +132,7 @@ def test_sigterm_lets_requests_finish_refuses_new_ones_and_exits_once_nothing_ru
             assert time.monotonic() < deadline, server.log()[-3000:]
             time.sleep(0.1)
         late.sendall(body[5:])
-        late.settimeout(LIMIT_S)
-        reply = b""
-        while chunk := late.recv(65536):
-            reply += chunk
+        reply = read_until_closed(late, LIMIT_S)
         late.close()
         stream.join(LIMIT_S)
         proc.wait(LIMIT_S)  # raises TimeoutExpired if the server waited out the drain
