@@ -100,7 +100,7 @@ def test_health_models_and_loopback_default(server, client):
     # started without --host: listening on 127.0.0.1 only
     if not os.path.exists("/proc/net/tcp"):
         pytest.skip("no /proc/net/tcp to read the bound address from")
-    port_hex = f"{server['port']:04X}"
+    port_hex = f"{server.port:04X}"
     listening = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         if os.path.exists(table):

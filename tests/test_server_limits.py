@@ -339,11 +339,11 @@ def test_slow_heads_on_kept_alive_connections_do_not_hold_the_concurrency_limit(
                 slow_heads.append(SlowHead(socks[-1]))
                 slow_heads[-1].start()
         deadline = time.monotonic() + 60
-        while (r := httpx.get(f"{live['base']}/health", timeout=30)).status_code != 200:
+        while (r := httpx.get(f"{live.base}/health", timeout=30)).status_code != 200:
             assert_openai_error(r, 503)
             assert time.monotonic() < deadline, "no request got through in 60 s"
             time.sleep(0.2)
-        r = httpx.post(f"{live['base']}{COMPLETIONS}", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        r = httpx.post(f"{live.base}{COMPLETIONS}", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
         assert r.status_code == 200, r.text
         assert all(slow.closed.wait(60) for slow in slow_heads)
     finally:
@@ -374,7 +374,7 @@ def test_health_answers_while_a_trusted_template_renders(live):
     result = {}
 
     def post() -> None:
-        result["response"] = httpx.post(f"{live['base']}{CHAT}", json=body, timeout=300)
+        result["response"] = httpx.post(f"{live.base}{CHAT}", json=body, timeout=300)
 
     heavy = threading.Thread(target=post)
     start = time.monotonic()
