@@ -30,7 +30,8 @@ def greedy(n: int = N) -> SamplingParams:
 
 
 def is_linear(name: str, tensor: torch.Tensor) -> bool:
-    return tensor.dim() == 2 and ".layers." in name
+    """As FP8 checkpoints quantize: decoder projections and experts, not a MoE router (mlp.gate)."""
+    return tensor.dim() == 2 and ".layers." in name and not name.endswith("mlp.gate.weight")
 
 
 def quantize_blocks(weight: torch.Tensor, bm: int, bn: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,6 +168,16 @@ def test_partial_blocks_and_other_block_sizes(tiny_qwen3, tokenizer_dir, tmp_pat
     for block in ((128, 128), (64, 96)):
         fp8_dir, plain_dir = write_pair(src, tmp_path / f"{block[0]}x{block[1]}", block=block)
         assert_same_run(run(fp8_dir), run(plain_dir))
+
+
+def test_mixture_of_experts_fp8_experts(tokenizer_dir, tmp_path):
+    # each expert's projections FP8 with their own scales, loaded into the stacked expert parameters
+    from asyncllm.testing import build_tiny_checkpoint
+    src = build_tiny_checkpoint(str(tmp_path / "src"), "qwen3_moe", tokenizer_dir, seed=4)
+    fp8_dir, plain_dir = write_pair(src, tmp_path / "pair")
+    assert "model.layers.0.mlp.experts.7.down_proj.weight_scale_inv" in load_file(
+        os.path.join(fp8_dir, "model.safetensors"))
+    assert_same_run(run(fp8_dir), run(plain_dir))
 
 
 @pytest.mark.parametrize("scheme", ["tensor", "channel", "mixed"])
