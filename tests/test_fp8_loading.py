@@ -200,6 +200,17 @@ def test_static_activation_scales_are_read_past(tiny_qwen3, tmp_path, plain_run)
     assert_same_run(run(fp8_dir), plain_run)
 
 
+def test_reload_and_wake_read_the_fp8_checkpoint(tiny_qwen3, block_pair, plain_run):
+    # every load takes the dequantizing stream: a reload into an FP8 checkpoint, and wake after
+    # sleep(2), which dropped the weights and reads them from disk again
+    llm = LLM(tiny_qwen3, **ENGINE_KW)
+    llm.reload(block_pair[0])
+    assert_same_run(generate_with_logits(llm, PROMPTS, greedy()), plain_run)
+    llm.sleep(2)
+    llm.wake()
+    assert_same_run(generate_with_logits(llm, PROMPTS, greedy()), plain_run)
+
+
 # ---- Config.quantization="fp8": an unquantized checkpoint's weights rounded through FP8 --------------
 def test_quantization_fp8_is_the_block_fp8_checkpoint(tiny_qwen3, block_pair, plain_run):
     emulated = run(tiny_qwen3, quantization="fp8")
