@@ -29,7 +29,8 @@ import sys
 import time
 
 from asyncllm import __version__, settings
-from asyncllm.config import ATTENTION_BACKENDS, DTYPES, REASONING_PARSERS, Config, is_hub_id
+from asyncllm.config import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, REASONING_PARSERS, Config,
+                             is_hub_id)
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -48,6 +49,9 @@ _CONFIG_HELP = {
     "target_step_ms": "while streams decode, take prefill only up to what keeps a step within this many ms "
                       "(0 = throughput first); auto = 8 for serving",
     "revision": "a hub id's branch, tag or commit (default: main)",
+    "quantization": "fp8: round an unquantized checkpoint's linear weights through FP8 at load (emulated: "
+                    "computed in the compute dtype); FP8 checkpoints load without it (default: none)",
+    "kv_cache_dtype": "the KV cache's dtype; fp8 is refused until its kernels exist",
     "reasoning_parser": "the model's reasoning tags: answers carry reasoning_content apart from content, and "
                         "structured output applies after the reasoning (default: none, content holds everything)",
 }
@@ -101,7 +105,8 @@ def add_config_options(group, skip: tuple[str, ...] = ()) -> list[str]:
     --flag/--no-flag. Each defaults to None, so only what is given overrides Config's default (and
     Config validates it). Returns the fields' names."""
     choices = {"dtype": ("auto", *DTYPES), "device": ("auto", "cpu", "cuda"),
-               "attention_backend": ATTENTION_BACKENDS, "reasoning_parser": REASONING_PARSERS}
+               "attention_backend": ATTENTION_BACKENDS, "reasoning_parser": REASONING_PARSERS,
+               "quantization": QUANTIZATIONS[1:], "kv_cache_dtype": KV_CACHE_DTYPES}
     names = []
     for f in dataclasses.fields(Config):
         if not f.init or f.name == "model" or f.name in skip:

@@ -19,6 +19,10 @@ from asyncllm.validation import FieldChecks
 DTYPES = ("float32", "float16", "bfloat16")  # models/resolve.py maps them to torch dtypes
 _DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # as vLLM accepts them
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "fa4", "fa2")
+# Config.quantization: how weights are kept ("fp8" on an unquantized checkpoint: rounded through block-wise
+# FP8 at load, emulated: computed in the compute dtype until FP8 GEMM kernels exist; models/fp8.py)
+QUANTIZATIONS = (None, "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the compute dtype
 # how a model marks its reasoning (engine/reasoning_format.py defines each: its tags, where a block starts)
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 # ORG/NAME, as the Hugging Face hub spells repository ids (letters, digits, '-', '_', '.'; 96 at most)
@@ -96,6 +100,10 @@ class Config:
     # apart from the answer (out.reasoning; the server's reasoning_content), and a grammar applies
     # to the answer. None: the text holds everything
     reasoning_parser: str | None = None
+    # None: weights as the checkpoint has them (an FP8 checkpoint is dequantized at load); "fp8": an
+    # unquantized checkpoint's decoder linear weights rounded through FP8 (128x128 blocks) at load
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # "auto": the compute dtype ("fp8" is refused: no kernel reads one yet)
     # filled in from the checkpoint by models.resolve.resolve_config; not user settings
     hf_config: Any = field(default=None, repr=False, init=False)
     torch_dtype: torch.dtype | None = field(default=None, repr=False, init=False)
@@ -143,6 +151,11 @@ class Config:
             _fail("attention_backend", f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             _fail("reasoning_parser", f"must be None or one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
+        _fail.one_of("quantization", self.quantization, QUANTIZATIONS)
+        _fail.one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if self.kv_cache_dtype == "fp8":
+            _fail("kv_cache_dtype", "'fp8' is not supported yet: no attention backend stores or reads an FP8 KV "
+                                    "cache (issue 47); use 'auto' (the compute dtype)")
         if self.device not in ("auto", "cpu", "cuda"):
             _fail("device", f"must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.device != "cpu":

@@ -49,6 +49,11 @@ class Setting:
     meaning: str
     default_shown: str | None = None  # the default as the docs show it, where `default` is not it
 
+    @classmethod
+    def switch(cls, name: str, meaning: str) -> Setting:
+        """An on/off switch, on unless the variable is "0" (meaning: what "0" turns off)."""
+        return cls(name, "1", _on_unless_zero, meaning)
+
     def text(self) -> str | None:
         """The variable's text, or the default text when it is unset (for argparse defaults, which
         argparse parses with the option's own type when the option is used)."""
@@ -65,24 +70,24 @@ class Setting:
             raise ValueError(f"${self.name}={text!r}: {e}") from None
 
 
-LAUNCH_GATE = Setting(
-    "ASYNCLLM_LAUNCH_GATE", "1", _on_unless_zero,
+LAUNCH_GATE = Setting.switch(
+    "ASYNCLLM_LAUNCH_GATE",
     "0: AsyncLLMEngine's streams do not wait while the engine thread launches a step (to compare)")
-PDL = Setting(
-    "ASYNCLLM_PDL", "1", _on_unless_zero,
+PDL = Setting.switch(
+    "ASYNCLLM_PDL",
     "0: no programmatic dependent launch for the decode step's kernels (sm_90+ GPUs)")
-SKINNY_GEMM = Setting(
-    "ASYNCLLM_SKINNY_GEMM", "1", _on_unless_zero,
+SKINNY_GEMM = Setting.switch(
+    "ASYNCLLM_SKINNY_GEMM",
     "0: linear layers of 1-16 rows use cuBLAS, never the Triton skinny GEMM")
-DECODE_TUNING = Setting(
-    "ASYNCLLM_DECODE_TUNING", "1", _on_unless_zero,
+DECODE_TUNING = Setting.switch(
+    "ASYNCLLM_DECODE_TUNING",
     "0: the batch-1 decode graph's 1-row tilings are not re-timed inside that graph at start-up")
 CACHE = Setting(
     "ASYNCLLM_CACHE", "", _cache_dir,
     "where GGUF files are converted to safetensors checkpoints (once per file), and the start-up cache is kept "
     "(startup/: what start-up measured; triton/: Triton's compiled kernels)", default_shown="~/.cache/asyncllm")
-STARTUP_CACHE = Setting(
-    "ASYNCLLM_STARTUP_CACHE", "1", _on_unless_zero,
+STARTUP_CACHE = Setting.switch(
+    "ASYNCLLM_STARTUP_CACHE",
     "0: no start-up cache: every start-up measures its decisions again and stores none, and Triton's cache "
     "stays where Triton puts it")
 TRITON_CACHE_DIR = Setting(

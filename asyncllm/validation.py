@@ -59,6 +59,10 @@ class FieldChecks:
         if not is_int(value):
             self(field, f"expected an int, got {self.show(value)}")
 
+    def one_of(self, field: str, value, choices: tuple) -> None:
+        if not any(value is choice or (type(value) is type(choice) and value == choice) for choice in choices):
+            self(field, f"must be one of {choices}, got {self.show(value)}")
+
     def finite_float(self, field: str, value) -> float:
         """value as a float; refused unless a finite number."""
         number = as_finite_float(value)

@@ -357,16 +357,9 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs a CUDA GPU")
     torch.manual_seed(0)
-    if args.tile_sweep:
+    if args.tile_sweep or args.short_over_long:
         fa4, fa4_error = (None, "disabled") if args.no_fa4 else load_fa4()
-        rows = tile_sweep(args.timing, fa4)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(dict(timing=args.timing, fa4=fa4_error or "installed", results=rows), f, indent=2)
-        return
-    if args.short_over_long:
-        fa4, fa4_error = (None, "disabled") if args.no_fa4 else load_fa4()
-        rows = short_over_long(args.timing, fa4)
+        rows = (tile_sweep if args.tile_sweep else short_over_long)(args.timing, fa4)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(dict(timing=args.timing, fa4=fa4_error or "installed", results=rows), f, indent=2)

@@ -2,6 +2,7 @@
 checkpoints tests and benchmarks both build are in asyncllm/testing.py."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -106,6 +107,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def environment_without_api_key() -> dict[str, str]:
+    """This process's environment less ASYNCLLM_API_KEY: for a server that must run without a key."""
+    return {k: v for k, v in os.environ.items() if k != "ASYNCLLM_API_KEY"}
+
+
 def stop_process(proc) -> None:
     """Stop a server subprocess as Ctrl-C would, and kill it if it does not exit in 20 s."""
     if proc.poll() is None:
@@ -115,6 +121,54 @@ def stop_process(proc) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+class LiveServer:
+    """A running `asyncllm serve` subprocess: its base URL, port, process (for signals) and log file."""
+
+    def __init__(self, proc: subprocess.Popen, port: int, log_path: str):
+        self.proc, self.port, self.log_path = proc, port, log_path
+        self.base = f"http://127.0.0.1:{port}"
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+
+@contextlib.contextmanager
+def live_server(model: str | None, log_dir, *options: str, env: dict | None = None,
+                healthy_within: float | None = 180.0, exit_codes: tuple[int, ...] = (0,),
+                launcher: list[str] | None = None):
+    """`asyncllm serve MODEL --port <free port> *options` with its output in log_dir/server.log, as a
+    LiveServer once /health answers 200 (healthy_within None: at once, for a test that watches the
+    start-up itself). On leaving, the server is stopped as Ctrl-C would (if it still runs) and its exit
+    status must be one of exit_codes. model None: the server's default model. env: the server's
+    whole environment (None: this one's). launcher: what runs in place of the `asyncllm` command."""
+    port = free_port()
+    log_path = os.path.join(str(log_dir), "server.log")
+    cmd = (launcher or serve_command()) + ["serve", *([model] if model else []), "--port", str(port), *options]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = LiveServer(proc, port, log_path)
+    try:
+        if healthy_within is not None:
+            wait_healthy(server.base, proc, log_path, timeout=healthy_within)
+        yield server
+    finally:
+        stop_process(proc)
+    assert proc.returncode in exit_codes, f"the server exited with {proc.returncode}:\n{server.log()[-4000:]}"
+
+
+def read_until_closed(sock: socket.socket, limit: float) -> bytes:
+    """What the server sends until it closes the connection; fails if it is still open after `limit` s."""
+    sock.settimeout(limit)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except TimeoutError:
+        raise AssertionError(f"the connection was still open after {limit} s; got {data[:200]!r}") from None
+    return data
 
 
 # ---- comparing two engines' greedy runs (GPU tests: bf16, tensor parallelism) --------------------

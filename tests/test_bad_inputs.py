@@ -118,6 +118,8 @@ BAD_INPUTS: list[Bad] = [
         "does not fit"),
     Bad(CFG, 'dtype="int8"', dict(dtype="int8"), ValueError, "dtype"),
     Bad(CFG, 'device="tpu"', dict(device="tpu"), ValueError, "device"),
+    Bad(CFG, 'quantization="awq"', dict(quantization="awq"), ValueError, "quantization", "one of"),
+    Bad(CFG, 'kv_cache_dtype="fp8"', dict(kv_cache_dtype="fp8"), ValueError, "kv_cache_dtype", "not supported yet"),
     Bad(CFG, 'model="/nonexistent"', dict(model="/nonexistent"), ValueError, "model", "does not exist"),
     Bad(CFG, "model=123", dict(model=123), ValueError, "model", "path"),
     Bad(LLM_, "kv_cache_blocks=4 (unknown option)", dict(kv_cache_blocks=4), TypeError, "kv_cache_blocks", "unknown"),

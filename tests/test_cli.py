@@ -13,7 +13,7 @@ import sys
 import httpx
 import pytest
 
-from helpers import free_port, lay_out_in_hub_cache, serve_command, stop_process, wait_healthy
+from helpers import lay_out_in_hub_cache, live_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # runs `asyncllm ARGS...`, then prints its exit code and whether torch was imported, as JSON, last
@@ -88,18 +88,11 @@ def test_a_hub_id_offline_and_not_cached_is_one_line(tmp_path):
 def test_serve_a_cached_hub_id_offline(tiny_qwen3, tmp_path):
     home = tmp_path / "hf-home"
     lay_out_in_hub_cache(tiny_qwen3, str(home / "hub"), "org/tiny")
-    port, log_path = free_port(), tmp_path / "server.log"
     env = dict(os.environ, HF_HOME=str(home), HF_HUB_OFFLINE="1",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(serve_command() + ["serve", "org/tiny", "--port", str(port), "--num-kvcache-blocks",
-                                                   "16"], stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        wait_healthy(base, proc, str(log_path))
-        assert [m["id"] for m in httpx.get(f"{base}/v1/models", timeout=30).json()["data"]] == ["org/tiny"]
-        r = httpx.post(f"{base}/v1/completions", json={"model": "org/tiny", "prompt": "Hi", "max_tokens": 2},
+    with live_server("org/tiny", tmp_path, "--num-kvcache-blocks", "16", env=env) as server:
+        models = httpx.get(f"{server.base}/v1/models", timeout=30).json()["data"]
+        assert [m["id"] for m in models] == ["org/tiny"]
+        r = httpx.post(f"{server.base}/v1/completions", json={"model": "org/tiny", "prompt": "Hi", "max_tokens": 2},
                        timeout=60)
         assert r.status_code == 200, r.text
-    finally:
-        stop_process(proc)

@@ -53,14 +53,26 @@ def build(field: str, value):
         return None
 
 
+async def start_reference(engine) -> tuple:
+    """(PROMPT's greedy output alone, a stream of the same request that decodes while the odd calls come)."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    alone = await engine.generate(PROMPT, params)
+    reference = engine.stream(PROMPT, params)
+    await reference.__anext__()
+    return alone, reference
+
+
+async def assert_reference_untouched(alone, reference) -> None:
+    async for _ in reference:
+        pass
+    assert reference.token_ids == alone.token_ids and reference.finish_reason == "length"
+
+
 async def test_every_sampling_field_with_every_odd_value(tiny_qwen3):
     counts = {"tried": 0, "refused": 0, "ran": 0, "timed_out": 0, "engine_deaths": 0}
-    reference_params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     with anyio.fail_after(240):
         async with AsyncLLMEngine(tiny_qwen3, num_kvcache_blocks=128, kvcache_block_size=16) as engine:
-            alone = await engine.generate(PROMPT, reference_params)
-            reference = engine.stream(PROMPT, reference_params)  # decodes while the odd requests come
-            await reference.__anext__()
+            alone, reference = await start_reference(engine)
             for field in SAMPLING_FIELDS:
                 for value in ODD_VALUES:
                     counts["tried"] += 1
@@ -83,9 +95,7 @@ async def test_every_sampling_field_with_every_odd_value(tiny_qwen3):
                     except EngineDeadError:
                         counts["engine_deaths"] += 1
                         raise
-            async for _ in reference:
-                pass
-            assert reference.token_ids == alone.token_ids and reference.finish_reason == "length"
+            await assert_reference_untouched(alone, reference)
             await engine.wait_idle()
             stats = engine.stats()
             assert stats["num_free_blocks"] == stats["num_total_blocks"]
@@ -169,17 +179,12 @@ def named(argument: str, message: str) -> bool:
 
 async def test_every_public_method_with_every_odd_argument(tiny_qwen3):
     counts = {"tried": 0, "refused": 0, "accepted": 0, "engine_deaths": 0}
-    reference_params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     with anyio.fail_after(240):
         async with AsyncLLMEngine(tiny_qwen3, num_kvcache_blocks=128, kvcache_block_size=16) as engine:
-            alone = await engine.generate(PROMPT, reference_params)
-            reference = engine.stream(PROMPT, reference_params)  # decodes while the odd calls come
-            await reference.__anext__()
+            alone, reference = await start_reference(engine)
             for method, argument, call in ENGINE_CALLS:
                 if method == "wait_idle":  # the reference must be read to its end first: wait_idle waits for it
-                    async for _ in reference:
-                        pass
-                    assert reference.token_ids == alone.token_ids and reference.finish_reason == "length"
+                    await assert_reference_untouched(alone, reference)
                 for value in ODD_ARGUMENTS:
                     counts["tried"] += 1
                     try:

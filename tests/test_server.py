@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from helpers import free_port, live_server_client, serve_command, stop_process, wait_healthy
+from helpers import free_port, live_server, live_server_client, serve_command
 
 httpx = pytest.importorskip("httpx", reason="the server tests need the server/test extras (httpx)")
 openai = pytest.importorskip("openai", reason="the server tests need the test extras (openai)")
@@ -30,28 +30,18 @@ MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "c
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen3, tmp_path_factory):
-    port = free_port()
-    log_path = str(tmp_path_factory.mktemp("server") / "server.log")
     # no --host: the default must be loopback. The key comes from the environment.
-    cmd = serve_command() + ["serve", tiny_qwen3, "--port", str(port), "--served-model-name", MODEL_NAME,
-                             "--max-tokens-limit", str(MAX_TOKENS_LIMIT), "--max-num-seqs", "1",
-                             "--max-queued-requests", "2", "--num-kvcache-blocks", "64", "--log-level", "warning",
-                             "--request-timeout", str(REQUEST_TIMEOUT)]
-    env = dict(os.environ, ASYNCLLM_API_KEY=API_KEY)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(base, proc, log_path)
-        yield {"base": base, "port": port, "proc": proc, "log": log_path}
-    finally:
-        stop_process(proc)
-    assert proc.returncode == 0, open(log_path).read()[-4000:]
+    with live_server(tiny_qwen3, tmp_path_factory.mktemp("server"), "--served-model-name", MODEL_NAME,
+                     "--max-tokens-limit", str(MAX_TOKENS_LIMIT), "--max-num-seqs", "1",
+                     "--max-queued-requests", "2", "--num-kvcache-blocks", "64", "--log-level", "warning",
+                     "--request-timeout", str(REQUEST_TIMEOUT),
+                     env=dict(os.environ, ASYNCLLM_API_KEY=API_KEY)) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return live_server_client(server["base"], 60, API_KEY)
+    return live_server_client(server.base, 60, API_KEY)
 
 
 @pytest.fixture(scope="module")
@@ -103,14 +93,14 @@ def next_content(events) -> str:
 
 # ---- basics --------------------------------------------------------------------------------------
 def test_health_models_and_loopback_default(server, client):
-    r = httpx.get(server["base"] + "/health", timeout=10)  # no key needed for probes
+    r = httpx.get(server.base + "/health", timeout=10)  # no key needed for probes
     assert r.status_code == 200 and r.json() == {"status": "ready"}
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
     # started without --host: listening on 127.0.0.1 only
     if not os.path.exists("/proc/net/tcp"):
         pytest.skip("no /proc/net/tcp to read the bound address from")
-    port_hex = f"{server['port']:04X}"
+    port_hex = f"{server.port:04X}"
     listening = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         if os.path.exists(table):
@@ -189,7 +179,7 @@ def test_stop_string_and_seed(client):
 
 # ---- cancellation --------------------------------------------------------------------------------
 def test_disconnect_mid_stream_frees_blocks(server):
-    base = server["base"]
+    base = server.base
     before = wait_idle(base)
     body = {"model": MODEL_NAME, "messages": MESSAGES, "stream": True, **LONG}
     with httpx.Client(timeout=60) as http:
@@ -208,7 +198,7 @@ def test_disconnect_mid_stream_frees_blocks(server):
 
 
 def test_disconnect_while_waiting_for_non_streamed_answer(server):
-    base = server["base"]
+    base = server.base
     before = wait_idle(base)
     body = {"model": MODEL_NAME, "prompt": "Count to a thousand:", **LONG}
     with pytest.raises(httpx.ReadTimeout):
@@ -219,7 +209,7 @@ def test_disconnect_while_waiting_for_non_streamed_answer(server):
 
 
 def test_request_timeout_ends_a_long_answer_and_bounds_what_a_request_may_ask(server, client):
-    wait_idle(server["base"])
+    wait_idle(server.base)
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=5, extra_body={"timeout": REQUEST_TIMEOUT + 1})
     assert info.value.body["param"] == "timeout" and "--request-timeout" in info.value.body["message"]
@@ -229,12 +219,12 @@ def test_request_timeout_ends_a_long_answer_and_bounds_what_a_request_may_ask(se
         assert answer.choices[0].finish_reason == "timeout" and 1 <= answer.usage.completion_tokens < 2000
     except openai.APIStatusError as e:
         assert e.status_code == 408 and e.body["code"] == "request_timeout"
-    wait_idle(server["base"])
+    wait_idle(server.base)
 
 
 def test_queue_full_gives_429(server, client):
     # the server runs one request at a time (--max-num-seqs 1) and queues at most two (--max-queued-requests 2)
-    base = server["base"]
+    base = server.base
     wait_idle(base)
     body = {"model": MODEL_NAME, "messages": MESSAGES, "stream": True, **LONG}
     with httpx.Client(timeout=60) as http, contextlib.ExitStack() as streams:
@@ -332,7 +322,7 @@ BAD_REQUESTS = [
 
 @pytest.mark.parametrize("path, body, status, param", [b[1:] for b in BAD_REQUESTS], ids=[b[0] for b in BAD_REQUESTS])
 def test_bad_requests_get_openai_errors(server, path, body, status, param):
-    r = httpx.post(server["base"] + path, content=body.encode(), timeout=30,
+    r = httpx.post(server.base + path, content=body.encode(), timeout=30,
                    headers={**AUTH, "Content-Type": "application/json"})
     assert r.status_code == status, r.text
     error = r.json()["error"]
@@ -372,7 +362,7 @@ def test_chat_n_and_logprobs(server, client):
             if choice.finish_reason is not None:
                 finishes[choice.index] = choice.finish_reason
     assert tokens == {0: 4, 1: 4} and finishes == {0: "length", 1: "length"}
-    wait_idle(server["base"])
+    wait_idle(server.base)
 
 
 def test_completions_logprobs_and_logit_bias(server, client, tokenizer):
@@ -392,7 +382,7 @@ def test_completions_logprobs_and_logit_bias(server, client, tokenizer):
         if chunk.choices and chunk.choices[0].logprobs is not None:
             offsets += chunk.choices[0].logprobs.text_offset
     assert offsets == [0, 4, 8]
-    wait_idle(server["base"])
+    wait_idle(server.base)
 
 
 def test_repetition_penalty_in_the_extra_body_changes_greedy_output(client):
@@ -404,7 +394,7 @@ def test_repetition_penalty_in_the_extra_body_changes_greedy_output(client):
 
 
 def test_api_key_required(server):
-    base = server["base"]
+    base = server.base
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
         r = httpx.post(base + CHAT, json=OK_CHAT, headers=headers, timeout=30)
         assert r.status_code == 401
@@ -417,9 +407,9 @@ def test_api_key_required(server):
 
 def test_metrics(server, client):
     client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=4)
-    text = httpx.get(server["base"] + "/metrics", timeout=10).text
+    text = httpx.get(server.base + "/metrics", timeout=10).text
     assert "# TYPE asyncllm_time_to_first_token_seconds histogram" in text
-    m = metrics(server["base"])
+    m = metrics(server.base)
     for name in ('asyncllm_time_to_first_token_seconds_bucket{le="0.005"}',
                  'asyncllm_inter_token_latency_seconds_bucket{le="+Inf"}', "asyncllm_num_requests_waiting",
                  "asyncllm_num_requests_running", "asyncllm_kv_blocks_in_use", "asyncllm_prefix_cache_hit_rate",

@@ -11,13 +11,12 @@ import contextlib
 import json
 import logging
 import socket
-import subprocess
 import time
 import uuid
 
 import pytest
 
-from helpers import anyio_asyncio_and_trio, free_port, serve_command, stop_process, wait_healthy  # noqa: F401
+from helpers import anyio_asyncio_and_trio, live_server  # noqa: F401
 
 httpx = pytest.importorskip("httpx", reason="the server tests need the test extras (httpx)")
 openai = pytest.importorskip("openai", reason="the server tests need the test extras (openai)")
@@ -358,20 +357,11 @@ async def test_event_stream_with_keepalive_handles_body_errors_as_without(error,
 # ---- a real server: keep-alive while queued, Retry-After, the log, metrics, uvicorn's 503 -------------
 @pytest.fixture(scope="module")
 def server(tiny_qwen3, tmp_path_factory):
-    port = free_port()
-    log_path = str(tmp_path_factory.mktemp("conformance") / "server.log")
-    cmd = serve_command() + ["serve", tiny_qwen3, "--port", str(port), "--served-model-name", MODEL_NAME,
-                             "--max-num-seqs", "1", "--max-queued-requests", "1", "--num-kvcache-blocks", "64",
-                             "--sse-keepalive-interval", "0.2", "--limit-concurrency", "6",
-                             "--timeout-keep-alive", "60", "--log-level", "warning"]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(base, proc, log_path)
-        yield {"base": base, "port": port, "log": log_path}
-    finally:
-        stop_process(proc)
+    with live_server(tiny_qwen3, tmp_path_factory.mktemp("conformance"), "--served-model-name", MODEL_NAME,
+                     "--max-num-seqs", "1", "--max-queued-requests", "1", "--num-kvcache-blocks", "64",
+                     "--sse-keepalive-interval", "0.2", "--limit-concurrency", "6",
+                     "--timeout-keep-alive", "60", "--log-level", "warning") as served:
+        yield served
 
 
 def wait_for(predicate, timeout: float, what: str):
@@ -383,17 +373,17 @@ def wait_for(predicate, timeout: float, what: str):
 
 
 def test_official_client_with_unknown_fields_and_the_warning_logged_once(server):
-    with openai.OpenAI(base_url=server["base"] + "/v1", api_key="none", max_retries=0, timeout=60) as client:
+    with openai.OpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0, timeout=60) as client:
         for _ in range(2):
             r = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=2,
                                                extra_body={"some_future_field": {"x": 1}})
             assert r.choices[0].finish_reason in ("length", "stop")
-    log = wait_for(lambda: "some_future_field" in (text := open(server["log"]).read()) and text, 10, "the warning")
+    log = wait_for(lambda: "some_future_field" in (text := open(server.log_path).read()) and text, 10, "the warning")
     assert log.count("some_future_field") == 1, log[-3000:]
 
 
 def test_queued_stream_gets_keepalives_and_a_full_queue_gets_retry_after(server):
-    base = server["base"]
+    base = server.base
     long = {"model": MODEL_NAME, "messages": MESSAGES, "stream": True, "max_tokens": 2000, "ignore_eos": True}
     with httpx.Client(timeout=60) as http, contextlib.ExitStack() as streams:
         running = streams.enter_context(http.stream("POST", base + CHAT, json=long))
@@ -417,7 +407,7 @@ def test_queued_stream_gets_keepalives_and_a_full_queue_gets_retry_after(server)
 
 
 def test_metrics_through_prometheus_client(server):
-    base = server["base"]
+    base = server.base
     before = parse_metrics(httpx.get(base + "/metrics").text, MODEL_NAME)
     prompt = list(range(1000, 1300))  # > one 256-token block: the second request finds it cached
     for _ in range(2):
@@ -440,10 +430,10 @@ def test_uvicorn_limit_concurrency_503_is_openai_shaped(server):
     idle = []
     try:
         for _ in range(5):
-            idle.append(socket.create_connection(("127.0.0.1", server["port"]), timeout=10))
+            idle.append(socket.create_connection(("127.0.0.1", server.port), timeout=10))
 
         def refused():
-            r = httpx.get(server["base"] + "/v1/models", timeout=10)
+            r = httpx.get(server.base + "/v1/models", timeout=10)
             return r if r.status_code == 503 else None
 
         r = wait_for(refused, 20, "uvicorn's 503")
@@ -452,7 +442,7 @@ def test_uvicorn_limit_concurrency_503_is_openai_shaped(server):
     finally:
         for sock in idle:
             sock.close()
-    wait_for(lambda: httpx.get(server["base"] + "/health", timeout=10).status_code == 200, 20, "the server to answer")
+    wait_for(lambda: httpx.get(server.base + "/health", timeout=10).status_code == 200, 20, "the server to answer")
 
 
 # ---- metrics for apps that embed the engine ----------------------------------------------------------

@@ -3,14 +3,12 @@ what the client would refuse to send): vectors equal Hugging Face's on the same 
 from __future__ import annotations
 
 import base64
-import os
-import subprocess
 
 import numpy as np
 import pytest
 import torch
 
-from helpers import free_port, live_server_client, serve_command, stop_process, wait_healthy
+from helpers import live_server, live_server_client
 
 httpx = pytest.importorskip("httpx", reason="the server tests need the server/test extras (httpx)")
 openai = pytest.importorskip("openai", reason="the server tests need the test extras (openai)")
@@ -27,20 +25,10 @@ TEXTS = ["Hello, my name is", "The quick brown fox jumps over the lazy dog. " * 
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen3, tmp_path_factory):
-    port = free_port()
-    log_path = str(tmp_path_factory.mktemp("server") / "server.log")
-    cmd = serve_command() + ["serve", tiny_qwen3, "--port", str(port), "--served-model-name", MODEL_NAME,
-                             "--max-model-len", str(MAX_MODEL_LEN), "--num-kvcache-blocks", "64",
-                             "--max-num-batched-tokens", "32", "--log-level", "warning"]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(base, proc, log_path)
-        yield base
-    finally:
-        stop_process(proc)
-    assert proc.returncode == 0, open(log_path).read()[-4000:]
+    with live_server(tiny_qwen3, tmp_path_factory.mktemp("server"), "--served-model-name", MODEL_NAME,
+                     "--max-model-len", str(MAX_MODEL_LEN), "--num-kvcache-blocks", "64",
+                     "--max-num-batched-tokens", "32", "--log-level", "warning") as served:
+        yield served.base
 
 
 @pytest.fixture(scope="module")

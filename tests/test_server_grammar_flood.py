@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from helpers import free_port, serve_command, stop_process, wait_healthy
+from helpers import live_server
 
 httpx = pytest.importorskip("httpx")
 prometheus_parser = pytest.importorskip("prometheus_client.parser")
@@ -50,18 +50,9 @@ while not os.path.exists(sys.argv[3]):
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen3, tmp_path_factory):
-    port = free_port()
-    log_path = str(tmp_path_factory.mktemp("flood") / "server.log")
-    cmd = serve_command() + ["serve", tiny_qwen3, "--port", str(port), "--num-kvcache-blocks", "64",
-                             "--log-level", "warning"]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(base, proc, log_path, timeout=300)
-        yield base, proc
-    finally:
-        stop_process(proc)
+    with live_server(tiny_qwen3, tmp_path_factory.mktemp("flood"), "--num-kvcache-blocks", "64",
+                     "--log-level", "warning", healthy_within=300) as served:
+        yield served
 
 
 def rss_bytes(pid: int) -> int:
@@ -110,7 +101,7 @@ def median(values: list[float]) -> float:
 
 
 def test_a_flood_of_large_grammars_whose_clients_leave(server, tmp_path):
-    base, proc = server
+    base, proc = server.base, server.proc
     url = f"{base}/v1/chat/completions"
     # the first constrained request builds xgrammar's view of the vocabulary: not part of the flood
     warm = httpx.post(url, json=chat_body({"enum": ["yes", "no"]}), timeout=300)

@@ -17,13 +17,11 @@ import time
 
 import pytest
 
-from helpers import free_port, stop_process
+from helpers import environment_without_api_key, free_port, live_server, read_until_closed, serve_command
 
 httpx = pytest.importorskip("httpx", reason="the server tests need the test extras (httpx)")
 pytest.importorskip("starlette", reason="the server tests need asyncllm[server] (starlette)")
 pytest.importorskip("uvicorn", reason="the server tests need asyncllm[server] (uvicorn)")
-
-from helpers import serve_command, wait_healthy  # noqa: E402
 
 CHAT, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
 MESSAGES = [{"role": "user", "content": "Hi"}]
@@ -242,19 +240,9 @@ LIVE_OPTIONS = ["--body-timeout", "2", "--timeout-keep-alive", "2", "--trust-req
 
 @pytest.fixture(scope="module")
 def live(tiny_qwen3, tmp_path_factory):
-    port = free_port()
-    log_path = str(tmp_path_factory.mktemp("server-limits") / "server.log")
-    cmd = serve_command() + ["serve", tiny_qwen3, "--port", str(port), "--num-kvcache-blocks", "64",
-                             *LIVE_OPTIONS, "--log-level", "debug"]
-    env = {k: v for k, v in os.environ.items() if k != "ASYNCLLM_API_KEY"}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(base, proc, log_path)
-        yield {"base": base, "port": port, "log": log_path}
-    finally:
-        stop_process(proc)
+    with live_server(tiny_qwen3, tmp_path_factory.mktemp("server-limits"), "--num-kvcache-blocks", "64",
+                     *LIVE_OPTIONS, "--log-level", "debug", env=environment_without_api_key()) as served:
+        yield served
 
 
 def health_seconds(base: str) -> float:
@@ -263,24 +251,12 @@ def health_seconds(base: str) -> float:
     return time.monotonic() - start
 
 
-def read_until_closed(sock: socket.socket, limit: float) -> bytes:
-    """What the server sends until it closes the connection; fails if it is still open after `limit` s."""
-    sock.settimeout(limit)
-    data = b""
-    try:
-        while chunk := sock.recv(65536):
-            data += chunk
-    except TimeoutError:
-        raise AssertionError(f"the connection was still open after {limit} s; got {data[:200]!r}") from None
-    return data
-
-
 def test_slow_body_gets_408_and_health_still_answers(live):
-    with socket.create_connection(("127.0.0.1", live["port"])) as sock:
+    with socket.create_connection(("127.0.0.1", live.port)) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 100\r\n\r\n{")
         start = time.monotonic()
-        assert health_seconds(live["base"]) < 30
+        assert health_seconds(live.base) < 30
         reply = read_until_closed(sock, limit=30)  # --body-timeout 2: generous for a busy machine
         assert time.monotonic() - start < 30
     head, _, body = reply.partition(b"\r\n\r\n")
@@ -289,11 +265,11 @@ def test_slow_body_gets_408_and_health_still_answers(live):
 
 
 def test_connections_that_send_no_request_are_closed(live):
-    idle = [socket.create_connection(("127.0.0.1", live["port"])) for _ in range(5)]
-    slow_head = socket.create_connection(("127.0.0.1", live["port"]))
+    idle = [socket.create_connection(("127.0.0.1", live.port)) for _ in range(5)]
+    slow_head = socket.create_connection(("127.0.0.1", live.port))
     try:
         slow_head.sendall(b"GET /health HTTP/1.1\r\nHo")  # and no more
-        assert health_seconds(live["base"]) < 30
+        assert health_seconds(live.base) < 30
         for sock in [*idle, slow_head]:
             assert read_until_closed(sock, limit=30) == b""  # --timeout-keep-alive 2
     finally:
@@ -341,7 +317,7 @@ class SlowHead(threading.Thread):
 def test_a_slow_head_after_a_first_request_is_closed(live):
     # uvicorn's keep-alive timer stops at the next request's first byte: a head sent slowly after a
     # first request held the connection forever (issue 52, item 4)
-    with socket.create_connection(("127.0.0.1", live["port"])) as sock:
+    with socket.create_connection(("127.0.0.1", live.port)) as sock:
         assert request_on(sock) == 200
         slow = SlowHead(sock)
         slow.start()
@@ -356,18 +332,18 @@ def test_slow_heads_on_kept_alive_connections_do_not_hold_the_concurrency_limit(
     socks, slow_heads = [], []
     try:
         for _ in range(16):
-            socks.append(socket.create_connection(("127.0.0.1", live["port"])))
+            socks.append(socket.create_connection(("127.0.0.1", live.port)))
             status = request_on(socks[-1])
             assert status in (200, 503), status  # 503: the connections made so far reach the limit
             if status == 200:
                 slow_heads.append(SlowHead(socks[-1]))
                 slow_heads[-1].start()
         deadline = time.monotonic() + 60
-        while (r := httpx.get(f"{live['base']}/health", timeout=30)).status_code != 200:
+        while (r := httpx.get(f"{live.base}/health", timeout=30)).status_code != 200:
             assert_openai_error(r, 503)
             assert time.monotonic() < deadline, "no request got through in 60 s"
             time.sleep(0.2)
-        r = httpx.post(f"{live['base']}{COMPLETIONS}", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        r = httpx.post(f"{live.base}{COMPLETIONS}", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
         assert r.status_code == 200, r.text
         assert all(slow.closed.wait(60) for slow in slow_heads)
     finally:
@@ -379,16 +355,16 @@ def test_slow_heads_on_kept_alive_connections_do_not_hold_the_concurrency_limit(
 
 def test_a_client_gone_mid_body_is_one_short_log_line(live):
     # it was "unhandled error in /v1/completions" with a whole traceback (issue 52, item 15)
-    start = len(open(live["log"]).read())
-    with socket.create_connection(("127.0.0.1", live["port"])) as sock:
+    start = len(open(live.log_path).read())
+    with socket.create_connection(("127.0.0.1", live.port)) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
     deadline = time.monotonic() + 30
-    while "disconnected before its request body ended" not in (log := open(live["log"]).read()[start:]):
+    while "disconnected before its request body ended" not in (log := open(live.log_path).read()[start:]):
         assert time.monotonic() < deadline, f"the disconnect was not logged (--log-level debug):\n{log[-3000:]}"
         time.sleep(0.1)
-    assert health_seconds(live["base"]) < 30
-    log = open(live["log"]).read()[start:]
+    assert health_seconds(live.base) < 30
+    log = open(live.log_path).read()[start:]
     assert "Traceback" not in log and "unhandled error" not in log and "ERROR" not in log, log[-3000:]
     assert log.count("disconnected before its request body ended") == 1, log[-3000:]
 
@@ -398,14 +374,14 @@ def test_health_answers_while_a_trusted_template_renders(live):
     result = {}
 
     def post() -> None:
-        result["response"] = httpx.post(f"{live['base']}{CHAT}", json=body, timeout=300)
+        result["response"] = httpx.post(f"{live.base}{CHAT}", json=body, timeout=300)
 
     heavy = threading.Thread(target=post)
     start = time.monotonic()
     heavy.start()
     probes = []
     while heavy.is_alive():
-        probes.append(health_seconds(live["base"]))
+        probes.append(health_seconds(live.base))
     heavy.join()
     rendering = time.monotonic() - start
     assert result["response"].status_code == 200, result["response"].text  # the operator opted in: rendered

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from helpers import free_port, live_server_client, serve_command, stop_process, wait_healthy
+from helpers import live_server, live_server_client
 
 openai = pytest.importorskip("openai", reason="the server tests need the test extras (openai)")
 pytest.importorskip("starlette", reason="the server tests need asyncllm[server] (starlette)")
@@ -152,21 +152,9 @@ TEXT_EVENTS = ["response.output_item.added", "response.content_part.added", "res
 @pytest.fixture(scope="module")
 def served(tiny_qwen3, tmp_path_factory):
     """`asyncllm serve` on a loopback port, and the official client for it."""
-    import os
-    import subprocess
-    port = free_port()
-    log_path = str(tmp_path_factory.mktemp("server") / "server.log")
-    cmd = serve_command() + ["serve", tiny_qwen3, "--port", str(port), "--served-model-name", MODEL_NAME,
-                             "--max-model-len", "512", "--num-kvcache-blocks", "64", "--log-level", "warning"]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(base, proc, log_path)
-        yield live_server_client(base)
-    finally:
-        stop_process(proc)
-    assert proc.returncode == 0, open(log_path).read()[-4000:]
+    with live_server(tiny_qwen3, tmp_path_factory.mktemp("server"), "--served-model-name", MODEL_NAME,
+                     "--max-model-len", "512", "--num-kvcache-blocks", "64", "--log-level", "warning") as server:
+        yield live_server_client(server.base)
 
 
 def collapsed(kinds: list[str]) -> list[str]:

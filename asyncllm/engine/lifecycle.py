@@ -33,7 +33,7 @@ import dataclasses
 
 from asyncllm.config import Config
 from asyncllm.errors import EngineAsleepError, EngineDeadError, InvalidTypeError, InvalidValueError
-from asyncllm.models.checkpoint import check_tokenizer, iter_safetensors, load_tokenizer
+from asyncllm.models.checkpoint import check_tokenizer, checkpoint_weights, load_tokenizer
 from asyncllm.models.registry import model_structure
 from asyncllm.models.resolve import resolve_config
 from asyncllm.runner.memory import SLEEP_LEVELS
@@ -98,10 +98,10 @@ def reload(core, checkpoint: Checkpoint) -> None:
         raise EngineAsleepError("reload(): the engine is asleep; wake() it first")
     _check_idle(core, "reload")
     try:
-        core.runner.load_checkpoint(iter_safetensors(checkpoint.config.model))
+        core.runner.load_checkpoint(checkpoint_weights(checkpoint.config))
     except Exception as error:
         try:  # some parameters may hold the new checkpoint's tensors already
-            core.runner.load_checkpoint(iter_safetensors(core.config.model))
+            core.runner.load_checkpoint(checkpoint_weights(core.config))
         except Exception as restore_error:
             raise EngineDeadError(f"reload(): {checkpoint.config.model!r} failed to load ({error}), and the "
                                   f"engine's own weights could not be read back from {core.config.model!r} "

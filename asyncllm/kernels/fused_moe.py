@@ -57,19 +57,24 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
 
 
 @triton.jit
+def _block_rows_and_cols(sorted_pairs_ptr, num_pairs, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's block of BLOCK_M sorted pairs (padding: num_pairs) and BLOCK_N output columns,
+    with their masks."""
+    pairs = tl.load(sorted_pairs_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pairs, pairs < num_pairs, cols, cols < N
+
+
+@triton.jit
 def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr,
                          num_pairs, top_k, N, K, stride_x, stride_we, stride_wn, stride_o, num_experts,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(block_experts_ptr + pid_m)
+    expert = tl.load(block_experts_ptr + tl.program_id(0))
     if expert >= num_experts:
         return
-    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_mask = pairs < num_pairs
+    pairs, row_mask, cols, col_mask = _block_rows_and_cols(sorted_pairs_ptr, num_pairs, N, BLOCK_M, BLOCK_N)
     tokens = (pairs // top_k).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
     w_gate = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn
     w_up = w_gate + N * stride_wn  # gate_up stacks the N gate rows, then the N up rows
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -92,15 +97,11 @@ def _down_weighted_kernel(h_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_experts
                           num_pairs, N, K, stride_h, stride_we, stride_wn, stride_o, num_experts,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(block_experts_ptr + pid_m)
+    expert = tl.load(block_experts_ptr + tl.program_id(0))
     if expert >= num_experts:
         return
-    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_mask = pairs < num_pairs
+    pairs, row_mask, cols, col_mask = _block_rows_and_cols(sorted_pairs_ptr, num_pairs, N, BLOCK_M, BLOCK_N)
     rows = pairs.to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
     w = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):

@@ -16,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from asyncllm.config import config_error
+from asyncllm.models.fp8 import dequantized, fp8_format, is_fp8, rounded_through_fp8
 from asyncllm.layers.linear import WeightShapeError, check_loaded_shape
 from asyncllm.models.moe_spec import moe_spec
 
@@ -42,6 +43,7 @@ def load_hf_config(model_dir: str):
         raise ValueError(f"{config_path}: transformers refuses it: {type(e).__name__}: {e}") from e
     check_model_shape(config, config_path)
     moe_spec(config, config_path)  # a mixture-of-experts config's fields, checked before anything is built
+    fp8_format(config, config_path)  # quantization_config: FP8 or refused, before anything is built
     # transformers 5 keeps rope settings in rope_parameters; older configs have rope_theta/rope_scaling
     rope_parameters = getattr(config, "rope_parameters", None) or {}
     if getattr(config, "rope_theta", None) is None:
@@ -179,6 +181,19 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor, str]]:
                 yield name, f.get_tensor(name), path
 
 
+def checkpoint_weights(config) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """What load_weights takes for a resolved Config's checkpoint: its tensors, FP8 weights dequantized
+    to float32 (models/fp8.py); with Config.quantization "fp8", an unquantized checkpoint's decoder
+    linear weights rounded through block-wise FP8 (an FP8 checkpoint's are FP8 already)."""
+    weights = iter_safetensors(config.model)
+    fmt = fp8_format(config.hf_config, os.path.join(config.model, "config.json"))
+    if fmt is not None:
+        return dequantized(weights, fmt)
+    if config.quantization == "fp8":
+        return rounded_through_fp8(weights)
+    return weights
+
+
 def load_weights(model: nn.Module, weights: Iterable[tuple]) -> None:
     """Copy checkpoint tensors (HF names) into the model's (possibly fused, possibly sharded) params.
 
@@ -207,6 +222,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple]) -> None:
         if name in seen:
             raise ValueError(f"checkpoint tensor {name!r}{where} appears twice (in two shards?)")
         seen.add(name)
+        if is_fp8(tensor):
+            raise ValueError(f"checkpoint tensor {name!r}{where} is {tensor.dtype}, but config.json has no FP8 "
+                             "quantization_config saying how it is scaled")
         if not tensor.is_floating_point() or tensor.element_size() < 2:
             raise ValueError(f"checkpoint tensor {name!r}{where} is {tensor.dtype}: only float16, bfloat16 and "
                              "float32 weights are supported (quantized checkpoints are not)")

@@ -16,7 +16,7 @@ from torch import nn
 from asyncllm.layers.device_wide import DEVICE_WIDE
 from asyncllm.layers.logits_adjustments import LogitsAdjustments, TokenCounts
 from asyncllm.layers.sampler import SamplingTensors
-from asyncllm.models.checkpoint import iter_safetensors, load_weights
+from asyncllm.models.checkpoint import checkpoint_weights, load_weights
 
 logger = logging.getLogger("asyncllm")
 
@@ -123,7 +123,7 @@ class RunnerMemory:
         parked = self._parked
         with DEVICE_WIDE:
             try:
-                parked.restore(lambda: load_weights(self.model, iter_safetensors(self.config.model)))
+                parked.restore(lambda: load_weights(self.model, checkpoint_weights(self.config)))
                 self._allocate_kv_cache()
                 self.attn_backend = self._create_backend(self.kv_cache)
                 try:

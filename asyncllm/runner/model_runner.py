@@ -20,7 +20,7 @@ from asyncllm.distributed import get_tp_size
 from asyncllm.layers import skinny_linear
 from asyncllm.layers.device_wide import DEVICE_WIDE
 from asyncllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors, gather_logprobs
-from asyncllm.models.checkpoint import iter_safetensors, load_weights
+from asyncllm.models.checkpoint import checkpoint_weights, load_weights
 from asyncllm.models.registry import create_model
 from asyncllm.runner.launched_step import LaunchedStep
 from asyncllm.runner.memory import RunnerMemory
@@ -81,7 +81,7 @@ class ModelRunner(RunnerMemory):
             with torch.device(self.device):
                 self.model = create_model(hf, max_model_len=config.max_model_len, dtype=self.dtype)
         with phase(LOAD_WEIGHTS):
-            load_weights(self.model, weights if weights is not None else iter_safetensors(config.model))
+            load_weights(self.model, weights if weights is not None else checkpoint_weights(config))
             self.model.eval()
         with phase(SAMPLER):
             # the CPU path's noise for unseeded rows, the engine's own (the process's generator is the

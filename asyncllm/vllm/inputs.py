@@ -11,9 +11,7 @@ _NEUTRAL = {
     "tokenizer": (None, "the tokenizer is always the model directory's own"),
     "tokenizer_mode": ("auto", "the tokenizer is always transformers' fast one"),
     "skip_tokenizer_init": (False, "prompts are tokenized by the engine"),
-    "quantization": (None, "quantized checkpoints are not supported (GGUF files are dequantized)"),
     "load_format": ("auto", "weights are read from safetensors only"),
-    "kv_cache_dtype": ("auto", "the KV cache has the model's dtype"),
 }
 # (task / runner: an engine both generates and embeds, whichever vLLM's model runner is asked for)
 _IGNORED = ("disable_log_stats", "enable_log_requests", "disable_log_requests", "swap_space", "max_logprobs",
