@@ -8,7 +8,8 @@ engine's own methods are wrapped (on the instance; nothing in the package change
 phase of every step, in wall time and in the calling thread's CPU time:
 
 - launch: EngineCore.launch_step (schedule, inputs, the forward queued or replayed, sampling queued),
-  and inside it build_inputs, make_batch (the one upload, or a decode graph's step staged into the
+  and inside it build_inputs (the engine's StepPlan, engine/step_planner.py, and the runner's
+  ModelRunner.build_inputs), make_batch (the one upload, or a decode graph's step staged into the
   graph's buffers: DecodeStaging.stage), forward (_forward: graph replay or eager; replay_staged),
   sampling_inputs (SamplingInputs.plan) and sampler (the Sampler call, or the sampler graph's
   replay: both count where both run);
@@ -52,6 +53,7 @@ from common import (Report, add_engine_args, checkpoint_from_args, engine_kwargs
                     parse_args, random_prompt, release_memory)
 
 from asyncllm import LLM, AsyncLLMEngine, SamplingParams
+from asyncllm.engine import core as engine_core
 from asyncllm.runner import model_runner
 from asyncllm.runner.launched_step import LaunchedStep
 
@@ -117,6 +119,8 @@ class PhaseClock:
         self.wrap(core, "launch_step", "launch")
         self.wrap(core, "wait_step", "wait")
         self.wrap(core, "resolve_step", "resolve")
+        # the step's inputs: the engine's pass over the rows (its StepPlan), then the runner's numpy
+        self.wrap(engine_core, "plan_step", "build_inputs")
         self.wrap(runner, "build_inputs", "build_inputs")
         self.wrap(runner, "_make_batch", "make_batch")
         self.wrap(getattr(runner.graph_runner, "staging", None), "stage", "make_batch")

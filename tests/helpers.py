@@ -181,9 +181,9 @@ def generate_with_logits(llm, prompts: list[list[int]], params) -> tuple[list[li
     captured: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}
     launch, sample = runner.launch, runner.sample
 
-    def capturing_launch(sched, prev, **kwargs):
+    def capturing_launch(plan, prev, **kwargs):
         # before the launch, a sequence's length counts the token this step samples from these logits
-        rows = [item.seq for item in sched.scheduled if item.samples]
+        rows = plan.sampling_requests
 
         def capture(logits, sampling):
             for row, seq in enumerate(rows):
@@ -192,7 +192,7 @@ def generate_with_logits(llm, prompts: list[list[int]], params) -> tuple[list[li
             return sample(logits, sampling)  # the sampler graphs' path too, where the step takes it
         runner.sample = capture
         try:
-            return launch(sched, prev, **kwargs)
+            return launch(plan, prev, **kwargs)
         finally:
             del runner.sample  # the bound method again
 

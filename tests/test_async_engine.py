@@ -557,12 +557,12 @@ async def test_engine_failure_reaches_every_consumer(make_engine, monkeypatch):
             armed, entered, release = threading.Event(), threading.Event(), threading.Event()
             launch = engine._core.runner.launch
 
-            def failing_launch(sched, prev, **kwargs):
+            def failing_launch(plan, prev, **kwargs):
                 if armed.is_set():
                     entered.set()
                     release.wait(TIMEOUT)
                     raise RuntimeError("boom: the device fell over")
-                return launch(sched, prev, **kwargs)
+                return launch(plan, prev, **kwargs)
             monkeypatch.setattr(engine._core.runner, "launch", failing_launch)
 
             async def consume(name, stream, first=None):

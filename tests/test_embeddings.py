@@ -21,8 +21,8 @@ import torch
 
 from asyncllm import LLM, EngineDeadError, PromptTooLongError, SamplingParams
 from asyncllm.async_engine import AsyncLLMEngine
-from asyncllm.engine.sequence import PENDING_TOKEN
 from asyncllm.pooling_params import PoolingParams
+from asyncllm.step_plan import PENDING_TOKEN
 from asyncllm.testing import build_tiny_checkpoint
 from helpers import assert_all_blocks_free
 
@@ -216,13 +216,13 @@ def run_core(llm: LLM, requests: list[tuple[list[int], object]]) -> tuple[dict, 
     tokens, vectors, steps = {}, {}, []
     launch = core.runner.launch
 
-    def recording_launch(sched, prev, **kwargs):
-        plan = kwargs.get("pooling_plan")
-        steps.append("s" * sum(item.samples for item in sched.scheduled) + "p" * (plan.num_rows if plan else 0))
+    def recording_launch(step_plan, prev, **kwargs):
+        plan, sched = kwargs.get("pooling_plan"), step_plan.engine_step
+        steps.append("s" * len(step_plan.sampling_requests) + "p" * (plan.num_rows if plan else 0))
         for item in sched.scheduled:
             if item.seq.pooling is not None:
                 assert PENDING_TOKEN not in item.seq.token_ids
-        return launch(sched, prev, **kwargs)
+        return launch(step_plan, prev, **kwargs)
     core.runner.launch = recording_launch
     try:
         while core.has_unfinished():

@@ -161,7 +161,7 @@ def bad_word_bans(history: list[int], words: list[list[int]]) -> set[int]:
 
 @pytest.mark.parametrize("pending_value", [7, 8, 9])
 def test_bad_word_hanging_on_the_token_in_flight_is_banned_on_the_device(pending_value):
-    from asyncllm.engine.sequence import PENDING_TOKEN
+    from asyncllm.step_plan import PENDING_TOKEN
     words = [[5], [7, 11], [3, 7, 12], [4, 7, 13], [8, 14], [3, 8, 9, 15], [2, 3, 8, 16]]
     seqs = []
     for i in range(3):  # its pending token is row 2 - i of the previous step's ids

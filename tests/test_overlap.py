@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from asyncllm.engine.sequence import PENDING_TOKEN
 from asyncllm.llm import LLM
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.step_plan import PENDING_TOKEN
 from helpers import assert_all_blocks_free, random_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -121,11 +121,11 @@ def test_a_failed_step_leaves_nothing_in_flight(llms, monkeypatch):
     launch = llm.core.runner.launch
     calls = []
 
-    def failing_launch(sched, prev, **kwargs):
+    def failing_launch(plan, prev, **kwargs):
         calls.append(1)
         if len(calls) == 5:
             raise RuntimeError("device fell over")
-        return launch(sched, prev, **kwargs)
+        return launch(plan, prev, **kwargs)
     monkeypatch.setattr(llm.core.runner, "launch", failing_launch)
     with pytest.raises(RuntimeError, match="device fell over"):
         llm.generate(PROMPTS[:4], params, use_tqdm=False)
@@ -171,8 +171,9 @@ def test_every_steps_inputs_match_a_token_by_token_reference(llms, shape, monkey
     runner = llm.core.runner
     build, checked = runner.build_inputs, {"decode-only": 0, "mixed": 0, "pending": 0}
 
-    def checking_build(sched):
-        inputs, pending_at, pending_rows = build(sched)
+    def checking_build(plan):
+        inputs, pending_at, pending_rows = build(plan)
+        sched = plan.engine_step  # the reference reads the engine's sequences, as the plan's builder does
         expected = reference_inputs(sched, runner.block_size)
         got = dict(input_ids=inputs.input_ids, positions=inputs.positions, slot_mapping=inputs.slot_mapping,
                    query_lens=inputs.query_lens, seq_lens=inputs.seq_lens, logits_indices=inputs.logits_indices,

@@ -15,10 +15,10 @@ import pytest
 import torch
 import xgrammar
 
-from asyncllm.engine.sequence import PENDING_TOKEN
 from asyncllm.layers.sampler import Sampler, SamplingTensors, apply_token_bitmask_
 from asyncllm.llm import LLM
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.step_plan import PENDING_TOKEN
 from asyncllm.structured import StructuredOutput
 from helpers import assert_all_blocks_free
 
@@ -168,23 +168,23 @@ def test_every_applied_bitmask_is_the_reference_matchers_token_by_token(llms, mo
     def recording_sampler(logits, params):
         if params.mask_rows is not None:
             rows = params.mask_rows.tolist()
-            sampling = [item.seq for item in llm.core.runner.current_sched.scheduled if item.samples]
+            sampling = llm.core.runner.current_plan.sampling_requests
             for i, row in enumerate(rows):
-                applied.setdefault(sampling[row].sort_key[1], []).append(params.token_bitmask[i].clone())
+                applied.setdefault(sampling[row].sort_key[2], []).append(params.token_bitmask[i].clone())
         return sampler.forward(logits, params)
 
     launch = llm.core.runner.launch
 
-    def remembering_launch(sched, prev, **kwargs):
-        launched = launch(sched, prev, **kwargs)
-        sample = launched._sample  # a constrained step's sampling runs later: it must see its own sched
+    def remembering_launch(plan, prev, **kwargs):
+        launched = launch(plan, prev, **kwargs)
+        sample = launched._sample  # a constrained step's sampling runs later: it must see its own plan
         if sample is not None:
-            def sample_with_sched():
-                llm.core.runner.current_sched = sched
+            def sample_with_plan():
+                llm.core.runner.current_plan = plan
                 return sample()
-            launched._sample = sample_with_sched
+            launched._sample = sample_with_plan
         else:
-            llm.core.runner.current_sched = sched
+            llm.core.runner.current_plan = plan
         return launched
     monkeypatch.setattr(llm.core.runner, "launch", remembering_launch)
     monkeypatch.setattr(llm.core.runner, "sampler", recording_sampler)

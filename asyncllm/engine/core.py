@@ -13,12 +13,13 @@ from asyncllm.engine.deadlines import RequestDeadlines
 from asyncllm.engine.intake import RequestIntake
 from asyncllm.engine.pooling import PoolingPlan, embedding_sequence
 from asyncllm.engine.scheduler import Scheduler, SchedulerOutput
-from asyncllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from asyncllm.engine.sequence import Sequence, SequenceStatus
 from asyncllm.engine.startup_heap import freeze_startup_heap
 from asyncllm.engine.step_logprobs import add_prompt_logprobs, token_logprobs
 from asyncllm.engine.step_event import StepEvent
 from asyncllm.engine.stats import engine_stats
 from asyncllm.engine.step_budget import StepBudget, StepTimeModel, StepTimer, calibration_fits, calibration_shapes
+from asyncllm.engine.step_planner import plan_step
 from asyncllm.errors import InvalidValueError
 from asyncllm.runner.launched_step import LaunchedStep
 from asyncllm.runner.model_runner import ModelRunner
@@ -30,6 +31,7 @@ from asyncllm.pooling_params import PoolingParams
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.startup import (BLOCK_MANAGER, HEAP_FREEZE, REQUEST_INTAKE, SCHEDULER, STEP_BUDGET,
                               STEP_MODEL_CALIBRATION, TOKENIZER, TP_WORKERS, StartupTimings)
+from asyncllm.step_plan import PENDING_TOKEN
 from asyncllm.structured.grammar import GrammarCompiler
 from asyncllm.structured.step_masks import StepConstraints
 
@@ -303,12 +305,13 @@ class EngineCore:
     def _launch(self, sched: SchedulerOutput) -> LaunchedStep:
         stream = self.runner.current_stream()  # looked up once: the step's three events are recorded on it
         started = self.step_timer.start(stream)
+        plan = plan_step(sched)  # the step as the runner reads it (asyncllm/step_plan.py)
         constraints = None
         if self._constrained:  # requests without a grammar pay this one check
             self._constrained = [seq for seq in self._constrained if not seq.is_finished]
-            constraints = StepConstraints.of(sched, self._grammar_compiler)
+            constraints = StepConstraints.of(plan, self._grammar_compiler)
         pooling_plan = PoolingPlan.of(sched) if sched.has_pooling else None  # before the commit below
-        launched = self.runner.launch(sched, self._in_flight, constraints=constraints, stream=stream,
+        launched = self.runner.launch(plan, self._in_flight, constraints=constraints, stream=stream,
                                       pooling_plan=pooling_plan)
         self.step_timer.stop(started, sched.num_batched_tokens - sched.num_decodes, sched.num_decodes, stream)
         self.scheduler.commit(sched)
@@ -326,19 +329,18 @@ class EngineCore:
         return launched
 
     def _resolve(self, launched: LaunchedStep) -> list[StepEvent]:
-        sched = launched.sched
-        token_ids = launched.token_ids()
+        plan, result = launched.plan, launched.result()
+        token_ids = result.token_ids
         self.step_timer.collect()
-        sampling = [item for item in sched.scheduled if item.samples]
-        if len(token_ids) != len(sampling):  # a runner bug; caught here, not as a wrong token for someone
+        sampling = [item for item in plan.engine_step.scheduled if item.samples]
+        if len(token_ids) != len(sampling) or result.num_per_row is not None:  # a runner bug, not a wrong token
             raise RuntimeError(f"the step sampled {len(token_ids)} tokens for {len(sampling)} sampling rows")
         self.num_steps += 1
-        prompt_logprobs = launched.prompt_logprobs()
-        if prompt_logprobs is not None:
-            add_prompt_logprobs(launched.prompt_plan, prompt_logprobs)
-        logprobs = launched.logprobs()
+        if result.prompt_logprobs is not None:
+            add_prompt_logprobs(plan.prompt_logprobs, result.prompt_logprobs)
+        logprobs = result.logprobs
         if logprobs is not None:
-            logprobs = token_logprobs(launched.logprob_ks, token_ids, logprobs)
+            logprobs = token_logprobs(result.logprob_ks, token_ids, logprobs)
         events = []
         block_size = self.block_manager.block_size
         for row, (item, token_id) in enumerate(zip(sampling, token_ids)):
@@ -373,7 +375,7 @@ class EngineCore:
                 event.prompt_logprobs = seq.prompt_logprobs
             events.append(event)
         if launched.pooling_plan is not None:
-            events += self._pooled_events(launched.pooling_plan, launched.pooled_sums())
+            events += self._pooled_events(launched.pooling_plan, result.pooled_sums)
         return events
 
     def _pooled_events(self, plan: PoolingPlan, sums) -> list[StepEvent]:

@@ -11,11 +11,7 @@ import numpy as np
 
 from asyncllm.outputs import FinishReason
 from asyncllm.sampling_params import SamplingParams
-
-
-# stands for a token that a step still in flight on the device is sampling: the next step takes its
-# value on the device (the host learns it once that step's results are read)
-PENDING_TOKEN = -1
+from asyncllm.step_plan import PENDING_TOKEN
 
 _arrival_counter = itertools.count()  # ties of time.monotonic() must not make the order arbitrary
 
@@ -59,7 +55,6 @@ class Sequence:
         self.first_scheduled_time: float | None = None
         self.num_cached_prompt_tokens = 0
         self.num_preemptions = 0
-        self.penalty_slot: int | None = None  # the runner's token-count slot, while it uses penalties
         # n > 1: the index among its request's sequences, and all of them (the first one prefills the
         # prompt and holds the others, not yet forked from it, in forks)
         self.index = 0
@@ -74,7 +69,7 @@ class Sequence:
         self.allowed_token_ids = None if params.allowed_token_ids is None else \
             np.array(params.allowed_token_ids, dtype=np.int64)
         # prompt_logprobs: one entry per prompt token (None for the first, which nothing scores), filled
-        # in as prefill steps resolve; the runner's count of positions already planned in a step
+        # in as prefill steps resolve; the count of positions already planned in a step (engine/step_planner.py)
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         self.num_prompt_logprobs_planned = 0
         # fixed for its life: the sampler asks every step (plain requests answer one question)

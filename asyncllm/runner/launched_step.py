@@ -9,10 +9,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from asyncllm.engine.scheduler import SchedulerOutput
 from asyncllm.layers.sampler import LogprobsTensors, SamplerOutput
 from asyncllm.runner.pooling import StepPooling
-from asyncllm.runner.sampling_inputs import PromptLogprobsPlan
+from asyncllm.step_plan import StepPlan, StepResult
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
@@ -37,13 +36,12 @@ class LaunchedStep:
     worker thread): queue_sampling() queues it, before anything reads the sampled ids or queues
     later work on the device."""
 
-    def __init__(self, sched: SchedulerOutput, output: SamplerOutput | None = None, logprob_ks: list[int] | None = None,
-                 prompt_logprobs: LogprobsTensors | None = None, prompt_plan: PromptLogprobsPlan | None = None,
-                 sample=None, stream=None, pooling: StepPooling | None = None):
-        self.sched = sched
+    def __init__(self, plan: StepPlan, output: SamplerOutput | None = None, logprob_ks: list[int] | None = None,
+                 prompt_logprobs: LogprobsTensors | None = None, sample=None, stream=None,
+                 pooling: StepPooling | None = None):
+        self.plan = plan
         self._stream = stream  # the one the step is queued on (None: the current one, looked up)
         self.logprob_ks = logprob_ks  # per sampling row: the top-k it asked for, -1 none; None: no row asked
-        self.prompt_plan = prompt_plan  # the prompt positions scored in this step, if any
         self._host_prompt_logprobs = None if prompt_logprobs is None else _logprobs_to_host(prompt_logprobs)
         self._sample = sample  # () -> the SamplerOutput; None once it is queued
         # embedding rows: their plan (engine/pooling.py) and hidden-state sums, copied before the
@@ -78,6 +76,11 @@ class LaunchedStep:
         """Block until the step's results are on the host (the interpreter lock is free meanwhile)."""
         self._on_host()
 
+    def result(self) -> StepResult:
+        """The step's results on the host (waits for the device to finish the step)."""
+        return StepResult(self.token_ids(), self.logprob_ks, self.logprobs(), self.prompt_logprobs(),
+                          pooled_sums=self.pooled_sums())
+
     def token_ids(self) -> list[int]:
         """The sampled ids on the host (waits for the device to finish the step)."""
         self._on_host()
@@ -89,7 +92,7 @@ class LaunchedStep:
         return self._as_lists(self._host_logprobs)
 
     def prompt_logprobs(self) -> tuple[list[float], list[int], np.ndarray, np.ndarray] | None:
-        """The same for the prompt positions of prompt_plan, in its row order."""
+        """The same for the prompt positions of the plan's prompt_logprobs, in its row order."""
         return self._as_lists(self._host_prompt_logprobs)
 
     def pooled_sums(self) -> np.ndarray | None:

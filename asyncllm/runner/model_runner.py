@@ -17,8 +17,6 @@ from asyncllm.runner.cuda_graph import CudaGraphRunner
 from asyncllm.runner.decode_tuning import tune_batch1_projections
 from asyncllm.runner.host_upload import upload_arrays
 from asyncllm.distributed import get_tp_size
-from asyncllm.engine.scheduler import SchedulerOutput
-from asyncllm.engine.sequence import PENDING_TOKEN
 from asyncllm.layers import skinny_linear
 from asyncllm.layers.device_wide import DEVICE_WIDE
 from asyncllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors, gather_logprobs
@@ -28,13 +26,14 @@ from asyncllm.runner.launched_step import LaunchedStep
 from asyncllm.runner.memory import RunnerMemory
 from asyncllm.runner.pooling import StepPooling
 from asyncllm.runner.sampler_graphs import SamplerGraphs
-from asyncllm.runner.sampling_inputs import SamplingInputs, plan_prompt_logprobs
+from asyncllm.runner.sampling_inputs import SamplingInputs
 from asyncllm.runner.step_inputs import StepInputs, synthetic_step_inputs
 from asyncllm.runner.step_bitmask import StepBitmasks
 from asyncllm.runner.tp_protocol import agree_on_min
 from asyncllm.startup import (ATTENTION_BACKEND, BUILD_MODEL, CUDA_GRAPHS, DECODE_TUNING, KV_CACHE, LOAD_WEIGHTS,
                               MEMORY_PROBE, SAMPLER, SAMPLER_GRAPHS, StartupTimings)
 from asyncllm.startup_cache import StartupDecisions
+from asyncllm.step_plan import StepPlan
 
 logger = logging.getLogger("asyncllm")
 
@@ -187,31 +186,12 @@ class ModelRunner(RunnerMemory):
             attn_backend=self.attn_backend)
         return batch, extra
 
-    def build_inputs(self, sched: SchedulerOutput) -> tuple[StepInputs, np.ndarray, np.ndarray]:
+    def build_inputs(self, plan: StepPlan) -> tuple[StepInputs, np.ndarray, np.ndarray]:
         """The step's inputs, and where they hold a PENDING_TOKEN: (token index in the step, the
-        row of the previous step's sampled ids that has its value).
-
-        Runs for every row of every step: one pass of plain Python over the rows, the rest in numpy."""
-        num_seqs = len(sched.scheduled)
-        input_ids, starts, query_lens, block_rows, logits_indices = [], [], [], [], []
-        pending_at, pending_rows = [], []
-        num_tokens = 0
-        for item in sched.scheduled:
-            seq, num_new = item.seq, item.num_tokens
-            token_ids, start = seq.token_ids, seq.num_computed_tokens
-            if num_new == 1:
-                input_ids.append(token_ids[start])
-            else:
-                input_ids.extend(token_ids[start:start + num_new])
-            num_tokens += num_new
-            if start + num_new == len(token_ids) and token_ids[-1] == PENDING_TOKEN:
-                pending_at.append(num_tokens - 1)
-                pending_rows.append(seq.sample_row)
-            starts.append(start)
-            query_lens.append(num_new)
-            block_rows.append(seq.block_table)
-            if item.samples:
-                logits_indices.append(num_tokens - 1)
+        row of the previous step's sampled ids that has its value). All numpy: the plan's one pass
+        of plain Python over the rows is the engine's (engine/step_planner.py)."""
+        num_seqs, num_tokens = len(plan.query_lens), plan.num_tokens
+        starts, query_lens, block_rows = plan.starts, plan.query_lens, plan.block_rows
         starts_np = np.array(starts, dtype=np.int64)
         query_lens_np = np.array(query_lens, dtype=np.int32)
         seq_lens = (starts_np + query_lens_np).astype(np.int32)
@@ -228,9 +208,9 @@ class ModelRunner(RunnerMemory):
             itertools.chain.from_iterable(block_rows), dtype=np.int32, count=int(table_lens.sum()))
         bs = self.block_size
         slot_mapping = block_tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
-        inputs = StepInputs(np.array(input_ids, dtype=np.int64), positions, slot_mapping, query_lens_np, seq_lens,
-                            block_tables, np.array(logits_indices, dtype=np.int64))
-        return inputs, np.array(pending_at, dtype=np.int64), np.array(pending_rows, dtype=np.int64)
+        inputs = StepInputs(np.array(plan.input_ids, dtype=np.int64), positions, slot_mapping, query_lens_np, seq_lens,
+                            block_tables, np.array(plan.logits_indices, dtype=np.int64))
+        return inputs, np.array(plan.pending_at, dtype=np.int64), np.array(plan.pending_rows, dtype=np.int64)
 
     def _staged_decode_key(self, inputs: StepInputs) -> tuple[str, int, int] | None:
         """The decode graph that replays this step from inputs staged in one copy (DecodeStaging): a
@@ -241,7 +221,7 @@ class ModelRunner(RunnerMemory):
         return self.graph_runner.decode_key(num_seqs, int(inputs.seq_lens.max()))
 
     def release_sequence(self, seq) -> None:
-        """A sequence finished: drop what sampling kept for it."""
+        """A sequence finished: drop what sampling kept for it (by the request object, which it never reads)."""
         self.sampling_inputs.release(seq)
 
     def _forward(self, batch: ForwardBatch, pooling: StepPooling | None = None) -> torch.Tensor:
@@ -268,10 +248,11 @@ class ModelRunner(RunnerMemory):
         return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput, prev: LaunchedStep | None, constraints=None,
+    def launch(self, plan: StepPlan, prev: LaunchedStep | None, constraints=None,
                stream: torch.cuda.Stream | None = None, pooling_plan=None) -> LaunchedStep:
-        """Queue one step's forward and sampling. Inputs still PENDING_TOKEN are the ids prev sampled:
-        they are filled in on the device, so the host never waits for prev.
+        """Queue one step's forward and sampling (plan: the engine's StepPlan). Inputs still
+        PENDING_TOKEN are the ids prev sampled: they are filled in on the device, so the host never
+        waits for prev.
 
         constraints (structured.step_masks.StepConstraints, or None): rows held to a grammar. Their
         bitmask is filled on the host after the forward is queued, so it overlaps the forward; a row
@@ -281,15 +262,15 @@ class ModelRunner(RunnerMemory):
         step sums (it then runs eagerly: CUDA graphs return logits only)."""
         if prev is not None:
             prev.queue_sampling()  # the device runs prev's sampling before this step's forward
-        inputs, pending_at, pending_rows = self.build_inputs(sched)
+        inputs, pending_at, pending_rows = self.build_inputs(plan)
         num_sampling = len(inputs.logits_indices)
-        prompt_plan = plan_prompt_logprobs(sched.scheduled)
+        prompt_plan = plan.prompt_logprobs
         if prompt_plan is not None:  # prompt positions' logits too, after the sampling rows
             inputs.logits_indices = np.concatenate([inputs.logits_indices, prompt_plan.token_rows])
         if len(pending_at):
             assert prev is not None, "a pending token without the step that samples it"
         # the sampling settings are ready before the forward: they travel in the step's one copy
-        sampling_plan = self.sampling_inputs.plan([item.seq for item in sched.scheduled if item.samples])
+        sampling_plan = self.sampling_inputs.plan(plan.sampling_requests)
         sampling_arrays = list(sampling_plan.arrays.values())
         prev_sampled = None if prev is None else prev.sampled
         pooling = None if pooling_plan is None else StepPooling(pooling_plan, self.device)
@@ -331,7 +312,7 @@ class ModelRunner(RunnerMemory):
             logits = logits[:num_sampling]
         logprob_ks = sampling_plan.logprob_ks
         if constraints is None:
-            return LaunchedStep(sched, self.sample(logits, sampling), logprob_ks, prompt_logprobs, prompt_plan,
+            return LaunchedStep(plan, self.sample(logits, sampling), logprob_ks, prompt_logprobs,
                                 stream=stream, pooling=pooling)
         # constrained rows: advance their matchers here (it may wait for prev's ids), then fill the
         # bitmask on a worker thread (xgrammar releases the GIL) while this thread resolves prev and
@@ -343,7 +324,7 @@ class ModelRunner(RunnerMemory):
         def sample() -> SamplerOutput:
             sampling.mask_rows, sampling.token_bitmask = upload_bitmask()
             return self.sampler(logits, sampling)
-        return LaunchedStep(sched, None, logprob_ks, prompt_logprobs, prompt_plan, sample=sample, stream=stream,
+        return LaunchedStep(plan, None, logprob_ks, prompt_logprobs, sample=sample, stream=stream,
                             pooling=pooling)
 
     def sample(self, logits: torch.Tensor, sampling: SamplingTensors) -> SamplerOutput:

@@ -1,9 +1,11 @@
-"""One step's sampling settings as device tensors (SamplingTensors), from its sampling sequences.
+"""One step's sampling settings as device tensors (SamplingTensors), from its sampling rows' requests
+(step_plan.SamplingRequest: read, never written).
 
 Everything a request may ask beyond plain sampling (penalties, biases, banned or allowed tokens,
 log-probabilities) is gathered in one pass over the step's rows that ask for it; a step where no
 row asks builds nothing more than before. Penalties keep each sequence's token counts on the device
-(TokenCounts) from its first sampling step until it finishes: the engine calls release().
+(TokenCounts) from its first sampling step until it finishes: the slot is this module's, by request,
+and the engine calls release().
 """
 from __future__ import annotations
 
@@ -12,21 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from asyncllm.engine.scheduler import ScheduledSeq
-from asyncllm.engine.sequence import PENDING_TOKEN, Sequence
 from asyncllm.layers.logits_adjustments import LogitsAdjustments, TokenCounts
 from asyncllm.layers.sampler import SamplingTensors, noise_key
 from asyncllm.runner.host_upload import upload_arrays
-
-
-@dataclass
-class PromptLogprobsPlan:
-    """The prompt positions of one step whose logits give prompt log-probabilities: position p's
-    logits score prompt token p + 1."""
-    token_rows: np.ndarray  # (R,) int64: their rows among the step's tokens
-    targets: list[int]  # (R,) the prompt tokens they score
-    spans: list[tuple[Sequence, int, int]]  # (sequence, rows, top-k asked), in row order
-    num_top: int
+from asyncllm.step_plan import PENDING_TOKEN, SamplingRequest
 
 
 @dataclass
@@ -39,41 +30,21 @@ class SamplingPlan:
     logprob_ks: list[int] | None = None  # per row: the top-k it asked for, -1 none; None: no row asked
 
 
-def plan_prompt_logprobs(scheduled: list[ScheduledSeq]) -> PromptLogprobsPlan | None:
-    """The step's prompt positions not yet scored for requests with prompt_logprobs (a preempted
-    request recomputing its prompt is not scored twice); None when there are none."""
-    rows, targets, spans, offset = [], [], [], 0
-    for item in scheduled:
-        seq = item.seq
-        k = seq.params.prompt_logprobs
-        if k is not None:
-            start = seq.num_computed_tokens
-            lo = max(start, seq.num_prompt_logprobs_planned)
-            hi = min(start + item.num_tokens, seq.num_prompt_tokens - 1)
-            if hi > lo:
-                rows.extend(range(offset + lo - start, offset + hi - start))
-                targets.extend(seq.token_ids[lo + 1:hi + 1])
-                spans.append((seq, hi - lo, k))
-                seq.num_prompt_logprobs_planned = hi
-        offset += item.num_tokens
-    if not rows:
-        return None
-    return PromptLogprobsPlan(np.asarray(rows, dtype=np.int64), targets, spans, max(k for _, _, k in spans))
-
-
 class SamplingInputs:
     def __init__(self, vocab_size: int, device: torch.device, seed: int = 0):
         self.vocab_size = vocab_size
         self.device = device
         self.key_source = np.random.default_rng(seed)  # unseeded rows' noise keys
         self.token_counts = TokenCounts(vocab_size, device)
+        self.penalty_slots: dict[SamplingRequest, int] = {}  # the token-count slot of each request that uses penalties
 
     def release_token_counts(self) -> None:
         """Every sequence has ended (a sleeping engine): the penalties' slots and their memory go;
         the next sequences that ask make new ones."""
         self.token_counts = TokenCounts(self.vocab_size, self.device)
+        self.penalty_slots = {}
 
-    def plan(self, seqs: list[Sequence]) -> SamplingPlan:
+    def plan(self, seqs: list[SamplingRequest]) -> SamplingPlan:
         """The step's sampling settings as host arrays (the runner sends them in the step's one copy)."""
         params = [seq.params for seq in seqs]
         keys, seeded_rows = None, []
@@ -115,7 +86,7 @@ class SamplingInputs:
             tensors.adjustments = self._adjustments(adjustments, prev_sampled)
         return tensors
 
-    def build(self, seqs: list[Sequence], prev_sampled: torch.Tensor | None = None
+    def build(self, seqs: list[SamplingRequest], prev_sampled: torch.Tensor | None = None
               ) -> tuple[SamplingTensors, list[int] | None]:
         """plan() and tensors() with a copy of their own: the step's SamplingTensors, and for each row
         the top-k it asked for (None: no row asked for log-probabilities; -1: this row did not)."""
@@ -123,7 +94,7 @@ class SamplingInputs:
         return self.tensors(plan, upload_arrays(list(plan.arrays.values()), self.device), prev_sampled), \
             plan.logprob_ks
 
-    def _adjustment_arrays(self, seqs: list[Sequence], arrays: dict[str, np.ndarray]) -> None:
+    def _adjustment_arrays(self, seqs: list[SamplingRequest], arrays: dict[str, np.ndarray]) -> None:
         """The host arrays of the step's LogitsAdjustments, by field name (only the groups some row uses)."""
         penalty_rows, slots, presence, frequency, repetition = [], [], [], [], []
         bias_rows, bias_tokens, bias_values = [], [], []
@@ -135,11 +106,13 @@ class SamplingInputs:
                 continue
             p = seq.params
             if p.uses_penalties:
-                if seq.penalty_slot is None:
+                slot = self.penalty_slots.get(seq)
+                if slot is None:
                     outputs = [t for t in seq.completion_token_ids if t != PENDING_TOKEN]
-                    seq.penalty_slot = self.token_counts.acquire(seq.token_ids[:seq.num_prompt_tokens], outputs)
+                    slot = self.penalty_slots[seq] = self.token_counts.acquire(seq.token_ids[:seq.num_prompt_tokens],
+                                                                               outputs)
                 penalty_rows.append(row)
-                slots.append(seq.penalty_slot)
+                slots.append(slot)
                 presence.append(p.presence_penalty)
                 frequency.append(p.frequency_penalty)
                 repetition.append(p.repetition_penalty)
@@ -193,8 +166,8 @@ class SamplingInputs:
             out.pending_ban_values = prev_sampled[pending_sample_rows]
         return out
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: SamplingRequest) -> None:
         """seq has finished: its token-count slot, if any, goes back to the pool."""
-        if seq.penalty_slot is not None:
-            self.token_counts.release(seq.penalty_slot)
-            seq.penalty_slot = None
+        slot = self.penalty_slots.pop(seq, None)
+        if slot is not None:
+            self.token_counts.release(slot)

@@ -22,8 +22,8 @@ import time
 import anyio
 import torch
 
-from asyncllm.engine.sequence import PENDING_TOKEN
 from asyncllm.errors import InvalidValueError
+from asyncllm.step_plan import PENDING_TOKEN
 from asyncllm.structured.compile_jobs import CompileJobs
 from asyncllm.structured.spec import StructuredOutput
 

@@ -5,8 +5,7 @@ from collections.abc import Callable
 
 import torch
 
-from asyncllm.engine.scheduler import SchedulerOutput
-from asyncllm.engine.sequence import PENDING_TOKEN
+from asyncllm.step_plan import PENDING_TOKEN, StepPlan
 from asyncllm.structured.grammar import GrammarCompiler
 
 
@@ -22,17 +21,10 @@ class StepConstraints:
         self.compiler = compiler
 
     @classmethod
-    def of(cls, sched: SchedulerOutput, compiler: GrammarCompiler) -> "StepConstraints | None":
+    def of(cls, plan: StepPlan, compiler: GrammarCompiler) -> "StepConstraints | None":
         """None when no sampling row is constrained (the sampler then builds no mask)."""
-        rows, seqs = [], []
-        row = 0
-        for item in sched.scheduled:
-            if item.samples:
-                if item.seq.grammar is not None:
-                    rows.append(row)
-                    seqs.append(item.seq)
-                row += 1
-        return cls(rows, seqs, compiler) if rows else None
+        rows = [row for row, seq in enumerate(plan.sampling_requests) if seq.grammar is not None]
+        return cls(rows, [plan.sampling_requests[row] for row in rows], compiler) if rows else None
 
     def catch_up(self, prev_token_ids: Callable[[], list[int]] | None) -> None:
         """Advance every row's matcher to its sequence's last token. A sequence whose last token the

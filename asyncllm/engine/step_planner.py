@@ -1,0 +1,57 @@
+"""The engine's side of the step contract: a SchedulerOutput as the StepPlan the runner runs
+(asyncllm/step_plan.py). One pass of plain Python over the step's rows; the runner does the rest in numpy."""
+from __future__ import annotations
+
+import numpy as np
+
+from asyncllm.engine.scheduler import SchedulerOutput
+from asyncllm.step_plan import PENDING_TOKEN, PromptLogprobsPlan, StepPlan
+
+
+def plan_step(sched: SchedulerOutput) -> StepPlan:
+    """The step's plan. Plans its prompt positions' log-probabilities too (plan_prompt_logprobs),
+    which records them as planned: call it once per step launched."""
+    input_ids, starts, query_lens, block_rows, logits_indices = [], [], [], [], []
+    pending_at, pending_rows, sampling = [], [], []
+    num_tokens = 0
+    for item in sched.scheduled:
+        seq, num_new = item.seq, item.num_tokens
+        token_ids, start = seq.token_ids, seq.num_computed_tokens
+        if num_new == 1:
+            input_ids.append(token_ids[start])
+        else:
+            input_ids.extend(token_ids[start:start + num_new])
+        num_tokens += num_new
+        if start + num_new == len(token_ids) and token_ids[-1] == PENDING_TOKEN:
+            pending_at.append(num_tokens - 1)
+            pending_rows.append(seq.sample_row)
+        starts.append(start)
+        query_lens.append(num_new)
+        block_rows.append(seq.block_table)
+        if item.samples:
+            logits_indices.append(num_tokens - 1)
+            sampling.append(seq)
+    return StepPlan(input_ids, starts, query_lens, block_rows, logits_indices, pending_at, pending_rows, sampling,
+                    plan_prompt_logprobs(sched), engine_step=sched)
+
+
+def plan_prompt_logprobs(sched: SchedulerOutput) -> PromptLogprobsPlan | None:
+    """The step's prompt positions not yet scored for requests with prompt_logprobs (a preempted
+    request recomputing its prompt is not scored twice); None when there are none."""
+    rows, targets, spans, offset = [], [], [], 0
+    for item in sched.scheduled:
+        seq = item.seq
+        k = seq.params.prompt_logprobs
+        if k is not None:
+            start = seq.num_computed_tokens
+            lo = max(start, seq.num_prompt_logprobs_planned)
+            hi = min(start + item.num_tokens, seq.num_prompt_tokens - 1)
+            if hi > lo:
+                rows.extend(range(offset + lo - start, offset + hi - start))
+                targets.extend(seq.token_ids[lo + 1:hi + 1])
+                spans.append((seq, hi - lo, k))
+                seq.num_prompt_logprobs_planned = hi
+        offset += item.num_tokens
+    if not rows:
+        return None
+    return PromptLogprobsPlan(np.asarray(rows, dtype=np.int64), targets, spans, max(k for _, _, k in spans))
