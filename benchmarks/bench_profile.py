@@ -165,16 +165,16 @@ def profile_workload(core, num_requests: int, device: str, features: str = "plai
     launched_steps = []
     launch = core.runner.launch
 
-    def timed_launch(sched, prev, **kwargs):
+    def timed_launch(plan, prev, **kwargs):
         start = torch.cuda.Event(enable_timing=True) if cuda else None
         if cuda:
             start.record()
-        launched = launch(sched, prev, **kwargs)
+        launched = launch(plan, prev, **kwargs)
         end = torch.cuda.Event(enable_timing=True) if cuda else None
         if cuda:
             end.record()
-        decode_only = sched.num_batched_tokens == len(sched.scheduled)
-        launched_steps.append(("decode only" if decode_only else "with prefill", sched.num_batched_tokens, start, end))
+        decode_only = plan.num_tokens == len(plan.query_lens)
+        launched_steps.append(("decode only" if decode_only else "with prefill", plan.num_tokens, start, end))
         return launched
     core.runner.launch = timed_launch
     profiler = None
