@@ -169,6 +169,7 @@ class RunnerMemory:
         probe_cache = torch.zeros((2, self.num_layers, 1, self.block_size, self.num_kv_heads, self.head_dim),
                                   dtype=self.dtype, device=self.device)
         self.attn_backend = self._create_backend(probe_cache)
+        self.num_kvcache_blocks = 1  # the probe cache's: what the synthetic step's block tables index
         num_tokens = self.config.max_num_batched_tokens
         seq_len = min(self.config.max_model_len, num_tokens)
         num_seqs = max(1, min(self.config.max_num_seqs, num_tokens // seq_len))
