@@ -93,17 +93,6 @@ class EventStreamResponse(StreamingResponse):
         body_sending = False
         keepalive_sent: anyio.Event | None = None  # set when the comment in flight has gone
 
-        async def send_chunk(chunk: bytes) -> None:
-            nonlocal last_sent, body_sending
-            while keepalive_sent is not None:
-                await keepalive_sent.wait()
-            body_sending = True
-            try:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            finally:
-                body_sending = False
-            last_sent = time.monotonic()
-
         async def keep_alive() -> None:
             nonlocal last_sent, keepalive_sent
             while True:
@@ -123,8 +112,16 @@ class EventStreamResponse(StreamingResponse):
         try:
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(keep_alive)
-                async for chunk in self.body_iterator:
-                    await send_chunk(chunk if isinstance(chunk, (bytes, memoryview)) else chunk.encode(self.charset))
+                charset = self.charset
+                async for chunk in self.body_iterator:  # per chunk of every stream: inline, no call of its own
+                    message = {"type": "http.response.body", "more_body": True,
+                               "body": chunk if isinstance(chunk, (bytes, memoryview)) else chunk.encode(charset)}
+                    while keepalive_sent is not None:
+                        await keepalive_sent.wait()
+                    body_sending = True
+                    await send(message)  # an error ends the task group, and the response with it
+                    body_sending = False
+                    last_sent = time.monotonic()
                 tasks.cancel_scope.cancel()
         except BaseExceptionGroup as group:  # the task group wraps even one error: raise it as stream_response would
             if len(group.exceptions) == 1:
