@@ -86,8 +86,8 @@ class EventStreamResponse(StreamingResponse):
         The body is iterated in this task only; a timer task sends the comments. Both run on one
         event loop, so plain flags keep their sends apart: no lock, whose acquire would yield to
         the loop once per chunk of every stream. Times are time.monotonic(), read per chunk: anyio's
-        current_time() asks which async library runs first (sniffio), a fifth of the event loop's
-        time per chunk under load."""
+        current_time() asks which async library runs first (sniffio), about a sixth of the event
+        loop's time per chunk under load."""
         interval = self.keepalive_interval
         last_sent = time.monotonic()
         body_sending = False
