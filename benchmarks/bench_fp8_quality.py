@@ -82,7 +82,7 @@ def main(argv=None) -> dict:
             from asyncllm.models.default_model import default_model_path
             model = default_model_path()
         else:
-            model = args.model or stack.enter_context(contextlib.contextmanager(checkpoint_from_args)(args))
+            model = args.model or stack.enter_context(checkpoint_from_args(args))
         report.set("model", args.model or f"random {args.shape}")
         with open(TEXT) as f:
             text = f.read()
