@@ -66,8 +66,8 @@ if [ "$mode" = tp ]; then
 fi
 if [ "$mode" = tests ] || [ "$mode" = all ]; then
   # GPU_TEST_SELECT: an optional pytest -k expression (e.g. "fa4") to run part of the suite
-  python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_sampling_filters.py tests/test_gpu.py \
-      tests/test_gpu_tp.py -m "not slow" -rP \
+  python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_fp8_kv_kernels.py tests/test_sampling_filters.py \
+      tests/test_gpu.py tests/test_fp8_kv.py tests/test_gpu_tp.py -m "not slow" -rP \
       ${GPU_TEST_SELECT:+-k "$GPU_TEST_SELECT"} --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log"
   tests_rc=${PIPESTATUS[0]}
 fi

@@ -29,7 +29,7 @@ FP8_LOGITS_RTOL = 0.05  # module docstring
 # across an e4m3 rounding boundary (one step of one element, ~1e-4 of the logits); a misread or
 # unquantized block moves them by FP8_LOGITS_RTOL's order
 SAME_FP8_RTOL = 1e-3
-ENGINE_KW = dict(kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256)
+ENGINE_KW = dict(kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256, device="cpu")
 PROMPTS = random_prompts(6, seed=7, lo=5, hi=120)
 PREFIX = random_prompts(1, seed=8, lo=40, hi=41)[0]
 PREFIX_PROMPTS = [PREFIX + suffix for suffix in random_prompts(4, seed=9, lo=2, hi=6)]  # 42..45 tokens
@@ -97,7 +97,7 @@ def test_fp8_halves_bytes_per_block_so_the_same_memory_holds_twice_the_blocks(ti
     for dtype in ("bfloat16", "float32"):
         for kv in ("auto", "fp8"):
             llm = LLM(tiny_qwen3, dtype=dtype, kv_cache_dtype=kv, kvcache_block_size=16, num_kvcache_blocks=-1,
-                      cpu_kvcache_bytes=1 << 22, max_model_len=256)
+                      cpu_kvcache_bytes=1 << 22, max_model_len=256, device="cpu")
             runner = llm.core.runner
             blocks[dtype, kv], per_block[dtype, kv] = runner.num_kvcache_blocks, runner.kv_bytes_per_block
             assert runner.kv_cache.dtype == (torch.float8_e4m3fn if kv == "fp8" else getattr(torch, dtype))
@@ -150,7 +150,9 @@ def test_gpu_bf16_fp8_cache_with_cuda_graphs(gpu_model):
         llm = LLM(gpu_model, dtype="bfloat16", kv_cache_dtype=kv, attention_backend="triton",
                   gpu_memory_utilization=0.3, max_model_len=4096, kvcache_block_size=16)
         assert llm.core.runner.graph_runner is not None, "CUDA graphs were not captured"
-        runs[kv] = generate_with_logits(llm, prompts, greedy(64))
+        tokens, logits = generate_with_logits(llm, prompts, greedy(64))
+        # to the host: device memory held here would shrink the next engine's KV budget
+        runs[kv] = tokens, [[step.cpu() for step in steps] for steps in logits]
         blocks[kv] = llm.core.runner.num_kvcache_blocks
         assert_all_blocks_free(llm)
         llm.close()

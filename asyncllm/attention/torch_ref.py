@@ -42,6 +42,12 @@ def store_kvcache_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
         cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows)
 
 
+def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    if cache.dtype == FP8_KV_DTYPE:  # as bytes: not every device's indexing kernel takes float8
+        return cache.view(torch.uint8)[tables].view(FP8_KV_DTYPE)
+    return cache[tables]
+
+
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                           max_query_len: int, max_seq_len: int, scale: float,
@@ -52,8 +58,8 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     block_size = k_cache.shape[1]
     num_blocks = (max_seq_len + block_size - 1) // block_size
     tables = block_tables[:, :num_blocks].long()
-    k = k_cache[tables].flatten(1, 2)[:, :max_seq_len]  # (B, Lk, Hkv, D)
-    v = v_cache[tables].flatten(1, 2)[:, :max_seq_len]
+    k = _gather_blocks(k_cache, tables).flatten(1, 2)[:, :max_seq_len]  # (B, Lk, Hkv, D)
+    v = _gather_blocks(v_cache, tables).flatten(1, 2)[:, :max_seq_len]
     starts = query_start_loc[:-1].long()
     query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
     row = torch.arange(max_query_len, device=q.device)
