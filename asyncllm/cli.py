@@ -51,7 +51,7 @@ _CONFIG_HELP = {
     "revision": "a hub id's branch, tag or commit (default: main)",
     "quantization": "fp8: round an unquantized checkpoint's linear weights through FP8 at load (emulated: "
                     "computed in the compute dtype); FP8 checkpoints load without it (default: none)",
-    "kv_cache_dtype": "the KV cache's dtype; fp8 is refused until its kernels exist",
+    "kv_cache_dtype": "the KV cache's dtype: auto (the compute dtype) or fp8 (e4m3, half of bf16's bytes; emulated on CPU)",
     "reasoning_parser": "the model's reasoning tags: answers carry reasoning_content apart from content, and "
                         "structured output applies after the reasoning (default: none, content holds everything)",
 }
