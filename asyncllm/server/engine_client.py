@@ -259,7 +259,8 @@ class EngineClient:
 
     def stream(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None, *,
                request_id: str) -> RemoteStream:
-        self.check_alive()
+        self.check_alive()  # the engine's checks of stream(), here: the 400s come from the front-end
+        prompt_token_ids = self._intake.encode_prompt(prompt_token_ids)
         params = self._intake.check_request(prompt_token_ids, sampling_params or SamplingParams())
         stream = self._streams[request_id] = RemoteStream(self, request_id, prompt_token_ids, params.n)
         self._send(("submit", request_id, prompt_token_ids, params))
