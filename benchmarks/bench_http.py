@@ -113,6 +113,8 @@ def frontends_cpu_seconds(pid: int) -> float | None:
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
             children = [int(c) for c in f.read().split()]
+        if not children:
+            return None
         return sum(cpu["process"] for cpu in map(cpu_seconds, children) if cpu is not None)
     except (OSError, ValueError):
         return None
