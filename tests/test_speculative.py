@@ -416,3 +416,20 @@ def test_command_line_and_vllm_layer_take_the_same_dict(tiny_qwen3):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", tiny_qwen3, "--speculative-config", "ngram"])
     assert engine_options({"speculative_config": NGRAM}) == {"speculative_config": NGRAM}
+
+
+def test_stats_and_metrics_report_drafts_and_acceptance(engines):
+    from prometheus_client import CollectorRegistry, generate_latest
+    from asyncllm.server.metrics import EngineCollector
+    spec = engines("repeating", "roomy", True)
+    run(spec, prompts(2, seed=11), GREEDY)
+    stats = spec.core.stats()
+    assert 0 < stats["spec_accepted_tokens"] <= stats["spec_draft_tokens"]
+    assert stats["spec_acceptance_rate"] == stats["spec_accepted_tokens"] / stats["spec_draft_tokens"]
+    assert stats["spec_mean_accepted_length"] == 1 + stats["spec_accepted_tokens"] / stats["spec_verifications"]
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(spec.core, "m"))
+    text = generate_latest(registry).decode()
+    assert f'asyncllm_spec_decode_accepted_tokens_total{{model_name="m"}} {float(stats["spec_accepted_tokens"])}' in text
+    assert "asyncllm_spec_decode_mean_accepted_length" in text
+    assert "spec_draft_tokens" not in engines("repeating", "roomy", False).core.stats()  # off: absent
