@@ -35,7 +35,7 @@ from asyncllm.sampling_params import SamplingParams
 from asyncllm.speculative.ngram import NgramProposer, ngram_draft
 from asyncllm.speculative.proposer import DraftRow
 from asyncllm.testing import build_tiny_checkpoint
-from helpers import assert_all_blocks_free
+from helpers import ScriptedProposer, assert_all_blocks_free
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -125,26 +125,6 @@ def test_greedy_tokens_equal_the_plain_engine(engines, shape):
         assert spec.core.scheduler.num_preemptions > 0  # the equality covered preemption and chunked prefill
     else:
         assert spec.core.block_manager.num_prefix_hit_tokens > 0
-
-
-class ScriptedProposer:
-    """Drafts from known outputs (the plain engine's), every third row's with its second draft
-    changed: drafts accepted whole, cut after one, and (the changed token first) rejected at once."""
-
-    def __init__(self, prompts_and_outputs):
-        self.expected = [(list(p), list(p) + list(o)) for p, o in prompts_and_outputs]
-        self.num_calls = 0
-
-    def propose(self, rows: list[DraftRow]) -> list[list[int]]:
-        drafts = []
-        for row in rows:
-            self.num_calls += 1
-            full = next(full for prompt, full in self.expected if row.token_ids[:len(prompt)] == prompt)
-            draft = full[len(row.token_ids):len(row.token_ids) + row.max_tokens]
-            if self.num_calls % 3 == 0 and len(draft) > 1:
-                draft[1] = (draft[1] + 1) % 1000
-            drafts.append(draft)
-        return drafts
 
 
 def test_greedy_tokens_equal_on_the_random_model_with_drafts_accepted_and_rejected(engines):
