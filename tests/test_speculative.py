@@ -28,7 +28,7 @@ from asyncllm.async_engine import AsyncLLMEngine
 from asyncllm.config import Config
 from asyncllm.engine.speculation import MAX_SPECULATING_DECODES, PAUSE_STEPS
 from asyncllm.errors import InvalidValueError
-from asyncllm.layers.rejection_sampler import RejectionSampler, verify_drafts
+from asyncllm.layers.rejection_sampler import RejectionSampler, kept_rows, verify_drafts
 from asyncllm.layers.sampler import SamplingTensors, noise_key
 from asyncllm.llm import LLM
 from asyncllm.sampling_params import SamplingParams
@@ -148,24 +148,58 @@ def test_greedy_tokens_equal_on_the_random_model_with_drafts_accepted_and_reject
     assert spec.core.num_steps - plain.core.num_steps < 24 // 2  # fewer steps than tokens
 
 
+def test_kept_rows_are_those_before_a_requests_first_rejection():
+    accepted = torch.tensor([True, False, True, False, True, True, False, False])
+    first_rows = torch.tensor([0, 0, 0, 0, 4, 4, 4, 7])  # requests of 4, 3 and 1 rows
+    assert kept_rows(accepted, first_rows).tolist() == [True, True, False, False, True, True, True, True]
+
+
 def test_mixed_batch_opt_out_penalties_and_logprobs(engines):
-    """Speculating rows beside plain ones (opted out, penalties: never speculate) in one step;
-    log-probabilities of accepted tokens equal the plain engine's."""
+    """Speculating rows beside a plain one (opted out) in one step; penalties as of each verified
+    position (the drafts before it counted), biases and min_tokens' bans there too; log-probabilities
+    of accepted tokens equal the plain engine's."""
     plain, spec = engines("repeating", "roomy", False), engines("repeating", "roomy", True)
-    batch = prompts(4, seed=4)
+    batch = prompts(6, seed=4)
     params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=3),
               SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, speculate=False),
               SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3),
-              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logit_bias={17: 2.0}, min_tokens=5)]
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logit_bias={17: 2.0}, min_tokens=5),
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, frequency_penalty=0.05),
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, presence_penalty=0.5, bad_words=["a"])]
     before = accepted(spec)
     expected, got = run(plain, batch, params), run(spec, batch, params)
     assert ids(got) == ids(expected)
+    assert accepted(spec) > before
+    # penalties alone: their verified positions accepted drafts too
+    before = accepted(spec)
+    penalised = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, frequency_penalty=0.05,
+                                presence_penalty=0.05, repetition_penalty=1.02)] * 2
+    assert ids(run(spec, batch[:2], penalised)) == ids(run(plain, batch[:2], penalised))
     assert accepted(spec) > before
     lp_plain, lp_spec = expected[0]["logprobs"], got[0]["logprobs"]
     assert len(lp_spec) == len(lp_plain) == 30
     for a, b in zip(lp_plain, lp_spec):
         assert a.token_id == b.token_id and a.rank == b.rank
         assert math.isclose(a.logprob, b.logprob, rel_tol=1e-4, abs_tol=1e-4)
+
+
+def test_penalty_counts_hold_exactly_the_kept_tokens(engines):
+    """After every step, each penalised request's token counts (the runner's slot) are those of its
+    output: a verified position's token is counted only where its request keeps it."""
+    spec = engines("repeating", "roomy", True)
+    core, before = spec.core, accepted(spec)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, frequency_penalty=0.05)
+    seqs = [core.add_request(prompt, params) for prompt in prompts(3, seed=12)]
+    counts = core.runner.sampling_inputs
+    while core.has_unfinished():
+        core.step()
+        for seq in seqs:
+            if not seq.is_finished and seq in counts.penalty_slots:
+                held = counts.token_counts.output_counts[counts.penalty_slots[seq]]
+                assert torch.equal(held, torch.bincount(torch.tensor(seq.completion_token_ids), minlength=VOCAB)
+                                   .to(held.dtype))
+    assert accepted(spec) > before
+    assert_all_blocks_free(core)
 
 
 # ---- ends inside an accepted run ----------------------------------------------------------------
@@ -308,9 +342,11 @@ def test_rejection_sampler_applies_temperature_top_k_and_seeds():
         params = SamplingTensors.build([SamplingParams(temperature=temperature, top_k=top_k)] * num, 6,
                                        torch.device("cpu"), keys=keys, seeded_rows=list(enumerate(keys)))
         drafts = torch.full((num,), seed % 6)
-        out = RejectionSampler(torch.Generator().manual_seed(seed))(logits.expand(num, -1), params, drafts)
+        alone = torch.arange(num)  # each row a request of its own
+        out = RejectionSampler(torch.Generator().manual_seed(seed))(logits.expand(num, -1), params, drafts, alone)
         counts += np.bincount(out.token_ids.numpy(), minlength=6)
-        again = RejectionSampler(torch.Generator().manual_seed(seed + 100))(logits.expand(num, -1), params, drafts)
+        again = RejectionSampler(torch.Generator().manual_seed(seed + 100))(logits.expand(num, -1), params, drafts,
+                                                                             alone)
         assert torch.equal(again.token_ids, out.token_ids)  # seeded rows: their keys alone decide
     assert counts[top_k:].sum() == 0
     assert chi_square_p_value(counts, target.numpy()) > 0.01, counts

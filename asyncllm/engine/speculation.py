@@ -44,6 +44,11 @@ class DraftPosition:
     def __getattr__(self, name: str):
         return getattr(self.seq, name)
 
+    @property
+    def draft_of(self) -> Sequence:
+        """The request whose draft this position verifies (the runner's penalties read its counts)."""
+        return self.seq
+
     completion_token_ids = Sequence.completion_token_ids
     banned_token_ids = Sequence.banned_token_ids
 
@@ -131,8 +136,7 @@ class Speculation:
 
 
 def _may_speculate(seq: Sequence) -> bool:
-    """Requests that never speculate: those that opt out, and (not yet verified per position) those
-    with penalties or a grammar."""
+    """Requests that never speculate: those that opt out, and (its matcher is not advanced through the
+    drafts yet) those with a grammar."""
     params = seq.params
-    return params.speculate and seq.grammar is None and not params.uses_penalties and \
-        seq.status is SequenceStatus.RUNNING and seq.pooling is None
+    return params.speculate and seq.grammar is None and seq.status is SequenceStatus.RUNNING and seq.pooling is None

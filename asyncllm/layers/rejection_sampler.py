@@ -47,14 +47,25 @@ def verify_drafts(probs: torch.Tensor, draft_ids: torch.Tensor, uniforms: torch.
     return torch.where(accepted, draft_ids, replacement), accepted
 
 
+def kept_rows(accepted: torch.Tensor, first_rows: torch.Tensor) -> torch.Tensor:
+    """(N,) bool: the rows whose token their request keeps, those with no rejection before them among
+    its rows (first_rows: each row's request's first row). On the device, no host sync."""
+    rejected = (~accepted).to(torch.int32)
+    rejected_before = rejected.cumsum(0) - rejected
+    return rejected_before == rejected_before[first_rows]
+
+
 class RejectionSampler:
     def __init__(self, generator: torch.Generator | None = None):
         """generator: the noise of rows without a seed (None: the process's default generator)."""
         self.generator = generator
 
-    def __call__(self, logits: torch.Tensor, params: SamplingTensors, draft_ids: torch.Tensor) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, params: SamplingTensors, draft_ids: torch.Tensor,
+                 first_rows: torch.Tensor) -> SamplerOutput:
         """Verify each row's draft (draft_ids (N,), -1: none): SamplerOutput with each row's token and
-        whether it accepted its draft (accepted)."""
+        whether it accepted its draft (accepted). first_rows (N,): the first row of each row's request
+        (its positions are consecutive rows): a row's token is kept where every earlier row of its
+        request accepted, and only kept tokens are counted for penalties."""
         model_logits = logits
         if params.adjustments is not None:
             logits = params.adjustments.adjusted(logits)
@@ -73,7 +84,7 @@ class RejectionSampler:
             tokens = torch.where(is_sampled, sampled, greedy)
             accepted = torch.where(is_sampled, sampled_accepted, greedy_accepted)
         if params.adjustments is not None:
-            params.adjustments.count_sampled(tokens)  # penalty rows never speculate: their one token
+            params.adjustments.count_sampled(tokens, kept_rows(accepted, first_rows))
         logprobs = None
         if params.logprob_rows is not None:
             rows = params.logprob_rows

@@ -316,8 +316,10 @@ class ModelRunner(RunnerMemory):
         logprob_ks = sampling_plan.logprob_ks
         sampler = self.sampler
         if plan.draft_token_ids is not None:  # speculative decoding: each position verifies its draft
-            draft_ids = torch.tensor(plan.draft_token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
-            sampler = lambda logits, sampling: self.rejection_sampler(logits, sampling, draft_ids)  # noqa: E731
+            counts = np.array(plan.rows_per_request, dtype=np.int64)
+            draft_ids, first_rows = upload_arrays([np.array(plan.draft_token_ids, dtype=np.int64),
+                                                   np.repeat(np.cumsum(counts) - counts, counts)], self.device)
+            sampler = lambda logits, sampling: self.rejection_sampler(logits, sampling, draft_ids, first_rows)  # noqa: E731
         if constraints is None:
             output = self.sample(logits, sampling) if sampler is self.sampler else sampler(logits, sampling)
             return LaunchedStep(plan, output, logprob_ks, prompt_logprobs, stream=stream, pooling=pooling)
