@@ -202,6 +202,33 @@ def test_penalty_counts_hold_exactly_the_kept_tokens(engines):
     assert_all_blocks_free(core)
 
 
+def test_structured_output_masks_each_verified_position(engines):
+    """A grammar's mask at every verified position is the one after the drafts before it (the
+    matcher fed them and rolled back): constrained outputs equal the plain engine's, with drafts
+    accepted and rejected (the scripted proposer on the random Qwen3)."""
+    plain, spec = engines("random", "roomy", False), engines("random", "roomy", True)
+    specs = [{"regex": r"([a-d]{2} ){6}[0-9]{3}"},
+             {"json": {"type": "object", "properties": {"a": {"enum": ["red", "green", "blue"]},
+                                                         "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+                       "required": ["a", "b"]}},
+             {"choice": ["the quick brown fox", "a lazy dog"]}]
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_output=s) for s in specs]
+    batch = prompts(len(specs), seed=13, vocab=100000, lo=4, hi=10)
+    expected = run(plain, batch, params)
+    speculation = spec.core.speculation
+    before = spec.core.stats()
+    ngram, speculation.proposer = speculation.proposer, ScriptedProposer(zip(batch, ids(expected)))
+    try:
+        got = run(spec, batch, params)
+    finally:
+        speculation.proposer = ngram
+    assert ids(got) == ids(expected) and [o["text"] for o in got] == [o["text"] for o in expected]
+    assert all(out["finish_reason"] == "stop" for out in got)
+    after = spec.core.stats()
+    assert 0 < after["spec_accepted_tokens"] - before["spec_accepted_tokens"] < \
+        after["spec_draft_tokens"] - before["spec_draft_tokens"]
+
+
 # ---- ends inside an accepted run ----------------------------------------------------------------
 def test_stop_tokens_stop_strings_and_max_tokens_cut_exactly_there(engines):
     plain, spec = engines("repeating", "roomy", False), engines("repeating", "roomy", True)

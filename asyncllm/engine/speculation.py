@@ -136,7 +136,7 @@ class Speculation:
 
 
 def _may_speculate(seq: Sequence) -> bool:
-    """Requests that never speculate: those that opt out, and (its matcher is not advanced through the
-    drafts yet) those with a grammar."""
-    params = seq.params
-    return params.speculate and seq.grammar is None and seq.status is SequenceStatus.RUNNING and seq.pooling is None
+    """Requests that never speculate: those that opt out, and those whose grammar waits for the end
+    of a reasoning block (its gate's state is not taken back with the drafts)."""
+    return seq.params.speculate and (seq.grammar is None or seq.grammar.gate is None) and \
+        seq.status is SequenceStatus.RUNNING and seq.pooling is None

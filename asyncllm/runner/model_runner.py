@@ -327,7 +327,7 @@ class ModelRunner(RunnerMemory):
         # bitmask on a worker thread (xgrammar releases the GIL) while this thread resolves prev and
         # plans the next step; the sampling is queued once the next step needs it
         constraints.catch_up(prev.token_ids if prev is not None else None)
-        upload_bitmask = self.bitmasks.fill(constraints)
+        upload_bitmask = self.bitmasks.fill(constraints, wait=plan.draft_token_ids is not None)
 
         @torch.inference_mode()
         def sample() -> SamplerOutput:
