@@ -361,3 +361,6 @@ class ScriptedProposer:
                 draft[1] = (draft[1] + 1) % 1000
             drafts.append(draft)
         return drafts
+
+    def release(self, request) -> None:
+        pass

@@ -85,6 +85,8 @@ def run(llm: LLM, prompt_list, params) -> list[dict]:
     outputs = llm.generate(prompt_list, params, use_tqdm=False)
     assert_all_blocks_free(llm)
     assert not llm.core.has_unfinished() and llm.core.requests == {}
+    if llm.core.speculation is not None and isinstance(llm.core.speculation.proposer, NgramProposer):
+        assert llm.core.speculation.proposer._tokens == {}  # every ended request's tokens dropped
     return outputs
 
 
@@ -110,6 +112,18 @@ def test_ngram_draft_takes_the_longest_suffix_match_and_its_most_recent_whole_co
     assert ngram_draft(np.array([1, 2, 9, 1, 2]), 5, 1, 2) == [9, 1, 2]
     rows = [DraftRow([1, 2, 3, 1, 2], 2), DraftRow([4, 5], 2)]
     assert NgramProposer(1, 3).propose(rows) == [[3, 1], []]
+
+
+def test_ngram_proposer_extends_each_requests_tokens_as_they_grow():
+    proposer, rng = NgramProposer(1, 3), random.Random(0)
+    tokens = [rng.randrange(6) for _ in range(5)]
+    for _ in range(200):  # past several buffer growths
+        tokens += [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+        expected = ngram_draft(np.array(tokens), 3, 1, 3)
+        assert proposer.propose([DraftRow(tokens, 3, "request")]) == [expected]
+    assert proposer.propose([DraftRow(tokens[:4], 3, "request")]) == [ngram_draft(np.array(tokens[:4]), 3, 1, 3)]
+    proposer.release("request")
+    assert proposer._tokens == {}
 
 
 # ---- greedy identity ----------------------------------------------------------------------------
@@ -294,6 +308,7 @@ def test_cancellation_mid_run_frees_every_block(engines):
     core.drain()
     assert not core.has_unfinished() and core.requests == {}
     assert_all_blocks_free(core)
+    assert core.speculation.proposer._tokens == {}
     assert request_ids
 
 
@@ -310,6 +325,9 @@ def test_speculation_is_off_for_large_batches_and_pauses_where_drafts_fail(engin
         def propose(self, rows):
             asked.extend(row.max_tokens for row in rows)
             return [[0] * row.max_tokens for row in rows]  # token 0: never this model's greedy choice
+
+        def release(self, request):
+            pass
     speculation = spec.core.speculation
     ngram, speculation.proposer = speculation.proposer, WrongProposer()
     try:

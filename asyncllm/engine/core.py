@@ -199,6 +199,8 @@ class EngineCore:
         """End one sequence: its blocks and its sampler state are freed."""
         self.scheduler.finish(seq, reason)
         self.runner.release_sequence(seq)
+        if self.speculation is not None:
+            self.speculation.release(seq)
 
     def finish_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
                        index: int | None = None) -> Sequence | None:

@@ -99,7 +99,7 @@ class Speculation:
             room = seq.max_len - len(seq.token_ids) - 1  # every token it may still take, after the bonus one
             k = min(room, math.ceil(self.num_speculative_tokens * seq.draft_acceptance))
             if k > 0 and seq.token_ids[-1] != PENDING_TOKEN:
-                rows.append(DraftRow(seq.token_ids, k))
+                rows.append(DraftRow(seq.token_ids, k, seq))
                 seqs.append(seq)
         for seq, drafts in zip(seqs, self.proposer.propose(rows) if rows else ()):
             if drafts:
@@ -108,6 +108,10 @@ class Speculation:
             else:  # nothing to propose counts as nothing accepted: a request that never matches pauses
                 self._learn(seq, 0.0, step)
         return bool(wanting)
+
+    def release(self, seq: Sequence) -> None:
+        """seq has ended: the proposer drops what it kept for it."""
+        self.proposer.release(seq)
 
     def record(self, seq: Sequence, num_drafts: int, num_accepted: int, step: int) -> None:
         """A verification: num_accepted of seq's num_drafts drafts were accepted."""

@@ -14,13 +14,19 @@ from typing import NamedTuple, Protocol
 
 
 class DraftRow(NamedTuple):
-    """One decoding row to propose for: its tokens so far (prompt, then output; every one known) and
-    the most draft tokens it may take."""
+    """One decoding row to propose for: its tokens so far (prompt, then output; every one known), the
+    most draft tokens it may take, and its request (a key a proposer may keep state under: the same
+    object for the request's life, its tokens only ever appended to)."""
     token_ids: list[int]
     max_tokens: int
+    request: object = None
 
 
 class Proposer(Protocol):
     def propose(self, rows: list[DraftRow]) -> list[list[int]]:
         """Each row's draft tokens, at most its max_tokens (none: the row decodes one token)."""
+        ...
+
+    def release(self, request: object) -> None:
+        """request has ended: drop what was kept for it."""
         ...
