@@ -22,7 +22,9 @@ PENDING_TOKEN = -1
 
 
 class SamplingRequest(Protocol):
-    """What the runner reads of a sampling row's request (the engine's Sequence), and nothing else."""
+    """What the runner reads of a sampling row's request (the engine's Sequence), and nothing else. A
+    speculative position past its request's first (engine/speculation.py DraftPosition) reads as the
+    request with those drafts in token_ids, and has draft_of: that request (a request itself has none)."""
     params: SamplingParams
     token_ids: list[int]  # prompt then completion; the last may be PENDING_TOKEN
     num_prompt_tokens: int

@@ -34,10 +34,14 @@ def step_events(core, sampling: list[ScheduledSeq], token_ids: list[int], per_ro
             length >= seq.max_len or seq.grammar is not None else None
         if reason is not None:
             del seq.token_ids[length:]  # tokens in flight
-        elif length % block_size == 0 and seq.num_computed_tokens > item.token_index:
-            # the token closes a block whose KV a later step already computed: it can be hashed now
-            core.block_manager.commit_computed(seq)
-        event = _event(core, seq, item, [token_id], reason)
+            event = _event(core, seq, item, [token_id], reason)
+        else:  # most tokens: the event inline (this loop runs for every decoding row every step)
+            if length % block_size == 0 and seq.num_computed_tokens > item.token_index:
+                # the token closes a block whose KV a later step already computed: it can be hashed now
+                core.block_manager.commit_computed(seq)
+            event = StepEvent(seq, [token_id], None)
+            if seq.prompt_logprobs is not None and item.token_index == seq.num_prompt_tokens:
+                event.prompt_logprobs = seq.prompt_logprobs
         if logprobs is not None and logprobs[row] is not None and event.error is None:
             event.logprobs = [logprobs[row]]
         events.append(event)
