@@ -303,8 +303,13 @@ def test_cancellation_mid_run_frees_every_block(engines):
     for _ in range(12):
         core.step()
     assert accepted(spec) > before  # it was speculating when cancelled
+    # cancelled mid-verification: a speculating step launched, not yet resolved
+    while core._launched is None or core._launched.plan.draft_token_ids is None:
+        core.resolve_step()
+        core.launch_step()
     for request_id in list(core.requests):
         core.finish_request(request_id)
+    assert core.resolve_step() == []  # the verified tokens of ended requests are dropped, never delivered
     core.drain()
     assert not core.has_unfinished() and core.requests == {}
     assert_all_blocks_free(core)

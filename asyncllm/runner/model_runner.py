@@ -89,7 +89,8 @@ class ModelRunner(RunnerMemory):
             # application's, and another engine's)
             self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
             # speculative decoding's verification, with noise of its own (the sampler's stream is unchanged)
-            self.rejection_sampler = RejectionSampler(torch.Generator(self.device).manual_seed(config.seed + 1))
+            self.rejection_sampler = RejectionSampler(torch.Generator(self.device).manual_seed(
+                (config.seed + 1) % (1 << 64)))
             self.sampling_inputs = SamplingInputs(hf.vocab_size, self.device, config.seed)
             self.num_layers = hf.num_hidden_layers
             attn = self.model.model.layers[0].self_attn
