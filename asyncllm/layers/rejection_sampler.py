@@ -13,7 +13,7 @@ from p. The engine keeps a row's drafts up to its first rejection, then the toke
 Noise: a seeded request's position draws its uniform and its exponential race from a generator
 seeded with that position's noise key (its seed and completion index, layers/sampler.noise_key), so
 a seed reproduces its output; other rows draw from the engine's generator. Plain PyTorch on every
-device (one softmax over the verified rows).
+device (a softmax over the sampled verified rows, ROWS_PER_CHUNK at a time: bounded temporaries).
 """
 from __future__ import annotations
 
@@ -23,13 +23,19 @@ from asyncllm.layers.sampler import SamplerOutput, SamplingTensors, apply_token_
 from asyncllm.layers.sampling_filters import apply_cutoffs, filter_cutoffs
 
 
-def speculative_probs(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
-    """(N, V) float32: each sampled row's distribution p after temperature and its cutoffs (greedy
-    rows: softmax at T = 1, unused). logits: already adjusted and masked."""
-    temperatures = params.temperatures
+# verified rows sampled at once: each takes a few (rows, vocabulary) float32 temporaries (a 152k-token
+# vocabulary: 0.6 MB a row each), which the KV cache's sizing does not set aside beyond this many rows
+ROWS_PER_CHUNK = 16
+
+
+def speculative_probs(logits: torch.Tensor, params: SamplingTensors, rows: slice = slice(None)) -> torch.Tensor:
+    """(N, V) float32: the distribution p of each of logits' rows (params' rows `rows`) after
+    temperature and its cutoffs (greedy rows: softmax at T = 1, unused). logits: adjusted and masked."""
+    temperatures = params.temperatures[rows]
     z = logits.float() / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)
     if params.top_ks is not None or params.top_ps is not None or params.min_ps is not None:
-        z = apply_cutoffs(z, filter_cutoffs(logits, temperatures, params.top_ks, params.top_ps, params.min_ps))
+        top_ks, top_ps, min_ps = (None if t is None else t[rows] for t in (params.top_ks, params.top_ps, params.min_ps))
+        z = apply_cutoffs(z, filter_cutoffs(logits, temperatures, top_ks, top_ps, min_ps))
     return z.softmax(dim=-1)
 
 
@@ -77,9 +83,12 @@ class RejectionSampler:
         if params.all_greedy:
             tokens, accepted = greedy, greedy_accepted
         else:
-            probs = speculative_probs(logits, params)
-            uniforms, exponentials = self._noise(probs, params)
-            sampled, sampled_accepted = verify_drafts(probs, draft_ids, uniforms, exponentials)
+            sampled, sampled_accepted = torch.empty_like(greedy), torch.empty_like(greedy_accepted)
+            for start in range(0, len(logits), ROWS_PER_CHUNK):
+                rows = slice(start, start + ROWS_PER_CHUNK)
+                probs = speculative_probs(logits[rows], params, rows)
+                uniforms, exponentials = self._noise(probs, params, start)
+                sampled[rows], sampled_accepted[rows] = verify_drafts(probs, draft_ids[rows], uniforms, exponentials)
             is_sampled = params.temperatures > 0
             tokens = torch.where(is_sampled, sampled, greedy)
             accepted = torch.where(is_sampled, sampled_accepted, greedy_accepted)
@@ -91,12 +100,14 @@ class RejectionSampler:
             logprobs = gather_logprobs(model_logits[rows], tokens[rows], params.num_top_logprobs)
         return SamplerOutput(tokens, logprobs, accepted=accepted)
 
-    def _noise(self, probs: torch.Tensor, params: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's uniform and exponentials: a seeded row's from its key, the others' from the generator."""
+    def _noise(self, probs: torch.Tensor, params: SamplingTensors, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's uniform and exponentials (probs: params' rows from start on): a seeded row's
+        from its key, the others' from the generator."""
         uniforms = torch.rand(len(probs), device=probs.device, generator=self.generator)
         exponentials = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, key in params.seeded_rows:
-            generator = torch.Generator(probs.device).manual_seed(key)
-            uniforms[row] = torch.rand(1, device=probs.device, generator=generator)[0]
-            exponentials[row].exponential_(generator=generator)
+            if start <= row < start + len(probs):
+                generator = torch.Generator(probs.device).manual_seed(key)
+                uniforms[row - start] = torch.rand(1, device=probs.device, generator=generator)[0]
+                exponentials[row - start].exponential_(generator=generator)
         return uniforms, exponentials
