@@ -317,6 +317,21 @@ def test_cancellation_mid_run_frees_every_block(engines):
     assert request_ids
 
 
+def test_a_steps_logits_rows_stay_within_max_num_seqs(repeating_model, engines, monkeypatch):
+    """The sampler's memory is sized for max_num_seqs rows: drafts are cut to keep a step's logits
+    rows (sampling rows + drafts) within it."""
+    llm = LLM(repeating_model, speculative_config=NGRAM, max_num_seqs=3, **ROOMY)
+    rows, launch = [], llm.core.runner.launch
+
+    def recording_launch(plan, *args, **kwargs):
+        rows.append(len(plan.logits_indices))
+        return launch(plan, *args, **kwargs)
+    monkeypatch.setattr(llm.core.runner, "launch", recording_launch)
+    batch = prompts(2, seed=14)
+    assert ids(run(llm, batch, GREEDY)) == ids(run(engines("repeating", "roomy", False), batch, GREEDY))
+    assert max(rows) == 3 and accepted(llm) > 0  # drafts, cut to one beside a second row
+
+
 def test_speculation_is_off_for_large_batches_and_pauses_where_drafts_fail(engines):
     spec = engines("random", "roomy", True)
     batch = prompts(MAX_SPECULATING_DECODES + 1, seed=9, vocab=100000, lo=4, hi=6)

@@ -265,7 +265,25 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_sort_key)
             take(seq, num_tokens)
+        if out.num_draft_tokens:
+            self._cap_drafts(out)
         return out
+
+    def _cap_drafts(self, out: SchedulerOutput) -> None:
+        """Keep the step's logits rows (one per sampling row, one per draft) within max_num_seqs, the
+        rows the memory probe sized the sampler for: drafts cut from the last speculating rows. Their
+        blocks stay allocated until the step resolves (and truncates past the accepted tokens)."""
+        excess = sum(item.samples for item in out.scheduled) + out.num_draft_tokens - self.max_num_seqs
+        for item in reversed(out.scheduled):
+            if excess <= 0:
+                return
+            if item.draft_token_ids:
+                cut = min(excess, len(item.draft_token_ids))
+                item.draft_token_ids = item.draft_token_ids[:len(item.draft_token_ids) - cut]
+                item.num_tokens -= cut
+                out.num_batched_tokens -= cut
+                out.num_draft_tokens -= cut
+                excess -= cut
 
     def commit(self, out: SchedulerOutput) -> None:
         """Record that the scheduled KV was computed (before sampled tokens are appended)."""
