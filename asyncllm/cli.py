@@ -52,7 +52,7 @@ _CONFIG_HELP = {
     "revision": "a hub id's branch, tag or commit (default: main)",
     "quantization": "fp8: round an unquantized checkpoint's linear weights through FP8 at load (emulated: "
                     "computed in the compute dtype); FP8 checkpoints load without it (default: none)",
-    "kv_cache_dtype": "the KV cache's dtype; fp8 is refused until its kernels exist",
+    "kv_cache_dtype": "the KV cache's dtype: auto (the compute dtype) or fp8 (e4m3, half of bf16's bytes; emulated on CPU)",
     "reasoning_parser": "the model's reasoning tags: answers carry reasoning_content apart from content, and "
                         "structured output applies after the reasoning (default: none, content holds everything)",
     "speculative_config": "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
@@ -184,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--trust-request-chat-template", action="store_true",
                       help="render chat templates that requests send (chat_template, chat_template_kwargs); "
                            "they run on this server, so by default they get 400")
+    http.add_argument("--parse-special-tokens-in-chat-content", action="store_true",
+                      help="special-token text in chat messages (<|im_start|>) becomes those tokens, as before "
+                           "transformers 5.20; by default it is encoded as text, so a user cannot open a system turn")
     http.add_argument("--max-tokens-limit", type=_positive_int, default=None,
                       help="largest max_tokens a request may ask for, larger ones get 400 (default: the context)")
     http.add_argument("--max-generated-tokens", type=_positive_int, default=DEFAULT_MAX_GENERATED_TOKENS,
@@ -292,7 +295,8 @@ def serve(args: argparse.Namespace) -> int:
     try:
         # the options checked and the model resolved (a hub download, a GGUF conversion, its config)
         # before the HTTP server: what is refused here is this one line and exit code 2
-        engine = AsyncLLMEngine(model, **options)
+        engine = AsyncLLMEngine(model, parse_special_tokens_in_chat_content=args.parse_special_tokens_in_chat_content,
+                                **options)
     except (ValueError, TypeError, OSError) as e:
         print(f"asyncllm serve: {e}", file=sys.stderr)
         return 2

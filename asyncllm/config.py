@@ -169,13 +169,16 @@ class Config:
     # None: weights as the checkpoint has them (an FP8 checkpoint is dequantized at load); "fp8": an
     # unquantized checkpoint's decoder linear weights rounded through FP8 (128x128 blocks) at load
     quantization: str | None = None
-    kv_cache_dtype: str = "auto"  # "auto": the compute dtype ("fp8" is refused: no kernel reads one yet)
+    # "auto": the compute dtype; "fp8": float8_e4m3fn with a scale per tensor (attention/base.py's
+    # FP8_KV_SCALES), half the bytes of bf16 a token, so twice the blocks (Triton backend; emulated on CPU)
+    kv_cache_dtype: str = "auto"
     # speculative decoding, vLLM's dict: {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_max": n, "prompt_lookup_min": m} (SpeculativeConfig above); None: off
     speculative_config: dict | None = None
     # filled in from the checkpoint by models.resolve.resolve_config; not user settings
     hf_config: Any = field(default=None, repr=False, init=False)
     torch_dtype: torch.dtype | None = field(default=None, repr=False, init=False)
+    kv_cache_torch_dtype: torch.dtype | None = field(default=None, repr=False, init=False)  # from kv_cache_dtype
     # speculative_config, checked (None: off)
     speculative: SpeculativeConfig | None = field(default=None, repr=False, init=False)
 
@@ -224,9 +227,11 @@ class Config:
             _fail("reasoning_parser", f"must be None or one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
         _fail.one_of("quantization", self.quantization, QUANTIZATIONS)
         _fail.one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
-        if self.kv_cache_dtype == "fp8":
-            _fail("kv_cache_dtype", "'fp8' is not supported yet: no attention backend stores or reads an FP8 KV "
-                                    "cache (issue 47); use 'auto' (the compute dtype)")
+        if self.kv_cache_dtype == "fp8" and self.attention_backend in ("fa4", "fa2"):
+            # FlashAttention reads an FP8 cache only with an FP8 query and descale tensors (FA3's path),
+            # which these backends do not drive; the Triton kernels dequantize as they load
+            _fail("kv_cache_dtype", f"'fp8' is not supported by attention_backend={self.attention_backend!r}; use "
+                                    "attention_backend='triton' or 'auto' (or 'torch'), or kv_cache_dtype='auto'")
         self.speculative = parse_speculative_config(self.speculative_config, _fail)
         if self.device not in ("auto", "cpu", "cuda"):
             _fail("device", f"must be 'auto', 'cpu' or 'cuda', got {self.device!r}")

@@ -20,6 +20,8 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value
 # turns it into an array once (engine/sequence.py), and a step's cost for it is a copy of that array.
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_STOP_TOKEN_IDS = 128
+# bad words are encoded per request and matched against every step's tail: bounded like stop strings
+MAX_BAD_WORDS = 128
 MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty
 # repetition_penalty divides positive logits by it and multiplies negative ones: kept within
 # [1 / this, this], so that float32 logits stay finite and a banned token's -inf never meets a 0
@@ -203,6 +205,11 @@ class SamplingParams:
             if not isinstance(self.bad_words, (list, tuple)) or not all(
                     isinstance(w, str) and w.strip() for w in self.bad_words):
                 fail("bad_words", f"expected a list of non-blank strings, got {short_repr(self.bad_words)}")
+            if len(self.bad_words) > MAX_BAD_WORDS:
+                fail("bad_words", f"at most {MAX_BAD_WORDS} words, got {len(self.bad_words)}")
+            longest = max(len(w) for w in self.bad_words)
+            if longest > MAX_STOP_STRING_CHARS:
+                fail("bad_words", f"a bad word may have at most {MAX_STOP_STRING_CHARS} characters, got one of {longest}")
             self.bad_words = list(self.bad_words)
         for name in ("skip_special_tokens", "spaces_between_special_tokens", "speculate"):
             fail.expect_bool(name, getattr(self, name))

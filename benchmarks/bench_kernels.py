@@ -3,7 +3,7 @@
 
     python benchmarks/bench_kernels.py [--json results.json] [--no-fa4] [--budget-s 60] [--grid]
                                        [--timing graph|eager] [--splits-sweep] [--mixed] [--tile-sweep]
-                                       [--short-over-long]
+                                       [--short-over-long] [--fp8-kv]
 
 Timing (--timing graph, the default) is the median of CUDA-graph replays of each call, with L2 flushed
 before every one (asyncllm.layers.skinny_linear.time_calls): decode runs in graphs, and a
@@ -21,7 +21,9 @@ short prefill chunk over a long cached context (issue 44: a new chat turn over a
 the varlen kernel's KV splits as choose_prefill_splits picks them against one split, beside FA4, alone
 and with the grid of a mixed CUDA graph (the bucket's room for more sequences: empty ones). FA2 has no
 paged KV here: it reads the same K/V gathered into contiguous varlen tensors (cum_seq_k). FA4
-reads the paged cache through page_table, like ours. Decode reports achieved K+V bandwidth;
+reads the paged cache through page_table, like ours. --fp8-kv times our decode over a bf16 cache
+and over the same K/V in FP8 (kv_cache_dtype="fp8"), with the default decode tile and a 128-position
+one (an FP8 tile of 128 positions is a bf16 tile of 64's bytes). Decode reports achieved K+V bandwidth;
 prefill reports TFLOP/s counting only the causally visible keys. "err" is ours vs FA2, relative.
 """
 from __future__ import annotations
@@ -81,6 +83,39 @@ def run_ours(c: dict, out: torch.Tensor, num_splits: int | None = None, workspac
     return paged_attention(c["q"], c["k_cache"], c["v_cache"], c["query_start_loc"], c["seq_lens"], c["block_tables"],
                            c["max_query_len"], c["max_seq_len"], HEAD_DIM ** -0.5, out=out, num_splits=num_splits,
                            workspace=workspace, decode_tile=decode_tile)
+
+
+def fp8_kv(timing: str) -> list[dict]:
+    """Our decode over the bf16 cache of make_case and over the same K/V quantized to FP8 (scale 1.0,
+    as the engine keeps it), at the choose_num_splits count: times, K+V bandwidth (each cache's own
+    bytes), FP8's speed-up, and how far its output lies from bf16's (the quantization's error)."""
+    from asyncllm.kernels import choose_decode_tile, choose_num_splits, split_workspace_numel
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for batch, context in itertools.product((1, 16, 64, 256), (1024, 8192)):
+        c = make_case(batch, 1, context, 128)
+        fp8 = dict(c, k_cache=c["k_cache"].to(torch.float8_e4m3fn), v_cache=c["v_cache"].to(torch.float8_e4m3fn))
+        splits = choose_num_splits(batch, NUM_KV_HEADS, c["max_seq_len"], num_sms)
+        workspace = torch.empty(max(1, split_workspace_numel(batch, NUM_HEADS, HEAD_DIM, splits)),
+                                dtype=torch.float32, device="cuda")
+        out = torch.empty_like(c["q"])
+        default_tile = choose_decode_tile(batch * NUM_KV_HEADS * splits, num_sms, True)
+        calls = [lambda case=case, tile=tile: run_ours(case, out, splits, workspace, tile)
+                 for case, tile in ((c, default_tile), (fp8, default_tile), (fp8, (128, 2, 4)))]
+        bf16_ms, fp8_ms, fp8_wide_ms = time_ms(calls, timing)
+        ref = calls[0]().float().clone()
+        err = ((calls[1]().float() - ref).norm() / ref.norm()).item()
+        kv_elems = 2 * batch * c["max_seq_len"] * NUM_KV_HEADS * HEAD_DIM
+        rows.append(dict(batch=batch, context=context, num_splits=splits, tile=list(default_tile), bf16_ms=bf16_ms,
+                         fp8_ms=fp8_ms, fp8_tile128_ms=fp8_wide_ms, bf16_tbps=2 * kv_elems / (bf16_ms * 1e-3) / 1e12,
+                         fp8_tbps=kv_elems / (fp8_ms * 1e-3) / 1e12, speedup=bf16_ms / fp8_ms,
+                         speedup_tile128=bf16_ms / fp8_wide_ms, fp8_err_vs_bf16=err))
+        r = rows[-1]
+        print(f"decode {batch}x{context} s{splits}: bf16 {bf16_ms:.4f} ms ({r['bf16_tbps']:.2f} TB/s), fp8 "
+              f"{fp8_ms:.4f} ms ({r['fp8_tbps']:.2f} TB/s, x{r['speedup']:.2f}), fp8 tile 128 {fp8_wide_ms:.4f} ms "
+              f"(x{r['speedup_tile128']:.2f}), fp8 vs bf16 {err:.1e}", flush=True)
+        torch.cuda.empty_cache()
+    return rows
 
 
 def run_fa4(fa4, c: dict, num_splits: int = 1) -> torch.Tensor:
@@ -351,6 +386,8 @@ def main() -> None:
                         help="only our decode at each split count and decode tile, beside FA4 (batches 8..256)")
     parser.add_argument("--mixed", action="store_true",
                         help="only mixed steps: their decodes in the varlen kernel against the decode kernel")
+    parser.add_argument("--fp8-kv", action="store_true",
+                        help="only our decode over a bf16 cache against the same K/V in FP8 (kv_cache_dtype='fp8')")
     parser.add_argument("--short-over-long", action="store_true",
                         help="only short prefill chunks over long contexts: split KV against one split, and FA4")
     args = parser.parse_args()
@@ -364,8 +401,9 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump(dict(timing=args.timing, fa4=fa4_error or "installed", results=rows), f, indent=2)
         return
-    if args.splits_sweep or args.mixed:
-        rows = splits_sweep(args.timing) if args.splits_sweep else mixed_steps(args.timing)
+    if args.splits_sweep or args.mixed or args.fp8_kv:
+        rows = splits_sweep(args.timing) if args.splits_sweep else mixed_steps(args.timing) if args.mixed \
+            else fp8_kv(args.timing)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(dict(timing=args.timing, results=rows), f, indent=2)

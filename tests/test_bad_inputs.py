@@ -95,6 +95,8 @@ BAD_INPUTS: list[Bad] = [
     Bad(SP, 'ignore_eos="yes"', dict(ignore_eos="yes"), ValueError, "ignore_eos", "bool"),
     # every step lists these for the sampler: long lists slowed every request sharing the steps
     Bad(SP, "stop_token_ids=[1] * 129", dict(stop_token_ids=[1] * 129), ValueError, "stop_token_ids", "at most 128"),
+    Bad(SP, "bad_words=['x'] * 129", dict(bad_words=["x"] * 129), ValueError, "bad_words", "at most 128"),
+    Bad(SP, "bad_words=['x' * 1025]", dict(bad_words=["x" * 1025]), ValueError, "bad_words", "at most 1024 characters"),
     Bad(SP, "logit_bias of 1025 entries", dict(logit_bias={i: 1.0 for i in range(1025)}), ValueError, "logit_bias",
         "at most 1024"),
     Bad(SP, "timeout=0", dict(timeout=0), ValueError, "timeout", "> 0"),
@@ -119,7 +121,8 @@ BAD_INPUTS: list[Bad] = [
     Bad(CFG, 'dtype="int8"', dict(dtype="int8"), ValueError, "dtype"),
     Bad(CFG, 'device="tpu"', dict(device="tpu"), ValueError, "device"),
     Bad(CFG, 'quantization="awq"', dict(quantization="awq"), ValueError, "quantization", "one of"),
-    Bad(CFG, 'kv_cache_dtype="fp8"', dict(kv_cache_dtype="fp8"), ValueError, "kv_cache_dtype", "not supported yet"),
+    Bad(CFG, 'kv_cache_dtype="fp8", attention_backend="fa4"', dict(kv_cache_dtype="fp8", attention_backend="fa4"),
+        ValueError, "kv_cache_dtype", "not supported by attention_backend"),
     Bad(CFG, 'model="/nonexistent"', dict(model="/nonexistent"), ValueError, "model", "does not exist"),
     Bad(CFG, "model=123", dict(model=123), ValueError, "model", "path"),
     Bad(LLM_, "kv_cache_blocks=4 (unknown option)", dict(kv_cache_blocks=4), TypeError, "kv_cache_blocks", "unknown"),

@@ -20,6 +20,7 @@ sys.path.insert(0, BENCHMARKS)
 import bench_ablation  # noqa: E402
 import bench_delivery  # noqa: E402
 import bench_embed  # noqa: E402
+import bench_fp8_quality  # noqa: E402
 import bench_host_ops  # noqa: E402
 import bench_http  # noqa: E402
 import bench_latency  # noqa: E402
@@ -54,6 +55,17 @@ def test_bench_throughput_runs_with_every_feature(tiny_model):
                                   "--mode", "sync", "--features", "penalties+logprobs+json"])
     (row,) = rows_without_errors(data)
     assert row["total_tokens"] > 0 and row["throughput_tok_s"] > 0
+
+
+def test_bench_fp8_quality_compares_every_configuration_with_bf16(tiny_model):
+    data = bench_fp8_quality.main(["--model-dir", tiny_model, "--device", "cpu", "--max-tokens", "40"])
+    rows = {row["config"]: row for row in rows_without_errors(data)}
+    assert list(rows) == [name for name, _ in bench_fp8_quality.CONFIGS]
+    assert all(row["tokens"] == 40 for row in rows.values())
+    assert rows["bf16"]["mean_kl"] == 0.0 and rows["bf16"]["top1_agreement"] == 1.0
+    # each FP8 configuration changes the distributions (its KL is no rounding-free zero), and bounds them
+    for name in ("weights FP8", "KV FP8", "weights + KV FP8"):
+        assert 0.0 < rows[name]["mean_kl"] < 1.0 and rows[name]["perplexity"] > 1.0, rows[name]
 
 
 def test_bench_embed_reports_every_row_of_each_pooling(tiny_model):

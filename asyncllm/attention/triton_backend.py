@@ -99,7 +99,9 @@ class TritonAttentionBackend(AttentionBackend):
         return (split_workspace_numel(num_seqs, self.num_heads, self.head_dim, meta.num_splits)
                 + split_workspace_numel(num_tokens, self.num_heads, self.head_dim, meta.prefill_splits))
 
-    store_kv = staticmethod(store_kvcache)
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        store_kvcache(k, v, k_cache, v_cache, slot_mapping, self.kv_scales)
 
     def attend(self, layer_id: int, q: torch.Tensor, batch: ForwardBatch,
                rope: DecodeRope | None = None) -> torch.Tensor:
@@ -109,7 +111,7 @@ class TritonAttentionBackend(AttentionBackend):
                                batch.max_query_len, batch.max_seq_len, self.scale,
                                num_splits=meta.num_splits, workspace=meta.workspace, num_sms=self.num_sms,
                                single_rows=meta.single_rows, rope=rope, prefill_splits=meta.prefill_splits,
-                               split_tokens=self.split_tokens)
+                               split_tokens=self.split_tokens, kv_scales=self.kv_scales)
 
     def attend_qkv(self, layer_id: int, qkv: torch.Tensor, rope: DecodeRope, batch: ForwardBatch) -> torch.Tensor:
         # paged_attention decides: on the small grids of batch-1 decodes the decode kernel does the q/k

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from asyncllm.kernels.host import next_power_of_2
+from asyncllm.kernels.kv_store import is_fp8_cache, quantize_for_cache
 from asyncllm.kernels.pdl import launch_dependents, launch_options, wait_for_previous
 
 
@@ -147,10 +148,11 @@ def head_norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM: tl.constexpr, HAS_NO
 @triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, stride_t, stride_cs, eps,
                          k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_cb, stride_cslot, stride_ch,
+                         k_inv_scale, v_inv_scale,
                          NUM_Q_HEADS: tl.constexpr, NUM_QK_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
                          HAS_NORM: tl.constexpr, STORE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                         BLOCK_KV: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
+                         BLOCK_KV: tl.constexpr, BLOCK_D: tl.constexpr, FP8_KV: tl.constexpr, USE_PDL: tl.constexpr):
     launch_dependents(USE_PDL)  # first thing: kernels/pdl.py
     # one program per token: its q heads then its k heads, which sit next to each other in the
     # row of the fused projection, each as two halves (the rotary pairs x[i] with x[i + HALF])
@@ -197,24 +199,25 @@ def _qk_norm_rope_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_we
             k_mask = mask & (heads >= NUM_Q_HEADS)[:, None]
             k_dst = k_cache_ptr + cache_row + kv_head[:, None] * stride_ch + offs[None, :]
             cache_dtype = k_cache_ptr.dtype.element_ty
-            tl.store(k_dst, out1.to(cache_dtype), mask=k_mask)
-            tl.store(k_dst + HALF, out2.to(cache_dtype), mask=k_mask)
-            tl.store(v_cache_ptr + cache_row + v_heads[:, None] * stride_ch + offs_d[None, :], v.to(cache_dtype),
-                     mask=v_mask)
+            tl.store(k_dst, quantize_for_cache(out1, k_inv_scale, FP8_KV).to(cache_dtype), mask=k_mask)
+            tl.store(k_dst + HALF, quantize_for_cache(out2, k_inv_scale, FP8_KV).to(cache_dtype), mask=k_mask)
+            tl.store(v_cache_ptr + cache_row + v_heads[:, None] * stride_ch + offs_d[None, :],
+                     quantize_for_cache(v, v_inv_scale, FP8_KV).to(cache_dtype), mask=v_mask)
 
 
 def qk_norm_rope_(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, num_q_heads: int,
                   num_k_heads: int, head_dim: int, q_weight: torch.Tensor | None = None,
                   k_weight: torch.Tensor | None = None, eps: float = 1e-6,
                   kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  slot_mapping: torch.Tensor | None = None) -> torch.Tensor:
+                  slot_mapping: torch.Tensor | None = None,
+                  kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """In place on qkv (tokens, (num_q_heads + 2 * num_k_heads) * head_dim), rows [q | k | v]:
     RMSNorm of each q and k head (when q_weight and k_weight are given), then rotary of q and k by
     their positions (half-split layout; cos_sin_cache rows are [cos(half) | sin(half)] in fp32).
     v is untouched. With kv_cache = (k_cache, v_cache), each (num_blocks, block_size, num_k_heads,
     head_dim) with identical strides, and slot_mapping (tokens,) int64 (-1: skip), the rotated k and
-    v are also stored into the cache, as kernels.store_kvcache would. One launch where the modules
-    take up to six."""
+    v are also stored into the cache, as kernels.store_kvcache would (an FP8 cache quantized by
+    kv_scales = (k_scale, v_scale)). One launch where the modules take up to six."""
     num_tokens = qkv.shape[0]
     assert qkv.dim() == 2 and qkv.stride(1) == 1 and cos_sin_cache.stride(-1) == 1
     if num_tokens:
@@ -225,14 +228,16 @@ def qk_norm_rope_(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: tor
             k_cache, v_cache = kv_cache
             assert k_cache.shape[2:] == (num_k_heads, head_dim) and k_cache.stride() == v_cache.stride()
             assert k_cache.stride(-1) == 1 and slot_mapping is not None and slot_mapping.shape[0] == num_tokens
-            cache_args = (k_cache, v_cache, slot_mapping, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+            cache_args = (k_cache, v_cache, slot_mapping, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                          1.0 / kv_scales[0], 1.0 / kv_scales[1])
         else:
-            cache_args = (qkv, qkv, positions, 0, 0, 0)  # unused
+            cache_args = (qkv, qkv, positions, 0, 0, 0, 1.0, 1.0)  # unused
         _qk_norm_rope_kernel[(num_tokens,)](
             qkv, positions, cos_sin_cache, q_weight if has_norm else qkv, k_weight if has_norm else qkv,
             qkv.stride(0), cos_sin_cache.stride(0), eps, *cache_args,
             NUM_Q_HEADS=num_q_heads, NUM_QK_HEADS=num_q_heads + num_k_heads, HEAD_DIM=head_dim, HALF=half,
             BLOCK_H=next_power_of_2(num_q_heads + num_k_heads), BLOCK_HALF=next_power_of_2(half), HAS_NORM=has_norm,
             STORE_KV=store, BLOCK_SIZE=kv_cache[0].shape[1] if store else 1, BLOCK_KV=next_power_of_2(num_k_heads),
-            BLOCK_D=next_power_of_2(head_dim), num_warps=4, **launch_options(qkv))
+            BLOCK_D=next_power_of_2(head_dim), FP8_KV=store and is_fp8_cache(kv_cache[0]), num_warps=4,
+            **launch_options(qkv))
     return qkv

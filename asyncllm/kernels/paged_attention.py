@@ -52,6 +52,7 @@ import triton.language as tl
 from asyncllm import settings
 from asyncllm.kernels.fused_ops import head_norm_rope, qk_norm_rope_
 from asyncllm.kernels.host import cdiv, next_power_of_2
+from asyncllm.kernels.kv_store import is_fp8_cache, quantize_for_cache
 from asyncllm.kernels.pdl import launch_dependents, launch_options, wait_for_previous
 
 LOG2E = 1.4426950408889634
@@ -154,7 +155,11 @@ def _attend(acc, l_i, m_i, q, q_pos, k_base, v_base, bt_row_ptr, max_blocks, lo,
 def _attend_tile(acc, l_i, m_i, q, k, v, keep, qk_scale,
                  MASKED: tl.constexpr, UPCAST_DOT: tl.constexpr, PRECISION: tl.constexpr):
     """The online-softmax update for one loaded K/V tile; where MASKED, positions outside keep
-    (broadcast against (M, BLOCK_N)) count for nothing."""
+    (broadcast against (M, BLOCK_N)) count for nothing. An FP8 tile is widened to q's dtype here
+    (exact: e4m3 fits bf16 / fp16); its scales are the caller's (k_scale in qk_scale, v_scale on
+    the output)."""
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
     s = _dot(q, tl.trans(k), UPCAST_DOT, PRECISION) * qk_scale  # (M, BLOCK_N), log2 domain
     if MASKED:
         s = tl.where(keep, s, float("-inf"))
@@ -207,7 +212,7 @@ def _prefill_split_count(kv_hi, num_splits, split_tokens):
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    qk_scale, num_seqs, num_splits, split_tokens,
+    qk_scale, v_scale, num_seqs, num_splits, split_tokens,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt, max_blocks,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
@@ -278,7 +283,7 @@ def _prefill_kernel(
                             full_hi, hi, hi, qk_scale, stride_kb, stride_ks,
                             HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, True, UPCAST_DOT, PRECISION)
 
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale
     if splits_here == 1:
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -367,14 +372,14 @@ def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
     positions_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, slot_mapping_ptr, stride_cs, eps,
-    qk_scale, num_splits,
+    qk_scale, v_scale, k_inv_scale, v_inv_scale, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt, max_blocks,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     G: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, FIRST_TILE_EARLY: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    FP8_KV: tl.constexpr, UPCAST_DOT: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     launch_dependents(USE_PDL)  # first thing: kernels/pdl.py
     seq = tl.program_id(0)
@@ -452,13 +457,16 @@ def _decode_kernel(
                             HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, False, UPCAST_DOT, PRECISION)
     if ROPE:
         if (lo <= seq_len - 1) & (seq_len - 1 < hi):  # this split holds the current position
-            acc, l_i, m_i = _attend_row(acc, l_i, m_i, q, k_new, v_new, qk_scale)
+            # the row as the cache keeps it (an FP8 cache's quantized), attended as later steps will read it
+            k_row = quantize_for_cache(k_new, k_inv_scale, FP8_KV).to(k_cache_ptr.dtype.element_ty)
+            v_row = quantize_for_cache(v_new, v_inv_scale, FP8_KV).to(v_cache_ptr.dtype.element_ty)
+            acc, l_i, m_i = _attend_row(acc, l_i, m_i, q, k_row.to(q.dtype), v_row.to(q.dtype), qk_scale)
             if slot >= 0:
                 cache_row = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_ks + offs_d
-                tl.store(k_base + cache_row, k_new.to(k_cache_ptr.dtype.element_ty))
-                tl.store(v_base + cache_row, v_new.to(v_cache_ptr.dtype.element_ty))
+                tl.store(k_base + cache_row, k_row)
+                tl.store(v_base + cache_row, v_row)
 
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale
     if DIRECT:
         out_ptrs = out_ptr + token.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -621,7 +629,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     num_splits: int | None = None, workspace: torch.Tensor | None = None,
                     num_sms: int = DEFAULT_NUM_SMS, single_rows: bool = True,
                     rope=None, decode_tile: tuple[int, int, int] | None = None,
-                    prefill_splits: int | None = None, split_tokens: int = PREFILL_SPLIT_TOKENS) -> torch.Tensor:
+                    prefill_splits: int | None = None, split_tokens: int = PREFILL_SPLIT_TOKENS,
+                    kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """Causal attention of each sequence's query rows over its paged KV; see the module docstring.
 
     q: (T, H, D); k_cache, v_cache: (num_blocks, block_size, Hkv, D); query_start_loc: (B+1,) int32;
@@ -643,6 +652,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     this step's K/V is not in the cache yet: a decode step on a small grid (the early tile's) does
     that work in its decode kernel, which also stores the K/V row; any other step runs
     kernels.fused_ops.qk_norm_rope_ (in place on q, storing K/V) first.
+
+    An FP8 cache (float8_e4m3fn) holds K / k_scale and V / v_scale, kv_scales = (k_scale, v_scale):
+    its tiles are widened to q's dtype as they load, k_scale folds into the softmax scale and v_scale
+    into the output (per tensor, so one multiply each instead of one per element); K/V this call
+    stores are quantized as kernels.store_kvcache quantizes them.
     """
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -658,7 +672,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if not rope_in_decode:
             qk_norm_rope_(qkv, rope.positions, rope.cos_sin_cache, rope.num_heads, num_kv_heads, head_dim,
                           rope.q_weight, rope.k_weight, rope.eps, kv_cache=(k_cache, v_cache),
-                          slot_mapping=rope.slot_mapping)
+                          slot_mapping=rope.slot_mapping, kv_scales=kv_scales)
             rope = None
     num_tokens, num_heads, head_dim = q.shape
     assert k_cache.shape[3] == head_dim and v_cache.shape == k_cache.shape
@@ -678,7 +692,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     upcast, precision = _dot_config(q.dtype)
     block_d = next_power_of_2(head_dim)
     small_elems = q.element_size() <= 2
-    qk_scale = scale * LOG2E
+    fp8_kv = is_fp8_cache(k_cache)
+    k_scale, v_scale = kv_scales if fp8_kv else (1.0, 1.0)
+    qk_scale = scale * LOG2E * k_scale
     pdl = launch_options(q)
     common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
                   UPCAST_DOT=upcast, PRECISION=precision, **pdl)
@@ -710,14 +726,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
             q, k_cache, v_cache, out, part_out, part_lse,
             query_start_loc, seq_lens, block_tables, *rope_args,
-            qk_scale, num_splits,
+            qk_scale, v_scale, 1.0 / k_scale, 1.0 / v_scale, num_splits,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             block_tables.shape[1],
             *part_strides,
             G=group, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_N=tile_n, DIRECT=direct,
             FIRST_TILE_EARLY=_first_tile_early(num_seqs, num_kv_heads, num_splits, num_sms),
-            ROPE=rope is not None, HAS_NORM=rope is not None and rope.q_weight is not None,
+            ROPE=rope is not None, HAS_NORM=rope is not None and rope.q_weight is not None, FP8_KV=fp8_kv,
             num_warps=tile_warps, num_stages=tile_stages, **common,
         )
         if not direct:
@@ -738,7 +754,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, part_out, part_lse,
         query_start_loc, seq_lens, block_tables,
-        qk_scale, num_seqs, prefill_splits, split_tokens,
+        qk_scale, v_scale, num_seqs, prefill_splits, split_tokens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         block_tables.shape[1],

@@ -37,6 +37,7 @@ def resolve_config(config: Config) -> Config:
         if isinstance(ckpt, str):
             ckpt = TORCH_DTYPES.get(ckpt)
         config.torch_dtype = ckpt if ckpt in (torch.float16, torch.bfloat16, torch.float32) else torch.bfloat16
+    config.kv_cache_torch_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else config.torch_dtype
     if config.device == "cpu":
         memory = _machine_memory()
         if memory is not None:
@@ -99,7 +100,8 @@ def _check_cpu_kv_cache(config: Config, memory: int) -> None:
     """A CPU KV cache larger than the machine's memory fails (or is OOM-killed) deep in torch: say so here."""
     hf = config.hf_config
     kv_heads, head_dim = _kv_heads_and_head_dim(hf)
-    per_block = 2 * hf.num_hidden_layers * config.kvcache_block_size * kv_heads * head_dim * config.torch_dtype.itemsize
+    per_block = (2 * hf.num_hidden_layers * config.kvcache_block_size * kv_heads * head_dim
+                 * config.kv_cache_torch_dtype.itemsize)
     name, size = ("num_kvcache_blocks", config.num_kvcache_blocks * per_block) if config.num_kvcache_blocks != -1 \
         else ("cpu_kvcache_bytes", config.cpu_kvcache_bytes)
     if size > memory:

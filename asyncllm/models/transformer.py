@@ -81,7 +81,8 @@ class DecoderAttention(nn.Module):
         rope = self._decode_rope(positions, batch)
         self._fused.qk_norm_rope_(qkv, positions, rope.cos_sin_cache, self.num_heads, self.num_kv_heads,
                                   self.head_dim, rope.q_weight, rope.k_weight, rope.eps,
-                                  kv_cache=batch.attn_backend.kv_cache(self.layer_id), slot_mapping=batch.slot_mapping)
+                                  kv_cache=batch.attn_backend.kv_cache(self.layer_id), slot_mapping=batch.slot_mapping,
+                                  kv_scales=batch.attn_backend.kv_scales)
         q, _, _ = self._split_heads(qkv)
         return q, None, None
 

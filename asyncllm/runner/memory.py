@@ -92,12 +92,12 @@ class RunnerMemory:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize
 
     def _allocate_kv_cache(self) -> None:
         shape = (2, self.num_layers, self.num_kvcache_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         # zeros, not garbage: the CPU path's attention reads whole blocks (masked), where NaN would spread
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     def _release_kv_cache(self) -> None:
         """The graphs, the attention backend (views of the cache, and its workspaces) and the cache go."""
@@ -167,7 +167,7 @@ class RunnerMemory:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         probe_cache = torch.zeros((2, self.num_layers, 1, self.block_size, self.num_kv_heads, self.head_dim),
-                                  dtype=self.dtype, device=self.device)
+                                  dtype=self.kv_dtype, device=self.device)
         self.attn_backend = self._create_backend(probe_cache)
         self.num_kvcache_blocks = 1  # the probe cache's: what the synthetic step's block tables index
         num_tokens = self.config.max_num_batched_tokens

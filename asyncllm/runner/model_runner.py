@@ -74,6 +74,7 @@ class ModelRunner(RunnerMemory):
         self.decisions = StartupDecisions.opened_for(config, self.device)
         skinny_linear.use_decisions(self.decisions)
         self.dtype = config.torch_dtype
+        self.kv_dtype = config.kv_cache_torch_dtype  # the compute dtype, or float8_e4m3fn (kv_cache_dtype="fp8")
         self.block_size = config.kvcache_block_size
         self.graph_runner = None  # captured last; the memory probe below runs the model eagerly
         self.sampler_graphs = None  # plain sampling over each graph's logits, captured after the graphs

@@ -91,7 +91,8 @@ def _model_fingerprint(config) -> dict:
               "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
               "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size")
     out = {name: getattr(hf, name, None) for name in fields}
-    out.update(dtype=str(config.torch_dtype), kvcache_block_size=config.kvcache_block_size,
+    out.update(dtype=str(config.torch_dtype), kv_cache_dtype=config.kv_cache_dtype,
+               kvcache_block_size=config.kvcache_block_size,
                tensor_parallel_size=config.tensor_parallel_size, device=config.device)
     return out
 
