@@ -1,9 +1,10 @@
 """The serving workloads through `asyncllm serve`, each beside its in-process twin (issue 45).
 
     python benchmarks/bench_http.py [--workloads burst,closed,poisson] [--paths in-process,httpx,openai]
-        [--client-processes 4] [--num-requests 256] [--concurrency 64] [--rate 53.5] [--json PATH]
+        [--client-processes 4] [--num-requests 256] [--concurrency 64] [--rate 53.5] [--temperature 0.6]
+        [--json PATH]
 
-Workloads (random token-id prompts, EOS ignored, temperature 0.6, --seed):
+Workloads (random token-id prompts, EOS ignored, --temperature, --seed):
   burst    nano-vllm's bench.py requests (--num-requests, prompts of 100..--max-input tokens, max_tokens
            100..--max-output), all sent at once: the offline workload as one burst
   closed   --concurrency closed-loop clients, max(3C, 16) requests of --input-len / --output-len tokens
@@ -23,6 +24,16 @@ between such chunks, pooled), TPOT, E2E (p50, p99); output tokens from the usage
 (stream_options.include_usage); output tok/s = all tokens / (the last request's end - the common
 start). The in-process twin counts a stream item when it has text, as the server sends a chunk.
 "/ in-process" columns: each row's output tok/s, TTFT p50 and ITL p99 over its twin's.
+CPU per output token (Linux, from /proc) of the process that serves the row, while it runs: "loop" is
+its main thread, which runs the event loop (the twin's stream reads and detokenizing; the server's
+HTTP, JSON and SSE framing too), "process" all its threads (the engine thread's too). The loop
+column's difference between a server row and its twin is the server's own per-token host cost.
+
+On CPU, that cost shows with a model whose steps are cheap (clients, server and engine share the
+CPU cores, so tok/s there says little):
+    OMP_NUM_THREADS=1 python benchmarks/bench_http.py --device cpu --shape tiny-v16k --temperature 0
+        --workloads closed --paths in-process,httpx --client-processes 2 --concurrency 64 --input-len 128
+        --output-len 256 --warmup-requests 4
 
 On the GPU image (no registry there) starlette, uvicorn and openai (with distro, jiter, pydantic,
 pydantic-core, annotated-types, typing-inspection, sniffio) travel as wheels in .whl/
@@ -54,7 +65,6 @@ LOAD_CLIENTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "load_cl
 WORKLOADS = ("burst", "closed", "poisson")
 PATHS = ("in-process", "httpx", "openai")
 MODEL_NAME = "bench"
-TEMPERATURE = 0.6
 
 
 def workloads(args) -> dict[str, tuple[list[tuple[list[int], int]], list[float] | None, int]]:
@@ -83,11 +93,29 @@ def workload_label(name: str, args) -> str:
             "poisson": f"Poisson {args.rate:g} req/s"}[name]
 
 
-def make_row(name: str, args, path: str, processes: int, results: list[dict], wall: float) -> dict:
+def cpu_seconds(pid: int) -> dict[str, float] | None:
+    """A live process's CPU seconds (user + system): its main thread's ("loop": the event loop runs
+    there) and all its threads' ("process"); None where /proc cannot tell (not Linux)."""
+    def read(path: str) -> float:
+        with open(path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    try:
+        return dict(loop=read(f"/proc/{pid}/task/{pid}/stat"), process=read(f"/proc/{pid}/stat"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def make_row(name: str, args, path: str, processes: int, results: list[dict], wall: float,
+             cpu_before: dict | None = None, cpu_after: dict | None = None) -> dict:
+    """cpu_before, cpu_after: cpu_seconds() of the serving process around the row."""
     failed = [r for r in results if r.get("error") or r.get("ttft") is None]
     done = [r for r in results if r not in failed]
     row = dict(workload=workload_label(name, args), path=path, processes=processes, errors=len(failed),
                output_tokens=sum(r["tokens"] for r in done), **summarize(done, wall))
+    if cpu_before is not None and cpu_after is not None and row["output_tokens"]:
+        for part in ("loop", "process"):
+            row[f"{part}_cpu_us_per_token"] = (cpu_after[part] - cpu_before[part]) / row["output_tokens"] * 1e6
     if failed:
         row["error"] = failed[0].get("error") or "no chunk with text"
     return row
@@ -100,12 +128,13 @@ async def run_in_process(args, model_dir: str, work: dict, report: Report) -> No
         await asyncio.gather(*(engine.generate(p, sp) for p, sp in zip(*warmup)))
 
         async def send(prompt: list[int], max_tokens: int) -> dict:
-            params = SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=max_tokens)
+            params = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=max_tokens)
             return await stream_timings(engine, prompt, params, count="text")
         for name, (requests, offsets, concurrency) in work.items():
-            start = time.perf_counter()
+            start, cpu_before = time.perf_counter(), cpu_seconds(os.getpid())
             results = await drive(send, requests, offsets, concurrency)
-            report.add(make_row(name, args, "in-process", 1, results, time.perf_counter() - start))
+            report.add(make_row(name, args, "in-process", 1, results, time.perf_counter() - start, cpu_before,
+                                cpu_seconds(os.getpid())))
             print_row(report.data["results"][-1])
 
 
@@ -142,7 +171,7 @@ def warm_up_server(args, base: str) -> None:
     prompts, params = warmup_requests(args.warmup_requests, args.input_len, args.seed + 1)
 
     async def run():
-        client, send = make_client("httpx", base, MODEL_NAME, TEMPERATURE)
+        client, send = make_client("httpx", base, MODEL_NAME, args.temperature)
         results = await drive(send, [(p, sp.max_tokens) for p, sp in zip(prompts, params)], [0.0] * len(prompts), 0)
         await close_client(client)
         errors = [r["error"] for r in results if "error" in r]
@@ -170,7 +199,7 @@ def run_clients(args, base: str, client: str, requests, offsets, concurrency: in
         for k, share in enumerate(shares(requests, offsets, concurrency, args.client_processes)):
             spec, out = os.path.join(tmp, f"spec{k}.json"), os.path.join(tmp, f"out{k}.json")
             with open(spec, "w") as f:
-                json.dump(dict(share, base=base, model=MODEL_NAME, client=client, temperature=TEMPERATURE), f)
+                json.dump(dict(share, base=base, model=MODEL_NAME, client=client, temperature=args.temperature), f)
             procs.append((subprocess.Popen([sys.executable, LOAD_CLIENTS, spec, out], stdin=subprocess.PIPE,
                                            stdout=subprocess.PIPE, text=True, env=child_env()), out))
         for proc, _ in procs:
@@ -206,9 +235,11 @@ def run_server_paths(args, model_dir: str, work: dict, report: Report) -> None:
             for name, (requests, offsets, concurrency) in work.items():
                 for client in clients:
                     try:
+                        cpu_before = cpu_seconds(proc.pid)  # `asyncllm serve` is a Python script: the server itself
                         results, wall = run_clients(args, base, client, requests, offsets, concurrency, tmp)
                         row = make_row(name, args, client, len(shares(requests, offsets, concurrency,
-                                                                      args.client_processes)), results, wall)
+                                                                      args.client_processes)), results, wall,
+                                       cpu_before, cpu_seconds(proc.pid))
                     except Exception as exc:  # noqa: BLE001 - e.g. openai not installed: the other rows still run
                         row = dict(workload=workload_label(name, args), path=client,
                                    error=f"{type(exc).__name__}: {exc}")
@@ -226,7 +257,9 @@ COLUMNS = [("workload", "workload"), ("path", "path"), ("procs", "processes"), (
            ("E2E p99", "e2e_p99_ms", "{:.0f}"), ("output tok/s", "output_tok_s", "{:,.0f}"),
            ("tok/s / in-process", "tok_s_vs_in_process", "{:.3f}"),
            ("TTFT p50 / in-process", "ttft_p50_vs_in_process", "{:.2f}"),
-           ("ITL p99 / in-process", "itl_p99_vs_in_process", "{:.2f}"), ("error", "error")]
+           ("ITL p99 / in-process", "itl_p99_vs_in_process", "{:.2f}"),
+           ("loop CPU us/tok", "loop_cpu_us_per_token", "{:.1f}"),
+           ("process CPU us/tok", "process_cpu_us_per_token", "{:.0f}"), ("error", "error")]
 
 
 def print_row(row: dict) -> None:
@@ -234,7 +267,8 @@ def print_row(row: dict) -> None:
         print(f"{row['workload']}, {row['path']}: FAILED {row['error']}", flush=True)
         return
     print(f"{row['workload']}, {row['path']}: TTFT p50 {row['ttft_p50_ms']:.1f} ms, ITL p99 "
-          f"{row['itl_p99_ms'] or 0:.2f} ms, {row['output_tok_s']:,.0f} tok/s, {row['errors']} errors", flush=True)
+          f"{row['itl_p99_ms'] or 0:.2f} ms, {row['output_tok_s']:,.0f} tok/s, {row['errors']} errors, loop CPU "
+          f"{row.get('loop_cpu_us_per_token') or 0:.1f} us/token", flush=True)
 
 
 def main(argv=None) -> dict:
@@ -251,6 +285,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--requests-per-rate", type=int, default=192, help="poisson: requests")
     parser.add_argument("--input-len", type=int, default=1024, help="closed, poisson: prompt tokens")
     parser.add_argument("--output-len", type=int, default=128, help="closed, poisson: output tokens")
+    parser.add_argument("--temperature", type=float, default=0.6, help="every request's (0: greedy, cheap on CPU)")
     parser.add_argument("--warmup-requests", type=int, default=32)
     parser.add_argument("--server-timeout-s", type=float, default=600, help="longest wait for the server's /health")
     parser.add_argument("--client-timeout-s", type=float, default=1800, help="longest wait for a client process")

@@ -34,7 +34,10 @@ from asyncllm.testing import QWEN3_0_6B, QWEN3_8B, QWEN3_30B_A3B_12L, TINY_SHAPE
 from load_clients import ChunkClock  # noqa: E402
 
 # 30b-a3b: Qwen3-30B-A3B's shape at 12 of its 48 layers (asyncllm/testing.py says why)
-SHAPES = {"tiny": TINY_SHAPE, "0.6b": QWEN3_0_6B, "8b": QWEN3_8B, "30b-a3b": QWEN3_30B_A3B_12L}
+# tiny-v16k: the tiny shape with a 16k vocabulary, so that a CPU step is cheap enough for the host's
+# per-token work (detokenizing, the server's chunks) to show; random prompts draw ids below 10,000
+SHAPES = {"tiny": TINY_SHAPE, "tiny-v16k": dict(TINY_SHAPE, vocab_size=16384), "0.6b": QWEN3_0_6B, "8b": QWEN3_8B,
+          "30b-a3b": QWEN3_30B_A3B_12L}
 ARCHITECTURES = {"30b-a3b": "qwen3_moe"}  # the rest are dense Qwen3
 MARKER = "bench_checkpoint.json"  # written next to the weights: what shape they are
 

@@ -10,7 +10,7 @@ from starlette.responses import JSONResponse
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.server import tool_calls
 from asyncllm.server.choices import ChoiceShaper, prompt_logprobs_field
-from asyncllm.server.sse import EventStreamResponse, chunk_events, usage
+from asyncllm.server.sse import TEXT_SLOT, EventStreamResponse, TextChunks, chunk_events, usage
 from asyncllm.server.stream_group import StreamGroup
 from asyncllm.server.tool_call_stream import ToolCallStream
 
@@ -76,7 +76,11 @@ def stream_response(server, gen: Generation, *, chat: bool, include_usage: bool,
     else:
         first = []
     close = server.closer(streams)
-    events = chunk_events(streams, close, chunk, first, include_usage, server.drain.ended_by_shutdown)
+    # chunks of text alone differ only in their text unless tool calls are parsed from it, logprobs
+    # come with it or each chunk carries the usage so far
+    plain = calls_stream is None and not shaper.wants_logprobs and not continuous_usage
+    text_chunks = TextChunks(lambda index: chunk(TEXT_SLOT, None, index=index)) if plain else None
+    events = chunk_events(streams, close, chunk, first, include_usage, server.drain.ended_by_shutdown, text_chunks)
     return EventStreamResponse(events, on_close=close, keepalive_interval=server.sse_keepalive_interval)
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from json.encoder import encode_basestring as encode_json_string  # json's own, for ensure_ascii=False
 from typing import TypeVar
 
 import anyio
@@ -20,6 +22,10 @@ logger = logging.getLogger("asyncllm.server")
 
 T = TypeVar("T")
 DONE = "data: [DONE]\n\n"
+JSON = json.JSONEncoder(ensure_ascii=False)  # json.dumps(data, ensure_ascii=False) makes one per call
+# where a text chunk's text goes in its template (TextChunks); JSON writes it "\u0000text\u0000"
+TEXT_SLOT = "\x00text\x00"
+ENCODED_TEXT_SLOT = JSON.encode(TEXT_SLOT)
 
 
 class EventStreamResponse(StreamingResponse):
@@ -79,34 +85,25 @@ class EventStreamResponse(StreamingResponse):
         """stream_response, with a KEEPALIVE comment after each keepalive_interval without an event.
         The body is iterated in this task only; a timer task sends the comments. Both run on one
         event loop, so plain flags keep their sends apart: no lock, whose acquire would yield to
-        the loop once per chunk of every stream."""
+        the loop once per chunk of every stream. Times are time.monotonic(), read per chunk: anyio's
+        current_time() asks which async library runs first (sniffio), about a sixth of the event
+        loop's time per chunk under load."""
         interval = self.keepalive_interval
-        last_sent = anyio.current_time()
+        last_sent = time.monotonic()
         body_sending = False
         keepalive_sent: anyio.Event | None = None  # set when the comment in flight has gone
-
-        async def send_chunk(chunk: bytes) -> None:
-            nonlocal last_sent, body_sending
-            while keepalive_sent is not None:
-                await keepalive_sent.wait()
-            body_sending = True
-            try:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            finally:
-                body_sending = False
-            last_sent = anyio.current_time()
 
         async def keep_alive() -> None:
             nonlocal last_sent, keepalive_sent
             while True:
-                remaining = last_sent + interval - anyio.current_time()
+                remaining = last_sent + interval - time.monotonic()
                 if remaining > 0 or body_sending:  # a send held up by a slow client counts as activity
                     await anyio.sleep(remaining if remaining > 0 else interval)
                     continue
                 keepalive_sent = anyio.Event()
                 try:
                     await send({"type": "http.response.body", "body": self.KEEPALIVE, "more_body": True})
-                    last_sent = anyio.current_time()
+                    last_sent = time.monotonic()
                 finally:
                     keepalive_sent.set()
                     keepalive_sent = None
@@ -115,8 +112,16 @@ class EventStreamResponse(StreamingResponse):
         try:
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(keep_alive)
-                async for chunk in self.body_iterator:
-                    await send_chunk(chunk if isinstance(chunk, (bytes, memoryview)) else chunk.encode(self.charset))
+                charset = self.charset
+                async for chunk in self.body_iterator:  # per chunk of every stream: inline, no call of its own
+                    message = {"type": "http.response.body", "more_body": True,
+                               "body": chunk if isinstance(chunk, (bytes, memoryview)) else chunk.encode(charset)}
+                    while keepalive_sent is not None:
+                        await keepalive_sent.wait()
+                    body_sending = True
+                    await send(message)  # an error ends the task group, and the response with it
+                    body_sending = False
+                    last_sent = time.monotonic()
                 tasks.cancel_scope.cancel()
         except BaseExceptionGroup as group:  # the task group wraps even one error: raise it as stream_response would
             if len(group.exceptions) == 1:
@@ -128,7 +133,7 @@ class EventStreamResponse(StreamingResponse):
 def sse(data, event: str | None = None) -> str:
     """One server-sent event carrying `data` (JSON-encoded unless it is a string); event: its type
     line (the Responses API names each event; chat and completions send data lines only)."""
-    line = f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+    line = f"data: {data if isinstance(data, str) else JSON.encode(data)}\n\n"
     return line if event is None else f"event: {event}\n{line}"
 
 
@@ -206,16 +211,42 @@ async def answer_events(stream, close: Callable[[str | None], Awaitable[None]],
         await close(finish_reason)  # aborts the request unless it has finished
 
 
+class TextChunks:
+    """The events of chunks that bring a choice's new text and nothing else, the most of a stream:
+    each choice's chunk is built and JSON-encoded once, with TEXT_SLOT for its text, and an event is
+    that template with the text's JSON string in the slot, byte for byte what sse() of the chunk
+    gives, without building and encoding the chunk per token. text_chunk(index): choice index's
+    chunk with TEXT_SLOT as its text."""
+
+    def __init__(self, text_chunk: Callable[[int], dict]):
+        self.text_chunk = text_chunk
+        self.templates: dict[int, tuple[str, str]] = {}  # by choice index: the event before and after the text
+
+    def event(self, index: int, text: str) -> str:
+        template = self.templates.get(index)
+        if template is None:
+            before, slot, after = sse(self.text_chunk(index)).partition(ENCODED_TEXT_SLOT)
+            if not slot or ENCODED_TEXT_SLOT in after:
+                raise AssertionError(f"the text chunk of choice {index} holds TEXT_SLOT other than once")
+            template = self.templates[index] = (before, after)
+        return template[0] + encode_json_string(text) + template[1]
+
+
 def chunk_events(stream, close: Callable[[str | None], Awaitable[None]], make_chunk: Callable[..., dict],
                  first: list[dict], include_usage: bool,
-                 ended_by_shutdown: Callable[[str], bool] = lambda request_id: False) -> AsyncIterator[str]:
+                 ended_by_shutdown: Callable[[str], bool] = lambda request_id: False,
+                 text_chunks: TextChunks | None = None) -> AsyncIterator[str]:
     """The SSE body of a chat or completions answer: the `first` chunks, chunks built by
     make_chunk(text, finish_reason, stream item) (a choice's new text, reasoning and its tokens'
     logprobs, then its finish; None: nothing to send yet), the usage chunk if asked for, then [DONE];
-    an error as an OpenAI error body, then [DONE]."""
+    an error as an OpenAI error body, then [DONE]. text_chunks: where an answer's chunks of text
+    alone are the same but for their text (no logprobs, tool calls or running usage), their events
+    (an item with reasoning still goes through make_chunk)."""
     def item_events(out) -> list[str]:
         events = []
-        if (out.text or out.logprobs or out.reasoning) and (chunk := make_chunk(out.text, None, out)) is not None:
+        if text_chunks is not None and out.text and not out.reasoning and out.logprobs is None:
+            events.append(text_chunks.event(out.index, out.text))
+        elif (out.text or out.logprobs or out.reasoning) and (chunk := make_chunk(out.text, None, out)) is not None:
             events.append(sse(chunk))
         if out.finish_reason is not None:
             events.append(sse(make_chunk(None, out.finish_reason, out)))
