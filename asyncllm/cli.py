@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import socket
@@ -54,8 +55,24 @@ _CONFIG_HELP = {
     "kv_cache_dtype": "the KV cache's dtype: auto (the compute dtype) or fp8 (e4m3, half of bf16's bytes; emulated on CPU)",
     "reasoning_parser": "the model's reasoning tags: answers carry reasoning_content apart from content, and "
                         "structured output applies after the reasoning (default: none, content holds everything)",
+    "speculative_config": "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
+                          "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
+                          "(default: off)",
 }
 _CONFIG_ALIASES = {"enable_prefix_caching": ["--prefix-caching"]}  # --no-prefix-caching, as before
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+_CONFIG_TYPES = {"speculative_config": _json_object}  # the fields whose option's text is not their type
 COMMAND_START = time.perf_counter()  # the command's first import: `serve` counts its time to ready from here
 
 
@@ -120,7 +137,8 @@ def add_config_options(group, skip: tuple[str, ...] = ()) -> list[str]:
             group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
                                help=help)
         else:
-            value_type = type(f.default) if f.default is not None else float if annotation.startswith("float") else str
+            value_type = _CONFIG_TYPES.get(f.name) or (
+                type(f.default) if f.default is not None else float if annotation.startswith("float") else str)
             group.add_argument(*flags, dest=f.name, type=value_type, default=None, help=help,
                                choices=choices.get(f.name))
         names.append(f.name)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncllm.errors import InvalidValueError
-from asyncllm.validation import FieldChecks
+from asyncllm.validation import FieldChecks, is_int, short_repr
 
 DTYPES = ("float32", "float16", "bfloat16")  # models/resolve.py maps them to torch dtypes
 _DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # as vLLM accepts them
@@ -54,6 +54,72 @@ def _dtype_name(dtype) -> str:
             return name
     _fail("dtype", f"must be 'auto', one of {sorted(DTYPES)} (or {sorted(_DTYPE_ALIASES)}), or the torch.dtype "
                    f"of one of them, got {dtype!r}")
+
+
+# ---- speculative_config, in vLLM's shape, checked into a SpeculativeConfig -----------------------
+#   {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}
+#   {"model": draft_checkpoint_dir, "num_speculative_tokens": k}   (the shape is accepted; refused: not yet)
+# proposals verified per row and step: each is a query row of the target's forward, and a draft
+# longer than this is almost never accepted whole
+MAX_SPECULATIVE_TOKENS = 16
+MAX_PROMPT_LOOKUP = 64  # the longest n-gram prompt lookup matches (its cost grows with it)
+SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model")
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+# vLLM's other methods: named here so that a vLLM user's setting gets "not yet", not "unknown"
+SPECULATIVE_NOT_YET = {"eagle": "EAGLE heads", "eagle3": "EAGLE-3 heads", "mtp": "MTP layers", "medusa": "Medusa heads",
+           "draft_model": "draft models"}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str  # "ngram" (prompt lookup): the one proposer there is
+    num_speculative_tokens: int  # the most draft tokens a row verifies per step
+    prompt_lookup_min: int  # ngram: the shortest suffix of the tokens so far that a match must have
+    prompt_lookup_max: int  # ngram: the longest suffix tried first
+
+
+def parse_speculative_config(value, fail: FieldChecks, field: str = "speculative_config"
+                             ) -> SpeculativeConfig | None:
+    """value (None, or a dict in vLLM's shape) checked; refusals name f"{field}.<key>"."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        fail(field, f"expected None or a dict such as {{'method': 'ngram', 'num_speculative_tokens': 4}}, "
+                    f"got {short_repr(value)}")
+    for key in value:
+        if key not in SPECULATIVE_KEYS:
+            fail(f"{field}.{key}", f"unknown key; the keys are {SPECULATIVE_KEYS}")
+    method = value.get("method")
+    if method is None:
+        method = "draft_model" if "model" in value else None
+        if method is None:
+            fail(f"{field}.method", f"missing: one of {SPECULATIVE_METHODS} (or 'model': a draft checkpoint)")
+    if not isinstance(method, str) or method not in SPECULATIVE_METHODS and method not in SPECULATIVE_NOT_YET:
+        fail(f"{field}.method", f"must be one of {SPECULATIVE_METHODS}, got {short_repr(method)}")
+    k = value.get("num_speculative_tokens")
+    if not is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        fail(f"{field}.num_speculative_tokens",
+             f"expected an int in [1, {MAX_SPECULATIVE_TOKENS}], got {short_repr(k)}")
+    if method == "draft_model":
+        model = value.get("model")
+        if not isinstance(model, str) or not model:
+            fail(f"{field}.model", f"expected a draft checkpoint's directory or hub id, got {short_repr(model)}")
+    elif "model" in value and method != "draft_model":
+        fail(f"{field}.model", f"is for method 'draft_model' (a draft checkpoint), not {method!r}")
+    if method in SPECULATIVE_NOT_YET:
+        fail(f"{field}.method", f"{method!r}: {SPECULATIVE_NOT_YET[method]}: not yet (only 'ngram', prompt lookup, is built)")
+    lookup_max, lookup_min = value.get("prompt_lookup_max"), value.get("prompt_lookup_min")
+    for key, n in (("prompt_lookup_max", lookup_max), ("prompt_lookup_min", lookup_min)):
+        if n is not None and (not is_int(n) or not 1 <= n <= MAX_PROMPT_LOOKUP):
+            fail(f"{field}.{key}", f"expected None or an int in [1, {MAX_PROMPT_LOOKUP}], got {short_repr(n)}")
+    # vLLM's defaults: both 5 when neither is given, else the one given for the other
+    if lookup_max is None and lookup_min is None:
+        lookup_max = lookup_min = 5
+    lookup_max = lookup_min if lookup_max is None else lookup_max
+    lookup_min = lookup_max if lookup_min is None else lookup_min
+    if lookup_min > lookup_max:
+        fail(f"{field}.prompt_lookup_min", f"must be <= prompt_lookup_max ({lookup_max}), got {lookup_min}")
+    return SpeculativeConfig(method, k, lookup_min, lookup_max)
 
 
 # the int fields: the least value each takes (None: checked on its own below) and what that least means
@@ -106,10 +172,15 @@ class Config:
     # "auto": the compute dtype; "fp8": float8_e4m3fn with a scale per tensor (attention/base.py's
     # FP8_KV_SCALES), half the bytes of bf16 a token, so twice the blocks (Triton backend; emulated on CPU)
     kv_cache_dtype: str = "auto"
+    # speculative decoding, vLLM's dict: {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_max": n, "prompt_lookup_min": m} (SpeculativeConfig above); None: off
+    speculative_config: dict | None = None
     # filled in from the checkpoint by models.resolve.resolve_config; not user settings
     hf_config: Any = field(default=None, repr=False, init=False)
     torch_dtype: torch.dtype | None = field(default=None, repr=False, init=False)
     kv_cache_torch_dtype: torch.dtype | None = field(default=None, repr=False, init=False)  # from kv_cache_dtype
+    # speculative_config, checked (None: off)
+    speculative: SpeculativeConfig | None = field(default=None, repr=False, init=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)):
@@ -161,6 +232,7 @@ class Config:
             # which these backends do not drive; the Triton kernels dequantize as they load
             _fail("kv_cache_dtype", f"'fp8' is not supported by attention_backend={self.attention_backend!r}; use "
                                     "attention_backend='triton' or 'auto' (or 'torch'), or kv_cache_dtype='auto'")
+        self.speculative = parse_speculative_config(self.speculative_config, _fail)
         if self.device not in ("auto", "cpu", "cuda"):
             _fail("device", f"must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.device != "cpu":

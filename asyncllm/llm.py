@@ -153,15 +153,20 @@ class LLM:
                 for event in events:
                     seq = event.seq
                     key = (seq.request_id, seq.index)
-                    if event.logprobs is not None:
-                        logprobs[key].extend(event.logprobs)
                     assembler = assemblers.get(key)
                     finish = event.finish_reason
+                    new_token_ids, event_logprobs = event.new_token_ids, event.logprobs
                     if assembler is not None:
-                        assembler.add(event.new_token_ids)
+                        _, taken = assembler.add_counted(new_token_ids)
+                        if taken < len(new_token_ids):  # a stop string ended before the event's last token
+                            # (several tokens a step: speculative decoding): the rest is no output
+                            del seq.token_ids[seq.num_resolved_tokens - len(new_token_ids) + taken:]
+                            event_logprobs = None if event_logprobs is None else event_logprobs[:taken]
                         if assembler.stopped and finish is None:
                             self.core.finish_request(seq.request_id, FinishReason.STOP, seq.index)
                             finish = FinishReason.STOP
+                    if event_logprobs is not None:
+                        logprobs[key].extend(event_logprobs)
                     if finish is not None:
                         stop_reasons[key] = event.stop_reason
                     if seq.request_finished and seq.request_id in pending:

@@ -84,6 +84,9 @@ class SamplingParams:
     # RequestTimeoutError), one generating then ends with finish_reason "timeout" (None: no limit);
     # with equal priorities, earlier deadlines are admitted first
     timeout: float | None = None
+    # False: this request decodes one token per step even where the engine speculates
+    # (Config.speculative_config); its output is the same either way
+    speculate: bool = True
 
     def __post_init__(self) -> None:
         self._check_original_fields(_fail)
@@ -208,7 +211,7 @@ class SamplingParams:
             if longest > MAX_STOP_STRING_CHARS:
                 fail("bad_words", f"a bad word may have at most {MAX_STOP_STRING_CHARS} characters, got one of {longest}")
             self.bad_words = list(self.bad_words)
-        for name in ("skip_special_tokens", "spaces_between_special_tokens"):
+        for name in ("skip_special_tokens", "spaces_between_special_tokens", "speculate"):
             fail.expect_bool(name, getattr(self, name))
         if self.timeout is not None:
             self.timeout = fail.positive_seconds("timeout", self.timeout)

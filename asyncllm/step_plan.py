@@ -22,7 +22,9 @@ PENDING_TOKEN = -1
 
 
 class SamplingRequest(Protocol):
-    """What the runner reads of a sampling row's request (the engine's Sequence), and nothing else."""
+    """What the runner reads of a sampling row's request (the engine's Sequence), and nothing else. A
+    speculative position past its request's first (engine/speculation.py DraftPosition) reads as the
+    request with those drafts in token_ids, and has draft_of: that request (a request itself has none)."""
     params: SamplingParams
     token_ids: list[int]  # prompt then completion; the last may be PENDING_TOKEN
     num_prompt_tokens: int
@@ -61,8 +63,15 @@ class StepPlan:
     logits_indices: list[int]  # (S,) the token (index in the step) whose logits each sampling row samples from
     pending_at: list[int]  # token indices that are PENDING_TOKEN
     pending_rows: list[int]  # for each: its row among the sampled ids of the step in flight
-    sampling_requests: list[SamplingRequest]  # (S,) the sampling rows' requests
+    # (S,) the sampling rows' requests. A speculating row (speculative decoding) samples at each of its
+    # 1 + k positions: each is a sampling row here, its request as of that position (its first j drafts
+    # taken as generated: engine/speculation.py DraftPosition)
+    sampling_requests: list[SamplingRequest]
     prompt_logprobs: PromptLogprobsPlan | None = None  # prompt positions scored in this step
+    # speculative decoding, None in a step where no row speculates: (S,) the draft token each sampling
+    # row verifies (-1: none, a row's last position), and (R,) each request's count of sampling rows
+    draft_token_ids: list[int] | None = None
+    rows_per_request: list[int] | None = None
     # the engine's own record of the step (its SchedulerOutput), handed back with the launched step
     # so the engine resolves it; the runner never reads it
     engine_step: object = None
@@ -74,11 +83,11 @@ class StepPlan:
 
 @dataclass(slots=True)
 class StepResult:
-    """A resolved step, on the host. token_ids holds each sampling row's tokens, row after row: one
-    per row today; num_per_row leaves room for steps that accept several (speculative decoding)."""
+    """A resolved step, on the host. token_ids holds each sampling request's tokens, one after the
+    other: one each, or (speculative decoding) its accepted drafts and the token sampled after them."""
     token_ids: list[int]
-    logprob_ks: list[int] | None  # per row: the top-k it asked for, -1 none; None: no row asked
-    logprobs: tuple | None  # (chosen, ranks, top ids, top log-probs) of the rows that asked, in row order
+    logprob_ks: list[int] | None  # per token: the top-k its request asked for, -1 none; None: none asked
+    logprobs: tuple | None  # (chosen, ranks, top ids, top log-probs) of the tokens that asked, in order
     prompt_logprobs: tuple | None  # the same for the plan's prompt positions (PromptLogprobsPlan)
-    num_per_row: list[int] | None = None  # None: one token per sampling row
+    num_per_row: list[int] | None = None  # per request: its tokens (accepted drafts + 1); None: one each
     pooled_sums: np.ndarray | None = None  # the embedding rows' hidden-state sums, (rows, hidden) float32

@@ -42,6 +42,8 @@ SIZES = {
                 "cpu": ["--reps", "2", "--batch", "4", "--context", "32", "--workload", "4"]},
     "embed": {"full": [], "quick": ["--num-texts", "256", "--streams", "16"],
               "cpu": ["--num-texts", "8", "--text-len", "32", "--streams", "2", "--stream-tokens", "8"]},
+    "spec": {"full": [], "quick": ["--batches", "1,8", "--output-len", "128", "--reps", "2"],
+             "cpu": ["--batches", "1", "--output-len", "16", "--reps", "1"]},
     "hf": {"full": ["--max-output", "512", "--tpot-tokens", "64", "--tpot-reps", "1", "--compile"],
            "quick": ["--num-requests", "8", "--max-output", "256", "--reps", "3", "--compile"],
            "cpu": ["--num-requests", "4", "--max-input", "64", "--max-output", "16", "--reps", "3",
@@ -113,6 +115,10 @@ def plan(args, ckpt: dict[str, str]) -> list[Step]:
                         "--mode", "sync,generate", *tp)]
     # where the time of a step goes (host parts, device time, kernels): the "why" behind the figures
     steps.append(bench(f"profile-{small}", "profile", small, 70, "--backend", backend))
+    # speculative decoding on the SmolLM2 copy task (the shipped weights, not a shape's checkpoint)
+    steps.append(Step("spec-smollm2", [os.path.join(HERE, "bench_spec.py"), "--device", args.device,
+                                       "--json", os.path.join(out, "spec-smollm2.json"), *SIZES["spec"][size]],
+                      90 * scale))
     kernels = os.path.join(HERE, "bench_kernels.py")
     if args.device == "cuda" and os.path.exists(kernels) and not args.skip_kernels:
         with open(kernels) as f:
@@ -248,6 +254,10 @@ def headline(results: dict, small: str, big: bool) -> list[dict]:
         "{:,.0f}", f"{hf_requests} req, for scale" if hf_requests else "for scale")
     add("HF generate TPOT batch 1 (ms)", pick(results, f"hf-{small}", "tpot_ms", part="generate batch 1"), None,
         "{:.2f}", "for scale")
+    same = pick(results, "spec-smollm2", "same_text", mode="ngram", batch=1)
+    add("speculative decoding (n-gram), SmolLM2 copy task, batch 1: speedup over plain",
+        pick(results, "spec-smollm2", "speedup", mode="ngram", batch=1), (">=", 2.0), "{:.2f}x",
+        "" if same is None else f"same text: {same}")
     add("HF generate TPOT batch 1, static cache + torch.compile (ms)",
         pick(results, f"hf-{small}", "tpot_ms", part="generate batch 1, static cache, torch.compile"), None, "{:.2f}",
         "the torch.compile baseline")

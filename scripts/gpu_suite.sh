@@ -72,7 +72,7 @@ if [ "$mode" = tp ]; then
 fi
 # the suite in three parts of under 10 minutes each on an H100 (2026-12-06: test_gpu.py's first 27
 # tests took 560 s; the kernel files with test_moe/test_decode_staging 430 s): tests1, tests2, tests3
-late_engine_tests="close or sleep or reload or two_engines or start_up_cache or new_turn or constrained or bad_words"
+late_engine_tests="close or sleep or reload or two_engines or start_up_cache or new_turn or constrained or bad_words or speculative"
 case "$mode" in
   tests|all) test_files="tests/test_kernels.py tests/test_fp8_kv_kernels.py tests/test_sampling_filters.py
                          tests/test_fused_moe.py tests/test_gpu.py tests/test_fp8_kv.py tests/test_decode_staging.py

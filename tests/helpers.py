@@ -340,3 +340,27 @@ def live_server_client(base: str, timeout: float = 120, api_key: str = "none"):
     import openai
     http = httpx.Client(timeout=timeout, limits=httpx.Limits(max_keepalive_connections=0))
     return openai.OpenAI(base_url=base + "/v1", api_key=api_key, max_retries=0, http_client=http)
+
+
+class ScriptedProposer:
+    """A speculative-decoding proposer (asyncllm.speculative.proposer.Proposer) that drafts from known
+    outputs (the plain engine's), every third draft with its second token changed: drafts accepted
+    whole, and drafts rejected after their first token."""
+
+    def __init__(self, prompts_and_outputs):
+        self.expected = [(list(p), list(p) + list(o)) for p, o in prompts_and_outputs]
+        self.num_calls = 0
+
+    def propose(self, rows) -> list[list[int]]:
+        drafts = []
+        for row in rows:
+            self.num_calls += 1
+            full = next(full for prompt, full in self.expected if row.token_ids[:len(prompt)] == prompt)
+            draft = full[len(row.token_ids):len(row.token_ids) + row.max_tokens]
+            if self.num_calls % 3 == 0 and len(draft) > 1:
+                draft[1] = (draft[1] + 1) % 1000
+            drafts.append(draft)
+        return drafts
+
+    def release(self, request) -> None:
+        pass

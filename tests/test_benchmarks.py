@@ -30,6 +30,7 @@ import bench_profile  # noqa: E402
 import bench_serving  # noqa: E402
 import bench_server_libs  # noqa: E402
 import bench_startup  # noqa: E402
+import bench_spec  # noqa: E402
 import bench_step_phases  # noqa: E402
 import bench_throughput  # noqa: E402
 from common import make_checkpoint  # noqa: E402
@@ -265,3 +266,12 @@ def test_bench_lifecycle_times_sleep_and_wake_against_a_fresh_start(tiny_model):
     assert rows[0]["seconds"] > 0 and rows[0]["startup_timings"]["load weights"] > 0
     assert all(row["same_tokens"] and row["wake_speedup"] > 0 for row in rows[1:3])
     assert rows[3]["closed_delta_mib"] is None  # memory figures are the GPU's
+
+
+def test_bench_spec_runs_both_modes_in_their_processes_with_the_same_text(tiny_model):
+    data = bench_spec.main(["--model-dir", tiny_model, "--device", "cpu", "--batches", "1,2", "--output-len", "12",
+                            "--reps", "1"])
+    rows = rows_without_errors(data)
+    assert [(row["mode"], row["batch"]) for row in rows] == [("plain", 1), ("plain", 2), ("ngram", 1), ("ngram", 2)]
+    assert all(row["tok_s"] > 0 and row["speedup"] > 0 for row in rows)
+    assert all(row["same_text"] for row in rows if row["mode"] == "ngram")

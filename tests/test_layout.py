@@ -17,7 +17,7 @@ LAYERS = (
     ("api", ("asyncllm", "asyncllm.llm", "asyncllm.async_engine", "asyncllm.engine_thread", "asyncllm.streams",
              "asyncllm.detokenizer", "asyncllm.reasoning", "asyncllm.server", "asyncllm.cli", "asyncllm.vllm",
              "asyncllm.arguments", "asyncllm.chat_template")),
-    ("engine", ("asyncllm.engine",)),
+    ("engine", ("asyncllm.engine", "asyncllm.speculative")),
     ("runner", ("asyncllm.runner", "asyncllm.structured.grammar", "asyncllm.structured.step_masks")),
     ("models", ("asyncllm.models",)),
     ("layers", ("asyncllm.layers", "asyncllm.attention")),

@@ -316,7 +316,7 @@ class SchedulerMachine(RuleBasedStateMachine, Accounting):
             if not item.samples:
                 continue
             seq.token_ids.append(token)
-            # EngineCore._finish_reason
+            # engine/step_resolution.finish_reason
             if token in seq.params.stop_token_ids:
                 sched.finish(seq, "stop")
             elif seq.num_completion_tokens >= seq.params.max_tokens or len(seq) >= self.max_seq_len:

@@ -28,7 +28,7 @@ from asyncllm.errors import EngineDeadError
 from asyncllm.llm import LLM
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.testing import build_tiny_checkpoint
-from helpers import free_port
+from helpers import ScriptedProposer, free_port
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -210,6 +210,23 @@ def test_sampling_features_tp2_match_tp1(checkpoints):
             assert [e.logprob for e in g["logprobs"]] == pytest.approx([e.logprob for e in w["logprobs"]], abs=1e-4)
         assert [e.logprob for e in got[0]["prompt_logprobs"][1:]] == pytest.approx(
             [e.logprob for e in want[0]["prompt_logprobs"][1:]], abs=1e-4)
+
+
+def test_speculative_decoding_tp2_matches_tp1(checkpoints, reference):
+    """Speculative decoding under tensor parallelism: a verification row reaches every rank as a
+    prefill chunk's tokens do, rank 0 verifies; drafts accepted and rejected (a proposer that drafts
+    the tp=1 output, now and then wrong), overlap on (speculating steps resolve before the next)."""
+    expected = reference("qwen3")
+    baseline = live_children()
+    with LLM(checkpoints["qwen3"], tensor_parallel_size=2, overlap_scheduling=True, **OPTIONS["qwen3"],
+             speculative_config={"method": "ngram", "num_speculative_tokens": 4}) as llm:
+        prompt_ids = [llm.core.encode_prompt(p) for p in PROMPTS]
+        llm.core.speculation.proposer = ScriptedProposer(zip(prompt_ids, expected))
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        stats = llm.core.stats()
+    assert_all_ended(baseline)
+    assert [o["token_ids"] for o in outputs] == expected
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
 
 
 def test_vocabulary_that_two_ranks_do_not_divide_is_padded(tmp_path, tokenizer_dir):

@@ -123,6 +123,18 @@ class BlockManager:
         seq.block_hashes = []
         seq.num_computed_tokens = 0
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Free seq's blocks past those that num_tokens tokens need (speculative decoding's rejected
+        draft positions). Those blocks hold no hashed KV: a block is hashed only once full of accepted
+        tokens."""
+        keep = seq.num_blocks_for(num_tokens)
+        for block_id in reversed(seq.block_table[keep:]):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
+        del seq.block_table[keep:]
+
     def commit_computed(self, seq: Sequence) -> None:
         """Hash the blocks that became full of computed KV, making them prefix-cache hits."""
         # runs for every scheduled sequence every step: most steps fill no block

@@ -14,9 +14,11 @@ from asyncllm.engine.intake import RequestIntake
 from asyncllm.engine.pooling import PoolingPlan, embedding_sequence
 from asyncllm.engine.scheduler import Scheduler, SchedulerOutput
 from asyncllm.engine.sequence import Sequence, SequenceStatus
+from asyncllm.engine.speculation import Speculation
 from asyncllm.engine.startup_heap import freeze_startup_heap
 from asyncllm.engine.step_logprobs import add_prompt_logprobs, token_logprobs
 from asyncllm.engine.step_event import StepEvent
+from asyncllm.engine.step_resolution import step_events
 from asyncllm.engine.stats import engine_stats
 from asyncllm.engine.step_budget import StepBudget, StepTimeModel, StepTimer, calibration_fits, calibration_shapes
 from asyncllm.engine.step_planner import plan_step
@@ -98,6 +100,8 @@ class EngineCore:
         # requests with a timeout; those ended at a launch report with the next resolve
         self.deadlines = RequestDeadlines()
         self._timed_out: list[StepEvent] = []
+        # speculative decoding (engine/speculation.py): None when off
+        self.speculation = None if config.speculative is None else Speculation(config.speculative)
         self.startup.finish(self.runner.decisions.num_read, self.runner.decisions.num_measured)  # ready
 
     # ---- input: the intake's checks, for the callers that hold the core (LLM, AsyncLLMEngine, the
@@ -195,6 +199,8 @@ class EngineCore:
         """End one sequence: its blocks and its sampler state are freed."""
         self.scheduler.finish(seq, reason)
         self.runner.release_sequence(seq)
+        if self.speculation is not None:
+            self.speculation.release(seq)
 
     def finish_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
                        index: int | None = None) -> Sequence | None:
@@ -262,7 +268,10 @@ class EngineCore:
         try:
             if self.deadlines:  # before scheduling: a request past its deadline takes no further step
                 self._timed_out.extend(self.end_expired_requests())
+            # drafts for the rows that speculate, before the scheduler fits their tokens into the step
+            serial = self.speculation is not None and self.speculation.draft(self.scheduler.running, self.num_steps)
             sched = self.scheduler.schedule()
+            sched.serial = serial
             self._launched = None if sched.is_empty else self._launch(sched)
         except BaseException:
             self._abandon_steps()
@@ -274,9 +283,14 @@ class EngineCore:
         at the latest launch."""
         launched, self._launched = self._launched, None
         try:
+            steps = [launched]
             if self.overlap:
-                launched, self._in_flight = self._in_flight, launched
-            events = [] if launched is None else self._resolve(launched)
+                steps = [self._in_flight]
+                if launched is not None and launched.plan.engine_step.serial:
+                    steps.append(launched)  # a speculating step is resolved now: the next one's drafts need it
+                    launched = None
+                self._in_flight = launched
+            events = [event for step in steps if step is not None for event in self._resolve(step)]
         except BaseException:
             self._abandon_steps()
             raise
@@ -287,9 +301,12 @@ class EngineCore:
 
     def wait_step(self) -> None:
         """Block until the step that resolve_step() resolves next has its results on the host."""
-        step = self._in_flight if self.overlap else self._launched
-        if step is not None:
-            step.wait()
+        steps = [self._in_flight, self._launched] if self.overlap else [self._launched]
+        if self.overlap and (self._launched is None or not self._launched.plan.engine_step.serial):
+            steps.pop()  # stays in flight
+        for step in steps:
+            if step is not None:
+                step.wait()
 
     def _abandon_steps(self) -> None:
         self._in_flight = self._launched = None  # their requests are ended by whoever handles this
@@ -333,7 +350,9 @@ class EngineCore:
         token_ids = result.token_ids
         self.step_timer.collect()
         sampling = [item for item in plan.engine_step.scheduled if item.samples]
-        if len(token_ids) != len(sampling) or result.num_per_row is not None:  # a runner bug, not a wrong token
+        per_row = result.num_per_row  # None: one token each; else speculative decoding's kept tokens
+        if len(token_ids) != len(sampling) if per_row is None else \
+                len(per_row) != len(sampling) or len(token_ids) != sum(per_row):  # a runner bug, not a wrong token
             raise RuntimeError(f"the step sampled {len(token_ids)} tokens for {len(sampling)} sampling rows")
         self.num_steps += 1
         if result.prompt_logprobs is not None:
@@ -341,39 +360,7 @@ class EngineCore:
         logprobs = result.logprobs
         if logprobs is not None:
             logprobs = token_logprobs(result.logprob_ks, token_ids, logprobs)
-        events = []
-        block_size = self.block_manager.block_size
-        for row, (item, token_id) in enumerate(zip(sampling, token_ids)):
-            seq = item.seq
-            if seq.status == SequenceStatus.FINISHED:
-                continue  # ended while this step was in flight: its token is dropped, never delivered
-            seq.token_ids[item.token_index] = token_id
-            length = item.token_index + 1
-            # most tokens end nothing: the full check only where one of its conditions can hold
-            reason = self._finish_reason(seq, token_id, length) if token_id in seq.stop_ids or \
-                length >= seq.max_len or seq.grammar is not None else None
-            if reason is not None:
-                refused = reason is FinishReason.ABORT and seq.grammar is not None and seq.grammar.error is not None
-                del seq.token_ids[item.token_index + (not refused):]  # tokens in flight; one the grammar refused
-                self._end(seq, reason)
-                if seq.request_finished:
-                    self.requests.pop(seq.request_id, None)
-                if refused:
-                    events.append(StepEvent(seq, [], reason, request_finished=seq.request_finished, error=seq.grammar.error))
-                    continue
-            elif (item.token_index + 1) % block_size == 0 and seq.num_computed_tokens > item.token_index:
-                # the token closes a block whose KV a later step already computed: it can be hashed now
-                self.block_manager.commit_computed(seq)
-            event = StepEvent(seq, [token_id], reason)
-            if reason is not None:
-                event.request_finished = seq.request_finished
-                if reason is FinishReason.STOP and token_id in seq.params.stop_token_ids and not self._is_eos(seq, token_id):
-                    event.stop_reason = token_id
-            if logprobs is not None and logprobs[row] is not None:
-                event.logprobs = [logprobs[row]]
-            if seq.prompt_logprobs is not None and item.token_index == seq.num_prompt_tokens:
-                event.prompt_logprobs = seq.prompt_logprobs
-            events.append(event)
+        events = step_events(self, sampling, token_ids, per_row, logprobs)
         if launched.pooling_plan is not None:
             events += self._pooled_events(launched.pooling_plan, result.pooled_sums)
         return events
@@ -386,25 +373,6 @@ class EngineCore:
             self.requests.pop(seq.request_id, None)
             events.append(StepEvent(seq, [], FinishReason.STOP, request_finished=True, embedding=vector))
         return events
-
-    def _is_eos(self, seq: Sequence, token_id: int) -> bool:
-        return not seq.params.ignore_eos and token_id in self.eos_token_ids
-
-    def _finish_reason(self, seq: Sequence, token_id: int, length: int) -> FinishReason | None:
-        """Why seq ends with token_id as its length-th token, if it does."""
-        params = seq.params
-        if (self._is_eos(seq, token_id) or token_id in params.stop_token_ids) and \
-                length - seq.num_prompt_tokens > params.min_tokens:
-            return FinishReason.STOP
-        if seq.grammar is not None:
-            seq.grammar.catch_up(seq)
-            if seq.grammar.error is not None:  # its constraints left no token the grammar allows
-                return FinishReason.ABORT
-            if seq.grammar.is_terminated:  # the output is complete: the grammar allows nothing more
-                return FinishReason.STOP
-        if length >= seq.max_len:  # the scheduler plans no step past this length either
-            return FinishReason.LENGTH
-        return None
 
     @property
     def last_step(self) -> tuple[int, int] | None:

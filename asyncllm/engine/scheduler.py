@@ -39,6 +39,9 @@ class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # tokens whose KV this step computes
     samples: bool  # this step reaches the sequence's last token, so its logits give the next one
+    # speculative decoding: the draft tokens this decode verifies after its last token (num_tokens
+    # counts them; their KV counts as computed only once accepted)
+    draft_token_ids: list[int] | tuple = ()
     token_index: int = -1  # where the sampled token goes in seq.token_ids (set when the step is launched)
 
 
@@ -47,7 +50,10 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     num_batched_tokens: int = 0
     num_decodes: int = 0  # sequences that take one decode token this step
+    num_draft_tokens: int = 0  # draft tokens the decodes verify (speculative decoding)
     has_pooling: bool = False  # an embedding request's chunk is in it (engine/pooling.py: PoolingPlan)
+    # resolved before the next step is planned, never left in flight (overlap): some request speculates
+    serial: bool = False
 
     @property
     def is_empty(self) -> bool:
@@ -110,7 +116,9 @@ class Scheduler:
             victim = self.running[-1]
             if id(victim) in scheduled_ids:
                 index = next(i for i, item in enumerate(out.scheduled) if item.seq is victim)
-                out.num_batched_tokens -= out.scheduled.pop(index).num_tokens
+                taken_out = out.scheduled.pop(index)
+                out.num_batched_tokens -= taken_out.num_tokens
+                out.num_draft_tokens -= len(taken_out.draft_token_ids)
                 out.num_decodes -= index < out.num_decodes
                 scheduled_ids.discard(id(victim))
             self._preempt(victim)
@@ -118,6 +126,17 @@ class Scheduler:
                 return False
         bm.allocate(seq, num_tokens)
         return True
+
+    def _fit_drafts(self, seq: Sequence, drafts: list[int], budget: int) -> list[int]:
+        """The draft tokens (after its one decode token, whose block is reserved) that seq verifies
+        this step: as many as the budget and its blocks plus the free ones hold, their blocks
+        allocated. Never preempts: a guess is not worth another request's KV."""
+        bm = self.block_manager
+        room = (len(seq.block_table) + bm.num_free_blocks) * seq.block_size - seq.num_computed_tokens - 1
+        num = max(0, min(len(drafts), budget, room))
+        if num:
+            bm.allocate(seq, 1 + num)
+        return drafts[:num]
 
     def _tokens_that_fit(self, seq: Sequence, num_tokens: int) -> int:
         """How many of num_tokens fit in seq's current blocks plus the free ones."""
@@ -170,6 +189,7 @@ class Scheduler:
         # (and maybe a preemption) only when its last block is full, once every block_size tokens
         block_size, running = self.block_manager.block_size, SequenceStatus.RUNNING
         prefills = []  # running sequences with more than one token to compute, in running order
+        num_draft_tokens = 0
         for seq in list(self.running):  # a copy: preemption below removes from self.running
             num_computed = seq.num_computed_tokens
             length = len(seq.token_ids)
@@ -183,10 +203,17 @@ class Scheduler:
                 continue
             if num_computed >= len(seq.block_table) * block_size and not self._reserve(seq, 1, scheduled_ids, out):
                 continue
-            out.scheduled.append(ScheduledSeq(seq, 1, True))
+            if seq.draft_token_ids:  # speculative decoding (engine/speculation.py)
+                drafts = self._fit_drafts(seq, seq.draft_token_ids, budget - 1)
+                num_draft_tokens += len(drafts)
+                budget -= len(drafts)
+                out.scheduled.append(ScheduledSeq(seq, 1 + len(drafts), True, drafts))
+            else:
+                out.scheduled.append(ScheduledSeq(seq, 1, True))
             scheduled_ids.add(id(seq))
             budget -= 1
-        out.num_decodes = out.num_batched_tokens = len(out.scheduled)
+        out.num_decodes, out.num_draft_tokens = len(out.scheduled), num_draft_tokens
+        out.num_batched_tokens = out.num_decodes + num_draft_tokens
         prefills = [seq for seq in prefills if seq.status is running]  # a decode's block may have preempted some
         if self.budget_policy is not None:
             # decodes always run; what prefill may take on top of them follows from the target step
@@ -238,13 +265,32 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_sort_key)
             take(seq, num_tokens)
+        if out.num_draft_tokens:
+            self._cap_drafts(out)
         return out
+
+    def _cap_drafts(self, out: SchedulerOutput) -> None:
+        """Keep the step's logits rows (one per sampling row, one per draft) within max_num_seqs, the
+        rows the memory probe sized the sampler for: drafts cut from the last speculating rows. Their
+        blocks stay allocated until the step resolves (and truncates past the accepted tokens)."""
+        excess = sum(item.samples for item in out.scheduled) + out.num_draft_tokens - self.max_num_seqs
+        for item in reversed(out.scheduled):
+            if excess <= 0:
+                return
+            if item.draft_token_ids:
+                cut = min(excess, len(item.draft_token_ids))
+                item.draft_token_ids = item.draft_token_ids[:len(item.draft_token_ids) - cut]
+                item.num_tokens -= cut
+                out.num_batched_tokens -= cut
+                out.num_draft_tokens -= cut
+                excess -= cut
 
     def commit(self, out: SchedulerOutput) -> None:
         """Record that the scheduled KV was computed (before sampled tokens are appended)."""
         commit_computed = self.block_manager.commit_computed
         for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_tokens
+            # a row's draft tokens count once verified (EngineCore's resolve: the accepted ones)
+            item.seq.num_computed_tokens += item.num_tokens - len(item.draft_token_ids)
             commit_computed(item.seq)
 
 _sort_key = operator.attrgetter("sort_key")

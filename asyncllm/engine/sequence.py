@@ -83,6 +83,12 @@ class Sequence:
         self.pools_every_token = False
         self.pooled_sum = None
         self.num_pooled_tokens = 0
+        # speculative decoding (engine/speculation.py): the draft tokens its next decode verifies
+        # (read by the scheduler; [] decodes one token), its recent acceptance and the step until
+        # which it does not speculate
+        self.draft_token_ids: list[int] = []
+        self.draft_acceptance = 1.0
+        self.drafts_paused_until = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -19,6 +19,8 @@ def engine_stats(core) -> dict:
         "num_preemptions": core.scheduler.num_preemptions,
         "num_steps": core.num_steps,
         **_step_time_stats(core),
+        # speculative decoding (engine/speculation.py): drafts verified and accepted; absent when off
+        **(core.speculation.stats() if core.speculation is not None else {}),
     }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from asyncllm.engine.scheduler import SchedulerOutput
+from asyncllm.engine.speculation import draft_positions, verified_drafts
 from asyncllm.step_plan import PENDING_TOKEN, PromptLogprobsPlan, StepPlan
 
 
@@ -17,8 +18,12 @@ def plan_step(sched: SchedulerOutput) -> StepPlan:
     for item in sched.scheduled:
         seq, num_new = item.seq, item.num_tokens
         token_ids, start = seq.token_ids, seq.num_computed_tokens
+        drafts = item.draft_token_ids
         if num_new == 1:
             input_ids.append(token_ids[start])
+        elif drafts:  # a speculating decode: its last token, then the drafts it verifies
+            input_ids.append(token_ids[start])
+            input_ids.extend(drafts)
         else:
             input_ids.extend(token_ids[start:start + num_new])
         num_tokens += num_new
@@ -28,11 +33,17 @@ def plan_step(sched: SchedulerOutput) -> StepPlan:
         starts.append(start)
         query_lens.append(num_new)
         block_rows.append(seq.block_table)
-        if item.samples:
+        if drafts:  # every position samples: the target's token there, against the draft
+            logits_indices.extend(range(num_tokens - num_new, num_tokens))
+            sampling.extend(draft_positions(seq, drafts))
+        elif item.samples:
             logits_indices.append(num_tokens - 1)
             sampling.append(seq)
-    return StepPlan(input_ids, starts, query_lens, block_rows, logits_indices, pending_at, pending_rows, sampling,
+    plan = StepPlan(input_ids, starts, query_lens, block_rows, logits_indices, pending_at, pending_rows, sampling,
                     plan_prompt_logprobs(sched), engine_step=sched)
+    if sched.num_draft_tokens:
+        plan.draft_token_ids, plan.rows_per_request = verified_drafts(sched)
+    return plan
 
 
 def plan_prompt_logprobs(sched: SchedulerOutput) -> PromptLogprobsPlan | None:

@@ -45,6 +45,19 @@ class TokenCounts:
             self.output_counts[slot].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
         return slot
 
+    def acquire_copy(self, slot: int, more_output_ids: list[int]) -> int:
+        """A new slot holding slot's tokens and more_output_ids as generated too (a speculative
+        position's counts: its request's and the drafts before it), copied on the device."""
+        if not self.free_slots:
+            self._grow()
+        copy = self.free_slots.pop()
+        self.output_counts[copy].copy_(self.output_counts[slot])
+        self.in_prompt[copy].copy_(self.in_prompt[slot])
+        if more_output_ids:
+            ids = torch.tensor(more_output_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+            self.output_counts[copy].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+        return copy
+
     def release(self, slot: int) -> None:
         # steps still queued may add to it: they run before any later step that reuses the slot
         self.free_slots.append(slot)
@@ -60,12 +73,14 @@ class TokenCounts:
         self.output_counts, self.in_prompt = counts, in_prompt
         self.free_slots.extend(range(new - 1, old - 1, -1))
 
-    def count(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """Add one sampled token to each slot (a slot listed twice counts both), on the device and
-        without waiting for it: index_add_ on the flat counts is one atomic add per token on CUDA,
-        where index_put_(accumulate=True) sorts the indices first (several kernels)."""
+    def count(self, slots: torch.Tensor, token_ids: torch.Tensor, kept: torch.Tensor | None = None) -> None:
+        """Add one sampled token to each slot (a slot listed twice counts both; kept: only where
+        True), on the device and without waiting for it: index_add_ on the flat counts is one
+        atomic add per token on CUDA, where index_put_(accumulate=True) sorts the indices first
+        (several kernels)."""
         flat = token_ids.add(slots, alpha=self.vocab_size)
-        self.output_counts.view(-1).index_add_(0, flat, self._one.expand(len(flat)))
+        ones = self._one.expand(len(flat)) if kept is None else kept.to(torch.int32)
+        self.output_counts.view(-1).index_add_(0, flat, ones)
 
 
 @dataclass
@@ -79,6 +94,10 @@ class LogitsAdjustments:
     frequency: torch.Tensor | None = None  # (P,) float32
     repetition: torch.Tensor | None = None  # (P,) float32
     token_counts: TokenCounts | None = None
+    # speculative decoding: the slot each penalty row's token is counted into once kept (its
+    # request's; a verified position reads a slot of its own, its request's counts and the drafts
+    # before it); None: penalty_slots
+    count_slots: torch.Tensor | None = None
     # logit_bias entries
     bias_rows: torch.Tensor | None = None  # (E,) int64
     bias_tokens: torch.Tensor | None = None  # (E,) int64
@@ -147,10 +166,13 @@ class LogitsAdjustments:
                 logits[rows].float(), counts.output_counts[slots], counts.in_prompt[slots],
                 self.presence, self.frequency, self.repetition))
 
-    def count_sampled(self, sampled: torch.Tensor) -> None:
-        """Count the step's sampled tokens for the rows with penalties (before the next step reads them)."""
+    def count_sampled(self, sampled: torch.Tensor, kept: torch.Tensor | None = None) -> None:
+        """Count the step's sampled tokens for the rows with penalties (before the next step reads
+        them); kept (speculative decoding): only the rows whose token the request keeps."""
         if self.penalty_rows is not None:
-            self.token_counts.count(self.penalty_slots, sampled[self.penalty_rows])
+            rows = self.penalty_rows
+            self.token_counts.count(self.penalty_slots if self.count_slots is None else self.count_slots,
+                                    sampled[rows], None if kept is None else kept[rows])
 
 
 def apply_penalties(logits: torch.Tensor, output_counts: torch.Tensor, in_prompt: torch.Tensor,

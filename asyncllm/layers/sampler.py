@@ -55,6 +55,7 @@ class LogprobsTensors:
 class SamplerOutput:
     token_ids: torch.Tensor  # (B,) int64
     logprobs: LogprobsTensors | None = None  # for SamplingTensors.logprob_rows
+    accepted: torch.Tensor | None = None  # (B,) bool: the row accepted its draft (layers/rejection_sampler.py)
 
 
 @dataclass

@@ -54,6 +54,7 @@ class LaunchedStep:
     def _queued(self, output: SamplerOutput) -> None:
         self.sampled = output.token_ids  # (S,) int64, on the device
         self._host = _to_host(self.sampled)
+        self._host_accepted = None if output.accepted is None else _to_host(output.accepted)
         self._host_logprobs = None if output.logprobs is None else _logprobs_to_host(output.logprobs)
         self._copied = None
         if self.sampled.device.type == "cuda":
@@ -78,8 +79,11 @@ class LaunchedStep:
 
     def result(self) -> StepResult:
         """The step's results on the host (waits for the device to finish the step)."""
-        return StepResult(self.token_ids(), self.logprob_ks, self.logprobs(), self.prompt_logprobs(),
-                          pooled_sums=self.pooled_sums())
+        result = StepResult(self.token_ids(), self.logprob_ks, self.logprobs(), self.prompt_logprobs(),
+                            pooled_sums=self.pooled_sums())
+        if self.plan.rows_per_request is not None:
+            keep_accepted(result, self.plan.rows_per_request, self._host_accepted.tolist())
+        return result
 
     def token_ids(self) -> list[int]:
         """The sampled ids on the host (waits for the device to finish the step)."""
@@ -109,3 +113,29 @@ class LaunchedStep:
         # the top alternatives stay arrays (copied: the pinned buffers go back to their pool), whose
         # rows the TokenLogprobs keep: no Python objects per alternative
         return (lp.chosen.tolist(), lp.ranks.tolist(), lp.top_ids.numpy().copy(), lp.top_logprobs.numpy().copy())
+
+
+def keep_accepted(result: StepResult, rows_per_request: list[int], accepted: list[bool]) -> None:
+    """A speculative step's result, in place, from one token per sampling row to each request's kept
+    tokens: its drafts up to the first one rejected, then the token sampled at that row (the target's
+    own there, or the bonus token after the last draft); their log-probabilities likewise."""
+    keep, counts, row = [], [], 0
+    for num_rows in rows_per_request:
+        num_accepted = 0
+        while num_accepted < num_rows - 1 and accepted[row + num_accepted]:
+            num_accepted += 1
+        keep.extend(range(row, row + num_accepted + 1))
+        counts.append(num_accepted + 1)
+        row += num_rows
+    token_ids = result.token_ids
+    result.token_ids = [token_ids[i] for i in keep]
+    result.num_per_row = counts
+    if result.logprob_ks is not None:
+        ks = result.logprob_ks
+        # the rows that asked hold consecutive entries of the log-probability arrays, in row order
+        entry = np.cumsum([k >= 0 for k in ks]) - 1
+        kept_entries = [int(entry[i]) for i in keep if ks[i] >= 0]
+        chosen, ranks, top_ids, top_logprobs = result.logprobs
+        result.logprobs = ([chosen[j] for j in kept_entries], [ranks[j] for j in kept_entries],
+                           top_ids[kept_entries], top_logprobs[kept_entries])
+        result.logprob_ks = [ks[i] for i in keep]

@@ -19,6 +19,7 @@ from asyncllm.runner.host_upload import upload_arrays
 from asyncllm.distributed import get_tp_size
 from asyncllm.layers import skinny_linear
 from asyncllm.layers.device_wide import DEVICE_WIDE
+from asyncllm.layers.rejection_sampler import RejectionSampler
 from asyncllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors, gather_logprobs
 from asyncllm.models.checkpoint import checkpoint_weights, load_weights
 from asyncllm.models.registry import create_model
@@ -88,6 +89,9 @@ class ModelRunner(RunnerMemory):
             # the CPU path's noise for unseeded rows, the engine's own (the process's generator is the
             # application's, and another engine's)
             self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
+            # speculative decoding's verification, with noise of its own (the sampler's stream is unchanged)
+            self.rejection_sampler = RejectionSampler(torch.Generator(self.device).manual_seed(
+                (config.seed + 1) % (1 << 64)))
             self.sampling_inputs = SamplingInputs(hf.vocab_size, self.device, config.seed)
             self.num_layers = hf.num_hidden_layers
             attn = self.model.model.layers[0].self_attn
@@ -312,19 +316,25 @@ class ModelRunner(RunnerMemory):
             prompt_logprobs = gather_logprobs(logits[num_sampling:], targets, prompt_plan.num_top)
             logits = logits[:num_sampling]
         logprob_ks = sampling_plan.logprob_ks
+        sampler = self.sampler
+        if plan.draft_token_ids is not None:  # speculative decoding: each position verifies its draft
+            counts = np.array(plan.rows_per_request, dtype=np.int64)
+            draft_ids, first_rows = upload_arrays([np.array(plan.draft_token_ids, dtype=np.int64),
+                                                   np.repeat(np.cumsum(counts) - counts, counts)], self.device)
+            sampler = lambda logits, sampling: self.rejection_sampler(logits, sampling, draft_ids, first_rows)  # noqa: E731
         if constraints is None:
-            return LaunchedStep(plan, self.sample(logits, sampling), logprob_ks, prompt_logprobs,
-                                stream=stream, pooling=pooling)
+            output = self.sample(logits, sampling) if sampler is self.sampler else sampler(logits, sampling)
+            return LaunchedStep(plan, output, logprob_ks, prompt_logprobs, stream=stream, pooling=pooling)
         # constrained rows: advance their matchers here (it may wait for prev's ids), then fill the
         # bitmask on a worker thread (xgrammar releases the GIL) while this thread resolves prev and
         # plans the next step; the sampling is queued once the next step needs it
         constraints.catch_up(prev.token_ids if prev is not None else None)
-        upload_bitmask = self.bitmasks.fill(constraints)
+        upload_bitmask = self.bitmasks.fill(constraints, wait=plan.draft_token_ids is not None)
 
         @torch.inference_mode()
         def sample() -> SamplerOutput:
             sampling.mask_rows, sampling.token_bitmask = upload_bitmask()
-            return self.sampler(logits, sampling)
+            return sampler(logits, sampling)
         return LaunchedStep(plan, None, logprob_ks, prompt_logprobs, sample=sample, stream=stream,
                             pooling=pooling)
 

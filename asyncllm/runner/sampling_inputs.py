@@ -37,15 +37,21 @@ class SamplingInputs:
         self.key_source = np.random.default_rng(seed)  # unseeded rows' noise keys
         self.token_counts = TokenCounts(vocab_size, device)
         self.penalty_slots: dict[SamplingRequest, int] = {}  # the token-count slot of each request that uses penalties
+        self._temporary_slots: list[int] = []  # the last plan's (released by the next: its step is queued by then)
 
     def release_token_counts(self) -> None:
         """Every sequence has ended (a sleeping engine): the penalties' slots and their memory go;
         the next sequences that ask make new ones."""
         self.token_counts = TokenCounts(self.vocab_size, self.device)
         self.penalty_slots = {}
+        self._temporary_slots = []
 
     def plan(self, seqs: list[SamplingRequest]) -> SamplingPlan:
         """The step's sampling settings as host arrays (the runner sends them in the step's one copy)."""
+        if self._temporary_slots:  # the step that read them is queued: a reuse's writes come after it
+            for slot in self._temporary_slots:
+                self.token_counts.release(slot)
+            self._temporary_slots = []
         params = [seq.params for seq in seqs]
         keys, seeded_rows = None, []
         if any(p.temperature > 0 for p in params):
@@ -96,7 +102,7 @@ class SamplingInputs:
 
     def _adjustment_arrays(self, seqs: list[SamplingRequest], arrays: dict[str, np.ndarray]) -> None:
         """The host arrays of the step's LogitsAdjustments, by field name (only the groups some row uses)."""
-        penalty_rows, slots, presence, frequency, repetition = [], [], [], [], []
+        penalty_rows, slots, presence, frequency, repetition, count_slots = [], [], [], [], [], []
         bias_rows, bias_tokens, bias_values = [], [], []
         ban_rows, ban_tokens = [], []
         pending_rows, pending_tokens, pending_sample_rows, pending_values = [], [], [], []
@@ -106,11 +112,18 @@ class SamplingInputs:
                 continue
             p = seq.params
             if p.uses_penalties:
-                slot = self.penalty_slots.get(seq)
-                if slot is None:
-                    outputs = [t for t in seq.completion_token_ids if t != PENDING_TOKEN]
-                    slot = self.penalty_slots[seq] = self.token_counts.acquire(seq.token_ids[:seq.num_prompt_tokens],
-                                                                               outputs)
+                request = getattr(seq, "draft_of", None)  # a speculative position: the request it is of
+                if request is None:
+                    slot = self.penalty_slots.get(seq)
+                    if slot is None:
+                        outputs = [t for t in seq.completion_token_ids if t != PENDING_TOKEN]
+                        slot = self.penalty_slots[seq] = self.token_counts.acquire(
+                            seq.token_ids[:seq.num_prompt_tokens], outputs)
+                    count_slots.append(slot)
+                else:  # its request's counts (its first position, before it, has the slot) and the drafts before it
+                    count_slots.append(self.penalty_slots[request])
+                    slot = self.token_counts.acquire_copy(count_slots[-1], seq.token_ids[len(request.token_ids):])
+                    self._temporary_slots.append(slot)
                 penalty_rows.append(row)
                 slots.append(slot)
                 presence.append(p.presence_penalty)
@@ -141,7 +154,8 @@ class SamplingInputs:
         groups = (
             (penalty_rows, dict(penalty_rows=(penalty_rows, int64), penalty_slots=(slots, int64),
                                 presence=(presence, float32), frequency=(frequency, float32),
-                                repetition=(repetition, float32))),
+                                repetition=(repetition, float32),
+                                **(dict(count_slots=(count_slots, int64)) if count_slots != slots else {}))),
             (bias_rows, dict(bias_rows=(bias_rows, int64), bias_tokens=(bias_tokens, int64),
                              bias_values=(bias_values, float32))),
             (ban_rows, dict(ban_rows=(ban_rows, int64), ban_tokens=(ban_tokens, int64))),

@@ -27,13 +27,16 @@ class StepBitmasks:
         self._copied: torch.cuda.Event | None = None  # the last upload out of the staging buffer
         self._filler: ThreadPoolExecutor | None = None
 
-    def fill(self, constraints) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    def fill(self, constraints, wait: bool = False) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         """Start filling the bitmask of constraints' rows (structured.step_masks.StepConstraints);
-        returns upload(): (the rows, their bitmask) on the device, once filled."""
+        returns upload(): (the rows, their bitmask) on the device, once filled. wait: filled before
+        this returns (a speculative step's fill moves the matchers, which the engine reads next)."""
         host = self._host_buffer(len(constraints.rows))
         if self._filler is None:
             self._filler = ThreadPoolExecutor(1, thread_name_prefix="asyncllm-bitmask")
         filled = self._filler.submit(_fill_in_inference_mode, constraints, host)
+        if wait:
+            filled.result()
 
         def upload() -> tuple[torch.Tensor, torch.Tensor]:
             filled.result()

@@ -80,6 +80,18 @@ class EngineCollector(Collector):
                      stats.get("prefix_cache_queries", 0))
         yield family(counter, "asyncllm_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                      stats.get("prefix_cache_hits", 0))
+        if "spec_draft_tokens" in stats:  # speculative decoding is on (Config.speculative_config)
+            yield family(counter, "asyncllm_spec_decode_draft_tokens", "Draft tokens verified (speculative decoding).",
+                         stats["spec_draft_tokens"])
+            yield family(counter, "asyncllm_spec_decode_accepted_tokens", "Draft tokens accepted.",
+                         stats["spec_accepted_tokens"])
+            yield family(counter, "asyncllm_spec_decode_verifications", "Request steps that verified drafts.",
+                         stats["spec_verifications"])
+            yield family(gauge, "asyncllm_spec_decode_acceptance_rate", "Accepted draft tokens per draft token.",
+                         stats["spec_acceptance_rate"])
+            yield family(gauge, "asyncllm_spec_decode_mean_accepted_length",
+                         "Tokens a verifying request takes per step (accepted drafts + 1).",
+                         stats["spec_mean_accepted_length"])
 
 
 class BulkHistogram(Collector):

@@ -193,6 +193,27 @@ class GrammarCompiler:
                     bitmask[i, token // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit  # int32 words
 
 
+    @staticmethod
+    def fill_bitmask_after(state: "GrammarState", drafts: list[int], bitmask: torch.Tensor, row: int) -> None:
+        """bitmask[row] = the tokens state allows after drafts (a speculative position's mask; the
+        matcher is left as it was). All tokens where it refuses a draft or is done after them (the
+        position follows a draft the grammar forbids, which the verification rejects, so its token
+        is never kept) or where state fill_bitmask leaves whole."""
+        if state.error is not None or state.gate is not None or state.matcher.is_terminated():
+            return  # fill_bitmask gave it every token
+        matcher, taken = state.matcher, 0
+        for token in drafts:
+            if not matcher.accept_token(token):
+                break
+            taken += 1
+        if taken == len(drafts) and not matcher.is_terminated():
+            matcher.fill_next_token_bitmask(bitmask, row)
+        else:
+            bitmask[row] = -1
+        if taken:
+            matcher.rollback(taken)
+
+
 class GrammarState:
     """One request's matcher, advanced over the request's completion tokens as the host learns them.
 

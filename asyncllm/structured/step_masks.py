@@ -12,13 +12,21 @@ from asyncllm.structured.grammar import GrammarCompiler
 class StepConstraints:
     """The sampling rows of one step whose requests have a grammar."""
 
-    __slots__ = ("rows", "seqs", "states", "compiler")
+    __slots__ = ("rows", "seqs", "states", "compiler", "drafts")
 
     def __init__(self, rows: list[int], seqs: list, compiler: GrammarCompiler):
         self.rows = rows  # indices among the step's sampling rows
-        self.seqs = seqs  # their sequences (each with a GrammarState in seq.grammar)
-        self.states = [seq.grammar for seq in seqs]
+        # their requests (each with a GrammarState in .grammar), each once: a speculating request's
+        # verified positions share its grammar (speculative decoding, engine/speculation.py)
+        self.seqs = [seq for seq in seqs if getattr(seq, "draft_of", None) is None]
+        self.states = [seq.grammar for seq in seqs]  # per row
         self.compiler = compiler
+        # per row: the drafts its position takes as generated (a verified position past its request's
+        # first), fed to the matcher for its mask and rolled back; None where no row has any
+        self.drafts = None
+        if len(self.seqs) < len(seqs):
+            self.drafts = [seq.token_ids[len(seq.draft_of.token_ids):] if getattr(seq, "draft_of", None) is not None
+                           else [] for seq in seqs]
 
     @classmethod
     def of(cls, plan: StepPlan, compiler: GrammarCompiler) -> "StepConstraints | None":
@@ -41,5 +49,11 @@ class StepConstraints:
 
     def fill(self, bitmask: torch.Tensor) -> None:
         """Fill bitmask (len(rows), words) after catch_up. Touches only the matchers, not the
-        sequences: it may run on another thread while the engine resolves the previous step."""
+        sequences: it may run on another thread while the engine resolves the previous step (not
+        with speculative positions, whose drafts it feeds to the matchers and takes back: the runner
+        waits for those)."""
         self.compiler.fill_bitmask(self.states, bitmask)
+        if self.drafts is not None:
+            for i, drafts in enumerate(self.drafts):
+                if drafts:
+                    self.compiler.fill_bitmask_after(self.states[i], drafts, bitmask, i)

@@ -1,0 +1,146 @@
+"""Speculative decoding, the engine's side: which decoding rows speculate this step, their draft tokens
+(from the proposer: speculative/), what the runner samples for each verified position, and what
+each row's acceptance teaches for its next steps.
+
+A speculating row verifies its k drafts in one step: the runner computes 1 + k query tokens (its
+last accepted token, then the drafts) over the cached context and samples every position; the
+engine keeps the drafts up to the first one the target rejects, then the target's own token there
+(or the bonus token after the last draft). docs/ARCHITECTURE.md "Speculative decoding" tells the rest.
+
+Adaptive, per request: its acceptance rate (a running average) sets how many drafts it proposes
+(k scaled by it), and a request whose rate falls below LOW_ACCEPTANCE stops speculating for
+PAUSE_STEPS steps, then tries again. A step with more than MAX_SPECULATING_DECODES decoding rows
+speculates for none: a large batch is compute-bound, and verifying drafts then costs what it saves.
+"""
+from __future__ import annotations
+
+import math
+
+from asyncllm.config import SpeculativeConfig
+from asyncllm.engine.scheduler import SchedulerOutput
+from asyncllm.engine.sequence import Sequence, SequenceStatus
+from asyncllm.speculative.ngram import NgramProposer
+from asyncllm.speculative.proposer import DraftRow, Proposer
+from asyncllm.step_plan import PENDING_TOKEN
+
+# decoding rows past which a step speculates for none (a Config-free constant: where verification's
+# extra query rows start to cost as much compute as they save weight reads)
+MAX_SPECULATING_DECODES = 32
+LOW_ACCEPTANCE = 0.25  # a request's running acceptance rate below which it pauses speculating
+PAUSE_STEPS = 32  # engine steps a paused request decodes one token at a time before it tries again
+ACCEPTANCE_WEIGHT = 0.5  # the newest step's weight in the running acceptance rate
+
+
+class DraftPosition:
+    """A speculating row's position j > 0 as the sampler reads a request (step_plan.SamplingRequest):
+    the request with its first j drafts taken as generated (their seed keys, bans and bad words follow
+    from that). Everything else is the request's own."""
+    __slots__ = ("seq", "token_ids")
+
+    def __init__(self, seq: Sequence, token_ids: list[int]):
+        self.seq = seq
+        self.token_ids = token_ids
+
+    def __getattr__(self, name: str):
+        return getattr(self.seq, name)
+
+    @property
+    def draft_of(self) -> Sequence:
+        """The request whose draft this position verifies (the runner's penalties read its counts)."""
+        return self.seq
+
+    completion_token_ids = Sequence.completion_token_ids
+    banned_token_ids = Sequence.banned_token_ids
+
+
+def draft_positions(seq: Sequence, drafts: list[int]) -> list:
+    """The requests of a speculating row's 1 + k sampling positions (the first is seq itself)."""
+    return [seq, *(DraftPosition(seq, seq.token_ids + drafts[:j]) for j in range(1, len(drafts) + 1))]
+
+
+def verified_drafts(sched: SchedulerOutput) -> tuple[list[int], list[int]]:
+    """(the draft each sampling position verifies, -1 at a row's last; each sampling row's positions)."""
+    drafts, counts = [], []
+    for item in sched.scheduled:
+        if item.samples:
+            drafts.extend(item.draft_token_ids)
+            drafts.append(-1)
+            counts.append(len(item.draft_token_ids) + 1)
+    return drafts, counts
+
+
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+
+
+class Speculation:
+    def __init__(self, config: SpeculativeConfig):
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.proposer = make_proposer(config)
+        self._drafted: list[Sequence] = []  # the sequences given drafts by the last draft()
+        # counters for stats(): draft tokens verified and accepted, and verifications (a row's step)
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_verifications = 0
+
+    def draft(self, running: list[Sequence], step: int) -> bool:
+        """Give this step's speculating rows of running their drafts (seq.draft_token_ids, read by
+        the scheduler). Returns whether some running request would speculate: its step must then be
+        resolved before the next is planned (a draft needs the last token's value), not overlapped."""
+        for seq in self._drafted:
+            seq.draft_token_ids = []
+        self._drafted = []
+        ready = [seq for seq in running if len(seq.token_ids) - seq.num_computed_tokens == 1]
+        if len(ready) > MAX_SPECULATING_DECODES:
+            return False
+        wanting = [seq for seq in ready if step >= seq.drafts_paused_until and _may_speculate(seq)]
+        rows, seqs = [], []
+        for seq in wanting:
+            room = seq.max_len - len(seq.token_ids) - 1  # every token it may still take, after the bonus one
+            k = min(room, math.ceil(self.num_speculative_tokens * seq.draft_acceptance))
+            if k > 0 and seq.token_ids[-1] != PENDING_TOKEN:
+                rows.append(DraftRow(seq.token_ids, k, seq))
+                seqs.append(seq)
+        for seq, drafts in zip(seqs, self.proposer.propose(rows) if rows else ()):
+            if drafts:
+                seq.draft_token_ids = drafts
+                self._drafted.append(seq)
+            else:  # nothing to propose counts as nothing accepted: a request that never matches pauses
+                self._learn(seq, 0.0, step)
+        return bool(wanting)
+
+    def release(self, seq: Sequence) -> None:
+        """seq has ended: the proposer drops what it kept for it."""
+        self.proposer.release(seq)
+
+    def record(self, seq: Sequence, num_drafts: int, num_accepted: int, step: int) -> None:
+        """A verification: num_accepted of seq's num_drafts drafts were accepted."""
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        self.num_verifications += 1
+        self._learn(seq, num_accepted / num_drafts, step)
+
+    @staticmethod
+    def _learn(seq: Sequence, rate: float, step: int) -> None:
+        seq.draft_acceptance += ACCEPTANCE_WEIGHT * (rate - seq.draft_acceptance)
+        if seq.draft_acceptance < LOW_ACCEPTANCE:
+            seq.drafts_paused_until = step + PAUSE_STEPS
+            seq.draft_acceptance = 2 * LOW_ACCEPTANCE  # on its retry: two more poor steps pause it again
+
+    def stats(self) -> dict:
+        drafts, accepted, verifications = self.num_draft_tokens, self.num_accepted_tokens, self.num_verifications
+        return {
+            "spec_draft_tokens": drafts,
+            "spec_accepted_tokens": accepted,
+            "spec_verifications": verifications,
+            "spec_acceptance_rate": accepted / drafts if drafts else 0.0,
+            # tokens a verifying row takes per step: its accepted drafts and the target's own token
+            "spec_mean_accepted_length": 1 + accepted / verifications if verifications else 0.0,
+        }
+
+
+def _may_speculate(seq: Sequence) -> bool:
+    """Requests that never speculate: those that opt out, and those whose grammar waits for the end
+    of a reasoning block (its gate's state is not taken back with the drafts)."""
+    return seq.params.speculate and (seq.grammar is None or seq.grammar.gate is None) and \
+        seq.status is SequenceStatus.RUNNING and seq.pooling is None

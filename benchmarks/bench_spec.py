@@ -1,0 +1,145 @@
+"""Speculative decoding (n-gram prompt lookup) against plain decoding on a copy task, with the real
+SmolLM2-135M-Instruct weights shipped for the default model.
+
+    python benchmarks/bench_spec.py [--device cuda] [--batches 1,8,64] [--output-len 256] [--k 4]
+                                    [--lookup 2,4] [--json PATH]
+
+The task: the chat model is asked to repeat a passage word for word (a different passage per
+request of a batch), greedy, max_tokens --output-len, EOS ignored. Prompt lookup then proposes
+the passage's next words. Each mode runs in its own process (plain, then speculative with
+{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": m, "prompt_lookup_max": n}),
+one LLM.generate of the whole batch per --reps after a warm-up; the median's output tokens per second
+is the row's figure. Rows: tok/s, the speculative rows' speedup over plain at the same batch, their
+acceptance rate and mean accepted length (tokens a verifying request takes per step), and whether
+their text equals plain's (greedy: it must). --model-dir another checkpoint instead (tests: the tiny one).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from common import Report, add_ratios, make_parser, median, parse_args, release_memory
+
+from asyncllm import LLM, SamplingParams
+from asyncllm.chat_template import chat_prompt_ids
+
+PASSAGES = [
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a lamp, a notebook and a "
+    "thermos of tea. From the gallery he watched the ships pass along the coast, wrote down their names, the "
+    "direction of the wind and the colour of the sea, and at midnight he trimmed the wick before going to bed.",
+    "To bake the bread, mix the flour, water, salt and yeast in a large bowl until no dry flour remains. Cover "
+    "the dough and let it rise for two hours, folding it twice. Shape it into a round loaf, let it rest for "
+    "forty minutes, then bake it in a very hot oven for thirty-five minutes until the crust is deep brown.",
+    "The committee met on Tuesday to review the budget for the new library. After a long discussion about the "
+    "cost of the roof, the members agreed to delay the reading garden by one year, to buy more books for "
+    "children, and to open the building on Sundays from ten in the morning until four in the afternoon.",
+    "Rivers carry sand and small stones from the mountains to the sea. Where the water slows down, near the "
+    "mouth of the river, the sand settles and slowly builds a delta: a wide, flat plain cut by many channels, "
+    "where birds rest on their long journeys and farmers grow rice in the rich, wet soil.",
+]
+
+
+def copy_prompts(llm: LLM, num: int) -> list[list[int]]:
+    """num chat prompts asking to repeat a passage (each request its own variant: a numbered copy)."""
+    prompts = []
+    for i in range(num):
+        passage = PASSAGES[i % len(PASSAGES)]
+        messages = [{"role": "user", "content": f"Repeat the following text exactly, word for word "
+                                                f"(copy {i + 1}):\n\n{passage}"}]
+        prompts.append(chat_prompt_ids(llm.core, messages, {"add_generation_prompt": True}))
+    return prompts
+
+
+def run_mode(args) -> list[dict]:
+    """One mode's rows, in this process."""
+    options = dict(device=args.device, max_num_seqs=max(args.batches), enable_prefix_caching=False)
+    if args.mode == "ngram":
+        options["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.k,
+                                         "prompt_lookup_min": args.lookup[0], "prompt_lookup_max": args.lookup[1]}
+    llm = LLM(args.model_dir, **options)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    rows = []
+    for batch in args.batches:
+        prompts = copy_prompts(llm, batch)
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
+        times, outputs = [], None
+        stats_before = llm.core.stats()
+        for _ in range(args.reps):
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            times.append(time.perf_counter() - start)
+        seconds = median(times)
+        num_tokens = sum(len(out["token_ids"]) for out in outputs)
+        row = dict(mode=args.mode, batch=batch, output_tokens=num_tokens, seconds=round(seconds, 4),
+                   tok_s=num_tokens / seconds, texts=[out["text"] for out in outputs])
+        stats = llm.core.stats()
+        if "spec_draft_tokens" in stats:
+            drafts = stats["spec_draft_tokens"] - stats_before["spec_draft_tokens"]
+            kept = stats["spec_accepted_tokens"] - stats_before["spec_accepted_tokens"]
+            verifications = stats["spec_verifications"] - stats_before["spec_verifications"]
+            row.update(acceptance_rate=kept / drafts if drafts else 0.0,
+                       mean_accepted_length=1 + kept / verifications if verifications else None)
+        rows.append(row)
+    llm.close()
+    del llm
+    release_memory()
+    return rows
+
+
+def main(argv=None) -> dict:
+    parser = make_parser(__doc__)
+    parser.add_argument("--batches", default="1,8,64", help="comma-separated batch sizes")
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--lookup", default="2,4", help="prompt_lookup_min,prompt_lookup_max")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--mode", default=None, choices=["plain", "ngram"], help="(internal: one mode, here)")
+    args = parse_args(parser, argv)
+    args.batches = [int(b) for b in str(args.batches).split(",")]
+    args.lookup = [int(n) for n in str(args.lookup).split(",")]
+    if args.model_dir is None:
+        from asyncllm.models.default_model import default_model_path
+        args.model_dir = default_model_path()
+    if args.mode is not None:  # a child: this mode's rows to --json
+        rows = run_mode(args)
+        with open(args.json, "w") as f:
+            json.dump(rows, f)
+        return {"results": rows}
+    report = Report("spec", args)
+    rows = []
+    for mode in ("plain", "ngram"):  # each in its own process: nothing of one warms or fragments the other
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "rows.json")
+            child = [sys.executable, os.path.abspath(__file__), "--mode", mode, "--json", out, "--device", args.device,
+                     "--model-dir", args.model_dir, "--batches", ",".join(map(str, args.batches)),
+                     "--output-len", str(args.output_len), "--k", str(args.k), "--lookup",
+                     ",".join(map(str, args.lookup)), "--reps", str(args.reps)]
+            done = subprocess.run(child, check=False)
+            if done.returncode != 0:
+                rows += [dict(mode=mode, batch=b, error=f"exit {done.returncode}") for b in args.batches]
+                continue
+            with open(out) as f:
+                rows += json.load(f)
+    plain = {row["batch"]: row for row in rows if row["mode"] == "plain" and "error" not in row}
+    for row in rows:
+        reference = plain.get(row["batch"])
+        if row["mode"] == "ngram" and "error" not in row and reference is not None:
+            row["same_text"] = row["texts"] == reference["texts"]
+    add_ratios(rows, "speedup", "tok_s", {"mode": "plain"}, same=("batch",))
+    for row in rows:
+        row.pop("texts", None)
+        report.add(row)
+    report.finish("Speculative decoding (n-gram) on the SmolLM2 copy task", [
+        ("batch", "batch", "{}"), ("mode", "mode", "{}"), ("tok/s", "tok_s", "{:,.0f}"),
+        ("speedup", "speedup", "{:.2f}x"), ("acceptance", "acceptance_rate", "{:.2f}"),
+        ("mean accepted length", "mean_accepted_length", "{:.2f}"), ("same text", "same_text", "{}"),
+        ("output tokens", "output_tokens", "{:,}")])
+    return report.data
+
+
+if __name__ == "__main__":
+    main()
