@@ -168,3 +168,34 @@ def test_a_front_end_that_dies_stops_the_server_with_an_error(tiny_qwen3, tmp_pa
         assert re.search(r"front-end .* exited with -9; stopping the server", served.log())
     with pytest.raises(ProcessLookupError):
         os.kill(survivor, 0)
+
+
+def test_a_full_queue_is_a_429_and_an_engine_that_dies_stops_the_front_ends(tiny_qwen3, tmp_path):
+    # the engine admits a request after the front-end has its stream: the 429 comes from the first read
+    with live_server(tiny_qwen3, tmp_path, *OPTIONS, "--api-server-count", "2", "--max-num-seqs", "1",
+                     "--max-queued-requests", "1", exit_codes=(-signal.SIGKILL,)) as served:
+        wait_for(lambda: len(frontend_pids(served)) == 2, "both front-ends started")
+        long = {"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True}
+        with ThreadPoolExecutor(2) as pool:
+            running = pool.submit(post, served.base, "/v1/completions", long)
+            wait_for(lambda: engine_metric(served.base, "asyncllm_num_requests_running") == 1, "the first running")
+            queued = pool.submit(post, served.base, "/v1/completions", long)
+            wait_for(lambda: engine_metric(served.base, "asyncllm_num_requests_waiting") == 1, "the second queued")
+            refused = post(served.base, "/v1/completions", {"prompt": "Hi", **GREEDY})
+            assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full", refused.text
+            assert refused.headers["retry-after"] == "1"
+            with httpx.stream("POST", served.base + "/v1/completions", json={"prompt": "Hi", **GREEDY, "stream": True},
+                              timeout=60) as response:
+                events = [line for line in response.iter_lines() if line.startswith("data: ")]
+            assert json.loads(events[0][6:])["error"]["code"] == "queue_full" and events[-1] == "data: [DONE]"
+            pids = frontend_pids(served)
+            served.proc.kill()  # the engine process dies: the front-ends' streams end, and they exit
+            assert running.result().status_code in (200, 503) and queued.result().status_code in (200, 503)
+
+            def gone(pid: int) -> bool:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    return True
+                return False
+            wait_for(lambda: all(gone(pid) for pid in pids), "the front-ends exited")
