@@ -111,6 +111,20 @@ def test_concurrent_streams_across_the_front_ends(single, frontends):
     assert len(frontend_pids(frontends)) == 2
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/embeddings", {"input": ["Hello there", [5, 6, 7]]}),
+    ("/tokenize", {"prompt": "Hello there"}),
+    ("/v1/chat/completions", {"messages": MESSAGES, **GREEDY, "max_tokens": 24,
+                              "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+                                  "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}}),
+])
+def test_the_other_routes_match_the_single_process_server(single, frontends, path, body):
+    want, got = post(single.base, path, body), post(frontends.base, path, body)
+    assert got.status_code == want.status_code == 200, got.text
+    strip = lambda d: {k: v for k, v in d.items() if k not in ("id", "created")}  # noqa: E731
+    assert strip(got.json()) == strip(want.json())
+
+
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "Hi", "temperature": -1}, "temperature"),
     ({"prompt": [10, 10 ** 9]}, "prompt"),

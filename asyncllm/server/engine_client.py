@@ -261,9 +261,12 @@ class EngineClient:
                request_id: str) -> RemoteStream:
         self.check_alive()  # the engine's checks of stream(), here: the 400s come from the front-end
         prompt_token_ids = self._intake.encode_prompt(prompt_token_ids)
-        params = self._intake.check_request(prompt_token_ids, sampling_params or SamplingParams())
-        stream = self._streams[request_id] = RemoteStream(self, request_id, prompt_token_ids, params.n)
-        self._send(("submit", request_id, prompt_token_ids, params))
+        sampling_params = sampling_params or SamplingParams()
+        # the checked snapshot keeps this process's compiled grammar: the caller's params go (the
+        # engine checks and compiles its own)
+        n = self._intake.check_request(prompt_token_ids, sampling_params).n
+        stream = self._streams[request_id] = RemoteStream(self, request_id, prompt_token_ids, n)
+        self._send(("submit", request_id, prompt_token_ids, sampling_params))
         return stream
 
     def abort(self, request_id: str) -> None:
