@@ -213,3 +213,30 @@ def test_a_full_queue_is_a_429_and_an_engine_that_dies_stops_the_front_ends(tiny
                     return True
                 return False
             wait_for(lambda: all(gone(pid) for pid in pids), "the front-ends exited")
+
+
+def test_the_link_carries_plain_data_and_refuses_any_other_class():
+    import asyncio
+    import pickle
+
+    from asyncllm.errors import PromptTooLongError
+    from asyncllm.sampling_params import SamplingParams
+    from asyncllm.server.engine_link import frame, read_message
+    from asyncllm.structured import StructuredOutput
+
+    async def roundtrip(message):
+        reader = asyncio.StreamReader()
+        reader.feed_data(frame(message) if isinstance(message, tuple) else message)
+        reader.feed_eof()
+        return await read_message(reader)
+
+    params = SamplingParams(temperature=0.5, stop=["x"], structured_output=StructuredOutput(regex="a+"))
+    kind, got, error = asyncio.run(roundtrip(("submit", params, PromptTooLongError("prompt", "too long"))))
+    assert got == params and isinstance(error, PromptTooLongError) and error.argument == "prompt"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, ("echo pwned",)
+    data = pickle.dumps(("submit", Payload()))
+    with pytest.raises(pickle.UnpicklingError, match="does not carry posix.system"):
+        asyncio.run(roundtrip(len(data).to_bytes(4, "big") + data))

@@ -184,6 +184,14 @@ class EngineClient:
             self._reader_task.cancel()
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
+        try:
+            await self._dispatch(reader)
+        except Exception as e:  # noqa: BLE001 - a message it cannot read: the link is unusable
+            self._lost(f"the link to the engine process failed: {e!r}")
+        else:
+            self._lost("the link to the engine process was closed")
+
+    async def _dispatch(self, reader: asyncio.StreamReader) -> None:
         while (message := await read_message(reader)) is not None:
             kind = message[0]
             if kind == "out":
@@ -200,7 +208,6 @@ class EngineClient:
                     future.set_result(message[2:])
             elif kind == "dead":
                 self._dead = message[1]
-        self._lost("the link to the engine process was closed")
 
     def _lost(self, reason: str) -> None:
         self._dead = self._dead or reason

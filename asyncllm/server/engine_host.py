@@ -200,7 +200,7 @@ async def _serve(engine, count: int, sock: socket.socket, settings: FrontendSett
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(0.2):
                     await stop.wait()
-    except TimeoutError:  # (the crash check, a moment later, names a front-end that died meanwhile)
+    except TimeoutError:
         logger.error("asyncllm serve: the front-ends did not connect within %.0f s", FRONTEND_START_TIMEOUT_S)
         failed = True
     finally:
