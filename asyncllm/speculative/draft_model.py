@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from asyncllm.config import Config, config_error
+from asyncllm.errors import InvalidValueError
 from asyncllm.models.checkpoint import load_tokenizer
 from asyncllm.models.resolve import resolve_config
 from asyncllm.runner.model_runner import ModelRunner
@@ -96,7 +97,12 @@ class DraftModelProposer:
         k = target.speculative.num_speculative_tokens
         config.num_kvcache_blocks = draft_kv_blocks(config, target, max_rows, k)
         self.config = config
-        self.runner = ModelRunner(config)
+        try:
+            self.runner = ModelRunner(config)
+        except InvalidValueError as e:
+            if e.field != "model":
+                raise
+            raise config_error(FIELD, f"the draft checkpoint: {e.reason}") from e
         self.block_size = config.kvcache_block_size
         self.max_len = config.max_model_len
         self.free_blocks = list(range(self.runner.num_kvcache_blocks - 1, -1, -1))
