@@ -176,7 +176,8 @@ class Config:
     # FP8_KV_SCALES), half the bytes of bf16 a token, so twice the blocks (Triton backend; emulated on CPU)
     kv_cache_dtype: str = "auto"
     # speculative decoding, vLLM's dict: {"method": "ngram", "num_speculative_tokens": k,
-    # "prompt_lookup_max": n, "prompt_lookup_min": m} (SpeculativeConfig above); None: off
+    # "prompt_lookup_max": n, "prompt_lookup_min": m}, or {"model": draft_dir, "num_speculative_tokens": k}
+    # (SpeculativeConfig above); None: off
     speculative_config: dict | None = None
     # filled in from the checkpoint by models.resolve.resolve_config; not user settings
     hf_config: Any = field(default=None, repr=False, init=False)
