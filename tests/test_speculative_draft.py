@@ -135,7 +135,10 @@ def test_chunked_prefill_and_preemption_free_every_target_and_draft_block(engine
     before = spec.core.stats()
     assert run(spec, batch, params) == run(plain, batch, params)
     assert spec.core.scheduler.num_preemptions > 0
-    assert delta(spec, before)["spec_accepted_tokens"] > 0
+    got = delta(spec, before)
+    # the draft's catch-up ran in forwards of 24 tokens (prompts up to 50) over KV kept through
+    # preemptions or rebuilt after them: the draft (the target) is still right almost always
+    assert got["spec_accepted_tokens"] >= 0.9 * got["spec_draft_tokens"] > 0
 
 
 def test_mixed_speculating_and_plain_requests_in_one_batch(engines):

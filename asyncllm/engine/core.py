@@ -55,11 +55,16 @@ class EngineCore:
         # speculative decoding's proposer first: a draft model's memory is then counted by the target's probe
         proposer = None if config.speculative is None else make_proposer(config, self.tokenizer)
         workers = None
-        if config.tensor_parallel_size > 1:
-            # rank 0 of a tensor-parallel engine starts the other ranks; the runner steps them from then on
-            with phase(TP_WORKERS):
-                workers = TensorParallelWorkers(config)
-        self.runner = ModelRunner(config, weights=weights, workers=workers, startup=self.startup)
+        try:
+            if config.tensor_parallel_size > 1:
+                # rank 0 of a tensor-parallel engine starts the other ranks; the runner steps them from then on
+                with phase(TP_WORKERS):
+                    workers = TensorParallelWorkers(config)
+            self.runner = ModelRunner(config, weights=weights, workers=workers, startup=self.startup)
+        except BaseException:
+            if proposer is not None:
+                proposer.close()  # a draft model's device memory goes back with the failed start-up
+            raise
         with phase(BLOCK_MANAGER):
             self.block_manager = BlockManager(self.runner.num_kvcache_blocks, config.kvcache_block_size,
                                               config.enable_prefix_caching)

@@ -7,8 +7,8 @@ The proposer owns a second ModelRunner (eager: no CUDA graphs yet) over the draf
 a paged KV cache of its own and, per request, a block table and the number of its tokens whose
 draft KV is valid. Each propose() over the speculating rows:
 1. catches each row's draft KV up on the tokens added since its last proposal (the prompt at
-   first; after a verification the drafts it accepted, then the target's own token): one varlen
-   forward over those tokens, whose last position's argmax is the first draft. Drafts it fed
+   first; after a verification the drafts it accepted, then the target's own token): varlen
+   forwards of up to max_num_batched_tokens tokens, the last position's argmax the first draft. Drafts it fed
    itself last time and the target accepted keep their KV: only the tokens after them are fed;
 2. feeds each draft back as one token per forward, k - 1 more forwards batched over the rows;
 3. the rollback is implicit: the KV past the accepted tokens is overwritten by the next catch-up,
@@ -173,17 +173,32 @@ class DraftModelProposer:
         return state
 
     def _catch_up(self, active: list) -> list[list[int]]:
-        """Each row's KV over its tokens from its state's valid count on; each row's first draft."""
-        input_ids, positions, query_lens, seq_lens, tables = [], [], [], [], []
-        for _, row, state, start in active:
-            length = len(row.token_ids)
-            input_ids.extend(row.token_ids[start:length])
-            positions.extend(range(start, length))
-            query_lens.append(length - start)
-            seq_lens.append(length)
-            tables.append(state[0])
-        logits_indices = np.cumsum(query_lens) - 1
-        return [[token] for token in self._forward(input_ids, positions, query_lens, seq_lens, tables, logits_indices)]
+        """Each row's KV over its tokens from its state's valid count on; each row's first draft. In
+        forwards of at most max_num_batched_tokens tokens (a long prompt's over several, in order), the
+        activation peak the target's memory probe sized."""
+        firsts: list[list[int]] = [[] for _ in active]
+        starts = [start for _, _, _, start in active]
+        budget = self.config.max_num_batched_tokens
+        while True:
+            input_ids, positions, query_lens, seq_lens, tables, rows, left = [], [], [], [], [], [], budget
+            for n, (_, row, state, _) in enumerate(active):
+                take = min(len(row.token_ids) - starts[n], left)
+                if take <= 0:
+                    continue
+                end = starts[n] + take
+                input_ids.extend(row.token_ids[starts[n]:end])
+                positions.extend(range(starts[n], end))
+                query_lens.append(take)
+                seq_lens.append(end)
+                tables.append(state[0])
+                rows.append(n)
+                starts[n], left = end, left - take
+            if not rows:
+                return firsts
+            tokens = self._forward(input_ids, positions, query_lens, seq_lens, tables, np.cumsum(query_lens) - 1)
+            for n, token in zip(rows, tokens):
+                if starts[n] == len(active[n][1].token_ids):  # the row's last token: its first draft
+                    firsts[n] = [token]
 
     def _step(self, rows: list[tuple[list[int], int, int]]) -> list[int]:
         """One token each of rows (block table, position, token): each row's next draft."""
