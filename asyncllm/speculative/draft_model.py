@@ -113,9 +113,6 @@ class DraftModelProposer:
     def num_total_blocks(self) -> int:
         return self.runner.num_kvcache_blocks
 
-    def held_requests(self) -> list[object]:
-        return list(self._held)
-
     def release(self, request: object) -> None:
         state = self._held.pop(request, None)
         if state is not None:
