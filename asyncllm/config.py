@@ -58,7 +58,7 @@ def _dtype_name(dtype) -> str:
 
 # ---- speculative_config, in vLLM's shape, checked into a SpeculativeConfig -----------------------
 #   {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}
-#   {"model": draft_checkpoint_dir, "num_speculative_tokens": k}   (the shape is accepted; refused: not yet)
+#   {"model": draft_checkpoint_dir, "num_speculative_tokens": k}   (a draft model: speculative/draft_model.py)
 # proposals verified per row and step: each is a query row of the target's forward, and a draft
 # longer than this is almost never accepted whole
 MAX_SPECULATIVE_TOKENS = 16
@@ -66,16 +66,16 @@ MAX_PROMPT_LOOKUP = 64  # the longest n-gram prompt lookup matches (its cost gro
 SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model")
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 # vLLM's other methods: named here so that a vLLM user's setting gets "not yet", not "unknown"
-SPECULATIVE_NOT_YET = {"eagle": "EAGLE heads", "eagle3": "EAGLE-3 heads", "mtp": "MTP layers", "medusa": "Medusa heads",
-           "draft_model": "draft models"}
+SPECULATIVE_NOT_YET = {"eagle": "EAGLE heads", "eagle3": "EAGLE-3 heads", "mtp": "MTP layers", "medusa": "Medusa heads"}
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str  # "ngram" (prompt lookup): the one proposer there is
+    method: str  # "ngram" (prompt lookup) or "draft_model" (a smaller checkpoint with the same tokenizer)
     num_speculative_tokens: int  # the most draft tokens a row verifies per step
     prompt_lookup_min: int  # ngram: the shortest suffix of the tokens so far that a match must have
     prompt_lookup_max: int  # ngram: the longest suffix tried first
+    model: str | None = None  # draft_model: the draft checkpoint's directory or hub id
 
 
 def parse_speculative_config(value, fail: FieldChecks, field: str = "speculative_config"
@@ -104,10 +104,13 @@ def parse_speculative_config(value, fail: FieldChecks, field: str = "speculative
         model = value.get("model")
         if not isinstance(model, str) or not model:
             fail(f"{field}.model", f"expected a draft checkpoint's directory or hub id, got {short_repr(model)}")
+        if not os.path.exists(model) and not is_hub_id(model):
+            fail(f"{field}.model", f"{model!r} does not exist, and is not a Hugging Face hub id (ORG/NAME)")
     elif "model" in value and method != "draft_model":
         fail(f"{field}.model", f"is for method 'draft_model' (a draft checkpoint), not {method!r}")
     if method in SPECULATIVE_NOT_YET:
-        fail(f"{field}.method", f"{method!r}: {SPECULATIVE_NOT_YET[method]}: not yet (only 'ngram', prompt lookup, is built)")
+        fail(f"{field}.method", f"{method!r}: {SPECULATIVE_NOT_YET[method]}: not yet (only 'ngram', prompt lookup, "
+                                f"and 'draft_model' are built)")
     lookup_max, lookup_min = value.get("prompt_lookup_max"), value.get("prompt_lookup_min")
     for key, n in (("prompt_lookup_max", lookup_max), ("prompt_lookup_min", lookup_min)):
         if n is not None and (not is_int(n) or not 1 <= n <= MAX_PROMPT_LOOKUP):
@@ -119,7 +122,7 @@ def parse_speculative_config(value, fail: FieldChecks, field: str = "speculative
     lookup_min = lookup_max if lookup_min is None else lookup_min
     if lookup_min > lookup_max:
         fail(f"{field}.prompt_lookup_min", f"must be <= prompt_lookup_max ({lookup_max}), got {lookup_min}")
-    return SpeculativeConfig(method, k, lookup_min, lookup_max)
+    return SpeculativeConfig(method, k, lookup_min, lookup_max, value.get("model"))
 
 
 # the int fields: the least value each takes (None: checked on its own below) and what that least means
@@ -173,7 +176,8 @@ class Config:
     # FP8_KV_SCALES), half the bytes of bf16 a token, so twice the blocks (Triton backend; emulated on CPU)
     kv_cache_dtype: str = "auto"
     # speculative decoding, vLLM's dict: {"method": "ngram", "num_speculative_tokens": k,
-    # "prompt_lookup_max": n, "prompt_lookup_min": m} (SpeculativeConfig above); None: off
+    # "prompt_lookup_max": n, "prompt_lookup_min": m}, or {"model": draft_dir, "num_speculative_tokens": k}
+    # (SpeculativeConfig above); None: off
     speculative_config: dict | None = None
     # filled in from the checkpoint by models.resolve.resolve_config; not user settings
     hf_config: Any = field(default=None, repr=False, init=False)
@@ -233,6 +237,10 @@ class Config:
             _fail("kv_cache_dtype", f"'fp8' is not supported by attention_backend={self.attention_backend!r}; use "
                                     "attention_backend='triton' or 'auto' (or 'torch'), or kv_cache_dtype='auto'")
         self.speculative = parse_speculative_config(self.speculative_config, _fail)
+        if self.speculative is not None and self.speculative.model is not None and self.tensor_parallel_size > 1:
+            # the draft's runner is one rank's: under tensor parallelism its layers would shard over the group
+            _fail("speculative_config.model", "a draft model under tensor_parallel_size > 1: not yet (use "
+                                              "{'method': 'ngram', ...}, or tensor_parallel_size=1)")
         if self.device not in ("auto", "cpu", "cuda"):
             _fail("device", f"must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.device != "cpu":

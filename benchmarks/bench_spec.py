@@ -1,15 +1,19 @@
-"""Speculative decoding (n-gram prompt lookup) against plain decoding on a copy task, with the real
-SmolLM2-135M-Instruct weights shipped for the default model.
+"""Speculative decoding (n-gram prompt lookup, draft models) against plain decoding on a copy task, with
+the real SmolLM2-135M-Instruct weights shipped for the default model.
 
     python benchmarks/bench_spec.py [--device cuda] [--batches 1,8,64] [--output-len 256] [--k 4]
-                                    [--lookup 2,4] [--json PATH]
+                                    [--lookup 2,4] [--modes plain,ngram,draft,random-draft]
+                                    [--draft-model-dir DIR] [--json PATH]
 
 The task: the chat model is asked to repeat a passage word for word (a different passage per
 request of a batch), greedy, max_tokens --output-len, EOS ignored. Prompt lookup then proposes
 the passage's next words. Each mode runs in its own process (plain, then speculative with
 {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": m, "prompt_lookup_max": n}),
 one LLM.generate of the whole batch per --reps after a warm-up; the median's output tokens per second
-is the row's figure. Rows: tok/s, the speculative rows' speedup over plain at the same batch, their
+is the row's figure. Draft-model modes: "draft" with {"model": --draft-model-dir, "num_speculative_tokens": k}
+(default: the target itself, the mechanism's ceiling: every proposal accepted), "random-draft" with a
+checkpoint of the target's shape and tokenizer but random weights (acceptance near zero: the overhead
+floor, where adaptivity must keep the loss small). Rows: tok/s, the speculative rows' speedup over plain at the same batch, their
 acceptance rate and mean accepted length (tokens a verifying request takes per step), and whether
 their text equals plain's (greedy: it must). --model-dir another checkpoint instead (tests: the tiny one).
 """
@@ -19,14 +23,20 @@ import json
 import os
 import subprocess
 import sys
+import glob
+import shutil
 import tempfile
 import time
+
+import torch
+from safetensors.torch import load_file, save_file
 
 from common import Report, add_ratios, make_parser, median, parse_args, release_memory
 
 from asyncllm import LLM, SamplingParams
 from asyncllm.chat_template import chat_prompt_ids
 
+MODES = ("plain", "ngram", "draft", "random-draft")
 PASSAGES = [
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a lamp, a notebook and a "
     "thermos of tea. From the gallery he watched the ships pass along the coast, wrote down their names, the "
@@ -54,12 +64,33 @@ def copy_prompts(llm: LLM, num: int) -> list[list[int]]:
     return prompts
 
 
+def random_draft(model_dir: str, out_dir: str) -> str:
+    """A copy of model_dir (its config and tokenizer) whose weights are random, each tensor with its own
+    mean and spread: a draft of the target's shape that (almost) never proposes the target's token."""
+    generator = torch.Generator().manual_seed(0)
+    for name in os.listdir(model_dir):
+        path = os.path.join(model_dir, name)
+        if os.path.isfile(path) and not name.endswith(".safetensors"):
+            shutil.copy(path, out_dir)
+    for path in glob.glob(os.path.join(model_dir, "*.safetensors")):
+        weights = {}
+        for key, tensor in load_file(path).items():
+            values = tensor.float()
+            noise = torch.randn(values.shape, generator=generator)
+            weights[key] = (noise * values.std().nan_to_num(0.0) + values.mean()).to(tensor.dtype) \
+                if tensor.numel() > 1 else tensor
+        save_file(weights, os.path.join(out_dir, os.path.basename(path)), metadata={"format": "pt"})
+    return out_dir
+
+
 def run_mode(args) -> list[dict]:
     """One mode's rows, in this process."""
     options = dict(device=args.device, max_num_seqs=max(args.batches), enable_prefix_caching=False)
     if args.mode == "ngram":
         options["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.k,
                                          "prompt_lookup_min": args.lookup[0], "prompt_lookup_max": args.lookup[1]}
+    elif args.mode in ("draft", "random-draft"):
+        options["speculative_config"] = {"model": args.draft_model_dir, "num_speculative_tokens": args.k}
     llm = LLM(args.model_dir, **options)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     rows = []
@@ -97,7 +128,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--lookup", default="2,4", help="prompt_lookup_min,prompt_lookup_max")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--mode", default=None, choices=["plain", "ngram"], help="(internal: one mode, here)")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES}")
+    parser.add_argument("--draft-model-dir", default=None,
+                        help="the draft checkpoint of mode 'draft' (default: the target itself)")
+    parser.add_argument("--mode", default=None, choices=MODES, help="(internal: one mode, here)")
     args = parse_args(parser, argv)
     args.batches = [int(b) for b in str(args.batches).split(",")]
     args.lookup = [int(n) for n in str(args.lookup).split(",")]
@@ -111,13 +145,17 @@ def main(argv=None) -> dict:
         return {"results": rows}
     report = Report("spec", args)
     rows = []
-    for mode in ("plain", "ngram"):  # each in its own process: nothing of one warms or fragments the other
+    modes = [mode for mode in str(args.modes).split(",") if mode]
+    for mode in modes:  # each in its own process: nothing of one warms or fragments the other
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "rows.json")
+            draft = args.draft_model_dir or args.model_dir
+            if mode == "random-draft":
+                draft = random_draft(args.model_dir, tempfile.mkdtemp(dir=tmp))
             child = [sys.executable, os.path.abspath(__file__), "--mode", mode, "--json", out, "--device", args.device,
                      "--model-dir", args.model_dir, "--batches", ",".join(map(str, args.batches)),
                      "--output-len", str(args.output_len), "--k", str(args.k), "--lookup",
-                     ",".join(map(str, args.lookup)), "--reps", str(args.reps)]
+                     ",".join(map(str, args.lookup)), "--reps", str(args.reps), "--draft-model-dir", draft]
             done = subprocess.run(child, check=False)
             if done.returncode != 0:
                 rows += [dict(mode=mode, batch=b, error=f"exit {done.returncode}") for b in args.batches]
@@ -127,13 +165,13 @@ def main(argv=None) -> dict:
     plain = {row["batch"]: row for row in rows if row["mode"] == "plain" and "error" not in row}
     for row in rows:
         reference = plain.get(row["batch"])
-        if row["mode"] == "ngram" and "error" not in row and reference is not None:
+        if row["mode"] != "plain" and "error" not in row and reference is not None:
             row["same_text"] = row["texts"] == reference["texts"]
     add_ratios(rows, "speedup", "tok_s", {"mode": "plain"}, same=("batch",))
     for row in rows:
         row.pop("texts", None)
         report.add(row)
-    report.finish("Speculative decoding (n-gram) on the SmolLM2 copy task", [
+    report.finish("Speculative decoding (n-gram, draft models) on the SmolLM2 copy task", [
         ("batch", "batch", "{}"), ("mode", "mode", "{}"), ("tok/s", "tok_s", "{:,.0f}"),
         ("speedup", "speedup", "{:.2f}x"), ("acceptance", "acceptance_rate", "{:.2f}"),
         ("mean accepted length", "mean_accepted_length", "{:.2f}"), ("same text", "same_text", "{}"),

@@ -118,7 +118,7 @@ def plan(args, ckpt: dict[str, str]) -> list[Step]:
     # speculative decoding on the SmolLM2 copy task (the shipped weights, not a shape's checkpoint)
     steps.append(Step("spec-smollm2", [os.path.join(HERE, "bench_spec.py"), "--device", args.device,
                                        "--json", os.path.join(out, "spec-smollm2.json"), *SIZES["spec"][size]],
-                      90 * scale))
+                      180 * scale))  # four modes: plain, ngram, draft = target, random draft
     kernels = os.path.join(HERE, "bench_kernels.py")
     if args.device == "cuda" and os.path.exists(kernels) and not args.skip_kernels:
         with open(kernels) as f:

@@ -268,10 +268,15 @@ def test_bench_lifecycle_times_sleep_and_wake_against_a_fresh_start(tiny_model):
     assert rows[3]["closed_delta_mib"] is None  # memory figures are the GPU's
 
 
-def test_bench_spec_runs_both_modes_in_their_processes_with_the_same_text(tiny_model):
+def test_bench_spec_runs_every_mode_in_its_process_with_the_same_text(tiny_model):
     data = bench_spec.main(["--model-dir", tiny_model, "--device", "cpu", "--batches", "1,2", "--output-len", "12",
                             "--reps", "1"])
     rows = rows_without_errors(data)
-    assert [(row["mode"], row["batch"]) for row in rows] == [("plain", 1), ("plain", 2), ("ngram", 1), ("ngram", 2)]
+    assert [(row["mode"], row["batch"]) for row in rows] == [
+        (mode, batch) for mode in ("plain", "ngram", "draft", "random-draft") for batch in (1, 2)]
     assert all(row["tok_s"] > 0 and row["speedup"] > 0 for row in rows)
-    assert all(row["same_text"] for row in rows if row["mode"] == "ngram")
+    assert all(row["same_text"] for row in rows if row["mode"] != "plain")
+    by_mode = {(row["mode"], row["batch"]): row for row in rows}
+    # the draft is the target: every proposal accepted; random weights: (almost) none
+    assert by_mode[("draft", 1)]["acceptance_rate"] >= 0.9
+    assert by_mode[("random-draft", 1)]["acceptance_rate"] <= 0.3

@@ -462,7 +462,7 @@ def test_sampled_tokens_end_to_end_follow_the_target_distribution(engines):
      "expected None or an int in [1, 64]"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_tokens": 3}, "speculative_config.draft_tokens",
      "unknown key"),
-    ({"model": "/models/qwen3-0.6b", "num_speculative_tokens": 4}, "speculative_config.method", "draft models: not yet"),
+    ({"model": "/models/qwen3-0.6b", "num_speculative_tokens": 4}, "speculative_config.model", "does not exist"),
     ({"method": "eagle", "num_speculative_tokens": 4}, "speculative_config.method", "EAGLE heads: not yet"),
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "speculative_config.model", "is for method"),
 ])

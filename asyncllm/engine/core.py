@@ -14,7 +14,7 @@ from asyncllm.engine.intake import RequestIntake
 from asyncllm.engine.pooling import PoolingPlan, embedding_sequence
 from asyncllm.engine.scheduler import Scheduler, SchedulerOutput
 from asyncllm.engine.sequence import Sequence, SequenceStatus
-from asyncllm.engine.speculation import Speculation
+from asyncllm.engine.speculation import Speculation, make_proposer
 from asyncllm.engine.startup_heap import freeze_startup_heap
 from asyncllm.engine.step_logprobs import add_prompt_logprobs, token_logprobs
 from asyncllm.engine.step_event import StepEvent
@@ -52,12 +52,19 @@ class EngineCore:
         with phase(TOKENIZER):
             self.tokenizer = load_tokenizer(config.model)
             check_tokenizer(self.tokenizer, config.hf_config, config.model)
+        # speculative decoding's proposer first: a draft model's memory is then counted by the target's probe
+        proposer = None if config.speculative is None else make_proposer(config, self.tokenizer)
         workers = None
-        if config.tensor_parallel_size > 1:
-            # rank 0 of a tensor-parallel engine starts the other ranks; the runner steps them from then on
-            with phase(TP_WORKERS):
-                workers = TensorParallelWorkers(config)
-        self.runner = ModelRunner(config, weights=weights, workers=workers, startup=self.startup)
+        try:
+            if config.tensor_parallel_size > 1:
+                # rank 0 of a tensor-parallel engine starts the other ranks; the runner steps them from then on
+                with phase(TP_WORKERS):
+                    workers = TensorParallelWorkers(config)
+            self.runner = ModelRunner(config, weights=weights, workers=workers, startup=self.startup)
+        except BaseException:
+            if proposer is not None:
+                proposer.close()  # a draft model's device memory goes back with the failed start-up
+            raise
         with phase(BLOCK_MANAGER):
             self.block_manager = BlockManager(self.runner.num_kvcache_blocks, config.kvcache_block_size,
                                               config.enable_prefix_caching)
@@ -101,7 +108,7 @@ class EngineCore:
         self.deadlines = RequestDeadlines()
         self._timed_out: list[StepEvent] = []
         # speculative decoding (engine/speculation.py): None when off
-        self.speculation = None if config.speculative is None else Speculation(config.speculative)
+        self.speculation = None if proposer is None else Speculation(config.speculative, proposer)
         self.startup.finish(self.runner.decisions.num_read, self.runner.decisions.num_measured)  # ready
 
     # ---- input: the intake's checks, for the callers that hold the core (LLM, AsyncLLMEngine, the
@@ -387,6 +394,8 @@ class EngineCore:
         every tensor of the engine, whose device memory goes back (runner/memory.py). Idempotent."""
         self._in_flight = self._launched = None
         self.runner.close()
+        if self.speculation is not None:
+            self.speculation.proposer.close()
 
     # ---- lifecycle between requests: sleep, wake, reload (engine/lifecycle.py) ------------------
     @property

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import math
 
-from asyncllm.config import SpeculativeConfig
+from asyncllm.config import Config, SpeculativeConfig
 from asyncllm.engine.scheduler import SchedulerOutput
 from asyncllm.engine.sequence import Sequence, SequenceStatus
+from asyncllm.speculative.draft_model import DraftModelProposer
 from asyncllm.speculative.ngram import NgramProposer
 from asyncllm.speculative.proposer import DraftRow, Proposer
 from asyncllm.step_plan import PENDING_TOKEN
@@ -69,15 +70,22 @@ def verified_drafts(sched: SchedulerOutput) -> tuple[list[int], list[int]]:
     return drafts, counts
 
 
-def make_proposer(config: SpeculativeConfig) -> Proposer:
-    return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+def make_proposer(config: Config, tokenizer) -> Proposer:
+    """config.speculative's proposer. A draft model's is built before the target's runner (on CUDA
+    the target's memory probe then counts the draft's weights and KV cache as used)."""
+    spec = config.speculative
+    if spec.method == "draft_model":
+        return DraftModelProposer(config, tokenizer, MAX_SPECULATING_DECODES)
+    return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
 
 
 class Speculation:
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer):
         self.num_speculative_tokens = config.num_speculative_tokens
-        self.proposer = make_proposer(config)
+        self.proposer = proposer
         self._drafted: list[Sequence] = []  # the sequences given drafts by the last draft()
+        # the sequences the proposer may keep something for: released when they end or are preempted
+        self._proposed_for: set[Sequence] = set()
         # counters for stats(): draft tokens verified and accepted, and verifications (a row's step)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -90,6 +98,8 @@ class Speculation:
         for seq in self._drafted:
             seq.draft_token_ids = []
         self._drafted = []
+        for seq in [seq for seq in self._proposed_for if seq.status is not SequenceStatus.RUNNING]:
+            self.release(seq)  # preempted (an ended one was released by the core): a draft model's blocks go back
         ready = [seq for seq in running if len(seq.token_ids) - seq.num_computed_tokens == 1]
         if len(ready) > MAX_SPECULATING_DECODES:
             return False
@@ -101,16 +111,19 @@ class Speculation:
             if k > 0 and seq.token_ids[-1] != PENDING_TOKEN:
                 rows.append(DraftRow(seq.token_ids, k, seq))
                 seqs.append(seq)
+        self._proposed_for.update(seqs)
         for seq, drafts in zip(seqs, self.proposer.propose(rows) if rows else ()):
             if drafts:
                 seq.draft_token_ids = drafts
                 self._drafted.append(seq)
-            else:  # nothing to propose counts as nothing accepted: a request that never matches pauses
+            elif drafts is not None:  # nothing to propose counts as nothing accepted: one that never matches pauses
                 self._learn(seq, 0.0, step)
+            # None: the proposer could not this step (a draft model's KV blocks ran out); nothing learnt
         return bool(wanting)
 
     def release(self, seq: Sequence) -> None:
-        """seq has ended: the proposer drops what it kept for it."""
+        """seq has ended or was preempted: the proposer drops what it kept for it."""
+        self._proposed_for.discard(seq)
         self.proposer.release(seq)
 
     def record(self, seq: Sequence, num_drafts: int, num_accepted: int, step: int) -> None:

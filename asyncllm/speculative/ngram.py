@@ -56,6 +56,9 @@ class NgramProposer:
     def release(self, request: object) -> None:
         self._tokens.pop(request, None)
 
+    def close(self) -> None:
+        pass  # nothing outlives the garbage collector
+
     def _array(self, row: DraftRow) -> np.ndarray:
         token_ids, length = row.token_ids, len(row.token_ids)
         if row.request is None:

@@ -3,10 +3,10 @@ next few tokens; the target model then verifies them all in one step (engine/spe
 runner/ verifies). A proposer only guesses: a bad guess costs speed, never correctness.
 
 A proposer of another kind plugs in here. The n-gram one (ngram.py) needs nothing but the tokens. A
-draft model needs its own runner (a ModelRunner over the draft checkpoint) and its own paged KV
-cache, kept in step with the target's blocks (allocated, rolled back, freed and preempted with them);
-EAGLE heads and MTP layers need the target's hidden states of the verified positions as well (a
-StepResult field), docs/ARCHITECTURE.md "Speculative decoding" says more.
+draft model (draft_model.py) runs its own ModelRunner over the draft checkpoint, with its own paged
+KV cache per request, caught up on the accepted tokens at each proposal and released when the
+request ends or is preempted; EAGLE heads and MTP layers need the target's hidden states of the
+verified positions as well (a StepResult field), docs/ARCHITECTURE.md "Speculative decoding" says more.
 """
 from __future__ import annotations
 
@@ -23,10 +23,15 @@ class DraftRow(NamedTuple):
 
 
 class Proposer(Protocol):
-    def propose(self, rows: list[DraftRow]) -> list[list[int]]:
-        """Each row's draft tokens, at most its max_tokens (none: the row decodes one token)."""
+    def propose(self, rows: list[DraftRow]) -> list[list[int] | None]:
+        """Each row's draft tokens, at most its max_tokens ([]: none found, which the engine counts as
+        a miss; None: none this step for want of resources, not counted: the row decodes one token)."""
         ...
 
     def release(self, request: object) -> None:
-        """request has ended: drop what was kept for it."""
+        """request has ended or was preempted: drop what was kept for it."""
+        ...
+
+    def close(self) -> None:
+        """The engine closes: release what outlives garbage collection (a draft model's device memory)."""
         ...

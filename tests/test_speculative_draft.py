@@ -1,0 +1,221 @@
+"""Speculative decoding with a draft model (speculative_config={"model": dir, ...}) on CPU, against the
+plain engine: the draft equal to the target (every proposal accepted: the mechanism's ceiling), a
+random draft of the same vocabulary (almost none accepted), sampled runs reproducible by seed, and
+every target and draft KV block free after prefix hits, chunked prefill, preemption and cancellation.
+The sampled distribution's exactness is the rejection sampler's (tests/test_speculative.py): a
+draft model's greedy proposals are point masses, as prompt lookup's are.
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+
+import pytest
+
+from asyncllm.config import Config
+from asyncllm.errors import InvalidValueError
+from asyncllm.llm import LLM
+from asyncllm.sampling_params import SamplingParams
+from asyncllm.speculative.draft_model import DraftModelProposer
+from asyncllm.speculative.proposer import DraftRow
+from asyncllm.testing import build_tiny_checkpoint
+from helpers import assert_all_blocks_free
+
+pytestmark = pytest.mark.timeout(600)
+
+VOCAB = 4096
+K = 4
+ROOMY = dict(num_kvcache_blocks=96, kvcache_block_size=16)
+# chunked prefill (a 24-token budget) and preemption (10 blocks of 16 for 6 requests of up to ~90 tokens);
+# the draft's cache mirrors the target's 10 blocks, so some rows find no draft blocks either
+SMALL = dict(num_kvcache_blocks=10, kvcache_block_size=16, max_num_batched_tokens=24, max_num_seqs=6)
+# 1 token from the prefill, then 8 verifications of K drafts + 1: every verification is a whole one
+GREEDY = SamplingParams(temperature=0, max_tokens=1 + 8 * (K + 1), ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory, tokenizer_dir) -> str:
+    return build_tiny_checkpoint(str(tmp_path_factory.mktemp("draft-target")), "qwen3", tokenizer_dir,
+                                 vocab_size=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory, tokenizer_dir) -> str:
+    """Same shape and vocabulary, other random weights: its proposals are (almost) never the target's."""
+    return build_tiny_checkpoint(str(tmp_path_factory.mktemp("draft-other")), "qwen3", tokenizer_dir,
+                                 vocab_size=VOCAB, seed=1)
+
+
+@pytest.fixture(scope="module")
+def engines(target, other_draft):
+    made = {}
+
+    def get(draft: str | None, shape: str = "roomy") -> LLM:
+        key = (draft, shape)
+        if key not in made:
+            spec = None if draft is None else {"model": target if draft == "same" else other_draft,
+                                               "num_speculative_tokens": K}
+            made[key] = LLM(target, speculative_config=spec, **(SMALL if shape == "small" else ROOMY))
+        return made[key]
+    yield get
+    for llm in made.values():
+        llm.core.close()
+
+
+def prompts(num: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, VOCAB) for _ in range(rng.randrange(8, 50))] for _ in range(num)]
+
+
+def assert_draft_blocks_free(llm: LLM) -> None:
+    proposer = llm.core.speculation.proposer
+    assert proposer._held == {}
+    assert sorted(proposer.free_blocks) == list(range(proposer.num_total_blocks))
+
+
+def run(llm: LLM, prompt_list, params) -> list[list[int]]:
+    outputs = llm.generate(prompt_list, params, use_tqdm=False)
+    assert_all_blocks_free(llm)
+    assert not llm.core.has_unfinished() and llm.core.requests == {}
+    if llm.core.speculation is not None:
+        assert_draft_blocks_free(llm)
+    return [out["token_ids"] for out in outputs]
+
+
+def delta(llm: LLM, before: dict) -> dict:
+    after = llm.core.stats()
+    return {key: after[key] - before[key] for key in ("spec_draft_tokens", "spec_accepted_tokens", "spec_verifications")}
+
+
+def test_draft_equal_to_target_accepts_every_proposal_and_keeps_greedy_output(engines):
+    plain, spec = engines(None), engines("same")
+    batch = prompts(6, seed=1)
+    for _ in range(2):  # the second round hits the prefix cache
+        before = spec.core.stats()
+        assert run(spec, batch, GREEDY) == run(plain, batch, GREEDY)
+        got = delta(spec, before)
+        assert got["spec_draft_tokens"] > 0
+        # the ceiling: every draft accepted (the same weights, dtype and argmax; a float near-tie may
+        # differ between the draft's shapes and the target's, hence not exactly 1)
+        assert got["spec_accepted_tokens"] >= 0.95 * got["spec_draft_tokens"]
+        assert 1 + got["spec_accepted_tokens"] / got["spec_verifications"] >= K + 1 - 0.3
+    assert spec.core.block_manager.num_prefix_hit_tokens > 0
+
+
+def test_random_draft_keeps_greedy_output_with_few_accepted(engines):
+    plain, spec = engines(None), engines("other")
+    batch = prompts(5, seed=2)
+    before = spec.core.stats()
+    assert run(spec, batch, GREEDY) == run(plain, batch, GREEDY)
+    got = delta(spec, before)
+    assert got["spec_draft_tokens"] > 0
+    assert got["spec_accepted_tokens"] <= 0.2 * got["spec_draft_tokens"]
+
+
+def test_sampled_runs_reproduce_by_seed(engines):
+    spec = engines("same")
+    batch = prompts(4, seed=3)
+    # temperature 1 on the tiny random model's flat logits (its argmax ~0.5%) accepts almost nothing;
+    # a low temperature accepts often: both sides of the rejection sampler run
+    params = [SamplingParams(temperature=1.0 if i < 2 else 0.05, seed=100 + i, max_tokens=30, ignore_eos=True)
+              for i in range(4)]
+    before = spec.core.stats()
+    first = run(spec, batch, params)
+    assert run(spec, batch, params) == first
+    got = delta(spec, before)
+    assert got["spec_draft_tokens"] > 0 and got["spec_accepted_tokens"] > 0
+    assert len({tuple(tokens) for tokens in first}) == 4
+
+
+def test_chunked_prefill_and_preemption_free_every_target_and_draft_block(engines):
+    plain, spec = engines(None, "small"), engines("same", "small")
+    batch = prompts(6, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    before = spec.core.stats()
+    assert run(spec, batch, params) == run(plain, batch, params)
+    assert spec.core.scheduler.num_preemptions > 0
+    got = delta(spec, before)
+    # the draft's catch-up ran in forwards of 24 tokens (prompts up to 50) over KV kept through
+    # preemptions or rebuilt after them: the draft (the target) is still right almost always
+    assert got["spec_accepted_tokens"] >= 0.9 * got["spec_draft_tokens"] > 0
+
+
+def test_mixed_speculating_and_plain_requests_in_one_batch(engines):
+    plain, spec = engines(None), engines("same")
+    batch = prompts(6, seed=5)
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, speculate=i % 2 == 0) for i in range(6)]
+    before = spec.core.stats()
+    assert run(spec, batch, params) == run(plain, batch, params)
+    assert delta(spec, before)["spec_accepted_tokens"] > 0
+
+
+def test_cancellation_mid_verification_frees_every_target_and_draft_block(engines):
+    spec = engines("same", "small")
+    core = spec.core
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    for prompt in prompts(4, seed=7):
+        core.add_request(prompt, params)
+    for _ in range(8):
+        core.step()
+    while core._launched is None or core._launched.plan.draft_token_ids is None:
+        core.resolve_step()
+        core.launch_step()
+    assert core.speculation.proposer._held  # the draft holds KV for the requests being verified
+    for request_id in list(core.requests):
+        core.finish_request(request_id)
+    assert core.resolve_step() == []
+    core.drain()
+    assert not core.has_unfinished() and core.requests == {}
+    assert_all_blocks_free(core)
+    assert_draft_blocks_free(spec)
+
+
+def test_a_row_without_draft_blocks_just_does_not_speculate(engines):
+    proposer: DraftModelProposer = engines("same", "small").core.speculation.proposer
+    assert proposer._held == {}
+    total, block_size = proposer.num_total_blocks, proposer.block_size
+    long_row = DraftRow(list(range(10, 10 + (total - 1) * block_size)), K, "long")
+    short_row = DraftRow(list(range(10, 40)), K, "short")  # needs 3 blocks: only 1 is left
+    first, second = proposer.propose([long_row, short_row])
+    assert len(first) == K and second is None
+    assert proposer.propose([DraftRow(short_row.token_ids, 1, "short")]) == [None]
+    proposer.release("long")
+    assert len(proposer.propose([short_row])[0]) == K  # the blocks came back
+    # a row's KV rolled back past rejected drafts: the same proposal from the accepted tokens
+    tokens = short_row.token_ids + [7, 8]
+    again = proposer.propose([DraftRow(tokens, K, "short")])[0]
+    proposer.release("short")
+    assert proposer.propose([DraftRow(tokens, K, "fresh")])[0] == again
+    proposer.release("fresh")
+    assert sorted(proposer.free_blocks) == list(range(total))
+
+
+def test_bad_draft_configs_are_refused_naming_the_field(target, tmp_path, tokenizer_dir):
+    missing = {"model": str(tmp_path / "nowhere"), "num_speculative_tokens": K}
+    with pytest.raises(InvalidValueError) as caught:
+        Config(target, speculative_config=missing)
+    assert caught.value.field == "speculative_config.model" and "does not exist" in str(caught.value)
+    with pytest.raises(InvalidValueError) as caught:
+        Config(target, speculative_config={"model": target, "num_speculative_tokens": K}, tensor_parallel_size=2)
+    assert caught.value.field == "speculative_config.model" and "not yet" in str(caught.value)
+
+    small_vocab = build_tiny_checkpoint(str(tmp_path / "small-vocab"), "qwen3", tokenizer_dir, vocab_size=2048)
+    with pytest.raises(InvalidValueError) as caught:
+        LLM(target, speculative_config={"model": small_vocab, "num_speculative_tokens": K}, **ROOMY)
+    assert caught.value.field == "speculative_config.model" and "vocab_size 2048" in str(caught.value)
+
+    # the same vocabulary size, another tokenizer (the 2048-id one's files)
+    other_tokenizer = str(tmp_path / "other-tokenizer")
+    shutil.copytree(target, other_tokenizer)
+    for name in os.listdir(small_vocab):
+        if name.startswith(("tokenizer", "vocab", "merges", "special_tokens", "added_tokens")):
+            shutil.copy(os.path.join(small_vocab, name), other_tokenizer)
+    with pytest.raises(InvalidValueError) as caught:
+        LLM(target, speculative_config={"model": other_tokenizer, "num_speculative_tokens": K}, **ROOMY)
+    assert caught.value.field == "speculative_config.model" and "tokenizer" in str(caught.value)
+
+    no_weights = str(tmp_path / "no-weights")
+    shutil.copytree(target, no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
+    with pytest.raises(InvalidValueError, match="no .safetensors weights"):
+        LLM(target, speculative_config={"model": no_weights, "num_speculative_tokens": K}, **ROOMY)
