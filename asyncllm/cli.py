@@ -178,6 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--timeout-keep-alive", type=_positive_float, default=DEFAULT_TIMEOUT_KEEP_ALIVE,
                       help="seconds an idle connection, or one that has not sent its request head, stays "
                            f"open (default {DEFAULT_TIMEOUT_KEEP_ALIVE:g})")
+    http.add_argument("--api-server-count", type=_positive_int, default=1,
+                      help="HTTP front-end processes: 1 (default) serves from the engine's own process; N >= 2 "
+                           "runs N processes that share the port and do the HTTP, JSON, SSE and tokenizing, "
+                           "the engine in this one (docs/ARCHITECTURE.md, 'Front-end processes')")
     http.add_argument("--limit-concurrency", type=_positive_int, default=None,
                       help="connections and requests at once, more get 503 (default: half the open-file "
                            f"limit, at most {MAX_DEFAULT_CONCURRENCY})")
@@ -311,17 +315,19 @@ def serve(args: argparse.Namespace) -> int:
         failed_start.append(error)  # the port answered 503 meanwhile; the server stops, and the command fails
         server.should_exit = True
 
-    # the engine starts once the HTTP server listens: /health says "starting" (and the phase) until then
-    app = create_app(engine, name, api_key, max_body_bytes=args.max_body_bytes,
-                     max_tokens_limit=args.max_tokens_limit, body_timeout=args.body_timeout,
-                     max_generated_tokens=args.max_generated_tokens, max_logprob_entries=args.max_logprob_entries,
-                     request_timeout=args.request_timeout,
-                     trust_request_chat_template=args.trust_request_chat_template,
-                     sse_keepalive_interval=args.sse_keepalive_interval, manage_engine=True,
-                     start_in_background=True, on_engine_started=engine_started)
     if args.host not in LOOPBACK_HOSTS and api_key is None:
         logging.getLogger("asyncllm.server").warning(
             "serving on %s without an API key: anyone who can reach this port can use the model", args.host)
+    app_options = dict(max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit,
+                       body_timeout=args.body_timeout, max_generated_tokens=args.max_generated_tokens,
+                       max_logprob_entries=args.max_logprob_entries, request_timeout=args.request_timeout,
+                       trust_request_chat_template=args.trust_request_chat_template,
+                       sse_keepalive_interval=args.sse_keepalive_interval)
+    if args.api_server_count > 1:
+        return _serve_with_frontends(args, engine, name, api_key, app_options)
+    # the engine starts once the HTTP server listens: /health says "starting" (and the phase) until then
+    app = create_app(engine, name, api_key, **app_options, manage_engine=True, start_in_background=True,
+                     on_engine_started=engine_started)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, http=HeadTimeoutH11Protocol,
                             timeout_keep_alive=args.timeout_keep_alive,
                             limit_concurrency=args.limit_concurrency or default_limit_concurrency())
@@ -338,6 +344,24 @@ def serve(args: argparse.Namespace) -> int:
         print(f"asyncllm serve: {cause}", file=sys.stderr)
         return 2
     return 0
+
+
+def _serve_with_frontends(args: argparse.Namespace, engine, name: str, api_key: str | None, app_options: dict) -> int:
+    """The engine in this process, args.api_server_count front-end processes on the port (the port is
+    listened on from the start, and answered once the engine is ready)."""
+    from asyncllm.server.engine_host import listening_socket, serve_with_frontends
+    from asyncllm.server.frontend import FrontendSettings
+    sock = listening_socket(args.host, args.port)
+    settings_ = FrontendSettings(engine.config, name, api_key, args.parse_special_tokens_in_chat_content, app_options,
+                                 args.log_level, args.timeout_keep_alive,
+                                 args.limit_concurrency or default_limit_concurrency(), args.graceful_shutdown_timeout)
+
+    def ready() -> None:
+        logging.getLogger("asyncllm.server").info(
+            "asyncllm serve: ready %.1f s after the command started, on http://%s:%d (%d front-end processes)",
+            time.perf_counter() - COMMAND_START, args.host, args.port, args.api_server_count)
+    with sock:
+        return serve_with_frontends(engine, args.api_server_count, sock, settings_, ready)
 
 
 def tp_worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

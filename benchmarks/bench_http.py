@@ -2,7 +2,7 @@
 
     python benchmarks/bench_http.py [--workloads burst,closed,poisson] [--paths in-process,httpx,openai]
         [--client-processes 4] [--num-requests 256] [--concurrency 64] [--rate 53.5] [--temperature 0.6]
-        [--json PATH]
+        [--api-server-counts 1,2] [--json PATH]
 
 Workloads (random token-id prompts, EOS ignored, --temperature, --seed):
   burst    nano-vllm's bench.py requests (--num-requests, prompts of 100..--max-input tokens, max_tokens
@@ -26,8 +26,10 @@ start). The in-process twin counts a stream item when it has text, as the server
 "/ in-process" columns: each row's output tok/s, TTFT p50 and ITL p99 over its twin's.
 CPU per output token (Linux, from /proc) of the process that serves the row, while it runs: "loop" is
 its main thread, which runs the event loop (the twin's stream reads and detokenizing; the server's
-HTTP, JSON and SSE framing too), "process" all its threads (the engine thread's too). The loop
-column's difference between a server row and its twin is the server's own per-token host cost.
+HTTP, JSON and SSE framing too), "process" all its threads (the engine thread's too), "front-ends" its
+child processes' (--api-server-counts 1,2: a server each; with N >= 2 front-ends the HTTP work is
+theirs, and the loop column is the engine process's relay of the streams). The loop column's
+difference between a server row and its twin is the server's own per-token host cost.
 
 On CPU, that cost shows with a model whose steps are cheap (clients, server and engine share the
 CPU cores, so tok/s there says little):
@@ -106,6 +108,25 @@ def cpu_seconds(pid: int) -> dict[str, float] | None:
         return None
 
 
+def frontends_cpu_seconds(pid: int) -> float | None:
+    """The CPU seconds of a server's child processes (its --api-server-count front-ends)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+        if not children:
+            return None
+        return sum(cpu["process"] for cpu in map(cpu_seconds, children) if cpu is not None)
+    except (OSError, ValueError):
+        return None
+
+
+def server_cpu(pid: int) -> dict | None:
+    cpu = cpu_seconds(pid)
+    if cpu is not None:
+        cpu["frontends"] = frontends_cpu_seconds(pid)
+    return cpu
+
+
 def make_row(name: str, args, path: str, processes: int, results: list[dict], wall: float,
              cpu_before: dict | None = None, cpu_after: dict | None = None) -> dict:
     """cpu_before, cpu_after: cpu_seconds() of the serving process around the row."""
@@ -114,8 +135,9 @@ def make_row(name: str, args, path: str, processes: int, results: list[dict], wa
     row = dict(workload=workload_label(name, args), path=path, processes=processes, errors=len(failed),
                output_tokens=sum(r["tokens"] for r in done), **summarize(done, wall))
     if cpu_before is not None and cpu_after is not None and row["output_tokens"]:
-        for part in ("loop", "process"):
-            row[f"{part}_cpu_us_per_token"] = (cpu_after[part] - cpu_before[part]) / row["output_tokens"] * 1e6
+        for part in ("loop", "process", "frontends"):
+            if cpu_before.get(part) is not None and cpu_after.get(part) is not None:
+                row[f"{part}_cpu_us_per_token"] = (cpu_after[part] - cpu_before[part]) / row["output_tokens"] * 1e6
     if failed:
         row["error"] = failed[0].get("error") or "no chunk with text"
     return row
@@ -152,10 +174,11 @@ def in_process_child(raw_argv: list[str], model_dir: str) -> list[dict]:
 
 
 # ---- through the server -------------------------------------------------------------------------------------
-def start_server(args, model_dir: str, log_path: str) -> tuple[subprocess.Popen, str]:
+def start_server(args, model_dir: str, log_path: str, api_server_count: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
     command = [*serve_command(), "serve", model_dir, "--port", str(port), "--served-model-name", MODEL_NAME,
-               "--log-level", "warning", *serve_options(engine_kwargs(args, args.backend))]
+               "--log-level", "warning", "--api-server-count", str(api_server_count),
+               *serve_options(engine_kwargs(args, args.backend))]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=child_env())
     base = f"http://127.0.0.1:{port}"
@@ -226,22 +249,28 @@ def run_clients(args, base: str, client: str, requests, offsets, concurrency: in
 
 
 def run_server_paths(args, model_dir: str, work: dict, report: Report) -> None:
+    for count in args.api_server_counts:
+        run_server(args, model_dir, work, report, count)
+
+
+def run_server(args, model_dir: str, work: dict, report: Report, api_server_count: int) -> None:
     clients = [p for p in args.paths if p != "in-process"]
     with tempfile.TemporaryDirectory() as tmp:
-        log_path = os.path.join(args.log_dir or tmp, "server.log")
-        proc, base = start_server(args, model_dir, log_path)
+        log_path = os.path.join(args.log_dir or tmp, f"server-{api_server_count}.log")
+        proc, base = start_server(args, model_dir, log_path, api_server_count)
         try:
             warm_up_server(args, base)
             for name, (requests, offsets, concurrency) in work.items():
                 for client in clients:
+                    path = client if api_server_count == 1 else f"{client}, {api_server_count} front-ends"
                     try:
-                        cpu_before = cpu_seconds(proc.pid)  # `asyncllm serve` is a Python script: the server itself
+                        cpu_before = server_cpu(proc.pid)  # `asyncllm serve` is a Python script: the server itself
                         results, wall = run_clients(args, base, client, requests, offsets, concurrency, tmp)
-                        row = make_row(name, args, client, len(shares(requests, offsets, concurrency,
-                                                                      args.client_processes)), results, wall,
-                                       cpu_before, cpu_seconds(proc.pid))
+                        row = make_row(name, args, path, len(shares(requests, offsets, concurrency,
+                                                                    args.client_processes)), results, wall,
+                                       cpu_before, server_cpu(proc.pid))
                     except Exception as exc:  # noqa: BLE001 - e.g. openai not installed: the other rows still run
-                        row = dict(workload=workload_label(name, args), path=client,
+                        row = dict(workload=workload_label(name, args), path=path,
                                    error=f"{type(exc).__name__}: {exc}")
                     report.add(row)
                     print_row(row)
@@ -259,7 +288,8 @@ COLUMNS = [("workload", "workload"), ("path", "path"), ("procs", "processes"), (
            ("TTFT p50 / in-process", "ttft_p50_vs_in_process", "{:.2f}"),
            ("ITL p99 / in-process", "itl_p99_vs_in_process", "{:.2f}"),
            ("loop CPU us/tok", "loop_cpu_us_per_token", "{:.1f}"),
-           ("process CPU us/tok", "process_cpu_us_per_token", "{:.0f}"), ("error", "error")]
+           ("process CPU us/tok", "process_cpu_us_per_token", "{:.0f}"),
+           ("front-ends CPU us/tok", "frontends_cpu_us_per_token", "{:.0f}"), ("error", "error")]
 
 
 def print_row(row: dict) -> None:
@@ -289,6 +319,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--warmup-requests", type=int, default=32)
     parser.add_argument("--server-timeout-s", type=float, default=600, help="longest wait for the server's /health")
     parser.add_argument("--client-timeout-s", type=float, default=1800, help="longest wait for a client process")
+    parser.add_argument("--api-server-counts", default="1",
+                        help="comma-separated `serve --api-server-count` values, a server (and rows) each")
     parser.add_argument("--log-dir", default=None, help="keep the server's log here (default: a temp dir)")
     raw_argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(parser, raw_argv)
@@ -297,6 +329,12 @@ def main(argv=None) -> dict:
     for option, given, known in (("--workloads", args.workloads, WORKLOADS), ("--paths", args.paths, PATHS)):
         if set(given) - set(known):
             parser.error(f"{option}: unknown {sorted(set(given) - set(known))}; choose from {list(known)}")
+    try:
+        args.api_server_counts = [int(c) for c in args.api_server_counts.split(",") if c]
+    except ValueError:
+        parser.error(f"--api-server-counts: expected comma-separated integers, got {args.api_server_counts!r}")
+    if not args.api_server_counts or min(args.api_server_counts) < 1:
+        parser.error("--api-server-counts: each must be >= 1")
     if args.client_processes < 1:
         parser.error("--client-processes: must be >= 1")
     report = Report("http", args)

@@ -23,7 +23,7 @@ from asyncllm.server import tool_calls
 from asyncllm.server.answers import Echo, Generation, stream_response, whole_response
 from asyncllm.server.constraints import compile_constraint, requested_constraint
 from asyncllm.server.embeddings import create_embeddings
-from asyncllm.server.errors import RETRY_AFTER_SECONDS, exception_handlers
+from asyncllm.server.errors import exception_handlers, queue_full_error
 from asyncllm.server.lifespan import EngineLifespan, EngineStartup
 from asyncllm.server.limits import (RequestLimits, limit_output, limit_timeout, read_json_body,
                                     request_timeout_error)
@@ -183,8 +183,7 @@ class OpenAIServer(TokenizationEndpoints):
             await compile_constraint(self.engine, request, params.structured_output)
             return await anyio.to_thread.run_sync(submit)
         except QueueFullError as e:
-            raise APIError(429, f"the server is busy: {e}", code="queue_full",
-                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+            raise queue_full_error(e) from None
         except EngineDeadError as e:
             raise APIError(503, f"the engine is not available: {e}", code="engine_unavailable") from None
         except (ValueError, TypeError) as e:
@@ -225,7 +224,7 @@ class OpenAIServer(TokenizationEndpoints):
         error = None
         try:
             await unless_disconnected(request.receive, read)
-        except (EngineDeadError, UnsatisfiableConstraintsError, RequestTimeoutError) as e:
+        except (EngineDeadError, UnsatisfiableConstraintsError, RequestTimeoutError, QueueFullError) as e:
             error = e
         finally:
             with anyio.CancelScope(shield=True):
@@ -233,6 +232,8 @@ class OpenAIServer(TokenizationEndpoints):
                             "timeout" if isinstance(error, RequestTimeoutError) else None)
         if isinstance(error, RequestTimeoutError):
             raise request_timeout_error(error)
+        if isinstance(error, QueueFullError):
+            raise queue_full_error(error)
         if isinstance(error, UnsatisfiableConstraintsError):
             raise APIError(400, error.message_without_owner, code="unsatisfiable_constraints")
         if error is not None:

@@ -22,7 +22,7 @@ from starlette.responses import Response
 
 import asyncllm.server.protocol as protocol
 from asyncllm.errors import ArgumentError, EngineDeadError, QueueFullError
-from asyncllm.server.errors import RETRY_AFTER_SECONDS
+from asyncllm.server.errors import queue_full_error
 from asyncllm.server.protocol import APIError, field_error
 from asyncllm.server.sse import await_disconnect
 
@@ -94,8 +94,7 @@ async def create_embeddings(server, request: Request) -> Response:
             error = e  # raised out here, not as a task group's ExceptionGroup
         tasks.cancel_scope.cancel()
     if isinstance(error, QueueFullError):
-        raise APIError(429, f"the server is busy: {error}", code="queue_full",
-                       headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+        raise queue_full_error(error)
     if isinstance(error, EngineDeadError):
         raise error  # the route's 503
     if error is not None:

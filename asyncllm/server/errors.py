@@ -28,6 +28,13 @@ async def internal_error(request: Request, exc: Exception) -> Response:
     return APIError(500, "internal server error", code="internal_error").response()
 
 
+def queue_full_error(error: Exception) -> APIError:
+    """The 429 of a full queue (QueueFullError): at submission, or, with front-end processes (where
+    the engine admits the request after the route has its stream), as the stream's first read."""
+    return APIError(429, f"the server is busy: {error}", code="queue_full",
+                    headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+
 def exception_handlers() -> dict:
     """For Starlette(exception_handlers=...): every error it answers itself in OpenAI's shape."""
     return {HTTPException: http_error, Exception: internal_error}

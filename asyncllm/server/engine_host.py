@@ -1,0 +1,232 @@
+"""`asyncllm serve --api-server-count N` (N >= 2), the engine process: the AsyncLLMEngine (its
+detokenization and stop strings included) behind a Unix socket in a private directory, and N
+front-end processes (frontend.py) that share the HTTP port's listening socket and do the HTTP,
+the JSON, the SSE framing and the tokenizing.
+
+Each front-end's streams are read here as in-process consumers read them (one task per request);
+what they yield in one engine step goes to their front-end as one message (outputs gathered until
+the event loop has run every woken reader, then sent). Stats go out every STATS_INTERVAL_S for the
+front-ends' /metrics and /health. A front-end's link that closes aborts its requests. SIGTERM or
+SIGINT: the front-ends drain and stop, then the engine; a front-end that dies is reported and the
+server exits 1.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import tempfile
+from collections.abc import Callable
+
+import anyio
+
+from asyncllm.errors import EngineDeadError
+from asyncllm.server.engine_link import frame, logprobs_out, read_message
+from asyncllm.server.frontend import FrontendSettings, run_frontend
+
+logger = logging.getLogger("asyncllm.server")
+
+STATS_INTERVAL_S = 0.25
+FRONTEND_START_TIMEOUT_S = 120.0  # for each front-end to load its tokenizer and connect
+EXTRA_STOP_S = 10.0  # past the drain's own limit before a front-end that has not stopped is killed
+
+
+class FrontendLink:
+    """One front-end's connection: its requests (a task each) and the outputs waiting to be sent."""
+
+    def __init__(self, engine, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.engine = engine
+        self.reader, self.writer = reader, writer
+        self.tasks: dict[str, asyncio.Task] = {}  # request or call id -> its task
+        self.pending: list[tuple] = []
+        self.loop = asyncio.get_running_loop()
+
+    def send(self, message: tuple) -> None:
+        if not self.writer.is_closing():
+            self.writer.write(frame(message))
+
+    def put(self, item: tuple) -> None:
+        if not self.pending:  # sent once the readers that this step woke have all run
+            self.loop.call_soon(self._flush)
+        self.pending.append(item)
+
+    def _flush(self) -> None:
+        items, self.pending = self.pending, []
+        self.send(("out", items))
+
+    async def serve(self) -> None:
+        try:
+            while (message := await read_message(self.reader)) is not None:
+                kind, key, *rest = message
+                if kind == "submit":
+                    self._start(key, self._relay(key, *rest))
+                elif kind == "embed":
+                    self._start(key, self._embed(key, *rest))
+                elif kind in ("abort", "cancel"):
+                    task = self.tasks.get(key)
+                    if task is not None:
+                        task.cancel()  # a stream's read cancelled aborts its request
+        finally:
+            for task in list(self.tasks.values()):
+                task.cancel()
+            self.writer.close()
+
+    def _start(self, key: str, work) -> None:
+        task = self.loop.create_task(work)
+        self.tasks[key] = task
+        task.add_done_callback(lambda _: self.tasks.pop(key, None))
+
+    async def _relay(self, request_id: str, prompt_token_ids: list[int], params) -> None:
+        engine = self.engine
+        try:
+            if params.structured_output is None:
+                stream = engine.stream(prompt_token_ids, params, request_id=request_id)
+            else:  # compiled off this loop, as the single-process server does
+                await engine.compile_structured_output(params.structured_output)
+                stream = await anyio.to_thread.run_sync(
+                    lambda: engine.stream(prompt_token_ids, params, request_id=request_id))
+            async with stream:
+                async for out in stream:
+                    metrics = None
+                    if out.finish_reason is not None and stream.metrics is not None:
+                        metrics = tuple(vars(stream.metrics).values())
+                    self.put((request_id, None, out.text, out.token_ids, out.finish_reason and str(out.finish_reason),
+                              out.index, logprobs_out(out.logprobs), out.stop_reason,
+                              logprobs_out(out.prompt_logprobs), out.reasoning, metrics))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the request's error, raised by its front-end's stream
+            self.put((request_id, e) + (None,) * 9)
+
+    async def _embed(self, call_id: str, prompts, options: dict) -> None:
+        try:
+            value, error = await self.engine.embed(prompts, **options), None
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            value, error = None, e
+        self.send(("reply", call_id, value, error))
+
+
+class EngineHost:
+    """The engine process's side: the link's socket and the stats sent to every front-end."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.links: list[FrontendLink] = []
+
+    async def accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        link = FrontendLink(self.engine, reader, writer)
+        link.send(("stats", self.engine.stats()))
+        self.links.append(link)
+        try:
+            await link.serve()
+        finally:
+            self.links.remove(link)
+
+    async def send_stats(self) -> None:
+        while True:
+            await asyncio.sleep(STATS_INTERVAL_S)
+            try:
+                self.engine.check_alive()
+                message = ("stats", self.engine.stats())
+            except EngineDeadError as e:
+                message = ("dead", str(e))
+            for link in self.links:
+                link.send(message)
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The HTTP port's socket, listened on here and shared by every front-end (the kernel hands each
+    connection to one of them)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
+
+
+def serve_with_frontends(engine, count: int, sock: socket.socket, settings: FrontendSettings,
+                         on_ready: Callable[[], None]) -> int:
+    """Run the engine and `count` front-ends on sock until SIGTERM/SIGINT (0) or a failure (1; 2 if
+    the engine failed to start)."""
+    return asyncio.run(_serve(engine, count, sock, settings, on_ready))
+
+
+async def _serve(engine, count: int, sock: socket.socket, settings: FrontendSettings, on_ready) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await engine.start()
+    except EngineDeadError as e:
+        logger.error("asyncllm serve: %s", e.__cause__ or e)
+        return 2
+    if stop.is_set():
+        await engine.shutdown(drain=False)
+        return 0
+    private_dir = tempfile.mkdtemp(prefix="asyncllm-engine-")  # 0700: only this user reaches the socket
+    path = os.path.join(private_dir, "engine.sock")
+    host = EngineHost(engine)
+    ipc = await asyncio.start_unix_server(host.accept, path)
+    stats = loop.create_task(host.send_stats())
+    spawn = multiprocessing.get_context("spawn")
+    frontends = [spawn.Process(target=run_frontend, args=(sock, path, engine.max_seq_len, settings),
+                               name=f"asyncllm-frontend-{i}") for i in range(count)]
+    failed = False
+    try:
+        for frontend in frontends:
+            frontend.start()
+        deadline = loop.time() + FRONTEND_START_TIMEOUT_S
+        while len(host.links) < count and not stop.is_set() and not _crashed(frontends):
+            if loop.time() > deadline:
+                raise TimeoutError
+            await asyncio.sleep(0.05)
+        if len(host.links) == count:
+            on_ready()
+        while not stop.is_set():
+            crashed = _crashed(frontends)
+            if crashed:
+                for f in crashed:
+                    logger.error("asyncllm serve: front-end %s exited with %s; stopping the server", f.name, f.exitcode)
+                failed = True
+                break
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.2):
+                    await stop.wait()
+    except TimeoutError:
+        logger.error("asyncllm serve: the front-ends did not connect within %.0f s", FRONTEND_START_TIMEOUT_S)
+        failed = True
+    finally:
+        failed = not await _stop_frontends(frontends, settings.drain_s) or failed
+        stats.cancel()
+        ipc.close()
+        await engine.shutdown(drain=False)
+        shutil.rmtree(private_dir, ignore_errors=True)
+    return 1 if failed else 0
+
+
+def _crashed(frontends) -> list:
+    return [f for f in frontends if f.exitcode is not None]
+
+
+async def _stop_frontends(frontends, drain_s: float) -> bool:
+    """SIGTERM each front-end (each drains as a single-process server does) and wait; True if all
+    of them exited 0 (a front-end that had already failed or never started: False)."""
+    for frontend in frontends:
+        if frontend.exitcode is None and frontend.pid is not None:
+            os.kill(frontend.pid, signal.SIGTERM)
+    deadline = asyncio.get_running_loop().time() + drain_s + EXTRA_STOP_S
+    while any(f.exitcode is None and f.pid is not None for f in frontends):
+        if asyncio.get_running_loop().time() > deadline:
+            for frontend in frontends:
+                if frontend.exitcode is None:
+                    frontend.kill()
+        await asyncio.sleep(0.05)
+    return all(f.exitcode == 0 for f in frontends)

@@ -1,0 +1,242 @@
+"""`asyncllm serve --api-server-count 2`: the engine in the main process, two front-end processes on the
+port. Every answer is compared with the single-process server's on the same tiny model (greedy)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from helpers import live_server
+
+httpx = pytest.importorskip("httpx", reason="the server tests need the server/test extras (httpx)")
+pytest.importorskip("starlette", reason="the server tests need asyncllm[server] (starlette)")
+pytest.importorskip("uvicorn", reason="the server tests need asyncllm[server] (uvicorn)")
+
+OPTIONS = ("--num-kvcache-blocks", "256", "--kvcache-block-size", "16", "--max-model-len", "4096",
+           "--max-tokens-limit", "2048", "--log-level", "info")
+GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello."}]
+
+
+@pytest.fixture(scope="module")
+def single(tiny_qwen3, tmp_path_factory):
+    with live_server(tiny_qwen3, tmp_path_factory.mktemp("single"), *OPTIONS) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def frontends(tiny_qwen3, tmp_path_factory):
+    with live_server(tiny_qwen3, tmp_path_factory.mktemp("frontends"), *OPTIONS, "--api-server-count", "2") as served:
+        wait_for(lambda: len(frontend_pids(served)) == 2, "both front-ends started")
+        yield served
+
+
+def wait_for(condition, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.1)
+
+
+def frontend_pids(server) -> set[int]:
+    return {int(pid) for pid in re.findall(r"Started server process \[(\d+)\]", server.log())}
+
+
+def post(base: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(base + path, json=body, timeout=120)
+
+
+def streamed_text(base: str, path: str, body: dict, chat: bool) -> tuple[str, str]:
+    """(the streamed text, the finish reason) of a streamed request."""
+    text, finish = [], None
+    with httpx.stream("POST", base + path, json={**body, "stream": True}, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            text.append((choice["delta"].get("content") or "") if chat else choice["text"])
+            finish = choice["finish_reason"] or finish
+    return "".join(text), finish
+
+
+def engine_metric(base: str, name: str) -> float:
+    text = httpx.get(base + "/metrics", timeout=10).text
+    return float(re.search(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M).group(1))
+
+
+@pytest.mark.parametrize("prompt", ["Hello there", [11, 22, 33, 44]])
+def test_completions_match_the_single_process_server(single, frontends, prompt):
+    body = {"prompt": prompt, **GREEDY, "logprobs": 2}
+    want, got = post(single.base, "/v1/completions", body).json(), post(frontends.base, "/v1/completions", body).json()
+    assert got["choices"][0]["text"] == want["choices"][0]["text"] and want["choices"][0]["text"]
+    assert got["choices"][0]["logprobs"]["tokens"] == want["choices"][0]["logprobs"]["tokens"]
+    assert got["choices"][0]["finish_reason"] == want["choices"][0]["finish_reason"] == "length"
+    assert got["usage"] == want["usage"]
+    assert streamed_text(frontends.base, "/v1/completions", body, chat=False) == (want["choices"][0]["text"], "length")
+
+
+def test_chat_matches_the_single_process_server(single, frontends):
+    body = {"messages": MESSAGES, **GREEDY}
+    want = post(single.base, "/v1/chat/completions", body).json()["choices"][0]
+    got = post(frontends.base, "/v1/chat/completions", body).json()["choices"][0]
+    assert got["message"]["content"] == want["message"]["content"] and want["message"]["content"]
+    assert streamed_text(frontends.base, "/v1/chat/completions", body, chat=True) == \
+        (want["message"]["content"], "length")
+
+
+def test_stop_strings_and_n_run_in_the_engine_process_as_before(single, frontends):
+    first = post(single.base, "/v1/completions", {"prompt": "Hello there", **GREEDY}).json()["choices"][0]["text"]
+    stop = first[3:6]
+    body = {"prompt": "Hello there", **GREEDY, "stop": [stop], "n": 2}
+    want, got = post(single.base, "/v1/completions", body).json(), post(frontends.base, "/v1/completions", body).json()
+    assert [(c["text"], c["finish_reason"], c["stop_reason"]) for c in got["choices"]] == \
+        [(c["text"], c["finish_reason"], c["stop_reason"]) for c in want["choices"]]
+    assert got["choices"][0]["finish_reason"] == "stop" and stop not in got["choices"][0]["text"]
+
+
+def test_concurrent_streams_across_the_front_ends(single, frontends):
+    prompts = [f"Story number {i}:" for i in range(12)]
+    want = [post(single.base, "/v1/completions", {"prompt": p, **GREEDY}).json()["choices"][0]["text"] for p in prompts]
+    with ThreadPoolExecutor(12) as pool:  # a connection each: the kernel spreads them over both front-ends
+        got = list(pool.map(lambda p: streamed_text(frontends.base, "/v1/completions", {"prompt": p, **GREEDY},
+                                                    chat=False)[0], prompts))
+    assert got == want
+    assert len(frontend_pids(frontends)) == 2
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/embeddings", {"input": ["Hello there", [5, 6, 7]]}),
+    ("/tokenize", {"prompt": "Hello there"}),
+    ("/v1/chat/completions", {"messages": MESSAGES, **GREEDY, "max_tokens": 24,
+                              "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+                                  "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}}),
+])
+def test_the_other_routes_match_the_single_process_server(single, frontends, path, body):
+    want, got = post(single.base, path, body), post(frontends.base, path, body)
+    assert got.status_code == want.status_code == 200, got.text
+    strip = lambda d: {k: v for k, v in d.items() if k not in ("id", "created")}  # noqa: E731
+    assert strip(got.json()) == strip(want.json())
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "Hi", "temperature": -1}, "temperature"),
+    ({"prompt": [10, 10 ** 9]}, "prompt"),
+    ({"prompt": "Hi", "logit_bias": {"999999999": 1}}, "logit_bias"),
+    ({"prompt": "Hi", "max_tokens": 100000}, "max_tokens"),
+    ({"prompt": "Hi", "n": 0}, "n"),
+    ({"prompt": ""}, "prompt"),
+])
+def test_bad_input_is_the_same_400(single, frontends, body, param):
+    want, got = post(single.base, "/v1/completions", body), post(frontends.base, "/v1/completions", body)
+    assert got.status_code == want.status_code == 400
+    assert got.json() == want.json()
+    assert got.json()["error"]["param"] == param
+
+
+def test_a_client_that_disconnects_frees_its_blocks(frontends):
+    total = engine_metric(frontends.base, "asyncllm_kv_blocks_total")
+    with socket.create_connection(("127.0.0.1", frontends.port)) as sock:
+        body = json.dumps({"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True, "stream": True})
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        received = b""
+        while received.count(b"data: ") < 3:
+            chunk = sock.recv(65536)
+            assert chunk, received
+            received += chunk
+        wait_for(lambda: engine_metric(frontends.base, "asyncllm_kv_blocks_in_use") > 0, "blocks held while it streams")
+    # the front-end sees the disconnect, the engine process aborts the request; the stats come every 0.25 s
+    wait_for(lambda: engine_metric(frontends.base, "asyncllm_kv_blocks_in_use") == 0
+             and engine_metric(frontends.base, "asyncllm_num_requests_running") == 0, "the blocks freed")
+    assert engine_metric(frontends.base, "asyncllm_kv_blocks_total") == total
+
+
+def test_sigterm_drains_and_exits_0(tiny_qwen3, tmp_path):
+    with live_server(tiny_qwen3, tmp_path, *OPTIONS, "--api-server-count", "2") as served:
+        wait_for(lambda: len(frontend_pids(served)) == 2, "both front-ends started")
+        pids = frontend_pids(served)
+        with ThreadPoolExecutor(1) as pool:  # a request in flight when the signal comes finishes
+            running = pool.submit(post, served.base, "/v1/completions", {"prompt": "Hi", **GREEDY, "max_tokens": 40})
+            time.sleep(0.5)
+            served.proc.send_signal(signal.SIGTERM)
+            assert served.proc.wait(60) == 0, served.log()[-3000:]
+            assert running.result().status_code == 200
+    for pid in pids:  # the front-ends are gone too
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_a_front_end_that_dies_stops_the_server_with_an_error(tiny_qwen3, tmp_path):
+    with live_server(tiny_qwen3, tmp_path, *OPTIONS, "--api-server-count", "2", exit_codes=(1,)) as served:
+        wait_for(lambda: len(frontend_pids(served)) == 2, "both front-ends started")
+        victim, survivor = sorted(frontend_pids(served))
+        os.kill(victim, signal.SIGKILL)
+        served.proc.wait(60)
+        assert re.search(r"front-end .* exited with -9; stopping the server", served.log())
+    with pytest.raises(ProcessLookupError):
+        os.kill(survivor, 0)
+
+
+def test_a_full_queue_is_a_429_and_an_engine_that_dies_stops_the_front_ends(tiny_qwen3, tmp_path):
+    # the engine admits a request after the front-end has its stream: the 429 comes from the first read
+    with live_server(tiny_qwen3, tmp_path, *OPTIONS, "--api-server-count", "2", "--max-num-seqs", "1",
+                     "--max-queued-requests", "1", exit_codes=(-signal.SIGKILL,)) as served:
+        wait_for(lambda: len(frontend_pids(served)) == 2, "both front-ends started")
+        long = {"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True}
+        with ThreadPoolExecutor(2) as pool:
+            running = pool.submit(post, served.base, "/v1/completions", long)
+            wait_for(lambda: engine_metric(served.base, "asyncllm_num_requests_running") == 1, "the first running")
+            queued = pool.submit(post, served.base, "/v1/completions", long)
+            wait_for(lambda: engine_metric(served.base, "asyncllm_num_requests_waiting") == 1, "the second queued")
+            refused = post(served.base, "/v1/completions", {"prompt": "Hi", **GREEDY})
+            assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full", refused.text
+            assert refused.headers["retry-after"] == "1"
+            with httpx.stream("POST", served.base + "/v1/completions", json={"prompt": "Hi", **GREEDY, "stream": True},
+                              timeout=60) as response:
+                events = [line for line in response.iter_lines() if line.startswith("data: ")]
+            assert json.loads(events[0][6:])["error"]["code"] == "queue_full" and events[-1] == "data: [DONE]"
+            pids = frontend_pids(served)
+            served.proc.kill()  # the engine process dies: the front-ends' streams end, and they exit
+            assert running.result().status_code in (200, 503) and queued.result().status_code in (200, 503)
+
+            def gone(pid: int) -> bool:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    return True
+                return False
+            wait_for(lambda: all(gone(pid) for pid in pids), "the front-ends exited")
+
+
+def test_the_link_carries_plain_data_and_refuses_any_other_class():
+    import asyncio
+    import pickle
+
+    from asyncllm.errors import PromptTooLongError
+    from asyncllm.sampling_params import SamplingParams
+    from asyncllm.server.engine_link import frame, read_message
+    from asyncllm.structured import StructuredOutput
+
+    async def roundtrip(message):
+        reader = asyncio.StreamReader()
+        reader.feed_data(frame(message) if isinstance(message, tuple) else message)
+        reader.feed_eof()
+        return await read_message(reader)
+
+    params = SamplingParams(temperature=0.5, stop=["x"], structured_output=StructuredOutput(regex="a+"))
+    kind, got, error = asyncio.run(roundtrip(("submit", params, PromptTooLongError("prompt", "too long"))))
+    assert got == params and isinstance(error, PromptTooLongError) and error.argument == "prompt"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, ("echo pwned",)
+    data = pickle.dumps(("submit", Payload()))
+    with pytest.raises(pickle.UnpicklingError, match="does not carry posix.system"):
+        asyncio.run(roundtrip(len(data).to_bytes(4, "big") + data))
