@@ -260,7 +260,37 @@ class _SequenceState:
         self.stop_reason: int | str | None = None
 
 
-class RequestStream:
+class StreamBase:
+    """What a request's streams share (RequestStream here, the API front-ends' RemoteStream): the
+    counts over its sequences (self._sequences, each with its token_ids), and the request ended
+    (self._abort()) when the stream is left early: aclose() or an `async with` block's end.
+    __del__ (a dropped stream) is each subclass's own."""
+
+    _sequences: list
+
+    def _abort(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._sequences)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        """Tokens generated so far, all sequences together."""
+        return sum(len(seq.token_ids) for seq in self._sequences)
+
+    async def aclose(self) -> None:
+        self._abort()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._abort()
+
+
+class RequestStream(StreamBase):
     """The async iterator returned by AsyncLLMEngine.stream().
 
     Ending it early in any way (cancelling the task that reads it, a timeout, break, aclose(), or
@@ -292,15 +322,6 @@ class RequestStream:
     def text(self) -> str:
         assembler = self._sequences[0].assembler
         return assembler.text[:assembler.num_released]
-
-    @property
-    def num_sequences(self) -> int:
-        return len(self._sequences)
-
-    @property
-    def num_completion_tokens(self) -> int:
-        """Tokens generated so far, all sequences together."""
-        return sum(len(seq.token_ids) for seq in self._sequences)
 
     def result(self, index: int, text: str) -> RequestResult:
         """Sequence index's result, once it has finished (text: its whole text)."""
@@ -381,15 +402,6 @@ class RequestStream:
         if self.finish_reason is None:
             self.finish_reason = FinishReason.ABORT
             self._finish(self.request_id, FinishReason.ABORT, self._channel)
-
-    async def aclose(self) -> None:
-        self._abort()
-
-    async def __aenter__(self) -> "RequestStream":
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        self._abort()
 
     def __del__(self) -> None:
         # a `break` out of `async for` drops the last reference here: abort at once, not at GC time

@@ -18,7 +18,7 @@ from asyncllm.errors import EngineDeadError
 from asyncllm.outputs import FinishReason
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.server.engine_link import frame, logprobs_in, read_message
-from asyncllm.streams import RequestMetrics, RequestResult, StreamOutput
+from asyncllm.streams import RequestMetrics, RequestResult, StreamBase, StreamOutput
 from asyncllm.structured import StructuredOutput
 
 logger = logging.getLogger("asyncllm.server")
@@ -35,7 +35,7 @@ class _Sequence:
         self.reasoning: list[str] | None = None
 
 
-class RemoteStream:
+class RemoteStream(StreamBase):
     """What RequestStream is to the routes, for a request that runs in the engine process: its
     items as the engine's stream yielded them. Ending it early (aclose, a cancelled read, dropping
     it) aborts the request there."""
@@ -59,14 +59,6 @@ class RemoteStream:
             self._waiter.set_result(None)
 
     # the route's reader
-    @property
-    def num_sequences(self) -> int:
-        return len(self._sequences)
-
-    @property
-    def num_completion_tokens(self) -> int:
-        return sum(len(seq.token_ids) for seq in self._sequences)
-
     @property
     def token_ids(self) -> list[int]:
         return self._sequences[0].token_ids
@@ -127,15 +119,6 @@ class RemoteStream:
         if self.finish_reason is None:
             self._end(FinishReason.ABORT)
             self._client.abort(self.request_id)
-
-    async def aclose(self) -> None:
-        self._abort()
-
-    async def __aenter__(self) -> "RemoteStream":
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        self._abort()
 
     def __del__(self) -> None:
         if self.finish_reason is None:
