@@ -63,7 +63,7 @@ class EventStreamResponse(StreamingResponse):
         # the cancelling task's repr) are tens of microseconds of the event loop's time, and the body
         # runs in this task, so its sends need no task of their own.
         self._last_sent = time.monotonic()
-        self._body_sending = False
+        self._body_sending = True  # until the status line has gone: no comment before it
         self._keepalive_sent: anyio.Event | None = None  # set when the comment in flight has gone
         try:
             async with anyio.create_task_group() as tasks:
@@ -119,6 +119,8 @@ class EventStreamResponse(StreamingResponse):
         """StreamingResponse.stream_response, the body's chunks sent inline (per chunk of every
         stream: no call of its own), none while a keep-alive comment is in flight."""
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        self._body_sending = False
+        self._last_sent = time.monotonic()
         charset = self.charset
         async for chunk in self.body_iterator:
             message = {"type": "http.response.body", "more_body": True,
@@ -129,6 +131,9 @@ class EventStreamResponse(StreamingResponse):
             await send(message)
             self._body_sending = False
             self._last_sent = time.monotonic()
+        while self._keepalive_sent is not None:
+            await self._keepalive_sent.wait()
+        self._body_sending = True  # from here on no comment: nothing may follow the body's end
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
