@@ -3,7 +3,7 @@ them (issue 51): request validation (server/protocol.py vs pydantic models), the
 of streamed tool calls (server/json_scan.py vs partial-json-parser) and the SSE response
 (server/sse.py's EventStreamResponse vs sse-starlette's EventSourceResponse). No model, no socket.
 
-    python benchmarks/bench_server_libs.py [--repeat 2000] [--events 5000]
+    python benchmarks/bench_server_libs.py [--repeat 2000] [--events 5000] [--responses 5000]
 
 A library that is not installed is reported as such (pip install pydantic partial-json-parser
 sse-starlette to compare all three). Figures are CPU microseconds per request / token / event on
