@@ -292,3 +292,19 @@ def test_a_front_end_that_stops_reading_is_dropped_and_the_server_exits_1(tiny_q
         log = served.log()
         assert re.search(r"a front-end stopped reading its link \(\d+ bytes pending, past 65536: "
                          r"\$ASYNCLLM_FRONTEND_MAX_PENDING_BYTES\); aborting its 1 request\(s\)", log), log[-3000:]
+
+
+def test_a_start_up_that_fails_stops_the_front_ends_and_exits_2(tiny_qwen3, tmp_path):
+    from test_server_startup import held_serve, wait_until_held
+    serving, gate = held_serve(tiny_qwen3, tmp_path, "--api-server-count", "2", exit_codes=(2,))
+    with serving as server:
+        wait_until_held(server.base, server.proc)
+        wait_for(lambda: len(frontend_pids(server)) == 2, "both front-ends answering while the engine starts")
+        pids = frontend_pids(server)
+        with open(gate, "w") as f:
+            f.write("fail")
+        server.proc.wait(60)
+    assert "asyncllm serve: tokenizer refused by the test" in server.log(), server.log()[-3000:]
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
