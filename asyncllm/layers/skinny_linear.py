@@ -21,7 +21,7 @@ shape, against the unfused pair (silu_and_mul, then linear()'s choice), and take
 faster, or within MIN_GAIN where PDL is on (one kernel fewer in the chain): 1-2 rows in practice.
 
 On by default: decode at small batch streams the weights, and the kernel reads them faster than
-cuBLAS's kernels for these shapes do (docs/BENCHMARKS.md keeps the figures).
+cuBLAS's kernels for these shapes do (docs/DECISIONS.md keeps the figures).
 ASYNCLLM_SKINNY_GEMM=0 in the environment turns it off (cuBLAS everywhere).
 """
 from __future__ import annotations

@@ -11,7 +11,7 @@ alternative is captured into the graph and the step timed, and a tiling replaces
 where the step ran MIN_GAIN faster. Then every batch-1 decode graph is captured again. Once per
 process: a later engine keeps the decisions, as it keeps every skinny-GEMM decision. It costs
 seconds at start-up (per alternative a graph capture and five timings of 20 replays, plus a compile
-per new tiling, which Triton caches); docs/BENCHMARKS.md lists what it measured against what it
+per new tiling, which Triton caches); docs/DECISIONS.md lists what it measured against what it
 saves. The tilings kept are stored in the start-up cache (startup_cache.py) under the question
 asked (the graph's context bound and each alternative's tilings), and a later start-up that asks
 the same takes them from there and only captures the batch-1 graphs again where one changed.

@@ -1,6 +1,6 @@
 """Compiling a StructuredOutput with xgrammar, and the per-request matcher that follows its tokens.
 
-Why xgrammar (docs/BENCHMARKS.md has the numbers): its per-token mask fill, the work done for every
+Why xgrammar (docs/DECISIONS.md has the numbers): its per-token mask fill, the work done for every
 constrained row of every step, measured 2-15 us against llguidance's 26-121 us on our tokenizers;
 its compile is slower (2-24 ms for a usual schema, about a second at structured/checks.py's size
 limits) but happens once per schema, off the engine thread, and is cached.
