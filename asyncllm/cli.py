@@ -358,7 +358,7 @@ def serve(args: argparse.Namespace) -> int:
 
 def _serve_with_frontends(args: argparse.Namespace, engine, name: str, api_key: str | None, app_options: dict) -> int:
     """The engine in this process, args.api_server_count front-end processes on the port (the port is
-    listened on from the start, and answered once the engine is ready)."""
+    listened on from the start; its front-ends answer /health "starting" until the engine is ready)."""
     from asyncllm.server.engine_host import listening_socket, serve_with_frontends
     from asyncllm.server.frontend import FrontendSettings
     sock = listening_socket(args.host, args.port)

@@ -37,6 +37,13 @@ def _positive_seconds(text: str) -> float:
     return seconds
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise ValueError(f"expected an integer > 0, got {text!r}")
+    return value
+
+
 def _cache_dir(text: str) -> str:
     return text or os.path.join(os.path.expanduser("~"), ".cache", "asyncllm")
 
@@ -110,6 +117,10 @@ TP_LOCAL_RANKS = Setting(
 TP_TIMEOUT_S = Setting(
     "ASYNCLLM_TP_TIMEOUT_S", "300", _positive_seconds,
     "seconds a tensor-parallel rank waits for the rendezvous or a collective")
+FRONTEND_MAX_PENDING_BYTES = Setting(
+    "ASYNCLLM_FRONTEND_MAX_PENDING_BYTES", str(64 << 20), _positive_int,
+    "serve --api-server-count N: the bytes the engine process holds for a front-end that does not read them "
+    "before it treats that front-end as dead (aborts its requests, the server exits 1)", default_shown="67108864 (64 MiB)")
 RANK = Setting("RANK", None, int, "torch.distributed's rank of this process (tp-worker; the engine's is 0)")
 WORLD_SIZE = Setting("WORLD_SIZE", None, int, "torch.distributed's rank count; must equal tensor_parallel_size")
 LOCAL_RANK = Setting("LOCAL_RANK", None, int, "this rank's GPU index on its machine",
@@ -118,8 +129,8 @@ MASTER_ADDR = Setting("MASTER_ADDR", None, str, "env:// rendezvous: rank 0's hos
 MASTER_PORT = Setting("MASTER_PORT", None, int, "env:// rendezvous: rank 0's port")
 
 ALL = (LAUNCH_GATE, PDL, SKINNY_GEMM, DECODE_TUNING, CACHE, STARTUP_CACHE, TRITON_CACHE_DIR, API_KEY,
-       TRITON_INTERPRET, TP_INIT_METHOD, TP_LOCAL_RANKS, TP_TIMEOUT_S, RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-       MASTER_PORT)
+       TRITON_INTERPRET, TP_INIT_METHOD, TP_LOCAL_RANKS, TP_TIMEOUT_S, FRONTEND_MAX_PENDING_BYTES, RANK, WORLD_SIZE,
+       LOCAL_RANK, MASTER_ADDR, MASTER_PORT)
 
 
 def place_triton_cache() -> str | None:

@@ -2,6 +2,7 @@
 port. Every answer is compared with the single-process server's on the same tiny model (greedy)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -240,3 +241,70 @@ def test_the_link_carries_plain_data_and_refuses_any_other_class():
     data = pickle.dumps(("submit", Payload()))
     with pytest.raises(pickle.UnpicklingError, match="does not carry posix.system"):
         asyncio.run(roundtrip(len(data).to_bytes(4, "big") + data))
+
+
+def test_health_says_starting_with_the_phase_while_the_engine_starts(tiny_qwen3, tmp_path):
+    # the engine process's start-up held in its tokenizer phase (the front-ends load theirs unheld)
+    from test_server_startup import AUTH, COMPLETION, assert_starting_error, held_serve, wait_until_held
+    serving, gate = held_serve(tiny_qwen3, tmp_path, "--api-server-count", "2")
+    with serving as server:
+        wait_until_held(server.base, server.proc)
+        wait_for(lambda: len(frontend_pids(server)) == 2, "both front-ends answering while the engine starts")
+        for _ in range(4):  # a connection each: both front-ends say so
+            assert_starting_error(httpx.post(f"{server.base}/v1/completions", json=COMPLETION, headers=AUTH, timeout=30))
+            response = httpx.get(f"{server.base}/health", timeout=30)
+            assert (response.status_code, response.json()) == (503, {"status": "starting", "phase": "tokenizer"})
+        assert httpx.get(f"{server.base}/metrics", timeout=30).status_code == 200
+        with open(gate, "w") as f:
+            f.write("go")
+        wait_for(lambda: httpx.get(f"{server.base}/health", timeout=30).status_code == 200, "ready")
+        assert httpx.get(f"{server.base}/health", timeout=30).json() == {"status": "ready"}
+        response = httpx.post(f"{server.base}/v1/completions", json=COMPLETION, headers=AUTH, timeout=60)
+        assert response.status_code == 200, response.text
+    assert len([line for line in server.log().splitlines() if "asyncllm serve: ready " in line]) == 1
+
+
+def test_a_front_end_that_stops_reading_is_dropped_and_the_server_exits_1(tiny_qwen3, tmp_path):
+    env = dict(os.environ, ASYNCLLM_FRONTEND_MAX_PENDING_BYTES="65536")
+    with live_server(tiny_qwen3, tmp_path, *OPTIONS, "--api-server-count", "2", "--graceful-shutdown-timeout", "1",
+                     env=env, exit_codes=(1,)) as served:
+        wait_for(lambda: len(frontend_pids(served)) == 2, "both front-ends started")
+        idle, reading = sorted(frontend_pids(served))
+        os.kill(idle, signal.SIGSTOP)  # the stream's connection goes to the other one
+        try:
+            with socket.create_connection(("127.0.0.1", served.port)) as sock:
+                body = json.dumps({"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True, "n": 4,
+                                   "logprobs": 5, "stream": True})
+                sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+                received = b""
+                while b"data: " not in received:
+                    chunk = sock.recv(65536)
+                    assert chunk, received
+                    received += chunk
+                os.kill(reading, signal.SIGSTOP)  # stops reading its link: the engine's outputs pile up
+                os.kill(idle, signal.SIGCONT)
+                assert served.proc.wait(90) == 1, served.log()[-3000:]
+        finally:
+            for pid in (idle, reading):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+        log = served.log()
+        assert re.search(r"a front-end stopped reading its link \(\d+ bytes pending, past 65536: "
+                         r"\$ASYNCLLM_FRONTEND_MAX_PENDING_BYTES\); aborting its 1 request\(s\)", log), log[-3000:]
+
+
+def test_a_start_up_that_fails_stops_the_front_ends_and_exits_2(tiny_qwen3, tmp_path):
+    from test_server_startup import held_serve, wait_until_held
+    serving, gate = held_serve(tiny_qwen3, tmp_path, "--api-server-count", "2", exit_codes=(2,))
+    with serving as server:
+        wait_until_held(server.base, server.proc)
+        wait_for(lambda: len(frontend_pids(server)) == 2, "both front-ends answering while the engine starts")
+        pids = frontend_pids(server)
+        with open(gate, "w") as f:
+            f.write("fail")
+        server.proc.wait(60)
+    assert "asyncllm serve: tokenizer refused by the test" in server.log(), server.log()[-3000:]
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

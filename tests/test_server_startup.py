@@ -168,14 +168,14 @@ def test_without_background_the_lifespan_waits_for_the_engine_as_before(tiny_qwe
 
 
 # ---- `asyncllm serve` ------------------------------------------------------------------------------------
-def held_serve(model: str, tmp_path, *, exit_codes: tuple[int, ...] = (0,)):
+def held_serve(model: str, tmp_path, *options: str, exit_codes: tuple[int, ...] = (0,)):
     """The held `asyncllm serve` (a live_server yielded at once, before /health answers) and the file
     that lets its start-up go on."""
     gate = str(tmp_path / "go")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), ASYNCLLM_API_KEY=KEY,
                ASYNCLLM_CACHE=str(tmp_path / "cache"))
     server = live_server(model, tmp_path, "--num-kvcache-blocks", "8", "--kvcache-block-size", "16",
-                         "--max-model-len", "64", env=env, healthy_within=None, exit_codes=exit_codes,
+                         "--max-model-len", "64", *options, env=env, healthy_within=None, exit_codes=exit_codes,
                          launcher=[sys.executable, "-c", _HELD_SERVE, gate])
     return server, gate
 

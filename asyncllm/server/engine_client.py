@@ -126,14 +126,16 @@ class RemoteStream(StreamBase):
 
 
 class EngineClient:
-    """The engine of a front-end process: intake is the engine's RequestIntake made on this
-    process's tokenizer with the engine's max_seq_len; path: the engine's socket. on_lost is called
-    if the engine process closes the link (it has died or is stopping)."""
+    """The engine of a front-end process: make_intake(max_seq_len) makes the engine's RequestIntake
+    on this process's tokenizer, once the engine is ready and says its max_seq_len; path: the
+    engine's socket. on_lost is called if the engine process closes the link (it has died or is
+    stopping)."""
 
-    def __init__(self, path: str, intake, parse_special_tokens_in_chat_content: bool = False,
-                 on_lost: Callable[[], None] | None = None):
+    def __init__(self, path: str, make_intake: Callable[[int], object],
+                 parse_special_tokens_in_chat_content: bool = False, on_lost: Callable[[], None] | None = None):
         self._path = path
-        self._intake = intake
+        self._make_intake = make_intake
+        self._intake = None
         self._parse_special = parse_special_tokens_in_chat_content
         self.on_lost = on_lost
         self._streams: dict[str, RemoteStream] = {}
@@ -144,7 +146,8 @@ class EngineClient:
         self._stats: dict = {}
         self._dead: str | None = None
         self._closed = False
-        self.startup_phase = None  # the engine is ready before the front-ends start
+        self.startup_phase: str | None = None  # the engine's, as it sends it while it starts
+        self._ready: asyncio.Future | None = None
 
     # ---- lifecycle (the app's lifespan) ----
     @property
@@ -152,12 +155,12 @@ class EngineClient:
         return self._writer is not None
 
     async def start(self) -> None:
+        """Connect, and return once the engine is ready (the lifespan runs it in the background:
+        /health reads startup_phase meanwhile); EngineDeadError if the link closes first."""
         reader, self._writer = await asyncio.open_unix_connection(self._path)
-        first = await read_message(reader)
-        if first is None or first[0] != "stats":
-            raise EngineDeadError(f"the engine process did not answer on {self._path}")
-        self._stats = first[1]
+        self._ready = asyncio.get_running_loop().create_future()
         self._reader_task = asyncio.get_running_loop().create_task(self._read(reader))
+        await self._ready
 
     async def shutdown(self, drain: bool = False) -> None:
         self._closed = True
@@ -185,6 +188,13 @@ class EngineClient:
                         stream.deliver(item)
             elif kind == "stats":
                 self._stats = message[1]
+            elif kind == "starting":
+                self.startup_phase = message[1]
+            elif kind == "ready":
+                self._intake = self._make_intake(message[1])
+                self._stats, self.startup_phase = message[2], None
+                if not self._ready.done():  # (a start() cancelled by a shutdown)
+                    self._ready.set_result(None)
             elif kind == "reply":
                 future = self._calls.pop(message[1], None)
                 if future is not None and not future.done():
@@ -200,6 +210,8 @@ class EngineClient:
         for future in self._calls.values():
             if not future.done():
                 future.set_result((None, error))
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(error)
         if not self._closed and self.on_lost is not None:
             logger.error("asyncllm front-end: %s; stopping", self._dead)
             self.on_lost()
@@ -211,7 +223,7 @@ class EngineClient:
     def check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"the engine has failed: {self._dead}")
-        if self._writer is None:
+        if self._intake is None:
             raise RuntimeError("the engine client is not started")
 
     def stats(self) -> dict:

@@ -6,7 +6,10 @@ the JSON, the SSE framing and the tokenizing.
 Each front-end's streams are read here as in-process consumers read them (one task per request);
 what they yield in one engine step goes to their front-end as one message (outputs gathered until
 the event loop has run every woken reader, then sent). Stats go out every STATS_INTERVAL_S for the
-front-ends' /metrics and /health. A front-end's link that closes aborts its requests. SIGTERM or
+front-ends' /metrics and /health (before it, while the engine starts, its start-up phase: the
+front-ends start with the engine and answer /health "starting"). A front-end's link that closes
+aborts its requests; one that holds more than $ASYNCLLM_FRONTEND_MAX_PENDING_BYTES unread is
+dropped as a dead front-end (its requests aborted, the server exits 1). SIGTERM or
 SIGINT: the front-ends drain and stop, then the engine; a front-end that dies is reported and the
 server exits 1.
 """
@@ -25,6 +28,7 @@ from collections.abc import Callable
 
 import anyio
 
+from asyncllm import settings
 from asyncllm.errors import EngineDeadError
 from asyncllm.server.engine_link import frame, logprobs_out, read_message
 from asyncllm.server.frontend import FrontendSettings, run_frontend
@@ -37,18 +41,32 @@ EXTRA_STOP_S = 10.0  # past the drain's own limit before a front-end that has no
 
 
 class FrontendLink:
-    """One front-end's connection: its requests (a task each) and the outputs waiting to be sent."""
+    """One front-end's connection: its requests (a task each) and the outputs waiting to be sent.
+    Past max_pending bytes written and not yet read by the front-end, the link is dropped as a dead
+    front-end's would be (its requests aborted) and on_dropped is called."""
 
-    def __init__(self, engine, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+    def __init__(self, engine, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_pending: int,
+                 on_dropped: Callable[[], None]):
         self.engine = engine
         self.reader, self.writer = reader, writer
+        self.max_pending, self.on_dropped = max_pending, on_dropped
         self.tasks: dict[str, asyncio.Task] = {}  # request or call id -> its task
         self.pending: list[tuple] = []
         self.loop = asyncio.get_running_loop()
 
     def send(self, message: tuple) -> None:
-        if not self.writer.is_closing():
-            self.writer.write(frame(message))
+        if self.writer.is_closing():
+            return
+        self.writer.write(frame(message))
+        pending = self.writer.transport.get_write_buffer_size()
+        if pending > self.max_pending:
+            logger.error("asyncllm serve: a front-end stopped reading its link (%d bytes pending, past %d: "
+                         "$ASYNCLLM_FRONTEND_MAX_PENDING_BYTES); aborting its %d request(s) and stopping the server",
+                         pending, self.max_pending, len(self.tasks))
+            self.writer.transport.abort()  # its buffer dropped; serve() sees the link closed
+            for task in list(self.tasks.values()):
+                task.cancel()
+            self.on_dropped()
 
     def put(self, item: tuple) -> None:
         if not self.pending:  # sent once the readers that this step woke have all run
@@ -114,30 +132,47 @@ class FrontendLink:
 
 
 class EngineHost:
-    """The engine process's side: the link's socket and the stats sent to every front-end."""
+    """The engine process's side: the link's socket, and what every front-end is sent: the engine's
+    start-up phase until it is ready, then ("ready", max_seq_len, stats) and the stats."""
 
     def __init__(self, engine):
         self.engine = engine
         self.links: list[FrontendLink] = []
+        self.ready = False
+        self.dropped = False  # a front-end that stopped reading was dropped: the server stops
+        self.max_pending = settings.FRONTEND_MAX_PENDING_BYTES.read()
+
+    def state(self) -> tuple:
+        if not self.ready:
+            return ("starting", self.engine.startup_phase or "starting")
+        try:
+            self.engine.check_alive()
+            return ("stats", self.engine.stats())
+        except EngineDeadError as e:
+            return ("dead", str(e))
+
+    def mark_ready(self) -> None:
+        self.ready = True
+        for link in self.links:
+            link.send(("ready", self.engine.max_seq_len, self.engine.stats()))
 
     async def accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        link = FrontendLink(self.engine, reader, writer)
-        link.send(("stats", self.engine.stats()))
+        link = FrontendLink(self.engine, reader, writer, self.max_pending, self._dropped)
+        link.send(("ready", self.engine.max_seq_len, self.engine.stats()) if self.ready else self.state())
         self.links.append(link)
         try:
             await link.serve()
         finally:
             self.links.remove(link)
 
+    def _dropped(self) -> None:
+        self.dropped = True
+
     async def send_stats(self) -> None:
         while True:
             await asyncio.sleep(STATS_INTERVAL_S)
-            try:
-                self.engine.check_alive()
-                message = ("stats", self.engine.stats())
-            except EngineDeadError as e:
-                message = ("dead", str(e))
-            for link in self.links:
+            message = self.state()
+            for link in list(self.links):
                 link.send(message)
 
 
@@ -151,45 +186,34 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve_with_frontends(engine, count: int, sock: socket.socket, settings: FrontendSettings,
+def serve_with_frontends(engine, count: int, sock: socket.socket, settings_: FrontendSettings,
                          on_ready: Callable[[], None]) -> int:
     """Run the engine and `count` front-ends on sock until SIGTERM/SIGINT (0) or a failure (1; 2 if
     the engine failed to start)."""
-    return asyncio.run(_serve(engine, count, sock, settings, on_ready))
+    return asyncio.run(_serve(engine, count, sock, settings_, on_ready))
 
 
-async def _serve(engine, count: int, sock: socket.socket, settings: FrontendSettings, on_ready) -> int:
+async def _serve(engine, count: int, sock: socket.socket, settings_: FrontendSettings, on_ready) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    try:
-        await engine.start()
-    except EngineDeadError as e:
-        logger.error("asyncllm serve: %s", e.__cause__ or e)
-        return 2
-    if stop.is_set():
-        await engine.shutdown(drain=False)
-        return 0
+    # the front-ends start with the engine: their /health says "starting" (and the phase) meanwhile
     private_dir = tempfile.mkdtemp(prefix="asyncllm-engine-")  # 0700: only this user reaches the socket
     path = os.path.join(private_dir, "engine.sock")
     host = EngineHost(engine)
     ipc = await asyncio.start_unix_server(host.accept, path)
     stats = loop.create_task(host.send_stats())
+    starting = loop.create_task(engine.start())
     spawn = multiprocessing.get_context("spawn")
-    frontends = [spawn.Process(target=run_frontend, args=(sock, path, engine.max_seq_len, settings),
-                               name=f"asyncllm-frontend-{i}") for i in range(count)]
-    failed = False
+    frontends = [spawn.Process(target=run_frontend, args=(sock, path, settings_), name=f"asyncllm-frontend-{i}")
+                 for i in range(count)]
+    failed = start_failed = False
     try:
         for frontend in frontends:
             frontend.start()
         deadline = loop.time() + FRONTEND_START_TIMEOUT_S
-        while len(host.links) < count and not stop.is_set() and not _crashed(frontends):
-            if loop.time() > deadline:
-                raise TimeoutError
-            await asyncio.sleep(0.05)
-        if len(host.links) == count:
-            on_ready()
+        ready = False
         while not stop.is_set():
             crashed = _crashed(frontends)
             if crashed:
@@ -197,19 +221,37 @@ async def _serve(engine, count: int, sock: socket.socket, settings: FrontendSett
                     logger.error("asyncllm serve: front-end %s exited with %s; stopping the server", f.name, f.exitcode)
                 failed = True
                 break
+            if host.dropped:
+                failed = True
+                break
+            if starting.done() and not ready:
+                if starting.exception() is not None:
+                    error = starting.exception()
+                    logger.error("asyncllm serve: %s", error.__cause__ or error)
+                    start_failed = True
+                    break
+                host.mark_ready()
+                ready = True
+            if ready and len(host.links) == count and on_ready is not None:
+                on_ready()
+                on_ready = None
+            if len(host.links) < count and loop.time() > deadline:
+                raise TimeoutError
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(0.2):
+                async with asyncio.timeout(0.05 if on_ready is not None else 0.2):
                     await stop.wait()
     except TimeoutError:
         logger.error("asyncllm serve: the front-ends did not connect within %.0f s", FRONTEND_START_TIMEOUT_S)
         failed = True
     finally:
-        failed = not await _stop_frontends(frontends, settings.drain_s) or failed
+        failed = not await _stop_frontends(frontends, settings_.drain_s) or failed
         stats.cancel()
         ipc.close()
+        with contextlib.suppress(Exception):  # a start under way is waited for (the engine thread cannot be cut)
+            await starting
         await engine.shutdown(drain=False)
         shutil.rmtree(private_dir, ignore_errors=True)
-    return 1 if failed else 0
+    return 2 if start_failed else 1 if failed else 0
 
 
 def _crashed(frontends) -> list:

@@ -7,7 +7,8 @@ front-ends decode their JSON and send these messages.
 Messages (tuples, the first item names them):
   front-end -> engine: ("submit", request_id, prompt_token_ids, SamplingParams); ("abort", request_id);
                        ("embed", call_id, prompts, options); ("cancel", call_id)
-  engine -> front-end: ("out", [item, ...]) -- every stream's new outputs of one engine step together;
+  engine -> front-end: ("starting", phase) while the engine starts; ("ready", max_seq_len, engine.stats())
+                       once; ("out", [item, ...]) -- every stream's new outputs of one engine step together;
                        ("stats", engine.stats()); ("dead", message); ("reply", call_id, value, error)
 An out item is (request_id, error, text, token_ids, finish_reason, index, logprobs, stop_reason,
 prompt_logprobs, reasoning, metrics); logprobs as (token_id, logprob, rank, top_ids, top_logprobs)

@@ -27,9 +27,11 @@ class FrontendSettings:
     drain_s: float = 5.0
 
 
-def run_frontend(sock: socket.socket, engine_path: str, max_seq_len: int, settings: FrontendSettings) -> None:
+def run_frontend(sock: socket.socket, engine_path: str, settings: FrontendSettings) -> None:
     """The front-end process's body; exits 0 after a shutdown (SIGTERM), 1 if the engine went away."""
     os.setpgrp()  # a terminal's Ctrl-C goes to the engine process, which stops the front-ends in order
+    import functools
+
     import uvicorn
 
     from asyncllm.engine.intake import RequestIntake
@@ -41,9 +43,12 @@ def run_frontend(sock: socket.socket, engine_path: str, max_seq_len: int, settin
     logging.basicConfig(level=settings.log_level.upper(), format=f"%(levelname)s:     [front-end {os.getpid()}] "
                                                                  "%(message)s")
     config = settings.config
-    intake = RequestIntake(config, load_tokenizer(config.model), max_seq_len)
-    client = EngineClient(engine_path, intake, settings.parse_special_tokens_in_chat_content)
-    app = create_app(client, settings.model_name, settings.api_key, manage_engine=True, **settings.app_options)
+    # the intake takes the engine's max_seq_len, known once the engine is ready
+    make_intake = functools.partial(RequestIntake, config, load_tokenizer(config.model))
+    client = EngineClient(engine_path, make_intake, settings.parse_special_tokens_in_chat_content)
+    # the lifespan's start waits for the engine's readiness; meanwhile /health says "starting"
+    app = create_app(client, settings.model_name, settings.api_key, manage_engine=True, start_in_background=True,
+                     **settings.app_options)
     uvicorn_config = uvicorn.Config(app, log_level=settings.log_level, http=HeadTimeoutH11Protocol,
                                     timeout_keep_alive=settings.timeout_keep_alive,
                                     limit_concurrency=settings.limit_concurrency)
