@@ -3,7 +3,7 @@ them (issue 51): request validation (server/protocol.py vs pydantic models), the
 of streamed tool calls (server/json_scan.py vs partial-json-parser) and the SSE response
 (server/sse.py's EventStreamResponse vs sse-starlette's EventSourceResponse). No model, no socket.
 
-    python benchmarks/bench_server_libs.py [--repeat 2000] [--events 5000]
+    python benchmarks/bench_server_libs.py [--repeat 2000] [--events 5000] [--responses 5000]
 
 A library that is not installed is reported as such (pip install pydantic partial-json-parser
 sse-starlette to compare all three). Figures are CPU microseconds per request / token / event on
@@ -175,14 +175,42 @@ def event_stream(num_events: int) -> dict:
     return row
 
 
+def event_stream_responses(num_responses: int) -> dict:
+    """A streamed answer's fixed cost: whole responses of one event each through EventStreamResponse
+    (its task group, the disconnect watcher and keep-alive, the close), CPU per response."""
+    async def run() -> float:
+        async def closed():
+            pass
+
+        async def one_event():
+            yield "data: {}\n\n"
+        start = time.process_time()
+        for _ in range(num_responses):
+            done = asyncio.Event()
+
+            async def receive():
+                await done.wait()
+                return {"type": "http.disconnect"}
+
+            async def send(message):
+                if message["type"] == "http.response.body" and not message.get("more_body", False):
+                    done.set()
+            await EventStreamResponse(one_event(), on_close=closed, keepalive_interval=10)(
+                {"type": "http", "method": "POST", "headers": []}, receive, send)
+        return (time.process_time() - start) / num_responses * 1e6
+    return {"responses": num_responses, "sse.py": round(asyncio.run(run()), 2)}
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=2000, help="requests validated per variant")
     parser.add_argument("--events", type=int, default=5000, help="events streamed per variant")
+    parser.add_argument("--responses", type=int, default=5000, help="one-event responses streamed")
     args = parser.parse_args(argv)
     results = {"validation_us_per_request": validation(args.repeat),
                "tool_call_us_per_piece": [partial_json(piece) for piece in (4, 16)],
-               "sse_us_per_event": event_stream(args.events)}
+               "sse_us_per_event": event_stream(args.events),
+               "sse_us_per_response": event_stream_responses(args.responses)}
     print(json.dumps(results, indent=2))
     return results
 

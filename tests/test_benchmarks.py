@@ -253,10 +253,12 @@ def test_bench_serving_times_every_request_of_each_level(tiny_model):
 
 
 def test_bench_server_libs_runs_with_or_without_the_libraries():
-    data = bench_server_libs.main(["--repeat", "20", "--events", "50"])
+    data = bench_server_libs.main(["--repeat", "20", "--events", "50", "--responses", "20"])
     assert data["validation_us_per_request"]["protocol.py"] > 0
     assert all(row["json_scan"] > 0 for row in data["tool_call_us_per_piece"])
     assert data["sse_us_per_event"]["sse.py"] > 0
+    assert data["sse_us_per_response"] == {"responses": 20, "sse.py": data["sse_us_per_response"]["sse.py"]}
+    assert data["sse_us_per_response"]["sse.py"] > 0
 
 
 def test_bench_lifecycle_times_sleep_and_wake_against_a_fresh_start(tiny_model):

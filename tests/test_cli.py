@@ -96,3 +96,21 @@ def test_serve_a_cached_hub_id_offline(tiny_qwen3, tmp_path):
         r = httpx.post(f"{server.base}/v1/completions", json={"model": "org/tiny", "prompt": "Hi", "max_tokens": 2},
                        timeout=60)
         assert r.status_code == 200, r.text
+
+
+def test_serve_runs_its_event_loop_under_the_serving_gc_thresholds(tiny_qwen3, monkeypatch):
+    """`asyncllm serve` owns its process: uvicorn runs with cli.SERVE_GC_THRESHOLDS (rarer young
+    collections than the interpreter's 700 allocations; docs/BENCHMARKS_ARCHIVE.md, Run Z-CPU)."""
+    import gc
+
+    from asyncllm import cli
+    from asyncllm.server.connections import DrainingServer
+
+    seen = []
+    monkeypatch.setattr(DrainingServer, "run", lambda self: seen.append(gc.get_threshold()))
+    before = gc.get_threshold()
+    try:
+        assert cli.main(["serve", tiny_qwen3, "--num-kvcache-blocks", "16"]) == 0
+    finally:
+        gc.set_threshold(*before)
+    assert seen == [cli.SERVE_GC_THRESHOLDS] and cli.SERVE_GC_THRESHOLDS[0] > before[0], (seen, before)

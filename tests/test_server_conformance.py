@@ -324,6 +324,38 @@ async def test_event_stream_sends_keepalive_comments_while_the_body_waits():
 
 
 @pytest.mark.anyio
+async def test_event_stream_sends_no_keepalive_before_its_status_line_or_after_its_end():
+    """The watcher task sends the comments beside the body: not while the status line or the end is
+    in flight to a slow client (many keep-alive intervals pass in those sends)."""
+    import anyio
+
+    from asyncllm.server import EventStreamResponse
+
+    sent: list[dict] = []
+
+    async def body():
+        yield "data: 1\n\n"
+        await anyio.sleep(0.05)
+        yield "data: 2\n\n"
+
+    async def send(message):
+        if message["type"] == "http.response.start" or not message.get("more_body", False):
+            await anyio.sleep(0.05)  # a slow client: five intervals pass in the status line's and the end's sends
+        sent.append(message)
+
+    async def receive():
+        await anyio.sleep_forever()  # the client never leaves: the response ends its watcher itself
+
+    with anyio.fail_after(30):
+        await EventStreamResponse(body(), keepalive_interval=0.01)({"type": "http"}, receive, send)
+    assert sent[0]["type"] == "http.response.start", sent
+    bodies = [m["body"] for m in sent[1:]]
+    assert bodies[-1] == b"" and not sent[-1]["more_body"], sent
+    assert [b for b in bodies if b != EventStreamResponse.KEEPALIVE] == [b"data: 1\n\n", b"data: 2\n\n", b""]
+    assert EventStreamResponse.KEEPALIVE in bodies  # sent while the body waited between its events
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize("error, logged", [(OSError("the client is gone"), False), (ValueError("a bug"), True)])
 async def test_event_stream_with_keepalive_handles_body_errors_as_without(error, logged, caplog):
     import anyio

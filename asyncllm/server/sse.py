@@ -58,22 +58,22 @@ class EventStreamResponse(StreamingResponse):
         self.keepalive_interval = keepalive_interval
 
     async def __call__(self, scope, receive, send) -> None:
+        # One task group and one task beside the body: the watcher waits for the client to leave and
+        # sends the keep-alive comments. Per request a task group, a task and a cancel (anyio builds
+        # the cancelling task's repr) are tens of microseconds of the event loop's time, and the body
+        # runs in this task, so its sends need no task of their own.
+        self._last_sent = time.monotonic()
+        self._body_sending = True  # until the status line has gone: no comment before it
+        self._keepalive_sent: anyio.Event | None = None  # set when the comment in flight has gone
         try:
             async with anyio.create_task_group() as tasks:
-                async def run_body() -> None:
-                    try:
-                        if self.keepalive_interval is None:
-                            await self.stream_response(send)
-                        else:
-                            await self._stream_with_keepalive(send)
-                    except (OSError, ClientDisconnect):  # the client is gone
-                        pass
-                    except Exception:  # noqa: BLE001 - the status line is sent; nothing to answer with
-                        logger.exception("error while streaming a response")
-                    tasks.cancel_scope.cancel()
-
-                tasks.start_soon(run_body)
-                await self.listen_for_disconnect(receive)
+                tasks.start_soon(self._watch, receive, send, tasks.cancel_scope)
+                try:
+                    await self._send_body(send)
+                except (OSError, ClientDisconnect):  # the client is gone
+                    pass
+                except Exception:  # noqa: BLE001 - the status line is sent; nothing to answer with
+                    logger.exception("error while streaming a response")
                 tasks.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
@@ -83,52 +83,57 @@ class EventStreamResponse(StreamingResponse):
                 if self.on_close is not None:
                     await self.on_close()
 
-    async def _stream_with_keepalive(self, send) -> None:
-        """stream_response, with a KEEPALIVE comment after each keepalive_interval without an event.
-        The body is iterated in this task only; a timer task sends the comments. Both run on one
-        event loop, so plain flags keep their sends apart: no lock, whose acquire would yield to
-        the loop once per chunk of every stream. Times are time.monotonic(), read per chunk: anyio's
-        current_time() asks which async library runs first (sniffio), about a sixth of the event
-        loop's time per chunk under load."""
+    async def _watch(self, receive, send, scope: anyio.CancelScope) -> None:
+        """Until the client goes away (then the response is cancelled): with keepalive_interval, a
+        KEEPALIVE comment after each keepalive_interval without an event. The body and this task
+        run on one event loop, so plain flags keep their sends apart: no lock, whose acquire would
+        yield to the loop once per chunk of every stream. Times are time.monotonic(), read per
+        chunk: anyio's current_time() asks which async library runs first (sniffio), about a sixth
+        of the event loop's time per chunk under load."""
         interval = self.keepalive_interval
-        last_sent = time.monotonic()
-        body_sending = False
-        keepalive_sent: anyio.Event | None = None  # set when the comment in flight has gone
-
-        async def keep_alive() -> None:
-            nonlocal last_sent, keepalive_sent
+        try:
             while True:
-                remaining = last_sent + interval - time.monotonic()
-                if remaining > 0 or body_sending:  # a send held up by a slow client counts as activity
-                    await anyio.sleep(remaining if remaining > 0 else interval)
+                if interval is None:
+                    await await_disconnect(receive)
+                    break
+                remaining = self._last_sent + interval - time.monotonic()
+                if remaining > 0 or self._body_sending:  # a send held up by a slow client counts as activity
+                    with anyio.move_on_after(remaining if remaining > 0 else interval):
+                        await await_disconnect(receive)
+                        break
                     continue
-                keepalive_sent = anyio.Event()
+                self._keepalive_sent = anyio.Event()
                 try:
                     await send({"type": "http.response.body", "body": self.KEEPALIVE, "more_body": True})
-                    last_sent = time.monotonic()
+                    self._last_sent = time.monotonic()
                 finally:
-                    keepalive_sent.set()
-                    keepalive_sent = None
+                    self._keepalive_sent.set()
+                    self._keepalive_sent = None
+        except (OSError, ClientDisconnect):  # the client is gone
+            pass
+        except Exception:  # noqa: BLE001 - as the body's errors: the status line is sent
+            logger.exception("error while streaming a response")
+        scope.cancel()
 
+    async def _send_body(self, send) -> None:
+        """StreamingResponse.stream_response, the body's chunks sent inline (per chunk of every
+        stream: no call of its own), none while a keep-alive comment is in flight."""
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        try:
-            async with anyio.create_task_group() as tasks:
-                tasks.start_soon(keep_alive)
-                charset = self.charset
-                async for chunk in self.body_iterator:  # per chunk of every stream: inline, no call of its own
-                    message = {"type": "http.response.body", "more_body": True,
-                               "body": chunk if isinstance(chunk, (bytes, memoryview)) else chunk.encode(charset)}
-                    while keepalive_sent is not None:
-                        await keepalive_sent.wait()
-                    body_sending = True
-                    await send(message)  # an error ends the task group, and the response with it
-                    body_sending = False
-                    last_sent = time.monotonic()
-                tasks.cancel_scope.cancel()
-        except BaseExceptionGroup as group:  # the task group wraps even one error: raise it as stream_response would
-            if len(group.exceptions) == 1:
-                raise group.exceptions[0] from None
-            raise
+        self._body_sending = False
+        self._last_sent = time.monotonic()
+        charset = self.charset
+        async for chunk in self.body_iterator:
+            message = {"type": "http.response.body", "more_body": True,
+                       "body": chunk if isinstance(chunk, (bytes, memoryview)) else chunk.encode(charset)}
+            while self._keepalive_sent is not None:
+                await self._keepalive_sent.wait()
+            self._body_sending = True
+            await send(message)
+            self._body_sending = False
+            self._last_sent = time.monotonic()
+        while self._keepalive_sent is not None:
+            await self._keepalive_sent.wait()
+        self._body_sending = True  # from here on no comment: nothing may follow the body's end
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
