@@ -364,3 +364,6 @@ class ScriptedProposer:
 
     def release(self, request) -> None:
         pass
+
+    def close(self) -> None:
+        pass
