@@ -1,5 +1,5 @@
-"""FP8 checkpoints load (dequantized at load), Config.quantization="fp8" emulates FP8 weights, and bad
-FP8 files are refused naming the tensor or field.
+"""FP8 checkpoints load with their linear weights kept in FP8, Config.quantization="fp8" quantizes an
+unquantized checkpoint's per output channel, and bad FP8 files are refused naming the tensor or field.
 
 The test makes its own FP8 checkpoints from the tiny random Qwen3 one, quantizing with its own
 block loops (per-block amax / 448, Qwen's and DeepSeek's recipe), and writes beside each the same
@@ -211,14 +211,51 @@ def test_reload_and_wake_read_the_fp8_checkpoint(tiny_qwen3, block_pair, plain_r
     assert_same_run(generate_with_logits(llm, PROMPTS, greedy()), plain_run)
 
 
-# ---- Config.quantization="fp8": an unquantized checkpoint's weights rounded through FP8 --------------
-def test_quantization_fp8_is_the_block_fp8_checkpoint(tiny_qwen3, block_pair, plain_run):
-    emulated = run(tiny_qwen3, quantization="fp8")
-    assert_same_run(emulated, plain_run)
+# ---- FP8 weights kept in FP8 ---------------------------------------------------------------------------
+def linear_layers(llm):
+    from asyncllm.layers.linear import LinearBase
+    model = llm.core.runner.model
+    return {name: module for name, module in model.named_modules()
+            if isinstance(module, LinearBase) and ".layers." in name and not name.endswith("mlp.gate")}
+
+
+@pytest.mark.parametrize("quantization, group_k", [("fp8", None), (None, 128)])
+def test_linear_weights_are_kept_in_fp8_and_their_bytes_halve(tiny_qwen3, block_pair, quantization, group_k):
+    """quantization="fp8": per-row scales; the block checkpoint: a scale per row and 128 columns. The
+    weights and their scales take about half of bf16's bytes."""
+    llm = LLM(tiny_qwen3 if quantization else block_pair[0], **ENGINE_KW, quantization=quantization)
+    layers = linear_layers(llm)
+    assert {name.rsplit(".", 1)[1] for name in layers} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    fp8_bytes = bf16_bytes = 0
+    for name, layer in layers.items():
+        assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale.dtype == torch.float32, name
+        assert layer.group_k == group_k
+        assert layer.weight_scale.shape == (layer.weight.shape[0], 1 if group_k is None else -(
+            -layer.weight.shape[1] // group_k)), name
+        fp8_bytes += layer.weight.nbytes + layer.weight_scale.nbytes
+        bf16_bytes += layer.weight.numel() * 2
+    assert fp8_bytes <= 0.52 * bf16_bytes, (fp8_bytes, bf16_bytes)
+
+
+def test_quantization_fp8_is_its_per_channel_dequantized_copy(tiny_qwen3, tmp_path):
+    """Config(quantization="fp8") on an unquantized checkpoint quantizes each output row with its own
+    scale (amax / 448): the same run as the test's per-channel FP8 rounding, dequantized to float32."""
+    _, plain_dir = write_pair(tiny_qwen3, tmp_path, scheme="channel")
+    quantized = run(tiny_qwen3, quantization="fp8")
+    assert_same_run(quantized, run(plain_dir))
     # and the rounding happened: the unquantized weights give other logits
     original = run(tiny_qwen3)
-    differences = [(a - b).abs().max().item() for la, lb in zip(original[1], emulated[1]) for a, b in zip(la, lb)]
+    differences = [(a - b).abs().max().item() for la, lb in zip(original[1], quantized[1]) for a, b in zip(la, lb)]
     assert max(differences) > 1e-3
+
+
+def test_quantization_fp8_matches_hf_on_the_dequantized_copy(tiny_qwen3, tmp_path):
+    from transformers import AutoModelForCausalLM
+    _, plain_dir = write_pair(tiny_qwen3, tmp_path, scheme="channel")
+    outputs = LLM(tiny_qwen3, **ENGINE_KW, quantization="fp8").generate(PROMPTS, greedy(), use_tqdm=False)
+    model = AutoModelForCausalLM.from_pretrained(plain_dir, dtype=torch.float32).eval()
+    for prompt, out in zip(PROMPTS, outputs):
+        assert out["token_ids"] == hf_greedy(model, prompt)
 
 
 def test_quantization_fp8_on_an_fp8_checkpoint_keeps_its_weights(block_pair, plain_run):
