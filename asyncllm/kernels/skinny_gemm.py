@@ -104,8 +104,10 @@ def _scaled(w, scale_ptrs, group, mask, W_SCALED: tl.constexpr):
     """An FP8 weight tile widened to fp32 and multiplied by its rows' scales for K group `group`
     (scale_ptrs: the rows' scale rows, shaped to broadcast over the tile); any other tile as it is."""
     if W_SCALED:
-        return w.to(tl.float32) * tl.load(scale_ptrs + group, mask=mask, other=0.0)
-    return w
+        tile = w.to(tl.float32) * tl.load(scale_ptrs + group, mask=mask, other=0.0)
+    else:
+        tile = w
+    return tile
 
 
 @triton.jit
@@ -114,9 +116,11 @@ def _tile_dot(w, xt, scale_ptrs, group, mask, W_SCALED: tl.constexpr, UPCAST_DOT
     """w @ x^T for one K tile in fp32; an FP8 tile goes to the MMA in x's dtype (exact) and its sums
     are scaled per row after (one multiply per output, not per weight)."""
     if W_SCALED:
-        part = _dot(w.to(xt.dtype), xt, UPCAST_DOT, PRECISION)
-        return part * tl.load(scale_ptrs + group, mask=mask, other=0.0)[:, None]
-    return _dot(w, xt, UPCAST_DOT, PRECISION)
+        scale = tl.load(scale_ptrs + group, mask=mask, other=0.0)
+        part = _dot(w.to(xt.dtype), xt, UPCAST_DOT, PRECISION) * scale[:, None]
+    else:
+        part = _dot(w, xt, UPCAST_DOT, PRECISION)
+    return part
 
 
 @triton.jit

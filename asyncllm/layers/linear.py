@@ -71,7 +71,7 @@ class LinearBase(nn.Module):
                                    requires_grad=False)
         self.weight_scale = nn.Parameter(torch.empty(out_features, groups, dtype=torch.float32, device=device),
                                          requires_grad=False)
-        self.weight_scale.tp_replicated = groups == 1  # a per-row scale serves every column shard
+        self.weight_scale.tp_replicated = group_k is None  # a per-row scale serves every column shard
         for param in (self.weight, self.weight_scale):
             param.weight_loader = self.weight_loader
             if shards is not None:
