@@ -258,6 +258,43 @@ def test_quantization_fp8_matches_hf_on_the_dequantized_copy(tiny_qwen3, tmp_pat
         assert out["token_ids"] == hf_greedy(model, prompt)
 
 
+def test_reload_of_another_fp8_format_requantizes_into_the_engines_layout(tiny_qwen3, block_pair, tmp_path):
+    """An engine with per-row FP8 scales (quantization="fp8") reloading a 128x128-block checkpoint:
+    its weights dequantized and quantized per row again, so the engine runs as on a per-channel
+    rounding of the block checkpoint's dequantized weights."""
+    llm = LLM(tiny_qwen3, **ENGINE_KW, quantization="fp8")
+    llm.reload(block_pair[0])
+    assert all(layer.group_k is None for layer in linear_layers(llm).values())
+    requantized = generate_with_logits(llm, PROMPTS, greedy())
+    _, plain_dir = write_pair(block_pair[1], tmp_path, scheme="channel")  # the block copy, per row
+    assert_same_run(requantized, run(plain_dir))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the FP8 kernels and torch._scaled_mm")
+@pytest.mark.parametrize("scheme", ["channel", "block"])
+def test_fp8_weights_on_cuda_match_the_dequantized_copy(tokenizer_dir, tmp_path, scheme):
+    """bf16 with CUDA graphs: decode through the weight-only FP8 kernel, prefill through W8A8
+    (per-channel: activations quantized per token) or the dequantizing path (block), against the
+    same weights dequantized to a bf16 checkpoint. Logits compared while the two runs' tokens agree."""
+    from asyncllm.testing import build_tiny_checkpoint
+    src = build_tiny_checkpoint(str(tmp_path / "src"), "qwen3", tokenizer_dir, seed=9, hidden_size=512,
+                                intermediate_size=1536, num_attention_heads=8, num_key_value_heads=4, head_dim=64)
+    fp8_dir, plain_dir = write_pair(src, tmp_path / "pair", scheme=scheme)
+    kwargs = dict(dtype="bfloat16", device="cuda")
+    fp8, plain = run(fp8_dir, **kwargs), run(plain_dir, **kwargs)
+    # activations in e4m3 (W8A8) move logits by a few percent of their range; bf16 rounding alone, less
+    bound = 0.08 if scheme == "channel" else 0.03
+    compared = 0
+    for tokens_a, tokens_b, logits_a, logits_b in zip(fp8[0], plain[0], fp8[1], plain[1]):
+        for step, (a, b) in enumerate(zip(logits_a, logits_b)):
+            assert (a - b).abs().max() <= bound * b.abs().max(), (scheme, step)
+            compared += 1
+            if tokens_a[step] != tokens_b[step]:
+                break
+    assert compared >= len(PROMPTS)
+
+
 def test_quantization_fp8_on_an_fp8_checkpoint_keeps_its_weights(block_pair, plain_run):
     assert_same_run(run(block_pair[0], quantization="fp8"), plain_run)
 
