@@ -354,3 +354,20 @@ def test_bad_fp8_files_are_refused(block_pair, tmp_path, label, change, config, 
         edit_config(fp8_dir, **config)
     with pytest.raises(ValueError, match=expected):
         LLM(fp8_dir, **ENGINE_KW)
+
+
+def test_row_parallel_shard_of_partial_scale_groups_is_refused(monkeypatch):
+    """A row-parallel shard must hold whole 128-column scale groups (its scales are cut between
+    them); per-row scales fit any split."""
+    from asyncllm.layers import linear
+    monkeypatch.setattr(linear, "get_tp_size", lambda: 2)
+    monkeypatch.setattr(linear, "get_tp_rank", lambda: 0)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 splits 400 input columns into 200 per rank, not a "
+                                         r"multiple of the FP8 weights' 128-column scale blocks"):
+        linear.RowParallelLinear(400, 64).keep_fp8(128)
+    layer = linear.RowParallelLinear(400, 64)
+    layer.keep_fp8(None)
+    assert layer.weight.shape == (64, 200) and layer.weight_scale.shape == (64, 1)
+    layer = linear.RowParallelLinear(512, 64)
+    layer.keep_fp8(128)
+    assert layer.weight_scale.shape == (64, 2)
