@@ -14,7 +14,7 @@ Three paths, by the rows of x:
   candidate (no timing against cuBLAS: the alternative would first dequantize the whole matrix).
   The MLP's down projection takes the gated form (silu(gate) * up on load) in the FMA loop's
   tilings, the unfused pair in the dot loop's (where the gated form is mostly slower in bf16).
-- more rows on CUDA with per-channel scales (sm_89+): W8A8 through torch._scaled_mm, x quantized
+- more rows on CUDA with per-channel scales (sm_89+, bf16): W8A8 through torch._scaled_mm, x quantized
   per token (row) to e4m3 with a dynamic scale (amax / 448), the product scaled by both rows'
   scales in fp32. Block-wise groups are a scale per K group, which a row-wise scaled GEMM cannot
   apply: those dequantize.
@@ -110,7 +110,8 @@ def _kernel_choice(x: torch.Tensor, weight: torch.Tensor, group_k: int | None):
 
 
 def _scaled_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    if _scaled_mm_broken or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
+    # bf16 only: row-wise scaled _scaled_mm outputs bf16 (an fp16 model dequantizes)
+    if _scaled_mm_broken or not x.is_cuda or x.dtype != torch.bfloat16:
         return False
     n, k = weight.shape
     return n % 16 == 0 and k % 16 == 0 and torch.cuda.get_device_capability(x.device) >= (8, 9)
