@@ -44,11 +44,18 @@ def quantize_rows(weight: torch.Tensor, group_k: int | None) -> tuple[torch.Tens
     rows, cols = weight.shape
     group = cols if group_k is None else group_k
     groups = -(-cols // group)
-    padded = torch.zeros(rows, groups * group, dtype=torch.float32, device=weight.device)
-    padded[:, :cols] = weight.to(torch.float32)
-    amax = padded.view(rows, groups, group).abs().amax(dim=-1)
+    weight = weight.to(torch.float32)
+    if cols % group == 0:  # whole groups: views, no padded copy
+        amax = weight.view(rows, groups, group).abs().amax(dim=-1)
+    else:
+        padded = torch.zeros(rows, groups * group, dtype=torch.float32, device=weight.device)
+        padded[:, :cols] = weight
+        amax = padded.view(rows, groups, group).abs().amax(dim=-1)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    quantized = weight.to(torch.float32) / _per_column(scale, group, cols)
+    if cols % group == 0:
+        quantized = (weight.view(rows, groups, group) / scale[:, :, None]).view(rows, cols)
+    else:
+        quantized = weight / _per_column(scale, group, cols)
     return quantized.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 

@@ -186,18 +186,19 @@ def weight_layout(config) -> Fp8Layout | None:
     return fp8_layout(config.hf_config, config.quantization, os.path.join(config.model, "config.json"))
 
 
-def checkpoint_weights(config, layout: Fp8Layout | None = _UNSET, weights: Iterable[tuple] | None = None
-                       ) -> Iterator[tuple[str, torch.Tensor, str]]:
+def checkpoint_weights(config, layout: Fp8Layout | None = _UNSET, weights: Iterable[tuple] | None = None,
+                       device: torch.device | None = None) -> Iterator[tuple[str, torch.Tensor, str]]:
     """What load_weights takes for a resolved Config's checkpoint (or the given weights in its stead)
     into a model of `layout` (default: the one this config builds): with an FP8 layout, the dense linear
-    weights in FP8 with their row scales; without, FP8 weights dequantized to float32 (models/fp8.py)."""
+    weights in FP8 with their row scales (quantized on `device`, the model's, where they must be); without,
+    FP8 weights dequantized to float32 (models/fp8.py)."""
     if weights is None:
         weights = iter_safetensors(config.model)
     fmt = fp8_format(config.hf_config, os.path.join(config.model, "config.json"))
     if layout is _UNSET:
         layout = weight_layout(config)
     if layout is not None:
-        return resident_fp8(weights, fmt, layout)
+        return resident_fp8(weights, fmt, layout, device)
     return dequantized(weights, fmt) if fmt is not None else weights
 
 

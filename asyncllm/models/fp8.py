@@ -123,11 +123,14 @@ def dequantized(weights: Iterable[tuple], fmt: Fp8Format) -> Iterator[tuple]:
         yield (name, tensor if scale is None else dequantize(tensor, scale, fmt.block), *source)
 
 
-def resident_fp8(weights: Iterable[tuple], fmt: Fp8Format | None, layout: Fp8Layout) -> Iterator[tuple]:
+def resident_fp8(weights: Iterable[tuple], fmt: Fp8Format | None, layout: Fp8Layout,
+                 device: torch.device | None = None) -> Iterator[tuple]:
     """What an engine with an FP8 layout loads: each weight keeps_fp8 names as (name, float8_e4m3fn,
     *file) and (name + "_scale", float32 (rows, groups), *file); an FP8 checkpoint's bytes as they are
     where its groups are the layout's, else (reload() of another format) dequantized and quantized
-    again. The other FP8 weights dequantized, an unquantized checkpoint's experts rounded through FP8."""
+    again. The other FP8 weights dequantized, an unquantized checkpoint's experts rounded through FP8.
+    device: where weights are quantized (the model's: an 8B checkpoint's passes over float32 copies take
+    tens of seconds on a CPU)."""
     same_groups = fmt is not None and (fmt.block[1] if fmt.block else None) == layout.group_k
     for name, tensor, scale, *source in _paired(weights, fmt) if fmt is not None else \
             ((name, tensor, None, *source) for name, tensor, *source in weights):
@@ -136,7 +139,8 @@ def resident_fp8(weights: Iterable[tuple], fmt: Fp8Format | None, layout: Fp8Lay
                 quantized, row_scale = tensor, _row_scales(scale, fmt.block, tensor.shape[0])
             else:
                 weight = tensor if scale is None else dequantize(tensor, scale, fmt.block)
-                quantized, row_scale = quantize_rows(weight, layout.group_k)
+                quantized, row_scale = quantize_rows(weight.to(device) if device is not None else weight,
+                                                     layout.group_k)
             yield (name, quantized, *source)
             yield (name + "_scale", row_scale, *source)
         elif scale is not None:

@@ -88,7 +88,7 @@ class ModelRunner(RunnerMemory):
                 if self.weight_layout is not None:
                     keep_linear_weights_fp8(self.model, self.weight_layout)
         with phase(LOAD_WEIGHTS):
-            load_weights(self.model, checkpoint_weights(config, weights=weights))
+            load_weights(self.model, checkpoint_weights(config, weights=weights, device=self.device))
             self.model.eval()
         with phase(SAMPLER):
             # the CPU path's noise for unseeded rows, the engine's own (the process's generator is the
