@@ -1,0 +1,140 @@
+"""Host time of one new turn over a long cached history, stage by stage (issue 44).
+
+    python benchmarks/bench_turn_host.py [--contexts 1024,32768] [--new-tokens 64] [--reps 7] [--profile]
+
+On the tiny model (CPU), through EngineCore as LLM drives it: one --contexts[i]-token prompt is
+prefilled (so the prefix cache holds it), then --reps times the same prompt + --new-tokens new
+random ids, max_tokens=1 (the first token is the whole request). Each stage is timed by wrapping
+the engine's own functions (median over reps, ms):
+
+  intake     encode_prompt + check_request (validation, the token-id list)
+  add        add_checked_request (the Sequence)
+  schedule   Scheduler.schedule, of which match_prefix (hashing the cached blocks) is shown apart
+  plan       plan_step (StepPlan)
+  inputs     ModelRunner.build_inputs (numpy arrays, block table, slot mapping)
+  model      the forward itself (the model's compute: not host work, shown to subtract)
+  rest       the rest of the step: launch/sampling/commit (commit_computed hashing)/resolve/events/free
+  host       everything but model
+
+What grows from the short to the long context is host work that is O(context).
+--profile prints cProfile's top functions of one long-context turn.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import random
+import statistics
+import tempfile
+import time
+from contextlib import contextmanager
+
+import asyncllm.engine.core as engine_core
+from asyncllm import LLM, SamplingParams
+from asyncllm.testing import build_tiny_checkpoint
+
+STAGES = ("intake", "add", "schedule", "match_prefix", "plan", "inputs", "model", "rest", "host", "total")
+
+
+class StageTimer:
+    """Seconds per stage of the current turn, from wrappers put around the engine's functions."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def wrap(self, owner, name: str, stage: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+        setattr(owner, name, timed)
+
+    @contextmanager
+    def stage(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+def instrument(llm: LLM) -> StageTimer:
+    timer = StageTimer()
+    core = llm.core
+    timer.wrap(core.scheduler, "schedule", "schedule")
+    timer.wrap(core.block_manager, "match_prefix", "match_prefix")
+    timer.wrap(engine_core, "plan_step", "plan")
+    timer.wrap(core.runner, "build_inputs", "inputs")
+    timer.wrap(core.runner, "_forward", "model")
+    return timer
+
+
+def one_turn(llm: LLM, timer: StageTimer, prompt: list[int]) -> dict[str, float]:
+    core = llm.core
+    timer.seconds = {}
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    start = time.perf_counter()
+    with timer.stage("intake"):
+        token_ids = core.encode_prompt(prompt)
+        checked = core.check_request(token_ids, params)
+    with timer.stage("add"):
+        seq = core.add_checked_request(token_ids, checked)
+    while not seq.request_finished:
+        core.step()
+    core.drain()
+    total = time.perf_counter() - start
+    s = timer.seconds
+    assert seq.num_cached_prompt_tokens >= len(prompt) - 1 - llm.core.block_manager.block_size - 64, \
+        f"the prefix cache served {seq.num_cached_prompt_tokens} of {len(prompt)} tokens"
+    stages = {name: s.get(name, 0.0) for name in ("intake", "add", "schedule", "match_prefix", "plan", "inputs",
+                                                   "model")}
+    stages["total"] = total
+    stages["host"] = total - stages["model"]
+    stages["rest"] = stages["host"] - sum(stages[k] for k in ("intake", "add", "schedule", "plan", "inputs"))
+    return stages
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--contexts", default="1024,32768", help="comma-separated cached context lengths")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", action="store_true", help="cProfile one turn at the longest context")
+    args = parser.parse_args(argv)
+    contexts = [int(c) for c in args.contexts.split(",") if c]
+    max_len = max(contexts) + args.new_tokens + 8
+    rng = random.Random(args.seed)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_tiny_checkpoint(tmp, vocab_size=4096, max_position_embeddings=max(max_len, 4096))
+        llm = LLM(model_dir, device="cpu", max_model_len=max_len, max_num_batched_tokens=4096,
+                  enable_prefix_caching=True)
+        timer = instrument(llm)
+        for context_len in contexts:
+            context = [rng.randrange(10, 4000) for _ in range(context_len)]
+            llm.generate([context], SamplingParams(max_tokens=1))  # prefilled once: cached from now on
+            turns = [one_turn(llm, timer, context + [rng.randrange(10, 4000) for _ in range(args.new_tokens)])
+                     for _ in range(args.reps)]
+            results[context_len] = {k: statistics.median(t[k] for t in turns) * 1e3 for k in STAGES}
+            if args.profile and context_len == max(contexts):
+                profiler = cProfile.Profile()
+                profiler.enable()
+                one_turn(llm, timer, context + [rng.randrange(10, 4000) for _ in range(args.new_tokens)])
+                profiler.disable()
+                pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+        llm.close()
+    print(f"host ms per stage of a {args.new_tokens}-token turn over a cached context (tiny model, CPU, "
+          f"median of {args.reps})\n")
+    print("| stage | " + " | ".join(f"{c} cached" for c in contexts) + " |")
+    print("|---|" + "---:|" * len(contexts))
+    for stage in STAGES:
+        print(f"| {stage} | " + " | ".join(f"{results[c][stage]:.3f}" for c in contexts) + " |")
+    return results
+
+
+if __name__ == "__main__":
+    main()
