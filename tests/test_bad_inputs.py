@@ -145,6 +145,11 @@ BAD_INPUTS: list[Bad] = [
     Bad(GEN, "prompts=[[1, nan]]", dict(prompts=[[1, float("nan")]]), TypeError, "prompts[0][1]", "int"),
     Bad(GEN, "prompts=[[True]]", dict(prompts=[[True]]), TypeError, "prompts[0][0]", "int"),
     Bad(GEN, "prompts=[[1, -1]]", dict(prompts=[[1, -1]]), ValueError, "prompts[0][1]", "vocabulary"),
+    # past the first entries: the check's fast path over the whole list must still name the one bad entry
+    Bad(GEN, "prompts=[[1] * 300 + [True, 2]]", dict(prompts=[[1] * 300 + [True, 2]]), TypeError, "prompts[0][300]",
+        "int"),
+    Bad(GEN, f"prompts=[[2] * 300 + [{VOCAB}, 1]]", dict(prompts=[[2] * 300 + [VOCAB, 1]]), ValueError,
+        "prompts[0][300]", "vocabulary"),
     Bad(GEN, f"prompts=[[1, {VOCAB}]] (= vocab_size)", dict(prompts=[[1, VOCAB]]), ValueError, "prompts[0][1]",
         "vocabulary"),
     Bad(GEN, "prompts=[[1, 10**30]]", dict(prompts=[[1, 10**30]]), ValueError, "prompts[0][1]", "vocabulary"),

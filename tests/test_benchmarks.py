@@ -33,6 +33,7 @@ import bench_startup  # noqa: E402
 import bench_spec  # noqa: E402
 import bench_step_phases  # noqa: E402
 import bench_throughput  # noqa: E402
+import bench_turn_host  # noqa: E402
 from common import make_checkpoint  # noqa: E402
 
 
@@ -286,3 +287,13 @@ def test_bench_spec_runs_every_mode_in_its_process_with_the_same_text(tiny_model
     # the draft is the target: every proposal accepted; random weights: (almost) none
     assert by_mode[("draft", 1)]["acceptance_rate"] >= 0.9
     assert by_mode[("random-draft", 1)]["acceptance_rate"] <= 0.3
+
+
+def test_bench_turn_host_times_every_stage_of_a_cached_turn():
+    # it raises unless the prefix cache served each turn's context (its full blocks)
+    results = bench_turn_host.main(["--contexts", "300,600", "--new-tokens", "16", "--reps", "2"])
+    assert list(results) == [300, 600]
+    for stages in results.values():
+        assert list(stages) == list(bench_turn_host.STAGES)
+        assert all(stages[name] > 0 for name in ("intake", "schedule", "match_prefix", "inputs", "model", "host"))
+        assert stages["match_prefix"] <= stages["schedule"] and stages["host"] <= stages["total"]

@@ -15,12 +15,11 @@ import xxhash
 from asyncllm.engine.sequence import Sequence
 
 
-def hash_block(token_ids: list[int] | np.ndarray, prefix_hash: int) -> int:
-    """The chained hash of a block's token ids (a list, or a contiguous int64 array: equal hashes)."""
+def hash_block(token_ids: list[int], prefix_hash: int) -> int:
     h = xxhash.xxh64()
     if prefix_hash != -1:
         h.update(prefix_hash.to_bytes(8, "little"))
-    h.update(np.ascontiguousarray(token_ids, dtype=np.int64))
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
     return h.intdigest()
 
 
@@ -81,19 +80,13 @@ class BlockManager:
         assert not seq.block_table and seq.num_computed_tokens == 0
         if not self.enable_prefix_caching:
             return
-        bs = self.block_size
-        num_matchable = (len(seq) - 1) // bs
-        # the matchable prefix as one array, made in one pass: per-block lists to numpy cost ~10x
-        # as much on a long history
-        prefix = np.array(seq.token_ids[:num_matchable * bs], dtype=np.int64)
+        num_matchable = (len(seq) - 1) // self.block_size
         prefix_hash = -1
         for block_index in range(num_matchable):
-            prefix_hash = hash_block(prefix[block_index * bs:(block_index + 1) * bs], prefix_hash)
-            block_id = self.hash_to_block_id.get(prefix_hash)
-            if block_id is None:
-                break
             token_ids = seq.block_tokens(block_index)
-            if self.blocks[block_id].token_ids != token_ids:  # a hash collision
+            prefix_hash = hash_block(token_ids, prefix_hash)
+            block_id = self.hash_to_block_id.get(prefix_hash)
+            if block_id is None or self.blocks[block_id].token_ids != token_ids:
                 break
             self._share_block(block_id)
             seq.block_table.append(block_id)
