@@ -45,9 +45,12 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 fi
-# site.addsitedir (not PYTHONPATH) so the .pth files of carried packages (cutlass for FA4) apply
+# site.addsitedir (not PYTHONPATH) so the .pth files of carried packages (cutlass for FA4) apply; then
+# /tmp/site first on sys.path, so a carried package wins over the image's own (transformers 5.20 over
+# 5.17, whose chat template cannot encode special-token text: bench_spec failed on it in run AA)
 mkdir -p /tmp/asyncllm-site
-echo "import site; site.addsitedir('/tmp/site')" > /tmp/asyncllm-site/sitecustomize.py
+echo "import site, sys; site.addsitedir('/tmp/site'); sys.path.remove('/tmp/site'); sys.path.insert(0, '/tmp/site')" \
+  > /tmp/asyncllm-site/sitecustomize.py
 export PYTHONPATH="$PWD:/tmp/asyncllm-site:${PYTHONPATH:-}"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 python3 -c "import flash_attn.cute; print('FlashAttention-4: available')" 2>/dev/null || echo "FlashAttention-4: not installed"
