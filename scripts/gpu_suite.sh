@@ -77,14 +77,14 @@ fi
 # tests took 560 s; the kernel files with test_moe/test_decode_staging 430 s): tests1, tests2, tests3
 late_engine_tests="close or sleep or reload or two_engines or start_up_cache or new_turn or constrained or bad_words or speculative"
 case "$mode" in
-  tests|all) test_files="tests/test_kernels.py tests/test_fp8_kv_kernels.py tests/test_sampling_filters.py
+  tests|all) test_files="tests/test_kernels.py tests/test_fp8_kv_kernels.py tests/test_fp8_weight_kernels.py tests/test_fp8_loading.py tests/test_sampling_filters.py
                          tests/test_fused_moe.py tests/test_gpu.py tests/test_fp8_kv.py tests/test_decode_staging.py
                          tests/test_gpu_tp.py"; part_select="" ;;
   tests1) test_files="tests/test_gpu.py"; part_select="not ($late_engine_tests)" ;;
   tests2) test_files="tests/test_gpu.py tests/test_fp8_kv.py tests/test_decode_staging.py tests/test_gpu_tp.py"
           part_select="($late_engine_tests) or test_fp8_kv or test_decode_staging or test_gpu_tp" ;;
-  tests3) test_files="tests/test_kernels.py tests/test_fp8_kv_kernels.py tests/test_sampling_filters.py
-                      tests/test_fused_moe.py"; part_select="" ;;
+  tests3) test_files="tests/test_kernels.py tests/test_fp8_kv_kernels.py tests/test_fp8_weight_kernels.py
+                      tests/test_fp8_loading.py tests/test_sampling_filters.py tests/test_fused_moe.py"; part_select="" ;;
   *) test_files="" ;;
 esac
 if [ -n "$test_files" ]; then
