@@ -18,11 +18,14 @@ processes, as host work that does the same every time is)
   host       everything but model
 
 What grows from the short to the long context is host work that is O(context).
---profile prints cProfile's top functions of one long-context turn.
+--profile prints cProfile's top functions of one long-context turn. --async-path adds a row: the
+same turns through AsyncLLMEngine.stream, TTFT minus the forward (its intake on the event loop,
+the engine thread's hand-offs and the first token's delivery included).
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import cProfile
 import pstats
 import random
@@ -33,7 +36,7 @@ from contextlib import contextmanager
 import torch
 
 import asyncllm.engine.core as engine_core
-from asyncllm import LLM, SamplingParams
+from asyncllm import LLM, AsyncLLMEngine, SamplingParams
 from asyncllm.testing import build_tiny_checkpoint
 
 STAGES = ("intake", "add", "schedule", "match_prefix", "plan", "inputs", "model", "rest", "host", "total")
@@ -100,6 +103,33 @@ def one_turn(llm: LLM, timer: StageTimer, prompt: list[int], num_cached: int) ->
     return stages
 
 
+async def async_host_ms(model_dir: str, contexts: list[int], args, max_len: int) -> dict[int, float]:
+    """Per context: the best TTFT minus forward time (ms) of --reps turns through AsyncLLMEngine.stream."""
+    rng = random.Random(args.seed + 1)
+    best = {}
+    async with AsyncLLMEngine(model_dir, device="cpu", max_model_len=max_len, max_num_batched_tokens=4096) as engine:
+        timer = StageTimer()
+        timer.wrap(engine._engine_thread.core.runner, "_forward", "model")
+        threads = torch.get_num_threads()
+        for context_len in contexts:
+            context = [rng.randrange(10, 4000) for _ in range(context_len)]
+            torch.set_num_threads(threads)
+            await engine.generate(context, SamplingParams(max_tokens=1))
+            torch.set_num_threads(1)
+            host = []
+            for _ in range(args.reps):
+                prompt = context + [rng.randrange(10, 4000) for _ in range(args.new_tokens)]
+                timer.seconds = {}
+                start = time.perf_counter()
+                ttft = None
+                async for out in engine.stream(prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)):
+                    if out.token_ids and ttft is None:
+                        ttft = time.perf_counter() - start
+                host.append(ttft - timer.seconds.get("model", 0.0))
+            best[context_len] = min(host) * 1e3
+    return best
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", default="1024,32768", help="comma-separated cached context lengths")
@@ -107,6 +137,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", action="store_true", help="cProfile one turn at the longest context")
+    parser.add_argument("--async-path", action="store_true", help="also through AsyncLLMEngine.stream")
     args = parser.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",") if c]
     max_len = max(contexts) + args.new_tokens + 8
@@ -137,11 +168,14 @@ def main(argv=None) -> dict:
                 profiler.disable()
                 pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
         llm.close()
+        if args.async_path:
+            for context_len, ms in asyncio.run(async_host_ms(model_dir, contexts, args, max_len)).items():
+                results[context_len]["async_host"] = ms
     print(f"host ms per stage of a {args.new_tokens}-token turn over a cached context (tiny model, CPU, best "
           f"of {args.reps})\n")
     print("| stage | " + " | ".join(f"{c} cached" for c in contexts) + " |")
     print("|---|" + "---:|" * len(contexts))
-    for stage in STAGES:
+    for stage in STAGES + (("async_host",) if args.async_path else ()):
         print(f"| {stage} | " + " | ".join(f"{results[c][stage]:.3f}" for c in contexts) + " |")
     return results
 
