@@ -84,8 +84,13 @@ class RemoteStream(StreamBase):
                 raise
             finally:
                 self._waiter = None
+        item = self._items.popleft()
+        if len(item) == 4:  # text and tokens only (engine_link's short item)
+            _, text, token_ids, index = item
+            self._sequences[index].token_ids.extend(token_ids)
+            return StreamOutput(self.request_id, text, token_ids, None, index)
         _, error, text, token_ids, finish_reason, index, logprobs, stop_reason, prompt_logprobs, reasoning, \
-            metrics = self._items.popleft()
+            metrics = item
         if error is not None:
             self._end(FinishReason.ABORT)
             raise error
@@ -185,7 +190,7 @@ class EngineClient:
                 for item in message[1]:
                     stream = streams.get(item[0])
                     if stream is not None:
-                        if item[1] is not None:
+                        if len(item) > 4 and item[1] is not None:
                             item[1] = error_in(item[1])
                         stream.deliver(item)
             elif kind == "stats":

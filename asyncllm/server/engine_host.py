@@ -113,6 +113,10 @@ class FrontendLink:
                     lambda: engine.stream(prompt_token_ids, params, request_id=request_id))
             async with stream:
                 async for out in stream:
+                    if out.finish_reason is None and out.logprobs is None and out.reasoning is None \
+                            and out.prompt_logprobs is None:  # most of a stream: the short item
+                        self.put((request_id, out.text, out.token_ids, out.index))
+                        continue
                     metrics = None
                     if out.finish_reason is not None and stream.metrics is not None:
                         metrics = tuple(vars(stream.metrics).values())

@@ -14,8 +14,9 @@ the tuples inside arrive as lists):
   engine -> front-end: ["starting", phase] while the engine starts; ["ready", max_seq_len, engine.stats()]
                        once; ["out", [item, ...]] -- every stream's new outputs of one engine step together;
                        ["stats", engine.stats()]; ["dead", message]; ["reply", call_id, value, error_out(error)]
-An out item is [request_id, error_out(error), text, token_ids, finish_reason, index, logprobs, stop_reason,
-prompt_logprobs, reasoning, metrics]; logprobs as [token_id, logprob, rank, top_ids, top_logprobs]
+An out item is [request_id, text, token_ids, index] while a sequence has only text and tokens to send
+(most of a stream: a short item is a third cheaper to encode), else [request_id, error_out(error), text,
+token_ids, finish_reason, index, logprobs, stop_reason, prompt_logprobs, reasoning, metrics]; logprobs as [token_id, logprob, rank, top_ids, top_logprobs]
 (their texts are decoded by the front-end's own tokenizer); metrics, with a request's last item,
 RequestMetrics' fields.
 """
