@@ -69,9 +69,14 @@ def prompts(num: int, seed: int) -> list[list[int]]:
 
 
 def assert_draft_blocks_free(llm: LLM) -> None:
-    proposer = llm.core.speculation.proposer
+    assert_proposer_blocks_free(llm.core.speculation.proposer)
+
+
+def assert_proposer_blocks_free(proposer: DraftModelProposer) -> None:
     assert proposer._held == {}
-    assert sorted(proposer.free_blocks) == list(range(proposer.num_total_blocks))
+    manager = proposer.block_manager
+    assert manager.num_free_blocks == proposer.num_total_blocks
+    assert all(block.ref_count == 0 for block in manager.blocks)
 
 
 def run(llm: LLM, prompt_list, params) -> list[list[int]]:
@@ -188,7 +193,7 @@ def test_a_row_without_draft_blocks_just_does_not_speculate(engines):
     proposer.release("short")
     assert proposer.propose([DraftRow(tokens, K, "fresh")])[0] == again
     proposer.release("fresh")
-    assert sorted(proposer.free_blocks) == list(range(total))
+    assert_proposer_blocks_free(proposer)
 
 
 def test_bad_draft_configs_are_refused_naming_the_field(target, tmp_path, tokenizer_dir):

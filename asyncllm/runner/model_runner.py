@@ -322,7 +322,8 @@ class ModelRunner(RunnerMemory):
             counts = np.array(plan.rows_per_request, dtype=np.int64)
             draft_ids, first_rows = upload_arrays([np.array(plan.draft_token_ids, dtype=np.int64),
                                                    np.repeat(np.cumsum(counts) - counts, counts)], self.device)
-            sampler = functools.partial(self.rejection_sampler, draft_ids=draft_ids, first_rows=first_rows)
+            sampler = functools.partial(self.rejection_sampler, draft_ids=draft_ids, first_rows=first_rows,
+                                        draft_probs=plan.draft_probs)
         if constraints is None:
             output = self.sample(logits, sampling) if sampler is self.sampler else sampler(logits, sampling)
             return LaunchedStep(plan, output, logprob_ks, prompt_logprobs, stream=stream, pooling=pooling)
