@@ -206,10 +206,10 @@ class DraftModelProposer:
         if row.request is None or needed_tokens > self.max_len:
             return None
         state = self._held.get(row.request)
-        if state is None:
+        is_new = state is None
+        if is_new:
             state = self._held[row.request] = DraftKV(row.token_ids, self.block_size)
             self.block_manager.match_prefix(state)
-            self.num_prefix_hit_tokens += state.num_computed_tokens
         state.token_ids = row.token_ids
         valid = state.num_computed_tokens
         # the drafts fed last time that the target accepted keep their KV; the last token is always fed
@@ -221,9 +221,11 @@ class DraftModelProposer:
         state.num_computed_tokens, state.fed = min(valid, length - 1), []
         needed_blocks = state.num_blocks_for(needed_tokens)
         if needed_blocks - len(state.block_table) > self.block_manager.num_free_blocks:
-            if not state.block_table:
+            if is_new:  # its prefix's blocks go back: it matches again when it has room
                 self.release(row.request)
             return None
+        if is_new:
+            self.num_prefix_hit_tokens += state.num_computed_tokens
         if needed_blocks > len(state.block_table):
             self.block_manager.allocate(state, needed_tokens - state.num_computed_tokens)
         else:  # rolled back: blocks only rejected drafts used
