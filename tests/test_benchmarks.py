@@ -287,8 +287,9 @@ def test_bench_spec_runs_every_mode_in_its_process_with_the_same_text(tiny_model
 def test_bench_spec_sampled_draft_accepts_nearly_every_draft(tiny_model):
     """--temperature 1: the draft (the target itself) draws from its own q = p, so nearly every draft
     is accepted (point proposals would get p(argmax), ~0 on the tiny model); no text comparison."""
-    data = bench_spec.main(["--model-dir", tiny_model, "--device", "cpu", "--batches", "1", "--output-len", "12",
+    # batches 1 and 2: max_num_seqs is 2, so batch 1's row has logits rows to spare for drafts
+    data = bench_spec.main(["--model-dir", tiny_model, "--device", "cpu", "--batches", "1,2", "--output-len", "12",
                             "--reps", "1", "--modes", "plain,draft", "--temperature", "1.0"])
     rows = rows_without_errors(data)
-    assert [row["mode"] for row in rows] == ["plain", "draft"]
-    assert rows[1]["acceptance_rate"] >= 0.9 and "same_text" not in rows[1]
+    assert [(row["mode"], row["batch"]) for row in rows] == [("plain", 1), ("plain", 2), ("draft", 1), ("draft", 2)]
+    assert rows[2]["acceptance_rate"] >= 0.9 and "same_text" not in rows[2]
