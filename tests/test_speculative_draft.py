@@ -2,8 +2,11 @@
 plain engine: the draft equal to the target (every proposal accepted: the mechanism's ceiling), a
 random draft of the same vocabulary (almost none accepted), sampled runs reproducible by seed, and
 every target and draft KV block free after prefix hits, chunked prefill, preemption and cancellation.
-The sampled distribution's exactness is the rejection sampler's (tests/test_speculative.py): a
-draft model's greedy proposals are point masses, as prompt lookup's are.
+A greedy request's drafts are point masses, as prompt lookup's are (their exactness: the rejection
+sampler's tests in tests/test_speculative.py); a sampled request's are drawn from the draft's own q and
+verified against it: chi-square tests below, with acceptance against point proposals. The draft's
+prefix cache: a new turn over a cached prefix, and every draft block free after finishes, aborts and
+preemptions over shared prefixes.
 """
 from __future__ import annotations
 
@@ -128,8 +131,7 @@ def test_random_draft_keeps_greedy_output_with_few_accepted(engines):
 def test_sampled_runs_reproduce_by_seed(engines):
     spec = engines("same")
     batch = prompts(4, seed=3)
-    # temperature 1 on the tiny random model's flat logits (its argmax ~0.5%) accepts almost nothing;
-    # a low temperature accepts often: both sides of the rejection sampler run
+    # the draft (the target) samples its drafts from q = p at both temperatures: nearly all accepted
     params = [SamplingParams(temperature=1.0 if i < 2 else 0.05, seed=100 + i, max_tokens=30, ignore_eos=True)
               for i in range(4)]
     before = spec.core.stats()
