@@ -319,31 +319,26 @@ def test_cancellation_mid_run_frees_every_block(engines):
 
 def test_a_steps_logits_rows_stay_within_max_num_seqs(repeating_model, engines, monkeypatch):
     """The sampler's memory is sized for max_num_seqs rows: drafts are cut to keep a step's logits
-    rows (sampling rows + drafts) within it, and never proposed past it (a draft model's forwards)."""
+    rows (sampling rows + drafts) within it."""
     llm = LLM(repeating_model, speculative_config=NGRAM, max_num_seqs=3, **ROOMY)
     rows, launch = [], llm.core.runner.launch
-    asked, proposer = [], llm.core.speculation.proposer
 
     def recording_launch(plan, *args, **kwargs):
         rows.append(len(plan.logits_indices))
         return launch(plan, *args, **kwargs)
+    monkeypatch.setattr(llm.core.runner, "launch", recording_launch)
+    proposer, proposed = llm.core.speculation.proposer, []
 
     def recording_propose(draft_rows):
-        decoding = sum(len(seq.token_ids) - seq.num_computed_tokens == 1 for seq in llm.core.scheduler.running)
-        asked.append((decoding, sum(row.max_tokens for row in draft_rows)))
-        return type(proposer).propose(proposer, draft_rows)
-    monkeypatch.setattr(llm.core.runner, "launch", recording_launch)
+        drafts = type(proposer).propose(proposer, draft_rows)
+        proposed.append(sum(len(d or ()) for d in drafts))
+        return drafts
     monkeypatch.setattr(proposer, "propose", recording_propose)
     batch = prompts(2, seed=14)
     assert ids(run(llm, batch, GREEDY)) == ids(run(engines("repeating", "roomy", False), batch, GREEDY))
     assert max(rows) == 3 and accepted(llm) > 0  # drafts, cut to one beside a second row
-    assert (2, 1) in asked and all(decoding + num_drafts <= 3 for decoding, num_drafts in asked)
-    # as many decodes as max_num_seqs: none is asked to propose
-    asked.clear()
-    llm.generate(prompts(3, seed=15), GREEDY, use_tqdm=False)
-    assert all(decoding + num_drafts <= 3 for decoding, num_drafts in asked)
-    assert not any(decoding == 3 for decoding, _ in asked)
-    llm.core.close()
+    # only drafts that fit are proposed (a draft model's forwards are not spent on drafts then cut)
+    assert sum(proposed) == llm.core.stats()["spec_draft_tokens"], proposed
 
 
 def test_speculation_is_off_for_large_batches_and_pauses_where_drafts_fail(engines):

@@ -84,11 +84,11 @@ def make_proposer(config: Config, tokenizer) -> Proposer:
 
 class Speculation:
     def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_logits_rows: int):
-        """max_logits_rows: the most logits rows a step samples (Config.max_num_seqs, the rows the
-        memory probe sized the sampler for): its decodes' rows, then drafts while they fit."""
         self.num_speculative_tokens = config.num_speculative_tokens
-        self.max_logits_rows = max_logits_rows
         self.proposer = proposer
+        # a step's logits rows (one per sampling row, one per draft) stay within this (the scheduler's
+        # cap, max_num_seqs): drafts past it would be proposed, then cut, never verified
+        self.max_logits_rows = max_logits_rows
         self._drafted: list[Sequence] = []  # the sequences given drafts by the last draft()
         # the sequences the proposer may keep something for: released when they end or are preempted
         self._proposed_for: set[Sequence] = set()
@@ -110,20 +110,15 @@ class Speculation:
         if len(ready) > MAX_SPECULATING_DECODES:
             return False
         wanting = [seq for seq in ready if step >= seq.drafts_paused_until and _may_speculate(seq)]
-        # the logits rows left once every decode samples its own: more drafts the scheduler would cut
-        # (Scheduler._cap_drafts, from the last rows), so they are never proposed (a draft model's forwards)
-        budget = self.max_logits_rows - len(ready)
-        rows, seqs, serial = [], [], False
+        rows, seqs = [], []
+        logits_room = self.max_logits_rows - len(ready)
         for seq in wanting:
             room = seq.max_len - len(seq.token_ids) - 1  # every token it may still take, after the bonus one
-            k = min(room, budget, math.ceil(self.num_speculative_tokens * seq.draft_acceptance))
-            if k <= 0:
-                continue
-            serial = True  # it speculates, or will once its last token is known
-            if seq.token_ids[-1] != PENDING_TOKEN:
+            k = min(room, logits_room, math.ceil(self.num_speculative_tokens * seq.draft_acceptance))
+            if k > 0 and seq.token_ids[-1] != PENDING_TOKEN:
                 rows.append(DraftRow(seq.token_ids, k, seq, seq.params, seq.num_prompt_tokens))
                 seqs.append(seq)
-                budget -= k
+                logits_room -= k
         self._proposed_for.update(seqs)
         for seq, drafts in zip(seqs, self.proposer.propose(rows) if rows else ()):
             if drafts:
@@ -133,7 +128,8 @@ class Speculation:
             elif drafts is not None:  # nothing to propose counts as nothing accepted: one that never matches pauses
                 self._learn(seq, 0.0, step)
             # None: the proposer could not this step (a draft model's KV blocks ran out); nothing learnt
-        return serial
+        # no room for drafts (the step's rows alone fill max_num_seqs): nothing waits for this step's tokens
+        return bool(wanting) and self.max_logits_rows > len(ready)
 
     def release(self, seq: Sequence) -> None:
         """seq has ended or was preempted: the proposer drops what it kept for it."""
