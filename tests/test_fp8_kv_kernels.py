@@ -225,13 +225,15 @@ def test_prefill_split_kv_over_fp8_cache():
     assert_close(run_split(step, 5, 1, kv_scales=SCALES), reference(step))
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 5])
-@pytest.mark.parametrize("own_rotary", [True, False])
-def test_decode_with_rope_over_fp8_cache(monkeypatch, num_splits, own_rotary):
+@pytest.mark.parametrize("num_splits,own_rotary,rotate", [
+    *((splits, own, False) for splits in (1, 2, 5) for own in (True, False)), (2, True, True)])
+def test_decode_with_rope_over_fp8_cache(monkeypatch, num_splits, own_rotary, rotate):
     """paged_attention given the fused projection and a DecodeRope over an FP8 cache: the decode
     kernel's own rotary + store (small grid) or the rotary kernel's store then the decode. Either
     way the cache gets the quantized row the reference store writes, and the output is the
-    reference's over that cache: the new row is attended as stored, not at full precision."""
+    reference's over that cache: the new row is attended as stored, not at full precision. With
+    rope.rotate (Config.kv_cache_rotation) the small grid too takes the rotary kernel, which rotates
+    q and k (test_qk_norm_rope_rotates_q_and_k_by_hadamard)."""
     attention_mod = importlib.import_module("asyncllm.kernels.paged_attention")
     monkeypatch.setattr(attention_mod, "FIRST_TILE_EARLY_PROGRAMS_PER_SM", 10 ** 6 if own_rotary else 0)
     num_heads, num_kv_heads, head_dim, block_size = 8, 2, 64, 16
@@ -246,7 +248,8 @@ def test_decode_with_rope_over_fp8_cache(monkeypatch, num_splits, own_rotary):
     weights = [(1 + 0.5 * torch.randn(head_dim, device=DEVICE)).to(DTYPE) for _ in range(2)]
     cos_sin = RotaryEmbedding(head_dim, 4096, 1e6).to(DEVICE).cos_sin_cache
 
-    rotated = qk_norm_rope_(qkv.clone(), positions, cos_sin, num_heads, num_kv_heads, head_dim, *weights)
+    rotated = qk_norm_rope_(qkv.clone(), positions, cos_sin, num_heads, num_kv_heads, head_dim, *weights,
+                            rotate=rotate)
     ref_step = dict(step, q=rotated[:, :num_heads * head_dim].view(3, num_heads, head_dim),
                     k_cache=step["k_cache"].clone(), v_cache=step["v_cache"].clone())
     k = rotated[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(3, num_kv_heads, head_dim)
@@ -255,7 +258,7 @@ def test_decode_with_rope_over_fp8_cache(monkeypatch, num_splits, own_rotary):
 
     k_cache, v_cache = step["k_cache"].clone(), step["v_cache"].clone()
     out = torch.full((3, num_heads, head_dim), float("nan"), dtype=DTYPE, device=DEVICE)
-    rope = DecodeRope(num_heads, positions, cos_sin, slots, *weights)
+    rope = DecodeRope(num_heads, positions, cos_sin, slots, *weights, rotate=rotate)
     attention_mod.paged_attention(qkv.clone(), k_cache, v_cache, step["query_start_loc"], step["seq_lens"],
                                   step["block_tables"], 1, 300, head_dim ** -0.5, out=out, num_splits=num_splits,
                                   rope=rope, kv_scales=SCALES)
