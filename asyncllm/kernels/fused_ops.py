@@ -8,7 +8,8 @@ at batch 1 those launches, not the weights, set the time per token. These cut a 
   the weight multiply; the residual sum rounded to the input dtype before normalising).
 - silu_and_mul: silu(gate) * up over a (..., 2 * N) input, gate first, in one pass.
 - qk_norm_rope_: Qwen3's per-head q/k RMSNorm and then rotary, in place on the fused qkv
-  projection, all q and k heads of a token per program, rounding where the PyTorch modules round.
+  projection, all q and k heads of a token per program, rounding where the PyTorch modules round;
+  for an FP8 cache also the q/k Hadamard rotation (hadamard_halves, Config.kv_cache_rotation).
 Each saves the intermediate tensors' round trips through memory. All launch with programmatic
 dependent launch where kernels/pdl.py allows it.
 """

@@ -76,7 +76,6 @@ PREFILL_PROGRAMS_PER_SM = 2
 PREFILL_MAX_GRID_PER_SM = 32
 
 
-
 # ----------------------------------------------------------------------------- device helpers
 
 @triton.jit
