@@ -85,7 +85,8 @@ def random_draft(model_dir: str, out_dir: str) -> str:
 
 def run_mode(args) -> list[dict]:
     """One mode's rows, in this process."""
-    options = dict(device=args.device, max_num_seqs=max(args.batches), enable_prefix_caching=False)
+    # room for every row's drafts: a step's logits rows (one a row, one a draft) stay within max_num_seqs
+    options = dict(device=args.device, max_num_seqs=max(args.batches) * (args.k + 1), enable_prefix_caching=False)
     if args.mode == "ngram":
         options["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.k,
                                          "prompt_lookup_min": args.lookup[0], "prompt_lookup_max": args.lookup[1]}

@@ -117,9 +117,13 @@ def test_bench_delivery_counts_every_token():
     assert all(row["us_per_token"] > 0 for row in rows)
 
 
-def test_bench_latency_runs_greedy_and_sampled(tiny_model):
+@pytest.mark.parametrize("extra", [[], ["--quantization", "fp8"]])
+def test_bench_latency_runs_greedy_and_sampled(tiny_model, extra, monkeypatch):
+    built, real_llm = [], bench_latency.LLM
+    monkeypatch.setattr(bench_latency, "LLM", lambda *args, **kwargs: built.append(kwargs) or real_llm(*args, **kwargs))
     data = bench_latency.main(["--model-dir", tiny_model, "--device", "cpu", "--ttft-prompt-lens", "16", "--reps",
-                               "1", "--tpot-tokens", "2", "--tpot-prompt-len", "16", "--tpot-reps", "1"])
+                               "1", "--tpot-tokens", "2", "--tpot-prompt-len", "16", "--tpot-reps", "1", *extra])
+    assert built and all(kwargs["quantization"] == (extra[1] if extra else None) for kwargs in built)
     rows = rows_without_errors(data)
     assert {(row["metric"], row.get("temperature")) for row in rows} >= {
         ("TPOT", 0.0), ("TPOT", 0.6), ("TPOT (stream)", 0.0), ("TPOT (stream)", 0.6)}

@@ -12,7 +12,11 @@ most 1/16 of itself and by about 1/16 / sqrt(3) ~ 3.6 % (RMS) on uniform roundin
 are weighted sums of many such values, whose independent errors partly cancel, and they join a
 residual stream that carries the unquantized token's own state, so the logits move less than that
 RMS (about 1.5-2 % relative L2 measured here). 5 % leaves room; a kernel that read the wrong scale, the
-wrong position or an unwritten slot moves them by tens of percent.
+wrong position or an unwritten slot moves them by tens of percent. The GPU test's wider model (GPU_SHAPE:
+hidden 1024, 16 heads of 128, prompts of up to 600 tokens) moves more: there the FP8 cache alone (the
+torch path, emulated on CPU, 8 of its prompts) moves the first step's logits by up to 6.4 % in float32
+and 7.2 % in bf16, and the Triton kernels on an H100 by 5.0-8.6 % (2026-12-06): FP8_GPU_LOGITS_RTOL,
+15 %, bounds that shape. The kernels' exact quantization is checked in test_fp8_kv_kernels.py.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from asyncllm.cli import build_parser
 from helpers import assert_all_blocks_free, assert_greedy_runs_match, generate_with_logits, random_prompts
 
 FP8_LOGITS_RTOL = 0.05  # module docstring
+FP8_GPU_LOGITS_RTOL = 0.15  # module docstring: GPU_SHAPE's own FP8 rounding is 6-9 %
 # two FP8 runs that schedule differently (chunks, prefix hits, recomputation after preemption) compute
 # K/V in other batch shapes: they agree to ~5e-7 here, and fp32 rounding could at worst move a value
 # across an e4m3 rounding boundary (one step of one element, ~1e-4 of the logits); a misread or
@@ -188,7 +193,7 @@ def gpu_model(tmp_path_factory):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the Triton backend's FP8 cache)")
 def test_gpu_bf16_fp8_cache_with_cuda_graphs(gpu_model):
     """bf16 with an FP8 cache against bf16 with its own, both on the Triton backend with CUDA graphs
-    (decode and mixed steps replayed): logits within FP8_LOGITS_RTOL, greedy tokens mostly equal, and
+    (decode and mixed steps replayed): logits within FP8_GPU_LOGITS_RTOL, greedy tokens mostly equal, and
     twice the KV blocks at the same gpu_memory_utilization (the same probe's budget over half the
     bytes a block; the two probes' activation peaks may differ by a little)."""
     prompts = random_prompts(16, seed=3, lo=5, hi=600)
@@ -203,7 +208,7 @@ def test_gpu_bf16_fp8_cache_with_cuda_graphs(gpu_model):
         blocks[kv] = llm.core.runner.num_kvcache_blocks
         assert_all_blocks_free(llm)
         llm.close()
-    stats = assert_greedy_runs_match(runs["auto"], runs["fp8"], FP8_LOGITS_RTOL)
+    stats = assert_greedy_runs_match(runs["auto"], runs["fp8"], FP8_GPU_LOGITS_RTOL)
     # greedy mostly equal: on average the runs agree for at least half their 64 tokens (a divergence
     # is a near-tie of the bf16 run, which assert_greedy_runs_match checked; after it they part)
     assert sum(stats["first_divergences"]) >= 0.5 * 64 * len(prompts), stats["summary"]

@@ -80,9 +80,12 @@ def make_proposer(config: Config, tokenizer) -> Proposer:
 
 
 class Speculation:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer):
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_logits_rows: int):
         self.num_speculative_tokens = config.num_speculative_tokens
         self.proposer = proposer
+        # a step's logits rows (one per sampling row, one per draft) stay within this (the scheduler's
+        # cap, max_num_seqs): drafts past it would be proposed, then cut, never verified
+        self.max_logits_rows = max_logits_rows
         self._drafted: list[Sequence] = []  # the sequences given drafts by the last draft()
         # the sequences the proposer may keep something for: released when they end or are preempted
         self._proposed_for: set[Sequence] = set()
@@ -105,12 +108,14 @@ class Speculation:
             return False
         wanting = [seq for seq in ready if step >= seq.drafts_paused_until and _may_speculate(seq)]
         rows, seqs = [], []
+        logits_room = self.max_logits_rows - len(ready)
         for seq in wanting:
             room = seq.max_len - len(seq.token_ids) - 1  # every token it may still take, after the bonus one
-            k = min(room, math.ceil(self.num_speculative_tokens * seq.draft_acceptance))
+            k = min(room, logits_room, math.ceil(self.num_speculative_tokens * seq.draft_acceptance))
             if k > 0 and seq.token_ids[-1] != PENDING_TOKEN:
                 rows.append(DraftRow(seq.token_ids, k, seq))
                 seqs.append(seq)
+                logits_room -= k
         self._proposed_for.update(seqs)
         for seq, drafts in zip(seqs, self.proposer.propose(rows) if rows else ()):
             if drafts:
@@ -119,7 +124,8 @@ class Speculation:
             elif drafts is not None:  # nothing to propose counts as nothing accepted: one that never matches pauses
                 self._learn(seq, 0.0, step)
             # None: the proposer could not this step (a draft model's KV blocks ran out); nothing learnt
-        return bool(wanting)
+        # no room for drafts (the step's rows alone fill max_num_seqs): nothing waits for this step's tokens
+        return bool(wanting) and self.max_logits_rows > len(ready)
 
     def release(self, seq: Sequence) -> None:
         """seq has ended or was preempted: the proposer drops what it kept for it."""

@@ -22,7 +22,8 @@ from asyncllm.layers import skinny_linear
 from asyncllm.layers.device_wide import DEVICE_WIDE
 from asyncllm.layers.rejection_sampler import RejectionSampler
 from asyncllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors, gather_logprobs
-from asyncllm.models.checkpoint import checkpoint_weights, load_weights
+from asyncllm.models.checkpoint import checkpoint_weights, load_weights, weight_layout
+from asyncllm.models.fp8 import keep_linear_weights_fp8
 from asyncllm.models.registry import create_model
 from asyncllm.runner.launched_step import LaunchedStep
 from asyncllm.runner.memory import RunnerMemory
@@ -83,8 +84,11 @@ class ModelRunner(RunnerMemory):
         with phase(BUILD_MODEL):
             with torch.device(self.device):
                 self.model = create_model(hf, max_model_len=config.max_model_len, dtype=self.dtype)
+                self.weight_layout = weight_layout(config)  # FP8 linear weights, or None
+                if self.weight_layout is not None:
+                    keep_linear_weights_fp8(self.model, self.weight_layout)
         with phase(LOAD_WEIGHTS):
-            load_weights(self.model, weights if weights is not None else checkpoint_weights(config))
+            load_weights(self.model, checkpoint_weights(config, weights=weights, device=self.device))
             self.model.eval()
         with phase(SAMPLER):
             # the CPU path's noise for unseeded rows, the engine's own (the process's generator is the
