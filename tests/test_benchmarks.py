@@ -64,8 +64,10 @@ def test_bench_fp8_quality_compares_every_configuration_with_bf16(tiny_model):
     assert all(row["tokens"] == 40 for row in rows.values())
     assert rows["bf16"]["mean_kl"] == 0.0 and rows["bf16"]["top1_agreement"] == 1.0
     # each FP8 configuration changes the distributions (its KL is no rounding-free zero), and bounds them
-    for name in ("weights FP8", "KV FP8", "weights + KV FP8"):
+    for name in ("weights FP8", "KV FP8 unrotated", "KV FP8", "weights + KV FP8"):
         assert 0.0 < rows[name]["mean_kl"] < 1.0 and rows[name]["perplexity"] > 1.0, rows[name]
+        assert 0.0 <= rows[name]["top1_settled"] <= 1.0, rows[name]  # over the positions bf16 and float32 agree on
+    assert rows["float32"]["top1_settled"] == 1.0 and rows["bf16"]["top1_settled"] is None
 
 
 def test_bench_embed_reports_every_row_of_each_pooling(tiny_model):

@@ -141,7 +141,8 @@ class ModelRunner(RunnerMemory):
             self.config.attention_backend, self.device,
             k_caches=list(kv_cache[0].unbind(0)), v_caches=list(kv_cache[1].unbind(0)),
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            scale=self.head_dim ** -0.5)
+            scale=self.head_dim ** -0.5,
+            rotate_qk=self.config.kv_cache_dtype == "fp8" and self.config.kv_cache_rotation)
 
     def _synthetic_step(self, num_prompts: int, prompt_len: int, num_decodes: int = 0,
                         context: int = 0) -> ForwardBatch:

@@ -64,7 +64,8 @@ def draft_config(target: Config, max_rows: int) -> Config:
                     num_kvcache_blocks=1, cpu_kvcache_bytes=target.cpu_kvcache_bytes,
                     dtype=str(target.torch_dtype).removeprefix("torch."), device=target.device,
                     enable_prefix_caching=target.enable_prefix_caching, attention_backend=target.attention_backend,
-                    seed=target.seed, kv_cache_dtype=target.kv_cache_dtype, overlap_scheduling=False)
+                    seed=target.seed, kv_cache_dtype=target.kv_cache_dtype, kv_cache_rotation=target.kv_cache_rotation,
+                    overlap_scheduling=False)
     try:
         resolve_config(config)
     except Exception as e:  # noqa: BLE001 - a missing or broken config.json: the draft's, so named as such
