@@ -72,6 +72,9 @@ class StepPlan:
     # row verifies (-1: none, a row's last position), and (R,) each request's count of sampling rows
     draft_token_ids: list[int] | None = None
     rows_per_request: list[int] | None = None
+    # the drafts drawn from a distribution q (a draft model's, for a sampled request): (the request's
+    # first sampling row, (k, V) float32 device tensor: q at each of its k drafts); () when none
+    draft_probs: list[tuple[int, object]] | tuple = ()
     # the engine's own record of the step (its SchedulerOutput), handed back with the launched step
     # so the engine resolves it; the runner never reads it
     engine_step: object = None
