@@ -183,7 +183,7 @@ def generate_with_logits(llm, prompts: list[list[int]], params) -> tuple[list[li
 
     def capturing_launch(plan, prev, **kwargs):
         # before the launch, a sequence's length counts the token this step samples from these logits
-        rows = plan.sampling_requests
+        rows = [item.seq for item in plan.engine_step.scheduled if item.samples]  # one row each (no drafts)
 
         def capture(logits, sampling):
             for row, seq in enumerate(rows):
