@@ -83,7 +83,8 @@ def test_penalties_match_the_reference_across_steps():
     for step in range(6):
         logits = torch.randn(len(seqs), V) * 3
         plan = sampling_plan(inputs, seqs)
-        tensors, _ = inputs.build(plan)
+        arrays = inputs.plan(plan)
+        tensors = inputs.tensors(arrays, [torch.from_numpy(a) for a in arrays.arrays.values()])
         adjusted = adjust(tensors.adjustments, logits)
         torch.testing.assert_close(adjusted, reference_adjust(logits, seqs))
         assert torch.equal(adjusted[2], logits[2])
@@ -91,7 +92,7 @@ def test_penalties_match_the_reference_across_steps():
         assert torch.equal(sampled, adjusted.argmax(-1))
         for seq, token in zip(seqs, sampled.tolist()):
             seq.token_ids.append(token)
-        inputs.table.recorded(inputs.table.launched(plan, inputs.table.rows(plan.sampling_ids)), plan,
+        inputs.table.recorded(inputs.table.launched(plan, arrays.rows, arrays.flags, arrays.any_flags), plan,
                               sampled.tolist(), None)  # the runner's tokens, as a step's result is read
     assert inputs.token_counts.capacity >= 5 and len(inputs.token_counts.free_slots) == inputs.token_counts.capacity - 5
     for seq in seqs:
@@ -195,7 +196,8 @@ def test_bad_word_hanging_on_the_token_in_flight_is_banned_on_the_device(pending
     prev_sampled = torch.tensor(values[::-1], dtype=torch.int64)  # seq i's pending token is values[i]
     inputs = SamplingInputs(V, torch.device("cpu"))
     previous = sampling_plan(inputs, seqs[::-1])  # the step in flight samples seq i at row 2 - i
-    inputs.table.launched(previous, inputs.table.rows(previous.sampling_ids))
+    arrays = inputs.plan(previous)
+    inputs.table.launched(previous, arrays.rows, arrays.flags, arrays.any_flags)
     assert [inputs.table.entries[seq.uid].token_ids for seq in seqs] == [[1, 2, 3]] * 3  # known values only
     tensors, _ = build(seqs, prev_sampled, inputs)
     adjusted = adjust(tensors.adjustments, torch.zeros(3, V))

@@ -27,9 +27,9 @@ from asyncllm.models.registry import create_model
 from asyncllm.runner.launched_step import LaunchedStep
 from asyncllm.runner.memory import RunnerMemory
 from asyncllm.runner.pooling import StepPooling
-from asyncllm.runner.request_table import speculative_positions
+from asyncllm.runner.request_table import GRAMMAR, speculative_positions
 from asyncllm.runner.sampler_graphs import SamplerGraphs
-from asyncllm.runner.sampling_inputs import SamplingInputs
+from asyncllm.runner.sampling_inputs import SamplingInputs, SamplingPlan
 from asyncllm.runner.step_inputs import StepInputs, synthetic_step_inputs
 from asyncllm.runner.step_bitmask import StepBitmasks
 from asyncllm.runner.tp_protocol import agree_on_min
@@ -233,13 +233,10 @@ class ModelRunner(RunnerMemory):
         A request the table never had (it never sampled) is ignored."""
         self.sampling_inputs.release(request)
 
-    def _constraints(self, plan: StepPlan, rows: np.ndarray, compiler) -> StepConstraints | None:
-        """The step's rows held to a grammar, from the request table (rows: the sampling rows' table
-        rows); None when none is (the sampler then builds no mask)."""
-        table = self.sampling_inputs.table
-        constrained = np.flatnonzero(table.constrained[rows]).tolist()
-        if not constrained:
-            return None
+    def _constraints(self, plan: StepPlan, sampling_plan: SamplingPlan, compiler) -> StepConstraints:
+        """The step's rows held to a grammar (some are), from the request table."""
+        table, rows = self.sampling_inputs.table, sampling_plan.rows
+        constrained = np.flatnonzero(sampling_plan.flags & GRAMMAR).tolist()
         positions = None if plan.rows_per_request is None else speculative_positions(plan.rows_per_request)
         states, catch_ups, drafts = [], [], []
         for row in constrained:
@@ -303,9 +300,12 @@ class ModelRunner(RunnerMemory):
         if len(pending_at):
             assert prev is not None, "a pending token without the step that samples it"
         # the sampling settings are ready before the forward: they travel in the step's one copy
-        sampling_plan, table_rows = self.sampling_inputs.plan(plan)
-        constraints = None if grammar_compiler is None else self._constraints(plan, table_rows, grammar_compiler)
-        step_number = table.launched(plan, table_rows)  # from here its rows' next tokens are in flight
+        sampling_plan = self.sampling_inputs.plan(plan)
+        constraints = None
+        if grammar_compiler is not None and sampling_plan.any_flags & GRAMMAR:
+            constraints = self._constraints(plan, sampling_plan, grammar_compiler)
+        # from here the rows' next tokens are in flight
+        launched_rows = table.launched(plan, sampling_plan.rows, sampling_plan.flags, sampling_plan.any_flags)
         sampling_arrays = list(sampling_plan.arrays.values())
         prev_sampled = None if prev is None else prev.sampled
         pooling = None if pooling_plan is None else StepPooling(pooling_plan, self.device)
@@ -355,7 +355,7 @@ class ModelRunner(RunnerMemory):
         if constraints is None:
             output = self.sample(logits, sampling) if sampler is self.sampler else sampler(logits, sampling)
             return LaunchedStep(plan, output, logprob_ks, prompt_logprobs, stream=stream, pooling=pooling,
-                                table=table, step_number=step_number)
+                                table=table, launched_rows=launched_rows)
         # constrained rows: advance their matchers here (it may wait for prev's ids), then fill the
         # bitmask on a worker thread (xgrammar releases the GIL) while this thread resolves prev and
         # plans the next step; the sampling is queued once the next step needs it
@@ -367,7 +367,7 @@ class ModelRunner(RunnerMemory):
             sampling.mask_rows, sampling.token_bitmask = upload_bitmask()
             return sampler(logits, sampling)
         return LaunchedStep(plan, None, logprob_ks, prompt_logprobs, sample=sample, stream=stream,
-                            pooling=pooling, table=table, step_number=step_number)
+                            pooling=pooling, table=table, launched_rows=launched_rows)
 
     def sample(self, logits: torch.Tensor, sampling: SamplingTensors) -> SamplerOutput:
         """Queue the sampling of a step's logits, just computed: the sampler graph over the forward

@@ -14,21 +14,42 @@ import numpy as np
 
 from asyncllm.step_plan import RequestSampling, StepPlan
 
+# a row's flags (RequestTable.flags), each a question a step asks of its rows at once (an OR over them)
+RANDOM = 1  # samples with temperature > 0
+SEEDED = 2  # ... with a seed
+TOP_K = 4  # ... with top-k (likewise top-p, min-p): a greedy row's filters change nothing
+TOP_P = 8
+MIN_P = 16
+ADJUSTS = 32  # penalties, biases, bans or allowed ids
+LOGPROBS = 64  # asks for log-probabilities
+GRAMMAR = 128  # held to a grammar
+# its sampling reads its history (its tokens, or their count): the table tracks its tokens in
+# flight and appends its results; a row without it costs the table nothing per step
+HISTORY = 256
+
 # the numpy columns, by name: (dtype, the value of a row no request holds)
-_COLUMNS = dict(temperature=(np.float32, 0.0), top_k=(np.int64, 0), top_p=(np.float32, 1.0),
-                min_p=(np.float32, 0.0), logprobs=(np.int64, -1), samples_randomly=(bool, False),
-                uses_top_k=(bool, False), uses_top_p=(bool, False), uses_min_p=(bool, False), seeded=(bool, False),
-                adjusts=(bool, False), needs_extras=(bool, False), constrained=(bool, False),
-                pending_row=(np.int64, -1), pending_step=(np.int64, -1))
+_COLUMNS = dict(flags=(np.int64, 0), temperature=(np.float32, 0.0), top_k=(np.int64, 0), top_p=(np.float32, 1.0),
+                min_p=(np.float32, 0.0), logprobs=(np.int64, -1), pending_row=(np.int64, -1),
+                pending_step=(np.int64, -1))
+
+
+def request_flags(s: RequestSampling) -> int:
+    """The request's flags (the constants above)."""
+    randomly = s.temperature > 0
+    flags = (RANDOM * randomly | SEEDED * (randomly and s.seed is not None) | TOP_K * (randomly and s.top_k > 0)
+             | TOP_P * (randomly and s.top_p < 1.0) | MIN_P * (randomly and s.min_p > 0)
+             | ADJUSTS * s.adjusts_logits | LOGPROBS * (s.logprobs is not None) | GRAMMAR * (s.grammar is not None))
+    return flags | HISTORY * bool(flags & (SEEDED | ADJUSTS | GRAMMAR))
 
 
 class RequestEntry:
-    """One request's row: its settings, and its tokens as far as the runner has read its steps."""
+    """One request's row: its settings, and (HISTORY) its tokens as far as the runner has read its
+    steps; a request without HISTORY keeps the tokens it was added with."""
     __slots__ = ("settings", "token_ids", "row", "penalty_slot")
 
     def __init__(self, settings: RequestSampling, row: int):
         self.settings = settings
-        self.token_ids = list(settings.token_ids)  # the runner's own list: results are appended to it
+        self.token_ids = list(settings.token_ids)  # the runner's own list: (HISTORY) results are appended to it
         self.row = row
         self.penalty_slot = -1  # its TokenCounts slot, from its first step that applies penalties
 
@@ -69,15 +90,10 @@ class RequestTable:
         self.row_of[settings.request] = row
         self.entries[settings.request] = RequestEntry(settings, row)
         s = settings
-        samples_randomly = s.temperature > 0
-        for name, value in (("temperature", s.temperature), ("top_k", s.top_k if s.top_k > 0 else self.vocab_size),
-                            ("top_p", s.top_p), ("min_p", s.min_p),
-                            ("logprobs", -1 if s.logprobs is None else s.logprobs),
-                            ("samples_randomly", samples_randomly), ("uses_top_k", s.top_k > 0),
-                            ("uses_top_p", s.top_p < 1.0), ("uses_min_p", s.min_p > 0),
-                            ("seeded", s.seed is not None), ("adjusts", s.adjusts_logits),
-                            ("needs_extras", s.adjusts_logits or s.logprobs is not None),
-                            ("constrained", s.grammar is not None), ("pending_row", -1), ("pending_step", -1)):
+        for name, value in (("flags", request_flags(s)), ("temperature", s.temperature),
+                            ("top_k", s.top_k if s.top_k > 0 else self.vocab_size), ("top_p", s.top_p),
+                            ("min_p", s.min_p), ("logprobs", -1 if s.logprobs is None else s.logprobs),
+                            ("pending_row", -1), ("pending_step", -1)):
             getattr(self, name)[row] = value
 
     def remove(self, request: int) -> RequestEntry | None:
@@ -99,53 +115,66 @@ class RequestTable:
 
     def rows(self, request_ids: list[int]) -> np.ndarray:
         """The table rows of the given requests, in order."""
-        return np.fromiter(map(self.row_of.__getitem__, request_ids), dtype=np.int64, count=len(request_ids))
+        row_of = self.row_of
+        return np.array([row_of[request] for request in request_ids], dtype=np.int64)
 
     def num_generated(self, row: int, entry: RequestEntry) -> int:
-        """The completion token the request samples next is its number num_generated (its token in
-        flight, if any, counted)."""
+        """(HISTORY) The completion token the request samples next is its number num_generated (its
+        token in flight, if any, counted)."""
         return len(entry.token_ids) - entry.settings.num_prompt_tokens + (self.pending_row[row] >= 0)
 
-    def launched(self, plan: StepPlan, rows: np.ndarray) -> int:
-        """plan's step is launched (rows: its sampling rows' table rows): each request's next token
-        is in flight, at its (first) sampling row. Returns the step's number, for recorded()."""
+    def launched(self, plan: StepPlan, rows: np.ndarray, flags: np.ndarray, any_flags: int) -> tuple[int, list]:
+        """plan's step is launched (rows, flags: its sampling rows' table rows and flags; any_flags:
+        their OR): the next token of each request with HISTORY is in flight, at its (first) sampling
+        row. Returns what recorded() takes: the step's number and those requests' (row, key)."""
         self.num_launched += 1
-        if plan.rows_per_request is None:
-            firsts = np.arange(len(rows))
-        else:  # a speculating request's positions: its first row (the step is read before the next launch)
-            counts = np.array(plan.rows_per_request, dtype=np.int64)
-            firsts = np.cumsum(counts) - counts
-        self.pending_row[rows[firsts]] = firsts
-        self.pending_step[rows[firsts]] = self.num_launched
-        return self.num_launched
+        if not any_flags & HISTORY:
+            return self.num_launched, []
+        tracked = np.flatnonzero(flags & HISTORY)
+        if plan.rows_per_request is not None:  # a speculating request's positions: its first row
+            tracked = tracked[speculative_positions(plan.rows_per_request)[tracked] == 0]
+        self.pending_row[rows[tracked]] = tracked
+        self.pending_step[rows[tracked]] = self.num_launched
+        return self.num_launched, [(row, plan.sampling_ids[row]) for row in tracked.tolist()]
 
-    def recorded(self, step: int, plan: StepPlan, token_ids: list[int], num_per_row: list[int] | None) -> None:
-        """Step number step's results are read: each request's tokens join its own, and its token in
-        flight is known, unless a later step samples another. Requests ended meanwhile are skipped."""
+    def recorded(self, launched: tuple[int, list], plan: StepPlan, token_ids: list[int],
+                 num_per_row: list[int] | None) -> None:
+        """A step's results are read (launched: what launched() returned): each tracked request's
+        tokens join its own, and its token in flight is known, unless a later step samples another.
+        Requests ended meanwhile are skipped."""
+        step, tracked = launched
+        if not tracked:
+            return
+        if num_per_row is not None:  # a speculating step: each request's kept tokens, by its first row
+            counts = np.array(num_per_row, dtype=np.int64)
+            first_token = dict(zip(speculative_firsts(plan.rows_per_request).tolist(),
+                                   zip((np.cumsum(counts) - counts).tolist(), num_per_row)))
         entries, row_of, pending_row, pending_step = self.entries, self.row_of, self.pending_row, self.pending_step
-        if num_per_row is None:
-            requests, tokens = plan.sampling_ids, [[token] for token in token_ids]
-        else:
-            requests, tokens, first, at = [], [], 0, 0
-            for count, num_rows in zip(num_per_row, plan.rows_per_request):
-                requests.append(plan.sampling_ids[first])
-                tokens.append(token_ids[at:at + count])
-                first, at = first + num_rows, at + count
-        for request, new_ids in zip(requests, tokens):
+        for row, request in tracked:
             entry = entries.get(request)
             if entry is None:
                 continue
-            entry.token_ids.extend(new_ids)
-            row = row_of[request]
-            if pending_step[row] == step:
-                pending_row[row] = pending_step[row] = -1
+            if num_per_row is None:
+                entry.token_ids.append(token_ids[row])
+            else:
+                at, count = first_token[row]
+                entry.token_ids.extend(token_ids[at:at + count])
+            table_row = row_of[request]
+            if pending_step[table_row] == step:
+                pending_row[table_row] = pending_step[table_row] = -1
+
+
+def speculative_firsts(rows_per_request: list[int]) -> np.ndarray:
+    """Each request's first sampling row in a speculating step."""
+    counts = np.array(rows_per_request, dtype=np.int64)
+    return np.cumsum(counts) - counts
 
 
 def speculative_positions(rows_per_request: list[int]) -> np.ndarray:
     """Each sampling row's position j within its request's rows (a speculating request's rows take
     their first j drafts as generated)."""
     counts = np.array(rows_per_request, dtype=np.int64)
-    return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.arange(int(counts.sum())) - np.repeat(speculative_firsts(rows_per_request), counts)
 
 
 def banned_token_ids(table: RequestTable, row: int, entry: RequestEntry, drafts: list[int]

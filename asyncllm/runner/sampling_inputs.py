@@ -17,7 +17,8 @@ import torch
 from asyncllm.layers.logits_adjustments import LogitsAdjustments, TokenCounts
 from asyncllm.layers.sampler import SamplingTensors, noise_key
 from asyncllm.runner.host_upload import upload_arrays
-from asyncllm.runner.request_table import RequestTable, banned_token_ids, speculative_positions
+from asyncllm.runner.request_table import (ADJUSTS, GRAMMAR, LOGPROBS, MIN_P, RANDOM, SEEDED, TOP_K, TOP_P,
+                                           RequestTable, banned_token_ids, speculative_positions)
 from asyncllm.step_plan import StepPlan
 
 
@@ -29,6 +30,9 @@ class SamplingPlan:
     seeded_rows: list[tuple[int, int]]  # (row, noise key) of the rows with a seed
     adjusts: bool = False  # some row adjusts its logits
     logprob_ks: list[int] | None = None  # per row: the top-k it asked for, -1 none; None: no row asked
+    rows: np.ndarray | None = None  # each sampling row's table row (RequestTable)
+    flags: np.ndarray | None = None  # and its flags (request_table's constants), and their OR
+    any_flags: int = 0
 
 
 class SamplingInputs:
@@ -47,47 +51,48 @@ class SamplingInputs:
         self.token_counts = TokenCounts(self.vocab_size, self.device)
         self._temporary_slots = []
 
-    def plan(self, plan: StepPlan) -> tuple[SamplingPlan, np.ndarray]:
+    def plan(self, plan: StepPlan) -> SamplingPlan:
         """The step's sampling settings as host arrays (the runner sends them in the step's one copy),
-        gathered from the table's columns by its sampling rows' table rows (returned too)."""
+        gathered from the table's columns by its sampling rows' table rows."""
         if self._temporary_slots:  # the step that read them is queued: a reuse's writes come after it
             for slot in self._temporary_slots:
                 self.token_counts.release(slot)
             self._temporary_slots = []
         table = self.table
         rows = table.rows(plan.sampling_ids)
-        positions = None if plan.rows_per_request is None else speculative_positions(plan.rows_per_request)
-        arrays, seeded_rows = {}, []
-        randomly = table.samples_randomly[rows]
-        if randomly.any():
+        flags = table.flags[rows]
+        # (a one-row reduce costs more than the rest of a batch-1 step's plan)
+        any_flags = int(flags[0]) if len(flags) == 1 else int(np.bitwise_or.reduce(flags))
+        out = SamplingPlan({}, [], rows=rows, flags=flags, any_flags=any_flags)
+        positions = None
+        if any_flags & (SEEDED | ADJUSTS | GRAMMAR) and plan.rows_per_request is not None:
+            positions = speculative_positions(plan.rows_per_request)
+        if any_flags & RANDOM:
             # unseeded rows: consecutive keys from a fresh random base each step
             base = int(self.key_source.integers(-(1 << 63), (1 << 63) - len(rows)))
             keys = base + np.arange(len(rows), dtype=np.int64)
-            for row in np.flatnonzero(randomly & table.seeded[rows]).tolist():
-                table_row = int(rows[row])
-                entry = table.entries[plan.sampling_ids[row]]
-                num_generated = table.num_generated(table_row, entry) + (0 if positions is None else positions[row])
-                keys[row] = key = noise_key(entry.settings.seed, int(num_generated))
-                seeded_rows.append((row, key))
-            arrays = {"temperatures": table.temperature[rows], "keys": keys}
-            for name, used, column in (("top_ks", table.uses_top_k, table.top_k), ("top_ps", table.uses_top_p,
-                                       table.top_p), ("min_ps", table.uses_min_p, table.min_p)):
-                if (used[rows] & randomly).any():
+            if any_flags & SEEDED:
+                for row in np.flatnonzero(flags & SEEDED).tolist():
+                    table_row = int(rows[row])
+                    entry = table.entries[plan.sampling_ids[row]]
+                    num_generated = table.num_generated(table_row, entry) + (0 if positions is None else positions[row])
+                    keys[row] = key = noise_key(entry.settings.seed, int(num_generated))
+                    out.seeded_rows.append((row, key))
+            out.arrays = arrays = {"temperatures": table.temperature[rows], "keys": keys}
+            for name, flag, column in (("top_ks", TOP_K, table.top_k), ("top_ps", TOP_P, table.top_p),
+                                       ("min_ps", MIN_P, table.min_p)):
+                if any_flags & flag:
                     arrays[name] = column[rows]
-        out = SamplingPlan(arrays, seeded_rows)
-        if not table.needs_extras[rows].any():
-            return out, rows
+        if not any_flags & (ADJUSTS | LOGPROBS):
+            return out
         # everything else the rows ask for, by field name (only the groups some row uses)
-        adjusting = np.flatnonzero(table.adjusts[rows])
-        out.adjusts = len(adjusting) > 0
-        if out.adjusts:
-            self._adjustment_arrays(plan, rows, adjusting.tolist(), positions, arrays)
-        ks = table.logprobs[rows]
-        asked = ks >= 0
-        if asked.any():
-            out.logprob_ks = ks.tolist()
-            arrays["logprob_rows"] = np.flatnonzero(asked).astype(np.int64)
-        return out, rows
+        if any_flags & ADJUSTS:
+            out.adjusts = True
+            self._adjustment_arrays(plan, rows, np.flatnonzero(flags & ADJUSTS).tolist(), positions, out.arrays)
+        if any_flags & LOGPROBS:
+            out.logprob_ks = table.logprobs[rows].tolist()
+            out.arrays["logprob_rows"] = np.flatnonzero(flags & LOGPROBS).astype(np.int64)
+        return out
 
     def tensors(self, plan: SamplingPlan, uploaded: list[torch.Tensor],
                 prev_sampled: torch.Tensor | None = None) -> SamplingTensors:
@@ -110,7 +115,7 @@ class SamplingInputs:
               ) -> tuple[SamplingTensors, list[int] | None]:
         """plan() and tensors() with a copy of their own: the step's SamplingTensors, and for each row
         the top-k it asked for (None: no row asked for log-probabilities; -1: this row did not)."""
-        sampling_plan, _ = self.plan(plan)
+        sampling_plan = self.plan(plan)
         return self.tensors(sampling_plan, upload_arrays(list(sampling_plan.arrays.values()), self.device),
                             prev_sampled), sampling_plan.logprob_ks
 
