@@ -287,11 +287,11 @@ class ModelRunner(RunnerMemory):
         stream: the current stream where the caller has it (None: looked up when needed).
         pooling_plan (engine.pooling.PoolingPlan, or None): embedding rows, whose hidden states the
         step sums (it then runs eagerly: CUDA graphs return logits only)."""
+        table = self.sampling_inputs.table
+        for request in plan.new_requests:  # first: the engine counts them as the runner's from here
+            table.add(request)
         if prev is not None:
             prev.queue_sampling()  # the device runs prev's sampling before this step's forward
-        table = self.sampling_inputs.table
-        for request in plan.new_requests:
-            table.add(request)
         inputs, pending_at, pending_rows = self.build_inputs(plan)
         num_sampling = len(inputs.logits_indices)
         prompt_plan = plan.prompt_logprobs
