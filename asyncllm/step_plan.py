@@ -75,6 +75,9 @@ class StepPlan:
     # row verifies (-1: none, a row's last position), and (R,) each request's count of sampling rows
     draft_token_ids: list[int] | None = None
     rows_per_request: list[int] | None = None
+    # the drafts drawn from a distribution q (a draft model's, for a sampled request): (the request's
+    # first sampling row, (k, V) float32 device tensor: q at each of its k drafts); () when none
+    draft_probs: list[tuple[int, object]] | tuple = ()
     # the requests that sample for the first time in this step: the runner adds them to its table
     # before the step (a request leaves it when the engine ends it: ModelRunner.release_request)
     new_requests: list[RequestSampling] = field(default_factory=list)

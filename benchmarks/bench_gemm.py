@@ -13,6 +13,15 @@ runs in graphs, where Triton's Python launch time is gone), also from a cold L2.
 y are a few KB). "err" is the largest absolute difference from the fp32 product, ours and
 cuBLAS's. With --sweep, every candidate tiling is timed and listed too (for tuning the rule); with
 --tiling-grid, only cuBLAS against a wider grid of tilings than the rule proposes, the best listed.
+
+With --fp8 (default rows 1..256, the 8B shapes): FP8 weights (layers/fp8_linear.py) against bf16, all as
+CUDA-graph replays from a cold L2 (skinny_linear.time_calls): cuBLAS bf16, our bf16 skinny kernel (the
+best of its first candidates, up to 16 rows), our FP8 weight-only kernel with per-channel and with
+128-column group scales (the best of its first candidates, and the rule's first, which the layer
+runs), torch._scaled_mm W8A8 with the activation's per-token quantization included (what the layer
+runs above 16 rows with per-channel scales), and dequantize + cuBLAS (above 16 rows with group
+scales). err: the largest difference from the fp32 product of the dequantized weight, relative to
+that product's largest magnitude.
 """
 from __future__ import annotations
 
@@ -158,20 +167,105 @@ def tiling_grid(model: str, layer: str, n: int, k: int, num_rows: int, top: int 
                 ranked_ms=ranked)
 
 
+FP8_CANDIDATES = 3  # the first tilings of each kernel timed in --fp8
+
+
+def fp8_rows(model: str, layer: str, n: int, k: int, rows: list[int]) -> list[dict]:
+    """--fp8: one shape, each row count (the module's doc says what is timed)."""
+    import torch.nn.functional as F
+
+    from asyncllm.kernels import skinny_gemm as kernels
+    from asyncllm.layers import fp8_linear
+    from asyncllm.layers.skinny_linear import time_calls
+
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    weight = (torch.randn(n, k, device="cuda") / k ** 0.5).to(DTYPE)
+    per_channel = fp8_linear.quantize_rows(weight, None)
+    grouped = fp8_linear.quantize_rows(weight, 128)
+    results = []
+    for num_rows in rows:
+        x = torch.randn(num_rows, k, device="cuda").to(DTYPE)
+        labels, calls = ["cublas"], [lambda: F.linear(x, weight)]
+        if num_rows <= kernels.MAX_ROWS:
+            for i, config in enumerate(kernels.candidate_configs(num_rows, n, k, num_sms)[:FP8_CANDIDATES]):
+                labels.append(f"bf16_skinny/{i}")
+                calls.append(lambda c=config: kernels.skinny_gemm(x, weight, None, c))
+            for name, group_k, (w8, scale) in (("fp8_channel", None, per_channel), ("fp8_group128", 128, grouped)):
+                for i, config in enumerate(kernels.fp8_candidate_configs(num_rows, n, k, num_sms,
+                                                                         group_k)[:FP8_CANDIDATES]):
+                    labels.append(f"{name}/{i}")
+                    calls.append(lambda c=config, w8=w8, scale=scale, g=group_k: kernels.skinny_gemm(
+                        x, w8, None, c, scale=scale, group_k=g))
+        w8, scale = per_channel
+        labels.append("scaled_mm_w8a8")
+        calls.append(lambda: fp8_linear._scaled_mm_linear(x, w8, scale, None))
+        labels.append("dequant_cublas_group128")
+        calls.append(lambda: F.linear(x, fp8_linear.dequantize_rows(*grouped, 128, DTYPE)))
+        times = dict(zip(labels, time_calls(calls, x.device)))
+
+        def best(prefix):
+            found = [ms for label, ms in times.items() if label.startswith(prefix + "/")]
+            return min(found) if found else None
+
+        ref = x.float() @ fp8_linear.dequantize_rows(*per_channel, None, torch.float32).T
+        scale_ref = ref.abs().max().item()
+        row = dict(model=model, layer=layer, n=n, k=k, rows=num_rows, cublas_ms=times["cublas"],
+                   bf16_skinny_ms=best("bf16_skinny"), fp8_channel_ms=best("fp8_channel"),
+                   fp8_channel_rule_ms=times.get("fp8_channel/0"), fp8_group128_ms=best("fp8_group128"),
+                   scaled_mm_ms=times["scaled_mm_w8a8"], dequant_cublas_ms=times["dequant_cublas_group128"],
+                   err_w8a8=(fp8_linear._scaled_mm_linear(x, w8, scale, None).float() - ref).abs().max().item()
+                   / scale_ref)
+        if num_rows <= kernels.MAX_ROWS:
+            out = fp8_linear.linear(x, w8, scale, None)  # the layer's own path: the weight-only kernel
+            row["err_weight_only"] = (out.float() - ref).abs().max().item() / scale_ref
+        results.append(row)
+        shown = ", ".join(f"{key[:-3]} {value * 1e3:.1f} us" for key, value in row.items()
+                          if key.endswith("_ms") and value is not None)
+        print(f"{model} {layer} ({n}, {k}) rows {num_rows}: {shown}", flush=True)
+    return results
+
+
+def print_fp8_table(rows: list[dict]) -> None:
+    def us(value):
+        return "-" if value is None else f"{value * 1e3:.1f}"
+    print("| shape | rows | cuBLAS bf16 us | skinny bf16 us | FP8 weight-only per-channel us (rule's) | "
+          "FP8 weight-only 128-group us | _scaled_mm W8A8 us | dequant + cuBLAS us | bf16 skinny / FP8 | "
+          "err weight-only | err W8A8 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        speedup = f"{r['bf16_skinny_ms'] / r['fp8_channel_ms']:.2f}" if r["fp8_channel_ms"] else "-"
+        print(f"| {r['model']} {r['layer']} ({r['n']}, {r['k']}) | {r['rows']} | {us(r['cublas_ms'])} | "
+              f"{us(r['bf16_skinny_ms'])} | {us(r['fp8_channel_ms'])} ({us(r['fp8_channel_rule_ms'])}) | "
+              f"{us(r['fp8_group128_ms'])} | {us(r['scaled_mm_ms'])} | {us(r['dequant_cublas_ms'])} | {speedup} | "
+              f"{r.get('err_weight_only', float('nan')):.1e} | {r['err_w8a8']:.1e} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--rows", default="1,2,4,8,16", help="comma-separated row counts (1..16)")
+    parser.add_argument("--rows", default=None,
+                        help="comma-separated row counts (default 1,2,4,8,16; with --fp8 1,2,4,8,16,32,64,128,256)")
+    parser.add_argument("--fp8", action="store_true", help="FP8 weights against bf16 (the module's doc)")
     parser.add_argument("--sweep", action="store_true", help="time every candidate tiling, not only the first few")
-    parser.add_argument("--models", default="0.6B,8B", help="comma-separated: 0.6B, 8B")
+    parser.add_argument("--models", default=None, help="comma-separated: 0.6B, 8B (default both; with --fp8 8B)")
     parser.add_argument("--tiling-grid", action="store_true",
                         help="only cuBLAS against a grid of tilings per shape and row count, best first")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_gemm.py needs a CUDA GPU")
     torch.manual_seed(0)
-    rows = [int(r) for r in args.rows.split(",")]
-    models = args.models.split(",")
+    rows = [int(r) for r in (args.rows or ("1,2,4,8,16,32,64,128,256" if args.fp8 else "1,2,4,8,16")).split(",")]
+    models = (args.models or ("8B" if args.fp8 else "0.6B,8B")).split(",")
+    if args.fp8:
+        # the LM head stays in the compute dtype (FP8 weights are the decoder layers')
+        results = [row for model, layer, n, k in SHAPES if model in models and layer != "lm_head"
+                   for row in fp8_rows(model, layer, n, k, rows)]
+        print(f"\n{torch.cuda.get_device_name(0)}, {DTYPE} activations, cold L2, CUDA graphs\n")
+        print_fp8_table(results)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(device=torch.cuda.get_device_name(0), results=results), f, indent=2)
+        return
     if args.tiling_grid:
         results = [tiling_grid(model, layer, n, k, num_rows) for model, layer, n, k in SHAPES if model in models
                    for num_rows in rows]

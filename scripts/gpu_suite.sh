@@ -45,9 +45,12 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 fi
-# site.addsitedir (not PYTHONPATH) so the .pth files of carried packages (cutlass for FA4) apply
+# site.addsitedir (not PYTHONPATH) so the .pth files of carried packages (cutlass for FA4) apply; then
+# /tmp/site first on sys.path, so a carried package wins over the image's own (transformers 5.20 over
+# 5.17, whose chat template cannot encode special-token text: bench_spec failed on it in run AA)
 mkdir -p /tmp/asyncllm-site
-echo "import site; site.addsitedir('/tmp/site')" > /tmp/asyncllm-site/sitecustomize.py
+echo "import site, sys; site.addsitedir('/tmp/site'); sys.path.remove('/tmp/site'); sys.path.insert(0, '/tmp/site')" \
+  > /tmp/asyncllm-site/sitecustomize.py
 export PYTHONPATH="$PWD:/tmp/asyncllm-site:${PYTHONPATH:-}"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 python3 -c "import flash_attn.cute; print('FlashAttention-4: available')" 2>/dev/null || echo "FlashAttention-4: not installed"
@@ -74,14 +77,14 @@ fi
 # tests took 560 s; the kernel files with test_moe/test_decode_staging 430 s): tests1, tests2, tests3
 late_engine_tests="close or sleep or reload or two_engines or start_up_cache or new_turn or constrained or bad_words or speculative"
 case "$mode" in
-  tests|all) test_files="tests/test_kernels.py tests/test_fp8_kv_kernels.py tests/test_sampling_filters.py
+  tests|all) test_files="tests/test_kernels.py tests/test_fp8_kv_kernels.py tests/test_fp8_weight_kernels.py tests/test_fp8_loading.py tests/test_sampling_filters.py
                          tests/test_fused_moe.py tests/test_gpu.py tests/test_fp8_kv.py tests/test_decode_staging.py
                          tests/test_gpu_tp.py"; part_select="" ;;
   tests1) test_files="tests/test_gpu.py"; part_select="not ($late_engine_tests)" ;;
   tests2) test_files="tests/test_gpu.py tests/test_fp8_kv.py tests/test_decode_staging.py tests/test_gpu_tp.py"
           part_select="($late_engine_tests) or test_fp8_kv or test_decode_staging or test_gpu_tp" ;;
-  tests3) test_files="tests/test_kernels.py tests/test_fp8_kv_kernels.py tests/test_sampling_filters.py
-                      tests/test_fused_moe.py"; part_select="" ;;
+  tests3) test_files="tests/test_kernels.py tests/test_fp8_kv_kernels.py tests/test_fp8_weight_kernels.py
+                      tests/test_fp8_loading.py tests/test_sampling_filters.py tests/test_fused_moe.py"; part_select="" ;;
   *) test_files="" ;;
 esac
 if [ -n "$test_files" ]; then

@@ -12,9 +12,15 @@ most 1/16 of itself and by about 1/16 / sqrt(3) ~ 3.6 % (RMS) on uniform roundin
 are weighted sums of many such values, whose independent errors partly cancel, and they join a
 residual stream that carries the unquantized token's own state, so the logits move less than that
 RMS (about 1.5-2 % relative L2 measured here). 5 % leaves room; a kernel that read the wrong scale, the
-wrong position or an unwritten slot moves them by tens of percent.
+wrong position or an unwritten slot moves them by tens of percent. The GPU test's wider model (GPU_SHAPE:
+hidden 1024, 16 heads of 128, prompts of up to 600 tokens) moves more: there the FP8 cache alone (the
+torch path, emulated on CPU, 8 of its prompts) moves the first step's logits by up to 6.4 % in float32
+and 7.2 % in bf16, and the Triton kernels on an H100 by 5.0-8.6 % (2026-12-06): FP8_GPU_LOGITS_RTOL,
+15 %, bounds that shape. The kernels' exact quantization is checked in test_fp8_kv_kernels.py.
 """
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -24,6 +30,7 @@ from asyncllm.cli import build_parser
 from helpers import assert_all_blocks_free, assert_greedy_runs_match, generate_with_logits, random_prompts
 
 FP8_LOGITS_RTOL = 0.05  # module docstring
+FP8_GPU_LOGITS_RTOL = 0.15  # module docstring: GPU_SHAPE's own FP8 rounding is 6-9 %
 # two FP8 runs that schedule differently (chunks, prefix hits, recomputation after preemption) compute
 # K/V in other batch shapes: they agree to ~5e-7 here, and fp32 rounding could at worst move a value
 # across an e4m3 rounding boundary (one step of one element, ~1e-4 of the logits); a misread or
@@ -60,9 +67,11 @@ def fp8_run(tiny_qwen3):
 
 
 def test_fp8_cache_is_close_to_the_full_precision_cache(full_run, fp8_run):
-    # where tokens differ the reference had a near-tie there (assert_greedy_runs_match); most never differ
+    # where tokens differ the reference had a near-tie there (assert_greedy_runs_match). The random
+    # tiny model's 16-token runs meet such ties often: 5 of 6 identical without the rotation, 3 with
+    # it (which moves its logits as much, ~1.7 % at the first step: its keys have no outlier channels)
     stats = assert_greedy_runs_match(full_run, fp8_run, FP8_LOGITS_RTOL)
-    assert stats["num_identical"] >= len(PROMPTS) - 2, stats["summary"]
+    assert stats["num_identical"] >= len(PROMPTS) // 2, stats["summary"]
     # and the cache was quantized: two fp32 runs agree to ~1e-6
     assert stats["worst_logits_rtol"] > 1e-3, stats["summary"]
 
@@ -109,6 +118,48 @@ def test_fp8_halves_bytes_per_block_so_the_same_memory_holds_twice_the_blocks(ti
     assert blocks["float32", "fp8"] >= 4 * blocks["float32", "auto"]
 
 
+@pytest.fixture(scope="module")
+def outlier_keys_qwen3(tiny_qwen3, tmp_path_factory) -> str:
+    """The tiny Qwen3 with a few outlier channels in every layer's k (and q) norm weight, as real models'
+    keys have (SmolLM2's reach 20 where the median channel stays under 4): what the rotation is for."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    out = str(tmp_path_factory.mktemp("outlier-keys"))
+    shutil.copytree(tiny_qwen3, out, dirs_exist_ok=True)
+    path = os.path.join(out, "model.safetensors")
+    weights = load_file(path)
+    for name, tensor in weights.items():
+        if name.endswith(("self_attn.k_norm.weight", "self_attn.q_norm.weight")):
+            tensor[[3, 35, 17]] *= 12.0 if "k_norm" in name else 3.0
+    save_file(weights, path, metadata={"format": "pt"})
+    return out
+
+
+def test_rotation_brings_fp8_logits_closer_to_the_full_precision_cache(outlier_keys_qwen3):
+    """Config.kv_cache_rotation (on by default): over keys with outlier channels the FP8 cache's
+    logits (each prompt's first sampled step, after a prefill that attends the K it stored) are
+    closer to the full-precision cache's with the rotation than without. Deterministic (CPU, fp32)."""
+    def first_logits(**kwargs) -> torch.Tensor:
+        llm, (_, logits) = run(outlier_keys_qwen3, n=1, **kwargs)
+        llm.close()
+        return torch.stack([steps[0] for steps in logits])
+    full = first_logits()
+    errors = {rotation: ((first_logits(kv_cache_dtype="fp8", kv_cache_rotation=rotation) - full).norm()
+                         / full.norm()).item() for rotation in (False, True)}
+    assert errors[True] < 0.7 * errors[False], errors
+
+
+def test_rotation_needs_a_power_of_two_head_dim(tmp_path, tokenizer_dir):
+    from asyncllm.testing import build_tiny_checkpoint
+    model = build_tiny_checkpoint(str(tmp_path), "qwen3", tokenizer_dir, head_dim=48)
+    with pytest.raises(ValueError, match=r"Config\.kv_cache_rotation: .*power-of-two head_dim; this model's is 48"):
+        LLM(model, kv_cache_dtype="fp8", **ENGINE_KW)
+    llm, (tokens, _) = run(model, PROMPTS[:2], 4, kv_cache_dtype="fp8", kv_cache_rotation=False)
+    assert [len(t) for t in tokens] == [4, 4]
+    with pytest.raises(ValueError, match=r"Config\.kv_cache_rotation: expected a bool"):
+        Config(model, kv_cache_rotation="yes")
+
+
 @pytest.mark.parametrize("backend", ["fa4", "fa2"])
 def test_flash_attention_backends_refuse_fp8(tiny_qwen3, backend):
     with pytest.raises(ValueError, match=rf"Config\.kv_cache_dtype: 'fp8' is not supported by "
@@ -118,7 +169,8 @@ def test_flash_attention_backends_refuse_fp8(tiny_qwen3, backend):
 
 def test_cli_takes_kv_cache_dtype(tiny_qwen3):
     args = build_parser().parse_args(["serve", tiny_qwen3, "--kv-cache-dtype", "fp8"])
-    assert args.kv_cache_dtype == "fp8"
+    assert args.kv_cache_dtype == "fp8" and args.kv_cache_rotation is None  # Config's default: on
+    assert build_parser().parse_args(["serve", tiny_qwen3, "--no-kv-cache-rotation"]).kv_cache_rotation is False
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", tiny_qwen3, "--kv-cache-dtype", "int8"])
 
@@ -141,7 +193,7 @@ def gpu_model(tmp_path_factory):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the Triton backend's FP8 cache)")
 def test_gpu_bf16_fp8_cache_with_cuda_graphs(gpu_model):
     """bf16 with an FP8 cache against bf16 with its own, both on the Triton backend with CUDA graphs
-    (decode and mixed steps replayed): logits within FP8_LOGITS_RTOL, greedy tokens mostly equal, and
+    (decode and mixed steps replayed): logits within FP8_GPU_LOGITS_RTOL, greedy tokens mostly equal, and
     twice the KV blocks at the same gpu_memory_utilization (the same probe's budget over half the
     bytes a block; the two probes' activation peaks may differ by a little)."""
     prompts = random_prompts(16, seed=3, lo=5, hi=600)
@@ -156,7 +208,7 @@ def test_gpu_bf16_fp8_cache_with_cuda_graphs(gpu_model):
         blocks[kv] = llm.core.runner.num_kvcache_blocks
         assert_all_blocks_free(llm)
         llm.close()
-    stats = assert_greedy_runs_match(runs["auto"], runs["fp8"], FP8_LOGITS_RTOL)
+    stats = assert_greedy_runs_match(runs["auto"], runs["fp8"], FP8_GPU_LOGITS_RTOL)
     # greedy mostly equal: on average the runs agree for at least half their 64 tokens (a divergence
     # is a near-tie of the bf16 run, which assert_greedy_runs_match checked; after it they part)
     assert sum(stats["first_divergences"]) >= 0.5 * 64 * len(prompts), stats["summary"]

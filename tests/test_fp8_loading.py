@@ -1,5 +1,5 @@
-"""FP8 checkpoints load (dequantized at load), Config.quantization="fp8" emulates FP8 weights, and bad
-FP8 files are refused naming the tensor or field.
+"""FP8 checkpoints load with their linear weights kept in FP8, Config.quantization="fp8" quantizes an
+unquantized checkpoint's per output channel, and bad FP8 files are refused naming the tensor or field.
 
 The test makes its own FP8 checkpoints from the tiny random Qwen3 one, quantizing with its own
 block loops (per-block amax / 448, Qwen's and DeepSeek's recipe), and writes beside each the same
@@ -211,14 +211,88 @@ def test_reload_and_wake_read_the_fp8_checkpoint(tiny_qwen3, block_pair, plain_r
     assert_same_run(generate_with_logits(llm, PROMPTS, greedy()), plain_run)
 
 
-# ---- Config.quantization="fp8": an unquantized checkpoint's weights rounded through FP8 --------------
-def test_quantization_fp8_is_the_block_fp8_checkpoint(tiny_qwen3, block_pair, plain_run):
-    emulated = run(tiny_qwen3, quantization="fp8")
-    assert_same_run(emulated, plain_run)
+# ---- FP8 weights kept in FP8 ---------------------------------------------------------------------------
+def linear_layers(llm):
+    from asyncllm.layers.linear import LinearBase
+    model = llm.core.runner.model
+    return {name: module for name, module in model.named_modules()
+            if isinstance(module, LinearBase) and ".layers." in name and not name.endswith("mlp.gate")}
+
+
+@pytest.mark.parametrize("quantization, group_k", [("fp8", None), (None, 128)])
+def test_linear_weights_are_kept_in_fp8_and_their_bytes_halve(tiny_qwen3, block_pair, quantization, group_k):
+    """quantization="fp8": per-row scales; the block checkpoint: a scale per row and 128 columns. The
+    weights and their scales take about half of bf16's bytes."""
+    llm = LLM(tiny_qwen3 if quantization else block_pair[0], **ENGINE_KW, quantization=quantization)
+    layers = linear_layers(llm)
+    assert {name.rsplit(".", 1)[1] for name in layers} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    fp8_bytes = bf16_bytes = 0
+    for name, layer in layers.items():
+        assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale.dtype == torch.float32, name
+        assert layer.group_k == group_k
+        assert layer.weight_scale.shape == (layer.weight.shape[0], 1 if group_k is None else -(
+            -layer.weight.shape[1] // group_k)), name
+        fp8_bytes += layer.weight.nbytes + layer.weight_scale.nbytes
+        bf16_bytes += layer.weight.numel() * 2
+    assert fp8_bytes <= 0.52 * bf16_bytes, (fp8_bytes, bf16_bytes)
+
+
+def test_quantization_fp8_is_its_per_channel_dequantized_copy(tiny_qwen3, tmp_path):
+    """Config(quantization="fp8") on an unquantized checkpoint quantizes each output row with its own
+    scale (amax / 448): the same run as the test's per-channel FP8 rounding, dequantized to float32."""
+    _, plain_dir = write_pair(tiny_qwen3, tmp_path, scheme="channel")
+    quantized = run(tiny_qwen3, quantization="fp8")
+    assert_same_run(quantized, run(plain_dir))
     # and the rounding happened: the unquantized weights give other logits
     original = run(tiny_qwen3)
-    differences = [(a - b).abs().max().item() for la, lb in zip(original[1], emulated[1]) for a, b in zip(la, lb)]
+    differences = [(a - b).abs().max().item() for la, lb in zip(original[1], quantized[1]) for a, b in zip(la, lb)]
     assert max(differences) > 1e-3
+
+
+def test_quantization_fp8_matches_hf_on_the_dequantized_copy(tiny_qwen3, tmp_path):
+    from transformers import AutoModelForCausalLM
+    _, plain_dir = write_pair(tiny_qwen3, tmp_path, scheme="channel")
+    outputs = LLM(tiny_qwen3, **ENGINE_KW, quantization="fp8").generate(PROMPTS, greedy(), use_tqdm=False)
+    model = AutoModelForCausalLM.from_pretrained(plain_dir, dtype=torch.float32).eval()
+    for prompt, out in zip(PROMPTS, outputs):
+        assert out["token_ids"] == hf_greedy(model, prompt)
+
+
+def test_reload_of_another_fp8_format_requantizes_into_the_engines_layout(tiny_qwen3, block_pair, tmp_path):
+    """An engine with per-row FP8 scales (quantization="fp8") reloading a 128x128-block checkpoint:
+    its weights dequantized and quantized per row again, so the engine runs as on a per-channel
+    rounding of the block checkpoint's dequantized weights."""
+    llm = LLM(tiny_qwen3, **ENGINE_KW, quantization="fp8")
+    llm.reload(block_pair[0])
+    assert all(layer.group_k is None for layer in linear_layers(llm).values())
+    requantized = generate_with_logits(llm, PROMPTS, greedy())
+    _, plain_dir = write_pair(block_pair[1], tmp_path, scheme="channel")  # the block copy, per row
+    assert_same_run(requantized, run(plain_dir))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the FP8 kernels and torch._scaled_mm")
+@pytest.mark.parametrize("scheme", ["channel", "block"])
+def test_fp8_weights_on_cuda_match_the_dequantized_copy(tokenizer_dir, tmp_path, scheme):
+    """bf16 with CUDA graphs: decode through the weight-only FP8 kernel, prefill through W8A8
+    (per-channel: activations quantized per token) or the dequantizing path (block), against the
+    same weights dequantized to a bf16 checkpoint. Logits compared while the two runs' tokens agree."""
+    from asyncllm.testing import build_tiny_checkpoint
+    src = build_tiny_checkpoint(str(tmp_path / "src"), "qwen3", tokenizer_dir, seed=9, hidden_size=512,
+                                intermediate_size=1536, num_attention_heads=8, num_key_value_heads=4, head_dim=64)
+    fp8_dir, plain_dir = write_pair(src, tmp_path / "pair", scheme=scheme)
+    kwargs = dict(dtype="bfloat16", device="cuda")
+    fp8, plain = run(fp8_dir, **kwargs), run(plain_dir, **kwargs)
+    # activations in e4m3 (W8A8) move logits by a few percent of their range; bf16 rounding alone, less
+    bound = 0.08 if scheme == "channel" else 0.03
+    compared = 0
+    for tokens_a, tokens_b, logits_a, logits_b in zip(fp8[0], plain[0], fp8[1], plain[1]):
+        for step, (a, b) in enumerate(zip(logits_a, logits_b)):
+            assert (a - b).abs().max() <= bound * b.abs().max(), (scheme, step)
+            compared += 1
+            if tokens_a[step] != tokens_b[step]:
+                break
+    assert compared >= len(PROMPTS)
 
 
 def test_quantization_fp8_on_an_fp8_checkpoint_keeps_its_weights(block_pair, plain_run):
@@ -280,3 +354,20 @@ def test_bad_fp8_files_are_refused(block_pair, tmp_path, label, change, config, 
         edit_config(fp8_dir, **config)
     with pytest.raises(ValueError, match=expected):
         LLM(fp8_dir, **ENGINE_KW)
+
+
+def test_row_parallel_shard_of_partial_scale_groups_is_refused(monkeypatch):
+    """A row-parallel shard must hold whole 128-column scale groups (its scales are cut between
+    them); per-row scales fit any split."""
+    from asyncllm.layers import linear
+    monkeypatch.setattr(linear, "get_tp_size", lambda: 2)
+    monkeypatch.setattr(linear, "get_tp_rank", lambda: 0)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 splits 400 input columns into 200 per rank, not a "
+                                         r"multiple of the FP8 weights' 128-column scale blocks"):
+        linear.RowParallelLinear(400, 64).keep_fp8(128)
+    layer = linear.RowParallelLinear(400, 64)
+    layer.keep_fp8(None)
+    assert layer.weight.shape == (64, 200) and layer.weight_scale.shape == (64, 1)
+    layer = linear.RowParallelLinear(512, 64)
+    layer.keep_fp8(128)
+    assert layer.weight_scale.shape == (64, 2)

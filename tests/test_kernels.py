@@ -976,6 +976,10 @@ def _record_launches(configs: list[dict], kv_dtype: torch.dtype = torch.bfloat16
             cache = torch.zeros(2, 3, 256, 8, 128, dtype=kv_dtype)
             fused_mod.qk_norm_rope_(qkv, torch.arange(4), cos_sin, 16, 8, 128, qkv[0, :128], qkv[0, :128], 1e-6,
                                     kv_cache=(cache[0], cache[1]), slot_mapping=torch.arange(4), kv_scales=(0.5, 2.0))
+            # Config.kv_cache_rotation: q and k heads times a Hadamard matrix (dots of 16+ rows and columns)
+            fused_mod.qk_norm_rope_(qkv, torch.arange(4), cos_sin, 16, 8, 128, qkv[0, :128], qkv[0, :128], 1e-6,
+                                    kv_cache=(cache[0], cache[1]), slot_mapping=torch.arange(4), kv_scales=(0.5, 2.0),
+                                    rotate=True)
             return calls
         x = torch.randn(4, 4096, dtype=torch.bfloat16)
         fused_mod.fused_add_rms_norm(x, x, x[0], 1e-6)
@@ -993,6 +997,15 @@ def _record_launches(configs: list[dict], kv_dtype: torch.dtype = torch.bfloat16
             # the gated form (the MLP's down projection, no bias): the tilings the layer times
             for config in skinny_mod.candidate_configs(num_rows, 1024, 2048, 132)[:3]:
                 skinny_mod.skinny_gemm(gate_up[:num_rows], weight, None, config, gated=True)
+        # FP8 weights (weight-only): per-channel and 128-column group scales, plain and gated
+        weight8 = weight.to(torch.float8_e4m3fn)
+        for group_k, scale in ((None, torch.ones(1024, 1)), (128, torch.ones(1024, 16))):
+            for num_rows in (1, 3, 16):
+                config = skinny_mod.fp8_candidate_configs(num_rows, 1024, 2048, 132, group_k)[0]
+                skinny_mod.skinny_gemm(rows[:num_rows], weight8, None, config, scale=scale, group_k=group_k)
+                if not config.dot:
+                    skinny_mod.skinny_gemm(gate_up[:num_rows], weight8, None, config, gated=True, scale=scale,
+                                           group_k=group_k)
     finally:
         for (mod, name), original in zip(patched, originals):
             setattr(mod, name, original)
@@ -1060,8 +1073,9 @@ def test_kernels_compile_for_sm90():
     """The CPU interpreter never compiles; build the real launch configurations for sm_90 (the
     H200) in a subprocess without TRITON_INTERPRET, so compile-only errors surface on CPU too."""
     # decode x2 + x2 with its own rotary, reduce, prefill, split prefill + its merge, store, rms norm,
-    # silu, qk x3, skinny GEMM (FMA, dot, split-K reduce), gated skinny GEMM (FMA, dot)
-    assert compile_for_sm90_in_subprocess("test_kernels", "compile_all_for_sm90") >= 18
+    # silu, qk x3, skinny GEMM (FMA, dot, split-K reduce), gated skinny GEMM (FMA, dot), FP8 weight-only
+    # skinny GEMM (FMA, dot, gated FMA)
+    assert compile_for_sm90_in_subprocess("test_kernels", "compile_all_for_sm90") >= 21
 
 
 # ----------------------------------------------------------------------------- skinny GEMM

@@ -327,9 +327,18 @@ def test_a_steps_logits_rows_stay_within_max_num_seqs(repeating_model, engines, 
         rows.append(len(plan.logits_indices))
         return launch(plan, *args, **kwargs)
     monkeypatch.setattr(llm.core.runner, "launch", recording_launch)
+    proposer, proposed = llm.core.speculation.proposer, []
+
+    def recording_propose(draft_rows):
+        drafts = type(proposer).propose(proposer, draft_rows)
+        proposed.append(sum(len(d or ()) for d in drafts))
+        return drafts
+    monkeypatch.setattr(proposer, "propose", recording_propose)
     batch = prompts(2, seed=14)
     assert ids(run(llm, batch, GREEDY)) == ids(run(engines("repeating", "roomy", False), batch, GREEDY))
     assert max(rows) == 3 and accepted(llm) > 0  # drafts, cut to one beside a second row
+    # only drafts that fit are proposed (a draft model's forwards are not spent on drafts then cut)
+    assert sum(proposed) == llm.core.stats()["spec_draft_tokens"], proposed
 
 
 def test_speculation_is_off_for_large_batches_and_pauses_where_drafts_fail(engines):

@@ -173,6 +173,31 @@ def test_indivisible_heads_or_kv_heads_fail_at_start(checkpoints, tmp_path):
 
 
 # ---- tp=2 == tp=1 --------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", ["quantization_fp8_kv1", "block_fp8_checkpoint"])
+def test_fp8_weights_tp2_match_tp1(case, checkpoints, tmp_path):
+    """FP8 weights sharded with their scales: quantization="fp8" (per-row scales) with one KV head that
+    both ranks replicate, and a block-wise FP8 checkpoint (128x128 blocks: the row-parallel layers'
+    shards take whole column groups of scales)."""
+    from test_fp8_loading import write_pair
+    if case == "quantization_fp8_kv1":
+        model, options = checkpoints["qwen3_kv1"], dict(OPTIONS["qwen3_kv1"], quantization="fp8")
+    else:
+        model, options = write_pair(checkpoints["qwen3"], tmp_path)[0], OPTIONS["qwen3"]
+    with LLM(model, **options) as llm:
+        expected = [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        layer = llm.core.runner.model.model.layers[0]
+        assert layer.mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+        full_groups = layer.mlp.down_proj.weight_scale.shape[1]
+    baseline = live_children()
+    with LLM(model, tensor_parallel_size=2, **options) as llm:
+        down = llm.core.runner.model.model.layers[0].mlp.down_proj
+        assert down.weight.dtype == torch.float8_e4m3fn
+        assert down.weight_scale.shape[1] == (1 if case == "quantization_fp8_kv1" else full_groups // 2)
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o["token_ids"] for o in outputs] == expected
+    assert_all_ended(baseline)
+
+
 @pytest.mark.parametrize("name", ["qwen3", "qwen2", "qwen3_moe"])
 def test_llm_tp2_matches_tp1(name, checkpoints, reference):
     expected = reference(name)  # tp=1 first: no tp=1 engine can be built beside a running tp=2 one

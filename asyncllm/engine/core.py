@@ -107,7 +107,7 @@ class EngineCore:
         self.deadlines = RequestDeadlines()
         self._timed_out: list[StepEvent] = []
         # speculative decoding (engine/speculation.py): None when off
-        self.speculation = None if proposer is None else Speculation(config.speculative, proposer)
+        self.speculation = None if proposer is None else Speculation(config.speculative, proposer, config.max_num_seqs)
         self.startup.finish(self.runner.decisions.num_read, self.runner.decisions.num_measured)  # ready
 
     # ---- input: the intake's checks, for the callers that hold the core (LLM, AsyncLLMEngine, the

@@ -98,10 +98,13 @@ def reload(core, checkpoint: Checkpoint) -> None:
         raise EngineAsleepError("reload(): the engine is asleep; wake() it first")
     _check_idle(core, "reload")
     try:
-        core.runner.load_checkpoint(checkpoint_weights(checkpoint.config))
+        # in the engine's own weight layout (an FP8 checkpoint into an unquantized engine: dequantized)
+        core.runner.load_checkpoint(checkpoint_weights(checkpoint.config, core.runner.weight_layout,
+                                                        device=core.runner.device))
     except Exception as error:
         try:  # some parameters may hold the new checkpoint's tensors already
-            core.runner.load_checkpoint(checkpoint_weights(core.config))
+            core.runner.load_checkpoint(checkpoint_weights(core.config, core.runner.weight_layout,
+                                                            device=core.runner.device))
         except Exception as restore_error:
             raise EngineDeadError(f"reload(): {checkpoint.config.model!r} failed to load ({error}), and the "
                                   f"engine's own weights could not be read back from {core.config.model!r} "

@@ -85,9 +85,11 @@ class Sequence:
         self.pooled_sum = None
         self.num_pooled_tokens = 0
         # speculative decoding (engine/speculation.py): the draft tokens its next decode verifies
-        # (read by the scheduler; [] decodes one token), its recent acceptance and the step until
+        # (read by the scheduler; [] decodes one token) and the distribution they were drawn from
+        # (SampledDrafts.probs; None: point proposals), its recent acceptance and the step until
         # which it does not speculate
         self.draft_token_ids: list[int] = []
+        self.draft_probs = None
         self.draft_acceptance = 1.0
         self.drafts_paused_until = 0
 

@@ -47,7 +47,7 @@ def plan_step(sched: SchedulerOutput) -> StepPlan:
     plan = StepPlan(input_ids, starts, query_lens, block_rows, logits_indices, pending_at, pending_rows, sampling,
                     plan_prompt_logprobs(sched), engine_step=sched, new_requests=new_requests)
     if sched.num_draft_tokens:
-        plan.draft_token_ids, plan.rows_per_request = verified_drafts(sched)
+        plan.draft_token_ids, plan.rows_per_request, plan.draft_probs = verified_drafts(sched)
     return plan
 
 

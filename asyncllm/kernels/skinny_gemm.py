@@ -27,6 +27,13 @@ tile is computed as silu(gate) * up on load, rounded as fused_ops.silu_and_mul r
 SwiGLU's own launch and its output's round trip through memory disappear. Every program recomputes
 the gate of its K range, so the layer times this form against the unfused pair too.
 
+FP8 weights (weight-only; layers/fp8_linear.py): the same kernels read float8_e4m3fn weight tiles
+(half the bytes of bf16) with a float32 scale per output row and group of `group_k` input columns
+(one group: per-channel scales). W_SCALED widens each tile in registers: the FMA loop multiplies the
+widened tile by its rows' scales before the products; the dot loop feeds the tile to the MMA in x's
+dtype (e4m3 -> bf16/fp16 is exact) and scales the tile's fp32 partial sums. A K tile must lie inside
+one scale group (fp8_candidate_configs caps block_k at group_k's largest power-of-two divisor).
+
 Tilings come from candidate_configs, a small fixed rule per (rows, N, K) and its neighbours; the
 layer that uses this kernel (asyncllm.layers.skinny_linear) times the first few against cuBLAS once
 per shape, outside graph capture, and benchmarks/bench_gemm.py times them all.
@@ -39,11 +46,10 @@ import torch
 import triton
 import triton.language as tl
 
-from asyncllm.kernels.fused_ops import _silu_mul
+# _dot: the interpreter's bf16 tl.dot workaround, shared with the attention kernels
+from asyncllm.kernels.fused_ops import _dot, _dot_config, _silu_mul
 from asyncllm.kernels.host import cdiv, next_power_of_2
 from asyncllm.kernels.pdl import launch_dependents, launch_options, wait_for_previous
-# the interpreter's bf16 tl.dot workaround, shared with the attention kernels
-from asyncllm.kernels.paged_attention import _dot, _dot_config
 
 MAX_ROWS = 16  # the dot loop's row tile; more rows go to cuBLAS, which is compute-efficient there
 FMA_MAX_ROWS = 4  # the FMA loop's accumulators grow with the rows: above this, the dot loop only
@@ -93,6 +99,30 @@ def _load_x(ptrs, mask, K, GATED: tl.constexpr):
 
 
 @triton.jit
+def _scaled(w, scale_ptrs, group, mask, W_SCALED: tl.constexpr):
+    """An FP8 weight tile widened to fp32 and multiplied by its rows' scales for K group `group`
+    (scale_ptrs: the rows' scale rows, shaped to broadcast over the tile); any other tile as it is."""
+    if W_SCALED:
+        tile = w.to(tl.float32) * tl.load(scale_ptrs + group, mask=mask, other=0.0)
+    else:
+        tile = w
+    return tile
+
+
+@triton.jit
+def _tile_dot(w, xt, scale_ptrs, group, mask, W_SCALED: tl.constexpr, UPCAST_DOT: tl.constexpr,
+              PRECISION: tl.constexpr):
+    """w @ x^T for one K tile in fp32; an FP8 tile goes to the MMA in x's dtype (exact) and its sums
+    are scaled per row after (one multiply per output, not per weight)."""
+    if W_SCALED:
+        scale = tl.load(scale_ptrs + group, mask=mask, other=0.0)
+        part = _dot(w.to(xt.dtype), xt, UPCAST_DOT, PRECISION) * scale[:, None]
+    else:
+        part = _dot(w, xt, UPCAST_DOT, PRECISION)
+    return part
+
+
+@triton.jit
 def _fma_tile(x, w, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPED: tl.constexpr):
     """The products of x (BLOCK_M, 1, BLOCK_K) and w (1, BLOCK_N, BLOCK_K) in fp32, to accumulate:
     elementwise, or where GROUPED summed over each run of FMA_GROUP neighbouring K columns first,
@@ -107,10 +137,10 @@ def _fma_tile(x, w, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.co
 
 
 @triton.jit
-def _skinny_fma_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                       k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       GATED: tl.constexpr, GROUPED: tl.constexpr, USE_PDL: tl.constexpr):
+def _skinny_fma_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, scale_ptr, M, N, K, stride_xm, stride_wn,
+                       stride_om, stride_sn, group_k, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       GATED: tl.constexpr, GROUPED: tl.constexpr, W_SCALED: tl.constexpr, USE_PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     # 3-D index vectors: x tiles are (BLOCK_M, 1, BLOCK_K), weight tiles (1, BLOCK_N, BLOCK_K); their
@@ -127,7 +157,9 @@ def _skinny_fma_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, M, N, K, st
     # the first weight tile before the wait: no kernel writes weights, so it streams in while the
     # kernels before this one finish (kernels/pdl.py); an empty split's tile is all masked
     first_mask = n_mask & (k_start + k3 < k_end)
+    scale_ptrs = scale_ptr + n3 * stride_sn
     w = tl.load(w_ptrs + k_start, mask=first_mask, other=0.0)
+    w = _scaled(w, scale_ptrs, k_start // group_k, n_mask & (k_start < k_end), W_SCALED)
     launch_dependents(USE_PDL)
     wait_for_previous(USE_PDL)
     x = _load_x(x_ptrs + k_start, m_mask & (k_start + k3 < k_end), K, GATED)
@@ -140,6 +172,7 @@ def _skinny_fma_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, M, N, K, st
             k_mask = k0 + k3 < k_end
             x = _load_x(x_ptrs + k0, m_mask & k_mask, K, GATED)
             w = tl.load(w_ptrs + k0, mask=n_mask & k_mask, other=0.0)
+        w = _scaled(w, scale_ptrs, k0 // group_k, n_mask, W_SCALED)
         acc += _fma_tile(x, w, BLOCK_M, BLOCK_N, BLOCK_K, GROUPED)
     rows_m = tl.arange(0, BLOCK_M)
     rows_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -148,11 +181,11 @@ def _skinny_fma_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, M, N, K, st
 
 
 @triton.jit
-def _skinny_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                       k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       GATED: tl.constexpr, UPCAST_DOT: tl.constexpr, PRECISION: tl.constexpr,
-                       USE_PDL: tl.constexpr):
+def _skinny_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, scale_ptr, M, N, K, stride_xm, stride_wn,
+                       stride_om, stride_sn, group_k, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       GATED: tl.constexpr, W_SCALED: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                       PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows_m = tl.arange(0, BLOCK_M)
@@ -169,7 +202,11 @@ def _skinny_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, M, N, K, st
     launch_dependents(USE_PDL)
     wait_for_previous(USE_PDL)
     xt = _load_x(xt_ptrs + k_start, m_mask & (k_start + cols < k_end)[:, None], K, GATED)
-    acc = _dot(w, xt, UPCAST_DOT, PRECISION)  # y^T: the weight rows are the MMA's M
+    scale_ptrs = scale_ptr + rows_n * stride_sn
+    n_rows = rows_n < N
+    # y^T: the weight rows are the MMA's M
+    acc = _tile_dot(w, xt, scale_ptrs, k_start // group_k, n_rows & (k_start < k_end), W_SCALED, UPCAST_DOT,
+                    PRECISION)
     for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
         if EVEN_K:
             xt = _load_x(xt_ptrs + k0, m_mask, K, GATED)
@@ -177,7 +214,7 @@ def _skinny_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, M, N, K, st
         else:
             xt = _load_x(xt_ptrs + k0, m_mask & (k0 + cols < k_end)[:, None], K, GATED)
             w = tl.load(w_ptrs + k0, mask=n_mask & (k0 + cols < k_end)[None, :], other=0.0)
-        acc += _dot(w, xt, UPCAST_DOT, PRECISION)
+        acc += _tile_dot(w, xt, scale_ptrs, k0 // group_k, n_rows, W_SCALED, UPCAST_DOT, PRECISION)
     _store_result(tl.trans(acc), rows_m, rows_n, M, N, bias_ptr, out_ptr, partial_ptr, stride_om, pid_k,
                   SPLIT_K, HAS_BIAS)
 
@@ -253,11 +290,27 @@ def candidate_configs(num_rows: int, n: int, k: int, num_sms: int) -> list[Skinn
     return unique
 
 
+def fp8_candidate_configs(num_rows: int, n: int, k: int, num_sms: int, group_k: int | None) -> list[SkinnyConfig]:
+    """candidate_configs for FP8 weights whose scales come per group_k columns (None: per channel): every
+    K tile inside one group, block_k at most group_k's largest power-of-two divisor (the tl.dot loop
+    needs 16 or more). Empty where no tiling fits (the layer dequantizes instead)."""
+    configs = []
+    for config in candidate_configs(num_rows, n, k, num_sms):
+        if group_k is not None:
+            config = replace(config, block_k=min(config.block_k, group_k & -group_k))
+        if (config.block_k >= 16 or not config.dot) and config not in configs:
+            configs.append(config)
+    return configs
+
+
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig,
-                out: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+                out: torch.Tensor | None = None, gated: bool = False, scale: torch.Tensor | None = None,
+                group_k: int | None = None) -> torch.Tensor:
     """x (..., K) with at most MAX_ROWS rows, weight (N, K) row-major, bias (N,) or None: the
     (..., N) result in x's dtype, as F.linear gives it. gated: x is (..., 2K), gate then up, and the
-    result is F.linear(fused_ops.silu_and_mul(x), weight, bias)."""
+    result is F.linear(fused_ops.silu_and_mul(x), weight, bias). scale: weight is float8_e4m3fn and
+    weight[n, k] stands for weight[n, k] * scale[n, k // group_k] (scale (N, G) float32; group_k
+    None: G is 1, per-channel scales); each of config's K tiles must lie in one group."""
     n, k = weight.shape
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -280,11 +333,19 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         upcast, precision = _dot_config(x.dtype)
         kernel, dot_args = _skinny_dot_kernel, dict(UPCAST_DOT=upcast, PRECISION=precision)
     pdl = launch_options(x)
+    if scale is not None:
+        assert scale.dtype == torch.float32 and scale.shape[0] == n and scale.stride(1) == 1, scale.shape
+        assert scale.shape[1] == 1 or (group_k % config.block_k == 0 and scale.shape[1] == cdiv(k, group_k)), \
+            (tuple(scale.shape), group_k, config)
+    scale_arg = scale if scale is not None else weight  # unused when W_SCALED is off
+    # one group (per-channel scales): any k // group_k is 0
+    group_arg = group_k if scale is not None and scale.shape[1] > 1 else 1 << 30
     kernel[(cdiv(n, config.block_n), split)](
-        x2, weight, bias_arg, out, partial, num_rows, n, k, x2.stride(0), weight.stride(0), out.stride(0),
-        k_per_split, BLOCK_M=block_rows(num_rows, config.dot), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        SPLIT_K=split, EVEN_K=k % config.block_k == 0, HAS_BIAS=bias is not None, GATED=gated,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl, **dot_args)
+        x2, weight, bias_arg, out, partial, scale_arg, num_rows, n, k, x2.stride(0), weight.stride(0), out.stride(0),
+        scale_arg.stride(0), group_arg, k_per_split, BLOCK_M=block_rows(num_rows, config.dot), BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, SPLIT_K=split, EVEN_K=k % config.block_k == 0, HAS_BIAS=bias is not None,
+        GATED=gated, W_SCALED=scale is not None, num_warps=config.num_warps, num_stages=config.num_stages, **pdl,
+        **dot_args)
     if split > 1:
         block = min(1024, next_power_of_2(n))
         _split_k_reduce_kernel[(num_rows, cdiv(n, block))](

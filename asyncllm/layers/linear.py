@@ -3,6 +3,10 @@
 Column-parallel layers split the output features, row-parallel ones the input features and sum
 the partial products with one all-reduce. Each parameter carries a weight_loader that takes the
 full checkpoint tensor and keeps this rank's shard, so loading needs no knowledge of the split.
+
+keep_fp8() turns a layer's weight into float8_e4m3fn with a float32 weight_scale of one value per
+output row and group of input columns (layers/fp8_linear.py); the scale has the same loaders, so it
+is cut with its rows (and, in a row-parallel layer, with its column groups).
 """
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import torch
 from torch import nn
 
 from asyncllm.distributed import all_reduce, get_tp_rank, get_tp_size
-from asyncllm.layers import skinny_linear
+from asyncllm.layers import fp8_linear, skinny_linear
 
 
 class WeightShapeError(ValueError):
@@ -48,6 +52,31 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.register_parameter("weight_scale", None)  # keep_fp8()'s
+        self.group_k = None  # keep_fp8()'s: input columns per scale (None: one scale per row)
+
+    def keep_fp8(self, group_k: int | None) -> None:
+        """Hold the weight as float8_e4m3fn and a float32 scale per output row and group_k input
+        columns (None: per row), loaded as checkpoint tensors '<weight>' and '<weight>_scale' (models/fp8.py
+        makes them so). A row-parallel shard must hold whole groups: the scales are cut between them."""
+        out_features, in_features = self.weight.shape
+        if group_k is not None and self.tp_dim == 1 and self.tp_size > 1 and in_features % group_k:
+            raise ValueError(f"tensor_parallel_size={self.tp_size} splits {in_features * self.tp_size} input "
+                             f"columns into {in_features} per rank, not a multiple of the FP8 weights' "
+                             f"{group_k}-column scale blocks")
+        groups = 1 if group_k is None else -(-in_features // group_k)
+        shards = getattr(self.weight, "required_shards", None)
+        device = self.weight.device
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=fp8_linear.FP8_DTYPE, device=device),
+                                   requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(out_features, groups, dtype=torch.float32, device=device),
+                                         requires_grad=False)
+        self.weight_scale.tp_replicated = group_k is None  # a per-row scale serves every column shard
+        for param in (self.weight, self.weight_scale):
+            param.weight_loader = self.weight_loader
+            if shards is not None:
+                param.required_shards = shards
+        self.group_k = group_k
 
     def require_shards(self, shard_ids) -> None:
         """A fused layer's parameters are loaded in parts (load_weights passes each one's shard id):
@@ -58,7 +87,8 @@ class LinearBase(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *args) -> None:
         full_shape = list(param.shape)
-        sharded = self.tp_dim is not None and param.dim() > self.tp_dim and self.tp_size > 1
+        sharded = self.tp_dim is not None and param.dim() > self.tp_dim and self.tp_size > 1 \
+            and not getattr(param, "tp_replicated", False)
         if sharded:
             full_shape[self.tp_dim] *= self.tp_size
         check_loaded_shape(loaded, full_shape)
@@ -68,7 +98,12 @@ class LinearBase(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return skinny_linear.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.weight_scale is not None:
+            return fp8_linear.linear(x, self.weight, self.weight_scale, self.group_k, bias)
+        return skinny_linear.linear(x, self.weight, bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -124,11 +159,13 @@ class RowParallelLinear(LinearBase):
         super().__init__(_divide(input_size, get_tp_size()), output_size, bias, tp_dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._reduce(skinny_linear.linear(x, self.weight))
+        return self._reduce(self.matmul(x))
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """forward(silu(gate) * up) of x = [gate | up], this rank's shard of a merged gate/up
         projection's output: the MLP's down projection, in one kernel at decode's few rows."""
+        if self.weight_scale is not None:
+            return self._reduce(fp8_linear.silu_mul_linear(x, self.weight, self.weight_scale, self.group_k))
         return self._reduce(skinny_linear.silu_mul_linear(x, self.weight))
 
     def _reduce(self, y: torch.Tensor) -> torch.Tensor:

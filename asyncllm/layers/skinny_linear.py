@@ -109,7 +109,7 @@ def batch1_alternatives() -> list[tuple[bool, tuple, list]]:
             if key[2] != 1 or config is None or (not gated and _gated_choices.get(key) is not None) \
                     or (gated, key) in _settled:
                 continue
-            candidates = kernels.candidate_configs(1, key[3], key[4], _num_sms(key[0]))[:MAX_CANDIDATES]
+            candidates = kernels.candidate_configs(1, key[3], key[4], num_sms(key[0]))[:MAX_CANDIDATES]
             tilings = [config, replace(config, grouped=True)] + candidates + [replace(candidates[0], grouped=True)]
             if not config.dot and config.block_n >= 8 and config.block_k * 4 <= key[4]:
                 # grouped, a thread's registers allow a 4x deeper, 4x narrower tile (the 8B's qkv took one)
@@ -155,12 +155,21 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return linear(_silu_and_mul(x), weight, bias)
 
 
+def kernel_enabled_for(x: torch.Tensor) -> bool:
+    """x's device and dtype are the kernel's, and the kernel is on (layers/fp8_linear.py asks too)."""
+    return _enabled and x.device.type in KERNEL_DEVICE_TYPES and x.dtype in KERNEL_DTYPES
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """The unfused gate, as silu_mul_linear computes it where the gated kernel is not taken."""
+    return _silu_and_mul(x)
+
+
 def _kernel_choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool):
     """(the kernels module, the SkinnyConfig for x's rows x weight's (N, K)), or (None, None) for
     F.linear. gated: x is [gate | up], and the config is the gated form's (None: the unfused pair)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows and _enabled and x.device.type in KERNEL_DEVICE_TYPES and x.dtype in KERNEL_DTYPES \
-            and weight.dtype == x.dtype and weight.stride(-1) == 1:
+    if rows and kernel_enabled_for(x) and weight.dtype == x.dtype and weight.stride(-1) == 1:
         kernels = kernel_module("skinny_gemm")
         if kernels is not None and rows <= kernels.MAX_ROWS:
             key = (x.device, x.dtype, 1 << (rows - 1).bit_length(), weight.shape[0], weight.shape[1], bias is not None)
@@ -180,7 +189,7 @@ def _decide(key: tuple, kernels, x: torch.Tensor, weight: torch.Tensor, bias: to
     product's own decision first, on the unfused input, and the gated form only where that is the kernel."""
     n, k = weight.shape
     rows = x.numel() // x.shape[-1]
-    candidates = kernels.candidate_configs(rows, n, k, _num_sms(x.device))[:MAX_CANDIDATES]
+    candidates = kernels.candidate_configs(rows, n, k, num_sms(x.device))[:MAX_CANDIDATES]
     config = _choices.get(key, _UNDECIDED)
     if config is _UNDECIDED:
         config = _remembered(key, False, candidates, lambda: choose_fastest(
@@ -215,7 +224,7 @@ def _remembered(key: tuple, gated: bool, candidates: list, measure):
     return None if index is None else candidates[index]
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132  # the interpreter's runs: any count does
     return torch.cuda.get_device_properties(device).multi_processor_count

@@ -16,7 +16,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from asyncllm.config import config_error
-from asyncllm.models.fp8 import dequantized, fp8_format, is_fp8, rounded_through_fp8
+from asyncllm.models.fp8 import _UNSET, Fp8Layout, dequantized, fp8_format, fp8_layout, is_fp8, resident_fp8
 from asyncllm.layers.linear import WeightShapeError, check_loaded_shape
 from asyncllm.models.moe_spec import moe_spec
 
@@ -181,17 +181,25 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor, str]]:
                 yield name, f.get_tensor(name), path
 
 
-def checkpoint_weights(config) -> Iterator[tuple[str, torch.Tensor, str]]:
-    """What load_weights takes for a resolved Config's checkpoint: its tensors, FP8 weights dequantized
-    to float32 (models/fp8.py); with Config.quantization "fp8", an unquantized checkpoint's decoder
-    linear weights rounded through block-wise FP8 (an FP8 checkpoint's are FP8 already)."""
-    weights = iter_safetensors(config.model)
+def weight_layout(config) -> Fp8Layout | None:
+    """How an engine built for a resolved Config keeps its linear weights: FP8 (models/fp8.py) or None."""
+    return fp8_layout(config.hf_config, config.quantization, os.path.join(config.model, "config.json"))
+
+
+def checkpoint_weights(config, layout: Fp8Layout | None = _UNSET, weights: Iterable[tuple] | None = None,
+                       device: torch.device | None = None) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """What load_weights takes for a resolved Config's checkpoint (or the given weights in its stead)
+    into a model of `layout` (default: the one this config builds): with an FP8 layout, the dense linear
+    weights in FP8 with their row scales (quantized on `device`, the model's, where they must be); without,
+    FP8 weights dequantized to float32 (models/fp8.py)."""
+    if weights is None:
+        weights = iter_safetensors(config.model)
     fmt = fp8_format(config.hf_config, os.path.join(config.model, "config.json"))
-    if fmt is not None:
-        return dequantized(weights, fmt)
-    if config.quantization == "fp8":
-        return rounded_through_fp8(weights)
-    return weights
+    if layout is _UNSET:
+        layout = weight_layout(config)
+    if layout is not None:
+        return resident_fp8(weights, fmt, layout, device)
+    return dequantized(weights, fmt) if fmt is not None else weights
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple]) -> None:
@@ -222,15 +230,19 @@ def load_weights(model: nn.Module, weights: Iterable[tuple]) -> None:
         if name in seen:
             raise ValueError(f"checkpoint tensor {name!r}{where} appears twice (in two shards?)")
         seen.add(name)
-        if is_fp8(tensor):
-            raise ValueError(f"checkpoint tensor {name!r}{where} is {tensor.dtype}, but config.json has no FP8 "
-                             "quantization_config saying how it is scaled")
-        if not tensor.is_floating_point() or tensor.element_size() < 2:
-            raise ValueError(f"checkpoint tensor {name!r}{where} is {tensor.dtype}: only float16, bfloat16 and "
-                             "float32 weights are supported (quantized checkpoints are not)")
         param_name, shard_args = _expert_target(model, name, params) or _packed_target(name, packed)
         if param_name not in params and "model." + param_name in params:
             param_name, base_model = "model." + param_name, True
+        fp8_param = param_name in params and is_fp8(params[param_name])
+        if is_fp8(tensor) and not fp8_param:
+            raise ValueError(f"checkpoint tensor {name!r}{where} is {tensor.dtype}, but config.json has no FP8 "
+                             "quantization_config saying how it is scaled")
+        if not fp8_param and (not tensor.is_floating_point() or tensor.element_size() < 2):
+            raise ValueError(f"checkpoint tensor {name!r}{where} is {tensor.dtype}: only float16, bfloat16 and "
+                             "float32 weights are supported (quantized checkpoints are not)")
+        if fp8_param and tensor.dtype != params[param_name].dtype:
+            raise ValueError(f"checkpoint tensor {name!r}{where} is {tensor.dtype}, but {param_name} holds FP8 "
+                             f"({params[param_name].dtype})")
         if param_name not in params:
             raise ValueError(f"checkpoint tensor {name!r}{where} has no place in {type(model).__name__}")
         param = params[param_name]

@@ -1,5 +1,5 @@
-"""FP8 checkpoints, dequantized at load: the format config.json's quantization_config declares, and
-the stream of checkpoint tensors with each FP8 weight replaced by its dequantized float32 tensor.
+"""FP8 weights at load: the format config.json's quantization_config declares, and the streams of
+checkpoint tensors that load_weights takes, FP8 weights kept in FP8 or dequantized.
 
 Formats (quant_method "fp8", fmt "e4m3", the weights torch.float8_e4m3fn):
 - block-wise (weight_block_size [bm, bn]; Qwen3-*-FP8, DeepSeek-V3): `<name>_scale_inv`, float32 of
@@ -9,10 +9,18 @@ Formats (quant_method "fp8", fmt "e4m3", the weights torch.float8_e4m3fn):
 Static activation scales (`<name-without-weight>input_scale`) are read past: weights are computed in the
 compute dtype here, so nothing quantizes activations.
 
-A weight is dequantized as it streams by, before load_weights places it, so a fused (q/k/v, gate/up)
-or sharded parameter receives each part already in float. Config(quantization="fp8") on a checkpoint
-that is not FP8 rounds every decoder linear weight through the same block-wise format
-(quantize_blockwise, then dequantize): FP8 weights' quality, emulated, until FP8 GEMM kernels exist.
+An engine on an FP8 checkpoint, or with Config(quantization="fp8"), keeps its decoder's linear
+layers' weights in FP8 (fp8_layout; layers/fp8_linear.py computes with them): the stream
+(resident_fp8) gives each such weight as '<name>' (float8_e4m3fn) and '<name>_scale' (float32, one
+scale per output row and group of input columns), which the layers' loaders fuse and shard as rows.
+A checkpoint's block scales are repeated over their blocks' rows, its FP8 bytes kept as they are;
+an unquantized checkpoint's weights are quantized per output channel: every row its own scale,
+which a fused or sharded layer cuts with its rows and torch._scaled_mm applies directly (W8A8 at
+large batch), unlike 128-column groups. Mixture-of-experts experts and the router are dequantized
+(the experts' kernel computes in the compute dtype): an unquantized checkpoint's experts are
+rounded through block-wise FP8 (quantize_blockwise, then dequantize), FP8 quality emulated.
+An engine without an FP8 layout (reload() of an FP8 checkpoint into an unquantized engine) takes
+every FP8 weight dequantized (dequantized).
 """
 from __future__ import annotations
 
@@ -21,8 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
-EMULATION_BLOCK = (128, 128)  # Config(quantization="fp8"): the block of Qwen's and DeepSeek's checkpoints
+from asyncllm.layers.fp8_linear import FP8_MAX, quantize_rows
+
+EMULATION_BLOCK = (128, 128)  # an unquantized checkpoint's experts: the block of Qwen's and DeepSeek's checkpoints
 _FP8_DTYPES = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
                                                       "float8_e5m2fnuz") if hasattr(torch, name))
 
@@ -35,6 +44,40 @@ class Fp8Format:
     @property
     def scale_suffix(self) -> str:
         return "_scale_inv" if self.block else "_scale"
+
+
+_UNSET = object()  # checkpoint_weights' layout argument, not given
+
+
+@dataclass(frozen=True)
+class Fp8Layout:
+    """How an engine keeps its decoder linear weights in FP8: a float32 scale per output row and group_k
+    input columns (None: per row)."""
+    group_k: int | None
+
+
+def fp8_layout(hf_config, quantization: str | None, config_path: str) -> Fp8Layout | None:
+    """The layout of an engine's FP8 weights: an FP8 checkpoint's own groups (its blocks' columns, or
+    per row for per-tensor / per-channel scales), per row for Config(quantization="fp8") on an
+    unquantized checkpoint; None: unquantized weights."""
+    fmt = fp8_format(hf_config, config_path)
+    if fmt is not None:
+        return Fp8Layout(fmt.block[1] if fmt.block else None)
+    return Fp8Layout(None) if quantization == "fp8" else None
+
+
+def keeps_fp8(name: str, tensor: torch.Tensor) -> bool:
+    """A checkpoint tensor that an engine with an FP8 layout holds in FP8: a dense decoder linear
+    layer's weight (no expert's, no router's)."""
+    return tensor.dim() == 2 and is_decoder_linear_weight(name, tensor) and ".experts." not in name
+
+
+def keep_linear_weights_fp8(model, layout: Fp8Layout) -> None:
+    """Turn the model's dense decoder linear layers (those keeps_fp8 names) to FP8 storage, before loading."""
+    for module_name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if hasattr(module, "keep_fp8") and weight is not None and keeps_fp8(module_name + ".weight", weight):
+            module.keep_fp8(layout.group_k)
 
 
 def fp8_format(hf_config, config_path: str) -> Fp8Format | None:
@@ -75,10 +118,52 @@ def is_fp8(tensor: torch.Tensor) -> bool:
 
 
 def dequantized(weights: Iterable[tuple], fmt: Fp8Format) -> Iterator[tuple]:
-    """(name, tensor, *file) as they come, but each FP8 weight, once its scale has come too (before or
-    after it, in any shard), as (name, float32 weight, *file); the scales themselves are consumed. An
-    FP8 weight without its scale, a scale without its FP8 weight, a scale of the wrong shape or with a
-    non-finite value are ValueErrors naming the tensor and file."""
+    """(name, tensor, *file) as they come, but each FP8 weight as (name, float32 weight, *file)."""
+    for name, tensor, scale, *source in _paired(weights, fmt):
+        yield (name, tensor if scale is None else dequantize(tensor, scale, fmt.block), *source)
+
+
+def resident_fp8(weights: Iterable[tuple], fmt: Fp8Format | None, layout: Fp8Layout,
+                 device: torch.device | None = None) -> Iterator[tuple]:
+    """What an engine with an FP8 layout loads: each weight keeps_fp8 names as (name, float8_e4m3fn,
+    *file) and (name + "_scale", float32 (rows, groups), *file); an FP8 checkpoint's bytes as they are
+    where its groups are the layout's, else (reload() of another format) dequantized and quantized
+    again. The other FP8 weights dequantized, an unquantized checkpoint's experts rounded through FP8.
+    device: where weights are quantized (the model's: an 8B checkpoint's passes over float32 copies take
+    tens of seconds on a CPU)."""
+    same_groups = fmt is not None and (fmt.block[1] if fmt.block else None) == layout.group_k
+    for name, tensor, scale, *source in _paired(weights, fmt) if fmt is not None else \
+            ((name, tensor, None, *source) for name, tensor, *source in weights):
+        if keeps_fp8(name, tensor) and (scale is not None or tensor.is_floating_point()):
+            if scale is not None and same_groups:
+                quantized, row_scale = tensor, _row_scales(scale, fmt.block, tensor.shape[0])
+            else:
+                weight = tensor if scale is None else dequantize(tensor, scale, fmt.block)
+                quantized, row_scale = quantize_rows(weight.to(device) if device is not None else weight,
+                                                     layout.group_k)
+            yield (name, quantized, *source)
+            yield (name + "_scale", row_scale, *source)
+        elif scale is not None:
+            yield (name, dequantize(tensor, scale, fmt.block), *source)
+        elif fmt is None and is_decoder_linear_weight(name, tensor) and tensor.is_floating_point():
+            yield (name, dequantize(*quantize_blockwise(tensor, EMULATION_BLOCK), EMULATION_BLOCK), *source)
+        else:
+            yield (name, tensor, *source)
+
+
+def _row_scales(scale: torch.Tensor, block: tuple[int, int] | None, rows: int) -> torch.Tensor:
+    """A checkpoint's scales as one per output row (and column block): (rows, groups) float32."""
+    scale = scale.to(torch.float32)
+    if block:
+        return scale.repeat_interleave(block[0], dim=0)[:rows].contiguous()
+    return scale.reshape(-1, 1).expand(rows, 1).contiguous() if scale.numel() == 1 else scale.reshape(rows, 1)
+
+
+def _paired(weights: Iterable[tuple], fmt: Fp8Format) -> Iterator[tuple]:
+    """(name, tensor, None, *file) as they come, but each FP8 weight, once its scale has come too
+    (before or after it, in any shard), as (name, FP8 weight, its scale, *file); the scales are not
+    passed on by themselves. An FP8 weight without its scale, a scale without its FP8 weight, a scale
+    of the wrong shape or with a non-finite value are ValueErrors naming the tensor and file."""
     suffix = fmt.scale_suffix
     other_suffix = "_scale" if fmt.block else "_scale_inv"
     waiting_weights: dict[str, tuple] = {}  # an FP8 weight whose scale has not come yet
@@ -93,7 +178,8 @@ def dequantized(weights: Iterable[tuple], fmt: Fp8Format) -> Iterator[tuple]:
             weight_name = name[:-len(suffix)]
             if weight_name in waiting_weights:
                 quantized, source = waiting_weights.pop(weight_name)
-                yield (weight_name, _dequantize_checked(weight_name, quantized, tensor, fmt, source), *source)
+                _check_pair(weight_name, quantized, tensor, fmt, source)
+                yield (weight_name, quantized, tensor, *source)
             else:
                 waiting_scales[weight_name] = (tensor, source)
         elif name.endswith("weight" + other_suffix):
@@ -102,13 +188,14 @@ def dequantized(weights: Iterable[tuple], fmt: Fp8Format) -> Iterator[tuple]:
         elif is_fp8(tensor):
             if name in waiting_scales:
                 scale, _ = waiting_scales.pop(name)
-                yield (name, _dequantize_checked(name, tensor, scale, fmt, source), *source)
+                _check_pair(name, tensor, scale, fmt, source)
+                yield (name, tensor, scale, *source)
             else:
                 waiting_weights[name] = (tensor, source)
         else:
             if name in waiting_scales:
                 _unscaled(name, tensor, source)
-            yield (name, tensor, *source)
+            yield (name, tensor, None, *source)
     if waiting_weights:
         name, (tensor, source) = next(iter(waiting_weights.items()))
         raise ValueError(f"checkpoint tensor {name!r}{_where(source)} is {_dtype(tensor)} but the checkpoint has no "
@@ -124,8 +211,7 @@ def _unscaled(name: str, tensor: torch.Tensor, source: list) -> None:
                      "scale for it: only FP8 weights are scaled")
 
 
-def _dequantize_checked(name: str, quantized: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format,
-                        source: list) -> torch.Tensor:
+def _check_pair(name: str, quantized: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, source: list) -> None:
     if quantized.dtype != torch.float8_e4m3fn:
         raise ValueError(f"checkpoint tensor {name!r}{_where(source)} is {_dtype(quantized)}: "
                          "quantization_config.fmt 'e4m3' means float8_e4m3fn")
@@ -141,7 +227,6 @@ def _dequantize_checked(name: str, quantized: torch.Tensor, scale: torch.Tensor,
     if not scale.is_floating_point() or not bool(torch.isfinite(scale).all()):
         raise ValueError(f"checkpoint tensor {name + fmt.scale_suffix!r}{_where(source)} must hold finite floats "
                          f"(it is {_dtype(scale)}{'' if not scale.is_floating_point() else ', with inf or NaN'})")
-    return dequantize(quantized, scale, fmt.block)
 
 
 def scale_shapes(shape, block: tuple[int, int] | None) -> list[tuple]:
@@ -188,15 +273,6 @@ def is_decoder_linear_weight(name: str, tensor: torch.Tensor) -> bool:
     (attention, MLP, experts), not the embedding, the LM head, norms or a mixture-of-experts router
     (its scores pick experts: FP8 checkpoints keep it unquantized too)."""
     return tensor.dim() >= 2 and ".layers." in name and not name.endswith("gate.weight")
-
-
-def rounded_through_fp8(weights: Iterable[tuple]) -> Iterator[tuple]:
-    """The checkpoint's decoder linear weights quantized block-wise to FP8 and dequantized again, in
-    float32 (Config(quantization="fp8") on an unquantized checkpoint); everything else as it comes."""
-    for name, tensor, *source in weights:
-        if is_decoder_linear_weight(name, tensor) and tensor.is_floating_point():
-            tensor = dequantize(*quantize_blockwise(tensor, EMULATION_BLOCK), EMULATION_BLOCK)
-        yield (name, tensor, *source)
 
 
 def _where(source: list) -> str:

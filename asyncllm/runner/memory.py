@@ -123,7 +123,8 @@ class RunnerMemory:
         parked = self._parked
         with DEVICE_WIDE:
             try:
-                parked.restore(lambda: load_weights(self.model, checkpoint_weights(self.config)))
+                parked.restore(lambda: load_weights(self.model, checkpoint_weights(self.config, self.weight_layout,
+                                                                                   device=self.device)))
                 self._allocate_kv_cache()
                 self.attn_backend = self._create_backend(self.kv_cache)
                 try:

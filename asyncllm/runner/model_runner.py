@@ -22,7 +22,8 @@ from asyncllm.layers import skinny_linear
 from asyncllm.layers.device_wide import DEVICE_WIDE
 from asyncllm.layers.rejection_sampler import RejectionSampler
 from asyncllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors, gather_logprobs
-from asyncllm.models.checkpoint import checkpoint_weights, load_weights
+from asyncllm.models.checkpoint import checkpoint_weights, load_weights, weight_layout
+from asyncllm.models.fp8 import keep_linear_weights_fp8
 from asyncllm.models.registry import create_model
 from asyncllm.runner.launched_step import LaunchedStep
 from asyncllm.runner.memory import RunnerMemory
@@ -85,8 +86,11 @@ class ModelRunner(RunnerMemory):
         with phase(BUILD_MODEL):
             with torch.device(self.device):
                 self.model = create_model(hf, max_model_len=config.max_model_len, dtype=self.dtype)
+                self.weight_layout = weight_layout(config)  # FP8 linear weights, or None
+                if self.weight_layout is not None:
+                    keep_linear_weights_fp8(self.model, self.weight_layout)
         with phase(LOAD_WEIGHTS):
-            load_weights(self.model, weights if weights is not None else checkpoint_weights(config))
+            load_weights(self.model, checkpoint_weights(config, weights=weights, device=self.device))
             self.model.eval()
         with phase(SAMPLER):
             # the CPU path's noise for unseeded rows, the engine's own (the process's generator is the
@@ -139,7 +143,8 @@ class ModelRunner(RunnerMemory):
             self.config.attention_backend, self.device,
             k_caches=list(kv_cache[0].unbind(0)), v_caches=list(kv_cache[1].unbind(0)),
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            scale=self.head_dim ** -0.5)
+            scale=self.head_dim ** -0.5,
+            rotate_qk=self.config.kv_cache_dtype == "fp8" and self.config.kv_cache_rotation)
 
     def _synthetic_step(self, num_prompts: int, prompt_len: int, num_decodes: int = 0,
                         context: int = 0) -> ForwardBatch:
@@ -351,7 +356,8 @@ class ModelRunner(RunnerMemory):
             counts = np.array(plan.rows_per_request, dtype=np.int64)
             draft_ids, first_rows = upload_arrays([np.array(plan.draft_token_ids, dtype=np.int64),
                                                    np.repeat(np.cumsum(counts) - counts, counts)], self.device)
-            sampler = functools.partial(self.rejection_sampler, draft_ids=draft_ids, first_rows=first_rows)
+            sampler = functools.partial(self.rejection_sampler, draft_ids=draft_ids, first_rows=first_rows,
+                                        draft_probs=plan.draft_probs)
         if constraints is None:
             output = self.sample(logits, sampling) if sampler is self.sampler else sampler(logits, sampling)
             return LaunchedStep(plan, output, logprob_ks, prompt_logprobs, stream=stream, pooling=pooling,

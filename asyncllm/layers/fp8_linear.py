@@ -1,0 +1,145 @@
+"""F.linear for weights kept in FP8: float8_e4m3fn (N, K) with float32 scales (N, G), one per output
+row and group of group_k input columns (group_k None: G is 1, per-channel scales).
+
+Per row, not per 128x128 block as checkpoints store them (models/fp8.py expands a block's scale over
+its rows): a fused layer (q/k/v, gate/up) and a tensor-parallel shard then cut their scales exactly
+where they cut their rows, whatever the block boundaries (gate/up with an intermediate size that is
+not a multiple of 128, q/k/v with replicated KV heads). The cost is one float32 per row per group,
+3% of the FP8 bytes at group 128.
+
+Three paths, by the rows of x:
+- 1..MAX_ROWS rows on CUDA (decode): the skinny GEMM kernel's weight-only form
+  (kernels/skinny_gemm.py, W_SCALED), which reads the FP8 bytes and widens and scales them in
+  registers: the time follows the bytes, half of bf16's. Its tiling is the rule's first
+  candidate (no timing against cuBLAS: the alternative would first dequantize the whole matrix).
+  The MLP's down projection takes the gated form (silu(gate) * up on load) in the FMA loop's
+  tilings, the unfused pair in the dot loop's (where the gated form is mostly slower in bf16).
+- more rows on CUDA with per-channel scales (sm_89+, bf16): W8A8 through torch._scaled_mm, x quantized
+  per token (row) to e4m3 with a dynamic scale (amax / 448), the product scaled by both rows'
+  scales in fp32. Block-wise groups are a scale per K group, which a row-wise scaled GEMM cannot
+  apply: those dequantize.
+- otherwise (CPU, the reference; block-wise scales at prefill): dequantize to x's dtype, F.linear.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from asyncllm.layers import skinny_linear
+from asyncllm.layers.fused import kernel_module
+
+logger = logging.getLogger("asyncllm")
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+FP8_DTYPE = torch.float8_e4m3fn
+_configs: dict[tuple, object] = {}  # (device, rows bucket, N, K, group_k) -> SkinnyConfig, or None: no tiling fits
+_scaled_mm_broken = False  # torch._scaled_mm failed once here (a build without row-wise scaling): dequantize
+
+
+def quantize_rows(weight: torch.Tensor, group_k: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, float32 scales (rows, G)): each row's group of group_k columns (None: the
+    whole row) scaled so that its largest magnitude maps to FP8_MAX; an all-zero group keeps scale 1."""
+    rows, cols = weight.shape
+    group = cols if group_k is None else group_k
+    groups = -(-cols // group)
+    weight = weight.to(torch.float32)
+    if cols % group == 0:  # whole groups: views, no padded copy
+        amax = weight.view(rows, groups, group).abs().amax(dim=-1)
+    else:
+        padded = torch.zeros(rows, groups * group, dtype=torch.float32, device=weight.device)
+        padded[:, :cols] = weight
+        amax = padded.view(rows, groups, group).abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    if cols % group == 0:
+        quantized = (weight.view(rows, groups, group) / scale[:, :, None]).view(rows, cols)
+    else:
+        quantized = weight / _per_column(scale, group, cols)
+    return quantized.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def dequantize_rows(weight: torch.Tensor, scale: torch.Tensor, group_k: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """weight (FP8) times its row scales, in dtype."""
+    rows, cols = weight.shape
+    if scale.shape[1] == 1:
+        return weight.to(dtype) * scale.to(dtype)
+    if cols % group_k == 0:  # no (rows, cols) copy of the scales
+        groups = scale.shape[1]
+        return (weight.view(rows, groups, group_k).to(dtype) * scale.to(dtype)[:, :, None]).view(rows, cols)
+    return weight.to(dtype) * _per_column(scale, group_k, cols).to(dtype)
+
+
+def _per_column(scale: torch.Tensor, group: int, cols: int) -> torch.Tensor:
+    return scale.repeat_interleave(group, dim=1)[:, :cols]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k: int | None,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight dequantized by scale, bias) by the path x's rows take (the module's doc)."""
+    kernels, config = _kernel_choice(x, weight, group_k)
+    if config is not None:
+        return kernels.skinny_gemm(x, weight, bias, config, scale=scale, group_k=group_k)
+    if group_k is None or scale.shape[1] == 1:
+        if _scaled_mm_usable(x, weight):
+            out = _scaled_mm_linear(x, weight, scale, bias)
+            if out is not None:
+                return out
+    return F.linear(x, dequantize_rows(weight, scale, group_k, x.dtype), bias)
+
+
+def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k: int | None,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """linear(silu(gate) * up) of x = [gate | up]: the MLP's down projection."""
+    kernels, config = _kernel_choice(x, weight, group_k)
+    if config is not None and not config.dot:
+        return kernels.skinny_gemm(x, weight, bias, config, gated=True, scale=scale, group_k=group_k)
+    return linear(skinny_linear.silu_and_mul(x), weight, scale, group_k, bias)
+
+
+def _kernel_choice(x: torch.Tensor, weight: torch.Tensor, group_k: int | None):
+    """(the kernels module, the weight-only tiling for x's rows), or (None, None)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not (rows and skinny_linear.kernel_enabled_for(x)):
+        return None, None
+    kernels = kernel_module("skinny_gemm")
+    if kernels is None or rows > kernels.MAX_ROWS:
+        return None, None
+    n, k = weight.shape
+    key = (x.device, 1 << (rows - 1).bit_length(), n, k, group_k)
+    config = _configs.get(key, False)
+    if config is False:
+        candidates = kernels.fp8_candidate_configs(rows, n, k, skinny_linear.num_sms(x.device), group_k)
+        config = _configs[key] = candidates[0] if candidates else None
+        logger.debug("FP8 skinny GEMM for %d rows x (%d, %d), group %s: %s", rows, n, k, group_k,
+                     "dequantize" if config is None else config.label())
+    return kernels, config
+
+
+def _scaled_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    # bf16 only: row-wise scaled _scaled_mm outputs bf16 (an fp16 model dequantizes)
+    if _scaled_mm_broken or not x.is_cuda or x.dtype != torch.bfloat16:
+        return False
+    n, k = weight.shape
+    return n % 16 == 0 and k % 16 == 0 and torch.cuda.get_device_capability(x.device) >= (8, 9)
+
+
+def _scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+    """W8A8: x quantized per row with a dynamic scale, one FP8 tensor-core GEMM scaled by both rows'
+    scales; None where torch._scaled_mm refuses (remembered: the dequantizing path from then on)."""
+    global _scaled_mm_broken
+    x2 = x.reshape(-1, x.shape[-1])
+    x_scale = (x2.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)
+    quantized = (x2.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    try:
+        out = torch._scaled_mm(quantized, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype)
+    except (RuntimeError, NotImplementedError) as exc:
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise
+        _scaled_mm_broken = True
+        logger.warning("FP8 GEMM: torch._scaled_mm with row-wise scales failed (%s: %s); FP8 weights are "
+                       "dequantized for large batches instead", type(exc).__name__, str(exc)[:200])
+        return None
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], weight.shape[0])

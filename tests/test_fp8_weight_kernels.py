@@ -1,0 +1,167 @@
+"""FP8 weights (weight-only skinny GEMM, W8A8, the dequantizing path) against a plain PyTorch reference:
+the FP8 weight dequantized to float32 and multiplied in float32.
+
+As tests/test_kernels.py: without CUDA the kernels run through Triton's CPU interpreter on small shapes
+(K not a multiple of the 128-column scale group, N no tile divides), with CUDA compiled on the Qwen3
+0.6B / 8B shapes. Outputs are NaN-poisoned first, so an output the kernel never writes fails.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from test_kernels import CUDA, DEVICE, MODEL_GEMM_SHAPES  # noqa: E402  (sets the interpreter up)
+
+from asyncllm.layers import fp8_linear, skinny_linear  # noqa: E402
+from asyncllm.layers.fp8_linear import dequantize_rows, quantize_rows  # noqa: E402
+from helpers import seed_every_test  # noqa: E402
+
+_seed = seed_every_test(4747)
+# the interpreter is slow (a third of a second a launch): every tiling at 1, 4 and 16 rows (the FMA loop's
+# one row and four-row tiles, the dot loop's), the layer test below takes 1, 2, 4, 8, 16 and 64 rows
+ROWS = [1, 2, 4, 8, 16] if CUDA else [1, 4, 16]
+GROUPS = [None, 128, 32]  # per-channel, Qwen's block columns, a group smaller than the rule's tiles
+SHAPE = (1000, 1500) if CUDA else (37, 200)  # 200 = 128 + a partial group of 72
+
+
+def fp8_weight(n: int, k: int, group_k):
+    quantized, scale = quantize_rows((torch.randn(n, k) / k ** 0.5).to(DEVICE), group_k)
+    return quantized, scale, dequantize_rows(quantized, scale, group_k, torch.float32)
+
+
+def reference(x, dequantized, bias=None):
+    y = x.float() @ dequantized.T
+    return y + bias.float() if bias is not None else y
+
+
+def assert_matches(result, ref, label):
+    assert not result.isnan().any(), f"{label}: NaN in the output (an output never written?)"
+    # fp32 sums in another order, then one rounding to bf16 (the interpreter truncates): one or two ulps
+    torch.testing.assert_close(result.float(), ref, rtol=2 ** -6, atol=1e-3, msg=lambda m: f"{label}: {m}")
+
+
+def weight_only_configs(num_rows, n, k, group_k):
+    """The candidate tilings, plus split-K with ragged and empty splits, both loops where the rows allow."""
+    from asyncllm.kernels.skinny_gemm import FMA_MAX_ROWS, SkinnyConfig, fp8_candidate_configs
+    configs = fp8_candidate_configs(num_rows, n, k, 132 if CUDA else 8, group_k)
+    for dot in (True, False) if num_rows <= FMA_MAX_ROWS else (True,):
+        configs += [SkinnyConfig(dot, 16, 32, 3, 4), SkinnyConfig(dot, 16 if dot else 2, 16, 8, 4)]
+    grouped = [replace(config, grouped=True) for config in configs if not config.dot and config.block_k >= 16]
+    return configs + grouped[:None if CUDA else 1]
+
+
+def test_candidate_tiles_stay_inside_one_scale_group():
+    from asyncllm.kernels.skinny_gemm import fp8_candidate_configs
+    for n, k in MODEL_GEMM_SHAPES:
+        for num_rows in (1, 4, 16):
+            for group_k in (None, 128, 96):
+                configs = fp8_candidate_configs(num_rows, n, k, 132, group_k)
+                assert configs, (n, k, num_rows, group_k)
+                for config in configs:
+                    assert group_k is None or group_k % config.block_k == 0, config
+                    assert config.block_k >= 16 or not config.dot, config
+
+
+@pytest.mark.parametrize("group_k", GROUPS)
+@pytest.mark.parametrize("num_rows", ROWS)
+def test_fp8_skinny_gemm_matches_dequantized_reference(num_rows, group_k):
+    from asyncllm.kernels.skinny_gemm import skinny_gemm
+    n, k = SHAPE
+    quantized, scale, dequantized = fp8_weight(n, k, group_k)
+    x = torch.randn(num_rows, k, device=DEVICE).to(torch.bfloat16)
+    bias = torch.randn(n, device=DEVICE).to(torch.bfloat16)
+    configs = weight_only_configs(num_rows, n, k, group_k)
+    assert any(config.split_k > 1 for config in configs) and any(k % config.block_k for config in configs)
+    for index, config in enumerate(configs):
+        for has_bias in (False, True) if CUDA or index == 0 else (False,):
+            out = torch.full((num_rows, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)  # poisoned
+            result = skinny_gemm(x, quantized, bias if has_bias else None, config, out=out, scale=scale,
+                                 group_k=group_k)
+            assert result.data_ptr() == out.data_ptr()
+            assert_matches(result, reference(x, dequantized, bias if has_bias else None), config.label())
+
+
+@pytest.mark.parametrize("group_k", [None, 128])
+@pytest.mark.parametrize("num_rows", [1, 3])
+def test_gated_fp8_skinny_gemm_matches_dequantized_reference(num_rows, group_k):
+    from asyncllm.kernels.fused_ops import silu_and_mul
+    from asyncllm.kernels.skinny_gemm import skinny_gemm
+    n, k = SHAPE
+    quantized, scale, dequantized = fp8_weight(n, k, group_k)
+    gate_up = torch.randn(num_rows, 2 * k, device=DEVICE).to(torch.bfloat16)
+    ref = reference(silu_and_mul(gate_up), dequantized)
+    for config in weight_only_configs(num_rows, n, k, group_k):
+        if config.dot:
+            continue  # the layer takes the gated form in the FMA loop only
+        out = torch.full((num_rows, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        assert_matches(skinny_gemm(gate_up, quantized, None, config, out=out, gated=True, scale=scale,
+                                   group_k=group_k), ref, config.label())
+
+
+@pytest.mark.parametrize("group_k", [None, 128])
+@pytest.mark.parametrize("num_rows", [1, 2, 4, 8, 16, 64])
+def test_fp8_linear_every_path_matches_dequantized_reference(monkeypatch, num_rows, group_k):
+    """The layer's routing: 1..16 rows through the weight-only kernel (CPU counts as a kernel device
+    here), more rows through W8A8 (CUDA, per-channel scales: x quantized per token, so a looser bound)
+    or the dequantizing path; the MLP's gated form too."""
+    monkeypatch.setattr(skinny_linear, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
+    n, k = (1024, 2048) if CUDA else SHAPE
+    quantized, scale, dequantized = fp8_weight(n, k, group_k)
+    x = torch.randn(num_rows, k, device=DEVICE).to(torch.bfloat16)
+    w8a8 = CUDA and num_rows > 16 and group_k is None
+    dequantizing = num_rows > 16 and not w8a8  # the weight dequantized to bf16 first: its own rounding
+    for gated in (False, True):
+        inputs = torch.randn(num_rows, 2 * k, device=DEVICE).to(torch.bfloat16) if gated else x
+        if gated:
+            result = fp8_linear.silu_mul_linear(inputs, quantized, scale, group_k)
+            # the gate as the path computes it: the gated kernel's (fused_ops' rounding) in the FMA loop's
+            # rows, else the unfused SiluAndMul (PyTorch's on CPU)
+            from asyncllm.kernels.fused_ops import silu_and_mul
+            from asyncllm.kernels.skinny_gemm import FMA_MAX_ROWS
+            gate = silu_and_mul(inputs) if num_rows <= FMA_MAX_ROWS else skinny_linear.silu_and_mul(inputs)
+            ref = reference(gate, dequantized)
+        else:
+            result = fp8_linear.linear(inputs, quantized, scale, group_k)
+            ref = reference(inputs, dequantized)
+        assert result.shape == (num_rows, n) and result.dtype == torch.bfloat16
+        if w8a8:  # e4m3 activations: a few percent per product, averaged over K
+            assert not result.isnan().any()
+            assert (result.float() - ref).abs().max() <= 0.05 * ref.abs().max(), (num_rows, gated)
+        elif dequantizing:
+            assert not result.isnan().any()
+            assert (result.float() - ref).abs().max() <= 2 ** -6 * ref.abs().max(), (num_rows, gated)
+        else:
+            assert_matches(result, ref, f"{num_rows} rows, gated={gated}")
+
+
+def test_quantize_rows_round_trip():
+    """Each row's group: its largest magnitude maps to 448 exactly, the rest within half of e4m3's
+    step (2**-4 relative, 2**-9 of the scale below the normal range); an all-zero group keeps scale 1
+    and stays zero."""
+    weight = torch.randn(5, 300)
+    weight[2, 128:256] = 0
+    quantized, scale = quantize_rows(weight, 128)
+    assert quantized.dtype == torch.float8_e4m3fn and scale.shape == (5, 3)
+    assert scale[2, 1] == 1 and (quantized[2, 128:256].float() == 0).all()
+    back = dequantize_rows(quantized, scale, 128, torch.float32)
+    per_column = scale.repeat_interleave(128, dim=1)[:, :300]
+    assert ((back - weight).abs() <= 2 ** -4 * weight.abs() + 2 ** -10 * per_column + 1e-7).all()
+    assert quantized.float().abs().amax() == 448
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA: the model shapes are too large for the interpreter")
+@pytest.mark.parametrize("n,k", MODEL_GEMM_SHAPES)
+def test_fp8_skinny_gemm_model_shapes(n, k):
+    from asyncllm.kernels.skinny_gemm import fp8_candidate_configs, skinny_gemm
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for group_k in (None, 128):
+        quantized, scale, dequantized = fp8_weight(n, k, group_k)
+        for num_rows in (1, 4, 16):
+            x = torch.randn(num_rows, k, device=DEVICE).to(torch.bfloat16)
+            for config in fp8_candidate_configs(num_rows, n, k, num_sms, group_k):
+                out = torch.full((num_rows, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+                assert_matches(skinny_gemm(x, quantized, None, config, out=out, scale=scale, group_k=group_k),
+                               reference(x, dequantized), f"{n}x{k} {config.label()}")
