@@ -32,33 +32,6 @@ PAUSE_STEPS = 32  # engine steps a paused request decodes one token at a time be
 ACCEPTANCE_WEIGHT = 0.5  # the newest step's weight in the running acceptance rate
 
 
-class DraftPosition:
-    """A speculating row's position j > 0 as the sampler reads a request (step_plan.SamplingRequest):
-    the request with its first j drafts taken as generated (their seed keys, bans and bad words follow
-    from that). Everything else is the request's own."""
-    __slots__ = ("seq", "token_ids")
-
-    def __init__(self, seq: Sequence, token_ids: list[int]):
-        self.seq = seq
-        self.token_ids = token_ids
-
-    def __getattr__(self, name: str):
-        return getattr(self.seq, name)
-
-    @property
-    def draft_of(self) -> Sequence:
-        """The request whose draft this position verifies (the runner's penalties read its counts)."""
-        return self.seq
-
-    completion_token_ids = Sequence.completion_token_ids
-    banned_token_ids = Sequence.banned_token_ids
-
-
-def draft_positions(seq: Sequence, drafts: list[int]) -> list:
-    """The requests of a speculating row's 1 + k sampling positions (the first is seq itself)."""
-    return [seq, *(DraftPosition(seq, seq.token_ids + drafts[:j]) for j in range(1, len(drafts) + 1))]
-
-
 def verified_drafts(sched: SchedulerOutput) -> tuple[list[int], list[int], list[tuple[int, object]]]:
     """(the draft each sampling position verifies, -1 at a row's last; each sampling row's positions;
     (its first position, q of the drafts it verifies) of each row whose drafts were drawn from q)."""
