@@ -108,10 +108,10 @@ def test_store_kvcache_fp8_matches_reference(block_size):
     assert k_cache.view(-1, num_kv_heads, head_dim)[first, 0, :2].float().tolist() == [FP8_KV_MAX, -FP8_KV_MAX]
 
 
-def test_qk_norm_rope_stores_fp8_as_store_kvcache():
-    """The fused q/k norm + rotary's K/V store into an FP8 cache: the rotated k and v quantized by the
-    scales, as the reference store writes them; q rotated as without a cache."""
-    num_tokens, num_heads, num_kv_heads, head_dim, block_size = 9, 8, 2, 64, 16
+def qk_norm_rope_case(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int = 16):
+    """Inputs of the fused q/k norm + rotary with an FP8 store: qkv, positions, the cos/sin cache, the two
+    norm weights, slots (one -1: a token not stored) and four NaN-poisoned FP8 caches (two to write, two
+    for the reference)."""
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE).to(DTYPE)
     positions = torch.randint(0, 500, (num_tokens,), device=DEVICE)
     cos_sin = RotaryEmbedding(head_dim, 4096, 1e6).to(DEVICE).cos_sin_cache
@@ -119,7 +119,15 @@ def test_qk_norm_rope_stores_fp8_as_store_kvcache():
     slots = torch.randperm(4 * block_size, device=DEVICE)[:num_tokens]
     slots[2] = -1
     shape = (4, block_size, num_kv_heads, head_dim)
-    k_cache, v_cache, k_ref, v_ref = (poisoned_fp8_cache(shape) for _ in range(4))
+    return qkv, positions, cos_sin, weights, slots, [poisoned_fp8_cache(shape) for _ in range(4)]
+
+
+def test_qk_norm_rope_stores_fp8_as_store_kvcache():
+    """The fused q/k norm + rotary's K/V store into an FP8 cache: the rotated k and v quantized by the
+    scales, as the reference store writes them; q rotated as without a cache."""
+    num_tokens, num_heads, num_kv_heads, head_dim = 9, 8, 2, 64
+    qkv, positions, cos_sin, weights, slots, (k_cache, v_cache, k_ref, v_ref) = \
+        qk_norm_rope_case(num_tokens, num_heads, num_kv_heads, head_dim)
     plain = qk_norm_rope_(qkv.clone(), positions, cos_sin, num_heads, num_kv_heads, head_dim, *weights)
     stored = qk_norm_rope_(qkv.clone(), positions, cos_sin, num_heads, num_kv_heads, head_dim, *weights,
                            kv_cache=(k_cache, v_cache), slot_mapping=slots, kv_scales=SCALES)
@@ -137,16 +145,9 @@ def test_qk_norm_rope_rotates_q_and_k_by_hadamard(head_dim, num_heads, num_kv_he
     hadamard_matrix(head_dim), v untouched, and the FP8 cache holds the rotated k. 8 + 2 heads and
     3 + 1 heads of 16 (half 8) take the kernel's padding to a dot's 16 rows and columns. Against the
     unrotated kernel's output rotated in torch (attention.base.rotate_heads); the caches NaN-poisoned."""
-    num_tokens, block_size = 9, 16
-    width = (num_heads + 2 * num_kv_heads) * head_dim
-    qkv = torch.randn(num_tokens, width, device=DEVICE).to(DTYPE)
-    positions = torch.randint(0, 500, (num_tokens,), device=DEVICE)
-    cos_sin = RotaryEmbedding(head_dim, 4096, 1e6).to(DEVICE).cos_sin_cache
-    weights = [(1 + 0.5 * torch.randn(head_dim, device=DEVICE)).to(DTYPE) for _ in range(2)]
-    slots = torch.randperm(4 * block_size, device=DEVICE)[:num_tokens]
-    slots[2] = -1
-    shape = (4, block_size, num_kv_heads, head_dim)
-    k_cache, v_cache, k_ref, v_ref = (poisoned_fp8_cache(shape) for _ in range(4))
+    num_tokens = 9
+    qkv, positions, cos_sin, weights, slots, (k_cache, v_cache, k_ref, v_ref) = \
+        qk_norm_rope_case(num_tokens, num_heads, num_kv_heads, head_dim)
     plain = qk_norm_rope_(qkv.clone(), positions, cos_sin, num_heads, num_kv_heads, head_dim, *weights)
     rotated = qk_norm_rope_(qkv.clone(), positions, cos_sin, num_heads, num_kv_heads, head_dim, *weights,
                             kv_cache=(k_cache, v_cache), slot_mapping=slots, kv_scales=SCALES, rotate=True)
