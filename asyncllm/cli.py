@@ -54,6 +54,8 @@ _CONFIG_HELP = {
     "quantization": "fp8: keep an unquantized checkpoint's dense linear weights in FP8 (per-channel scales, "
                     "quantized at load); FP8 checkpoints stay FP8 without it (default: none)",
     "kv_cache_dtype": "the KV cache's dtype: auto (the compute dtype) or fp8 (e4m3, half of bf16's bytes; emulated on CPU)",
+    "kv_cache_rotation": "with --kv-cache-dtype fp8: rotate each head's q and k by a Hadamard matrix before K is "
+                         "stored (scores unchanged, K's outliers spread before e4m3 rounds them; default on)",
     "reasoning_parser": "the model's reasoning tags: answers carry reasoning_content apart from content, and "
                         "structured output applies after the reasoning (default: none, content holds everything)",
     "speculative_config": "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "

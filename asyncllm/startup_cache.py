@@ -49,7 +49,7 @@ FOLDER = "startup"
 # the Config fields a stored decision may depend on: the graphs captured (sizes, context bounds),
 # the steps the calibration times, the backend whose kernels run
 DECISION_FIELDS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kvcache_block_size", "enforce_eager",
-                   "cuda_graph_max_tokens", "attention_backend", "kv_cache_dtype")
+                   "cuda_graph_max_tokens", "attention_backend", "kv_cache_dtype", "kv_cache_rotation")
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _MISSING = object()
 

@@ -2,44 +2,47 @@
 scheduler's output into a StepPlan, the runner runs it and hands back a StepResult.
 
 A plan is host data the runner only reads: token spans, positions, block-table rows, which rows
-sample, and the tokens still in flight. The sampling rows' settings travel as the requests
-themselves, read through SamplingRequest (never written: what the runner keeps per request, such
-as penalty slots, it keeps in tables of its own); docs/ARCHITECTURE.md says what the rest of the
-contract (those settings as plain per-row values) needs.
+sample, and the tokens still in flight. A request's sampling settings travel once, as plain values
+(RequestSampling, in the plan of its first sampling step): the runner keeps them in a table of its
+own, with the request's tokens as its steps' results come back, and each step's sampling rows name
+their requests by key.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
 
 import numpy as np
-
-from asyncllm.sampling_params import SamplingParams
 
 # stands for a token that a step still in flight on the device is sampling: the next step takes its
 # value on the device (the host learns it once that step's results are read)
 PENDING_TOKEN = -1
 
 
-class SamplingRequest(Protocol):
-    """What the runner reads of a sampling row's request (the engine's Sequence), and nothing else. A
-    speculative position past its request's first (engine/speculation.py DraftPosition) reads as the
-    request with those drafts in token_ids, and has draft_of: that request (a request itself has none)."""
-    params: SamplingParams
-    token_ids: list[int]  # prompt then completion; the last may be PENDING_TOKEN
+@dataclass(slots=True)
+class RequestSampling:
+    """A request's sampling settings as plain values, sent to the runner once, in the plan of its
+    first sampling step (StepPlan.new_requests): the runner keeps them in its request table
+    (runner/request_table.py) for the request's life, with its tokens as the runner learns them."""
+    request: int  # the engine's key for it (unique for the engine's life): the plans' sampling_ids name it
+    token_ids: list[int]  # prompt then the completion so far (known values only)
     num_prompt_tokens: int
-    sample_row: int  # its row among the sampled ids of the step that samples its PENDING_TOKEN
+    temperature: float
+    top_k: int  # 0 or less: no limit
+    top_p: float
+    min_p: float
+    seed: int | None
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    uses_penalties: bool
+    logit_bias: dict[int, float] | None
+    allowed_token_ids: np.ndarray | None  # int64, made once by the engine
+    early_stop_ids: list[int]  # EOS and stop ids, banned while under min_tokens
+    min_tokens: int
+    bad_word_ids: list[list[int]]  # each bad word's token ids
+    logprobs: int | None  # top-k log-probabilities asked for each sampled token
     adjusts_logits: bool  # penalties, biases, bans or allowed ids
-    needs_sampling_extras: bool  # adjusts_logits, or asks for log-probabilities
-    early_stop_ids: list[int]
-    bad_word_ids: list[list[int]]
-    allowed_token_ids: np.ndarray | None
-    grammar: object  # structured.grammar.GrammarState, or None
-
-    @property
-    def completion_token_ids(self) -> list[int]: ...
-
-    def banned_token_ids(self, num_generated: int) -> tuple[list[int], list[tuple[int, int]]]: ...
+    grammar: object = None  # structured.grammar.GrammarState of a constrained request (its matcher)
 
 
 @dataclass(slots=True)
@@ -63,15 +66,21 @@ class StepPlan:
     logits_indices: list[int]  # (S,) the token (index in the step) whose logits each sampling row samples from
     pending_at: list[int]  # token indices that are PENDING_TOKEN
     pending_rows: list[int]  # for each: its row among the sampled ids of the step in flight
-    # (S,) the sampling rows' requests. A speculating row (speculative decoding) samples at each of its
-    # 1 + k positions: each is a sampling row here, its request as of that position (its first j drafts
-    # taken as generated: engine/speculation.py DraftPosition)
-    sampling_requests: list[SamplingRequest]
+    # (S,) the sampling rows' requests (RequestSampling.request). A speculating row (speculative
+    # decoding) samples at each of its 1 + k positions: each is a sampling row here, of the same
+    # request, position j taking the row's first j drafts as generated
+    sampling_ids: list[int]
     prompt_logprobs: PromptLogprobsPlan | None = None  # prompt positions scored in this step
     # speculative decoding, None in a step where no row speculates: (S,) the draft token each sampling
     # row verifies (-1: none, a row's last position), and (R,) each request's count of sampling rows
     draft_token_ids: list[int] | None = None
     rows_per_request: list[int] | None = None
+    # the drafts drawn from a distribution q (a draft model's, for a sampled request): (the request's
+    # first sampling row, (k, V) float32 device tensor: q at each of its k drafts); () when none
+    draft_probs: list[tuple[int, object]] | tuple = ()
+    # the requests that sample for the first time in this step: the runner adds them to its table
+    # before the step (a request leaves it when the engine ends it: ModelRunner.release_request)
+    new_requests: list[RequestSampling] = field(default_factory=list)
     # the engine's own record of the step (its SchedulerOutput), handed back with the launched step
     # so the engine resolves it; the runner never reads it
     engine_step: object = None

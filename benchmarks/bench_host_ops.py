@@ -7,6 +7,11 @@ small model is shorter than the host's work around it, and that work is a few do
 table says which to make fewer of. In place, in a real step, each costs more than here (colder caches):
 `bench_step_phases.py --detail` times the step's parts where they run. On CPU only the calls that have
 a CPU form run (no pinned memory, events or graphs).
+
+The last rows time the runner's per-step sampling work over its request table (issue 49) at 1, 64
+and 256 rows: SamplingInputs.plan (the step's sampling arrays gathered from the table) and the
+table's launched + recorded (tokens in flight, results appended), for plain rows (temperature
+only) and a mix (greedy and sampled rows, top-k, seeds, presence penalties, logprobs).
 """
 from __future__ import annotations
 
@@ -16,7 +21,12 @@ import numpy as np
 import torch
 from common import Report, make_parser, median, parse_args, synchronize
 
+from asyncllm.engine.sequence import Sequence
+from asyncllm.engine.step_planner import request_sampling
 from asyncllm.runner.host_upload import upload_arrays
+from asyncllm.runner.sampling_inputs import SamplingInputs
+from asyncllm.sampling_params import SamplingParams
+from asyncllm.step_plan import StepPlan
 
 # a batch-1 decode step's arrays, as the runner uploads them: its inputs, then temperature and noise key
 STEP_ARRAYS = [np.array([5], np.int64), np.array([200], np.int64), np.array([1234], np.int64),
@@ -73,12 +83,40 @@ def host_ops(device: torch.device) -> list[tuple[str, object]]:
     ]
 
 
+def _params(kind: str, i: int) -> SamplingParams:
+    if kind == "plain":
+        return SamplingParams(temperature=0.7, max_tokens=100)
+    return SamplingParams(temperature=0.7 if i % 2 else 0.0, max_tokens=100, top_k=20 if i % 3 == 0 else -1,
+                          seed=i if i % 4 == 0 else None, presence_penalty=0.5 if i % 5 == 0 else 0.0,
+                          logprobs=2 if i % 7 == 0 else None)
+
+
+def sampling_plan_ops(device: torch.device, vocab_size: int = 151936) -> list[tuple[str, object]]:
+    """(name, call): a step's sampling plan and the table's bookkeeping, at 1, 64 and 256 rows."""
+    ops = []
+    for num_rows in (1, 64, 256):
+        for kind in ("plain", "mixed"):
+            seqs = [Sequence(f"r{i}", list(range(1, 200)), _params(kind, i), 16) for i in range(num_rows)]
+            inputs = SamplingInputs(vocab_size, device)
+            plan = StepPlan([], [], [], [], [], [], [], [seq.uid for seq in seqs])
+            for seq in seqs:
+                inputs.table.add(request_sampling(seq))
+            out, tokens = inputs.plan(plan), [5] * num_rows
+
+            def bookkeeping(inputs=inputs, plan=plan, out=out, tokens=tokens):
+                launched = inputs.table.launched(plan, out.rows, out.flags, out.any_flags)
+                inputs.table.recorded(launched, plan, tokens, None)
+            ops += [(f"SamplingInputs.plan, {num_rows} {kind} rows", lambda inputs=inputs, plan=plan: inputs.plan(plan)),
+                    (f"request table launched + recorded, {num_rows} {kind} rows", bookkeeping)]
+    return ops
+
+
 def main(argv=None) -> dict:
     parser = make_parser(__doc__)
     parser.add_argument("--calls", type=int, default=2000)
     args = parse_args(parser, argv)
     report = Report("host_ops", args)
-    for name, fn in host_ops(torch.device(args.device)):
+    for name, fn in host_ops(torch.device(args.device)) + sampling_plan_ops(torch.device(args.device)):
         report.add({"call": name, "us": time_call(fn, args.calls, args.device)})
     report.finish(f"Host cost per call, {args.device} (hot loop)", [("call", "call"), ("us", "us", "{:.2f}")])
     return report.data

@@ -3,7 +3,7 @@ the real SmolLM2-135M-Instruct weights shipped for the default model.
 
     python benchmarks/bench_spec.py [--device cuda] [--batches 1,8,64] [--output-len 256] [--k 4]
                                     [--lookup 2,4] [--modes plain,ngram,draft,random-draft]
-                                    [--draft-model-dir DIR] [--json PATH]
+                                    [--draft-model-dir DIR] [--temperature T] [--json PATH]
 
 The task: the chat model is asked to repeat a passage word for word (a different passage per
 request of a batch), greedy, max_tokens --output-len, EOS ignored. Prompt lookup then proposes
@@ -16,6 +16,10 @@ checkpoint of the target's shape and tokenizer but random weights (acceptance ne
 floor, where adaptivity must keep the loss small). Rows: tok/s, the speculative rows' speedup over plain at the same batch, their
 acceptance rate and mean accepted length (tokens a verifying request takes per step), and whether
 their text equals plain's (greedy: it must). --model-dir another checkpoint instead (tests: the tiny one).
+--temperature T > 0: seeded sampling at T (request i with seed i) instead of greedy: a draft model then
+draws its drafts from its own distribution and the verification accepts with min(1, p/q), so "draft"
+(the target itself) should still accept nearly every draft; the text then differs from plain's (other
+noise) and "same text" is not reported.
 """
 from __future__ import annotations
 
@@ -93,9 +97,10 @@ def run_mode(args) -> list[dict]:
     elif args.mode in ("draft", "random-draft"):
         options["speculative_config"] = {"model": args.draft_model_dir, "num_speculative_tokens": args.k}
     llm = LLM(args.model_dir, **options)
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     rows = []
     for batch in args.batches:
+        params = [SamplingParams(temperature=args.temperature, seed=i if args.temperature > 0 else None,
+                                 max_tokens=args.output_len, ignore_eos=True) for i in range(batch)]
         prompts = copy_prompts(llm, batch)
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
         times, outputs = [], None
@@ -132,6 +137,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES}")
     parser.add_argument("--draft-model-dir", default=None,
                         help="the draft checkpoint of mode 'draft' (default: the target itself)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy; > 0: seeded sampling at this temperature (no text comparison)")
     parser.add_argument("--mode", default=None, choices=MODES, help="(internal: one mode, here)")
     args = parse_args(parser, argv)
     args.batches = [int(b) for b in str(args.batches).split(",")]
@@ -156,7 +163,8 @@ def main(argv=None) -> dict:
             child = [sys.executable, os.path.abspath(__file__), "--mode", mode, "--json", out, "--device", args.device,
                      "--model-dir", args.model_dir, "--batches", ",".join(map(str, args.batches)),
                      "--output-len", str(args.output_len), "--k", str(args.k), "--lookup",
-                     ",".join(map(str, args.lookup)), "--reps", str(args.reps), "--draft-model-dir", draft]
+                     ",".join(map(str, args.lookup)), "--reps", str(args.reps), "--draft-model-dir", draft,
+                     "--temperature", str(args.temperature)]
             done = subprocess.run(child, check=False)
             if done.returncode != 0:
                 rows += [dict(mode=mode, batch=b, error=f"exit {done.returncode}") for b in args.batches]
@@ -166,7 +174,7 @@ def main(argv=None) -> dict:
     plain = {row["batch"]: row for row in rows if row["mode"] == "plain" and "error" not in row}
     for row in rows:
         reference = plain.get(row["batch"])
-        if row["mode"] != "plain" and "error" not in row and reference is not None:
+        if row["mode"] != "plain" and "error" not in row and reference is not None and args.temperature == 0:
             row["same_text"] = row["texts"] == reference["texts"]
     add_ratios(rows, "speedup", "tok_s", {"mode": "plain"}, same=("batch",))
     for row in rows:

@@ -133,6 +133,8 @@ def add_engine_args(parser: argparse.ArgumentParser, multi_backend: bool = False
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs (ranks) the model is sharded over")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="Config.kv_cache_dtype (fp8: e4m3, twice the blocks)")
+    parser.add_argument("--kv-cache-rotation", default=True, action=argparse.BooleanOptionalAction,
+                        help="Config.kv_cache_rotation (an FP8 cache's Hadamard rotation of q and k)")
     parser.add_argument("--quantization", default=None, choices=["fp8"],
                         help="Config.quantization (fp8: linear weights kept in FP8, per-channel scales)")
     parser.add_argument("--overlap", default="auto", choices=["auto", "on", "off", "both"],
@@ -167,7 +169,8 @@ def strip_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
 def engine_kwargs(args, backend: str) -> dict:
     kwargs = dict(attention_backend=backend, enforce_eager=args.enforce_eager, device=args.device,
                   max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size,
-                  kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
+                  kv_cache_dtype=args.kv_cache_dtype, kv_cache_rotation=args.kv_cache_rotation,
+                  quantization=args.quantization)
     if args.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     target = getattr(args, "target_step_ms", "default")

@@ -74,10 +74,16 @@ def engine_threads() -> list[threading.Thread]:
 
 
 def assert_all_blocks_free(engine) -> None:
-    """Every KV block of an LLM (or an EngineCore) is back in the free pool, none referenced."""
-    bm = getattr(engine, "core", engine).block_manager
+    """Every KV block of an LLM (or an EngineCore) is back in the free pool, none referenced, and
+    the runner keeps nothing of any request."""
+    core = getattr(engine, "core", engine)
+    bm = core.block_manager
     assert bm.num_free_blocks == bm.num_total_blocks
     assert all(block.ref_count == 0 for block in bm.blocks)
+    sampling = getattr(core.runner, "sampling_inputs", None)  # None once closed
+    if sampling is not None:  # and the runner's request table has let every request go, penalty slots too
+        assert len(sampling.table) == 0, sampling.table.entries
+        assert len(sampling.token_counts.free_slots) == sampling.token_counts.capacity
 
 
 def serve_command() -> list[str]:
@@ -183,7 +189,7 @@ def generate_with_logits(llm, prompts: list[list[int]], params) -> tuple[list[li
 
     def capturing_launch(plan, prev, **kwargs):
         # before the launch, a sequence's length counts the token this step samples from these logits
-        rows = plan.sampling_requests
+        rows = [item.seq for item in plan.engine_step.scheduled if item.samples]  # one row each (no drafts)
 
         def capture(logits, sampling):
             for row, seq in enumerate(rows):

@@ -571,25 +571,9 @@ def package_sources() -> list[pathlib.Path]:
     return files
 
 
-# the one module allowed to import pickle: the API front-ends' private Unix-socket link between
-# processes of one server (0700 directory; HTTP clients never reach it), read back only through an
-# Unpickler whose find_class admits plain data and a few asyncllm classes (checked below, and against
-# a malicious payload in tests/test_server_frontends.py)
-RESTRICTED_UNPICKLER_MODULE = ("asyncllm", "server", "engine_link.py")
-
-
 def test_no_remote_code_and_no_pickle_loading_in_the_package():
     from_pretrained_calls = 0
     for path in package_sources():
-        if path.parts[-3:] == RESTRICTED_UNPICKLER_MODULE:
-            tree = ast.parse(path.read_text(), str(path))
-            unpicklers = [node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
-                          and any(ast.unparse(base) == "pickle.Unpickler" for base in node.bases)]
-            assert len(unpicklers) == 1 and any(isinstance(item, ast.FunctionDef) and item.name == "find_class"
-                                                for item in unpicklers[0].body), path
-            calls = {ast.unparse(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
-            assert not calls & {"pickle.load", "pickle.loads", "pickle.Unpickler"}, path
-            continue
         source = path.read_text()
         assert "trust_remote_code=True" not in source.replace(" ", ""), path
         tree = ast.parse(source, str(path))

@@ -65,8 +65,10 @@ def test_bench_fp8_quality_compares_every_configuration_with_bf16(tiny_model):
     assert all(row["tokens"] == 40 for row in rows.values())
     assert rows["bf16"]["mean_kl"] == 0.0 and rows["bf16"]["top1_agreement"] == 1.0
     # each FP8 configuration changes the distributions (its KL is no rounding-free zero), and bounds them
-    for name in ("weights FP8", "KV FP8", "weights + KV FP8"):
+    for name in ("weights FP8", "KV FP8 unrotated", "KV FP8", "weights + KV FP8"):
         assert 0.0 < rows[name]["mean_kl"] < 1.0 and rows[name]["perplexity"] > 1.0, rows[name]
+        assert 0.0 <= rows[name]["top1_settled"] <= 1.0, rows[name]  # over the positions bf16 and float32 agree on
+    assert rows["float32"]["top1_settled"] == 1.0 and rows["bf16"]["top1_settled"] is None
 
 
 def test_bench_embed_reports_every_row_of_each_pooling(tiny_model):
@@ -287,6 +289,16 @@ def test_bench_spec_runs_every_mode_in_its_process_with_the_same_text(tiny_model
     # the draft is the target: every proposal accepted; random weights: (almost) none
     assert by_mode[("draft", 1)]["acceptance_rate"] >= 0.9
     assert by_mode[("random-draft", 1)]["acceptance_rate"] <= 0.3
+
+
+def test_bench_spec_sampled_draft_accepts_nearly_every_draft(tiny_model):
+    """--temperature 1: the draft (the target itself) draws from its own q = p, so nearly every draft
+    is accepted (point proposals would get p(argmax), ~0 on the tiny model); no text comparison."""
+    data = bench_spec.main(["--model-dir", tiny_model, "--device", "cpu", "--batches", "1", "--output-len", "12",
+                            "--reps", "1", "--modes", "plain,draft", "--temperature", "1.0"])
+    rows = rows_without_errors(data)
+    assert [row["mode"] for row in rows] == ["plain", "draft"]
+    assert rows[1]["acceptance_rate"] >= 0.9 and "same_text" not in rows[1]
 
 
 def test_bench_turn_host_times_every_stage_of_a_cached_turn():

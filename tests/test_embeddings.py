@@ -218,7 +218,7 @@ def run_core(llm: LLM, requests: list[tuple[list[int], object]]) -> tuple[dict, 
 
     def recording_launch(step_plan, prev, **kwargs):
         plan, sched = kwargs.get("pooling_plan"), step_plan.engine_step
-        steps.append("s" * len(step_plan.sampling_requests) + "p" * (plan.num_rows if plan else 0))
+        steps.append("s" * len(step_plan.sampling_ids) + "p" * (plan.num_rows if plan else 0))
         for item in sched.scheduled:
             if item.seq.pooling is not None:
                 assert PENDING_TOKEN not in item.seq.token_ids

@@ -20,6 +20,8 @@ and 7.2 % in bf16, and the Triton kernels on an H100 by 5.0-8.6 % (2026-12-06): 
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -65,9 +67,11 @@ def fp8_run(tiny_qwen3):
 
 
 def test_fp8_cache_is_close_to_the_full_precision_cache(full_run, fp8_run):
-    # where tokens differ the reference had a near-tie there (assert_greedy_runs_match); most never differ
+    # where tokens differ the reference had a near-tie there (assert_greedy_runs_match). The random
+    # tiny model's 16-token runs meet such ties often: 5 of 6 identical without the rotation, 3 with
+    # it (which moves its logits as much, ~1.7 % at the first step: its keys have no outlier channels)
     stats = assert_greedy_runs_match(full_run, fp8_run, FP8_LOGITS_RTOL)
-    assert stats["num_identical"] >= len(PROMPTS) - 2, stats["summary"]
+    assert stats["num_identical"] >= len(PROMPTS) // 2, stats["summary"]
     # and the cache was quantized: two fp32 runs agree to ~1e-6
     assert stats["worst_logits_rtol"] > 1e-3, stats["summary"]
 
@@ -114,6 +118,48 @@ def test_fp8_halves_bytes_per_block_so_the_same_memory_holds_twice_the_blocks(ti
     assert blocks["float32", "fp8"] >= 4 * blocks["float32", "auto"]
 
 
+@pytest.fixture(scope="module")
+def outlier_keys_qwen3(tiny_qwen3, tmp_path_factory) -> str:
+    """The tiny Qwen3 with a few outlier channels in every layer's k (and q) norm weight, as real models'
+    keys have (SmolLM2's reach 20 where the median channel stays under 4): what the rotation is for."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    out = str(tmp_path_factory.mktemp("outlier-keys"))
+    shutil.copytree(tiny_qwen3, out, dirs_exist_ok=True)
+    path = os.path.join(out, "model.safetensors")
+    weights = load_file(path)
+    for name, tensor in weights.items():
+        if name.endswith(("self_attn.k_norm.weight", "self_attn.q_norm.weight")):
+            tensor[[3, 35, 17]] *= 12.0 if "k_norm" in name else 3.0
+    save_file(weights, path, metadata={"format": "pt"})
+    return out
+
+
+def test_rotation_brings_fp8_logits_closer_to_the_full_precision_cache(outlier_keys_qwen3):
+    """Config.kv_cache_rotation (on by default): over keys with outlier channels the FP8 cache's
+    logits (each prompt's first sampled step, after a prefill that attends the K it stored) are
+    closer to the full-precision cache's with the rotation than without. Deterministic (CPU, fp32)."""
+    def first_logits(**kwargs) -> torch.Tensor:
+        llm, (_, logits) = run(outlier_keys_qwen3, n=1, **kwargs)
+        llm.close()
+        return torch.stack([steps[0] for steps in logits])
+    full = first_logits()
+    errors = {rotation: ((first_logits(kv_cache_dtype="fp8", kv_cache_rotation=rotation) - full).norm()
+                         / full.norm()).item() for rotation in (False, True)}
+    assert errors[True] < 0.7 * errors[False], errors
+
+
+def test_rotation_needs_a_power_of_two_head_dim(tmp_path, tokenizer_dir):
+    from asyncllm.testing import build_tiny_checkpoint
+    model = build_tiny_checkpoint(str(tmp_path), "qwen3", tokenizer_dir, head_dim=48)
+    with pytest.raises(ValueError, match=r"Config\.kv_cache_rotation: .*power-of-two head_dim; this model's is 48"):
+        LLM(model, kv_cache_dtype="fp8", **ENGINE_KW)
+    llm, (tokens, _) = run(model, PROMPTS[:2], 4, kv_cache_dtype="fp8", kv_cache_rotation=False)
+    assert [len(t) for t in tokens] == [4, 4]
+    with pytest.raises(ValueError, match=r"Config\.kv_cache_rotation: expected a bool"):
+        Config(model, kv_cache_rotation="yes")
+
+
 @pytest.mark.parametrize("backend", ["fa4", "fa2"])
 def test_flash_attention_backends_refuse_fp8(tiny_qwen3, backend):
     with pytest.raises(ValueError, match=rf"Config\.kv_cache_dtype: 'fp8' is not supported by "
@@ -123,7 +169,8 @@ def test_flash_attention_backends_refuse_fp8(tiny_qwen3, backend):
 
 def test_cli_takes_kv_cache_dtype(tiny_qwen3):
     args = build_parser().parse_args(["serve", tiny_qwen3, "--kv-cache-dtype", "fp8"])
-    assert args.kv_cache_dtype == "fp8"
+    assert args.kv_cache_dtype == "fp8" and args.kv_cache_rotation is None  # Config's default: on
+    assert build_parser().parse_args(["serve", tiny_qwen3, "--no-kv-cache-rotation"]).kv_cache_rotation is False
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", tiny_qwen3, "--kv-cache-dtype", "int8"])
 

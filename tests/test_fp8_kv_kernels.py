@@ -21,7 +21,7 @@ import torch
 
 from test_kernels import CUDA, DEVICE, TOL, make_step, make_sub_step, run_ours, run_split  # noqa: E402  (sets the interpreter up)
 
-from asyncllm.attention.base import DecodeRope  # noqa: E402
+from asyncllm.attention.base import DecodeRope, hadamard_matrix, rotate_heads  # noqa: E402
 from asyncllm.attention.torch_ref import (FP8_KV_DTYPE, FP8_KV_MAX, paged_attention_torch,  # noqa: E402
                                           quantize_kv, store_kvcache_torch)
 from asyncllm.kernels import store_kvcache  # noqa: E402
@@ -108,10 +108,10 @@ def test_store_kvcache_fp8_matches_reference(block_size):
     assert k_cache.view(-1, num_kv_heads, head_dim)[first, 0, :2].float().tolist() == [FP8_KV_MAX, -FP8_KV_MAX]
 
 
-def test_qk_norm_rope_stores_fp8_as_store_kvcache():
-    """The fused q/k norm + rotary's K/V store into an FP8 cache: the rotated k and v quantized by the
-    scales, as the reference store writes them; q rotated as without a cache."""
-    num_tokens, num_heads, num_kv_heads, head_dim, block_size = 9, 8, 2, 64, 16
+def qk_norm_rope_case(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int = 16):
+    """Inputs of the fused q/k norm + rotary with an FP8 store: qkv, positions, the cos/sin cache, the two
+    norm weights, slots (one -1: a token not stored) and four NaN-poisoned FP8 caches (two to write, two
+    for the reference)."""
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE).to(DTYPE)
     positions = torch.randint(0, 500, (num_tokens,), device=DEVICE)
     cos_sin = RotaryEmbedding(head_dim, 4096, 1e6).to(DEVICE).cos_sin_cache
@@ -119,7 +119,15 @@ def test_qk_norm_rope_stores_fp8_as_store_kvcache():
     slots = torch.randperm(4 * block_size, device=DEVICE)[:num_tokens]
     slots[2] = -1
     shape = (4, block_size, num_kv_heads, head_dim)
-    k_cache, v_cache, k_ref, v_ref = (poisoned_fp8_cache(shape) for _ in range(4))
+    return qkv, positions, cos_sin, weights, slots, [poisoned_fp8_cache(shape) for _ in range(4)]
+
+
+def test_qk_norm_rope_stores_fp8_as_store_kvcache():
+    """The fused q/k norm + rotary's K/V store into an FP8 cache: the rotated k and v quantized by the
+    scales, as the reference store writes them; q rotated as without a cache."""
+    num_tokens, num_heads, num_kv_heads, head_dim = 9, 8, 2, 64
+    qkv, positions, cos_sin, weights, slots, (k_cache, v_cache, k_ref, v_ref) = \
+        qk_norm_rope_case(num_tokens, num_heads, num_kv_heads, head_dim)
     plain = qk_norm_rope_(qkv.clone(), positions, cos_sin, num_heads, num_kv_heads, head_dim, *weights)
     stored = qk_norm_rope_(qkv.clone(), positions, cos_sin, num_heads, num_kv_heads, head_dim, *weights,
                            kv_cache=(k_cache, v_cache), slot_mapping=slots, kv_scales=SCALES)
@@ -129,6 +137,54 @@ def test_qk_norm_rope_stores_fp8_as_store_kvcache():
     store_kvcache_torch(k, v, k_ref, v_ref, slots, SCALES)
     assert_same_stores(k_cache, k_ref)
     assert_same_stores(v_cache, v_ref)
+
+
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 8, 2), (16, 3, 1)])
+def test_qk_norm_rope_rotates_q_and_k_by_hadamard(head_dim, num_heads, num_kv_heads):
+    """rotate=True (Config.kv_cache_rotation): every q and k head after its norm + rotary times
+    hadamard_matrix(head_dim), v untouched, and the FP8 cache holds the rotated k. 8 + 2 heads and
+    3 + 1 heads of 16 (half 8) take the kernel's padding to a dot's 16 rows and columns. Against the
+    unrotated kernel's output rotated in torch (attention.base.rotate_heads); the caches NaN-poisoned."""
+    num_tokens = 9
+    qkv, positions, cos_sin, weights, slots, (k_cache, v_cache, k_ref, v_ref) = \
+        qk_norm_rope_case(num_tokens, num_heads, num_kv_heads, head_dim)
+    plain = qk_norm_rope_(qkv.clone(), positions, cos_sin, num_heads, num_kv_heads, head_dim, *weights)
+    rotated = qk_norm_rope_(qkv.clone(), positions, cos_sin, num_heads, num_kv_heads, head_dim, *weights,
+                            kv_cache=(k_cache, v_cache), slot_mapping=slots, kv_scales=SCALES, rotate=True)
+    qk = (num_heads + num_kv_heads) * head_dim
+    want = rotate_heads(plain[:, :qk].view(num_tokens, -1, head_dim).float(), hadamard_matrix(head_dim, DEVICE))
+    assert not rotated.isnan().any()
+    torch.testing.assert_close(rotated[:, :qk].view(num_tokens, -1, head_dim).float(), want,
+                               **({"rtol": 2 ** -7, "atol": 1e-2} if CUDA else {"rtol": 1e-5, "atol": 1e-5}))
+    assert torch.equal(rotated[:, qk:], plain[:, qk:])  # v
+    k = rotated[:, num_heads * head_dim:qk].view(num_tokens, num_kv_heads, head_dim)
+    store_kvcache_torch(k, rotated[:, qk:].view(num_tokens, num_kv_heads, head_dim), k_ref, v_ref, slots, SCALES)
+    assert_same_stores(k_cache, k_ref)
+    assert_same_stores(v_cache, v_ref)
+
+
+def test_hadamard_rotation_keeps_scores_and_shrinks_fp8_key_error():
+    """Why the rotation: scores q.k are unchanged by an orthogonal matrix, while keys with a few outlier
+    channels (as real models' are: SmolLM2's reach 20 where the median channel stays under 4) lose less
+    of their scores to e4m3's rounding once the outliers are spread over the head. Deterministic,
+    torch only (the kernels' rotation is checked against rotate_heads above)."""
+    generator = torch.Generator().manual_seed(0)
+    head_dim, num_keys = 64, 512
+    outliers = torch.ones(head_dim)
+    outliers[[3, 35, 17]] = 12.0  # rotary pairs (i, i + 32) carry the outliers together
+    q = torch.randn(64, head_dim, generator=generator) * outliers
+    k = torch.randn(num_keys, head_dim, generator=generator) * outliers + 2.0 * outliers
+    h = hadamard_matrix(head_dim)
+    torch.testing.assert_close(h @ h, torch.eye(head_dim), rtol=0, atol=1e-6)
+    exact = q @ k.T
+    torch.testing.assert_close(rotate_heads(q, h) @ rotate_heads(k, h).T, exact, rtol=1e-4, atol=1e-3)
+
+    def fp8_score_error(rotation):
+        qr, kr = (q, k) if rotation is None else (rotate_heads(q, rotation), rotate_heads(k, rotation))
+        stored = quantize_kv(kr, FP8_KV_DTYPE).float()
+        return ((qr @ stored.T - exact).norm() / exact.norm()).item()
+    plain, rotated = fp8_score_error(None), fp8_score_error(h)
+    assert rotated < 0.5 * plain, (plain, rotated)
 
 
 # ----------------------------------------------------------------------------- attention
@@ -170,13 +226,15 @@ def test_prefill_split_kv_over_fp8_cache():
     assert_close(run_split(step, 5, 1, kv_scales=SCALES), reference(step))
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 5])
-@pytest.mark.parametrize("own_rotary", [True, False])
-def test_decode_with_rope_over_fp8_cache(monkeypatch, num_splits, own_rotary):
+@pytest.mark.parametrize("num_splits,own_rotary,rotate", [
+    *((splits, own, False) for splits in (1, 2, 5) for own in (True, False)), (2, True, True)])
+def test_decode_with_rope_over_fp8_cache(monkeypatch, num_splits, own_rotary, rotate):
     """paged_attention given the fused projection and a DecodeRope over an FP8 cache: the decode
     kernel's own rotary + store (small grid) or the rotary kernel's store then the decode. Either
     way the cache gets the quantized row the reference store writes, and the output is the
-    reference's over that cache: the new row is attended as stored, not at full precision."""
+    reference's over that cache: the new row is attended as stored, not at full precision. With
+    rope.rotate (Config.kv_cache_rotation) the small grid too takes the rotary kernel, which rotates
+    q and k (test_qk_norm_rope_rotates_q_and_k_by_hadamard)."""
     attention_mod = importlib.import_module("asyncllm.kernels.paged_attention")
     monkeypatch.setattr(attention_mod, "FIRST_TILE_EARLY_PROGRAMS_PER_SM", 10 ** 6 if own_rotary else 0)
     num_heads, num_kv_heads, head_dim, block_size = 8, 2, 64, 16
@@ -191,7 +249,8 @@ def test_decode_with_rope_over_fp8_cache(monkeypatch, num_splits, own_rotary):
     weights = [(1 + 0.5 * torch.randn(head_dim, device=DEVICE)).to(DTYPE) for _ in range(2)]
     cos_sin = RotaryEmbedding(head_dim, 4096, 1e6).to(DEVICE).cos_sin_cache
 
-    rotated = qk_norm_rope_(qkv.clone(), positions, cos_sin, num_heads, num_kv_heads, head_dim, *weights)
+    rotated = qk_norm_rope_(qkv.clone(), positions, cos_sin, num_heads, num_kv_heads, head_dim, *weights,
+                            rotate=rotate)
     ref_step = dict(step, q=rotated[:, :num_heads * head_dim].view(3, num_heads, head_dim),
                     k_cache=step["k_cache"].clone(), v_cache=step["v_cache"].clone())
     k = rotated[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(3, num_kv_heads, head_dim)
@@ -200,7 +259,7 @@ def test_decode_with_rope_over_fp8_cache(monkeypatch, num_splits, own_rotary):
 
     k_cache, v_cache = step["k_cache"].clone(), step["v_cache"].clone()
     out = torch.full((3, num_heads, head_dim), float("nan"), dtype=DTYPE, device=DEVICE)
-    rope = DecodeRope(num_heads, positions, cos_sin, slots, *weights)
+    rope = DecodeRope(num_heads, positions, cos_sin, slots, *weights, rotate=rotate)
     attention_mod.paged_attention(qkv.clone(), k_cache, v_cache, step["query_start_loc"], step["seq_lens"],
                                   step["block_tables"], 1, 300, head_dim ** -0.5, out=out, num_splits=num_splits,
                                   rope=rope, kv_scales=SCALES)
@@ -214,5 +273,6 @@ def test_decode_with_rope_over_fp8_cache(monkeypatch, num_splits, own_rotary):
 def test_fp8_kernels_compile_for_sm90():
     """The interpreter never compiles: build the FP8-cache launches for sm_90 in a subprocess."""
     from helpers import compile_for_sm90_in_subprocess
-    # store, qk norm-rope store, decode (direct, split + merge, own rotary), prefill, split prefill + merge
-    assert compile_for_sm90_in_subprocess("test_kernels", "compile_fp8_kv_for_sm90") >= 7
+    # store, qk norm-rope store (plain, rotated), decode (direct, split + merge, own rotary), prefill,
+    # split prefill + merge
+    assert compile_for_sm90_in_subprocess("test_kernels", "compile_fp8_kv_for_sm90") >= 8

@@ -803,7 +803,8 @@ def test_speculative_draft_model_equal_to_the_target_on_cuda(model_dir, backend)
     """A draft model (speculative_config={"model": dir}) on CUDA: its own eager runner and KV cache
     beside the target's graphs, overlap on. The draft is the target: in float32 every proposal is
     the target's argmax (acceptance near 1) and greedy tokens equal the plain engine's; every target
-    and draft block is free after; seeded sampling reproduces."""
+    and draft block is free after; sampled drafts (from the draft's own q) are nearly all accepted at
+    temperature 1, the draft's prefix cache serves the second round, and seeded sampling reproduces."""
     dtype = exact_dtype(backend)
     ps = random_prompts(6, seed=22, lo=5, hi=300)
     expected = generate(get_llm(model_dir, backend, dtype=dtype), ps)
@@ -814,7 +815,7 @@ def test_speculative_draft_model_equal_to_the_target_on_cuda(model_dir, backend)
         got = generate(llm, ps)
         stats = llm.core.stats()
         proposer = llm.core.speculation.proposer
-        assert proposer._held == {} and len(proposer.free_blocks) == proposer.num_total_blocks
+        assert proposer._held == {} and proposer.block_manager.num_free_blocks == proposer.num_total_blocks
         if dtype == "float32":
             assert got == expected
             assert stats["spec_accepted_tokens"] >= 0.9 * stats["spec_draft_tokens"] > 0
@@ -823,9 +824,19 @@ def test_speculative_draft_model_equal_to_the_target_on_cuda(model_dir, backend)
             assert stats["spec_accepted_tokens"] > 0
         sampled = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=32, seed=i, ignore_eos=True)
                    for i in range(len(ps))]
+        before, hits = llm.core.stats(), proposer.num_prefix_hit_tokens
         first = generate(llm, ps, sampled)
+        after = llm.core.stats()
+        # drafts drawn from the draft's q (= p up to rounding) and verified against it: nearly all accepted
+        assert after["spec_accepted_tokens"] - before["spec_accepted_tokens"] >= \
+            0.8 * (after["spec_draft_tokens"] - before["spec_draft_tokens"]) > 0
+        # the sampled round's prompts hit the draft's prefix cache (the 294-token prompt: one 256-token block)
+        bs = llm.config.kvcache_block_size
+        assert proposer.num_prefix_hit_tokens - hits >= sum((len(p) - 1) // bs * bs for p in ps) > 0
         llm.core.block_manager.reset_prefix_cache()
+        proposer.block_manager.reset_prefix_cache()  # bf16 rounding follows the step's shape, cached or not
         assert first == generate(llm, ps, sampled)
+        assert proposer._held == {} and proposer.block_manager.num_free_blocks == proposer.num_total_blocks
     finally:
         llm.close()
         del llm

@@ -976,6 +976,10 @@ def _record_launches(configs: list[dict], kv_dtype: torch.dtype = torch.bfloat16
             cache = torch.zeros(2, 3, 256, 8, 128, dtype=kv_dtype)
             fused_mod.qk_norm_rope_(qkv, torch.arange(4), cos_sin, 16, 8, 128, qkv[0, :128], qkv[0, :128], 1e-6,
                                     kv_cache=(cache[0], cache[1]), slot_mapping=torch.arange(4), kv_scales=(0.5, 2.0))
+            # Config.kv_cache_rotation: q and k heads times a Hadamard matrix (dots of 16+ rows and columns)
+            fused_mod.qk_norm_rope_(qkv, torch.arange(4), cos_sin, 16, 8, 128, qkv[0, :128], qkv[0, :128], 1e-6,
+                                    kv_cache=(cache[0], cache[1]), slot_mapping=torch.arange(4), kv_scales=(0.5, 2.0),
+                                    rotate=True)
             return calls
         x = torch.randn(4, 4096, dtype=torch.bfloat16)
         fused_mod.fused_add_rms_norm(x, x, x[0], 1e-6)

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from asyncllm.engine.sequence import Sequence
+from asyncllm.engine.step_planner import request_sampling
 from asyncllm.layers.sampler import Sampler
 from asyncllm.runner.sampling_inputs import SamplingInputs
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.step_plan import StepPlan
 from helpers import seed_every_test
 
 V = 64
@@ -49,6 +51,22 @@ def reference_adjust(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
     return out
 
 
+def sampling_plan(inputs: SamplingInputs, seqs: list[Sequence]) -> StepPlan:
+    """A step whose sampling rows are seqs; the runner's table learns those it does not have yet
+    (their settings and tokens so far), as ModelRunner.launch does with a plan's new requests."""
+    plan = StepPlan([], [], [], [], [], [], [], [seq.uid for seq in seqs],
+                    new_requests=[request_sampling(seq) for seq in seqs if seq.uid not in inputs.table])
+    for request in plan.new_requests:
+        inputs.table.add(request)
+    return plan
+
+
+def build(seqs: list[Sequence], prev_sampled=None, inputs: SamplingInputs | None = None):
+    """SamplingInputs.build of a step whose sampling rows are seqs (a new SamplingInputs by default)."""
+    inputs = inputs or SamplingInputs(V, torch.device("cpu"))
+    return inputs.build(sampling_plan(inputs, seqs), prev_sampled)
+
+
 def random_seq(i: int, rng: random.Random, **params) -> Sequence:
     prompt = [rng.randrange(V) for _ in range(rng.randrange(1, 12))]
     seq = Sequence(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=100, **params), block_size=16)
@@ -64,7 +82,9 @@ def test_penalties_match_the_reference_across_steps():
     inputs, sampler = SamplingInputs(V, torch.device("cpu")), Sampler()
     for step in range(6):
         logits = torch.randn(len(seqs), V) * 3
-        tensors, _ = inputs.build(seqs)
+        plan = sampling_plan(inputs, seqs)
+        arrays = inputs.plan(plan)
+        tensors = inputs.tensors(arrays, [torch.from_numpy(a) for a in arrays.arrays.values()])
         adjusted = adjust(tensors.adjustments, logits)
         torch.testing.assert_close(adjusted, reference_adjust(logits, seqs))
         assert torch.equal(adjusted[2], logits[2])
@@ -72,9 +92,12 @@ def test_penalties_match_the_reference_across_steps():
         assert torch.equal(sampled, adjusted.argmax(-1))
         for seq, token in zip(seqs, sampled.tolist()):
             seq.token_ids.append(token)
+        inputs.table.recorded(inputs.table.launched(plan, arrays.rows, arrays.flags, arrays.any_flags), plan,
+                              sampled.tolist(), None)  # the runner's tokens, as a step's result is read
     assert inputs.token_counts.capacity >= 5 and len(inputs.token_counts.free_slots) == inputs.token_counts.capacity - 5
     for seq in seqs:
-        inputs.release(seq)
+        inputs.release(seq.uid)
+    assert len(inputs.table) == 0
     assert len(inputs.token_counts.free_slots) == inputs.token_counts.capacity
 
 
@@ -86,7 +109,7 @@ def test_bias_bans_allowed_and_min_tokens_match_the_reference():
             random_seq(3, rng, min_tokens=1, logit_bias={5: 1.5}, repetition_penalty=1.3, allowed_token_ids=[5, 6])]
     for seq in seqs[2:]:
         seq.early_stop_ids = [0, 63]
-    tensors, _ = SamplingInputs(V, torch.device("cpu")).build(seqs)
+    tensors, _ = build(seqs)
     logits = torch.randn(len(seqs), V)
     torch.testing.assert_close(adjust(tensors.adjustments, logits), reference_adjust(logits, seqs))
 
@@ -101,7 +124,7 @@ def test_penalties_on_every_row_come_first_and_commute_with_the_bans():
             random_seq(2, rng, **penalties)]
     for seq in seqs:
         seq.early_stop_ids = [0, 63]
-    tensors, _ = SamplingInputs(V, torch.device("cpu")).build(seqs)
+    tensors, _ = build(seqs)
     assert tensors.adjustments.bias_rows is None and len(tensors.adjustments.penalty_rows) == len(seqs)
     logits = torch.randn(len(seqs), V).to(torch.bfloat16)
     adjusted = adjust(tensors.adjustments, logits)
@@ -113,7 +136,7 @@ def test_penalties_on_every_row_come_first_and_commute_with_the_bans():
 def test_logprobs_of_the_rows_that_asked():
     seqs = [Sequence(f"r{i}", [1, 2], SamplingParams(temperature=1.0, logprobs=k), block_size=16)
             for i, k in enumerate([3, None, 0, 5])]
-    tensors, ks = SamplingInputs(V, torch.device("cpu")).build(seqs)
+    tensors, ks = build(seqs)
     assert ks == [3, -1, 0, 5] and tensors.logprob_rows.tolist() == [0, 2, 3] and tensors.num_top_logprobs == 5
     logits = torch.randn(4, V)
     out = Sampler()(logits, tensors)
@@ -126,7 +149,7 @@ def test_logprobs_of_the_rows_that_asked():
 
 def test_plain_requests_build_nothing_extra():
     seqs = [Sequence("r", [1, 2], SamplingParams(temperature=0.7, top_k=5), block_size=16)]
-    tensors, ks = SamplingInputs(V, torch.device("cpu")).build(seqs)
+    tensors, ks = build(seqs)
     assert tensors.adjustments is None and tensors.logprob_rows is None and ks is None
 
 
@@ -161,18 +184,22 @@ def bad_word_bans(history: list[int], words: list[list[int]]) -> set[int]:
 
 @pytest.mark.parametrize("pending_value", [7, 8, 9])
 def test_bad_word_hanging_on_the_token_in_flight_is_banned_on_the_device(pending_value):
-    from asyncllm.step_plan import PENDING_TOKEN
+    from asyncllm.step_plan import PENDING_TOKEN  # the engine's marker of its tokens in flight
     words = [[5], [7, 11], [3, 7, 12], [4, 7, 13], [8, 14], [3, 8, 9, 15], [2, 3, 8, 16]]
     seqs = []
     for i in range(3):  # its pending token is row 2 - i of the previous step's ids
         seq = Sequence(f"r{i}", [1, 2], SamplingParams(temperature=0, max_tokens=100, bad_words=["x"]), block_size=16)
         seq.token_ids += [3, PENDING_TOKEN]
         seq.bad_word_ids = words
-        seq.sample_row = 2 - i
         seqs.append(seq)
     values = [pending_value, 7 + (pending_value - 6) % 3, 7 + (pending_value - 5) % 3]  # each of 7, 8, 9 once
     prev_sampled = torch.tensor(values[::-1], dtype=torch.int64)  # seq i's pending token is values[i]
-    tensors, _ = SamplingInputs(V, torch.device("cpu")).build(seqs, prev_sampled)
+    inputs = SamplingInputs(V, torch.device("cpu"))
+    previous = sampling_plan(inputs, seqs[::-1])  # the step in flight samples seq i at row 2 - i
+    arrays = inputs.plan(previous)
+    inputs.table.launched(previous, arrays.rows, arrays.flags, arrays.any_flags)
+    assert [inputs.table.entries[seq.uid].token_ids for seq in seqs] == [[1, 2, 3]] * 3  # known values only
+    tensors, _ = build(seqs, prev_sampled, inputs)
     adjusted = adjust(tensors.adjustments, torch.zeros(3, V))
     for row in range(3):
         # what the host would ban once it knew the pending token ([2, 3, 8, 16] starts in the prompt)
@@ -182,6 +209,6 @@ def test_bad_word_hanging_on_the_token_in_flight_is_banned_on_the_device(pending
     expected = bad_word_bans([3, pending_value], words)
     # the host bans alone (the last token known) still apply, without a previous step
     seqs[0].token_ids[-1] = pending_value
-    tensors, _ = SamplingInputs(V, torch.device("cpu")).build(seqs[:1])
+    tensors, _ = build(seqs[:1])
     adjusted = adjust(tensors.adjustments, torch.zeros(1, V))
     assert {t for t in range(V) if adjusted[0, t] == float("-inf")} == expected

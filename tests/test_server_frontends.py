@@ -49,6 +49,11 @@ def frontend_pids(server) -> set[int]:
     return {int(pid) for pid in re.findall(r"Started server process \[(\d+)\]", server.log())}
 
 
+def ready_frontend_pids(server) -> set[int]:
+    """The front-ends that have the engine's readiness (each logs it; /health 200 says so of one)."""
+    return {int(pid) for pid in re.findall(r"\[front-end (\d+)\] asyncllm: serving", server.log())}
+
+
 def post(base: str, path: str, body: dict) -> httpx.Response:
     return httpx.post(base + path, json=body, timeout=120)
 
@@ -160,15 +165,19 @@ def test_a_client_that_disconnects_frees_its_blocks(frontends):
 
 
 def test_sigterm_drains_and_exits_0(tiny_qwen3, tmp_path):
-    with live_server(tiny_qwen3, tmp_path, *OPTIONS, "--api-server-count", "2") as served:
-        wait_for(lambda: len(frontend_pids(served)) == 2, "both front-ends started")
+    # the drain's limit past what the request takes on a busy machine: it ends when the request does
+    with live_server(tiny_qwen3, tmp_path, *OPTIONS, "--api-server-count", "2", "--graceful-shutdown-timeout", "60") \
+            as served:
+        wait_for(lambda: len(ready_frontend_pids(served)) == 2, "both front-ends ready")
         pids = frontend_pids(served)
         with ThreadPoolExecutor(1) as pool:  # a request in flight when the signal comes finishes
             running = pool.submit(post, served.base, "/v1/completions", {"prompt": "Hi", **GREEDY, "max_tokens": 40})
-            time.sleep(0.5)
+            # submitted to the engine (one not yet submitted gets the drain's 503)
+            wait_for(lambda: running.done() or engine_metric(served.base, "asyncllm_num_requests_running") == 1,
+                     "the request running")
             served.proc.send_signal(signal.SIGTERM)
             assert served.proc.wait(60) == 0, served.log()[-3000:]
-            assert running.result().status_code == 200
+            assert running.result().status_code == 200, running.result().text
     for pid in pids:  # the front-ends are gone too
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
@@ -216,13 +225,18 @@ def test_a_full_queue_is_a_429_and_an_engine_that_dies_stops_the_front_ends(tiny
             wait_for(lambda: all(gone(pid) for pid in pids), "the front-ends exited")
 
 
-def test_the_link_carries_plain_data_and_refuses_any_other_class():
+def test_the_link_carries_plain_data_and_raises_errors_as_their_own_class():
     import asyncio
     import pickle
 
-    from asyncllm.errors import PromptTooLongError
+    import numpy as np
+
+    from asyncllm.errors import (ArgumentError, EngineAsleepError, PromptTooLongError, QueueFullError,
+                                 UnsatisfiableConstraintsError)
+    from asyncllm.outputs import TokenLogprob
     from asyncllm.sampling_params import SamplingParams
-    from asyncllm.server.engine_link import frame, read_message
+    from asyncllm.server.engine_link import (error_in, error_out, frame, logprobs_in, logprobs_out, params_in,
+                                             params_out, read_message)
     from asyncllm.structured import StructuredOutput
 
     async def roundtrip(message):
@@ -231,16 +245,51 @@ def test_the_link_carries_plain_data_and_refuses_any_other_class():
         reader.feed_eof()
         return await read_message(reader)
 
-    params = SamplingParams(temperature=0.5, stop=["x"], structured_output=StructuredOutput(regex="a+"))
-    kind, got, error = asyncio.run(roundtrip(("submit", params, PromptTooLongError("prompt", "too long"))))
-    assert got == params and isinstance(error, PromptTooLongError) and error.argument == "prompt"
+    def carried(message):
+        return asyncio.run(roundtrip(message))
 
+    for spec in (StructuredOutput(regex="a+"), StructuredOutput(json={"type": "object", "__reduce__": [1]}),
+                 StructuredOutput(json='{"type": "string"}'), StructuredOutput(choice=["x", "y"]),
+                 StructuredOutput(json_object=True), None):
+        params = SamplingParams(temperature=0.5, stop=["x", "\ud800"], logit_bias={7: -100, 12: 2.5}, seed=2**64 - 1,
+                                allowed_token_ids=[3, 7, 12], structured_output=spec, timeout=1.5, max_tokens=None)
+        kind, request_id, ids, fields = carried(("submit", "r1", [1, 2], params_out(params)))
+        got = params_in(fields)
+        assert (kind, request_id, ids) == ("submit", "r1", [1, 2])
+        assert got == params and got.logit_bias == {7: -100.0, 12: 2.5} and list(got.logit_bias) == [7, 12]
+
+    errors = [PromptTooLongError("prompts[0]", "too long", "SamplingParams"), UnsatisfiableConstraintsError("no token"),
+              QueueFullError("8 requests are already queued"), EngineAsleepError("asleep"), KeyError("k"),
+              ValueError("bad", 3), TypeError(object())]
+    for error in errors:
+        _, got = carried(("reply", error_out(error)))
+        got = error_in(got)
+        assert type(got) is type(error) and str(got) == str(error), (error, got)
+        if isinstance(error, ArgumentError):
+            assert (got.argument, got.field, got.reason, got.owner) == \
+                (error.argument, error.field, error.reason, error.owner)
+
+    class DeviceError(RuntimeError):  # a class the link does not know goes as its nearest known base
+        pass
+    got = error_in(carried(("reply", error_out(DeviceError("CUDA out of memory"))))[1])
+    assert type(got) is RuntimeError and str(got) == "CUDA out of memory"
+
+    entries = [None, TokenLogprob(np.int64(5), float("-inf"), 1, np.array([5, 9]), np.array([-0.25, -1.5],
+                                                                                             dtype=np.float32))]
+    _, got = carried(("out", logprobs_out(entries)))
+    got = logprobs_in(got)
+    assert got[0] is None and (got[1].token_id, got[1].logprob, got[1].rank) == (5, float("-inf"), 1)
+    assert (got[1].top_ids, got[1].top_logprobs) == ([5, 9], [-0.25, -1.5])
+
+    # nothing is unpickled: a pickle's bytes are not a message (the link fails; no code runs)
     class Payload:
         def __reduce__(self):
             return os.system, ("echo pwned",)
     data = pickle.dumps(("submit", Payload()))
-    with pytest.raises(pickle.UnpicklingError, match="does not carry posix.system"):
-        asyncio.run(roundtrip(len(data).to_bytes(4, "big") + data))
+    with pytest.raises(ValueError):
+        carried(len(data).to_bytes(4, "big") + data)
+    with pytest.raises(TypeError, match="does not carry Payload"):
+        frame(("submit", Payload()))
 
 
 def test_health_says_starting_with_the_phase_while_the_engine_starts(tiny_qwen3, tmp_path):
@@ -266,9 +315,10 @@ def test_health_says_starting_with_the_phase_while_the_engine_starts(tiny_qwen3,
 
 def test_a_front_end_that_stops_reading_is_dropped_and_the_server_exits_1(tiny_qwen3, tmp_path):
     env = dict(os.environ, ASYNCLLM_FRONTEND_MAX_PENDING_BYTES="65536")
-    with live_server(tiny_qwen3, tmp_path, *OPTIONS, "--api-server-count", "2", "--graceful-shutdown-timeout", "1",
+    # a long drain limit: the dropped front-end is killed at once, not past it (the server ends promptly)
+    with live_server(tiny_qwen3, tmp_path, *OPTIONS, "--api-server-count", "2", "--graceful-shutdown-timeout", "60",
                      env=env, exit_codes=(1,)) as served:
-        wait_for(lambda: len(frontend_pids(served)) == 2, "both front-ends started")
+        wait_for(lambda: len(ready_frontend_pids(served)) == 2, "both front-ends ready")
         idle, reading = sorted(frontend_pids(served))
         os.kill(idle, signal.SIGSTOP)  # the stream's connection goes to the other one
         try:
@@ -284,7 +334,9 @@ def test_a_front_end_that_stops_reading_is_dropped_and_the_server_exits_1(tiny_q
                     received += chunk
                 os.kill(reading, signal.SIGSTOP)  # stops reading its link: the engine's outputs pile up
                 os.kill(idle, signal.SIGCONT)
-                assert served.proc.wait(90) == 1, served.log()[-3000:]
+                # (the kernel's socket buffer fills first, then 64 KiB in the link's transport)
+                wait_for(lambda: "stopped reading its link" in served.log(), "the link dropped", timeout=120)
+                assert served.proc.wait(30) == 1, served.log()[-3000:]  # not the drain's 60 s + 10 s
         finally:
             for pid in (idle, reading):
                 with contextlib.suppress(ProcessLookupError):
@@ -292,6 +344,25 @@ def test_a_front_end_that_stops_reading_is_dropped_and_the_server_exits_1(tiny_q
         log = served.log()
         assert re.search(r"a front-end stopped reading its link \(\d+ bytes pending, past 65536: "
                          r"\$ASYNCLLM_FRONTEND_MAX_PENDING_BYTES\); aborting its 1 request\(s\)", log), log[-3000:]
+
+
+def test_sigterm_with_a_stopped_front_end_drains_and_exits_0_promptly(tiny_qwen3, tmp_path):
+    # SIGCONT follows the SIGTERM: the stopped front-end drains as the others do, instead of being
+    # killed past the drain's limit (60 s here) and the server exiting 1
+    with live_server(tiny_qwen3, tmp_path, *OPTIONS, "--api-server-count", "2", "--graceful-shutdown-timeout", "60") as served:
+        wait_for(lambda: len(ready_frontend_pids(served)) == 2, "both front-ends ready")
+        stopped, running = sorted(frontend_pids(served))
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            assert post(served.base, "/v1/completions", {"prompt": "Hi", **GREEDY}).status_code == 200
+            served.proc.send_signal(signal.SIGTERM)
+            assert served.proc.wait(40) == 0, served.log()[-3000:]
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped, signal.SIGCONT)
+    for pid in (stopped, running):  # both drained and exited (the server waited for them)
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 def test_a_start_up_that_fails_stops_the_front_ends_and_exits_2(tiny_qwen3, tmp_path):

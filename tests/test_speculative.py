@@ -208,8 +208,8 @@ def test_penalty_counts_hold_exactly_the_kept_tokens(engines):
     while core.has_unfinished():
         core.step()
         for seq in seqs:
-            if not seq.is_finished and seq in counts.penalty_slots:
-                held = counts.token_counts.output_counts[counts.penalty_slots[seq]]
+            if not seq.is_finished and seq.uid in counts.table:
+                held = counts.token_counts.output_counts[counts.table.entries[seq.uid].penalty_slot]
                 assert torch.equal(held, torch.bincount(torch.tensor(seq.completion_token_ids), minlength=VOCAB)
                                    .to(held.dtype))
     assert accepted(spec) > before

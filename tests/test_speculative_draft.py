@@ -2,25 +2,35 @@
 plain engine: the draft equal to the target (every proposal accepted: the mechanism's ceiling), a
 random draft of the same vocabulary (almost none accepted), sampled runs reproducible by seed, and
 every target and draft KV block free after prefix hits, chunked prefill, preemption and cancellation.
-The sampled distribution's exactness is the rejection sampler's (tests/test_speculative.py): a
-draft model's greedy proposals are point masses, as prompt lookup's are.
+A greedy request's drafts are point masses, as prompt lookup's are (their exactness: the rejection
+sampler's tests in tests/test_speculative.py); a sampled request's are drawn from the draft's own q and
+verified against it: chi-square tests below, with acceptance against point proposals. The draft's
+prefix cache: a new turn over a cached prefix, and every draft block free after finishes, aborts and
+preemptions over shared prefixes.
 """
 from __future__ import annotations
 
+import glob
+import math
 import os
 import random
 import shutil
 
+import numpy as np
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from asyncllm.config import Config
 from asyncllm.errors import InvalidValueError
+from asyncllm.layers.rejection_sampler import verify_drafts
 from asyncllm.llm import LLM
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.speculative.draft_model import DraftModelProposer
 from asyncllm.speculative.proposer import DraftRow
 from asyncllm.testing import build_tiny_checkpoint
 from helpers import assert_all_blocks_free
+from test_speculative import chi_square_p_value
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -69,9 +79,14 @@ def prompts(num: int, seed: int) -> list[list[int]]:
 
 
 def assert_draft_blocks_free(llm: LLM) -> None:
-    proposer = llm.core.speculation.proposer
+    assert_proposer_blocks_free(llm.core.speculation.proposer)
+
+
+def assert_proposer_blocks_free(proposer: DraftModelProposer) -> None:
     assert proposer._held == {}
-    assert sorted(proposer.free_blocks) == list(range(proposer.num_total_blocks))
+    manager = proposer.block_manager
+    assert manager.num_free_blocks == proposer.num_total_blocks
+    assert all(block.ref_count == 0 for block in manager.blocks)
 
 
 def run(llm: LLM, prompt_list, params) -> list[list[int]]:
@@ -116,8 +131,7 @@ def test_random_draft_keeps_greedy_output_with_few_accepted(engines):
 def test_sampled_runs_reproduce_by_seed(engines):
     spec = engines("same")
     batch = prompts(4, seed=3)
-    # temperature 1 on the tiny random model's flat logits (its argmax ~0.5%) accepts almost nothing;
-    # a low temperature accepts often: both sides of the rejection sampler run
+    # the draft (the target) samples its drafts from q = p at both temperatures: nearly all accepted
     params = [SamplingParams(temperature=1.0 if i < 2 else 0.05, seed=100 + i, max_tokens=30, ignore_eos=True)
               for i in range(4)]
     before = spec.core.stats()
@@ -188,7 +202,7 @@ def test_a_row_without_draft_blocks_just_does_not_speculate(engines):
     proposer.release("short")
     assert proposer.propose([DraftRow(tokens, K, "fresh")])[0] == again
     proposer.release("fresh")
-    assert sorted(proposer.free_blocks) == list(range(total))
+    assert_proposer_blocks_free(proposer)
 
 
 def test_bad_draft_configs_are_refused_naming_the_field(target, tmp_path, tokenizer_dir):
@@ -219,3 +233,164 @@ def test_bad_draft_configs_are_refused_naming_the_field(target, tmp_path, tokeni
     shutil.copytree(target, no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
     with pytest.raises(InvalidValueError, match="no .safetensors weights"):
         LLM(target, speculative_config={"model": no_weights, "num_speculative_tokens": K}, **ROOMY)
+
+
+# ---- sampled requests: drafts drawn from the draft's own distribution q -----------------------------
+def test_sampled_drafts_verified_against_q_keep_the_target_distribution():
+    """verify_drafts with drafts drawn from q (not point masses): over 20 seeds' draws the tokens
+    follow p, and a draft is accepted with probability sum(min(p, q))."""
+    p = torch.tensor([0.45, 0.2, 0.15, 0.1, 0.1, 0.0], dtype=torch.float64)
+    q = torch.tensor([0.1, 0.5, 0.05, 0.05, 0.2, 0.1], dtype=torch.float64)
+    counts, num_accepted, num = np.zeros(len(p), dtype=np.int64), 0, 2000
+    for seed in range(20):
+        generator = torch.Generator().manual_seed(seed)
+        drafts = torch.multinomial(q.float(), num, replacement=True, generator=generator)
+        uniforms = torch.rand(num, generator=generator)
+        exponentials = torch.empty((num, len(p))).exponential_(generator=generator)
+        tokens, accepted = verify_drafts(p.float().expand(num, -1), drafts, uniforms, exponentials,
+                                         q.float().expand(num, -1))
+        counts += np.bincount(tokens.numpy(), minlength=len(p))
+        num_accepted += int(accepted.sum())
+        assert torch.equal(tokens[accepted], drafts[accepted])
+    assert counts[5] == 0  # p(5) = 0: a draft of 5 (q(5) = 0.1) is never kept
+    assert chi_square_p_value(counts, p.numpy()) > 0.01, counts
+    assert math.isclose(num_accepted / (20 * num), torch.minimum(p, q).sum().item(), abs_tol=0.01)
+
+
+def scaled_draft(target: str, out: str, scale: float) -> str:
+    """The target with its final norm's weight scaled: its logits times scale (the target at
+    temperature 1 / scale), so its q differs from the target's p but ranks tokens alike."""
+    shutil.copytree(target, out)
+    for path in glob.glob(os.path.join(out, "*.safetensors")):
+        weights = load_file(path)
+        weights["model.norm.weight"] = weights["model.norm.weight"] * scale
+        save_file(weights, path, metadata={"format": "pt"})
+    return out
+
+
+def test_sampled_tokens_with_a_sampling_draft_follow_the_target_distribution(engines, target, tmp_path):
+    """End to end at temperature 1, top-k 6: the second token given the first (its step verified a
+    draft drawn from the draft's q, a sharper distribution than p over the same 6 tokens), over many
+    seeds, against the plain engine's probabilities; drafts both accepted and rejected."""
+    plain = engines(None)
+    spec = LLM(target, speculative_config={"model": scaled_draft(target, str(tmp_path / "sharp"), 2.5),
+                                           "num_speculative_tokens": K}, **ROOMY)
+    try:
+        prompt = prompts(1, seed=11)[0]
+        top_k = 6
+        first = run(plain, [prompt], SamplingParams(temperature=0, max_tokens=1))[0][0]
+        scored = plain.generate([prompt + [first]], SamplingParams(temperature=0, max_tokens=1, logprobs=top_k),
+                                use_tqdm=False)[0]["logprobs"][0]
+        top_ids = [int(t) for t in scored.top_ids]
+        p = np.exp(np.asarray(scored.top_logprobs, dtype=np.float64))
+        p /= p.sum()
+        before, second = spec.core.stats(), []
+        for start in range(0, 1600, 32):
+            params = [SamplingParams(temperature=1.0, top_k=top_k, max_tokens=3, ignore_eos=True, seed=seed)
+                      for seed in range(start, start + 32)]
+            second += [tokens[1] for tokens in run(spec, [prompt] * 32, params) if tokens[0] == first]
+        got = delta(spec, before)
+        # sum(min(p, q)) with q ~ p ** 2.5 over p's 6 tokens: ~0.86 (point proposals: ~0.2; q = p: 1)
+        assert 0.6 * got["spec_draft_tokens"] < got["spec_accepted_tokens"] < 0.95 * got["spec_draft_tokens"]
+        assert len(second) > 200 and set(second) <= set(top_ids)
+        counts = np.array([second.count(t) for t in top_ids])
+        assert chi_square_p_value(counts, p) > 0.01, (counts, p)
+    finally:
+        spec.core.close()
+
+
+class PointProposals:
+    """The draft model's proposer with every row taken as greedy: point proposals, as before q."""
+
+    def __init__(self, proposer):
+        self.proposer = proposer
+
+    def propose(self, rows):
+        return self.proposer.propose([row._replace(params=None) for row in rows])
+
+    def release(self, request):
+        self.proposer.release(request)
+
+
+def test_a_draft_equal_to_the_target_accepts_almost_every_sampled_draft(engines):
+    """Temperature 1 on the tiny model's flat logits: a draft drawn from q = p is accepted (nearly)
+    always; the same draft model's greedy point proposals almost never (p(argmax) is ~0.5%)."""
+    spec = engines("same")
+    batch = prompts(4, seed=12)
+    params = [SamplingParams(temperature=1.0, max_tokens=1 + 6 * (K + 1), ignore_eos=True, seed=i) for i in range(4)]
+    before = spec.core.stats()
+    sampled = run(spec, batch, params)
+    got = delta(spec, before)
+    assert got["spec_draft_tokens"] > 0 and got["spec_accepted_tokens"] >= 0.9 * got["spec_draft_tokens"]
+    assert run(spec, batch, params) == sampled  # seeds reproduce
+    speculation = spec.core.speculation
+    proposer, speculation.proposer = speculation.proposer, PointProposals(speculation.proposer)
+    try:
+        before = spec.core.stats()
+        spec.generate(batch, params, use_tqdm=False)
+    finally:
+        speculation.proposer = proposer
+    assert_draft_blocks_free(spec)
+    got = delta(spec, before)
+    assert got["spec_draft_tokens"] > 0 and got["spec_accepted_tokens"] <= 0.2 * got["spec_draft_tokens"]
+
+
+# ---- the draft's prefix cache ------------------------------------------------------------------
+def count_draft_tokens(proposer: DraftModelProposer) -> list[int]:
+    """A one-element list counting the tokens the draft's runner computes from now on."""
+    fed, forward = [0], proposer.runner.forward
+
+    def counting(inputs, *args, **kwargs):
+        fed[0] += len(inputs.input_ids)
+        return forward(inputs, *args, **kwargs)
+    proposer.runner.forward = counting
+    return fed
+
+
+def test_a_new_turn_over_a_cached_prefix_does_not_prefill_the_draft_again(engines):
+    plain, spec = engines(None), engines("same")
+    proposer = spec.core.speculation.proposer
+    rng = random.Random(13)
+    first_turn = [rng.randrange(10, VOCAB) for _ in range(100)]
+    answer = run(spec, [first_turn], GREEDY)[0]
+    second_turn = first_turn + answer + [rng.randrange(10, VOCAB) for _ in range(10)]  # 151 tokens
+    fed = count_draft_tokens(proposer)
+    try:
+        hits = proposer.num_prefix_hit_tokens
+        assert run(spec, [second_turn], GREEDY) == run(plain, [second_turn], GREEDY)
+        hit, with_cache = proposer.num_prefix_hit_tokens - hits, fed[0]
+        assert hit >= (100 + len(answer)) // 16 * 16 - 16  # the first turn's full blocks, but the last
+        # the same turn with every prefix forgotten: the draft computes the hit tokens as well
+        proposer.block_manager.reset_prefix_cache()
+        spec.core.block_manager.reset_prefix_cache()
+        fed[0] = 0
+        assert run(spec, [second_turn], GREEDY) == run(plain, [second_turn], GREEDY)
+        assert fed[0] - with_cache == hit
+    finally:
+        del proposer.runner.forward
+
+
+def test_finishes_aborts_and_preemptions_over_shared_prefixes_free_every_draft_block(engines):
+    spec = engines("same", "small")
+    core, proposer = spec.core, spec.core.speculation.proposer
+    hits, preemptions = proposer.num_prefix_hit_tokens, core.scheduler.num_preemptions
+    shared = prompts(1, seed=14)[0][:8] * 5  # 40 tokens: two full blocks every request shares
+    batch = [shared + tail for tail in prompts(6, seed=15)]
+    for round_ in range(2):
+        for i, prompt in enumerate(batch):
+            core.add_request(prompt, SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=20 + 5 * i,
+                                                    ignore_eos=True), request_id=f"{round_}-{i}")
+        for step in range(12):
+            core.step()
+            if step in (4, 8):  # aborts mid-run, one of them mid-verification where one is in flight
+                victim = f"{round_}-{step // 4}"
+                if victim in core.requests:
+                    core.finish_request(victim)
+        while core.has_unfinished():
+            core.step()
+        core.drain()
+        assert core.requests == {}
+        assert_all_blocks_free(core)
+        assert_draft_blocks_free(spec)
+    assert proposer.num_prefix_hit_tokens > hits
+    assert core.scheduler.num_preemptions > preemptions

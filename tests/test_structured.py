@@ -168,9 +168,9 @@ def test_every_applied_bitmask_is_the_reference_matchers_token_by_token(llms, mo
     def recording_sampler(logits, params):
         if params.mask_rows is not None:
             rows = params.mask_rows.tolist()
-            sampling = llm.core.runner.current_plan.sampling_requests
+            sampling = llm.core.runner.current_plan.sampling_ids  # each row's request (its arrival number)
             for i, row in enumerate(rows):
-                applied.setdefault(sampling[row].sort_key[2], []).append(params.token_bitmask[i].clone())
+                applied.setdefault(sampling[row], []).append(params.token_bitmask[i].clone())
         return sampler.forward(logits, params)
 
     launch = llm.core.runner.launch

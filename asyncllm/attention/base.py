@@ -15,6 +15,24 @@ import torch
 FP8_KV_SCALES = (1.0, 1.0)
 
 
+def hadamard_matrix(n: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Sylvester's n x n Hadamard matrix over sqrt(n), fp32 (n a power of two): orthogonal and
+    symmetric, entry (i, j) = (-1) ** popcount(i & j) / sqrt(n), as kernels.fused_ops builds it."""
+    assert n > 0 and n & (n - 1) == 0, f"a Hadamard matrix needs a power-of-two size, got {n}"
+    index = torch.arange(n)
+    bits = index[:, None] & index[None, :]
+    parity = torch.zeros_like(bits)
+    while bits.any():
+        parity ^= bits & 1
+        bits >>= 1
+    return ((1 - 2 * parity).float() / n ** 0.5).to(device)
+
+
+def rotate_heads(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """x (..., head_dim) @ rotation in fp32, rounded once to x's dtype (as the fused kernel rounds)."""
+    return (x.float() @ rotation).to(x.dtype)
+
+
 class DecodeRope(NamedTuple):
     """What the q/k norm + rotary (kernels.fused_ops.qk_norm_rope_) of a step reads besides the fused
     projection: given to the backend with the projection (AttentionBackend.attend_qkv), a decode
@@ -26,6 +44,7 @@ class DecodeRope(NamedTuple):
     q_weight: torch.Tensor | None = None  # q / k RMSNorm weights (head_dim,), Qwen3; None: no norm
     k_weight: torch.Tensor | None = None
     eps: float = 1e-6
+    rotate: bool = False  # q and k by hadamard_matrix(head_dim) after the rotary (AttentionBackend.qk_rotation)
 
 
 @dataclass
@@ -64,7 +83,7 @@ class AttentionBackend(ABC):
     supports_mixed_cuda_graphs = False  # steps with prefill chunks too (up to a token bound)
 
     def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], num_heads: int,
-                 num_kv_heads: int, head_dim: int, scale: float):
+                 num_kv_heads: int, head_dim: int, scale: float, rotate_qk: bool = False):
         # each cache: (num_blocks, block_size, num_kv_heads, head_dim)
         self.k_caches = k_caches
         self.v_caches = v_caches
@@ -74,6 +93,10 @@ class AttentionBackend(ABC):
         self.scale = scale
         self.block_size = k_caches[0].shape[1]
         self.kv_scales = FP8_KV_SCALES  # read only where the caches are FP8 (Config.kv_cache_dtype="fp8")
+        # an FP8 cache's keys (Config.kv_cache_rotation): the model rotates each head's q and k by this
+        # orthogonal matrix after its rotary, so scores are unchanged but K's outlier channels are spread
+        # over the head before e4m3 rounds it; None: no rotation
+        self.qk_rotation = hadamard_matrix(head_dim, k_caches[0].device) if rotate_qk else None
 
     def prepare_metadata(self, batch: ForwardBatch) -> None:
         """Build per-step metadata from the batch (called once per step, before the forward)."""

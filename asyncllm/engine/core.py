@@ -35,7 +35,6 @@ from asyncllm.startup import (BLOCK_MANAGER, HEAP_FREEZE, REQUEST_INTAKE, SCHEDU
                               STEP_MODEL_CALIBRATION, TOKENIZER, TP_WORKERS, StartupTimings)
 from asyncllm.step_plan import PENDING_TOKEN
 from asyncllm.structured.grammar import GrammarCompiler
-from asyncllm.structured.step_masks import StepConstraints
 
 logger = logging.getLogger("asyncllm")
 
@@ -205,7 +204,8 @@ class EngineCore:
     def _end(self, seq: Sequence, reason: FinishReason) -> None:
         """End one sequence: its blocks and its sampler state are freed."""
         self.scheduler.finish(seq, reason)
-        self.runner.release_sequence(seq)
+        if seq.in_runner_table:
+            self.runner.release_request(seq.uid)
         if self.speculation is not None:
             self.speculation.release(seq)
 
@@ -330,12 +330,12 @@ class EngineCore:
         stream = self.runner.current_stream()  # looked up once: the step's three events are recorded on it
         started = self.step_timer.start(stream)
         plan = plan_step(sched)  # the step as the runner reads it (asyncllm/step_plan.py)
-        constraints = None
+        grammar_compiler = None
         if self._constrained:  # requests without a grammar pay this one check
             self._constrained = [seq for seq in self._constrained if not seq.is_finished]
-            constraints = StepConstraints.of(plan, self._grammar_compiler)
+            grammar_compiler = self._grammar_compiler if self._constrained else None
         pooling_plan = PoolingPlan.of(sched) if sched.has_pooling else None  # before the commit below
-        launched = self.runner.launch(plan, self._in_flight, constraints=constraints, stream=stream,
+        launched = self.runner.launch(plan, self._in_flight, grammar_compiler=grammar_compiler, stream=stream,
                                       pooling_plan=pooling_plan)
         self.step_timer.stop(started, sched.num_batched_tokens - sched.num_decodes, sched.num_decodes, stream)
         self.scheduler.commit(sched)

@@ -157,5 +157,5 @@ class RequestIntake:
             seq.bad_word_ids = encode_bad_words(self.tokenizer, params.bad_words)
         if params.structured_output is not None:  # each of n sequences follows the grammar on its own
             gate = self.reasoning.grammar_gate(prompt_token_ids) if self.reasoning is not None else None
-            seq.grammar = self.grammar_compiler.new_state(params.structured_output, gate)
+            seq.grammar = self.grammar_compiler.new_state(params.structured_output, gate, request_id, params)
         return seq

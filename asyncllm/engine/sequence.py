@@ -13,7 +13,7 @@ from asyncllm.outputs import FinishReason
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.step_plan import PENDING_TOKEN
 
-_arrival_counter = itertools.count()  # ties of time.monotonic() must not make the order arbitrary
+_arrival_counter = itertools.count()  # ties of time.monotonic() must not make the order arbitrary; the runner's key
 
 
 class SequenceStatus(Enum):
@@ -26,6 +26,8 @@ class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, block_size: int,
                  max_seq_len: int | None = None, deadline: float | None = None):
         self.request_id = request_id
+        self.uid = next(_arrival_counter)  # unique for the process's life: the runner's key for it
+        self.in_runner_table = False  # the runner's request table has its sampling settings (engine/step_planner.py)
         self.params = params
         self.block_size = block_size
         self.status = SequenceStatus.WAITING
@@ -51,7 +53,7 @@ class Sequence:
         # then the earlier deadline (none: last), then first come first served; computed once,
         # compared on every insertion
         self.priority = params.priority
-        self.sort_key = (params.priority, math.inf if deadline is None else deadline, next(_arrival_counter))
+        self.sort_key = (params.priority, math.inf if deadline is None else deadline, self.uid)
         self.first_scheduled_time: float | None = None
         self.num_cached_prompt_tokens = 0
         self.num_preemptions = 0
@@ -74,7 +76,6 @@ class Sequence:
         self.num_prompt_logprobs_planned = 0
         # fixed for its life: the sampler asks every step (plain requests answer one question)
         self.adjusts_logits = params.adjusts_logits
-        self.needs_sampling_extras = self.adjusts_logits or params.logprobs is not None
         self.grammar = None  # structured.grammar.GrammarState of a constrained request
         # an embedding request's PoolingParams: prefilled, never sampled (engine/pooling.py); with
         # mean pooling every prompt position is computed (no prefix-cache hits), and its chunks'
@@ -84,9 +85,11 @@ class Sequence:
         self.pooled_sum = None
         self.num_pooled_tokens = 0
         # speculative decoding (engine/speculation.py): the draft tokens its next decode verifies
-        # (read by the scheduler; [] decodes one token), its recent acceptance and the step until
+        # (read by the scheduler; [] decodes one token) and the distribution they were drawn from
+        # (SampledDrafts.probs; None: point proposals), its recent acceptance and the step until
         # which it does not speculate
         self.draft_token_ids: list[int] = []
+        self.draft_probs = None
         self.draft_acceptance = 1.0
         self.drafts_paused_until = 0
 
@@ -116,29 +119,6 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
-
-    def banned_token_ids(self, num_generated: int) -> tuple[list[int], list[tuple[int, int]]]:
-        """Tokens this sequence may not sample as its completion token number num_generated: stop
-        tokens under min_tokens, and a bad word's last token once the tokens before it are generated.
-        Second, the bans that hang on the token still in flight (overlapped steps: the last token is
-        PENDING_TOKEN): (token it must turn out to be, token then banned), decided on the device."""
-        banned = list(self.early_stop_ids) if num_generated < self.params.min_tokens else []
-        if_pending_is: list[tuple[int, int]] = []
-        if not self.bad_word_ids:
-            return banned, if_pending_is
-        ids = self.token_ids
-        pending = ids[-1] == PENDING_TOKEN
-        for word in self.bad_word_ids:
-            if len(word) == 1:
-                banned.append(word[0])
-            elif len(word) - 1 <= num_generated:
-                start = len(ids) - len(word) + 1
-                if not pending:
-                    if ids[start:] == word[:-1]:
-                        banned.append(word[-1])
-                elif ids[start:-1] == word[:-2]:  # the rest of the prefix hangs on the pending token
-                    if_pending_is.append((word[-2], word[-1]))
-        return banned, if_pending_is
 
     @property
     def request_finished(self) -> bool:

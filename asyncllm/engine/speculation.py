@@ -21,7 +21,7 @@ from asyncllm.engine.scheduler import SchedulerOutput
 from asyncllm.engine.sequence import Sequence, SequenceStatus
 from asyncllm.speculative.draft_model import DraftModelProposer
 from asyncllm.speculative.ngram import NgramProposer
-from asyncllm.speculative.proposer import DraftRow, Proposer
+from asyncllm.speculative.proposer import DraftRow, Proposer, SampledDrafts
 from asyncllm.step_plan import PENDING_TOKEN
 
 # decoding rows past which a step speculates for none (a Config-free constant: where verification's
@@ -32,42 +32,18 @@ PAUSE_STEPS = 32  # engine steps a paused request decodes one token at a time be
 ACCEPTANCE_WEIGHT = 0.5  # the newest step's weight in the running acceptance rate
 
 
-class DraftPosition:
-    """A speculating row's position j > 0 as the sampler reads a request (step_plan.SamplingRequest):
-    the request with its first j drafts taken as generated (their seed keys, bans and bad words follow
-    from that). Everything else is the request's own."""
-    __slots__ = ("seq", "token_ids")
-
-    def __init__(self, seq: Sequence, token_ids: list[int]):
-        self.seq = seq
-        self.token_ids = token_ids
-
-    def __getattr__(self, name: str):
-        return getattr(self.seq, name)
-
-    @property
-    def draft_of(self) -> Sequence:
-        """The request whose draft this position verifies (the runner's penalties read its counts)."""
-        return self.seq
-
-    completion_token_ids = Sequence.completion_token_ids
-    banned_token_ids = Sequence.banned_token_ids
-
-
-def draft_positions(seq: Sequence, drafts: list[int]) -> list:
-    """The requests of a speculating row's 1 + k sampling positions (the first is seq itself)."""
-    return [seq, *(DraftPosition(seq, seq.token_ids + drafts[:j]) for j in range(1, len(drafts) + 1))]
-
-
-def verified_drafts(sched: SchedulerOutput) -> tuple[list[int], list[int]]:
-    """(the draft each sampling position verifies, -1 at a row's last; each sampling row's positions)."""
-    drafts, counts = [], []
+def verified_drafts(sched: SchedulerOutput) -> tuple[list[int], list[int], list[tuple[int, object]]]:
+    """(the draft each sampling position verifies, -1 at a row's last; each sampling row's positions;
+    (its first position, q of the drafts it verifies) of each row whose drafts were drawn from q)."""
+    drafts, counts, probs = [], [], []
     for item in sched.scheduled:
         if item.samples:
+            if item.draft_token_ids and item.seq.draft_probs is not None:  # the scheduler may have cut drafts
+                probs.append((len(drafts), item.seq.draft_probs[:len(item.draft_token_ids)]))
             drafts.extend(item.draft_token_ids)
             drafts.append(-1)
             counts.append(len(item.draft_token_ids) + 1)
-    return drafts, counts
+    return drafts, counts, probs
 
 
 def make_proposer(config: Config, tokenizer) -> Proposer:
@@ -99,7 +75,7 @@ class Speculation:
         the scheduler). Returns whether some running request would speculate: its step must then be
         resolved before the next is planned (a draft needs the last token's value), not overlapped."""
         for seq in self._drafted:
-            seq.draft_token_ids = []
+            seq.draft_token_ids, seq.draft_probs = [], None
         self._drafted = []
         for seq in [seq for seq in self._proposed_for if seq.status is not SequenceStatus.RUNNING]:
             self.release(seq)  # preempted (an ended one was released by the core): a draft model's blocks go back
@@ -113,13 +89,14 @@ class Speculation:
             room = seq.max_len - len(seq.token_ids) - 1  # every token it may still take, after the bonus one
             k = min(room, logits_room, math.ceil(self.num_speculative_tokens * seq.draft_acceptance))
             if k > 0 and seq.token_ids[-1] != PENDING_TOKEN:
-                rows.append(DraftRow(seq.token_ids, k, seq))
+                rows.append(DraftRow(seq.token_ids, k, seq, seq.params, seq.num_prompt_tokens))
                 seqs.append(seq)
                 logits_room -= k
         self._proposed_for.update(seqs)
         for seq, drafts in zip(seqs, self.proposer.propose(rows) if rows else ()):
             if drafts:
                 seq.draft_token_ids = drafts
+                seq.draft_probs = drafts.probs if isinstance(drafts, SampledDrafts) else None
                 self._drafted.append(seq)
             elif drafts is not None:  # nothing to propose counts as nothing accepted: one that never matches pauses
                 self._learn(seq, 0.0, step)

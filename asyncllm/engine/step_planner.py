@@ -5,15 +5,16 @@ from __future__ import annotations
 import numpy as np
 
 from asyncllm.engine.scheduler import SchedulerOutput
-from asyncllm.engine.speculation import draft_positions, verified_drafts
-from asyncllm.step_plan import PENDING_TOKEN, PromptLogprobsPlan, StepPlan
+from asyncllm.engine.sequence import Sequence
+from asyncllm.engine.speculation import verified_drafts
+from asyncllm.step_plan import PENDING_TOKEN, PromptLogprobsPlan, RequestSampling, StepPlan
 
 
 def plan_step(sched: SchedulerOutput) -> StepPlan:
     """The step's plan. Plans its prompt positions' log-probabilities too (plan_prompt_logprobs),
     which records them as planned: call it once per step launched."""
     input_ids, starts, query_lens, block_rows, logits_indices = [], [], [], [], []
-    pending_at, pending_rows, sampling = [], [], []
+    pending_at, pending_rows, sampling, new_requests = [], [], [], []
     num_tokens = 0
     for item in sched.scheduled:
         seq, num_new = item.seq, item.num_tokens
@@ -33,17 +34,32 @@ def plan_step(sched: SchedulerOutput) -> StepPlan:
         starts.append(start)
         query_lens.append(num_new)
         block_rows.append(seq.block_table)
-        if drafts:  # every position samples: the target's token there, against the draft
-            logits_indices.extend(range(num_tokens - num_new, num_tokens))
-            sampling.extend(draft_positions(seq, drafts))
-        elif item.samples:
-            logits_indices.append(num_tokens - 1)
-            sampling.append(seq)
+        if item.samples:
+            if not seq.in_runner_table:  # its first sampling step: the runner's table learns its settings
+                seq.in_runner_table = True
+                new_requests.append(request_sampling(seq))
+            if drafts:  # every position samples: the target's token there, against the draft
+                logits_indices.extend(range(num_tokens - num_new, num_tokens))
+                sampling.extend([seq.uid] * num_new)
+            else:
+                logits_indices.append(num_tokens - 1)
+                sampling.append(seq.uid)
     plan = StepPlan(input_ids, starts, query_lens, block_rows, logits_indices, pending_at, pending_rows, sampling,
-                    plan_prompt_logprobs(sched), engine_step=sched)
+                    plan_prompt_logprobs(sched), engine_step=sched, new_requests=new_requests)
     if sched.num_draft_tokens:
-        plan.draft_token_ids, plan.rows_per_request = verified_drafts(sched)
+        plan.draft_token_ids, plan.rows_per_request, plan.draft_probs = verified_drafts(sched)
     return plan
+
+
+def request_sampling(seq: Sequence) -> RequestSampling:
+    """seq's sampling settings as the plain values the runner keeps (made once, at its first sampling
+    step), with its tokens so far."""
+    p = seq.params
+    return RequestSampling(
+        seq.uid, seq.token_ids[:seq.num_resolved_tokens], seq.num_prompt_tokens, p.temperature, p.top_k, p.top_p,
+        p.min_p, p.seed, p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.uses_penalties,
+        p.logit_bias, seq.allowed_token_ids, seq.early_stop_ids, p.min_tokens, seq.bad_word_ids, p.logprobs,
+        seq.adjusts_logits, seq.grammar)
 
 
 def plan_prompt_logprobs(sched: SchedulerOutput) -> PromptLogprobsPlan | None:

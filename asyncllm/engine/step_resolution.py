@@ -118,7 +118,7 @@ def finish_reason(core, seq: Sequence, token_id: int, length: int) -> FinishReas
             length - seq.num_prompt_tokens > params.min_tokens:
         return FinishReason.STOP
     if seq.grammar is not None:
-        seq.grammar.catch_up(seq)
+        seq.grammar.catch_up(seq.token_ids, seq.num_prompt_tokens)
         if seq.grammar.error is not None:  # its constraints left no token the grammar allows
             return FinishReason.ABORT
         if seq.grammar.is_terminated:  # the output is complete: the grammar allows nothing more

@@ -22,9 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from asyncllm.kernels.host import cdiv
 # the interpreter's bf16 tl.dot workaround and fp32's exact dots, shared with the attention kernels
-from asyncllm.kernels.paged_attention import _dot, _dot_config
+from asyncllm.kernels.fused_ops import _dot, _dot_config
+from asyncllm.kernels.host import cdiv
 
 
 def choose_block_m(num_pairs: int, num_experts: int) -> int:

@@ -8,7 +8,8 @@ at batch 1 those launches, not the weights, set the time per token. These cut a 
   the weight multiply; the residual sum rounded to the input dtype before normalising).
 - silu_and_mul: silu(gate) * up over a (..., 2 * N) input, gate first, in one pass.
 - qk_norm_rope_: Qwen3's per-head q/k RMSNorm and then rotary, in place on the fused qkv
-  projection, all q and k heads of a token per program, rounding where the PyTorch modules round.
+  projection, all q and k heads of a token per program, rounding where the PyTorch modules round;
+  for an FP8 cache also the q/k Hadamard rotation (hadamard_halves, Config.kv_cache_rotation).
 Each saves the intermediate tensors' round trips through memory. All launch with programmatic
 dependent launch where kernels/pdl.py allows it.
 """
@@ -18,9 +19,29 @@ import torch
 import triton
 import triton.language as tl
 
+from asyncllm import settings
 from asyncllm.kernels.host import next_power_of_2
 from asyncllm.kernels.kv_store import is_fp8_cache, quantize_for_cache
 from asyncllm.kernels.pdl import launch_dependents, launch_options, wait_for_previous
+
+# The Triton CPU interpreter multiplies bf16 tensors as raw uint16 bit patterns in tl.dot; compiled
+# kernels are unaffected. Under the interpreter only, bf16 dot operands are upcast to fp32. Read at import:
+# @triton.jit made this module's kernels interpreted or compiled then, and every launch asks it.
+_INTERPRET = settings.TRITON_INTERPRET.read()
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+def _dot_config(dtype: torch.dtype) -> tuple[bool, str]:
+    # fp32 inputs (CPU tests, debugging) want exact fp32 dots, not TF32
+    upcast = _INTERPRET and dtype == torch.bfloat16
+    return upcast, ("ieee" if dtype == torch.float32 else "tf32")
 
 
 @triton.jit
@@ -146,13 +167,36 @@ def head_norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM: tl.constexpr, HAS_NO
 
 
 @triton.jit
+def hadamard_halves(x1, x2, HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """Heads (rows, at least 16) given as two halves in their dtype, times Sylvester's Hadamard matrix
+    of HEAD_DIM over sqrt(HEAD_DIM) (attention.base.hadamard_matrix): by its recursion
+    H = [[S, S], [S, -S]] / sqrt(HEAD_DIM), S the half's +-1 matrix, [x1 | x2] H = [a + b | a - b] / sqrt(HEAD_DIM)
+    with a = x1 S, b = x2 S. Entry (i, j) of S is (-1) ** popcount(i & j); half columns past HEAD_DIM / 2
+    (BLOCK_HALF's padding to a dot's 16) meet zeros of x and are not stored. bf16 / fp16 times +-1 is
+    exact and the dot sums in fp32, so the result is rounded once, as attention.base.rotate_heads rounds."""
+    offs = tl.arange(0, BLOCK_HALF)
+    bits = offs[:, None] & offs[None, :]
+    bits = bits ^ (bits >> 8)
+    bits = bits ^ (bits >> 4)
+    bits = bits ^ (bits >> 2)
+    bits = bits ^ (bits >> 1)
+    sign = (1 - 2 * (bits & 1)).to(x1.dtype)
+    a = _dot(x1, sign, UPCAST_DOT, PRECISION)
+    b = _dot(x2, sign, UPCAST_DOT, PRECISION)
+    inv_sqrt = 1.0 / tl.sqrt(HEAD_DIM * 1.0)
+    return ((a + b) * inv_sqrt).to(x1.dtype), ((a - b) * inv_sqrt).to(x1.dtype)
+
+
+@triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, stride_t, stride_cs, eps,
                          k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_cb, stride_cslot, stride_ch,
                          k_inv_scale, v_inv_scale,
                          NUM_Q_HEADS: tl.constexpr, NUM_QK_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
                          HAS_NORM: tl.constexpr, STORE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                         BLOCK_KV: tl.constexpr, BLOCK_D: tl.constexpr, FP8_KV: tl.constexpr, USE_PDL: tl.constexpr):
+                         BLOCK_KV: tl.constexpr, BLOCK_D: tl.constexpr, FP8_KV: tl.constexpr, ROTATE: tl.constexpr,
+                         UPCAST_DOT: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     launch_dependents(USE_PDL)  # first thing: kernels/pdl.py
     # one program per token: its q heads then its k heads, which sit next to each other in the
     # row of the fused projection, each as two halves (the rotary pairs x[i] with x[i + HALF])
@@ -188,6 +232,8 @@ def _qk_norm_rope_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_we
         w1 = cos  # unused
         w2 = cos
     out1, out2 = head_norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM, HAS_NORM)
+    if ROTATE:  # q and k heads alike (AttentionBackend.qk_rotation): scores unchanged, K's outliers spread
+        out1, out2 = hadamard_halves(out1, out2, HEAD_DIM, BLOCK_HALF, UPCAST_DOT, PRECISION)
     tl.store(first, out1, mask=mask)
     tl.store(first + HALF, out2, mask=mask)
     if STORE_KV:
@@ -210,10 +256,11 @@ def qk_norm_rope_(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: tor
                   k_weight: torch.Tensor | None = None, eps: float = 1e-6,
                   kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
                   slot_mapping: torch.Tensor | None = None,
-                  kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+                  kv_scales: tuple[float, float] = (1.0, 1.0), rotate: bool = False) -> torch.Tensor:
     """In place on qkv (tokens, (num_q_heads + 2 * num_k_heads) * head_dim), rows [q | k | v]:
     RMSNorm of each q and k head (when q_weight and k_weight are given), then rotary of q and k by
-    their positions (half-split layout; cos_sin_cache rows are [cos(half) | sin(half)] in fp32).
+    their positions (half-split layout; cos_sin_cache rows are [cos(half) | sin(half)] in fp32),
+    then, where rotate, each q and k head times attention.base.hadamard_matrix(head_dim) (a power of two).
     v is untouched. With kv_cache = (k_cache, v_cache), each (num_blocks, block_size, num_k_heads,
     head_dim) with identical strides, and slot_mapping (tokens,) int64 (-1: skip), the rotated k and
     v are also stored into the cache, as kernels.store_kvcache would (an FP8 cache quantized by
@@ -223,6 +270,12 @@ def qk_norm_rope_(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: tor
     if num_tokens:
         half = head_dim // 2
         has_norm = q_weight is not None
+        assert not rotate or head_dim == next_power_of_2(head_dim), "the Hadamard rotation needs a power-of-two head_dim"
+        upcast, precision = _dot_config(qkv.dtype)
+        # a rotation's dots take at least 16 rows and 16 columns: padded heads and half columns load zeros
+        block_h, block_half = next_power_of_2(num_q_heads + num_k_heads), next_power_of_2(half)
+        if rotate:
+            block_h, block_half = max(block_h, 16), max(block_half, 16)
         store = kv_cache is not None
         if store:
             k_cache, v_cache = kv_cache
@@ -236,8 +289,9 @@ def qk_norm_rope_(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: tor
             qkv, positions, cos_sin_cache, q_weight if has_norm else qkv, k_weight if has_norm else qkv,
             qkv.stride(0), cos_sin_cache.stride(0), eps, *cache_args,
             NUM_Q_HEADS=num_q_heads, NUM_QK_HEADS=num_q_heads + num_k_heads, HEAD_DIM=head_dim, HALF=half,
-            BLOCK_H=next_power_of_2(num_q_heads + num_k_heads), BLOCK_HALF=next_power_of_2(half), HAS_NORM=has_norm,
+            BLOCK_H=block_h, BLOCK_HALF=block_half, HAS_NORM=has_norm,
             STORE_KV=store, BLOCK_SIZE=kv_cache[0].shape[1] if store else 1, BLOCK_KV=next_power_of_2(num_k_heads),
-            BLOCK_D=next_power_of_2(head_dim), FP8_KV=store and is_fp8_cache(kv_cache[0]), num_warps=4,
+            BLOCK_D=next_power_of_2(head_dim), FP8_KV=store and is_fp8_cache(kv_cache[0]), ROTATE=rotate,
+            UPCAST_DOT=upcast, PRECISION=precision, num_warps=4,
             **launch_options(qkv))
     return qkv

@@ -49,8 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from asyncllm import settings
-from asyncllm.kernels.fused_ops import head_norm_rope, qk_norm_rope_
+from asyncllm.kernels.fused_ops import _dot, _dot_config, head_norm_rope, qk_norm_rope_
 from asyncllm.kernels.host import cdiv, next_power_of_2
 from asyncllm.kernels.kv_store import is_fp8_cache, quantize_for_cache
 from asyncllm.kernels.pdl import launch_dependents, launch_options, wait_for_previous
@@ -76,21 +75,8 @@ MAX_PREFILL_SPLITS = 32
 PREFILL_PROGRAMS_PER_SM = 2
 PREFILL_MAX_GRID_PER_SM = 32
 
-# The Triton CPU interpreter multiplies bf16 tensors as raw uint16 bit patterns in tl.dot; compiled
-# kernels are unaffected. Under the interpreter only, bf16 dot operands are upcast to fp32. Read at import:
-# @triton.jit made this module's kernels interpreted or compiled then, and every launch asks it.
-_INTERPRET = settings.TRITON_INTERPRET.read()
-
 
 # ----------------------------------------------------------------------------- device helpers
-
-@triton.jit
-def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    if UPCAST:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, input_precision=PRECISION)
-
 
 @triton.jit
 def _kv_tile_offsets(bt_row_ptr, start, offs_n, max_blocks, stride_kb, stride_ks,
@@ -617,12 +603,6 @@ def choose_prefill_splits(num_tokens: int, num_seqs: int, max_query_len: int, nu
                       PREFILL_MAX_GRID_PER_SM * num_sms // grid, MAX_PREFILL_SPLITS))
 
 
-def _dot_config(dtype: torch.dtype) -> tuple[bool, str]:
-    # fp32 inputs (CPU tests, debugging) want exact fp32 dots, not TF32
-    upcast = _INTERPRET and dtype == torch.bfloat16
-    return upcast, ("ieee" if dtype == torch.float32 else "tf32")
-
-
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                     max_query_len: int, max_seq_len: int, scale: float, out: torch.Tensor | None = None,
@@ -667,12 +647,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         qkv, num_tokens = q, q.shape[0]
         assert qkv.dim() == 2 and qkv.shape[1] == (rope.num_heads + 2 * num_kv_heads) * head_dim
         q = qkv[:, :rope.num_heads * head_dim].view(num_tokens, rope.num_heads, head_dim)
-        rope_in_decode = (max_query_len == 1 and head_dim == next_power_of_2(head_dim)
+        # a rotated q/k (rope.rotate) takes the rotary kernel's dots: the decode kernel's rows are too few
+        rope_in_decode = (max_query_len == 1 and head_dim == next_power_of_2(head_dim) and not rope.rotate
                           and _first_tile_early(num_seqs, num_kv_heads, num_splits, num_sms))
         if not rope_in_decode:
             qk_norm_rope_(qkv, rope.positions, rope.cos_sin_cache, rope.num_heads, num_kv_heads, head_dim,
                           rope.q_weight, rope.k_weight, rope.eps, kv_cache=(k_cache, v_cache),
-                          slot_mapping=rope.slot_mapping, kv_scales=kv_scales)
+                          slot_mapping=rope.slot_mapping, kv_scales=kv_scales, rotate=rope.rotate)
             rope = None
     num_tokens, num_heads, head_dim = q.shape
     assert k_cache.shape[3] == head_dim and v_cache.shape == k_cache.shape

@@ -46,11 +46,10 @@ import torch
 import triton
 import triton.language as tl
 
-from asyncllm.kernels.fused_ops import _silu_mul
+# _dot: the interpreter's bf16 tl.dot workaround, shared with the attention kernels
+from asyncllm.kernels.fused_ops import _dot, _dot_config, _silu_mul
 from asyncllm.kernels.host import cdiv, next_power_of_2
 from asyncllm.kernels.pdl import launch_dependents, launch_options, wait_for_previous
-# the interpreter's bf16 tl.dot workaround, shared with the attention kernels
-from asyncllm.kernels.paged_attention import _dot, _dot_config
 
 MAX_ROWS = 16  # the dot loop's row tile; more rows go to cuBLAS, which is compute-efficient there
 FMA_MAX_ROWS = 4  # the FMA loop's accumulators grow with the rows: above this, the dot loop only

@@ -4,10 +4,11 @@ there, so that the tokens kept follow the target's distribution exactly.
 Each position's distribution p is the request's own, as the plain sampler makes it: adjustments
 (biases, bans, allowed tokens), a grammar's mask, temperature, then top-k / top-p / min-p. A greedy
 position accepts its draft where the draft is p's argmax, and its token is that argmax: greedy output
-is the plain engine's. A sampled position accepts its draft x with probability p(x) (standard
-rejection sampling, min(1, p(x) / q(x)), with q a point mass at x as the n-gram proposer's and any
-deterministic proposer's is); on rejection its token is drawn from the residual, p with x taken out,
-renormalised (norm(max(p - q, 0))). A position without a draft (a row's last, the bonus token) draws
+is the plain engine's. A sampled position accepts its draft x with probability min(1, p(x) / q(x))
+(standard rejection sampling), q the distribution the draft was drawn from: a draft model's own for a
+sampled request (speculative/draft_model.py), else a point mass at x (prompt lookup, a greedy draft),
+which makes it p(x). On rejection its token is drawn from the residual norm(max(p - q, 0)) (for a
+point mass: p with x taken out). A position without a draft (a row's last, the bonus token) draws
 from p. The engine keeps a row's drafts up to its first rejection, then the token at that position.
 
 Noise: a seeded request's position draws its uniform and its exponential race from a generator
@@ -40,17 +41,40 @@ def speculative_probs(logits: torch.Tensor, params: SamplingTensors, rows: slice
 
 
 def verify_drafts(probs: torch.Tensor, draft_ids: torch.Tensor, uniforms: torch.Tensor,
-                  exponentials: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                  exponentials: torch.Tensor, draft_probs: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rejection sampling of sampled rows: (token, accepted) per row. probs (N, V): the target's p;
-    draft_ids (N,) (-1: none, draw from p); uniforms (N,) in [0, 1); exponentials (N, V) Exp(1).
-    A row accepts its draft x with probability p(x); its token is x where accepted, else a draw
-    (the exponential race) from the residual p without x."""
+    draft_ids (N,) (-1: none, draw from p); uniforms (N,) in [0, 1); exponentials (N, V) Exp(1);
+    draft_probs (N, V): the q each draft was drawn from (None: point masses at the drafts; a row
+    without a draft must have q = 0). A row accepts its draft x with probability min(1, p(x) / q(x));
+    its token is x where accepted, else a draw (the exponential race) from norm(max(p - q, 0))."""
     has_draft = draft_ids >= 0
     drafts = draft_ids.clamp(min=0).unsqueeze(1)
-    accepted = has_draft & (uniforms < probs.gather(1, drafts).squeeze(1))
-    residual = probs.scatter(1, drafts, torch.where(has_draft.unsqueeze(1), 0.0, probs.gather(1, drafts)))
+    if draft_probs is None:
+        draft_probs = torch.zeros_like(probs).scatter_(1, drafts, has_draft.unsqueeze(1).to(probs.dtype))
+    accepted = has_draft & (uniforms * draft_probs.gather(1, drafts).squeeze(1) < probs.gather(1, drafts).squeeze(1))
+    residual = (probs - draft_probs).clamp_(min=0)
+    # p <= q everywhere (p == q up to rounding): a rejection then is rounding's; draw from p
+    residual = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, probs)
     replacement = (residual / exponentials).argmax(dim=-1)
     return torch.where(accepted, draft_ids, replacement), accepted
+
+
+def chunk_draft_probs(draft_ids: torch.Tensor, draft_probs: list, rows: slice, vocab_size: int,
+                      device: torch.device) -> torch.Tensor | None:
+    """q of rows' verified positions, (n, V) float32: the draft distributions in draft_probs ((the
+    first row, (k, V) q of its k drafts) each) where they cover a row, point masses at the other
+    drafts, 0 where a row has none; None where no distribution covers rows (all point masses)."""
+    q = None
+    for first, probs in draft_probs:
+        lo, hi = max(first, rows.start), min(first + len(probs), rows.stop)
+        if lo < hi:
+            if q is None:
+                ids = draft_ids[rows]
+                q = torch.zeros((len(ids), vocab_size), dtype=torch.float32, device=device)
+                q.scatter_(1, ids.clamp(min=0).unsqueeze(1), (ids >= 0).unsqueeze(1).to(torch.float32))
+            q[lo - rows.start:hi - rows.start] = probs[lo - first:hi - first]
+    return q
 
 
 def kept_rows(accepted: torch.Tensor, first_rows: torch.Tensor) -> torch.Tensor:
@@ -67,11 +91,12 @@ class RejectionSampler:
         self.generator = generator
 
     def __call__(self, logits: torch.Tensor, params: SamplingTensors, draft_ids: torch.Tensor,
-                 first_rows: torch.Tensor) -> SamplerOutput:
+                 first_rows: torch.Tensor, draft_probs: list = ()) -> SamplerOutput:
         """Verify each row's draft (draft_ids (N,), -1: none): SamplerOutput with each row's token and
         whether it accepted its draft (accepted). first_rows (N,): the first row of each row's request
         (its positions are consecutive rows): a row's token is kept where every earlier row of its
-        request accepted, and only kept tokens are counted for penalties."""
+        request accepted, and only kept tokens are counted for penalties. draft_probs: (first row,
+        (k, V) q) of the drafts drawn from a distribution (StepPlan.draft_probs); others are points."""
         model_logits = logits
         if params.adjustments is not None:
             logits = params.adjustments.adjusted(logits)
@@ -85,10 +110,11 @@ class RejectionSampler:
         else:
             sampled, sampled_accepted = torch.empty_like(greedy), torch.empty_like(greedy_accepted)
             for start in range(0, len(logits), ROWS_PER_CHUNK):
-                rows = slice(start, start + ROWS_PER_CHUNK)
+                rows = slice(start, min(start + ROWS_PER_CHUNK, len(logits)))
                 probs = speculative_probs(logits[rows], params, rows)
                 uniforms, exponentials = self._noise(probs, params, start)
-                sampled[rows], sampled_accepted[rows] = verify_drafts(probs, draft_ids[rows], uniforms, exponentials)
+                q = chunk_draft_probs(draft_ids, draft_probs, rows, probs.shape[1], probs.device)
+                sampled[rows], sampled_accepted[rows] = verify_drafts(probs, draft_ids[rows], uniforms, exponentials, q)
             is_sampled = params.temperatures > 0
             tokens = torch.where(is_sampled, sampled, greedy)
             accepted = torch.where(is_sampled, sampled_accepted, greedy_accepted)

@@ -13,6 +13,7 @@ from asyncllm.models.checkpoint import load_hf_config
 from asyncllm.models.gguf import resolve_model_path
 from asyncllm.models.hub import download_model
 from asyncllm.models.moe_spec import MoESpec, moe_spec
+from asyncllm.models.transformer import head_dim_of
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # config.DTYPES
 
@@ -38,6 +39,10 @@ def resolve_config(config: Config) -> Config:
             ckpt = TORCH_DTYPES.get(ckpt)
         config.torch_dtype = ckpt if ckpt in (torch.float16, torch.bfloat16, torch.float32) else torch.bfloat16
     config.kv_cache_torch_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else config.torch_dtype
+    head_dim = head_dim_of(hf)
+    if config.kv_cache_dtype == "fp8" and config.kv_cache_rotation and head_dim & (head_dim - 1):
+        raise config_error("kv_cache_rotation", f"the Hadamard rotation of an FP8 cache's keys needs a power-of-two "
+                                                f"head_dim; this model's is {head_dim}: pass kv_cache_rotation=False")
     if config.device == "cpu":
         memory = _machine_memory()
         if memory is not None:

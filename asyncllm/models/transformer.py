@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from asyncllm.attention.base import DecodeRope, ForwardBatch
+from asyncllm.attention.base import DecodeRope, ForwardBatch, rotate_heads
 from asyncllm.distributed import get_tp_size
 from asyncllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from asyncllm.layers.fused import fused_ops_for
@@ -68,7 +68,8 @@ class DecoderAttention(nn.Module):
         # what the fused q/k norm + rotary reads besides the projection: the rotary kernel's arguments
         # too (_norm_rope_fused), so the two paths cannot drift apart
         norm_args = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else ()
-        return DecodeRope(self.num_heads, positions, self.rotary_emb.cos_sin_cache, batch.slot_mapping, *norm_args)
+        return DecodeRope(self.num_heads, positions, self.rotary_emb.cos_sin_cache, batch.slot_mapping, *norm_args,
+                          rotate=batch.attn_backend.qk_rotation is not None)
 
     def _split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -82,7 +83,7 @@ class DecoderAttention(nn.Module):
         self._fused.qk_norm_rope_(qkv, positions, rope.cos_sin_cache, self.num_heads, self.num_kv_heads,
                                   self.head_dim, rope.q_weight, rope.k_weight, rope.eps,
                                   kv_cache=batch.attn_backend.kv_cache(self.layer_id), slot_mapping=batch.slot_mapping,
-                                  kv_scales=batch.attn_backend.kv_scales)
+                                  kv_scales=batch.attn_backend.kv_scales, rotate=rope.rotate)
         q, _, _ = self._split_heads(qkv)
         return q, None, None
 
@@ -92,6 +93,9 @@ class DecoderAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
+        rotation = batch.attn_backend.qk_rotation
+        if rotation is not None:
+            q, k = rotate_heads(q, rotation), rotate_heads(k, rotation)
         return q, k, v
 
 

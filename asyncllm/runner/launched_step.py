@@ -11,6 +11,7 @@ import torch
 
 from asyncllm.layers.sampler import LogprobsTensors, SamplerOutput
 from asyncllm.runner.pooling import StepPooling
+from asyncllm.runner.request_table import RequestTable
 from asyncllm.step_plan import StepPlan, StepResult
 
 
@@ -38,8 +39,10 @@ class LaunchedStep:
 
     def __init__(self, plan: StepPlan, output: SamplerOutput | None = None, logprob_ks: list[int] | None = None,
                  prompt_logprobs: LogprobsTensors | None = None, sample=None, stream=None,
-                 pooling: StepPooling | None = None):
+                 pooling: StepPooling | None = None, table: RequestTable | None = None, launched_rows=None):
         self.plan = plan
+        # the runner's request table, which learns the step's tokens when result() reads them (once)
+        self._table, self._launched_rows = table, launched_rows  # RequestTable.launched's
         self._stream = stream  # the one the step is queued on (None: the current one, looked up)
         self.logprob_ks = logprob_ks  # per sampling row: the top-k it asked for, -1 none; None: no row asked
         self._host_prompt_logprobs = None if prompt_logprobs is None else _logprobs_to_host(prompt_logprobs)
@@ -83,6 +86,9 @@ class LaunchedStep:
                             pooled_sums=self.pooled_sums())
         if self.plan.rows_per_request is not None:
             keep_accepted(result, self.plan.rows_per_request, self._host_accepted.tolist())
+        if self._table is not None:
+            self._table.recorded(self._launched_rows, self.plan, result.token_ids, result.num_per_row)
+            self._table = None
         return result
 
     def token_ids(self) -> list[int]:

@@ -28,8 +28,9 @@ from asyncllm.models.registry import create_model
 from asyncllm.runner.launched_step import LaunchedStep
 from asyncllm.runner.memory import RunnerMemory
 from asyncllm.runner.pooling import StepPooling
+from asyncllm.runner.request_table import GRAMMAR, speculative_positions
 from asyncllm.runner.sampler_graphs import SamplerGraphs
-from asyncllm.runner.sampling_inputs import SamplingInputs
+from asyncllm.runner.sampling_inputs import SamplingInputs, SamplingPlan
 from asyncllm.runner.step_inputs import StepInputs, synthetic_step_inputs
 from asyncllm.runner.step_bitmask import StepBitmasks
 from asyncllm.runner.tp_protocol import agree_on_min
@@ -37,6 +38,7 @@ from asyncllm.startup import (ATTENTION_BACKEND, BUILD_MODEL, CUDA_GRAPHS, DECOD
                               MEMORY_PROBE, SAMPLER, SAMPLER_GRAPHS, StartupTimings)
 from asyncllm.startup_cache import StartupDecisions
 from asyncllm.step_plan import StepPlan
+from asyncllm.structured.step_masks import CatchUp, StepConstraints
 
 logger = logging.getLogger("asyncllm")
 
@@ -141,7 +143,8 @@ class ModelRunner(RunnerMemory):
             self.config.attention_backend, self.device,
             k_caches=list(kv_cache[0].unbind(0)), v_caches=list(kv_cache[1].unbind(0)),
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            scale=self.head_dim ** -0.5)
+            scale=self.head_dim ** -0.5,
+            rotate_qk=self.config.kv_cache_dtype == "fp8" and self.config.kv_cache_rotation)
 
     def _synthetic_step(self, num_prompts: int, prompt_len: int, num_decodes: int = 0,
                         context: int = 0) -> ForwardBatch:
@@ -230,9 +233,27 @@ class ModelRunner(RunnerMemory):
             return None
         return self.graph_runner.decode_key(num_seqs, int(inputs.seq_lens.max()))
 
-    def release_sequence(self, seq) -> None:
-        """A sequence finished: drop what sampling kept for it (by the request object, which it never reads)."""
-        self.sampling_inputs.release(seq)
+    def release_request(self, request: int) -> None:
+        """The engine ended a request (RequestSampling.request): its table row and penalty slot go.
+        A request the table never had (it never sampled) is ignored."""
+        self.sampling_inputs.release(request)
+
+    def _constraints(self, plan: StepPlan, sampling_plan: SamplingPlan, compiler) -> StepConstraints:
+        """The step's rows held to a grammar (some are), from the request table."""
+        table, rows = self.sampling_inputs.table, sampling_plan.rows
+        constrained = np.flatnonzero(sampling_plan.flags & GRAMMAR).tolist()
+        positions = None if plan.rows_per_request is None else speculative_positions(plan.rows_per_request)
+        states, catch_ups, drafts = [], [], []
+        for row in constrained:
+            entry = table.entries[plan.sampling_ids[row]]
+            state = entry.settings.grammar
+            states.append(state)
+            j = 0 if positions is None else int(positions[row])
+            drafts.append(plan.draft_token_ids[row - j:row] if j else [])
+            if not j:  # a speculating request's first position: its matcher catches up once
+                catch_ups.append(CatchUp(state, entry.token_ids, entry.settings.num_prompt_tokens,
+                                         int(table.pending_row[rows[row]])))
+        return StepConstraints(constrained, states, catch_ups, compiler, drafts if any(drafts) else None)
 
     def _forward(self, batch: ForwardBatch, pooling: StepPooling | None = None) -> torch.Tensor:
         if self.graph_runner is not None:
@@ -258,18 +279,22 @@ class ModelRunner(RunnerMemory):
         return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan, prev: LaunchedStep | None, constraints=None,
+    def launch(self, plan: StepPlan, prev: LaunchedStep | None, grammar_compiler=None,
                stream: torch.cuda.Stream | None = None, pooling_plan=None) -> LaunchedStep:
         """Queue one step's forward and sampling (plan: the engine's StepPlan). Inputs still
         PENDING_TOKEN are the ids prev sampled: they are filled in on the device, so the host never
         waits for prev.
 
-        constraints (structured.step_masks.StepConstraints, or None): rows held to a grammar. Their
-        bitmask is filled on the host after the forward is queued, so it overlaps the forward; a row
-        whose last token prev is still sampling waits for prev's ids (not for this step's forward).
+        grammar_compiler (structured.grammar.GrammarCompiler, or None: no request has a grammar): the
+        compiler of the requests' grammars. The bitmask of the rows held to one is filled on the host
+        after the forward is queued, so it overlaps the forward; a row whose last token prev is still
+        sampling waits for prev's ids (not for this step's forward).
         stream: the current stream where the caller has it (None: looked up when needed).
         pooling_plan (engine.pooling.PoolingPlan, or None): embedding rows, whose hidden states the
         step sums (it then runs eagerly: CUDA graphs return logits only)."""
+        table = self.sampling_inputs.table
+        for request in plan.new_requests:  # first: the engine counts them as the runner's from here
+            table.add(request)
         if prev is not None:
             prev.queue_sampling()  # the device runs prev's sampling before this step's forward
         inputs, pending_at, pending_rows = self.build_inputs(plan)
@@ -280,7 +305,12 @@ class ModelRunner(RunnerMemory):
         if len(pending_at):
             assert prev is not None, "a pending token without the step that samples it"
         # the sampling settings are ready before the forward: they travel in the step's one copy
-        sampling_plan = self.sampling_inputs.plan(plan.sampling_requests)
+        sampling_plan = self.sampling_inputs.plan(plan)
+        constraints = None
+        if grammar_compiler is not None and sampling_plan.any_flags & GRAMMAR:
+            constraints = self._constraints(plan, sampling_plan, grammar_compiler)
+        # from here the rows' next tokens are in flight
+        launched_rows = table.launched(plan, sampling_plan.rows, sampling_plan.flags, sampling_plan.any_flags)
         sampling_arrays = list(sampling_plan.arrays.values())
         prev_sampled = None if prev is None else prev.sampled
         pooling = None if pooling_plan is None else StepPooling(pooling_plan, self.device)
@@ -326,10 +356,12 @@ class ModelRunner(RunnerMemory):
             counts = np.array(plan.rows_per_request, dtype=np.int64)
             draft_ids, first_rows = upload_arrays([np.array(plan.draft_token_ids, dtype=np.int64),
                                                    np.repeat(np.cumsum(counts) - counts, counts)], self.device)
-            sampler = functools.partial(self.rejection_sampler, draft_ids=draft_ids, first_rows=first_rows)
+            sampler = functools.partial(self.rejection_sampler, draft_ids=draft_ids, first_rows=first_rows,
+                                        draft_probs=plan.draft_probs)
         if constraints is None:
             output = self.sample(logits, sampling) if sampler is self.sampler else sampler(logits, sampling)
-            return LaunchedStep(plan, output, logprob_ks, prompt_logprobs, stream=stream, pooling=pooling)
+            return LaunchedStep(plan, output, logprob_ks, prompt_logprobs, stream=stream, pooling=pooling,
+                                table=table, launched_rows=launched_rows)
         # constrained rows: advance their matchers here (it may wait for prev's ids), then fill the
         # bitmask on a worker thread (xgrammar releases the GIL) while this thread resolves prev and
         # plans the next step; the sampling is queued once the next step needs it
@@ -341,7 +373,7 @@ class ModelRunner(RunnerMemory):
             sampling.mask_rows, sampling.token_bitmask = upload_bitmask()
             return sampler(logits, sampling)
         return LaunchedStep(plan, None, logprob_ks, prompt_logprobs, sample=sample, stream=stream,
-                            pooling=pooling)
+                            pooling=pooling, table=table, launched_rows=launched_rows)
 
     def sample(self, logits: torch.Tensor, sampling: SamplingTensors) -> SamplerOutput:
         """Queue the sampling of a step's logits, just computed: the sampler graph over the forward

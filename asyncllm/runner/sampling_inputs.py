@@ -1,11 +1,11 @@
-"""One step's sampling settings as device tensors (SamplingTensors), from its sampling rows' requests
-(step_plan.SamplingRequest: read, never written).
+"""One step's sampling settings as device tensors (SamplingTensors), gathered from the runner's
+request table (runner/request_table.py) by the step's sampling rows.
 
 Everything a request may ask beyond plain sampling (penalties, biases, banned or allowed tokens,
 log-probabilities) is gathered in one pass over the step's rows that ask for it; a step where no
-row asks builds nothing more than before. Penalties keep each sequence's token counts on the device
-(TokenCounts) from its first sampling step until it finishes: the slot is this module's, by request,
-and the engine calls release().
+row asks builds nothing more than before. Penalties keep each request's token counts on the device
+(TokenCounts) from its first sampling step until it finishes: the slot is its table entry's, and
+the engine's end of the request calls release().
 """
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ import torch
 from asyncllm.layers.logits_adjustments import LogitsAdjustments, TokenCounts
 from asyncllm.layers.sampler import SamplingTensors, noise_key
 from asyncllm.runner.host_upload import upload_arrays
-from asyncllm.step_plan import PENDING_TOKEN, SamplingRequest
+from asyncllm.runner.request_table import (ADJUSTS, GRAMMAR, LOGPROBS, MIN_P, RANDOM, SEEDED, TOP_K, TOP_P,
+                                           RequestTable, banned_token_ids, speculative_positions)
+from asyncllm.step_plan import StepPlan
 
 
 @dataclass
@@ -28,6 +30,9 @@ class SamplingPlan:
     seeded_rows: list[tuple[int, int]]  # (row, noise key) of the rows with a seed
     adjusts: bool = False  # some row adjusts its logits
     logprob_ks: list[int] | None = None  # per row: the top-k it asked for, -1 none; None: no row asked
+    rows: np.ndarray | None = None  # each sampling row's table row (RequestTable)
+    flags: np.ndarray | None = None  # and its flags (request_table's constants), and their OR
+    any_flags: int = 0
 
 
 class SamplingInputs:
@@ -36,44 +41,58 @@ class SamplingInputs:
         self.device = device
         self.key_source = np.random.default_rng(seed)  # unseeded rows' noise keys
         self.token_counts = TokenCounts(vocab_size, device)
-        self.penalty_slots: dict[SamplingRequest, int] = {}  # the token-count slot of each request that uses penalties
+        self.table = RequestTable(vocab_size)  # the requests' settings, tokens and penalty slots
         self._temporary_slots: list[int] = []  # the last plan's (released by the next: its step is queued by then)
 
     def release_token_counts(self) -> None:
-        """Every sequence has ended (a sleeping engine): the penalties' slots and their memory go;
-        the next sequences that ask make new ones."""
+        """Every sequence has ended (a sleeping engine): the table empties, the penalties' slots and
+        their memory go; the next sequences that ask make new ones."""
+        self.table.clear()
         self.token_counts = TokenCounts(self.vocab_size, self.device)
-        self.penalty_slots = {}
         self._temporary_slots = []
 
-    def plan(self, seqs: list[SamplingRequest]) -> SamplingPlan:
-        """The step's sampling settings as host arrays (the runner sends them in the step's one copy)."""
+    def plan(self, plan: StepPlan) -> SamplingPlan:
+        """The step's sampling settings as host arrays (the runner sends them in the step's one copy),
+        gathered from the table's columns by its sampling rows' table rows."""
         if self._temporary_slots:  # the step that read them is queued: a reuse's writes come after it
             for slot in self._temporary_slots:
                 self.token_counts.release(slot)
             self._temporary_slots = []
-        params = [seq.params for seq in seqs]
-        keys, seeded_rows = None, []
-        if any(p.temperature > 0 for p in params):
+        table = self.table
+        rows = table.rows(plan.sampling_ids)
+        flags = table.flags[rows]
+        # (a one-row reduce costs more than the rest of a batch-1 step's plan)
+        any_flags = int(flags[0]) if len(flags) == 1 else int(np.bitwise_or.reduce(flags))
+        out = SamplingPlan({}, [], rows=rows, flags=flags, any_flags=any_flags)
+        positions = None
+        if any_flags & (SEEDED | ADJUSTS | GRAMMAR) and plan.rows_per_request is not None:
+            positions = speculative_positions(plan.rows_per_request)
+        if any_flags & RANDOM:
             # unseeded rows: consecutive keys from a fresh random base each step
-            base = int(self.key_source.integers(-(1 << 63), (1 << 63) - len(seqs)))
-            keys = base + np.arange(len(seqs), dtype=np.int64)
-            for row, seq in enumerate(seqs):
-                if seq.params.seed is not None and seq.params.temperature > 0:
-                    # the token sampled now is the completion's token number len(seq) - num_prompt_tokens
-                    keys[row] = key = noise_key(seq.params.seed, len(seq.token_ids) - seq.num_prompt_tokens)
-                    seeded_rows.append((row, key))
-        plan = SamplingPlan(SamplingTensors.host_arrays(params, self.vocab_size, keys), seeded_rows)
-        if not any(seq.needs_sampling_extras for seq in seqs):
-            return plan
+            base = int(self.key_source.integers(-(1 << 63), (1 << 63) - len(rows)))
+            keys = base + np.arange(len(rows), dtype=np.int64)
+            if any_flags & SEEDED:
+                for row in np.flatnonzero(flags & SEEDED).tolist():
+                    table_row = int(rows[row])
+                    entry = table.entries[plan.sampling_ids[row]]
+                    num_generated = table.num_generated(table_row, entry) + (0 if positions is None else positions[row])
+                    keys[row] = key = noise_key(entry.settings.seed, int(num_generated))
+                    out.seeded_rows.append((row, key))
+            out.arrays = arrays = {"temperatures": table.temperature[rows], "keys": keys}
+            for name, flag, column in (("top_ks", TOP_K, table.top_k), ("top_ps", TOP_P, table.top_p),
+                                       ("min_ps", MIN_P, table.min_p)):
+                if any_flags & flag:
+                    arrays[name] = column[rows]
+        if not any_flags & (ADJUSTS | LOGPROBS):
+            return out
         # everything else the rows ask for, by field name (only the groups some row uses)
-        plan.adjusts = any(seq.adjusts_logits for seq in seqs)
-        if plan.adjusts:
-            self._adjustment_arrays(seqs, plan.arrays)
-        if any(p.logprobs is not None for p in params):
-            plan.logprob_ks = ks = [-1 if p.logprobs is None else p.logprobs for p in params]
-            plan.arrays["logprob_rows"] = np.array([row for row, k in enumerate(ks) if k >= 0], dtype=np.int64)
-        return plan
+        if any_flags & ADJUSTS:
+            out.adjusts = True
+            self._adjustment_arrays(plan, rows, np.flatnonzero(flags & ADJUSTS).tolist(), positions, out.arrays)
+        if any_flags & LOGPROBS:
+            out.logprob_ks = table.logprobs[rows].tolist()
+            out.arrays["logprob_rows"] = np.flatnonzero(flags & LOGPROBS).astype(np.int64)
+        return out
 
     def tensors(self, plan: SamplingPlan, uploaded: list[torch.Tensor],
                 prev_sampled: torch.Tensor | None = None) -> SamplingTensors:
@@ -92,37 +111,41 @@ class SamplingInputs:
             tensors.adjustments = self._adjustments(adjustments, prev_sampled)
         return tensors
 
-    def build(self, seqs: list[SamplingRequest], prev_sampled: torch.Tensor | None = None
+    def build(self, plan: StepPlan, prev_sampled: torch.Tensor | None = None
               ) -> tuple[SamplingTensors, list[int] | None]:
         """plan() and tensors() with a copy of their own: the step's SamplingTensors, and for each row
         the top-k it asked for (None: no row asked for log-probabilities; -1: this row did not)."""
-        plan = self.plan(seqs)
-        return self.tensors(plan, upload_arrays(list(plan.arrays.values()), self.device), prev_sampled), \
-            plan.logprob_ks
+        sampling_plan = self.plan(plan)
+        return self.tensors(sampling_plan, upload_arrays(list(sampling_plan.arrays.values()), self.device),
+                            prev_sampled), sampling_plan.logprob_ks
 
-    def _adjustment_arrays(self, seqs: list[SamplingRequest], arrays: dict[str, np.ndarray]) -> None:
-        """The host arrays of the step's LogitsAdjustments, by field name (only the groups some row uses)."""
+    def _adjustment_arrays(self, plan: StepPlan, rows: np.ndarray, adjusting: list[int],
+                           positions: np.ndarray | None, arrays: dict[str, np.ndarray]) -> None:
+        """The host arrays of the step's LogitsAdjustments, by field name (only the groups some row
+        uses), from the table's entries of the rows that adjust (adjusting: their step rows)."""
         penalty_rows, slots, presence, frequency, repetition, count_slots = [], [], [], [], [], []
         bias_rows, bias_tokens, bias_values = [], [], []
         ban_rows, ban_tokens = [], []
         pending_rows, pending_tokens, pending_sample_rows, pending_values = [], [], [], []
         allow_rows, allow_pair_rows, allow_pair_tokens = [], [], []
-        for row, seq in enumerate(seqs):
-            if not seq.adjusts_logits:
-                continue
-            p = seq.params
+        table, counts = self.table, self.token_counts
+        for row in adjusting:
+            table_row, entry = int(rows[row]), table.entries[plan.sampling_ids[row]]
+            p = entry.settings
+            # a speculative position j > 0 takes its request's first j drafts as generated
+            j = 0 if positions is None else int(positions[row])
+            drafts = plan.draft_token_ids[row - j:row] if j else []
             if p.uses_penalties:
-                request = getattr(seq, "draft_of", None)  # a speculative position: the request it is of
-                if request is None:
-                    slot = self.penalty_slots.get(seq)
-                    if slot is None:
-                        outputs = [t for t in seq.completion_token_ids if t != PENDING_TOKEN]
-                        slot = self.penalty_slots[seq] = self.token_counts.acquire(
-                            seq.token_ids[:seq.num_prompt_tokens], outputs)
+                if not j:
+                    slot = entry.penalty_slot
+                    if slot < 0:
+                        ids = entry.token_ids
+                        slot = entry.penalty_slot = counts.acquire(ids[:p.num_prompt_tokens],
+                                                                   ids[p.num_prompt_tokens:])
                     count_slots.append(slot)
                 else:  # its request's counts (its first position, before it, has the slot) and the drafts before it
-                    count_slots.append(self.penalty_slots[request])
-                    slot = self.token_counts.acquire_copy(count_slots[-1], seq.token_ids[len(request.token_ids):])
+                    count_slots.append(entry.penalty_slot)
+                    slot = counts.acquire_copy(entry.penalty_slot, drafts)
                     self._temporary_slots.append(slot)
                 penalty_rows.append(row)
                 slots.append(slot)
@@ -133,19 +156,18 @@ class SamplingInputs:
                 bias_rows.extend([row] * len(p.logit_bias))
                 bias_tokens.extend(p.logit_bias)
                 bias_values.extend(p.logit_bias.values())
-            if seq.early_stop_ids or seq.bad_word_ids:  # nothing else bans a token
-                # the token sampled now is the completion's token number len(seq) - num_prompt_tokens
-                banned, if_pending_is = seq.banned_token_ids(len(seq.token_ids) - seq.num_prompt_tokens)
+            if p.early_stop_ids or p.bad_word_ids:  # nothing else bans a token
+                banned, if_pending_is = banned_token_ids(table, table_row, entry, drafts)
                 if banned:
                     ban_rows.extend([row] * len(banned))
                     ban_tokens.extend(banned)
-                for pending_value, token in if_pending_is:  # seq.sample_row: its row in prev_sampled
+                for pending_value, token in if_pending_is:  # its row in prev_sampled: the table's pending_row
                     pending_rows.append(row)
                     pending_tokens.append(token)
-                    pending_sample_rows.append(seq.sample_row)
+                    pending_sample_rows.append(int(table.pending_row[table_row]))
                     pending_values.append(pending_value)
-            if seq.allowed_token_ids is not None:
-                allow_pair_tokens.append(seq.allowed_token_ids)
+            if p.allowed_token_ids is not None:
+                allow_pair_tokens.append(p.allowed_token_ids)
                 allow_rows.append(row)
         int64, float32 = np.int64, np.float32
         if allow_rows:  # arrays made once per request: a step's cost is a copy, however long they are
@@ -180,8 +202,8 @@ class SamplingInputs:
             out.pending_ban_values = prev_sampled[pending_sample_rows]
         return out
 
-    def release(self, seq: SamplingRequest) -> None:
-        """seq has finished: its token-count slot, if any, goes back to the pool."""
-        slot = self.penalty_slots.pop(seq, None)
-        if slot is not None:
-            self.token_counts.release(slot)
+    def release(self, request: int) -> None:
+        """The request has ended: its table row goes, and its token-count slot, if any, back to the pool."""
+        entry = self.table.remove(request)
+        if entry is not None and entry.penalty_slot >= 0:
+            self.token_counts.release(entry.penalty_slot)

@@ -17,7 +17,7 @@ from asyncllm.detokenizer import decode_logprobs
 from asyncllm.errors import EngineDeadError
 from asyncllm.outputs import FinishReason
 from asyncllm.sampling_params import SamplingParams
-from asyncllm.server.engine_link import frame, logprobs_in, read_message
+from asyncllm.server.engine_link import error_in, frame, logprobs_in, params_out, read_message
 from asyncllm.streams import RequestMetrics, RequestResult, StreamBase, StreamOutput
 from asyncllm.structured import StructuredOutput
 
@@ -84,8 +84,13 @@ class RemoteStream(StreamBase):
                 raise
             finally:
                 self._waiter = None
+        item = self._items.popleft()
+        if len(item) == 4:  # text and tokens only (engine_link's short item)
+            _, text, token_ids, index = item
+            self._sequences[index].token_ids.extend(token_ids)
+            return StreamOutput(self.request_id, text, token_ids, None, index)
         _, error, text, token_ids, finish_reason, index, logprobs, stop_reason, prompt_logprobs, reasoning, \
-            metrics = self._items.popleft()
+            metrics = item
         if error is not None:
             self._end(FinishReason.ABORT)
             raise error
@@ -185,6 +190,8 @@ class EngineClient:
                 for item in message[1]:
                     stream = streams.get(item[0])
                     if stream is not None:
+                        if len(item) > 4 and item[1] is not None:
+                            item[1] = error_in(item[1])
                         stream.deliver(item)
             elif kind == "stats":
                 self._stats = message[1]
@@ -198,7 +205,8 @@ class EngineClient:
             elif kind == "reply":
                 future = self._calls.pop(message[1], None)
                 if future is not None and not future.done():
-                    future.set_result(message[2:])
+                    value, error = message[2:]
+                    future.set_result((value, None if error is None else error_in(error)))
             elif kind == "dead":
                 self._dead = message[1]
 
@@ -268,7 +276,7 @@ class EngineClient:
         # engine checks and compiles its own)
         n = self._intake.check_request(prompt_token_ids, sampling_params).n
         stream = self._streams[request_id] = RemoteStream(self, request_id, prompt_token_ids, n)
-        self._send(("submit", request_id, prompt_token_ids, sampling_params))
+        self._send(("submit", request_id, prompt_token_ids, params_out(sampling_params)))
         return stream
 
     def abort(self, request_id: str) -> None:

@@ -23,6 +23,7 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import tempfile
 from collections.abc import Callable
 
@@ -30,7 +31,7 @@ import anyio
 
 from asyncllm import settings
 from asyncllm.errors import EngineDeadError
-from asyncllm.server.engine_link import frame, logprobs_out, read_message
+from asyncllm.server.engine_link import error_out, frame, logprobs_out, params_in, read_message
 from asyncllm.server.frontend import FrontendSettings, run_frontend
 
 logger = logging.getLogger("asyncllm.server")
@@ -46,10 +47,11 @@ class FrontendLink:
     front-end's would be (its requests aborted) and on_dropped is called."""
 
     def __init__(self, engine, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_pending: int,
-                 on_dropped: Callable[[], None]):
+                 on_dropped: Callable[[int | None], None]):
         self.engine = engine
         self.reader, self.writer = reader, writer
         self.max_pending, self.on_dropped = max_pending, on_dropped
+        self.peer_pid = _peer_pid(writer)
         self.tasks: dict[str, asyncio.Task] = {}  # request or call id -> its task
         self.pending: list[tuple] = []
         self.loop = asyncio.get_running_loop()
@@ -66,7 +68,7 @@ class FrontendLink:
             self.writer.transport.abort()  # its buffer dropped; serve() sees the link closed
             for task in list(self.tasks.values()):
                 task.cancel()
-            self.on_dropped()
+            self.on_dropped(self.peer_pid)
 
     def put(self, item: tuple) -> None:
         if not self.pending:  # sent once the readers that this step woke have all run
@@ -99,9 +101,10 @@ class FrontendLink:
         self.tasks[key] = task
         task.add_done_callback(lambda _: self.tasks.pop(key, None))
 
-    async def _relay(self, request_id: str, prompt_token_ids: list[int], params) -> None:
+    async def _relay(self, request_id: str, prompt_token_ids: list[int], params_fields: dict) -> None:
         engine = self.engine
         try:
+            params = params_in(params_fields)
             if params.structured_output is None:
                 stream = engine.stream(prompt_token_ids, params, request_id=request_id)
             else:  # compiled off this loop, as the single-process server does
@@ -110,6 +113,10 @@ class FrontendLink:
                     lambda: engine.stream(prompt_token_ids, params, request_id=request_id))
             async with stream:
                 async for out in stream:
+                    if out.finish_reason is None and out.logprobs is None and out.reasoning is None \
+                            and out.prompt_logprobs is None:  # most of a stream: the short item
+                        self.put((request_id, out.text, out.token_ids, out.index))
+                        continue
                     metrics = None
                     if out.finish_reason is not None and stream.metrics is not None:
                         metrics = tuple(vars(stream.metrics).values())
@@ -119,7 +126,7 @@ class FrontendLink:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - the request's error, raised by its front-end's stream
-            self.put((request_id, e) + (None,) * 9)
+            self.put((request_id, error_out(e)) + (None,) * 9)
 
     async def _embed(self, call_id: str, prompts, options: dict) -> None:
         try:
@@ -128,7 +135,7 @@ class FrontendLink:
             raise
         except Exception as e:  # noqa: BLE001
             value, error = None, e
-        self.send(("reply", call_id, value, error))
+        self.send(("reply", call_id, value, error_out(error)))
 
 
 class EngineHost:
@@ -140,6 +147,7 @@ class EngineHost:
         self.links: list[FrontendLink] = []
         self.ready = False
         self.dropped = False  # a front-end that stopped reading was dropped: the server stops
+        self.dropped_pids: set[int] = set()  # those front-ends (killed at the stop: they cannot drain)
         self.max_pending = settings.FRONTEND_MAX_PENDING_BYTES.read()
 
     def state(self) -> tuple:
@@ -165,8 +173,10 @@ class EngineHost:
         finally:
             self.links.remove(link)
 
-    def _dropped(self) -> None:
+    def _dropped(self, pid: int | None) -> None:
         self.dropped = True
+        if pid is not None:
+            self.dropped_pids.add(pid)
 
     async def send_stats(self) -> None:
         while True:
@@ -244,7 +254,7 @@ async def _serve(engine, count: int, sock: socket.socket, settings_: FrontendSet
         logger.error("asyncllm serve: the front-ends did not connect within %.0f s", FRONTEND_START_TIMEOUT_S)
         failed = True
     finally:
-        failed = not await _stop_frontends(frontends, settings_.drain_s) or failed
+        failed = not await _stop_frontends(frontends, settings_.drain_s, host.dropped_pids) or failed
         stats.cancel()
         ipc.close()
         with contextlib.suppress(Exception):  # a start under way is waited for (the engine thread cannot be cut)
@@ -258,12 +268,28 @@ def _crashed(frontends) -> list:
     return [f for f in frontends if f.exitcode is not None]
 
 
-async def _stop_frontends(frontends, drain_s: float) -> bool:
+def _peer_pid(writer: asyncio.StreamWriter) -> int | None:
+    """The process at the other end of a Unix socket (Linux's SO_PEERCRED; None elsewhere)."""
+    sock = writer.get_extra_info("socket")
+    if sock is None or not hasattr(socket, "SO_PEERCRED"):
+        return None
+    pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return pid
+
+
+async def _stop_frontends(frontends, drain_s: float, dropped_pids: set[int]) -> bool:
     """SIGTERM each front-end (each drains as a single-process server does) and wait; True if all
-    of them exited 0 (a front-end that had already failed or never started: False)."""
+    of them exited 0 (a front-end that had already failed or never started: False). SIGCONT after
+    the SIGTERM (as systemd sends it): a stopped front-end (SIGSTOP, a terminal's Ctrl-Z) handles
+    its SIGTERM now instead of being killed past the drain's limit. One whose link was dropped for
+    not reading it is killed at once: its requests are gone, and it may be hung."""
     for frontend in frontends:
         if frontend.exitcode is None and frontend.pid is not None:
+            if frontend.pid in dropped_pids:
+                frontend.kill()
+                continue
             os.kill(frontend.pid, signal.SIGTERM)
+            os.kill(frontend.pid, signal.SIGCONT)
     deadline = asyncio.get_running_loop().time() + drain_s + EXTRA_STOP_S
     while any(f.exitcode is None and f.pid is not None for f in frontends):
         if asyncio.get_running_loop().time() > deadline:

@@ -1,21 +1,28 @@
 """Draft-model proposals: a smaller checkpoint with the target's tokenizer (Qwen3-0.6B for Qwen3-8B),
 run in the same process, on the same device and in the same dtype, proposes each row's next k
-tokens greedily. Its proposals are point masses (a function of the tokens so far), so the target's
-rejection sampler keeps the target's distribution exactly as it does for prompt lookup.
+tokens: greedily for a greedy request (point proposals), and for a sampled one drawn from the
+draft's own distribution q (the request's temperature, top-k, top-p and min-p over the draft's
+logits), returned with q (SampledDrafts) so that the target's rejection sampler accepts with
+min(1, p/q) and keeps the target's distribution exactly. A seeded request's draws are keyed by its
+seed and the draft's completion index (draft_noise_key: a stream apart from the target's), so seeds
+reproduce; the others draw from the proposer's generator (seeded by Config.seed).
 
 The proposer owns a second ModelRunner (eager: no CUDA graphs yet) over the draft checkpoint, with
-a paged KV cache of its own and, per request, a block table and the number of its tokens whose
-draft KV is valid. Each propose() over the speculating rows:
-1. catches each row's draft KV up on the tokens added since its last proposal (the prompt at
-   first; after a verification the drafts it accepted, then the target's own token): varlen
-   forwards of up to max_num_batched_tokens tokens, the last position's argmax the first draft. Drafts it fed
-   itself last time and the target accepted keep their KV: only the tokens after them are fed;
+a paged KV cache of its own, kept by a BlockManager as the target's is: per request a DraftKV (its
+block table, block hashes, and the number of its tokens whose draft KV is valid), full blocks of
+valid KV hashed into the draft's prefix cache, so a new request (a chat's next turn) over a cached
+prefix feeds the draft only the rest. Each propose() over the speculating rows:
+1. catches each row's draft KV up on the tokens added since its last proposal (the prompt less its
+   cached prefix at first; after a verification the drafts it accepted, then the target's own
+   token): varlen forwards of up to max_num_batched_tokens tokens, the last position's logits give
+   the first draft. Drafts it fed itself last time and the target accepted keep their KV;
 2. feeds each draft back as one token per forward, k - 1 more forwards batched over the rows;
 3. the rollback is implicit: the KV past the accepted tokens is overwritten by the next catch-up,
-   and whole blocks past what the next proposal needs go back to the pool then.
+   and whole blocks past what the next proposal needs go back to the pool then (never hashed ones:
+   a block is hashed only once full of valid KV of the request's tokens).
 A row whose blocks the pool cannot give (or past the draft's max_model_len) gets None: it decodes
 one token this step (no error, no wait). release() hands a request's blocks back (it ended, or was
-preempted: engine/speculation.py calls it).
+preempted: engine/speculation.py calls it); their hashed blocks stay in the prefix cache.
 """
 from __future__ import annotations
 
@@ -23,17 +30,29 @@ import numpy as np
 import torch
 
 from asyncllm.config import Config, config_error
+from asyncllm.engine.block_manager import BlockManager
 from asyncllm.errors import InvalidValueError
+from asyncllm.layers.rejection_sampler import speculative_probs
+from asyncllm.layers.sampler import SamplingTensors, noise_key
 from asyncllm.models.checkpoint import load_tokenizer
 from asyncllm.models.resolve import resolve_config
 from asyncllm.runner.model_runner import ModelRunner
 from asyncllm.runner.step_inputs import StepInputs
-from asyncllm.speculative.proposer import DraftRow
+from asyncllm.speculative.proposer import DraftRow, SampledDrafts
 
 FIELD = "speculative_config.model"
 # on CUDA, the share of the device's free memory (after the draft's weights) its KV cache may take at
 # most; the target's memory probe, which runs after, sees it as used
 DRAFT_KV_GPU_SHARE = 0.1
+# mixed into a seeded request's seed for its drafts' noise: the draft's draws must be independent of
+# the target's verification noise at the same completion index (noise_key(seed, index)), or the
+# accepted tokens would not follow the target's distribution
+DRAFT_SEED_SALT = 0x6A09E667F3BCC908
+
+
+def draft_noise_key(seed: int, completion_index: int) -> int:
+    """The noise key of a seeded request's draft for its completion token number completion_index."""
+    return noise_key(seed ^ DRAFT_SEED_SALT, completion_index)
 
 
 def draft_config(target: Config, max_rows: int) -> Config:
@@ -44,8 +63,9 @@ def draft_config(target: Config, max_rows: int) -> Config:
                     max_model_len=target.max_model_len, enforce_eager=True, kvcache_block_size=target.kvcache_block_size,
                     num_kvcache_blocks=1, cpu_kvcache_bytes=target.cpu_kvcache_bytes,
                     dtype=str(target.torch_dtype).removeprefix("torch."), device=target.device,
-                    enable_prefix_caching=False, attention_backend=target.attention_backend, seed=target.seed,
-                    kv_cache_dtype=target.kv_cache_dtype, overlap_scheduling=False)
+                    enable_prefix_caching=target.enable_prefix_caching, attention_backend=target.attention_backend,
+                    seed=target.seed, kv_cache_dtype=target.kv_cache_dtype, kv_cache_rotation=target.kv_cache_rotation,
+                    overlap_scheduling=False)
     try:
         resolve_config(config)
     except Exception as e:  # noqa: BLE001 - a missing or broken config.json: the draft's, so named as such
@@ -87,6 +107,35 @@ def draft_kv_blocks(config: Config, target: Config, max_rows: int, k: int) -> in
     return max(1, min(needed, int(budget // block_bytes)))
 
 
+class DraftKV:
+    """One request's draft KV as the BlockManager keeps a sequence's: its tokens (the request's own
+    list), block table and block hashes, num_computed_tokens (those whose draft KV is valid), and
+    the drafts the proposer fed last time (their KV is valid where the target accepted them)."""
+    __slots__ = ("token_ids", "block_size", "block_table", "block_hashes", "num_computed_tokens", "fed")
+
+    def __init__(self, token_ids: list[int], block_size: int):
+        self.token_ids = token_ids
+        self.block_size = block_size
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []
+        self.num_computed_tokens = 0
+        self.fed: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_resolved_tokens(self) -> int:
+        return len(self.token_ids)  # a proposal's tokens are all known
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_tokens(self, block_index: int) -> list[int]:
+        start = block_index * self.block_size
+        return self.token_ids[start:start + self.block_size]
+
+
 class DraftModelProposer:
     """The Proposer of method "draft_model". Build it before the target's runner: on CUDA the
     target's memory probe then counts the draft's weights and KV cache as used."""
@@ -105,9 +154,13 @@ class DraftModelProposer:
             raise config_error(FIELD, f"the draft checkpoint: {e.reason}") from e
         self.block_size = config.kvcache_block_size
         self.max_len = config.max_model_len
-        self.free_blocks = list(range(self.runner.num_kvcache_blocks - 1, -1, -1))
-        # request -> [its blocks, tokens whose draft KV is valid, drafts it fed (valid if accepted)]
-        self._held: dict[object, list] = {}
+        self.vocab_size = config.hf_config.vocab_size
+        self.block_manager = BlockManager(self.runner.num_kvcache_blocks, self.block_size,
+                                          config.enable_prefix_caching)
+        self._held: dict[object, DraftKV] = {}
+        self.num_prefix_hit_tokens = 0  # prompt tokens whose draft KV came from the prefix cache
+        # the draws of sampled requests without a seed (a seeded one's are keyed: draft_noise_key)
+        self.generator = torch.Generator(self.runner.device).manual_seed(target.seed)
 
     @property
     def num_total_blocks(self) -> int:
@@ -116,69 +169,79 @@ class DraftModelProposer:
     def release(self, request: object) -> None:
         state = self._held.pop(request, None)
         if state is not None:
-            self.free_blocks.extend(state[0])
+            self.block_manager.free(state)
 
     def close(self) -> None:
         self.runner.close()
 
     def propose(self, rows: list[DraftRow]) -> list[list[int] | None]:
         out: list[list[int] | None] = [None] * len(rows)
-        active = []  # (index in rows, row, its state, the first token to feed)
+        active = []  # (index in rows, row, its state)
         for i, row in enumerate(rows):
             state = self._room(row)
             if state is not None:
-                active.append((i, row, state, state[1]))
+                active.append((i, row, state))
         if not active:
             return out
-        drafts = self._catch_up(active)
-        for j in range(1, max(row.max_tokens for _, row, _, _ in active)):
-            going = [(n, entry) for n, entry in enumerate(active) if entry[1].max_tokens > j]
-            tokens = self._step([(entry[2][0], len(entry[1].token_ids) + j - 1, drafts[n][-1]) for n, entry in going])
-            for (n, _), token in zip(going, tokens):
-                drafts[n].append(token)
-        for (i, row, state, _), row_drafts in zip(active, drafts):
-            out[i] = row_drafts
-            state[1] = len(row.token_ids)
-            state[2] = row_drafts[:-1]  # the last draft was never fed: its KV is not written
+        drafts: list[list[int]] = [[] for _ in active]
+        probs: list[list[torch.Tensor]] = [[] for _ in active]
+        self._catch_up(active, drafts, probs)
+        for j in range(1, max(row.max_tokens for _, row, _ in active)):
+            going = [n for n, (_, row, _) in enumerate(active) if row.max_tokens > j]
+            logits = self._forward([drafts[n][-1] for n in going], [len(active[n][1].token_ids) + j - 1 for n in going],
+                                   [active[n][2].block_table for n in going])
+            self._draw(logits, [(n, active[n][1]) for n in going], drafts, probs)
+        for (i, row, state), row_drafts, row_probs in zip(active, drafts, probs):
+            out[i] = SampledDrafts(row_drafts, torch.stack(row_probs)) if row_probs else row_drafts
+            state.num_computed_tokens = len(row.token_ids)
+            state.fed = row_drafts[:-1]  # the last draft was never fed: its KV is not written
+            self.block_manager.commit_computed(state)
         return out
 
-    def _room(self, row: DraftRow) -> list | None:
-        """row's state with its KV rolled back to the tokens still valid and blocks for this proposal
-        (its tokens and all but its last draft); None where the pool or max_model_len refuses them."""
+    def _room(self, row: DraftRow) -> DraftKV | None:
+        """row's state with its KV rolled back to the tokens still valid (a new one's: its cached
+        prefix) and blocks for this proposal (its tokens and all but its last draft); None where the
+        pool or max_model_len refuses them."""
         length = len(row.token_ids)
         needed_tokens = length + row.max_tokens - 1
         if row.request is None or needed_tokens > self.max_len:
             return None
         state = self._held.get(row.request)
-        if state is None:
-            state = self._held[row.request] = [[], 0, []]
-        blocks, valid, fed = state
+        is_new = state is None
+        if is_new:
+            state = self._held[row.request] = DraftKV(row.token_ids, self.block_size)
+            self.block_manager.match_prefix(state)
+        state.token_ids = row.token_ids
+        valid = state.num_computed_tokens
         # the drafts fed last time that the target accepted keep their KV; the last token is always fed
         # (its logits give the first draft)
-        for token in fed:
+        for token in state.fed:
             if valid >= length - 1 or row.token_ids[valid] != token:
                 break
             valid += 1
-        state[1], state[2] = min(valid, length - 1), []
-        needed_blocks = -(-needed_tokens // self.block_size)
-        if needed_blocks - len(blocks) > len(self.free_blocks):
+        state.num_computed_tokens, state.fed = min(valid, length - 1), []
+        needed_blocks = state.num_blocks_for(needed_tokens)
+        if needed_blocks - len(state.block_table) > self.block_manager.num_free_blocks:
+            if is_new:  # its prefix's blocks go back: it matches again when it has room
+                self.release(row.request)
             return None
-        while len(blocks) < needed_blocks:
-            blocks.append(self.free_blocks.pop())
-        while len(blocks) > needed_blocks:  # rolled back: blocks only rejected drafts used
-            self.free_blocks.append(blocks.pop())
+        if is_new:
+            self.num_prefix_hit_tokens += state.num_computed_tokens
+        if needed_blocks > len(state.block_table):
+            self.block_manager.allocate(state, needed_tokens - state.num_computed_tokens)
+        else:  # rolled back: blocks only rejected drafts used
+            self.block_manager.truncate(state, needed_tokens)
         return state
 
-    def _catch_up(self, active: list) -> list[list[int]]:
+    def _catch_up(self, active: list, drafts: list[list[int]], probs: list[list[torch.Tensor]]) -> None:
         """Each row's KV over its tokens from its state's valid count on; each row's first draft. In
         forwards of at most max_num_batched_tokens tokens (a long prompt's over several, in order), the
         activation peak the target's memory probe sized."""
-        firsts: list[list[int]] = [[] for _ in active]
-        starts = [start for _, _, _, start in active]
+        starts = [state.num_computed_tokens for _, _, state in active]
         budget = self.config.max_num_batched_tokens
         while True:
-            input_ids, positions, query_lens, seq_lens, tables, rows, left = [], [], [], [], [], [], budget
-            for n, (_, row, state, _) in enumerate(active):
+            input_ids, positions, query_lens, tables, rows, left = [], [], [], [], [], budget
+            for n, (_, row, state) in enumerate(active):
                 take = min(len(row.token_ids) - starts[n], left)
                 if take <= 0:
                     continue
@@ -186,34 +249,54 @@ class DraftModelProposer:
                 input_ids.extend(row.token_ids[starts[n]:end])
                 positions.extend(range(starts[n], end))
                 query_lens.append(take)
-                seq_lens.append(end)
-                tables.append(state[0])
+                tables.append(state.block_table)
                 rows.append(n)
                 starts[n], left = end, left - take
             if not rows:
-                return firsts
-            tokens = self._forward(input_ids, positions, query_lens, seq_lens, tables, np.cumsum(query_lens) - 1)
-            for n, token in zip(rows, tokens):
-                if starts[n] == len(active[n][1].token_ids):  # the row's last token: its first draft
-                    firsts[n] = [token]
+                return
+            logits = self._forward(input_ids, positions, tables, query_lens)
+            # the rows whose last token this forward fed: their first draft
+            done = [(r, n) for r, n in enumerate(rows) if starts[n] == len(active[n][1].token_ids)]
+            if done:
+                self._draw(logits[[r for r, _ in done]], [(n, active[n][1]) for _, n in done], drafts, probs)
 
-    def _step(self, rows: list[tuple[list[int], int, int]]) -> list[int]:
-        """One token each of rows (block table, position, token): each row's next draft."""
-        tables = [blocks for blocks, _, _ in rows]
-        positions = [position for _, position, _ in rows]
-        return self._forward([token for _, _, token in rows], positions, [1] * len(rows),
-                             [p + 1 for p in positions], tables, np.arange(len(rows)))
+    def _draw(self, logits: torch.Tensor, entries: list[tuple[int, DraftRow]], drafts: list[list[int]],
+              probs: list[list[torch.Tensor]]) -> None:
+        """The next draft of each entry (its index in drafts, its row) from its row of logits: the
+        argmax for a greedy request; for a sampled one a draw from q, appended to its probs."""
+        tokens = logits.argmax(dim=-1)
+        sampled = [r for r, (_, row) in enumerate(entries) if row.params is not None and row.params.temperature > 0]
+        if sampled:
+            keys, seeded = [], []
+            for r in sampled:
+                n, row = entries[r]
+                index = len(row.token_ids) - row.num_prompt_tokens + len(drafts[n])  # the draft's completion index
+                keys.append(0 if row.params.seed is None else draft_noise_key(row.params.seed, index))
+                if row.params.seed is not None:
+                    seeded.append((len(keys) - 1, keys[-1]))
+            params = SamplingTensors.build([entries[r][1].params for r in sampled], self.vocab_size, logits.device,
+                                           keys, seeded)
+            q = speculative_probs(logits[sampled], params)
+            exponentials = torch.empty_like(q).exponential_(generator=self.generator)
+            for r, key in seeded:
+                exponentials[r].exponential_(generator=torch.Generator(q.device).manual_seed(key))
+            tokens[sampled] = (q / exponentials).argmax(dim=-1)
+            for r, row_q in zip(sampled, q):
+                probs[entries[r][0]].append(row_q)
+        for (n, _), token in zip(entries, tokens.tolist()):
+            drafts[n].append(token)
 
-    def _forward(self, input_ids, positions, query_lens, seq_lens, tables, logits_indices) -> list[int]:
+    def _forward(self, input_ids, positions, tables, query_lens=None) -> torch.Tensor:
+        """The draft's logits at each row's last fed token (query_lens None: one token a row)."""
         positions = np.asarray(positions, dtype=np.int64)
-        query_lens = np.asarray(query_lens, dtype=np.int32)
+        query_lens = np.ones(len(tables), dtype=np.int32) if query_lens is None else np.asarray(query_lens, np.int32)
         rows = np.repeat(np.arange(len(tables)), query_lens)
+        seq_lens = positions[np.cumsum(query_lens) - 1] + 1
         block_tables = np.zeros((len(tables), max(map(len, tables))), dtype=np.int32)
         for r, blocks in enumerate(tables):
             block_tables[r, :len(blocks)] = blocks
         bs = self.block_size
         slot_mapping = block_tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
         inputs = StepInputs(np.asarray(input_ids, dtype=np.int64), positions, slot_mapping, query_lens,
-                            np.asarray(seq_lens, dtype=np.int32), block_tables,
-                            np.asarray(logits_indices, dtype=np.int64))
-        return self.runner.forward(inputs).argmax(dim=-1).tolist()
+                            seq_lens.astype(np.int32), block_tables, np.cumsum(query_lens) - 1)
+        return self.runner.forward(inputs)

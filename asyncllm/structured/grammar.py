@@ -110,11 +110,13 @@ class GrammarCompiler:
         evicts meanwhile."""
         object.__setattr__(spec, "_compiled", (self, self.compile(spec)))
 
-    def new_state(self, spec: StructuredOutput, gate=None) -> "GrammarState":
+    def new_state(self, spec: StructuredOutput, gate=None, request_id: str = "", params=None) -> "GrammarState":
         """gate: an engine.reasoning_format.ReasoningGate, which holds the grammar back while the
-        output reasons (None: it applies from the first token)."""
+        output reasons (None: it applies from the first token). request_id and params (its
+        SamplingParams): what a refusal's message names."""
         prepared = spec.__dict__.get("_compiled")
-        return GrammarState(prepared[1] if prepared is not None and prepared[0] is self else self.compile(spec), gate)
+        return GrammarState(prepared[1] if prepared is not None and prepared[0] is self else self.compile(spec), gate,
+                            request_id, _other_constraints(params))
 
     def stats(self) -> dict:
         """Compiles queued, running (detached: their waiters left, they run on unseen) and the cache."""
@@ -222,31 +224,36 @@ class GrammarState:
     A token the matcher refuses was sampled because the request's other constraints left no token
     the grammar allows: error says so, and the engine ends the request without that token."""
 
-    __slots__ = ("matcher", "num_consumed", "error", "gate")
+    __slots__ = ("matcher", "num_consumed", "error", "gate", "request_id", "others")
 
-    def __init__(self, compiled, gate=None):
+    def __init__(self, compiled, gate=None, request_id: str = "", others: tuple[str, ...] = ()):
         self.matcher = xgrammar.GrammarMatcher(compiled)
         self.num_consumed = 0  # completion tokens taken so far (the grammar's, and the reasoning's before them)
         self.error: str | None = None  # why a token was refused (the other constraints left none it allows)
         self.gate = gate  # a ReasoningGate: the tokens it does not admit are the reasoning's, not the grammar's
+        self.request_id = request_id
+        self.others = others  # the request's other constraints, by field: what a refusal blames
 
-    def catch_up(self, seq, pending_value: int | None = None) -> None:
-        """Feed seq's completion tokens not fed yet, up to its first PENDING_TOKEN, whose value is
-        pending_value when the caller knows it."""
-        token_ids = seq.token_ids
-        for index in range(seq.num_prompt_tokens + self.num_consumed, len(token_ids)):
+    def catch_up(self, token_ids: list[int], num_prompt_tokens: int, pending_value: int | None = None) -> None:
+        """Feed the completion tokens of token_ids (prompt, then completion) not fed yet, up to a
+        PENDING_TOKEN (the engine's marker of a token in flight); then pending_value, when given: the
+        token after the last known one (the runner's, which the previous step sampled)."""
+        for index in range(num_prompt_tokens + self.num_consumed, len(token_ids)):
             token = token_ids[index]
             if token == PENDING_TOKEN:
-                if pending_value is None:
-                    return
-                token, pending_value = pending_value, None
-            if self.gate is not None and not self.gate.admits(token):
-                self.num_consumed += 1
-                continue
-            if self.error is None and not self.matcher.accept_token(token):
-                self.error = _refusal(seq.params, token, self.num_consumed)
-                logger.warning("request %s: structured_output: %s", seq.request_id, self.error)
+                return
+            self._feed(token)
+        if pending_value is not None:
+            self._feed(pending_value)
+
+    def _feed(self, token: int) -> None:
+        if self.gate is not None and not self.gate.admits(token):
             self.num_consumed += 1
+            return
+        if self.error is None and not self.matcher.accept_token(token):
+            self.error = _refusal(self.others, token, self.num_consumed)
+            logger.warning("request %s: structured_output: %s", self.request_id, self.error)
+        self.num_consumed += 1
 
     @property
     def is_terminated(self) -> bool:
@@ -258,12 +265,18 @@ def _structured_output_error(reason: str) -> InvalidValueError:
     return InvalidValueError("structured_output", reason, "SamplingParams")
 
 
-def _refusal(params, token: int, index: int) -> str:
+def _other_constraints(params) -> tuple[str, ...]:
+    """The fields of params (SamplingParams, or None) that constrain tokens besides the grammar."""
+    if params is None:
+        return ()
+    return tuple(name for name, given in (("allowed_token_ids", params.allowed_token_ids is not None),
+                                          ("bad_words", bool(params.bad_words)), ("min_tokens", params.min_tokens > 0))
+                 if given)
+
+
+def _refusal(others: tuple[str, ...], token: int, index: int) -> str:
     """Why the request ends at its index-th output token, which its grammar refused (the reason of
-    the UnsatisfiableConstraintsError its stream raises)."""
-    others = [name for name, given in (("allowed_token_ids", params.allowed_token_ids is not None),
-                                       ("bad_words", bool(params.bad_words)), ("min_tokens", params.min_tokens > 0))
-              if given]
+    the UnsatisfiableConstraintsError its stream raises); others: _other_constraints'."""
     if not others:  # the grammar's mask alone decides: a refused token is the engine's fault
         return f"output token {index} ({token}) does not match the grammar"
     why = " (min_tokens bans the stop tokens that end a complete output)" if "min_tokens" in others else ""

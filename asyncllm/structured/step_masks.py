@@ -5,53 +5,55 @@ from collections.abc import Callable
 
 import torch
 
-from asyncllm.step_plan import PENDING_TOKEN, StepPlan
-from asyncllm.structured.grammar import GrammarCompiler
+from asyncllm.structured.grammar import GrammarCompiler, GrammarState
+
+
+class CatchUp:
+    """A constrained request's tokens as the runner knows them (runner/request_table.py), for its
+    matcher: token_ids (prompt, then the completion so far, the list the runner appends results to),
+    and pending_row, the row of the previous step's sampled ids that holds its token in flight (-1: none)."""
+    __slots__ = ("state", "token_ids", "num_prompt_tokens", "pending_row")
+
+    def __init__(self, state: GrammarState, token_ids: list[int], num_prompt_tokens: int, pending_row: int):
+        self.state, self.token_ids, self.num_prompt_tokens, self.pending_row = \
+            state, token_ids, num_prompt_tokens, pending_row
 
 
 class StepConstraints:
     """The sampling rows of one step whose requests have a grammar."""
 
-    __slots__ = ("rows", "seqs", "states", "compiler", "drafts")
+    __slots__ = ("rows", "states", "catch_ups", "compiler", "drafts")
 
-    def __init__(self, rows: list[int], seqs: list, compiler: GrammarCompiler):
+    def __init__(self, rows: list[int], states: list[GrammarState], catch_ups: list[CatchUp],
+                 compiler: GrammarCompiler, drafts: list[list[int]] | None = None):
         self.rows = rows  # indices among the step's sampling rows
-        # their requests (each with a GrammarState in .grammar), each once: a speculating request's
-        # verified positions share its grammar (speculative decoding, engine/speculation.py)
-        self.seqs = [seq for seq in seqs if getattr(seq, "draft_of", None) is None]
-        self.states = [seq.grammar for seq in seqs]  # per row
+        self.states = states  # per row: its request's matcher
+        # each request once: a speculating request's verified positions share its grammar
+        # (speculative decoding, engine/speculation.py)
+        self.catch_ups = catch_ups
         self.compiler = compiler
         # per row: the drafts its position takes as generated (a verified position past its request's
         # first), fed to the matcher for its mask and rolled back; None where no row has any
-        self.drafts = None
-        if len(self.seqs) < len(seqs):
-            self.drafts = [seq.token_ids[len(seq.draft_of.token_ids):] if getattr(seq, "draft_of", None) is not None
-                           else [] for seq in seqs]
-
-    @classmethod
-    def of(cls, plan: StepPlan, compiler: GrammarCompiler) -> "StepConstraints | None":
-        """None when no sampling row is constrained (the sampler then builds no mask)."""
-        rows = [row for row, seq in enumerate(plan.sampling_requests) if seq.grammar is not None]
-        return cls(rows, [plan.sampling_requests[row] for row in rows], compiler) if rows else None
+        self.drafts = drafts
 
     def catch_up(self, prev_token_ids: Callable[[], list[int]] | None) -> None:
-        """Advance every row's matcher to its sequence's last token. A sequence whose last token the
-        previous step is still sampling (overlapped steps) needs its value: prev_token_ids() gives
-        the previous step's sampled ids, waiting for that step only when some row needs them."""
+        """Advance every request's matcher to its last token. A request whose last token the previous
+        step is still sampling (overlapped steps) needs its value: prev_token_ids() gives the previous
+        step's sampled ids, waiting for that step only when some row needs them."""
         prev_ids = None
-        for seq in self.seqs:
+        for request in self.catch_ups:
             pending_value = None
-            if seq.token_ids[-1] == PENDING_TOKEN:
+            if request.pending_row >= 0:
                 if prev_ids is None:
                     prev_ids = prev_token_ids()
-                pending_value = prev_ids[seq.sample_row]
-            seq.grammar.catch_up(seq, pending_value)
+                pending_value = prev_ids[request.pending_row]
+            request.state.catch_up(request.token_ids, request.num_prompt_tokens, pending_value)
 
     def fill(self, bitmask: torch.Tensor) -> None:
         """Fill bitmask (len(rows), words) after catch_up. Touches only the matchers, not the
-        sequences: it may run on another thread while the engine resolves the previous step (not
-        with speculative positions, whose drafts it feeds to the matchers and takes back: the runner
-        waits for those)."""
+        requests' tokens: it may run on another thread while the engine resolves the previous step
+        (not with speculative positions, whose drafts it feeds to the matchers and takes back: the
+        runner waits for those)."""
         self.compiler.fill_bitmask(self.states, bitmask)
         if self.drafts is not None:
             for i, drafts in enumerate(self.drafts):
