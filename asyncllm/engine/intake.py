@@ -71,8 +71,8 @@ class RequestIntake:
     def check_token_ids(self, token_ids: list[int], argument: str, owner: str | None = None) -> list[int]:
         """Every id an int inside the model's vocabulary: an id past it would fail inside a step.
         owner: the class whose field argument is, if it is one."""
-        # the common case in passes that run in C (a 32k-token prompt: ~1 ms, the loop below ~10x
-        # that, on every turn of a long conversation); otherwise the loop names the first bad entry
+        # the common case in passes that run in C (a 32k-token prompt, as every turn of a long
+        # conversation brings: 1.5 ms against the loop's 2.6 ms); else the loop names the bad entry
         if token_ids and set(map(type, token_ids)) == {int} and \
                 min(token_ids) >= 0 and max(token_ids) < self.vocab_size:
             return token_ids
