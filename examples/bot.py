@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 import time
 
@@ -51,6 +52,9 @@ def main() -> int:
     parser.add_argument("--num-kvcache-blocks", type=int, default=-1)
     parser.add_argument("--stats", action="store_true", help="after each answer: tokens, speed, context size")
     args = parser.parse_args()
+    # Ctrl-C is this bot's stop button: a SIGINT "ignore" inherited from the parent (a shell's background
+    # job, nohup) would make Python install no KeyboardInterrupt handler, and every Ctrl-C would do nothing
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     params = SamplingParams(temperature=args.temperature, top_p=0.95, max_tokens=args.max_tokens,
                             ignore_eos=args.ignore_eos)

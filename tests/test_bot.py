@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 import time
 
@@ -20,9 +21,12 @@ PATIENCE = 600
 
 def spawn(model: str) -> "pexpect.spawn":
     # --ignore-eos with 2000 tokens: every answer runs until it is stopped
+    # started with SIGINT ignored, as a shell's background job (CI run with `&`) passes it on: the bot
+    # must take Ctrl-C all the same (without its own handler every Ctrl-C did nothing, and these tests hung)
     child = pexpect.spawn(sys.executable, [BOT, "--model", model, "--max-tokens", "2000", "--ignore-eos",
                                            "--num-kvcache-blocks", "64", "--stats"],
-                          encoding="utf-8", codec_errors="replace", timeout=PATIENCE, dimensions=(40, 200))
+                          encoding="utf-8", codec_errors="replace", timeout=PATIENCE, dimensions=(40, 200),
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     child.expect_exact("you> ", timeout=PATIENCE)  # loading the model first
     return child
 
