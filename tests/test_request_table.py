@@ -101,14 +101,14 @@ def test_tokens_in_flight_across_overlapped_steps():
     c = Sequence("c", [9, 9, 9], SamplingParams(temperature=0.0, bad_words=["x"], max_tokens=9), block_size=16)
     c.bad_word_ids = [[4, 5]]
     plan_of(inputs, [c])
-    assert inputs.table.row_of[c.uid] == out.rows[1]  # b's row, reused
+    assert inputs.table.entries[c.uid].row == out.rows[1]  # b's row, reused
     inputs.table.recorded(step_s, first, [11, 12], None)
     table = inputs.table
     assert table.entries[a.uid].token_ids == [1, 2, 11] and table.entries[c.uid].token_ids == [9, 9, 9]
-    assert table.pending_row[table.row_of[a.uid]] == 1  # S+1's token for a, at its row there
-    assert table.pending_row[table.row_of[c.uid]] == -1
+    assert table.pending_row[table.entries[a.uid].row] == 1  # S+1's token for a, at its row there
+    assert table.pending_row[table.entries[c.uid].row] == -1
     inputs.table.recorded(step_s1, second, [21, 22], None)
-    assert table.entries[a.uid].token_ids == [1, 2, 11, 22] and table.pending_row[table.row_of[a.uid]] == -1
+    assert table.entries[a.uid].token_ids == [1, 2, 11, 22] and table.pending_row[table.entries[a.uid].row] == -1
 
 
 def test_bans_with_drafts_and_the_token_in_flight_match_the_reference():
@@ -124,7 +124,7 @@ def test_bans_with_drafts_and_the_token_in_flight_match_the_reference():
         seq.token_ids += [rng.randrange(6) for _ in range(rng.randrange(5))]
         seq.early_stop_ids, seq.bad_word_ids = [60, 61], words
         plan_of(inputs, [seq])
-        entry, row = inputs.table.entries[seq.uid], inputs.table.row_of[seq.uid]
+        entry, row = inputs.table.entries[seq.uid], inputs.table.entries[seq.uid].row
         pending = rng.random() < 0.5
         drafts = [] if pending else [rng.randrange(6) for _ in range(rng.randrange(3))]
         inputs.table.pending_row[row] = 0 if pending else -1

@@ -57,8 +57,7 @@ class RequestEntry:
 class RequestTable:
     def __init__(self, vocab_size: int, capacity: int = 64):
         self.vocab_size = vocab_size
-        self.row_of: dict[int, int] = {}  # request key -> table row
-        self.entries: dict[int, RequestEntry] = {}  # request key -> its entry
+        self.entries: dict[int, RequestEntry] = {}  # request key -> its entry (which holds its table row)
         self.free_rows: list[int] = []
         self.num_launched = 0  # steps launched (pending_step numbers them)
         self.capacity = 0
@@ -87,7 +86,6 @@ class RequestTable:
         if not self.free_rows:
             self._grow(2 * self.capacity)
         row = self.free_rows.pop()
-        self.row_of[settings.request] = row
         self.entries[settings.request] = RequestEntry(settings, row)
         s = settings
         for name, value in (("flags", request_flags(s)), ("temperature", s.temperature),
@@ -100,7 +98,7 @@ class RequestTable:
         """The engine ended the request: its row is free (None: the table never had it)."""
         entry = self.entries.pop(request, None)
         if entry is not None:
-            row = self.row_of.pop(request)
+            row = entry.row
             for name, (_, vacant) in _COLUMNS.items():
                 getattr(self, name)[row] = vacant
             self.free_rows.append(row)
@@ -115,8 +113,8 @@ class RequestTable:
 
     def rows(self, request_ids: list[int]) -> np.ndarray:
         """The table rows of the given requests, in order."""
-        row_of = self.row_of
-        return np.array([row_of[request] for request in request_ids], dtype=np.int64)
+        entries = self.entries
+        return np.array([entries[request].row for request in request_ids], dtype=np.int64)
 
     def num_generated(self, row: int, entry: RequestEntry) -> int:
         """(HISTORY) The completion token the request samples next is its number num_generated (its
@@ -149,7 +147,7 @@ class RequestTable:
             counts = np.array(num_per_row, dtype=np.int64)
             first_token = dict(zip(speculative_firsts(plan.rows_per_request).tolist(),
                                    zip((np.cumsum(counts) - counts).tolist(), num_per_row)))
-        entries, row_of, pending_row, pending_step = self.entries, self.row_of, self.pending_row, self.pending_step
+        entries, pending_row, pending_step = self.entries, self.pending_row, self.pending_step
         for row, request in tracked:
             entry = entries.get(request)
             if entry is None:
@@ -159,7 +157,7 @@ class RequestTable:
             else:
                 at, count = first_token[row]
                 entry.token_ids.extend(token_ids[at:at + count])
-            table_row = row_of[request]
+            table_row = entry.row
             if pending_step[table_row] == step:
                 pending_row[table_row] = pending_step[table_row] = -1
 
