@@ -18,8 +18,8 @@ except ImportError:  # the server extra installs it; without it, h11
     HttpToolsProtocol = None
 
 END_GRACE_S = 5.0  # after the drain: for the requests ended to send their ends before uvicorn cancels them
-# h11's own bound on a request head (h11.DEFAULT_MAX_INCOMPLETE_EVENT_SIZE), kept on httptools (which
-# has none): past it the connection gets a 400 and is closed
+# h11's own bound on a request head held incomplete (h11.DEFAULT_MAX_INCOMPLETE_EVENT_SIZE), kept on
+# httptools (which has none): past it the connection gets a 400 and is closed
 MAX_HEAD_BYTES = 16 * 1024
 
 
@@ -85,9 +85,9 @@ class HeadTimeoutH11Protocol(HeadLimits, H11Protocol):
 
 if HttpToolsProtocol is not None:
     class HeadTimeoutHttpToolsProtocol(HeadLimits, HttpToolsProtocol):
-        """uvicorn's httptools protocol with HeadLimits, and h11's bound on a head's size: llhttp has
-        none (httptools gathers a header whole before uvicorn sees it), so the bytes received while a
-        head is incomplete are counted as they arrive."""
+        """uvicorn's httptools protocol with HeadLimits, and h11's bound on a head held incomplete:
+        llhttp has none (httptools gathers a header whole before uvicorn sees it), so the bytes
+        received while a head is incomplete are counted as they arrive."""
 
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
