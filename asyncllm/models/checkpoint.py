@@ -18,6 +18,7 @@ from torch import nn
 from asyncllm.config import config_error
 from asyncllm.models.fp8 import _UNSET, Fp8Layout, dequantized, fp8_format, fp8_layout, is_fp8, resident_fp8
 from asyncllm.layers.linear import WeightShapeError, check_loaded_shape
+from asyncllm.models.model_config import read_model_config
 from asyncllm.models.moe_spec import moe_spec
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -31,16 +32,20 @@ _POSITIVE_CONFIG_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "nu
 
 
 def load_hf_config(model_dir: str):
-    from transformers import AutoConfig
+    """model_dir's config.json, checked: read here for the architectures the engine runs (models/
+    model_config.py), by transformers for any other model_type (which the registry then refuses)."""
     if not os.path.isdir(model_dir):
         raise config_error("model", f"{model_dir!r} is not a model directory")
     config_path = os.path.join(model_dir, "config.json")
     if not os.path.exists(config_path):
         raise config_error("model", f"{model_dir!r} has no config.json")
-    try:
-        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
-    except Exception as e:  # noqa: BLE001 - transformers' own checks raise several types (some not ValueError)
-        raise ValueError(f"{config_path}: transformers refuses it: {type(e).__name__}: {e}") from e
+    config = read_model_config(config_path)
+    if config is None:
+        from transformers import AutoConfig  # seconds to import: only for a model_type not read here
+        try:
+            config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+        except Exception as e:  # noqa: BLE001 - transformers' own checks raise several types (some not ValueError)
+            raise ValueError(f"{config_path}: transformers refuses it: {type(e).__name__}: {e}") from e
     check_model_shape(config, config_path)
     moe_spec(config, config_path)  # a mixture-of-experts config's fields, checked before anything is built
     fp8_format(config, config_path)  # quantization_config: FP8 or refused, before anything is built
