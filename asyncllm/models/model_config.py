@@ -68,6 +68,9 @@ def read_model_config(config_path: str) -> ModelConfig | None:
     if model_type not in _DEFAULTS:
         return None
     fields = dict(_DEFAULTS[model_type])
+    for name, default in fields.items():  # transformers' classes refuse another type; a truthy string would pass
+        if isinstance(default, bool) and name in raw and not isinstance(raw[name], bool):
+            raise ValueError(f"{config_path}: {name} must be true or false, got {raw[name]!r}")
     aliases = _ALIASES.get(model_type, {})
     for name, value in raw.items():
         fields[aliases.get(name, name)] = value
