@@ -15,11 +15,31 @@ import textwrap
 import pytest
 import torch
 
-from asyncllm.layers.parallel_compiles import dry_run_missed, in_dry_run, parallel_compiles
+from asyncllm.layers.parallel_compiles import in_dry_run, note_put_off, parallel_compiles
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                  reason="needs a CUDA GPU: Triton compiles for a device")]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: Triton compiles for a device")
+gpu = pytest.mark.gpu
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_an_error_in_a_dry_run_is_logged_and_counts_as_a_miss(caplog):
+    # the real run that follows raises it where it would have; the dry run only gathers compiles
+    with parallel_compiles() as dry_run:
+        assert in_dry_run()
+        raise RuntimeError("a host-side check of the dry run")
+    assert dry_run.missed == 1 and not in_dry_run()
+    assert "a host-side check of the dry run" in caplog.text
+
+
+def test_a_nested_block_and_a_put_off_decision_count_in_the_outer_dry_run():
+    with parallel_compiles() as outer:
+        note_put_off()
+        with parallel_compiles() as inner:
+            note_put_off()
+        assert inner is outer and in_dry_run()  # the outer block compiles what the inner one records
+    assert outer.missed == 2
+    note_put_off()  # outside a dry run: nothing to count
+    assert outer.missed == 2
 
 
 def _scale_kernel():
@@ -35,18 +55,20 @@ def _scale_kernel():
     return scale
 
 
+@gpu
+@needs_cuda
 def test_a_dry_run_skips_uncompiled_launches_and_compiles_them_on_leaving():
     kernel = _scale_kernel()
     x = torch.arange(1000, device="cuda", dtype=torch.float32)
     out = torch.full_like(x, float("nan"))
     factors = (2, 3, 5)
-    with parallel_compiles():
+    with parallel_compiles() as dry_run:
         assert in_dry_run()
         for factor in factors:
             kernel[(8,)](x, out, x.numel(), FACTOR=factor, BLOCK=128)
         torch.cuda.synchronize()
         assert torch.isnan(out).all()  # nothing ran: each launch would have compiled first
-        assert dry_run_missed() == len(factors)
+    assert dry_run.missed == len(factors)
     assert not in_dry_run()
     device = torch.cuda.current_device()
     compiled = len(kernel.device_caches[device][0])
@@ -57,18 +79,22 @@ def test_a_dry_run_skips_uncompiled_launches_and_compiles_them_on_leaving():
     assert len(kernel.device_caches[device][0]) == compiled  # and the launches found them: no new compile
 
 
+@gpu
+@needs_cuda
 def test_a_compiled_kernel_launches_in_a_dry_run_and_is_not_counted():
     kernel = _scale_kernel()
     x = torch.arange(100, device="cuda", dtype=torch.float32)
     out = torch.empty_like(x)
     kernel[(1,)](x, out, x.numel(), FACTOR=7, BLOCK=128)  # compiled here
     out.fill_(float("nan"))
-    with parallel_compiles():
+    with parallel_compiles() as dry_run:
         kernel[(1,)](x, out, x.numel(), FACTOR=7, BLOCK=128)
-        assert dry_run_missed() == 0
+    assert dry_run.missed == 0
     torch.testing.assert_close(out, x * 7)
 
 
+@gpu
+@needs_cuda
 def test_other_threads_launch_as_usual_during_a_dry_run():
     import threading
     kernel = _scale_kernel()
@@ -78,11 +104,11 @@ def test_other_threads_launch_as_usual_during_a_dry_run():
     def launch():
         kernel[(1,)](x, out, x.numel(), FACTOR=4, BLOCK=128)
         torch.cuda.synchronize()
-    with parallel_compiles():
+    with parallel_compiles() as dry_run:
         thread = threading.Thread(target=launch)
         thread.start()
         thread.join()
-        assert dry_run_missed() == 0
+    assert dry_run.missed == 0
     torch.testing.assert_close(out, x * 4)
 
 
@@ -114,6 +140,8 @@ ENGINE_START = textwrap.dedent("""
 """)
 
 
+@gpu
+@needs_cuda
 def test_a_cold_start_compiles_nothing_at_a_launch_while_it_captures(tmp_path):
     from asyncllm.testing import build_tiny_checkpoint, qwen_tokenizer_dir
     if qwen_tokenizer_dir() is None:

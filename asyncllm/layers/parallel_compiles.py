@@ -5,15 +5,15 @@ int arguments are 1 or multiples of 16), and the launch waits: on a fresh machin
 warm-ups and graph captures compiled some dozens of specializations one after another (CUDA graphs
 35.6 s of a 63.5 s cold start on an H100, run AA). Inside `parallel_compiles()`, a launch of a
 kernel whose specialization is not compiled in this process does not run: the specialization is
-recorded (Triton's jit_cache_hook, on this thread only: another engine's steps on other threads
-launch as usual). On leaving the block every recorded one compiles on a thread pool (Triton's
+recorded (Triton's jit_cache_hook, acting on this thread only: another engine's steps on other
+threads launch as usual). On leaving the block every recorded one compiles on a thread pool (Triton's
 AsyncCompileMode with JITFunction.preload: its LLVM passes and the ptxas subprocess of one kernel
 overlap another's), each into its kernel's cache, where the next launch finds it. With Triton's
 disk cache warm a "compile" is a read of the cached binary, so the block costs what it records.
 
 The block is a dry run: what a skipped launch should have written holds whatever was there, so
 the caller runs it on throwaway inputs, reads nothing it computed, and then runs the real thing
-(dry_run_missed() says whether the dry run skipped anything, so that a run that skipped nothing
+(the block's DryRun.missed says whether it skipped anything, so that a run that skipped nothing
 need not be repeated). Code that times kernels (a tiling's choice) must not decide inside it:
 in_dry_run() says when it is. Here, not in kernels/: it imports triton only when a block runs (CPU
 users never import it).
@@ -33,9 +33,8 @@ logger = logging.getLogger("asyncllm")
 MAX_COMPILE_THREADS = 16
 
 
-class _DryRun:
+class DryRun:
     def __init__(self):
-        self.thread = threading.get_ident()
         self.recorded: dict[tuple, tuple] = {}  # (kernel, key) -> (kernel, specialization data)
         self.missed = 0  # launches skipped, and decisions put off (note_put_off), in this block
 
@@ -55,48 +54,59 @@ def note_put_off() -> None:
         dry.missed += 1
 
 
-def dry_run_missed() -> int:
-    """Launches skipped (and decisions put off) so far in this thread's parallel_compiles() block."""
-    dry = getattr(_local, "dry_run", None)
-    return 0 if dry is None else dry.missed
-
-
 @contextlib.contextmanager
-def parallel_compiles(max_threads: int | None = None) -> Iterator[None]:
+def parallel_compiles(max_threads: int | None = None) -> Iterator[DryRun]:
     """Within the block (on this thread), launches of Triton kernels not compiled yet are skipped and
     their specializations recorded; on leaving it, all of them compile at once on max_threads
     threads (None: the CPU count, at most MAX_COMPILE_THREADS). A compile that fails is left for
-    the real launch, which raises it where it would have. Without triton, a plain block."""
+    the real launch, which raises it where it would have. Yields the DryRun, whose `missed` says,
+    after the block, whether it skipped anything (an exception in the block is logged and counts as
+    a miss: the real run raises it where it would have). Without triton, a plain block."""
     try:
         from triton import knobs
         from triton.runtime import _async_compile
-    except ImportError:  # no triton (or one without these): nothing compiles ahead
-        yield
+    except ImportError:  # no triton (or one without these): nothing compiles ahead, nothing is skipped
+        yield DryRun()
         return
     if in_dry_run():  # nested: the outer block compiles what this one records
-        yield
+        yield _local.dry_run
         return
-    dry = _local.dry_run = _DryRun()
-    previous = knobs.runtime.jit_cache_hook
-
-    def record(*, key, fn, compile, **_) -> bool | None:
-        if threading.get_ident() != dry.thread:
-            return previous(key=key, fn=fn, compile=compile, **_) if previous else None
-        kernel = fn.jit_function
-        dry.recorded.setdefault((id(kernel), str(key)), (kernel, compile["specialization_data"]))
-        dry.missed += 1
-        return True  # skip: neither compiled now nor launched
-    knobs.runtime.jit_cache_hook = record
+    _install_hook(knobs)
+    dry = _local.dry_run = DryRun()
     try:
-        yield
+        yield dry
     except Exception as e:  # noqa: BLE001 - a dry run is best effort: the real run does what it did not
         dry.missed += 1
         logger.warning("start-up: a dry run that gathers Triton compiles stopped early (the rest compile as "
                        "they launch): %s: %s", type(e).__name__, str(e)[:200])
     finally:
-        knobs.runtime.jit_cache_hook = previous
         _local.dry_run = None
     _compile_all(list(dry.recorded.values()), max_threads, _async_compile)
+
+
+_foreign_hook = None  # a jit_cache_hook someone else had installed: asked on threads not in a dry run
+_install_lock = threading.Lock()
+
+
+def _record(*, key, fn, compile, **rest) -> bool | None:
+    """Triton's jit_cache_hook, installed once for the process: called before each compile, it skips
+    the compile (and the launch) where the calling thread is in a dry run, recording it instead."""
+    dry = getattr(_local, "dry_run", None)
+    if dry is None:
+        return _foreign_hook(key=key, fn=fn, compile=compile, **rest) if _foreign_hook is not None else None
+    kernel = fn.jit_function
+    dry.recorded.setdefault((id(kernel), str(key)), (kernel, compile["specialization_data"]))
+    dry.missed += 1
+    return True
+
+
+def _install_hook(knobs) -> None:
+    # once, never removed: a hook put back at the end of a block would undo another thread's block
+    global _foreign_hook
+    with _install_lock:
+        if knobs.runtime.jit_cache_hook is not _record:
+            _foreign_hook = knobs.runtime.jit_cache_hook
+            knobs.runtime.jit_cache_hook = _record
 
 
 def _compile_all(recorded: list[tuple], max_threads: int | None, async_compile) -> None:

@@ -23,7 +23,7 @@ import time
 import torch
 
 from asyncllm.attention.base import AttentionBackend, ForwardBatch
-from asyncllm.layers.parallel_compiles import dry_run_missed, parallel_compiles
+from asyncllm.layers.parallel_compiles import parallel_compiles
 from asyncllm.layers.device_wide import capturing
 from asyncllm.runner.decode_staging import DecodeStaging
 
@@ -120,28 +120,22 @@ class CudaGraphRunner:
         keys = [("mixed", t, self.max_context) for t in self.token_sizes]
         keys += [("decode", b, bound) for b in self.batch_sizes for bound in self.context_bounds[b]]
         keys.sort(key=lambda key: (-key[1], -key[2]))
-        # the warm-ups first, as a dry run: the kernels no launch has compiled yet are gathered and
-        # compiled all at once (layers/parallel_compiles.py), not one at a time as each warm-up reaches
-        # them; a graph whose dry run skipped nothing was warmed up by it
-        warmed = set()
-        if self.warm_up:
-            with parallel_compiles():
-                for key in keys:
-                    missed = dry_run_missed()
-                    self._run_model(self._static_batch(*key))
-                    if dry_run_missed() == missed:
-                        warmed.add(key)
         for key in keys:
-            self._capture(key, warm_up=self.warm_up and key not in warmed)
+            self._capture(key)
         torch.cuda.synchronize()
         logger.info("captured %d CUDA graphs (decode batches up to %d, mixed steps up to %d tokens) in %.1f s",
                     len(self.graphs), self.max_batch_size, self.max_mixed_tokens, time.perf_counter() - start)
         logger.debug("decode graphs' context bounds by batch size: %s", self.context_bounds)
 
-    def _capture(self, key: tuple[str, int, int], warm_up: bool) -> None:
+    def _capture(self, key: tuple[str, int, int]) -> None:
         batch = self._static_batch(*key)
-        if warm_up:
-            self._run_model(batch)  # autotuning and lazy initialisation stay out of the graph
+        if self.warm_up:  # autotuning and lazy initialisation stay out of the graph
+            # as a dry run first (layers/parallel_compiles.py): the kernels it would compile one at a
+            # time, as it reaches them, compile at once; where it skipped nothing it was the warm-up
+            with parallel_compiles() as dry_run:
+                self._run_model(batch)
+            if dry_run.missed:
+                self._run_model(batch)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with capturing(graph, self._pool):
@@ -161,7 +155,7 @@ class CudaGraphRunner:
             if graph is not None:
                 graph.reset()
             self.outputs.pop(key, None)
-            self._capture(key, self.warm_up)
+            self._capture(key)
         torch.cuda.synchronize()
 
     def replay_ms(self, key: tuple[str, int, int], iters: int) -> float:
