@@ -142,6 +142,7 @@ def stable_memory_unavailable(device: torch.device) -> str | None:
         return "ROCm: the CUDA driver's virtual memory API is not there"
     try:
         driver = cuda_driver()
+        driver.ensure_context(device.index)
         if not driver.supports_vmm(device.index):
             return f"cuda:{device.index} does not support virtual memory management"
         driver.granularity(device.index)
