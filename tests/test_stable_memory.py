@@ -4,14 +4,16 @@ graphs kept across sleep, is in tests/test_gpu.py)."""
 from __future__ import annotations
 
 import ctypes
+import gc
 
 import pytest
 import torch
 
 from asyncllm import LLM, SamplingParams
-from asyncllm.runner import stable_memory
+from asyncllm.runner import memory, stable_memory
 from asyncllm.runner.memory import stable_memory_refusal
-from asyncllm.runner.stable_memory import CudaDriver, StableBuffer, StableMemoryError, pack_offsets, round_up
+from asyncllm.runner.stable_memory import (CudaDriver, StableBuffer, StableMemoryError, StableTensors, pack_offsets,
+                                           round_up)
 from asyncllm.testing import build_tiny_checkpoint
 
 
@@ -143,3 +145,29 @@ def test_a_failing_driver_call_names_the_call_and_the_error():
     driver._lib = Lib()
     with pytest.raises(StableMemoryError, match=r"cuMemMap failed: CUDA_ERROR_OUT_OF_MEMORY \(2\)"):
         driver.call("cuMemMap", ctypes.c_ulonglong(1), 2, 0, 3, 0)
+
+
+def test_tensors_stay_where_they_were_when_torch_cannot_take_the_buffer():
+    """No CUDA here: torch.as_tensor over the (fake) buffer fails before any tensor moves."""
+    driver = FakeDriver()
+    start = stable_memory.mapped_bytes()
+    weights = [torch.nn.Parameter(torch.randn(4, 3), requires_grad=False), torch.arange(5)]
+    before = [(w.data_ptr(), w.clone()) for w in weights]
+    with pytest.raises(StableMemoryError, match="a tensor over stable memory"):
+        StableTensors(weights, torch.device("cuda", 0), driver=driver)
+    assert [w.data_ptr() for w in weights] == [address for address, _ in before]
+    assert all(torch.equal(w, copy) for w, (_, copy) in zip(weights, before))
+    gc.collect()  # the buffer's memory and range went back
+    assert stable_memory.mapped_bytes() == start and driver.names()[-1] == "cuMemAddressFree"
+
+
+def test_a_driver_failure_at_start_up_falls_back_to_the_recapture_path(tmp_path, monkeypatch):
+    def out_of_memory(tensors, device):
+        raise StableMemoryError("cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY (2)")
+    monkeypatch.setattr(memory, "stable_memory_refusal", lambda *args: None)
+    monkeypatch.setattr(memory, "StableTensors", out_of_memory)
+    model = build_tiny_checkpoint(str(tmp_path / "m"), "qwen3")
+    with LLM(model, num_kvcache_blocks=16, kvcache_block_size=16) as llm:
+        assert llm.core.runner.sleep_path == "recapture (cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY (2))"
+        assert llm.core.runner.stable_weights is None
+        assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3), use_tqdm=False)[0]["token_ids"]) == 3

@@ -272,8 +272,16 @@ class StableTensors:
         sizes = [t.numel() * t.element_size() for t in tensors]
         offsets, total = pack_offsets(sizes)
         self.buffer = StableBuffer(max(total, 1), device.index, driver)
-        self.buffer.map()
-        flat = self.buffer.tensor()
+        try:  # before any tensor moves: a failure here leaves them where they were
+            self.buffer.map()
+            flat = self.buffer.tensor()
+            if flat.data_ptr() != self.buffer.address:
+                raise StableMemoryError(f"torch.as_tensor put the buffer at {flat.data_ptr():#x}, not at "
+                                        f"{self.buffer.address:#x}")
+        except StableMemoryError:
+            raise
+        except Exception as error:  # noqa: BLE001 - torch refusing the array interface: the caller's fallback
+            raise StableMemoryError(f"a tensor over stable memory: {error}") from error
         for tensor, offset, size in zip(tensors, offsets, sizes):
             view = flat[offset:offset + size].view(tensor.dtype).view(tensor.shape)
             view.copy_(tensor.data)
