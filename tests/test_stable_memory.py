@@ -108,8 +108,8 @@ def test_a_buffer_maps_and_unmaps_at_one_address_rounded_to_the_granularity():
     assert all(call[1] == address for call in driver.calls if call[0] in ("cuMemMap", "cuMemSetAccess", "cuMemUnmap"))
     assert all(call[1] == 1 for call in driver.calls if call[0] == "ensure_context")  # the device's context
     buffer.map()
-    del buffer  # mapped at the end: unmapped, released, the range freed
-    assert driver.names()[-3:] == ["cuMemUnmap", "cuMemRelease", "cuMemAddressFree"]
+    del buffer  # mapped at the end: the device's work waited for, unmapped, released, the range freed
+    assert driver.names()[-4:] == ["cuCtxSynchronize", "cuMemUnmap", "cuMemRelease", "cuMemAddressFree"]
     assert stable_memory.mapped_bytes() == start
 
 

@@ -115,9 +115,11 @@ class RunnerMemory:
         """After the weights are loaded: into a StableBuffer where the driver allows (else a reason)."""
         reason = stable_memory_refusal(self.device, self.config.enforce_eager, self.step_group is not None)
         if reason is None:
+            with DEVICE_WIDE:  # the loading's temporaries cached by torch: the move needs the weights twice, briefly
+                torch.cuda.empty_cache()
             try:
                 self.stable_weights = StableTensors(list(self.model.parameters()), self.device)
-            except StableMemoryError as error:  # nothing moved yet: the parameters are where they were
+            except StableMemoryError as error:  # (out of memory, too) nothing moved yet: they are where they were
                 reason = str(error)
         self.sleep_path = "stable memory: wake keeps the CUDA graphs" if reason is None else f"recapture ({reason})"
         logger.info("sleep/wake: %s", self.sleep_path)

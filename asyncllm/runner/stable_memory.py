@@ -59,6 +59,7 @@ _SIGNATURES = {
     "cuDeviceGetAttribute": [_p(ctypes.c_int), ctypes.c_int, ctypes.c_int],
     "cuCtxGetCurrent": [_p(ctypes.c_void_p)],
     "cuCtxSetCurrent": [ctypes.c_void_p],
+    "cuCtxSynchronize": [],
     "cuDevicePrimaryCtxRetain": [_p(ctypes.c_void_p), ctypes.c_int],
     "cuMemGetAllocationGranularity": [_p(_size), _p(_MemAllocationProp), ctypes.c_int],
     "cuMemAddressReserve": [_p(_u64), _size, _size, _u64, _u64],
@@ -246,6 +247,11 @@ class StableBuffer:
 
     def __del__(self):
         try:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                return  # a collection inside a capture, which a synchronize would break: kept to the process's end
+            if self.mapped:  # not unmapped by its owner (a failed start-up): the device may still read it
+                self._driver.ensure_context(self.ordinal)
+                self._driver.call("cuCtxSynchronize")
             self.unmap()
             self._driver.call("cuMemAddressFree", self.address, self.size)
         except Exception:  # noqa: BLE001 - at interpreter exit the driver may be gone: nothing to give back then
