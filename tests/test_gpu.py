@@ -634,7 +634,7 @@ def test_close_returns_the_device_memory(model_dir):
     assert device_memory_allocated() - before <= 64 << 20
 
 
-def test_stable_tensors_keep_their_addresses_and_contents_across_unmap_and_a_graph_replays_over_them():
+def test_stable_tensors_keep_their_addresses_and_contents_across_sleep_and_a_graph_replays_over_them():
     """The weights' round trip (runner/stable_memory.py): moved into a StableBuffer, parked (with a
     host copy, level 1; without, level 2) and restored at the same addresses with the same contents,
     and a CUDA graph captured over them before replays after the restore with the right result."""
