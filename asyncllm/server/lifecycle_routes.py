@@ -12,7 +12,9 @@ generation (and embeddings) get 503 (code engine_sleeping, or engine_reloading w
 until the wake, or the reload's end. A sleep while asleep and a wake while awake change nothing.
 LifecycleGate runs them where the engine is: in the server's process, or with --api-server-count N
 in the engine process (engine_host.py), whose front-ends forward the routes' calls over the link and
-learn the gate's state from it (engine_client.RemoteLifecycle).
+learn the gate's state from it (engine_client.RemoteLifecycle). A reload there reads the weights and
+tokenizer into the engine process; the front-ends keep the tokenizer they loaded from the same
+directory at start (a reload is for new weights of the same model: the engine checks the structure).
 """
 from __future__ import annotations
 
