@@ -160,3 +160,44 @@ def test_front_ends_forward_the_routes_to_the_engine_process(tiny_qwen3, tmp_pat
                     assert tokens_of(fresh) == before
             assert client.post("/reload").status_code == 200
             assert tokens_of(client) == before
+
+
+class EngineRacedBySubmissions:
+    """An engine whose sleep() finds a request that passed the gate as it closed, `races` times."""
+
+    def __init__(self, races: int):
+        self.races, self.sleep_calls, self.is_sleeping = races, 0, False
+
+    async def wait_idle(self) -> None:
+        pass
+
+    async def sleep(self, level: int) -> None:
+        from asyncllm.errors import EngineNotIdleError
+        self.sleep_calls += 1
+        if self.sleep_calls <= self.races:
+            raise EngineNotIdleError("sleep(): 1 request(s) queued or running")
+        self.is_sleeping = True
+
+
+@pytest.mark.parametrize("races", [1, 3])
+def test_a_sleep_raced_by_a_submission_waits_again(races):
+    import anyio
+
+    from asyncllm.server.lifecycle_routes import SLEEPING, LifecycleGate
+    engine, changes = EngineRacedBySubmissions(races), []
+    gate = LifecycleGate(engine, on_change=changes.append)
+    anyio.run(gate.sleep, 1)
+    assert engine.is_sleeping and engine.sleep_calls == races + 1
+    assert changes == [SLEEPING, SLEEPING] and gate.closed_reason == SLEEPING  # closed, then asleep
+
+
+def test_a_sleep_that_never_finds_the_engine_idle_gives_up_and_reopens():
+    import anyio
+
+    from asyncllm.errors import EngineNotIdleError
+    from asyncllm.server.lifecycle_routes import MAX_IDLE_RETRIES, LifecycleGate
+    engine = EngineRacedBySubmissions(races=10 ** 6)
+    gate = LifecycleGate(engine)
+    with pytest.raises(EngineNotIdleError):
+        anyio.run(gate.sleep, 1)
+    assert engine.sleep_calls == MAX_IDLE_RETRIES and gate.closed_reason is None and not engine.is_sleeping

@@ -150,8 +150,10 @@ class FrontendLink:
                 await self.gate.sleep(level)
             elif action == "wake":
                 await self.gate.wake()
-            else:
+            elif action == "reload":
                 await self.gate.reload()
+            else:
+                raise ValueError(f"unknown lifecycle action {action!r}")
             error = None
         except asyncio.CancelledError:
             raise

@@ -86,8 +86,7 @@ class LifecycleGate:
                     return
                 except EngineNotIdleError:  # a request that passed the gate just before it closed
                     pass
-            raise APIError(503, "requests kept arriving while the engine waited to be idle; try again",
-                           code="engine_busy", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+            raise EngineNotIdleError("requests kept reaching the engine while it waited to be idle")
         finally:
             self._pausing = None
             self._changed()
@@ -115,6 +114,9 @@ async def _run(work) -> None:
         await work
     except EngineAsleepError as e:
         raise APIError(409, str(e), code="engine_sleeping") from None
+    except EngineNotIdleError as e:  # (crosses the engine link as itself)
+        raise APIError(503, f"{e}; try again", code="engine_busy",
+                       headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
     except NotImplementedError as e:  # tensor parallelism
         raise APIError(501, str(e), code="not_supported") from None
     except EngineDeadError:
