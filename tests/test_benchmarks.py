@@ -274,6 +274,7 @@ def test_bench_lifecycle_times_sleep_and_wake_against_a_fresh_start(tiny_model):
     rows = rows_without_errors(data)
     assert [row["step"] for row in rows] == ["fresh start", "sleep(1) + wake()", "sleep(2) + wake()", "close()"]
     assert rows[0]["seconds"] > 0 and rows[0]["startup_timings"]["load weights"] > 0
+    assert rows[0]["sleep_path"].startswith("recapture (device cpu")  # the GPU's: "stable memory ..."
     assert all(row["same_tokens"] and row["wake_speedup"] > 0 for row in rows[1:3])
     assert rows[3]["closed_delta_mib"] is None  # memory figures are the GPU's
 
