@@ -22,6 +22,7 @@ from torch import nn
 
 from asyncllm.layers.device_wide import DEVICE_WIDE
 from asyncllm.layers.logits_adjustments import LogitsAdjustments, TokenCounts
+from asyncllm.layers.parallel_compiles import parallel_compiles
 from asyncllm.layers.sampler import SamplingTensors
 from asyncllm.models.checkpoint import checkpoint_weights, load_weights
 from asyncllm.runner.stable_memory import StableBuffer, StableMemoryError, StableTensors, stable_memory_unavailable
@@ -248,33 +249,13 @@ class RunnerMemory:
         seq_len = min(self.config.max_model_len, num_tokens)
         num_seqs = max(1, min(self.config.max_num_seqs, num_tokens // seq_len))
         batch = self._synthetic_step(num_seqs, seq_len)
+        # a dry run first (layers/parallel_compiles.py): on a cold Triton cache its kernels compile all
+        # at once, not one at a time as the step reaches them; where it skipped nothing it was the step
         with torch.inference_mode():
-            self._forward(batch)
-            # the sampler's worst case too: every sequence with top-k/top-p/min-p, penalties, logprobs
-            rows = self.config.max_num_seqs
-            # in the model's dtype: the kernels that read the model's logits compile for it here
-            logits = torch.randn(rows, self.vocab_size, device=self.device).to(self.dtype)
-            ones = torch.ones(rows, device=self.device)
-            rows_index = torch.arange(rows, device=self.device)
-            # with penalties and a grammar's mask on every row (one token-count slot: the kernels
-            # are compiled here, not in the first step that needs them)
-            counts = TokenCounts(self.vocab_size, self.device)
-            same_slot = torch.full((rows,), counts.acquire([], []), device=self.device)
-            penalties = LogitsAdjustments(penalty_rows=rows_index, penalty_slots=same_slot, presence=ones,
-                                          frequency=ones, repetition=ones, token_counts=counts)
-            every_token = torch.full((rows, self.bitmasks.words), -1, dtype=torch.int32, device=self.device)
-            for mask_rows in (rows_index, rows_index[:1]):
-                self.sampler(logits, SamplingTensors(
-                    temperatures=ones, top_ks=ones.long() * 50, top_ps=ones * 0.9, min_ps=ones * 0.05,
-                    seeded_rows=[], all_greedy=False, keys=rows_index, adjustments=penalties,
-                    logprob_rows=rows_index, num_top_logprobs=20, mask_rows=mask_rows,
-                    token_bitmask=every_token[:len(mask_rows)]))
-            # and the other common filter sets (each is a compile of the cutoff kernels), then none
-            for top_ks, top_ps in ((None, ones * 0.9), (ones.long() * 50, ones * 0.9), (None, None)):
-                self.sampler(logits, SamplingTensors(
-                    temperatures=ones, top_ks=top_ks, top_ps=top_ps, min_ps=None, seeded_rows=[],
-                    all_greedy=False, keys=rows_index, logprob_rows=rows_index, num_top_logprobs=20))
-            del logits, ones, counts, penalties, every_token
+            with parallel_compiles() as dry_run:
+                self._probe_steps(batch)
+            if dry_run.missed:
+                self._probe_steps(batch)
         torch.cuda.synchronize()
         del probe_cache, self.attn_backend, batch
         peak = torch.cuda.max_memory_allocated()
@@ -286,6 +267,34 @@ class RunnerMemory:
         logger.info("GPU memory: %.1f GiB total, %.1f GiB in use, %.1f GiB activation peak, %.1f GiB for the "
                     "KV cache", total / 2**30, used / 2**30, (peak - current) / 2**30, max(budget, 0) / 2**30)
         return int(budget // self.kv_bytes_per_block)
+
+    def _probe_steps(self, batch) -> None:
+        """The worst-case step's forward and the sampler's worst cases, whose activation peak the probe measures."""
+        self._forward(batch)
+        # the sampler's worst case too: every sequence with top-k/top-p/min-p, penalties, logprobs
+        rows = self.config.max_num_seqs
+        # in the model's dtype: the kernels that read the model's logits compile for it here
+        logits = torch.randn(rows, self.vocab_size, device=self.device).to(self.dtype)
+        ones = torch.ones(rows, device=self.device)
+        rows_index = torch.arange(rows, device=self.device)
+        # with penalties and a grammar's mask on every row (one token-count slot: the kernels
+        # are compiled here, not in the first step that needs them)
+        counts = TokenCounts(self.vocab_size, self.device)
+        same_slot = torch.full((rows,), counts.acquire([], []), device=self.device)
+        penalties = LogitsAdjustments(penalty_rows=rows_index, penalty_slots=same_slot, presence=ones,
+                                      frequency=ones, repetition=ones, token_counts=counts)
+        every_token = torch.full((rows, self.bitmasks.words), -1, dtype=torch.int32, device=self.device)
+        for mask_rows in (rows_index, rows_index[:1]):
+            self.sampler(logits, SamplingTensors(
+                temperatures=ones, top_ks=ones.long() * 50, top_ps=ones * 0.9, min_ps=ones * 0.05,
+                seeded_rows=[], all_greedy=False, keys=rows_index, adjustments=penalties,
+                logprob_rows=rows_index, num_top_logprobs=20, mask_rows=mask_rows,
+                token_bitmask=every_token[:len(mask_rows)]))
+        # and the other common filter sets (each is a compile of the cutoff kernels), then none
+        for top_ks, top_ps in ((None, ones * 0.9), (ones.long() * 50, ones * 0.9), (None, None)):
+            self.sampler(logits, SamplingTensors(
+                temperatures=ones, top_ks=top_ks, top_ps=top_ps, min_ps=None, seeded_rows=[],
+                all_greedy=False, keys=rows_index, logprob_rows=rows_index, num_top_logprobs=20))
 
 
 def _untimed(name: str) -> contextlib.AbstractContextManager:
