@@ -62,6 +62,7 @@ PHASE_ACTIONS = {
     DECODE_TUNING: "tuning the batch-1 decode graph",
     SAMPLER_GRAPHS: "capturing sampler graphs",
     STEP_MODEL_CALIBRATION: "calibrating the step-time model",
+    REQUEST_INTAKE: "waiting for the tokenizer",  # loaded on a thread since TOKENIZER; seconds on a cold import
 }
 SLOWEST_SHOWN = 3  # phases named in the line that says the engine is ready
 

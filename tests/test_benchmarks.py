@@ -241,8 +241,8 @@ def test_bench_startup_times_each_api_cold_and_warm_by_phase(tiny_model, tmp_pat
         assert sum(row[phase] or 0 for phase in bench_startup.PHASE_NAMES) < row["ready_s"] - row["imports_s"]
         assert any(message.startswith("KV cache:") for _, _, message in row["logs"])
         # what each slow phase does, as it starts and ends, and the engine's ready line (INFO)
-        said = [m for _, level, m in row["logs"] if m.startswith("start-up: loading the tokenizer") and level == "INFO"]
-        assert len(said) == 2 and said[0] == "start-up: loading the tokenizer..." and said[1].endswith(" s"), said
+        said = [m for _, level, m in row["logs"] if m.startswith("start-up: waiting for the tokenizer") and level == "INFO"]
+        assert len(said) == 2 and said[0] == "start-up: waiting for the tokenizer..." and said[1].endswith(" s"), said
         assert any(message.startswith("start-up: ready after ") for _, _, message in row["logs"])
         assert (row["api"] == "serve") == any(message.startswith("asyncllm serve: ready ")
                                               for _, _, message in row["logs"])

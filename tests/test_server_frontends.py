@@ -293,8 +293,8 @@ def test_the_link_carries_plain_data_and_raises_errors_as_their_own_class():
 
 
 def test_health_says_starting_with_the_phase_while_the_engine_starts(tiny_qwen3, tmp_path):
-    # the engine process's start-up held in its tokenizer phase (the front-ends load theirs unheld)
-    from test_server_startup import AUTH, COMPLETION, assert_starting_error, held_serve, wait_until_held
+    # the engine process's start-up held at its tokenizer (the front-ends load theirs unheld)
+    from test_server_startup import AUTH, COMPLETION, HELD_PHASE, assert_starting_error, held_serve, wait_until_held
     serving, gate = held_serve(tiny_qwen3, tmp_path, "--api-server-count", "2")
     with serving as server:
         wait_until_held(server.base, server.proc)
@@ -302,7 +302,7 @@ def test_health_says_starting_with_the_phase_while_the_engine_starts(tiny_qwen3,
         for _ in range(4):  # a connection each: both front-ends say so
             assert_starting_error(httpx.post(f"{server.base}/v1/completions", json=COMPLETION, headers=AUTH, timeout=30))
             response = httpx.get(f"{server.base}/health", timeout=30)
-            assert (response.status_code, response.json()) == (503, {"status": "starting", "phase": "tokenizer"})
+            assert (response.status_code, response.json()) == (503, {"status": "starting", "phase": HELD_PHASE})
         assert httpx.get(f"{server.base}/metrics", timeout=30).status_code == 200
         with open(gate, "w") as f:
             f.write("go")

@@ -2,7 +2,8 @@
 "starting" with the phase and then 200 "ready", every other route but /metrics gets a 503 at once
 (never a wait), and a start-up that fails stops `asyncllm serve` with one line and exit code 2.
 
-The start-up is held in its tokenizer phase until the test lets it go: in-process by a patched
+The start-up is held where it waits for its tokenizer (the request-intake phase: the tokenizer loads on a thread
+beside the model's build, models/tokenizer_loader.py) until the test lets it go: in-process by a patched
 load_tokenizer, in `asyncllm serve` by a wrapper that patches it the same way before running the
 command (it waits for a file)."""
 from __future__ import annotations
@@ -27,22 +28,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 120
 KEY = "start-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+HELD_PHASE = "request intake"  # where a held tokenizer load holds the start-up
 ENGINE_KW = dict(num_kvcache_blocks=8, kvcache_block_size=16, max_model_len=64)
 COMPLETION = {"prompt": "Hi", "max_tokens": 2}
 
-# `asyncllm ARGS...` with its start-up held in the tokenizer phase until the file argv[1] exists;
+# `asyncllm ARGS...` with its start-up held at its tokenizer (the request-intake phase) until the file argv[1] exists;
 # if that file says "fail", loading the tokenizer fails
 _HELD_SERVE = """
 import os, sys, time
-from asyncllm.engine import core
-real = core.load_tokenizer
+from asyncllm.models import tokenizer_loader
+real = tokenizer_loader.load_tokenizer
 def held(model):
     while not os.path.exists(sys.argv[1]):
         time.sleep(0.05)
     if open(sys.argv[1]).read() == "fail":
         raise ValueError("tokenizer refused by the test")
     return real(model)
-core.load_tokenizer = held
+tokenizer_loader.load_tokenizer = held
 from asyncllm import cli
 sys.exit(cli.main(sys.argv[2:]))
 """
@@ -51,23 +53,23 @@ sys.exit(cli.main(sys.argv[2:]))
 def assert_starting_error(response) -> None:
     assert response.status_code == 503, response.text
     assert response.json()["error"]["code"] == "server_starting", response.text
-    assert "start-up phase: tokenizer" in response.json()["error"]["message"]
+    assert "start-up phase: request intake" in response.json()["error"]["message"]
     assert response.headers["retry-after"] == "1"
 
 
 # ---- in process ----------------------------------------------------------------------------------------
 @pytest.fixture
 def held_tokenizer(monkeypatch):
-    from asyncllm.engine import core
+    from asyncllm.models import tokenizer_loader
     release, fail = threading.Event(), threading.Event()
-    real = core.load_tokenizer
+    real = tokenizer_loader.load_tokenizer
 
     def held(model):
         release.wait(TIMEOUT)
         if fail.is_set():
             raise ValueError("tokenizer refused by the test")
         return real(model)
-    monkeypatch.setattr(core, "load_tokenizer", held)
+    monkeypatch.setattr(tokenizer_loader, "load_tokenizer", held)
     yield release, fail
     release.set()  # a test that failed early must not leave the engine thread waiting
 
@@ -97,7 +99,7 @@ def test_health_says_starting_with_the_phase_and_routes_answer_503_until_ready(t
     engine = AsyncLLMEngine(tiny_qwen3, **ENGINE_KW)
     app = create_app(engine, "tiny", api_key=KEY, start_in_background=True, on_engine_started=started.append)
     with TestClient(app) as http:  # the lifespan returns at once: the engine starts meanwhile
-        wait_for_health(lambda: http.get("/health"), 503, "tokenizer")
+        wait_for_health(lambda: http.get("/health"), 503, HELD_PHASE)
         assert_starting_error(http.post("/v1/completions", json=COMPLETION, headers=AUTH))
         assert_starting_error(http.post("/v1/chat/completions", headers=AUTH,
                                         json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}))
@@ -126,7 +128,7 @@ def test_a_start_that_fails_in_the_background_is_reported_and_health_says_unavai
     engine = AsyncLLMEngine(tiny_qwen3, **ENGINE_KW)
     app = create_app(engine, "tiny", start_in_background=True, on_engine_started=started.append)
     with TestClient(app) as http:
-        wait_for_health(lambda: http.get("/health"), 503, "tokenizer")
+        wait_for_health(lambda: http.get("/health"), 503, HELD_PHASE)
         fail.set()
         release.set()
         deadline = time.monotonic() + TIMEOUT
@@ -149,7 +151,7 @@ def test_a_shutdown_during_the_start_up_waits_for_the_engine_thread(tiny_qwen3, 
     release, _ = held_tokenizer
     engine = AsyncLLMEngine(tiny_qwen3, **ENGINE_KW)
     with TestClient(create_app(engine, "tiny", start_in_background=True)) as http:
-        wait_for_health(lambda: http.get("/health"), 503, "tokenizer")
+        wait_for_health(lambda: http.get("/health"), 503, HELD_PHASE)
         threading.Timer(0.5, release.set).start()  # the start-up goes on while the lifespan shuts down
     assert engine_threads() == [], "the lifespan's shutdown returned with the engine thread still running"
 
@@ -181,7 +183,7 @@ def held_serve(model: str, tmp_path, *options: str, exit_codes: tuple[int, ...] 
 
 
 def wait_until_held(base: str, proc: subprocess.Popen) -> None:
-    """Until /health says the start-up is in its tokenizer phase (the port listens once uvicorn has
+    """Until /health says the start-up is held at its tokenizer (the port listens once uvicorn has
     started; from then on /health says "starting")."""
     deadline = time.monotonic() + TIMEOUT
     while True:
@@ -192,7 +194,7 @@ def wait_until_held(base: str, proc: subprocess.Popen) -> None:
         except httpx.TransportError:
             assert time.monotonic() < deadline, "the server never answered /health"
             time.sleep(0.1)
-    wait_for_health(lambda: httpx.get(f"{base}/health", timeout=30), 503, "tokenizer")
+    wait_for_health(lambda: httpx.get(f"{base}/health", timeout=30), 503, HELD_PHASE)
 
 
 def test_serve_answers_while_it_starts_and_logs_its_time_to_ready(tiny_qwen3, tmp_path):
@@ -211,7 +213,7 @@ def test_serve_answers_while_it_starts_and_logs_its_time_to_ready(tiny_qwen3, tm
                               headers=AUTH, timeout=60)
         assert response.status_code == 200, response.text
     stderr = server.log()
-    assert "start-up: loading the tokenizer..." in stderr and "start-up: loading weights: " in stderr
+    assert "start-up: waiting for the tokenizer..." in stderr and "start-up: loading weights: " in stderr
     assert "start-up: ready after " in stderr
     ready = [line for line in stderr.splitlines() if "asyncllm serve: ready " in line]
     assert len(ready) == 1 and "after the command started, on http://127.0.0.1:" in ready[0], stderr[-4000:]
