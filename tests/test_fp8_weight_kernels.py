@@ -151,6 +151,15 @@ def test_quantize_rows_round_trip():
     assert quantized.float().abs().amax() == 448
 
 
+
+@pytest.mark.parametrize("group_k", [None, 128, 100])
+def test_dequantize_rows_rounds_once(group_k):
+    """Dequantized to bf16, each weight is its float32 value (fp8 * scale) rounded once: the nearest
+    bf16, what the weight-only kernel multiplies by, with no scale rounded to bf16 first."""
+    quantized, scale = quantize_rows(torch.randn(64, 300) * 0.02, group_k)
+    exact = dequantize_rows(quantized, scale, group_k, torch.float32)
+    assert torch.equal(dequantize_rows(quantized, scale, group_k, torch.bfloat16), exact.to(torch.bfloat16))
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA: the model shapes are too large for the interpreter")
 @pytest.mark.parametrize("n,k", MODEL_GEMM_SHAPES)
