@@ -35,6 +35,7 @@ TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "declara
 # the reference first; float32 shows what rounding alone moves (bf16's own distance from fp32)
 # (KV FP8 rotates q and k by a Hadamard matrix, Config.kv_cache_rotation's default; the row before it does not)
 CONFIGS = [("bf16", {}), ("float32", {"dtype": "float32"}), ("weights FP8", {"quantization": "fp8"}),
+           ("weights FP8 weight-only", {"quantization": "fp8_weight_only"}),
            ("KV FP8 unrotated", {"kv_cache_dtype": "fp8", "kv_cache_rotation": False}),
            ("KV FP8", {"kv_cache_dtype": "fp8"}), ("weights + KV FP8", {"quantization": "fp8", "kv_cache_dtype": "fp8"})]
 
