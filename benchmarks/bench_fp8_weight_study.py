@@ -2,6 +2,7 @@
 through FP8 in place, per layer type and scale granularity, with or without e4m3 activations.
 
     python benchmarks/bench_fp8_weight_study.py --model smollm2 --device cpu [--max-tokens 600] [--json PATH]
+    python benchmarks/bench_fp8_weight_study.py --model smollm2 --device cpu --kv-scales   # the KV cache's instead
 
 Every variant is teacher-forced over bench_fp8_quality.py's text and compared with the unmodified
 engine's distributions (mean KL(bf16 || variant), top-1 agreement, perplexity), as that benchmark does.
@@ -15,6 +16,12 @@ A variant changes one engine's weights rather than loading a quantized one, so e
   W8A8 path torch._scaled_mm takes above 16 rows), or per 128 columns of a token, then the product in
   float32 -- W8A8's arithmetic.
 The embedding and LM head (tied in SmolLM2) stay in bf16 throughout, as in the engine.
+
+--kv-scales: the KV cache's scale granularity instead. The engine keeps a bf16 cache but its q and k
+rotated as an FP8 cache's are (Config.kv_cache_rotation), and K / V are rounded through e4m3 before
+they are stored: with the engine's per-tensor scale 1.0, or a scale per token and head (amax / 448,
+the finest a kernel could keep beside a block), which no per-head or per-layer scale can beat.
+CPU only (it rounds the torch backend's stores).
 """
 from __future__ import annotations
 
@@ -27,6 +34,8 @@ from bench_fp8_quality import TEXT, compare, teacher_forced
 from common import Report, checkpoint_from_args, make_parser, parse_args
 
 from asyncllm import LLM
+from asyncllm.attention import torch_ref
+from asyncllm.attention.base import hadamard_matrix
 from asyncllm.layers import skinny_linear
 from asyncllm.layers.fp8_linear import dequantize_rows, quantize_rows
 from asyncllm.models.fp8 import dequantize, quantize_blockwise
@@ -77,6 +86,55 @@ VARIANTS = [
 ]
 
 
+def e4m3_per_tensor(x):
+    return x.float().clamp(-448, 448).to(torch.float8_e4m3fn).float()
+
+
+def e4m3_per_token_head(x):  # (tokens, heads, head_dim)
+    scale = (x.float().abs().amax(-1, keepdim=True) / 448).clamp_min(1e-12)
+    return (x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+
+
+def unrounded(x):
+    return x
+
+
+# (label, K rounding, V rounding)
+KV_VARIANTS = [("bf16 cache, q/k rotated (no FP8)", unrounded, unrounded),
+               ("K, V per tensor, scale 1 (the engine's FP8 cache)", e4m3_per_tensor, e4m3_per_tensor),
+               ("K per token and head, V per tensor", e4m3_per_token_head, e4m3_per_tensor),
+               ("K, V per token and head", e4m3_per_token_head, e4m3_per_token_head)]
+
+
+@contextlib.contextmanager
+def rounded_kv_stores(k_rounding, v_rounding):
+    """The torch backend's K/V stores, each rounded through e4m3 first (the cache itself stays bf16)."""
+    original = torch_ref.store_kvcache_torch
+
+    def store(k, v, k_cache, v_cache, slot_mapping, kv_scales=(1.0, 1.0)):
+        return original(k_rounding(k).to(k.dtype), v_rounding(v).to(v.dtype), k_cache, v_cache, slot_mapping,
+                        kv_scales)
+    torch_ref.store_kvcache_torch = store
+    try:
+        yield
+    finally:
+        torch_ref.store_kvcache_torch = original
+
+
+def kv_rows(llm, token_ids, reference, targets) -> list[dict]:
+    backend = llm.core.runner.attn_backend
+    head_dim = llm.core.runner.model.model.layers[0].self_attn.head_dim
+    backend.qk_rotation = hadamard_matrix(head_dim, backend.k_caches[0].device)
+    rows = []
+    for label, k_rounding, v_rounding in KV_VARIANTS:
+        with rounded_kv_stores(k_rounding, v_rounding):
+            rows.append({"variant": label, "tokens": len(token_ids),
+                         **compare(reference, teacher_forced(llm, token_ids), targets, None)})
+        print(rows[-1], flush=True)
+    backend.qk_rotation = None
+    return rows
+
+
 class RoundedLinears:
     """The engine's decoder projections, with their bf16 weights kept aside to restore."""
 
@@ -109,7 +167,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--model", default=None, help="'smollm2' (the shipped SmolLM2-135M-Instruct) or a checkpoint "
                                                        "directory; default: random weights of --shape")
     parser.add_argument("--max-tokens", type=int, default=None, help="read only the text's first N tokens")
+    parser.add_argument("--kv-scales", action="store_true", help="the KV cache's scale granularity instead")
     args = parse_args(parser, argv)
+    if args.kv_scales and args.device != "cpu":
+        raise SystemExit("--kv-scales rounds the torch backend's stores: --device cpu")
     report = Report("fp8_weight_study", args)
     with contextlib.ExitStack() as stack:
         if args.model == "smollm2":
@@ -125,7 +186,9 @@ def main(argv=None) -> dict:
         linears = RoundedLinears(llm.core.runner.model)
         reference = teacher_forced(llm, token_ids)
         targets = torch.tensor(token_ids[1:])
-        for label, weight_rounding, activation_rounding, projections in VARIANTS:
+        for row in kv_rows(llm, token_ids, reference, targets) if args.kv_scales else ():
+            report.add(row)
+        for label, weight_rounding, activation_rounding, projections in () if args.kv_scales else VARIANTS:
             start = time.perf_counter()
             linears.apply(weight_rounding, activation_rounding, projections)
             row = {"variant": label, "tokens": len(token_ids),
@@ -134,7 +197,7 @@ def main(argv=None) -> dict:
             report.add(row)
             print(row, flush=True)
         llm.close()
-    report.finish(f"FP8 weights: where the loss is ({report.data['model']}, {args.device})",
+    report.finish(f"FP8 {'KV cache' if args.kv_scales else 'weights'}: where the loss is ({report.data['model']}, {args.device})",
                   [("variant", "variant"), ("mean KL vs bf16", "mean_kl", "{:.5f}"), ("max KL", "max_kl", "{:.3f}"),
                    ("top-1 agreement", "top1_agreement", "{:.2%}"), ("perplexity", "perplexity", "{:.3f}")])
     return report.data
