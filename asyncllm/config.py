@@ -173,7 +173,7 @@ class Config:
     # None: weights as the checkpoint has them (an FP8 checkpoint's dense linear weights stay FP8); "fp8":
     # an unquantized checkpoint's dense decoder linear weights quantized to FP8 per output channel at load,
     # multiplied above 16 rows as W8A8 (activations rounded to e4m3 per token: FP8 tensor cores, at a
-    # quality cost: SmolLM2's mean KL 0.056 weight-only -> ~0.09, docs/BENCHMARKS.md); "fp8_weight_only":
+    # quality cost: SmolLM2's mean KL 0.057 weight-only -> 0.092, docs/BENCHMARKS.md); "fp8_weight_only":
     # the same, or an FP8 checkpoint's weights, always multiplied with activations in the compute dtype
     quantization: str | None = None
     # "auto": the compute dtype; "fp8": float8_e4m3fn with a scale per tensor (attention/base.py's
