@@ -20,8 +20,9 @@ DTYPES = ("float32", "float16", "bfloat16")  # models/resolve.py maps them to to
 _DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # as vLLM accepts them
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "fa4", "fa2")
 # Config.quantization: how weights are kept ("fp8" on an unquantized checkpoint: the dense linear weights
-# quantized to FP8 per output channel at load and kept so; models/fp8.py, layers/fp8_linear.py)
-QUANTIZATIONS = (None, "fp8")
+# quantized to FP8 per output channel at load and kept so; models/fp8.py, layers/fp8_linear.py;
+# "fp8_weight_only": the same weights, never W8A8: activations stay in the compute dtype at every batch)
+QUANTIZATIONS = (None, "fp8", "fp8_weight_only")
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the compute dtype
 # how a model marks its reasoning (engine/reasoning_format.py defines each: its tags, where a block starts)
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
@@ -170,7 +171,10 @@ class Config:
     # to the answer. None: the text holds everything
     reasoning_parser: str | None = None
     # None: weights as the checkpoint has them (an FP8 checkpoint's dense linear weights stay FP8); "fp8":
-    # an unquantized checkpoint's dense decoder linear weights quantized to FP8 per output channel at load
+    # an unquantized checkpoint's dense decoder linear weights quantized to FP8 per output channel at load,
+    # multiplied above 16 rows as W8A8 (activations rounded to e4m3 per token: FP8 tensor cores, at a
+    # quality cost: SmolLM2's mean KL 0.057 weight-only -> 0.092, docs/BENCHMARKS.md); "fp8_weight_only":
+    # the same, or an FP8 checkpoint's weights, always multiplied with activations in the compute dtype
     quantization: str | None = None
     # "auto": the compute dtype; "fp8": float8_e4m3fn with a scale per tensor (attention/base.py's
     # FP8_KV_SCALES), half the bytes of bf16 a token, so twice the blocks (Triton backend; emulated on CPU)

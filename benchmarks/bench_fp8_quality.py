@@ -11,8 +11,10 @@ and read back as in serving: prefill attends the K/V it just stored). Against th
 distributions p, per configuration q: mean KL(p || q) over the positions, top-1 agreement (argmax q
 == argmax p), the same over the positions where float32 and bf16 agree (top-1 choices not decided by
 bf16's own rounding: float32 itself agrees on only ~97 %) and the perplexity of the text under q;
-a float32 row shows bf16's own rounding distance. Runs on CPU (the FP8 cache emulated, slowly for
-SmolLM2) and CUDA; --model smollm2 is the shipped SmolLM2-135M-Instruct (its Q4_1 GGUF dequantized:
+a float32 row shows bf16's own rounding distance. Runs on CPU (slowly for SmolLM2) and CUDA; on CPU
+the FP8 cache is emulated exactly and FP8 weights take CUDA's routes and arithmetic
+(layers/fp8_linear.cuda_paths_on_cpu: the prefill W8A8 with per-token activation scales, as on CUDA;
+--cpu-fp8-path: CPU's own dequantizing path, weight-only); --model smollm2 is the shipped SmolLM2-135M-Instruct (its Q4_1 GGUF dequantized:
 "bf16" here means those weights in bf16).
 """
 from __future__ import annotations
@@ -26,12 +28,14 @@ import torch
 from common import Report, checkpoint_from_args, make_parser, parse_args, release_memory
 
 from asyncllm import LLM, SamplingParams
+from asyncllm.layers import fp8_linear
 from asyncllm.runner import model_runner
 
 TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "declaration_of_independence.txt")
 # the reference first; float32 shows what rounding alone moves (bf16's own distance from fp32)
 # (KV FP8 rotates q and k by a Hadamard matrix, Config.kv_cache_rotation's default; the row before it does not)
 CONFIGS = [("bf16", {}), ("float32", {"dtype": "float32"}), ("weights FP8", {"quantization": "fp8"}),
+           ("weights FP8 weight-only", {"quantization": "fp8_weight_only"}),
            ("KV FP8 unrotated", {"kv_cache_dtype": "fp8", "kv_cache_rotation": False}),
            ("KV FP8", {"kv_cache_dtype": "fp8"}), ("weights + KV FP8", {"quantization": "fp8", "kv_cache_dtype": "fp8"})]
 
@@ -82,16 +86,22 @@ def main(argv=None) -> dict:
     parser.add_argument("--configs", default=None,
                         help=f"comma-separated subset of {[name for name, _ in CONFIGS]} (bf16 always runs)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--cpu-fp8-path", action="store_true",
+                        help="on CPU, FP8 weights take CPU's own path (dequantize, bf16 GEMM: weight-only) "
+                             "rather than emulating CUDA's (W8A8 above 16 rows)")
     args = parse_args(parser, argv)
     report = Report("fp8_quality", args)
     wanted = None if args.configs is None else {name.strip() for name in args.configs.split(",")}
     with contextlib.ExitStack() as stack:
+        if args.device == "cpu" and not args.cpu_fp8_path:
+            stack.enter_context(fp8_linear.cuda_paths_on_cpu())
         if args.model == "smollm2":
             from asyncllm.models.default_model import default_model_path
             model = default_model_path()
         else:
             model = args.model or stack.enter_context(checkpoint_from_args(args))
         report.set("model", args.model or f"random {args.shape}")
+        report.set("fp8_weight_path", "cpu (dequantize)" if args.device == "cpu" and args.cpu_fp8_path else "cuda's")
         with open(TEXT) as f:
             text = f.read()
         reference = targets = settled = None

@@ -135,8 +135,9 @@ def add_engine_args(parser: argparse.ArgumentParser, multi_backend: bool = False
                         help="Config.kv_cache_dtype (fp8: e4m3, twice the blocks)")
     parser.add_argument("--kv-cache-rotation", default=True, action=argparse.BooleanOptionalAction,
                         help="Config.kv_cache_rotation (an FP8 cache's Hadamard rotation of q and k)")
-    parser.add_argument("--quantization", default=None, choices=["fp8"],
-                        help="Config.quantization (fp8: linear weights kept in FP8, per-channel scales)")
+    parser.add_argument("--quantization", default=None, choices=["fp8", "fp8_weight_only"],
+                        help="Config.quantization (fp8: linear weights kept in FP8, per-channel scales, W8A8 above "
+                             "16 rows; fp8_weight_only: never W8A8)")
     parser.add_argument("--overlap", default="auto", choices=["auto", "on", "off", "both"],
                         help="Config.overlap_scheduling (auto: on with CUDA; both: off and on, where the benchmark "
                              "compares them)")

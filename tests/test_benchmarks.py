@@ -21,6 +21,7 @@ import bench_ablation  # noqa: E402
 import bench_delivery  # noqa: E402
 import bench_embed  # noqa: E402
 import bench_fp8_quality  # noqa: E402
+import bench_fp8_weight_study  # noqa: E402
 import bench_host_ops  # noqa: E402
 import bench_http  # noqa: E402
 import bench_latency  # noqa: E402
@@ -66,10 +67,25 @@ def test_bench_fp8_quality_compares_every_configuration_with_bf16(tiny_model):
     assert all(row["tokens"] == 40 for row in rows.values())
     assert rows["bf16"]["mean_kl"] == 0.0 and rows["bf16"]["top1_agreement"] == 1.0
     # each FP8 configuration changes the distributions (its KL is no rounding-free zero), and bounds them
-    for name in ("weights FP8", "KV FP8 unrotated", "KV FP8", "weights + KV FP8"):
+    for name in ("weights FP8", "weights FP8 weight-only", "KV FP8 unrotated", "KV FP8", "weights + KV FP8"):
         assert 0.0 < rows[name]["mean_kl"] < 1.0 and rows[name]["perplexity"] > 1.0, rows[name]
         assert 0.0 <= rows[name]["top1_settled"] <= 1.0, rows[name]  # over the positions bf16 and float32 agree on
     assert rows["float32"]["top1_settled"] == 1.0 and rows["bf16"]["top1_settled"] is None
+
+
+def test_bench_fp8_weight_study_reports_every_variant(tiny_model):
+    """Each variant rounds something (KL above zero) and is undone before the next: the W8A8 row costs
+    more than its weight-only row, the KV rows start from a cache that is not rounded."""
+    data = bench_fp8_weight_study.main(["--model-dir", tiny_model, "--device", "cpu", "--max-tokens", "40"])
+    rows = {row["variant"]: row for row in rows_without_errors(data)}
+    assert list(rows) == [label for label, *_ in bench_fp8_weight_study.VARIANTS]
+    assert all(0.0 < row["mean_kl"] < 1.0 and row["tokens"] == 40 for row in rows.values()), rows
+    weight_only, w8a8 = bench_fp8_weight_study.VARIANTS[0][0], bench_fp8_weight_study.VARIANTS[9][0]
+    assert rows[w8a8]["mean_kl"] > rows[weight_only]["mean_kl"]
+    kv = bench_fp8_weight_study.main(["--model-dir", tiny_model, "--device", "cpu", "--max-tokens", "40",
+                                      "--kv-scales"])["results"]
+    assert [row["variant"] for row in kv] == [label for label, *_ in bench_fp8_weight_study.KV_VARIANTS]
+    assert kv[0]["mean_kl"] < kv[1]["mean_kl"]  # the rotation alone moves only bf16's rounding
 
 
 def test_bench_embed_reports_every_row_of_each_pooling(tiny_model):

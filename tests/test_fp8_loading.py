@@ -270,19 +270,42 @@ def test_reload_of_another_fp8_format_requantizes_into_the_engines_layout(tiny_q
     assert_same_run(requantized, run(plain_dir))
 
 
+def test_fp8_weight_only_never_rounds_activations(tiny_qwen3, tmp_path):
+    """quantization="fp8_weight_only": the same per-row FP8 weights as "fp8", but its prefill (54 rows
+    here) is never W8A8, even where CUDA's routes are taken (fp8_linear.cuda_paths_on_cpu): in bf16 its
+    run is the dequantized copy's, while "fp8" there rounds activations to e4m3 and moves the logits."""
+    from asyncllm.layers import fp8_linear
+    _, plain_dir = write_pair(tiny_qwen3, tmp_path, scheme="channel")
+    bf16 = dict(dtype="bfloat16")
+    plain = run(plain_dir, **bf16)
+    llm = LLM(tiny_qwen3, **ENGINE_KW, **bf16, quantization="fp8_weight_only")
+    assert all(layer.group_k is None and not layer.fp8_w8a8 and layer.weight.dtype == torch.float8_e4m3fn
+               for layer in linear_layers(llm).values())
+    llm.close()
+    assert_same_run(run(tiny_qwen3, **bf16, quantization="fp8_weight_only"), plain)
+    with fp8_linear.cuda_paths_on_cpu():
+        weight_only, w8a8 = run(tiny_qwen3, **bf16, quantization="fp8_weight_only"), run(tiny_qwen3, **bf16,
+                                                                                       quantization="fp8")
+    prefill = [(a[0] - b[0]).abs().max().item() for a, b in zip(w8a8[1], plain[1])]
+    prefill_weight_only = [(a[0] - b[0]).abs().max().item() for a, b in zip(weight_only[1], plain[1])]
+    assert max(prefill) > 4 * max(prefill_weight_only), (prefill, prefill_weight_only)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the FP8 kernels and torch._scaled_mm")
-@pytest.mark.parametrize("scheme", ["channel", "block"])
+@pytest.mark.parametrize("scheme", ["channel", "block", "channel_weight_only"])
 def test_fp8_weights_on_cuda_match_the_dequantized_copy(tokenizer_dir, tmp_path, scheme):
     """bf16 with CUDA graphs: decode through the weight-only FP8 kernel, prefill through W8A8
-    (per-channel: activations quantized per token) or the dequantizing path (block), against the
-    same weights dequantized to a bf16 checkpoint. Logits compared while the two runs' tokens agree."""
+    (per-channel: activations quantized per token), the dequantizing path (block) or, with
+    quantization="fp8_weight_only", dequantizing too, against the same weights dequantized to a bf16
+    checkpoint. Logits compared while the two runs' tokens agree."""
     from asyncllm.testing import build_tiny_checkpoint
     src = build_tiny_checkpoint(str(tmp_path / "src"), "qwen3", tokenizer_dir, seed=9, hidden_size=512,
                                 intermediate_size=1536, num_attention_heads=8, num_key_value_heads=4, head_dim=64)
-    fp8_dir, plain_dir = write_pair(src, tmp_path / "pair", scheme=scheme)
+    fp8_dir, plain_dir = write_pair(src, tmp_path / "pair", scheme=scheme.removesuffix("_weight_only"))
     kwargs = dict(dtype="bfloat16", device="cuda")
-    fp8, plain = run(fp8_dir, **kwargs), run(plain_dir, **kwargs)
+    weight_only = {"quantization": "fp8_weight_only"} if scheme.endswith("_weight_only") else {}
+    fp8, plain = run(fp8_dir, **kwargs, **weight_only), run(plain_dir, **kwargs)
     # activations in e4m3 (W8A8) move logits by a few percent of their range; bf16 rounding alone, less
     bound = 0.08 if scheme == "channel" else 0.03
     compared = 0
@@ -302,7 +325,8 @@ def test_quantization_fp8_on_an_fp8_checkpoint_keeps_its_weights(block_pair, pla
 def test_options_refused_and_parsed(tiny_qwen3):
     with pytest.raises(ValueError, match=r"Config\.kv_cache_dtype: must be one of \('auto', 'fp8'\), got 'int8'"):
         Config(tiny_qwen3, kv_cache_dtype="int8")
-    with pytest.raises(ValueError, match=r"Config\.quantization: must be one of \(None, 'fp8'\), got 'awq'"):
+    with pytest.raises(ValueError, match=r"Config\.quantization: must be one of \(None, 'fp8', 'fp8_weight_only'\), "
+                                         r"got 'awq'"):
         Config(tiny_qwen3, quantization="awq")
     args = build_parser().parse_args(["serve", tiny_qwen3, "--quantization", "fp8"])
     assert args.quantization == "fp8"

@@ -151,6 +151,15 @@ def test_quantize_rows_round_trip():
     assert quantized.float().abs().amax() == 448
 
 
+
+@pytest.mark.parametrize("group_k", [None, 128, 100])
+def test_dequantize_rows_rounds_once(group_k):
+    """Dequantized to bf16, each weight is its float32 value (fp8 * scale) rounded once: the nearest
+    bf16, what the weight-only kernel multiplies by, with no scale rounded to bf16 first."""
+    quantized, scale = quantize_rows(torch.randn(64, 300) * 0.02, group_k)
+    exact = dequantize_rows(quantized, scale, group_k, torch.float32)
+    assert torch.equal(dequantize_rows(quantized, scale, group_k, torch.bfloat16), exact.to(torch.bfloat16))
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA: the model shapes are too large for the interpreter")
 @pytest.mark.parametrize("n,k", MODEL_GEMM_SHAPES)
@@ -165,3 +174,56 @@ def test_fp8_skinny_gemm_model_shapes(n, k):
                 out = torch.full((num_rows, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
                 assert_matches(skinny_gemm(x, quantized, None, config, out=out, scale=scale, group_k=group_k),
                                reference(x, dequantized), f"{n}x{k} {config.label()}")
+
+
+def w8a8_reference(x, quantized, scale, bias=None):
+    """What W8A8 computes, written out: each row of x scaled to e4m3 by amax / 448 (clamped, rounded
+    to nearest even), the e4m3 products summed in float32 and scaled by both rows' scales, then the
+    bias, one rounding to x's dtype."""
+    x32 = x.float()
+    x_scale = (x32.abs().amax(-1, keepdim=True) / 448).clamp_min(1e-12)
+    x8 = (x32 / x_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    out = (x8.float() @ quantized.float().T) * x_scale * scale.view(1, -1)
+    return (out + bias.float() if bias is not None else out).to(x.dtype)
+
+
+def _emulation_devices():
+    return ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+        not CUDA or torch.cuda.get_device_capability() < (8, 9),
+        reason="needs CUDA sm_89+: the W8A8 path itself, against the reference the CPU emulation matches"))]
+
+
+@pytest.mark.parametrize("device", _emulation_devices())
+@pytest.mark.parametrize("num_rows", [17, 200])
+def test_w8a8_path_matches_per_token_reference(device, num_rows):
+    """Above 16 rows with per-row scales: CUDA's W8A8 path, and CPU under cuda_paths_on_cpu() (the
+    quality benchmark's emulation of it), both equal the per-token e4m3 reference within an ulp or two
+    (fp32 sums in another order). The weight-only reference is outside that bound: a wrong route fails."""
+    n, k = 96, 320
+    quantized, scale = quantize_rows(torch.randn(n, k, device=device) / k ** 0.5, None)
+    x = torch.randn(num_rows, k, device=device).to(torch.bfloat16)
+    bias = torch.randn(n, device=device).to(torch.bfloat16)
+    ref = w8a8_reference(x, quantized, scale, bias).float()
+    weight_only = reference(x, dequantize_rows(quantized, scale, None, torch.float32), bias)
+    bound = dict(rtol=2 ** -7, atol=2 ** -7 * ref.abs().max().item())
+    assert not torch.allclose(weight_only, ref, **bound)  # e4m3 activations: ~2**-5 relative per product
+    with fp8_linear.cuda_paths_on_cpu():
+        result = fp8_linear.linear(x, quantized, scale, None, bias)
+    assert result.dtype == torch.bfloat16 and not result.isnan().any()
+    torch.testing.assert_close(result.float(), ref, **bound)
+
+
+@pytest.mark.parametrize("group_k", [None, 128])
+@pytest.mark.parametrize("num_rows", [1, 16])
+def test_cuda_paths_on_cpu_decode_is_weight_only(group_k, num_rows):
+    """Up to 16 rows the emulation is the weight-only kernel's arithmetic: the float32 reference, one
+    rounding (the dequantizing CPU path rounds the weights to bf16 first and differs)."""
+    n, k = SHAPE
+    quantized, scale, dequantized = fp8_weight(n, k, group_k)
+    x = torch.randn(num_rows, k, device=DEVICE).to(torch.bfloat16)
+    with fp8_linear.cuda_paths_on_cpu():
+        result = fp8_linear.linear(x.cpu(), quantized.cpu(), scale.cpu(), group_k)
+        gated = fp8_linear.silu_mul_linear(torch.cat([x, x], -1).cpu(), quantized.cpu(), scale.cpu(), group_k)
+    assert torch.equal(result, reference(x, dequantized).cpu().to(torch.bfloat16))
+    gate = skinny_linear.silu_and_mul(torch.cat([x, x], -1).cpu())
+    assert torch.equal(gated, reference(gate, dequantized.cpu()).to(torch.bfloat16))

@@ -17,11 +17,16 @@ Three paths, by the rows of x:
 - more rows on CUDA with per-channel scales (sm_89+, bf16): W8A8 through torch._scaled_mm, x quantized
   per token (row) to e4m3 with a dynamic scale (amax / 448), the product scaled by both rows'
   scales in fp32. Block-wise groups are a scale per K group, which a row-wise scaled GEMM cannot
-  apply: those dequantize.
+  apply: those dequantize. e4m3 activations cost as much quality as e4m3 weights (a relative step of
+  1/16 whatever the scale, so per-128-column activation scales gain little: docs/BENCHMARKS.md), so
+  w8a8=False (Config(quantization="fp8_weight_only")) dequantizes instead, trading the FP8 GEMM's speed.
 - otherwise (CPU, the reference; block-wise scales at prefill): dequantize to x's dtype, F.linear.
+cuda_paths_on_cpu() makes CPU take CUDA's routes and arithmetic instead (benchmarks/bench_fp8_quality.py:
+a teacher-forced prefill on CUDA is W8A8, not the weight-only arithmetic CPU's dequantizing path does).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -36,6 +41,8 @@ FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 FP8_DTYPE = torch.float8_e4m3fn
 _configs: dict[tuple, object] = {}  # (device, rows bucket, N, K, group_k) -> SkinnyConfig, or None: no tiling fits
 _scaled_mm_broken = False  # torch._scaled_mm failed once here (a build without row-wise scaling): dequantize
+_cuda_paths_on_cpu = False  # cuda_paths_on_cpu()'s
+WEIGHT_ONLY_MAX_ROWS = 16  # kernels/skinny_gemm.py's MAX_ROWS, for CPU's emulation of the routing (no Triton needed)
 
 
 def quantize_rows(weight: torch.Tensor, group_k: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,14 +67,16 @@ def quantize_rows(weight: torch.Tensor, group_k: int | None) -> tuple[torch.Tens
 
 
 def dequantize_rows(weight: torch.Tensor, scale: torch.Tensor, group_k: int | None, dtype: torch.dtype) -> torch.Tensor:
-    """weight (FP8) times its row scales, in dtype."""
+    """weight (FP8) times its row scales, in dtype: the product taken in float32 and rounded once, as
+    the weight-only kernel sees it (rounding the scale to bf16 first moved a whole row by up to 2**-9,
+    and the product was rounded again: SmolLM2's mean KL 0.0591 against 0.0574, docs/BENCHMARKS.md)."""
     rows, cols = weight.shape
     if scale.shape[1] == 1:
-        return weight.to(dtype) * scale.to(dtype)
+        return (weight.to(torch.float32) * scale).to(dtype)
     if cols % group_k == 0:  # no (rows, cols) copy of the scales
         groups = scale.shape[1]
-        return (weight.view(rows, groups, group_k).to(dtype) * scale.to(dtype)[:, :, None]).view(rows, cols)
-    return weight.to(dtype) * _per_column(scale, group_k, cols).to(dtype)
+        return (weight.view(rows, groups, group_k).to(torch.float32) * scale[:, :, None]).view(rows, cols).to(dtype)
+    return (weight.to(torch.float32) * _per_column(scale, group_k, cols)).to(dtype)
 
 
 def _per_column(scale: torch.Tensor, group: int, cols: int) -> torch.Tensor:
@@ -75,12 +84,15 @@ def _per_column(scale: torch.Tensor, group: int, cols: int) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k: int | None,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight dequantized by scale, bias) by the path x's rows take (the module's doc)."""
+           bias: torch.Tensor | None = None, w8a8: bool = True) -> torch.Tensor:
+    """F.linear(x, weight dequantized by scale, bias) by the path x's rows take (the module's doc);
+    w8a8 False: never the W8A8 one (Config(quantization="fp8_weight_only"))."""
+    if _cuda_paths_on_cpu and not x.is_cuda:
+        return _cuda_path_emulated(x, weight, scale, group_k, bias, w8a8)
     kernels, config = _kernel_choice(x, weight, group_k)
     if config is not None:
         return kernels.skinny_gemm(x, weight, bias, config, scale=scale, group_k=group_k)
-    if group_k is None or scale.shape[1] == 1:
+    if w8a8 and (group_k is None or scale.shape[1] == 1):
         if _scaled_mm_usable(x, weight):
             out = _scaled_mm_linear(x, weight, scale, bias)
             if out is not None:
@@ -89,12 +101,40 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k: 
 
 
 def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k: int | None,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
+                    bias: torch.Tensor | None = None, w8a8: bool = True) -> torch.Tensor:
     """linear(silu(gate) * up) of x = [gate | up]: the MLP's down projection."""
     kernels, config = _kernel_choice(x, weight, group_k)
     if config is not None and not config.dot:
         return kernels.skinny_gemm(x, weight, bias, config, gated=True, scale=scale, group_k=group_k)
-    return linear(skinny_linear.silu_and_mul(x), weight, scale, group_k, bias)
+    return linear(skinny_linear.silu_and_mul(x), weight, scale, group_k, bias, w8a8)
+
+
+@contextlib.contextmanager
+def cuda_paths_on_cpu():
+    """Within it, FP8 layers on CPU compute what CUDA computes for the same rows: 1..16 rows the
+    weight-only kernel's arithmetic (fp32 products of the widened, scaled weights, one rounding), more
+    rows with per-row scales in bf16 W8A8 through torch._scaled_mm (CPU torch runs it, with the same
+    per-token e4m3 activations and fp32 scaling), block-wise groups dequantized. Not the default: CPU's
+    own path (dequantize, one bf16 GEMM) is several times faster there."""
+    global _cuda_paths_on_cpu
+    previous, _cuda_paths_on_cpu = _cuda_paths_on_cpu, True
+    try:
+        yield
+    finally:
+        _cuda_paths_on_cpu = previous
+
+
+def _cuda_path_emulated(x, weight, scale, group_k, bias, w8a8):
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows <= WEIGHT_ONLY_MAX_ROWS:
+        out = F.linear(x.float(), dequantize_rows(weight, scale, group_k, torch.float32),
+                       None if bias is None else bias.float())
+        return out.to(x.dtype)
+    if w8a8 and (group_k is None or scale.shape[1] == 1) and _scaled_mm_shapes(x, weight):
+        out = _scaled_mm_linear(x, weight, scale, bias)
+        if out is not None:
+            return out
+    return F.linear(x, dequantize_rows(weight, scale, group_k, x.dtype), bias)
 
 
 def _kernel_choice(x: torch.Tensor, weight: torch.Tensor, group_k: int | None):
@@ -118,10 +158,12 @@ def _kernel_choice(x: torch.Tensor, weight: torch.Tensor, group_k: int | None):
 
 def _scaled_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     # bf16 only: row-wise scaled _scaled_mm outputs bf16 (an fp16 model dequantizes)
-    if _scaled_mm_broken or not x.is_cuda or x.dtype != torch.bfloat16:
-        return False
+    return x.is_cuda and _scaled_mm_shapes(x, weight) and torch.cuda.get_device_capability(x.device) >= (8, 9)
+
+
+def _scaled_mm_shapes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     n, k = weight.shape
-    return n % 16 == 0 and k % 16 == 0 and torch.cuda.get_device_capability(x.device) >= (8, 9)
+    return not _scaled_mm_broken and x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0
 
 
 def _scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):

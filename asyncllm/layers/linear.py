@@ -54,10 +54,11 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
         self.register_parameter("weight_scale", None)  # keep_fp8()'s
         self.group_k = None  # keep_fp8()'s: input columns per scale (None: one scale per row)
+        self.fp8_w8a8 = True  # keep_fp8()'s: activations may be rounded to e4m3 above 16 rows
 
-    def keep_fp8(self, group_k: int | None) -> None:
+    def keep_fp8(self, group_k: int | None, w8a8: bool = True) -> None:
         """Hold the weight as float8_e4m3fn and a float32 scale per output row and group_k input
-        columns (None: per row), loaded as checkpoint tensors '<weight>' and '<weight>_scale' (models/fp8.py
+        columns (None: per row; w8a8: fp8_linear may take W8A8 above 16 rows), loaded as checkpoint tensors '<weight>' and '<weight>_scale' (models/fp8.py
         makes them so). A row-parallel shard must hold whole groups: the scales are cut between them."""
         out_features, in_features = self.weight.shape
         if group_k is not None and self.tp_dim == 1 and self.tp_size > 1 and in_features % group_k:
@@ -76,7 +77,7 @@ class LinearBase(nn.Module):
             param.weight_loader = self.weight_loader
             if shards is not None:
                 param.required_shards = shards
-        self.group_k = group_k
+        self.group_k, self.fp8_w8a8 = group_k, w8a8
 
     def require_shards(self, shard_ids) -> None:
         """A fused layer's parameters are loaded in parts (load_weights passes each one's shard id):
@@ -102,7 +103,7 @@ class LinearBase(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.weight_scale is not None:
-            return fp8_linear.linear(x, self.weight, self.weight_scale, self.group_k, bias)
+            return fp8_linear.linear(x, self.weight, self.weight_scale, self.group_k, bias, self.fp8_w8a8)
         return skinny_linear.linear(x, self.weight, bias)
 
 
@@ -165,7 +166,8 @@ class RowParallelLinear(LinearBase):
         """forward(silu(gate) * up) of x = [gate | up], this rank's shard of a merged gate/up
         projection's output: the MLP's down projection, in one kernel at decode's few rows."""
         if self.weight_scale is not None:
-            return self._reduce(fp8_linear.silu_mul_linear(x, self.weight, self.weight_scale, self.group_k))
+            return self._reduce(fp8_linear.silu_mul_linear(x, self.weight, self.weight_scale, self.group_k,
+                                                           w8a8=self.fp8_w8a8))
         return self._reduce(skinny_linear.silu_mul_linear(x, self.weight))
 
     def _reduce(self, y: torch.Tensor) -> torch.Tensor:

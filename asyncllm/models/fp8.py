@@ -52,8 +52,10 @@ _UNSET = object()  # checkpoint_weights' layout argument, not given
 @dataclass(frozen=True)
 class Fp8Layout:
     """How an engine keeps its decoder linear weights in FP8: a float32 scale per output row and group_k
-    input columns (None: per row)."""
+    input columns (None: per row); w8a8: above 16 rows the activations may be rounded to e4m3 for an
+    FP8 tensor-core GEMM (False: Config(quantization="fp8_weight_only"), never)."""
     group_k: int | None
+    w8a8: bool = True
 
 
 def fp8_layout(hf_config, quantization: str | None, config_path: str) -> Fp8Layout | None:
@@ -61,9 +63,10 @@ def fp8_layout(hf_config, quantization: str | None, config_path: str) -> Fp8Layo
     per row for per-tensor / per-channel scales), per row for Config(quantization="fp8") on an
     unquantized checkpoint; None: unquantized weights."""
     fmt = fp8_format(hf_config, config_path)
+    w8a8 = quantization != "fp8_weight_only"
     if fmt is not None:
-        return Fp8Layout(fmt.block[1] if fmt.block else None)
-    return Fp8Layout(None) if quantization == "fp8" else None
+        return Fp8Layout(fmt.block[1] if fmt.block else None, w8a8)
+    return Fp8Layout(None, w8a8) if quantization in ("fp8", "fp8_weight_only") else None
 
 
 def keeps_fp8(name: str, tensor: torch.Tensor) -> bool:
@@ -77,7 +80,7 @@ def keep_linear_weights_fp8(model, layout: Fp8Layout) -> None:
     for module_name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         if hasattr(module, "keep_fp8") and weight is not None and keeps_fp8(module_name + ".weight", weight):
-            module.keep_fp8(layout.group_k)
+            module.keep_fp8(layout.group_k, layout.w8a8)
 
 
 def fp8_format(hf_config, config_path: str) -> Fp8Format | None:
