@@ -141,7 +141,7 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.num_computed_tokens // self.block_size <= len(seq.block_hashes):
             return
         # a block holding a token still being sampled is hashed once its value is known
-        num_full = min(seq.num_computed_tokens, seq.num_resolved_tokens) // self.block_size
+        num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
         for block_index in range(len(seq.block_hashes), num_full):
             token_ids = seq.block_tokens(block_index)
             prefix_hash = seq.block_hashes[-1] if seq.block_hashes else -1

@@ -41,6 +41,7 @@ from asyncllm.step_plan import StepPlan
 from asyncllm.structured.step_masks import CatchUp, StepConstraints
 
 logger = logging.getLogger("asyncllm")
+_NO_ROWS = np.zeros(0, dtype=np.int64)
 
 
 class ModelRunner(RunnerMemory):
@@ -199,10 +200,12 @@ class ModelRunner(RunnerMemory):
             attn_backend=self.attn_backend)
         return batch, extra
 
-    def build_inputs(self, plan: StepPlan) -> tuple[StepInputs, np.ndarray, np.ndarray]:
-        """The step's inputs, and where they hold a PENDING_TOKEN: (token index in the step, the
-        row of the previous step's sampled ids that has its value). All numpy: the plan's one pass
-        of plain Python over the rows is the engine's (engine/step_planner.py)."""
+    def build_inputs(self, plan: StepPlan, sampling_rows: np.ndarray) -> tuple[StepInputs, np.ndarray, np.ndarray]:
+        """The step's inputs, and its tokens in flight (StepPlan.in_flight_rows): their indices in
+        the step, and their rows among the sampled ids of the step in flight, which has their values
+        (the caller fills them in). sampling_rows: the request table's rows of the plan's sampling
+        rows. All numpy: the plan's one pass of plain Python over the rows is the engine's
+        (engine/step_planner.py)."""
         num_seqs, num_tokens = len(plan.query_lens), plan.num_tokens
         starts, query_lens, block_rows = plan.starts, plan.query_lens, plan.block_rows
         starts_np = np.array(starts, dtype=np.int64)
@@ -223,7 +226,10 @@ class ModelRunner(RunnerMemory):
         slot_mapping = block_tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
         inputs = StepInputs(np.array(plan.input_ids, dtype=np.int64), positions, slot_mapping, query_lens_np, seq_lens,
                             block_tables, np.array(plan.logits_indices, dtype=np.int64))
-        return inputs, np.array(plan.pending_at, dtype=np.int64), np.array(plan.pending_rows, dtype=np.int64)
+        if not plan.in_flight_rows:
+            return inputs, _NO_ROWS, _NO_ROWS
+        return (inputs, inputs.logits_indices[plan.in_flight_rows],
+                self.sampling_inputs.table.in_flight_rows(plan, sampling_rows))
 
     def _staged_decode_key(self, inputs: StepInputs) -> tuple[str, int, int] | None:
         """The decode graph that replays this step from inputs staged in one copy (DecodeStaging): a
@@ -281,9 +287,9 @@ class ModelRunner(RunnerMemory):
     @torch.inference_mode()
     def launch(self, plan: StepPlan, prev: LaunchedStep | None, grammar_compiler=None,
                stream: torch.cuda.Stream | None = None, pooling_plan=None) -> LaunchedStep:
-        """Queue one step's forward and sampling (plan: the engine's StepPlan). Inputs still
-        PENDING_TOKEN are the ids prev sampled: they are filled in on the device, so the host never
-        waits for prev.
+        """Queue one step's forward and sampling (plan: the engine's StepPlan). A row's last token
+        in flight (StepPlan.in_flight_rows) is the id prev sampled for its request (the request
+        table's sampled_row): it is filled in on the device, so the host never waits for prev.
 
         grammar_compiler (structured.grammar.GrammarCompiler, or None: no request has a grammar): the
         compiler of the requests' grammars. The bitmask of the rows held to one is filled on the host
@@ -297,15 +303,14 @@ class ModelRunner(RunnerMemory):
             table.add(request)
         if prev is not None:
             prev.queue_sampling()  # the device runs prev's sampling before this step's forward
-        inputs, pending_at, pending_rows = self.build_inputs(plan)
+        # the sampling settings are ready before the forward: they travel in the step's one copy
+        sampling_plan = self.sampling_inputs.plan(plan)
+        inputs, pending_at, pending_rows = self.build_inputs(plan, sampling_plan.rows)
+        assert prev is not None or not len(pending_at), "a token in flight without the step that samples it"
         num_sampling = len(inputs.logits_indices)
         prompt_plan = plan.prompt_logprobs
         if prompt_plan is not None:  # prompt positions' logits too, after the sampling rows
             inputs.logits_indices = np.concatenate([inputs.logits_indices, prompt_plan.token_rows])
-        if len(pending_at):
-            assert prev is not None, "a pending token without the step that samples it"
-        # the sampling settings are ready before the forward: they travel in the step's one copy
-        sampling_plan = self.sampling_inputs.plan(plan)
         constraints = None
         if grammar_compiler is not None and sampling_plan.any_flags & GRAMMAR:
             constraints = self._constraints(plan, sampling_plan, grammar_compiler)
