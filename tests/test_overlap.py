@@ -173,11 +173,12 @@ def test_every_steps_inputs_match_a_token_by_token_reference(llms, shape, monkey
     tokens still in flight."""
     llm = llms(shape, True)
     runner = llm.core.runner
-    build, checked = runner.build_inputs, {"decode-only": 0, "mixed": 0, "pending": 0}
+    build, checked = runner.build_inputs, {"decode-only": 0, "mixed": 0, "pending": 0, "in place": 0}
     prev_rows = {}
 
     def checking_build(plan, sampling_rows):
-        inputs, pending_at, pending_rows = build(plan, sampling_rows)
+        inputs, in_flight = build(plan, sampling_rows)
+        pending_at, pending_rows = in_flight.at, in_flight.rows
         sched = plan.engine_step  # the reference reads the engine's sequences, as the plan's builder does
         expected = reference_inputs(sched, runner.block_size, prev_rows)
         prev_rows.clear()
@@ -190,7 +191,11 @@ def test_every_steps_inputs_match_a_token_by_token_reference(llms, shape, monkey
         assert inputs.block_tables.dtype.name == "int32" and inputs.slot_mapping.dtype.name == "int64"
         checked["decode-only" if len(inputs.input_ids) == len(sched.scheduled) else "mixed"] += 1
         checked["pending"] += len(pending_at) > 0
-        return inputs, pending_at, pending_rows
+        # one device copy exactly where the tokens in flight are the first rows in prev's order
+        assert in_flight.in_place == (len(pending_at) > 0 and pending_at.tolist() == pending_rows.tolist()
+                                      == list(range(len(pending_at))))
+        checked["in place"] += in_flight.in_place
+        return inputs, in_flight
     monkeypatch.setattr(runner, "build_inputs", checking_build)
     tokens(llm, PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert all(checked.values()), checked
