@@ -13,9 +13,8 @@ option parse_special_tokens_in_chat_content=True keeps the old way, where such t
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import inspect
-
-import transformers
 
 from asyncllm.engine.intake import check_text
 from asyncllm.errors import InvalidTypeError, InvalidValueError, PromptTooLongError
@@ -99,7 +98,9 @@ def render_chat(tokenizer, messages, template_kwargs: dict, parse_special_tokens
         return tokenizer.encode(text, add_special_tokens=False)
     if not _sanitizes(type(tokenizer)):
         # an older transformers would take the keyword as a template variable, and sanitize nothing
-        raise RuntimeError(f"chat: transformers {transformers.__version__} cannot encode special-token text in "
+        # (the version read from the installed metadata: importing transformers here would cost every
+        # `import asyncllm.async_engine` seconds; the tokenizer that got here imported it already)
+        raise RuntimeError(f"chat: transformers {importlib.metadata.version('transformers')} cannot encode special-token text in "
                            "messages as text; install transformers >= 5.20, or start the engine with "
                            "parse_special_tokens_in_chat_content=True")
     return tokenizer.apply_chat_template(list(messages), tokenize=True, return_dict=False,

@@ -28,7 +28,7 @@ logger = logging.getLogger("asyncllm")
 
 CONFIG = "config"  # the options checked and resolved (a hub download, a GGUF conversion)
 HEAP_FREEZE = "heap freeze"  # the first engine of a process: gc.freeze of the start-up heap
-TOKENIZER = "tokenizer"  # loaded and checked against the model's config
+TOKENIZER = "tokenizer"  # its files checked against the weights; loading started on a thread (joined at the intake)
 TP_WORKERS = "TP workers"  # tensor parallelism: the other ranks started and joined
 BUILD_MODEL = "build model"  # the model's modules on the device
 LOAD_WEIGHTS = "load weights"
@@ -43,7 +43,7 @@ BLOCK_MANAGER = "block manager"
 STEP_BUDGET = "step budget"  # the step-time model, timer and (with target_step_ms) prefill budget
 STEP_MODEL_CALIBRATION = "step-model calibration"  # synthetic steps timed (one CUDA device, a target)
 SCHEDULER = "scheduler"
-REQUEST_INTAKE = "request intake"  # EOS ids, the prompt length bound, reasoning tags
+REQUEST_INTAKE = "request intake"  # the tokenizer awaited and checked; EOS ids, the prompt bound, reasoning tags
 
 STARTUP_PHASES = (CONFIG, HEAP_FREEZE, TOKENIZER, TP_WORKERS, BUILD_MODEL, LOAD_WEIGHTS, SAMPLER, MEMORY_PROBE,
                   KV_CACHE, ATTENTION_BACKEND, CUDA_GRAPHS, DECODE_TUNING, SAMPLER_GRAPHS, BLOCK_MANAGER,
@@ -53,7 +53,6 @@ STARTUP_PHASES = (CONFIG, HEAP_FREEZE, TOKENIZER, TP_WORKERS, BUILD_MODEL, LOAD_
 # Not the config: what it refuses must be the one line `asyncllm serve` prints, and a download or a
 # GGUF conversion in it says so itself (models/hub.py, models/gguf.py).
 PHASE_ACTIONS = {
-    TOKENIZER: "loading the tokenizer",
     TP_WORKERS: "starting the tensor-parallel workers",
     BUILD_MODEL: "building the model",
     LOAD_WEIGHTS: "loading weights",

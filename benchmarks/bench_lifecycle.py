@@ -8,8 +8,10 @@ process's first, which compiles kernels and decides the skinny GEMM and decode t
 closed; then a second (warm: what a fresh start costs once the process has started one), whose
 greedy tokens are the reference; for each sleep level, sleep(), wake() and the same greedy request
 again; then close(). Memory is torch.cuda.memory_allocated (tensors) and memory_reserved (the
-caching allocator's hold), before the first engine, with each engine, asleep, awake and after each
-close; on CPU the memory columns are empty.
+caching allocator's hold), each plus the stable (VMM) memory that holds the weights and KV cache
+where the driver allows (runner/stable_memory.py: torch's statistics leave it out), before the
+first engine, with each engine, asleep, awake and after each close; on CPU the memory columns are
+empty. `sleep_path` says whether wake kept the CUDA graphs (stable memory) or re-captured them.
 
 Targets (issue 50): after close() allocated memory within 64 MiB of before the engine
 (`closed_delta_mib`); wake() at least 3x faster than a fresh start (`wake_speedup`, over the warm
@@ -24,6 +26,7 @@ import torch
 from common import Report, add_engine_args, checkpoint_from_args, engine_kwargs, make_parser, parse_args, release_memory
 
 from asyncllm import LLM, SamplingParams
+from asyncllm.runner.stable_memory import mapped_bytes
 
 PROMPT = [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 122, 133, 144, 155, 166, 177]
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
@@ -34,7 +37,8 @@ def memory_mib(device: str) -> tuple[float | None, float | None]:
     if device != "cuda":
         return None, None
     torch.cuda.synchronize()
-    return torch.cuda.memory_allocated() / 2**20, torch.cuda.memory_reserved() / 2**20
+    stable = mapped_bytes()
+    return (torch.cuda.memory_allocated() + stable) / 2**20, (torch.cuda.memory_reserved() + stable) / 2**20
 
 
 def tokens(llm: LLM) -> list[int]:
@@ -74,7 +78,8 @@ def main(argv=None) -> dict:
         started, started_reserved = memory_mib(args.device)
         report.add(dict(step="fresh start", seconds=warm_s, cold_seconds=cold_s, allocated_mib=started,
                         reserved_mib=started_reserved, first_closed_delta_mib=None if before is None
-                        else first_closed - before, startup_timings=phases))
+                        else first_closed - before, startup_timings=phases,
+                        sleep_path=llm.core.runner.sleep_path))
         for level in levels:
             begin = time.perf_counter()
             llm.sleep(level)
@@ -100,7 +105,7 @@ def main(argv=None) -> dict:
                    ("wake speed-up (warm start)", "wake_speedup", "{:.1f}"),
                    ("(cold start)", "cold_speedup", "{:.1f}"), ("allocated MiB", "allocated_mib", "{:.0f}"),
                    ("asleep MiB", "asleep_mib", "{:.0f}"), ("freed MiB", "freed_mib", "{:.0f}"),
-                   ("after close - before, MiB", "closed_delta_mib", "{:.1f}"), ("same tokens", "same_tokens")])
+                   ("after close - before, MiB", "closed_delta_mib", "{:.1f}"), ("same tokens", "same_tokens"), ("sleep path", "sleep_path")])
     return report.data
 
 

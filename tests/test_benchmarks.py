@@ -33,6 +33,7 @@ import bench_startup  # noqa: E402
 import bench_spec  # noqa: E402
 import bench_step_phases  # noqa: E402
 import bench_throughput  # noqa: E402
+import bench_turn_breakdown  # noqa: E402
 import bench_turn_host  # noqa: E402
 from common import make_checkpoint  # noqa: E402
 
@@ -273,6 +274,7 @@ def test_bench_lifecycle_times_sleep_and_wake_against_a_fresh_start(tiny_model):
     rows = rows_without_errors(data)
     assert [row["step"] for row in rows] == ["fresh start", "sleep(1) + wake()", "sleep(2) + wake()", "close()"]
     assert rows[0]["seconds"] > 0 and rows[0]["startup_timings"]["load weights"] > 0
+    assert rows[0]["sleep_path"].startswith("recapture (device cpu")  # the GPU's: "stable memory ..."
     assert all(row["same_tokens"] and row["wake_speedup"] > 0 for row in rows[1:3])
     assert rows[3]["closed_delta_mib"] is None  # memory figures are the GPU's
 
@@ -309,3 +311,26 @@ def test_bench_turn_host_times_every_stage_of_a_cached_turn():
         assert list(stages) == [*bench_turn_host.STAGES, "async_host"] and stages["async_host"] > 0
         assert all(stages[name] > 0 for name in ("intake", "schedule", "match_prefix", "inputs", "model", "host"))
         assert stages["match_prefix"] <= stages["schedule"] and stages["host"] <= stages["total"]
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_bench_turn_breakdown_accounts_for_each_cached_turns_ttft(tiny_model, overlap):
+    # it raises unless the prefix cache served each turn's context (its one full 256-token block)
+    data = bench_turn_breakdown.main(["--model-dir", tiny_model, "--device", "cpu", "--cached-tokens", "300",
+                                      "--new-tokens", "16", "--reps", "2", "--overlap", overlap])
+    rows = {row["path"]: row for row in rows_without_errors(data)}
+    assert list(rows) == ["async", "sync"]
+    for path, row in rows.items():
+        # the turn's step: eager on CPU, the 60 tokens past the cached block over the 316-token context
+        assert (row["step path"], row["tokens"], row["seqs"], row["max_seq_len"]) == ("eager", 60, 1, 316), row
+        assert all(row[name] > 0 for name in ("intake", "add", "launch", "schedule", "match_prefix", "inputs",
+                                              "forward host", "resolve", "ttft")), row
+        assert row["match_prefix"] <= row["schedule"] and row["forward host"] < row["launch"] < row["ttft"]
+        # the stages cover the TTFT: what no stage holds is small beside the step's own work
+        assert abs(row["gaps"]) < row["forward host"], row
+        assert row["forward gpu"] is None  # CUDA events only
+    assert rows["async"]["to engine"] >= 0 and rows["async"]["deliver"] >= 0 and rows["async"]["to consumer"] > 0
+    assert rows["sync"]["to engine"] is None and rows["sync"]["deliver"] is None
+    timelines = data["timelines"]
+    assert {name for _, name, _, _ in timelines["async"]} >= {"post", "add", "launch", "resolve", "deliver", "wake"}
+    assert {thread for _, _, _, thread in timelines["sync"]} == {"MainThread"}

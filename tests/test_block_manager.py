@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
+import xxhash
 
-from asyncllm.engine.block_manager import BlockManager, hash_block
+from asyncllm.engine.block_manager import HASH_CHUNK_BLOCKS, BlockManager, chained_hashes, hash_block
 from asyncllm.engine.sequence import Sequence
 from asyncllm.sampling_params import SamplingParams
 
@@ -53,6 +55,31 @@ def test_hash_block_chains():
     assert len({h_root, h_a, h_b}) == 3
 
 
+def test_chained_hashes_equal_each_blocks_hash_across_chunks():
+    # the ids as little-endian int64 bytes chained by xxh64, as numpy lays them out; blocks across
+    # several conversion chunks, a pending token (-1) and ids past 2**31 included
+    rng = random.Random(0)
+    ids = [rng.randrange(-1, 2**40) for _ in range((2 * HASH_CHUNK_BLOCKS + 3) * BS)]
+
+    def reference(block, prefix):
+        h = xxhash.xxh64()
+        if prefix != -1:
+            h.update(prefix.to_bytes(8, "little"))
+        h.update(np.asarray(block, dtype="<i8").tobytes())
+        return h.intdigest()
+    expected, prefix = [], -1
+    for i in range(len(ids) // BS):
+        prefix = reference(ids[i * BS:(i + 1) * BS], prefix)
+        expected.append(prefix)
+        assert hash_block(ids[i * BS:(i + 1) * BS], -1 if i == 0 else expected[i - 1]) == prefix
+    num_blocks = len(expected)
+    assert list(chained_hashes(ids, BS, 0, num_blocks, -1)) == expected
+    # from a block in the middle of a chunk, chained to the one before it
+    first = HASH_CHUNK_BLOCKS - 2
+    assert list(chained_hashes(ids, BS, first, num_blocks, expected[first - 1])) == expected[first:]
+    assert list(chained_hashes(ids, BS, 5, 5, expected[4])) == []
+
+
 def test_sequence_block_hashes_are_chained():
     bm = BlockManager(8, BS)
     t = tokens(3 * BS, 0)
@@ -64,7 +91,8 @@ def test_sequence_block_hashes_are_chained():
         expected.append(prev)
     assert seq.block_hashes == expected
     assert [bm.blocks[b].hash for b in seq.block_table] == expected
-    assert all(bm.hash_to_block_id[h] == b for h, b in zip(expected, seq.block_table))
+    keys = [(([-1] + expected)[i], tuple(t[i * BS:(i + 1) * BS])) for i in range(3)]
+    assert [bm.cached_block_ids[key] for key in keys] == seq.block_table
 
 
 def test_same_block_after_different_prefix_is_not_a_hit():
@@ -100,18 +128,21 @@ def test_prefix_hit_only_after_commit():
     check_accounting(bm, [a, b])
 
 
-def test_hash_collision_is_checked_against_token_ids():
+def test_a_match_takes_only_blocks_whose_ids_and_prefix_hash_are_equal():
     bm = BlockManager(8, BS)
     a = make_seq(tokens(2 * BS, 0), "a")
     compute(bm, a)
-    other = tokens(2 * BS, 1)
-    # pretend other's first block hashes to the same value as a's first block
-    bm.hash_to_block_id[hash_block(other[:BS], -1)] = a.block_table[0]
-    c = make_seq(other, "c")
+    # a's second block's ids after another first block: its key's prefix hash differs
+    other = tokens(BS, 1) + a.token_ids[BS:]
+    c = make_seq(other + [1], "c")
     bm.match_prefix(c)
     assert c.block_table == [] and c.num_computed_tokens == 0
-    assert bm.blocks[a.block_table[0]].ref_count == 1
-    check_accounting(bm, [a, c])
+    # one id changed in a's second block: the first block matches, the second does not
+    d = make_seq(a.token_ids[:2 * BS - 1] + [a.token_ids[-1] + 1, 1], "d")
+    bm.match_prefix(d)
+    assert d.block_table == a.block_table[:1] and d.num_computed_tokens == BS
+    assert [bm.blocks[b].ref_count for b in a.block_table] == [2, 1]
+    check_accounting(bm, [a, c, d])
 
 
 def test_reuse_after_free():
@@ -146,9 +177,9 @@ def test_freed_block_hash_dropped_when_handed_out_again():
     x = make_seq(tokens(3 * BS, 7), "x")
     bm.allocate(x, 3 * BS)  # takes the never-used block, a2 and a1
     assert (a0, a1, a2) == (0, 1, 2) and x.block_table == [3, a2, a1]
-    assert h1 not in bm.hash_to_block_id and h2 not in bm.hash_to_block_id
-    assert bm.blocks[a1].hash == -1 and bm.blocks[a1].token_ids == []
-    assert bm.hash_to_block_id[h0] == a0
+    assert sorted(bm.cached_block_ids.values()) == [a0]
+    assert bm.blocks[a1].hash == -1 and bm.blocks[a1].token_ids == ()
+    assert bm.cached_block_ids[(-1, tuple(t[:BS]))] == a0
     b = make_seq(t, "b")
     bm.match_prefix(b)
     assert b.block_table == [a0] and b.num_computed_tokens == BS
@@ -167,11 +198,11 @@ def test_live_duplicate_keeps_its_entry_when_freed_twin_is_reallocated():
     compute(bm, d)
     d0 = d.block_table[0]
     assert d0 != c0
-    assert bm.hash_to_block_id[d.block_hashes[0]] == d0  # the live block wins the entry
+    assert bm.cached_block_ids[(-1, tuple(t[:BS]))] == d0  # the live block wins the entry
     x = make_seq(tokens(2 * BS, 3), "x")
     bm.allocate(x, 2 * BS)  # hands out the freed twin c0 again
     assert c0 in x.block_table
-    assert bm.hash_to_block_id[d.block_hashes[0]] == d0
+    assert bm.cached_block_ids[(-1, tuple(t[:BS]))] == d0
     e = make_seq(t, "e")
     bm.match_prefix(e)
     assert e.block_table == [d0]
@@ -238,7 +269,7 @@ def test_prefix_caching_disabled():
     t = tokens(3 * BS, 0)
     a = make_seq(t, "a")
     compute(bm, a)
-    assert a.block_hashes == [] and bm.hash_to_block_id == {}
+    assert a.block_hashes == [] and bm.cached_block_ids == {}
     b = make_seq(t, "b")
     bm.match_prefix(b)
     assert b.block_table == []
@@ -282,7 +313,7 @@ def test_random_share_and_free_keeps_accounting():
         # every hashed live block holds the tokens its sequences have there
         for seq in live:
             for j, block_id in enumerate(seq.block_table[:len(seq.block_hashes)]):
-                assert bm.blocks[block_id].token_ids == seq.block_tokens(j)
+                assert bm.blocks[block_id].token_ids == tuple(seq.block_tokens(j))
     for seq in live:
         bm.free(seq)
     check_accounting(bm, [])

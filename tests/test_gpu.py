@@ -15,6 +15,7 @@ import torch
 
 from asyncllm import LLM, AsyncLLMEngine, SamplingParams
 from asyncllm.runner import decode_staging
+from asyncllm.runner.stable_memory import StableTensors, device_memory_allocated, mapped_bytes
 from asyncllm.testing import build_tiny_checkpoint, qwen_tokenizer_dir
 from helpers import (ScriptedProposer, assert_all_blocks_free, assert_greedy_runs_match, generate_with_logits,
                      random_prompts)
@@ -613,7 +614,8 @@ LIFECYCLE = dict(dtype="float32", max_model_len=4096, max_num_seqs=64, max_num_b
 
 def test_close_returns_the_device_memory(model_dir):
     """After close(), torch's allocated memory is within 64 MiB of what it was before the engine
-    (the KV cache, weights, graphs and their pools, sampler state all gone), the LLM still held.
+    (the KV cache, weights, graphs and their pools, sampler state all gone; torch's count and the
+    stable memory's, runner/stable_memory.py), the LLM still held.
     Measured from the process's second engine: the first makes what the process keeps for any
     later one (cuBLAS's workspace per stream, the capture stream's among them)."""
     release_llms()
@@ -621,37 +623,90 @@ def test_close_returns_the_device_memory(model_dir):
     with LLM(model_dir, gpu_memory_utilization=0.3, **LIFECYCLE) as first:
         generate(first, ps, params)
     torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
+    # torch's allocated memory and the stable (VMM) memory of the weights and KV cache, which torch does not see
+    before = device_memory_allocated()
     llm = LLM(model_dir, gpu_memory_utilization=0.3, **LIFECYCLE)
     generate(llm, ps, params)
-    assert torch.cuda.memory_allocated() - before > 1 << 30  # a KV cache of 0.3 of the device, weights, graphs
+    assert device_memory_allocated() - before > 1 << 30  # a KV cache of 0.3 of the device, weights, graphs
     llm.close()
     torch.cuda.synchronize()
-    print(f"allocated after close - before: {(torch.cuda.memory_allocated() - before) / 2**20:.1f} MiB")
-    assert torch.cuda.memory_allocated() - before <= 64 << 20
+    print(f"allocated after close - before: {(device_memory_allocated() - before) / 2**20:.1f} MiB")
+    assert device_memory_allocated() - before <= 64 << 20
+
+
+def test_stable_tensors_keep_their_addresses_and_contents_across_sleep_and_a_graph_replays_over_them():
+    """The weights' round trip (runner/stable_memory.py): moved into a StableBuffer, parked (with a
+    host copy, level 1; without, level 2) and restored at the same addresses with the same contents,
+    and a CUDA graph captured over them before replays after the restore with the right result."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device).manual_seed(5)
+    params = [torch.nn.Parameter(torch.randn(shape, device=device, generator=gen).to(dtype), requires_grad=False)
+              for shape, dtype in (((3, 5), torch.bfloat16), ((1000,), torch.float32), ((7, 3, 2), torch.float16))]
+    expected = [p.detach().clone() for p in params]
+    start = mapped_bytes()
+    stable = StableTensors(params, device)
+    addresses = [p.data_ptr() for p in params]
+    assert all(a % 256 == 0 for a in addresses) and mapped_bytes() - start >= sum(e.nbytes for e in expected)
+    assert all(torch.equal(p, e) for p, e in zip(params, expected))
+    out = torch.full((1000,), float("nan"), device=device)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        out.copy_(params[1] * 2)  # warm-up outside the capture
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(params[1] * 2)
+    for keep_copy in (True, False):
+        stable.park(keep_copy=keep_copy)
+        assert mapped_bytes() == start
+        stable.restore()
+        assert [p.data_ptr() for p in params] == addresses
+        if not keep_copy:  # level 2: the caller writes the contents again (the checkpoint)
+            for p, e in zip(params, expected):
+                p.data.copy_(e)
+        assert all(torch.equal(p, e) for p, e in zip(params, expected))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected[1] * 2)
+    graph.reset()
+    stable.close()
+    assert mapped_bytes() == start
 
 
 @pytest.mark.parametrize("level", [1, 2])
 def test_sleep_returns_the_memory_and_wake_replays_graphs_with_the_same_tokens(model_dir, level):
+    """Through stable memory: sleep unmaps the weights and KV cache (freed), wake maps them at the
+    same addresses and replays the same graphs (none captured again), with the same tokens."""
     release_llms()
     ps = random_prompts(8, seed=31)
     with LLM(model_dir, gpu_memory_utilization=0.3, **LIFECYCLE) as llm:
         runner = llm.core.runner
+        assert runner.sleep_path.startswith("stable memory"), runner.sleep_path
         before = generate(llm, ps)
         weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
         kv_cache = runner.kv_cache.numel() * runner.kv_cache.element_size()
+        graph_runner, sampler_graphs = runner.graph_runner, runner.sampler_graphs
+        graphs = dict(graph_runner.graphs)
+        addresses = [p.data_ptr() for p in runner.model.parameters()] + [runner.kv_cache.data_ptr()]
         torch.cuda.synchronize()
-        awake = torch.cuda.memory_allocated()
+        awake = device_memory_allocated()
         llm.sleep(level)
         torch.cuda.synchronize()
-        freed = awake - torch.cuda.memory_allocated()
+        freed = awake - device_memory_allocated()
         print(f"sleep({level}) freed {freed / 2**20:.0f} MiB (weights {weights / 2**20:.0f}, KV cache "
-              f"{kv_cache / 2**20:.0f})")
+              f"{kv_cache / 2**20:.0f}); kept asleep: {torch.cuda.memory_allocated() / 2**20:.0f} MiB "
+              f"(graph pool, backend buffers, the model's buffers)")
         assert freed >= weights + kv_cache
+        replays = graph_runner.num_replays["decode"]
         llm.wake()
+        # no re-capture: the same graph objects, over the same addresses
+        assert runner.graph_runner is graph_runner and runner.sampler_graphs is sampler_graphs
+        assert all(graph_runner.graphs[key] is graph for key, graph in graphs.items())
+        assert [p.data_ptr() for p in runner.model.parameters()] + [runner.kv_cache.data_ptr()] == addresses
         assert generate(llm, ps) == before
-        assert runner.graph_runner is not None and runner.graph_runner.num_replays["decode"] > 0
-        assert runner.sampler_graphs is not None
+        assert graph_runner.num_replays["decode"] > replays
 
 
 def test_reload_in_place_keeps_the_graphs_and_gives_a_fresh_engines_tokens(model_dir, tmp_path):

@@ -91,29 +91,30 @@ class Accounting:
     def check_prefix_map(self) -> None:
         bm = self.bm
         if not bm.enable_prefix_caching:
-            assert bm.hash_to_block_id == {}
+            assert bm.cached_block_ids == {}
             assert all(b.hash == -1 for b in bm.blocks)
             return
-        for key, block_id in bm.hash_to_block_id.items():
+        for key, block_id in bm.cached_block_ids.items():
             block = bm.blocks[block_id]
-            assert block.hash == key, f"map entry {key} points at block {block_id} with hash {block.hash}"
+            assert block.key == key, f"map entry {key} points at block {block_id} with key {block.key}"
             assert len(block.token_ids) == BS, "a hashed block is not full"
-            prefix = self.known_prefixes.get(key)
-            assert prefix is not None, "a map key no live sequence ever computed"
-            assert list(prefix[-BS:]) == block.token_ids
-            assert chain_hashes(list(prefix), len(prefix) // BS)[-1] == key
+            prefix = self.known_prefixes.get(block.hash)
+            assert prefix is not None, "a map entry no live sequence ever computed"
+            assert tuple(prefix[-BS:]) == block.token_ids
+            hashes = chain_hashes(list(prefix), len(prefix) // BS)
+            assert hashes[-1] == block.hash and ([-1] + hashes)[-2] == block.parent_hash
         # every block is in the map at most once, and unhashed blocks hold no tokens
-        assert len(set(bm.hash_to_block_id.values())) == len(bm.hash_to_block_id)
+        assert len(set(bm.cached_block_ids.values())) == len(bm.cached_block_ids)
         for block in bm.blocks:
             if block.hash == -1:
-                assert block.token_ids == []
+                assert block.token_ids == () and block.parent_hash == -1
         # live sequences' computed full blocks hold their own tokens, with the right chained hash
         for seq in self.live_seqs():
             assert len(seq.block_hashes) <= seq.num_computed_tokens // BS
             assert seq.block_hashes == chain_hashes(seq.token_ids, len(seq.block_hashes))
             for j, h in enumerate(seq.block_hashes):
                 block = bm.blocks[seq.block_table[j]]
-                assert block.hash == h and block.token_ids == seq.block_tokens(j)
+                assert block.hash == h and block.token_ids == tuple(seq.block_tokens(j))
 
 
 # ---- the block manager alone --------------------------------------------------------------------

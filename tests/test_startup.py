@@ -12,7 +12,7 @@ import pytest
 
 from asyncllm import startup
 from asyncllm.async_engine import AsyncLLMEngine
-from asyncllm.engine import core
+from asyncllm.models import tokenizer_loader
 from asyncllm.errors import EngineDeadError
 from asyncllm.llm import LLM
 
@@ -69,7 +69,7 @@ def test_an_engine_logs_its_start_up_and_says_when_it_is_ready(tiny_qwen3, caplo
     caplog.set_level(logging.INFO, logger="asyncllm")
     with LLM(tiny_qwen3, **ENGINE_KW) as llm:
         lines = info_lines(caplog)
-        assert lines[0] == "start-up: loading the tokenizer..." and "start-up: loading weights..." in lines
+        assert lines[0] == "start-up: building the model..." and "start-up: loading weights..." in lines
         ready = [line for line in lines if line.startswith("start-up: ready after ")]
         assert len(ready) == 1 and lines[-1] == ready[0]
         assert llm.core.startup.total_s == pytest.approx(sum(llm.startup_timings.values()))
@@ -82,12 +82,12 @@ def test_an_engine_logs_its_start_up_and_says_when_it_is_ready(tiny_qwen3, caplo
 @pytest.mark.anyio
 async def test_the_phase_under_way_while_an_async_engine_starts(tiny_qwen3, monkeypatch):
     release = threading.Event()
-    real = core.load_tokenizer
+    real = tokenizer_loader.load_tokenizer
 
-    def held_tokenizer(model):  # the start-up waits in its tokenizer phase until the test lets it go
+    def held_tokenizer(model):  # the tokenizer loads until the test lets it go
         release.wait(TIMEOUT)
         return real(model)
-    monkeypatch.setattr(core, "load_tokenizer", held_tokenizer)
+    monkeypatch.setattr(tokenizer_loader, "load_tokenizer", held_tokenizer)
     with anyio.fail_after(TIMEOUT):
         engine = AsyncLLMEngine(tiny_qwen3, **ENGINE_KW)
         assert engine.startup_phase is None  # not started
@@ -95,7 +95,12 @@ async def test_the_phase_under_way_while_an_async_engine_starts(tiny_qwen3, monk
             tasks.start_soon(engine.start)
             while engine.startup_phase is None:
                 await anyio.sleep(0.01)
-            assert engine.startup_phase == startup.TOKENIZER
+            # the tokenizer loads on its thread beside the model's build and weights: the start-up
+            # goes on without it, and waits for it only at the request intake
+            while engine.startup_phase != startup.REQUEST_INTAKE:
+                await anyio.sleep(0.01)
+            await anyio.sleep(0.2)
+            assert engine.startup_phase == startup.REQUEST_INTAKE and not release.is_set()
             release.set()
         assert engine.startup_phase is None  # ready
         await engine.shutdown()
@@ -105,7 +110,7 @@ async def test_the_phase_under_way_while_an_async_engine_starts(tiny_qwen3, monk
 async def test_a_failed_start_is_not_a_phase(tiny_qwen3, monkeypatch):
     def no_tokenizer(model):
         raise ValueError("no tokenizer here")
-    monkeypatch.setattr(core, "load_tokenizer", no_tokenizer)
+    monkeypatch.setattr(tokenizer_loader, "load_tokenizer", no_tokenizer)
     with anyio.fail_after(TIMEOUT):
         engine = AsyncLLMEngine(tiny_qwen3, **ENGINE_KW)
         with pytest.raises(EngineDeadError):

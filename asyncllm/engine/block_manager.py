@@ -1,36 +1,68 @@
 """Paged KV-cache bookkeeping: reference-counted blocks and a prefix cache of full blocks.
 
 A block's hash chains its token ids with the hash of the block before it, so equal hashes mean
-equal prefixes. A block is hashed only once its KV is computed, so a prefix hit never reads KV
-that a still-running prefill has yet to write. Freed blocks keep their hash in the prefix map and
-stay reusable until the allocator hands them out again (oldest-freed first).
+equal prefixes. The prefix map is keyed by (the hash of the block before, the block's token ids):
+a prefix match walks it block by block from the root, each block's key built from the hash the
+map gave for the block before and a tuple of its ids (exact: the dict compares the ids), so a
+match hashes nothing; the chained hash is computed once, when the block's KV is computed. A block
+enters the map only then, so a prefix hit never reads KV that a still-running prefill has yet to
+write. Freed blocks keep their entry and stay reusable until the allocator hands them out again
+(oldest-freed first).
 """
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
+from collections.abc import Iterator
 
-import numpy as np
 import xxhash
 
 from asyncllm.engine.sequence import Sequence
 
+# blocks whose ids chained_hashes converts to int64 bytes in one C pass: a 32k-token prompt's 128
+# blocks cost 8 passes, not 128 list-to-array conversions (about 5 us a block, most of what a
+# prefix match took), and a prompt that misses early converts little past what it looked at
+HASH_CHUNK_BLOCKS = 16
 
-def hash_block(token_ids: list[int], prefix_hash: int) -> int:
+
+def _hash_bytes(data, prefix_hash: int) -> int:
     h = xxhash.xxh64()
     if prefix_hash != -1:
         h.update(prefix_hash.to_bytes(8, "little"))
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    h.update(data)
     return h.intdigest()
 
 
+def hash_block(token_ids: list[int], prefix_hash: int) -> int:
+    """A block's hash: its ids as int64 chained with the hash of the block before it (-1: none)."""
+    return _hash_bytes(array("q", token_ids), prefix_hash)
+
+
+def chained_hashes(token_ids: list[int], block_size: int, first: int, stop: int, prefix_hash: int) -> Iterator[int]:
+    """hash_block of blocks first .. stop-1 of token_ids in turn, each chained to the one before
+    (prefix_hash: block first-1's, -1 none), converted a chunk of blocks at a time as consumed."""
+    block_bytes = block_size * array("q").itemsize
+    for chunk in range(first, stop, HASH_CHUNK_BLOCKS):
+        num_blocks = min(stop - chunk, HASH_CHUNK_BLOCKS)
+        data = memoryview(array("q", token_ids[chunk * block_size:(chunk + num_blocks) * block_size])).cast("B")
+        for offset in range(0, num_blocks * block_bytes, block_bytes):
+            prefix_hash = _hash_bytes(data[offset:offset + block_bytes], prefix_hash)
+            yield prefix_hash
+
+
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "parent_hash", "token_ids")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
-        self.hash = -1
-        self.token_ids: list[int] = []
+        self.hash = -1  # chained (hash_block), -1 until the block's KV is computed and full
+        self.parent_hash = -1  # the block before it's hash (-1: none), with token_ids its prefix-map key
+        self.token_ids: tuple[int, ...] = ()
+
+    @property
+    def key(self) -> tuple[int, tuple[int, ...]]:
+        return self.parent_hash, self.token_ids
 
 
 class BlockManager:
@@ -40,7 +72,8 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         # insertion order = order freed; allocation takes the oldest, so recently freed prefixes live longest
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.hash_to_block_id: dict[int, int] = {}
+        # (the hash of the block before (-1: none), the block's token ids) -> a computed block holding them
+        self.cached_block_ids: dict[tuple[int, tuple[int, ...]], int] = {}
         self.num_prefix_hit_tokens = 0
         self.num_prefix_query_tokens = 0
 
@@ -55,10 +88,10 @@ class BlockManager:
     def _take_free_block(self) -> int:
         block_id, _ = self.free_block_ids.popitem(last=False)
         block = self.blocks[block_id]
-        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
-            del self.hash_to_block_id[block.hash]
-        block.hash = -1
-        block.token_ids = []
+        if block.hash != -1 and self.cached_block_ids.get(block.key) == block_id:
+            del self.cached_block_ids[block.key]
+        block.hash = block.parent_hash = -1
+        block.token_ids = ()
         block.ref_count = 1
         return block_id
 
@@ -80,15 +113,14 @@ class BlockManager:
         assert not seq.block_table and seq.num_computed_tokens == 0
         if not self.enable_prefix_caching:
             return
-        num_matchable = (len(seq) - 1) // self.block_size
+        token_ids, size, cached = seq.token_ids, self.block_size, self.cached_block_ids
         prefix_hash = -1
-        for block_index in range(num_matchable):
-            token_ids = seq.block_tokens(block_index)
-            prefix_hash = hash_block(token_ids, prefix_hash)
-            block_id = self.hash_to_block_id.get(prefix_hash)
-            if block_id is None or self.blocks[block_id].token_ids != token_ids:
+        for start in range(0, (len(seq) - 1) // size * size, size):
+            block_id = cached.get((prefix_hash, tuple(token_ids[start:start + size])))
+            if block_id is None:
                 break
             self._share_block(block_id)
+            prefix_hash = self.blocks[block_id].hash
             seq.block_table.append(block_id)
             seq.block_hashes.append(prefix_hash)
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
@@ -142,19 +174,20 @@ class BlockManager:
             return
         # a block holding a token still being sampled is hashed once its value is known
         num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
-        for block_index in range(len(seq.block_hashes), num_full):
-            token_ids = seq.block_tokens(block_index)
-            prefix_hash = seq.block_hashes[-1] if seq.block_hashes else -1
-            block_hash = hash_block(token_ids, prefix_hash)
+        first = len(seq.block_hashes)
+        prefix_hash = seq.block_hashes[-1] if seq.block_hashes else -1
+        hashes = chained_hashes(seq.token_ids, self.block_size, first, num_full, prefix_hash)
+        for block_index, block_hash in enumerate(hashes, first):
             seq.block_hashes.append(block_hash)
             block = self.blocks[seq.block_table[block_index]]
             if block.hash == -1:
-                block.hash = block_hash
-                block.token_ids = token_ids
+                block.hash, block.parent_hash = block_hash, prefix_hash
+                block.token_ids = tuple(seq.block_tokens(block_index))
                 # a live block wins the entry over a freed duplicate, which may soon be handed out
-                holder = self.hash_to_block_id.get(block_hash)
+                holder = self.cached_block_ids.get(block.key)
                 if holder is None or self.blocks[holder].ref_count == 0:
-                    self.hash_to_block_id[block_hash] = block.block_id
+                    self.cached_block_ids[block.key] = block.block_id
+            prefix_hash = block_hash
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -164,7 +197,7 @@ class BlockManager:
         """Forget every cached prefix: the KV it points at is gone (a sleeping engine) or was computed
         by other weights (a reload). Only while no block is in use."""
         assert self.num_free_blocks == self.num_total_blocks, "a block is still in use"
-        self.hash_to_block_id.clear()
+        self.cached_block_ids.clear()
         for block in self.blocks:
-            block.hash = -1
-            block.token_ids = []
+            block.hash = block.parent_hash = -1
+            block.token_ids = ()

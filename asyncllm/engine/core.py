@@ -26,7 +26,8 @@ from asyncllm.errors import InvalidValueError
 from asyncllm.runner.launched_step import LaunchedStep
 from asyncllm.runner.model_runner import ModelRunner
 from asyncllm.runner.tp_workers import TensorParallelWorkers
-from asyncllm.models.checkpoint import check_tokenizer, load_tokenizer
+from asyncllm.models.checkpoint import check_tokenizer, check_tokenizer_files
+from asyncllm.models.tokenizer_loader import TokenizerLoader
 from asyncllm.errors import EngineAsleepError
 from asyncllm.outputs import FinishReason
 from asyncllm.pooling_params import PoolingParams
@@ -48,10 +49,12 @@ class EngineCore:
         with phase(HEAP_FREEZE):
             freeze_startup_heap()
         with phase(TOKENIZER):
-            self.tokenizer = load_tokenizer(config.model)
-            check_tokenizer(self.tokenizer, config.hf_config, config.model)
+            # loaded on a thread beside the model's build, weights and graphs; needed at the request intake
+            tokenizer_load = TokenizerLoader(config.model)
+            if not check_tokenizer_files(config.hf_config, config.model):
+                check_tokenizer(tokenizer_load.result(), config.hf_config, config.model)  # raises, naming all three
         # speculative decoding's proposer first: a draft model's memory is then counted by the target's probe
-        proposer = None if config.speculative is None else make_proposer(config, self.tokenizer)
+        proposer = None if config.speculative is None else make_proposer(config, tokenizer_load.result())
         workers = None
         try:
             if config.tensor_parallel_size > 1:
@@ -91,7 +94,15 @@ class EngineCore:
             self.max_seq_len = min(config.max_model_len,
                                    self.block_manager.num_total_blocks * config.kvcache_block_size)
         with phase(REQUEST_INTAKE):
-            self.use_tokenizer(self.tokenizer)
+            try:
+                tokenizer = tokenizer_load.result()  # the wait, if any, is this phase's time
+                check_tokenizer(tokenizer, config.hf_config, config.model)
+            except BaseException:
+                self.runner.close()  # the device memory and any tensor-parallel workers go back
+                if proposer is not None:
+                    proposer.close()
+                raise
+            self.use_tokenizer(tokenizer)
         self.requests: dict[str, Sequence] = {}
         self.num_steps = 0
         self._last_sched: SchedulerOutput | None = None

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from array import array
+
+import numpy as np
 
 from asyncllm.config import Config, config_error
 from asyncllm.engine.reasoning_format import ReasoningTags
@@ -72,10 +75,15 @@ class RequestIntake:
         """Every id an int inside the model's vocabulary: an id past it would fail inside a step.
         owner: the class whose field argument is, if it is one."""
         # the common case in passes that run in C (a 32k-token prompt, as every turn of a long
-        # conversation brings: 1.5 ms against the loop's 2.6 ms); else the loop names the bad entry
-        if token_ids and set(map(type, token_ids)) == {int} and \
-                min(token_ids) >= 0 and max(token_ids) < self.vocab_size:
-            return token_ids
+        # conversation brings): the types, then the ids as int64 in one pass whose range numpy reads
+        # (min() and max() over the list took twice that pass); else the loop names the bad entry
+        if token_ids and set(map(type, token_ids)) == {int}:
+            try:
+                ids = np.frombuffer(array("q", token_ids), dtype=np.int64)
+            except OverflowError:  # an id past int64
+                ids = None
+            if ids is not None and ids.min() >= 0 and ids.max() < self.vocab_size:
+                return token_ids
         for i, t in enumerate(token_ids):
             if isinstance(t, bool) or not isinstance(t, int):
                 raise InvalidTypeError(f"{argument}[{i}]", f"token ids must be ints, got {type(t).__name__}", owner)

@@ -7,7 +7,8 @@ request is queued or running: wait for them (AsyncLLMEngine.wait_idle) or abort 
 sleep(level) frees the device's memory without closing the engine; the levels are vLLM's (its sleep
 mode): level 1 copies the weights to host memory (pinned; on CPU they stay) and drops the KV cache,
 level 2 drops both, and wake() then reads the weights from the checkpoint again. Both also drop the
-CUDA graphs (they hold the KV cache's addresses) and the penalties' token-count slots. A request
+penalties' token-count slots. The CUDA graphs stay where the weights and cache are in stable memory
+(runner/memory.py: the same addresses after wake); elsewhere sleep drops them and wake re-captures. A request
 while asleep raises EngineAsleepError: a wake takes back the memory that sleep gave (to a trainer,
 say) and takes seconds, so the application decides when, never a request. sleep() while asleep is a
 RuntimeError; wake() while awake does nothing. wake() brings everything back with start-up's

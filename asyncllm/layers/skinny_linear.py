@@ -36,6 +36,7 @@ from asyncllm import settings
 from asyncllm.layers.activation import SiluAndMul
 from asyncllm.layers.device_wide import capturing
 from asyncllm.layers.fused import kernel_module
+from asyncllm.layers.parallel_compiles import in_dry_run, note_put_off, parallel_compiles
 from asyncllm.startup_cache import StartupDecisions
 
 logger = logging.getLogger("asyncllm")
@@ -179,6 +180,9 @@ def _kernel_choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
             if config is _UNDECIDED:
                 if x.is_cuda and torch.cuda.is_current_stream_capturing():
                     return None, None  # no timing inside a capture; not remembered, so an eager call still decides
+                if in_dry_run():  # nor in a dry run, whose kernels may not run: the real run decides
+                    note_put_off()
+                    return None, None
                 config = _decide(key, kernels, x, weight, bias, gated)
             return kernels, config
     return None, None
@@ -240,6 +244,12 @@ def choose_fastest(kernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     unfused pair (silu_and_mul, then linear(), whose decision for the product is made)."""
     usable, calls = [], []
     gated_args = dict(gated=True) if gated else {}
+    with parallel_compiles():  # the tilings compile at once, not one after another in the loop below
+        for config in candidates:
+            try:
+                kernels.skinny_gemm(x, weight, bias, config, **gated_args)
+            except Exception:  # noqa: BLE001 - the loop below runs it again, and says why it is left out
+                pass
     for config in candidates:
         call = lambda config=config: kernels.skinny_gemm(x, weight, bias, config, **gated_args)  # noqa: E731
         try:

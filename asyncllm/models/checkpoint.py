@@ -18,6 +18,7 @@ from torch import nn
 from asyncllm.config import config_error
 from asyncllm.models.fp8 import _UNSET, Fp8Layout, dequantized, fp8_format, fp8_layout, is_fp8, resident_fp8
 from asyncllm.layers.linear import WeightShapeError, check_loaded_shape
+from asyncllm.models.model_config import read_model_config
 from asyncllm.models.moe_spec import moe_spec
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -31,16 +32,20 @@ _POSITIVE_CONFIG_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "nu
 
 
 def load_hf_config(model_dir: str):
-    from transformers import AutoConfig
+    """model_dir's config.json, checked: read here for the architectures the engine runs (models/
+    model_config.py), by transformers for any other model_type (which the registry then refuses)."""
     if not os.path.isdir(model_dir):
         raise config_error("model", f"{model_dir!r} is not a model directory")
     config_path = os.path.join(model_dir, "config.json")
     if not os.path.exists(config_path):
         raise config_error("model", f"{model_dir!r} has no config.json")
-    try:
-        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
-    except Exception as e:  # noqa: BLE001 - transformers' own checks raise several types (some not ValueError)
-        raise ValueError(f"{config_path}: transformers refuses it: {type(e).__name__}: {e}") from e
+    config = read_model_config(config_path)
+    if config is None:
+        from transformers import AutoConfig  # seconds to import: only for a model_type not read here
+        try:
+            config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+        except Exception as e:  # noqa: BLE001 - transformers' own checks raise several types (some not ValueError)
+            raise ValueError(f"{config_path}: transformers refuses it: {type(e).__name__}: {e}") from e
     check_model_shape(config, config_path)
     moe_spec(config, config_path)  # a mixture-of-experts config's fields, checked before anything is built
     fp8_format(config, config_path)  # quantization_config: FP8 or refused, before anything is built
@@ -333,17 +338,23 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 _VOCAB_TENSORS = ("model.embed_tokens.weight", "embed_tokens.weight", "lm_head.weight")  # a base model's too
 
 
+def check_tokenizer_files(hf_config, model_dir: str) -> bool:
+    """The part of check_tokenizer that needs no tokenizer, run before the weights load: the model
+    directory has tokenizer files (a ConfigError if not); whether the embedding's and lm_head's rows
+    are config.json's vocab_size (False: check_tokenizer then says how the three disagree)."""
+    _tokenizer_files(model_dir)
+    return all(n == hf_config.vocab_size for n, _ in _vocab_tensor_rows(model_dir).values())
+
+
 def check_tokenizer(tokenizer, hf_config, model_dir: str) -> None:
     """The model directory has a tokenizer, and its vocabularies agree: config.json's vocab_size, the
     rows of the embedding and lm_head, and every id the tokenizer can emit (len(tokenizer), added
     tokens included), which must all be below vocab_size -- the model may pad its vocabulary beyond
     the tokenizer's, as Qwen does (151,936 rows, 151,669 token ids). Without this a text prompt's
-    ids index past the embedding and the engine dies mid-step. Run before the weights are loaded, so
-    that one message names all three numbers."""
-    present = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(model_dir, name))]
-    if not present:
-        raise config_error("model", f"{model_dir!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}), "
-                           "so every text prompt would encode to no tokens; copy the model's tokenizer files into it")
+    ids index past the embedding and the engine dies mid-step. The engine runs check_tokenizer_files
+    before the weights load, and this once the tokenizer is loaded (at once where the rows disagree,
+    so that one message names all three numbers)."""
+    present = _tokenizer_files(model_dir)
     vocab_size = hf_config.vocab_size
     rows = _vocab_tensor_rows(model_dir)
     num_token_ids = len(tokenizer)
@@ -353,6 +364,14 @@ def check_tokenizer(tokenizer, hf_config, model_dir: str) -> None:
     raise ValueError(f"the vocabularies in {model_dir!r} disagree: config.json: vocab_size={vocab_size}{weights}; "
                      f"{present[0]}: the tokenizer has {num_token_ids} token ids (added tokens included). The "
                      "weights must have exactly vocab_size rows, and every token id must be below vocab_size")
+
+
+def _tokenizer_files(model_dir: str) -> list[str]:
+    present = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(model_dir, name))]
+    if not present:
+        raise config_error("model", f"{model_dir!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}), "
+                           "so every text prompt would encode to no tokens; copy the model's tokenizer files into it")
+    return present
 
 
 def _vocab_tensor_rows(model_dir: str) -> dict[str, tuple[int, str]]:

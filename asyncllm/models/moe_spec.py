@@ -54,7 +54,7 @@ def moe_spec(config, config_path: str = "config.json") -> MoESpec | None:
                                     f"got {dense!r}")
         sparse = frozenset(i for i in range(layers) if i not in dense and (i + 1) % step == 0) \
             if num_experts > 0 else frozenset()
-        # transformers' config class has checked norm_topk_prob is a bool
+        # models/model_config.py has checked norm_topk_prob is a bool
         spec = MoESpec(num_experts, 0, 0, bool(getattr(config, "norm_topk_prob", False)), sparse)
     elif "MixtralForCausalLM" in architectures:
         if getattr(config, "sliding_window", None) is not None:

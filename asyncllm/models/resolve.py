@@ -11,7 +11,6 @@ import torch
 from asyncllm.config import Config, config_error
 from asyncllm.models.checkpoint import load_hf_config
 from asyncllm.models.gguf import resolve_model_path
-from asyncllm.models.hub import download_model
 from asyncllm.models.moe_spec import MoESpec, moe_spec
 from asyncllm.models.transformer import head_dim_of
 
@@ -21,6 +20,8 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 def resolve_config(config: Config) -> Config:
     """Fill in config's model-dependent fields (model, hf_config, max_model_len, torch_dtype), in place."""
     if not os.path.exists(config.model):  # a hub id (Config checked its shape): its snapshot directory
+        # huggingface_hub takes most of a second to import (its HTTP stack): only for a hub id
+        from asyncllm.models.hub import download_model
         config.model = download_model(config.model, config.revision)
     if os.path.isfile(config.model):  # a .gguf file: its converted cache directory
         config.model = resolve_model_path(config.model)

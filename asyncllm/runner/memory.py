@@ -2,6 +2,13 @@
 weights a sleeping engine parks (in host memory, or dropped) and brings back; and everything handed
 back to the device when the engine closes. What other engines of the process would disturb (the
 probe with the allocation, graph captures, empty_cache) runs under layers/device_wide.DEVICE_WIDE.
+
+Two ways to sleep (the runner's sleep_path says which it took at start-up): where the CUDA driver's
+virtual memory API is there (runner/stable_memory.py), the weights and the KV cache live at
+addresses that outlive their memory, so sleep unmaps them and keeps the CUDA graphs, the attention
+backend and the graphs' pool (what stays allocated asleep: the pool, the backend's buffers, the
+model's buffers such as the rotary cache); wake maps them again and replays the same graphs.
+Elsewhere (CPU, ROCm, enforce_eager, a failing driver) sleep drops all of it and wake re-captures.
 """
 from __future__ import annotations
 
@@ -15,12 +22,24 @@ from torch import nn
 
 from asyncllm.layers.device_wide import DEVICE_WIDE
 from asyncllm.layers.logits_adjustments import LogitsAdjustments, TokenCounts
+from asyncllm.layers.parallel_compiles import parallel_compiles
 from asyncllm.layers.sampler import SamplingTensors
 from asyncllm.models.checkpoint import checkpoint_weights, load_weights
+from asyncllm.runner.stable_memory import StableBuffer, StableMemoryError, StableTensors, stable_memory_unavailable
 
 logger = logging.getLogger("asyncllm")
 
 SLEEP_LEVELS = (1, 2)  # vLLM's: 1 weights to host memory, 2 weights dropped; the KV cache goes at both
+
+
+def stable_memory_refusal(device: torch.device, enforce_eager: bool, tensor_parallel: bool) -> str | None:
+    """Why a runner keeps torch's allocator for its weights and KV cache (wake then re-captures the
+    graphs), or None: they go into StableBuffers and the graphs outlive a sleep."""
+    if device.type == "cuda" and enforce_eager:
+        return "enforce_eager: no CUDA graphs to keep"
+    if tensor_parallel:
+        return "tensor parallel: no sleep"
+    return stable_memory_unavailable(device)
 
 
 def free_device_memory(device: torch.device) -> None:
@@ -89,6 +108,22 @@ class RunnerMemory:
 
     sleep_level: int | None = None  # 1 or 2 while asleep
     _parked: ParkedWeights | None = None
+    stable_weights: StableTensors | None = None  # the parameters in a StableBuffer: sleep keeps the graphs
+    _kv_buffer: StableBuffer | None = None  # the KV cache's, with stable_weights
+    sleep_path = "recapture"  # what a wake does with the CUDA graphs, and why (set by _choose_sleep_path)
+
+    def _choose_sleep_path(self) -> None:
+        """After the weights are loaded: into a StableBuffer where the driver allows (else a reason)."""
+        reason = stable_memory_refusal(self.device, self.config.enforce_eager, self.step_group is not None)
+        if reason is None:
+            with DEVICE_WIDE:  # the loading's temporaries cached by torch: the move needs the weights twice, briefly
+                torch.cuda.empty_cache()
+            try:
+                self.stable_weights = StableTensors(list(self.model.parameters()), self.device)
+            except StableMemoryError as error:  # (out of memory, too) nothing moved yet: they are where they were
+                reason = str(error)
+        self.sleep_path = "stable memory: wake keeps the CUDA graphs" if reason is None else f"recapture ({reason})"
+        logger.info("sleep/wake: %s", self.sleep_path)
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -96,6 +131,11 @@ class RunnerMemory:
 
     def _allocate_kv_cache(self) -> None:
         shape = (2, self.num_layers, self.num_kvcache_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        if self.stable_weights is not None:
+            self._kv_buffer = StableBuffer(torch.Size(shape).numel() * self.kv_dtype.itemsize, self.device.index)
+            self._kv_buffer.map()
+            self.kv_cache = self._kv_buffer.tensor().view(self.kv_dtype).view(shape).zero_()
+            return
         # zeros, not garbage: the CPU path's attention reads whole blocks (masked), where NaN would spread
         self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
@@ -108,7 +148,15 @@ class RunnerMemory:
     # ---- sleep and wake (between requests: engine/lifecycle.py) -------------------------------
     def sleep(self, level: int) -> None:
         """Release the KV cache (and the graphs, which read its addresses) and park the weights
-        (ParkedWeights, level 1 or 2); a failure (host memory) changes nothing."""
+        (ParkedWeights, level 1 or 2); a failure (host memory) changes nothing. With stable memory
+        the weights' and the cache's memory is unmapped instead, the graphs kept."""
+        if self.stable_weights is not None:
+            self.stable_weights.park(keep_copy=level == 1)  # (pinned host memory first: a failure changes nothing)
+            self._kv_buffer.unmap()
+            self.sampling_inputs.release_token_counts()
+            self.sleep_level = level
+            free_device_memory(self.device)
+            return
         parked = ParkedWeights(self.model, level, self.device)
         self._release_kv_cache()
         parked.swap_out()
@@ -119,7 +167,11 @@ class RunnerMemory:
     def wake(self) -> None:
         """Bring the weights back and the KV cache (as many blocks as before, zeroed), the attention
         backend and the graphs, with every decision start-up took (no build, probe or tuning); a
-        failure (device memory) leaves the runner asleep."""
+        failure (device memory) leaves the runner asleep. With stable memory: the same addresses
+        mapped again, the weights copied back (level 1) or read again (level 2), the same graphs."""
+        if self.stable_weights is not None:
+            self._wake_in_place()
+            return
         parked = self._parked
         with DEVICE_WIDE:
             try:
@@ -142,10 +194,32 @@ class RunnerMemory:
                 raise
         self._parked, self.sleep_level = None, None
 
+    def _wake_in_place(self) -> None:
+        with DEVICE_WIDE:
+            try:
+                self.stable_weights.restore()
+                if self.sleep_level == 2:
+                    load_weights(self.model, checkpoint_weights(self.config, self.weight_layout, device=self.device))
+                self._kv_buffer.map()
+                self.kv_cache.zero_()
+                torch.cuda.synchronize(self.device)
+            except BaseException:  # asleep as before (a level-1 host copy is kept until a wake succeeds)
+                torch.cuda.synchronize(self.device)
+                self.stable_weights.buffer.unmap()
+                self._kv_buffer.unmap()
+                raise
+        self.sleep_level = None
+
     def _release_device_state(self) -> None:
         """close(): every tensor the runner holds goes (model, KV cache, graphs, sampler state,
         parked weights), and their memory back to the device."""
         self._release_kv_cache()
+        if self.stable_weights is not None:  # now, not when the last view of them is collected
+            torch.cuda.synchronize(self.device)
+            self.stable_weights.close()
+            if self._kv_buffer is not None:
+                self._kv_buffer.unmap()
+            self.stable_weights = self._kv_buffer = None
         self.model = self.sampler = self.sampling_inputs = self._parked = None
         free_device_memory(self.device)
 
@@ -175,33 +249,13 @@ class RunnerMemory:
         seq_len = min(self.config.max_model_len, num_tokens)
         num_seqs = max(1, min(self.config.max_num_seqs, num_tokens // seq_len))
         batch = self._synthetic_step(num_seqs, seq_len)
+        # a dry run first (layers/parallel_compiles.py): on a cold Triton cache its kernels compile all
+        # at once, not one at a time as the step reaches them; where it skipped nothing it was the step
         with torch.inference_mode():
-            self._forward(batch)
-            # the sampler's worst case too: every sequence with top-k/top-p/min-p, penalties, logprobs
-            rows = self.config.max_num_seqs
-            # in the model's dtype: the kernels that read the model's logits compile for it here
-            logits = torch.randn(rows, self.vocab_size, device=self.device).to(self.dtype)
-            ones = torch.ones(rows, device=self.device)
-            rows_index = torch.arange(rows, device=self.device)
-            # with penalties and a grammar's mask on every row (one token-count slot: the kernels
-            # are compiled here, not in the first step that needs them)
-            counts = TokenCounts(self.vocab_size, self.device)
-            same_slot = torch.full((rows,), counts.acquire([], []), device=self.device)
-            penalties = LogitsAdjustments(penalty_rows=rows_index, penalty_slots=same_slot, presence=ones,
-                                          frequency=ones, repetition=ones, token_counts=counts)
-            every_token = torch.full((rows, self.bitmasks.words), -1, dtype=torch.int32, device=self.device)
-            for mask_rows in (rows_index, rows_index[:1]):
-                self.sampler(logits, SamplingTensors(
-                    temperatures=ones, top_ks=ones.long() * 50, top_ps=ones * 0.9, min_ps=ones * 0.05,
-                    seeded_rows=[], all_greedy=False, keys=rows_index, adjustments=penalties,
-                    logprob_rows=rows_index, num_top_logprobs=20, mask_rows=mask_rows,
-                    token_bitmask=every_token[:len(mask_rows)]))
-            # and the other common filter sets (each is a compile of the cutoff kernels), then none
-            for top_ks, top_ps in ((None, ones * 0.9), (ones.long() * 50, ones * 0.9), (None, None)):
-                self.sampler(logits, SamplingTensors(
-                    temperatures=ones, top_ks=top_ks, top_ps=top_ps, min_ps=None, seeded_rows=[],
-                    all_greedy=False, keys=rows_index, logprob_rows=rows_index, num_top_logprobs=20))
-            del logits, ones, counts, penalties, every_token
+            with parallel_compiles() as dry_run:
+                self._probe_steps(batch)
+            if dry_run.missed:
+                self._probe_steps(batch)
         torch.cuda.synchronize()
         del probe_cache, self.attn_backend, batch
         peak = torch.cuda.max_memory_allocated()
@@ -213,6 +267,34 @@ class RunnerMemory:
         logger.info("GPU memory: %.1f GiB total, %.1f GiB in use, %.1f GiB activation peak, %.1f GiB for the "
                     "KV cache", total / 2**30, used / 2**30, (peak - current) / 2**30, max(budget, 0) / 2**30)
         return int(budget // self.kv_bytes_per_block)
+
+    def _probe_steps(self, batch) -> None:
+        """The worst-case step's forward and the sampler's worst cases, whose activation peak the probe measures."""
+        self._forward(batch)
+        # the sampler's worst case too: every sequence with top-k/top-p/min-p, penalties, logprobs
+        rows = self.config.max_num_seqs
+        # in the model's dtype: the kernels that read the model's logits compile for it here
+        logits = torch.randn(rows, self.vocab_size, device=self.device).to(self.dtype)
+        ones = torch.ones(rows, device=self.device)
+        rows_index = torch.arange(rows, device=self.device)
+        # with penalties and a grammar's mask on every row (one token-count slot: the kernels
+        # are compiled here, not in the first step that needs them)
+        counts = TokenCounts(self.vocab_size, self.device)
+        same_slot = torch.full((rows,), counts.acquire([], []), device=self.device)
+        penalties = LogitsAdjustments(penalty_rows=rows_index, penalty_slots=same_slot, presence=ones,
+                                      frequency=ones, repetition=ones, token_counts=counts)
+        every_token = torch.full((rows, self.bitmasks.words), -1, dtype=torch.int32, device=self.device)
+        for mask_rows in (rows_index, rows_index[:1]):
+            self.sampler(logits, SamplingTensors(
+                temperatures=ones, top_ks=ones.long() * 50, top_ps=ones * 0.9, min_ps=ones * 0.05,
+                seeded_rows=[], all_greedy=False, keys=rows_index, adjustments=penalties,
+                logprob_rows=rows_index, num_top_logprobs=20, mask_rows=mask_rows,
+                token_bitmask=every_token[:len(mask_rows)]))
+        # and the other common filter sets (each is a compile of the cutoff kernels), then none
+        for top_ks, top_ps in ((None, ones * 0.9), (ones.long() * 50, ones * 0.9), (None, None)):
+            self.sampler(logits, SamplingTensors(
+                temperatures=ones, top_ks=top_ks, top_ps=top_ps, min_ps=None, seeded_rows=[],
+                all_greedy=False, keys=rows_index, logprob_rows=rows_index, num_top_logprobs=20))
 
 
 def _untimed(name: str) -> contextlib.AbstractContextManager:

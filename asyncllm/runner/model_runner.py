@@ -93,6 +93,7 @@ class ModelRunner(RunnerMemory):
         with phase(LOAD_WEIGHTS):
             load_weights(self.model, checkpoint_weights(config, weights=weights, device=self.device))
             self.model.eval()
+            self._choose_sleep_path()  # the weights into stable memory, where the driver allows
         with phase(SAMPLER):
             # the CPU path's noise for unseeded rows, the engine's own (the process's generator is the
             # application's, and another engine's)

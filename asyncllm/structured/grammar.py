@@ -26,10 +26,18 @@ from asyncllm.errors import InvalidValueError
 from asyncllm.structured.compile_jobs import CompileJobs
 from asyncllm.structured.spec import StructuredOutput
 
-try:
-    import xgrammar
-except ImportError:  # an optional dependency: only constrained requests need it
-    xgrammar = None
+
+
+@functools.cache
+def _xgrammar():
+    """The xgrammar module, or None where it is not installed (an optional dependency: only
+    constrained requests need it). Imported on first use: it imports transformers, seconds that an
+    engine start-up would otherwise spend before its first weight is read."""
+    try:
+        import xgrammar
+    except ImportError:
+        return None
+    return xgrammar
 
 logger = logging.getLogger("asyncllm")
 
@@ -47,6 +55,7 @@ class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int], *,
                  deadline_s: float = COMPILE_DEADLINE_S, cache_limit_bytes: int = CACHE_LIMIT_BYTES,
                  jobs: CompileJobs | None = None):
+        xgrammar = _xgrammar()
         if xgrammar is None:
             raise _structured_output_error(INSTALL_HINT)
         self.vocab_size = vocab_size
@@ -171,6 +180,7 @@ class GrammarCompiler:
     def _compiler(self):
         with self._xgrammar_lock:
             if self._xgrammar_compiler is None:
+                xgrammar = _xgrammar()
                 info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
                                                                stop_token_ids=self._stop_token_ids)
                 # its own cache off: this class's, bounded by bytes, holds what is worth keeping
@@ -226,7 +236,7 @@ class GrammarState:
     __slots__ = ("matcher", "num_consumed", "error", "gate", "request_id", "others")
 
     def __init__(self, compiled, gate=None, request_id: str = "", others: tuple[str, ...] = ()):
-        self.matcher = xgrammar.GrammarMatcher(compiled)
+        self.matcher = _xgrammar().GrammarMatcher(compiled)
         self.num_consumed = 0  # completion tokens taken so far (the grammar's, and the reasoning's before them)
         self.error: str | None = None  # why a token was refused (the other constraints left none it allows)
         self.gate = gate  # a ReasoningGate: the tokens it does not admit are the reasoning's, not the grammar's
