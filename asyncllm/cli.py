@@ -216,6 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="on SIGTERM or Ctrl-C, requests not yet submitted get 503 and those running may "
                            "finish for this many seconds; then streams still running end with an error event and "
                            "[DONE], whole answers get 503 (default 5; the server exits as soon as nothing runs)")
+    http.add_argument("--enable-lifecycle-routes", action="store_true",
+                      help="serve POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping and POST /reload (the "
+                           "served checkpoint read again): vLLM's dev-mode routes, off by default (with "
+                           "--api-key, they need the key)")
     http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.set_defaults(config_fields=add_config_options(serve.add_argument_group("engine")))
 
@@ -287,7 +291,7 @@ def serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from asyncllm.server import create_app
-        from asyncllm.server.connections import DrainingServer, HeadTimeoutH11Protocol
+        from asyncllm.server.connections import DrainingServer, http_protocol
     except ImportError as e:
         print(f"asyncllm serve needs the server extra: pip install 'asyncllm-engine[server]' ({e})", file=sys.stderr)
         return 2
@@ -333,14 +337,15 @@ def serve(args: argparse.Namespace) -> int:
                        body_timeout=args.body_timeout, max_generated_tokens=args.max_generated_tokens,
                        max_logprob_entries=args.max_logprob_entries, request_timeout=args.request_timeout,
                        trust_request_chat_template=args.trust_request_chat_template,
-                       sse_keepalive_interval=args.sse_keepalive_interval)
+                       sse_keepalive_interval=args.sse_keepalive_interval,
+                       enable_lifecycle_routes=args.enable_lifecycle_routes)
     gc.set_threshold(*SERVE_GC_THRESHOLDS)
     if args.api_server_count > 1:
         return _serve_with_frontends(args, engine, name, api_key, app_options)
     # the engine starts once the HTTP server listens: /health says "starting" (and the phase) until then
     app = create_app(engine, name, api_key, **app_options, manage_engine=True, start_in_background=True,
                      on_engine_started=engine_started)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, http=HeadTimeoutH11Protocol,
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, http=http_protocol(),
                             timeout_keep_alive=args.timeout_keep_alive,
                             limit_concurrency=args.limit_concurrency or default_limit_concurrency())
     server = DrainingServer(config, app.state.server.drain, args.graceful_shutdown_timeout)

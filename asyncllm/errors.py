@@ -73,3 +73,8 @@ class RequestTimeoutError(AsyncLLMError, TimeoutError):
 
 class EngineAsleepError(AsyncLLMError):
     """A request reached an engine that sleep() put to sleep; wake() it first (engine/lifecycle.py)."""
+
+
+class EngineNotIdleError(AsyncLLMError, RuntimeError):
+    """sleep() or reload() while a request is queued or running: they run between requests (wait for
+    them, AsyncLLMEngine.wait_idle(), or abort them first)."""

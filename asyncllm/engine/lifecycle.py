@@ -33,7 +33,8 @@ from __future__ import annotations
 import dataclasses
 
 from asyncllm.config import Config
-from asyncllm.errors import EngineAsleepError, EngineDeadError, InvalidTypeError, InvalidValueError
+from asyncllm.errors import (EngineAsleepError, EngineDeadError, EngineNotIdleError, InvalidTypeError,
+                             InvalidValueError)
 from asyncllm.models.checkpoint import check_tokenizer, checkpoint_weights, load_tokenizer
 from asyncllm.models.registry import model_structure
 from asyncllm.models.resolve import resolve_config
@@ -123,7 +124,7 @@ def _check_idle(core, what: str) -> None:
     ended) are resolved first."""
     num_requests = max(len(core.requests), core.scheduler.num_unfinished)
     if num_requests:
-        raise RuntimeError(f"{what}(): {num_requests} request(s) queued or running; it runs between requests "
+        raise EngineNotIdleError(f"{what}(): {num_requests} request(s) queued or running; it runs between requests "
                            "(wait for them, e.g. AsyncLLMEngine.wait_idle(), or abort them first)")
     core.drain()
 

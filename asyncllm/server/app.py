@@ -15,15 +15,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from asyncllm.errors import (ArgumentError, EngineDeadError, InvalidValueError, QueueFullError, RequestTimeoutError,
-                             UnsatisfiableConstraintsError)
+from asyncllm.errors import (ArgumentError, EngineAsleepError, EngineDeadError, InvalidValueError, QueueFullError,
+                             RequestTimeoutError, UnsatisfiableConstraintsError)
 from asyncllm.sampling_params import SamplingParams
 import asyncllm.server.protocol as protocol
-from asyncllm.server import tool_calls
+from asyncllm.server import lifecycle_routes, tool_calls
 from asyncllm.server.answers import Echo, Generation, stream_response, whole_response
 from asyncllm.server.constraints import compile_constraint, requested_constraint
 from asyncllm.server.embeddings import create_embeddings
-from asyncllm.server.errors import exception_handlers, queue_full_error
+from asyncllm.server.errors import asleep_error, exception_handlers, queue_full_error
 from asyncllm.server.lifespan import EngineLifespan, EngineStartup
 from asyncllm.server.limits import (RequestLimits, limit_output, limit_timeout, read_json_body,
                                     request_timeout_error)
@@ -47,7 +47,9 @@ class OpenAIServer(TokenizationEndpoints):
 
     def __init__(self, engine, model_name: str, api_key: str | None = None, *,
                  trust_request_chat_template: bool = False,
-                 sse_keepalive_interval: float | None = DEFAULT_SSE_KEEPALIVE_INTERVAL, **limits):
+                 sse_keepalive_interval: float | None = DEFAULT_SSE_KEEPALIVE_INTERVAL,
+                 enable_lifecycle_routes: bool = False,
+                 lifecycle: lifecycle_routes.LifecycleGate | None = None, **limits):
         self.limits = RequestLimits(**limits)
         if sse_keepalive_interval is not None and (not isinstance(sse_keepalive_interval, (int, float))
                                                    or not sse_keepalive_interval > 0):
@@ -65,6 +67,9 @@ class OpenAIServer(TokenizationEndpoints):
         self.created = int(time.time())
         self.drain = Drain(engine.abort)  # driven by connections.DrainingServer at shutdown
         self.startup = EngineStartup(engine)  # its state during start-up: /health and the 503s
+        self.enable_lifecycle_routes = enable_lifecycle_routes
+        # sleep, wake, reload and the 503s meanwhile (a front-end's: its engine client's, over the link)
+        self.lifecycle = lifecycle or lifecycle_routes.LifecycleGate(engine)
 
     # ---- plumbing ----
     def _check_auth(self, request: Request) -> None:
@@ -99,13 +104,16 @@ class OpenAIServer(TokenizationEndpoints):
                            param="model", code="model_not_found")
         return body
 
-    def _check_engine(self) -> None:
+    def _check_engine(self, needs_model: bool = True) -> None:
+        """The engine serves; needs_model: and is awake, not reloading (the tokenizer alone serves while asleep)."""
         if self.drain.refusing:
             raise shutting_down_error()
         try:
             self.engine.check_alive()
         except (EngineDeadError, RuntimeError) as e:
             raise APIError(503, f"the engine is not available: {e}", code="engine_unavailable") from None
+        if needs_model and (closed := self.lifecycle.closed_reason) is not None:
+            raise lifecycle_routes.closed_error(closed)
 
     def _endpoint(self, handler, *, auth: bool = True, while_starting: bool = False):
         """handler's endpoint: the API key checked (auth), OpenAI-shaped errors, the drain; during the
@@ -184,6 +192,8 @@ class OpenAIServer(TokenizationEndpoints):
             return await anyio.to_thread.run_sync(submit)
         except QueueFullError as e:
             raise queue_full_error(e) from None
+        except EngineAsleepError as e:
+            raise asleep_error(e) from None
         except EngineDeadError as e:
             raise APIError(503, f"the engine is not available: {e}", code="engine_unavailable") from None
         except (ValueError, TypeError) as e:
@@ -224,7 +234,8 @@ class OpenAIServer(TokenizationEndpoints):
         error = None
         try:
             await unless_disconnected(request.receive, read)
-        except (EngineDeadError, UnsatisfiableConstraintsError, RequestTimeoutError, QueueFullError) as e:
+        except (EngineDeadError, UnsatisfiableConstraintsError, RequestTimeoutError, QueueFullError,
+                EngineAsleepError) as e:
             error = e
         finally:
             with anyio.CancelScope(shield=True):
@@ -234,6 +245,8 @@ class OpenAIServer(TokenizationEndpoints):
             raise request_timeout_error(error)
         if isinstance(error, QueueFullError):
             raise queue_full_error(error)
+        if isinstance(error, EngineAsleepError):  # asleep since the route's check
+            raise asleep_error(error)
         if isinstance(error, UnsatisfiableConstraintsError):
             raise APIError(400, error.message_without_owner, code="unsatisfiable_constraints")
         if error is not None:
@@ -361,16 +374,17 @@ class OpenAIServer(TokenizationEndpoints):
         return JSONResponse(self._model_card())
 
     async def health(self, request: Request) -> Response:
-        """200 {"status": "ready"} once the engine serves; while it starts 503 {"status": "starting",
-        "phase": ...} (readiness probes and load balancers wait); after a failure, or while the server
-        shuts down, a 503 error."""
+        """200 {"status": "ready"} once the engine serves ({"status": "sleeping"} or "reloading" while
+        the lifecycle routes have it so: the process is alive); while it starts 503 {"status":
+        "starting", "phase": ...} (readiness probes and load balancers wait); after a failure, or while
+        the server shuts down, a 503 error."""
         if self.drain.refusing:
             raise shutting_down_error()
         starting = self.startup.health()
         if starting is not None:
             return starting
-        self._check_engine()
-        return JSONResponse({"status": "ready"})
+        self._check_engine(needs_model=False)
+        return JSONResponse({"status": self.lifecycle.closed_reason or "ready"})
 
     async def metrics_endpoint(self, request: Request) -> Response:
         content, media_type = self.metrics.render()
@@ -389,7 +403,15 @@ class OpenAIServer(TokenizationEndpoints):
             Route("/detokenize", e(self.detokenize), methods=["POST"]),
             Route("/health", e(self.health, auth=False, while_starting=True), methods=["GET"]),
             Route("/metrics", e(self.metrics_endpoint, auth=False, while_starting=True), methods=["GET"]),
+            *(self._lifecycle_routes() if self.enable_lifecycle_routes else ()),
         ]
+
+    def _lifecycle_routes(self) -> list[Route]:
+        e, routes = self._endpoint, lifecycle_routes
+        return [Route("/sleep", e(functools.partial(routes.sleep, self)), methods=["POST"]),
+                Route("/wake_up", e(functools.partial(routes.wake_up, self)), methods=["POST"]),
+                Route("/is_sleeping", e(functools.partial(routes.is_sleeping, self)), methods=["GET"]),
+                Route("/reload", e(functools.partial(routes.reload, self)), methods=["POST"])]
 
 
 def create_app(engine, model_name: str, api_key: str | None = None, *, manage_engine: bool | None = None,
@@ -408,6 +430,7 @@ def create_app(engine, model_name: str, api_key: str | None = None, *, manage_en
     options: OpenAIServer's --
     trust_request_chat_template: render chat templates that requests bring (they run on this server);
     sse_keepalive_interval: seconds a stream may go without an event before it sends a comment (None: never);
+    enable_lifecycle_routes: POST /sleep, /wake_up, /reload and GET /is_sleeping (lifecycle_routes.py);
     and the request limits (limits.RequestLimits): max_body_bytes, body_timeout, max_tokens_limit,
     max_generated_tokens (n x max_tokens), max_logprob_entries, request_timeout (seconds from submission:
     the default and the most of a request's `timeout`).

@@ -1,6 +1,7 @@
-"""What `asyncllm serve` adds to uvicorn: every request head must arrive in time, the 503 past
---limit-concurrency comes in OpenAI's shape (HeadTimeoutH11Protocol), and a shutdown drains the
-requests in flight, then ends those left in OpenAI's shape (DrainingServer)."""
+"""What `asyncllm serve` adds to uvicorn: every request head must arrive in time and within
+MAX_HEAD_BYTES, the 503 past --limit-concurrency comes in OpenAI's shape (HeadLimits, on uvicorn's
+httptools protocol where httptools is installed, else on its h11 one: http_protocol()), and a
+shutdown drains the requests in flight, then ends those left in OpenAI's shape (DrainingServer)."""
 from __future__ import annotations
 
 import asyncio
@@ -11,12 +12,20 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from asyncllm.server.errors import service_unavailable
 from asyncllm.server.shutdown import Drain
 
+try:  # httptools (llhttp, C): ~3x cheaper request heads than h11's pure-Python parser (docs/BENCHMARKS.md)
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:  # the server extra installs it; without it, h11
+    HttpToolsProtocol = None
+
 END_GRACE_S = 5.0  # after the drain: for the requests ended to send their ends before uvicorn cancels them
+# h11's own bound on a request head held incomplete (h11.DEFAULT_MAX_INCOMPLETE_EVENT_SIZE), kept on
+# httptools (which has none): past it the connection gets a 400 and is closed
+MAX_HEAD_BYTES = 16 * 1024
 
 
-class HeadTimeoutH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol, closing a connection that has not sent a whole request head within
-    the keep-alive timeout of opening or of its last response.
+class HeadLimits:
+    """A mixin for uvicorn's HTTP protocols (h11's and httptools'): closes a connection that has not
+    sent a whole request head within the keep-alive timeout of opening or of its last response.
 
     uvicorn arms that timeout only after a response and cancels it on the next byte received, so a
     connection that sends nothing, or a head a byte at a time (on its first request or any later
@@ -68,6 +77,45 @@ class HeadTimeoutH11Protocol(H11Protocol):
         if self._head_deadline is not None:
             self._head_deadline.cancel()
         super().connection_lost(exc)
+
+
+class HeadTimeoutH11Protocol(HeadLimits, H11Protocol):
+    """uvicorn's h11 protocol with HeadLimits (h11 bounds a head's size itself)."""
+
+
+if HttpToolsProtocol is not None:
+    class HeadTimeoutHttpToolsProtocol(HeadLimits, HttpToolsProtocol):
+        """uvicorn's httptools protocol with HeadLimits, and h11's bound on a head held incomplete:
+        llhttp has none (httptools gathers a header whole before uvicorn sees it), so the bytes
+        received while a head is incomplete are counted as they arrive."""
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self._awaiting_head, self._head_bytes = True, 0
+
+        def data_received(self, data: bytes) -> None:
+            if self._awaiting_head:
+                self._head_bytes += len(data)
+            super().data_received(data)
+            # still in a head after all of data: every byte counted was the head's
+            if self._awaiting_head and self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
+                self.logger.warning("Invalid HTTP request received.")
+                self.send_400_response("Invalid HTTP request received.")  # h11's answer to a head too long
+
+        def on_headers_complete(self) -> None:
+            self._awaiting_head, self._head_bytes = False, 0
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            self._awaiting_head = True
+            super().on_message_complete()
+else:
+    HeadTimeoutHttpToolsProtocol = None
+
+
+def http_protocol() -> type:
+    """The protocol `asyncllm serve` runs: httptools' where it is installed (as uvicorn's "auto" picks), else h11's."""
+    return HeadTimeoutHttpToolsProtocol or HeadTimeoutH11Protocol
 
 
 class DrainingServer(uvicorn.Server):

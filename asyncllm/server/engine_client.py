@@ -130,6 +130,28 @@ class RemoteStream(StreamBase):
             self._abort()
 
 
+class RemoteLifecycle:
+    """The engine process's LifecycleGate (lifecycle_routes.py) as a front-end's routes use it: its
+    state as the engine last sent it, its calls forwarded over the link."""
+
+    def __init__(self, client: "EngineClient"):
+        self._client = client
+        self.closed_reason: str | None = None
+        self.is_sleeping = False
+
+    def update(self, closed_reason: str | None, is_sleeping: bool) -> None:
+        self.closed_reason, self.is_sleeping = closed_reason, is_sleeping
+
+    async def sleep(self, level: int) -> None:
+        await self._client.call("lifecycle", "sleep", level)
+
+    async def wake(self) -> None:
+        await self._client.call("lifecycle", "wake", None)
+
+    async def reload(self) -> None:
+        await self._client.call("lifecycle", "reload", None)
+
+
 class EngineClient:
     """The engine of a front-end process: make_intake(max_seq_len) makes the engine's RequestIntake
     on this process's tokenizer, once the engine is ready and says its max_seq_len; path: the
@@ -153,6 +175,7 @@ class EngineClient:
         self._closed = False
         self.startup_phase: str | None = None  # the engine's, as it sends it while it starts
         self._ready: asyncio.Future | None = None
+        self.lifecycle = RemoteLifecycle(self)
 
     # ---- lifecycle (the app's lifespan) ----
     @property
@@ -207,6 +230,8 @@ class EngineClient:
                 if future is not None and not future.done():
                     value, error = message[2:]
                     future.set_result((value, None if error is None else error_in(error)))
+            elif kind == "lifecycle":
+                self.lifecycle.update(*message[1:])
             elif kind == "dead":
                 self._dead = message[1]
 
@@ -284,9 +309,14 @@ class EngineClient:
 
     async def embed(self, prompts, **options) -> list[list[float]]:
         self.check_alive()
-        call_id = f"embed-{next(self._call_ids)}"
+        return await self.call("embed", prompts, options)
+
+    async def call(self, kind: str, *arguments):
+        """The engine process's reply to [kind, call_id, *arguments] (its error raised here); a call
+        given up is cancelled there."""
+        call_id = f"{kind}-{next(self._call_ids)}"
         future = self._calls[call_id] = asyncio.get_running_loop().create_future()
-        self._send(("embed", call_id, prompts, options))
+        self._send((kind, call_id, *arguments))
         try:
             value, error = await future
         except BaseException:

@@ -30,9 +30,10 @@ from collections.abc import Callable
 import anyio
 
 from asyncllm import settings
-from asyncllm.errors import EngineDeadError
+from asyncllm.errors import EngineAsleepError, EngineDeadError
 from asyncllm.server.engine_link import error_out, frame, logprobs_out, params_in, read_message
 from asyncllm.server.frontend import FrontendSettings, run_frontend
+from asyncllm.server.lifecycle_routes import LifecycleGate
 
 logger = logging.getLogger("asyncllm.server")
 
@@ -47,8 +48,9 @@ class FrontendLink:
     front-end's would be (its requests aborted) and on_dropped is called."""
 
     def __init__(self, engine, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_pending: int,
-                 on_dropped: Callable[[int | None], None]):
+                 on_dropped: Callable[[int | None], None], gate: LifecycleGate):
         self.engine = engine
+        self.gate = gate
         self.reader, self.writer = reader, writer
         self.max_pending, self.on_dropped = max_pending, on_dropped
         self.peer_pid = _peer_pid(writer)
@@ -87,6 +89,8 @@ class FrontendLink:
                     self._start(key, self._relay(key, *rest))
                 elif kind == "embed":
                     self._start(key, self._embed(key, *rest))
+                elif kind == "lifecycle":
+                    self._start(key, self._lifecycle(key, *rest))
                 elif kind in ("abort", "cancel"):
                     task = self.tasks.get(key)
                     if task is not None:
@@ -104,6 +108,8 @@ class FrontendLink:
     async def _relay(self, request_id: str, prompt_token_ids: list[int], params_fields: dict) -> None:
         engine = self.engine
         try:
+            if self.gate.closed_reason is not None:  # sent before its front-end heard of the sleep or reload
+                raise EngineAsleepError(f"the engine is {self.gate.closed_reason}")
             params = params_in(params_fields)
             if params.structured_output is None:
                 stream = engine.stream(prompt_token_ids, params, request_id=request_id)
@@ -137,6 +143,24 @@ class FrontendLink:
             value, error = None, e
         self.send(("reply", call_id, value, error_out(error)))
 
+    async def _lifecycle(self, call_id: str, action: str, level: int | None) -> None:
+        """A front-end's /sleep, /wake_up or /reload, run by the gate that every front-end shares."""
+        try:
+            if action == "sleep":
+                await self.gate.sleep(level)
+            elif action == "wake":
+                await self.gate.wake()
+            elif action == "reload":
+                await self.gate.reload()
+            else:
+                raise ValueError(f"unknown lifecycle action {action!r}")
+            error = None
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the front-end's route answers it
+            error = e
+        self.send(("reply", call_id, None, error_out(error)))
+
 
 class EngineHost:
     """The engine process's side: the link's socket, and what every front-end is sent: the engine's
@@ -149,6 +173,14 @@ class EngineHost:
         self.dropped = False  # a front-end that stopped reading was dropped: the server stops
         self.dropped_pids: set[int] = set()  # those front-ends (killed at the stop: they cannot drain)
         self.max_pending = settings.FRONTEND_MAX_PENDING_BYTES.read()
+        self.gate = LifecycleGate(engine, on_change=self._lifecycle_changed)
+
+    def _lifecycle_message(self) -> tuple:
+        return ("lifecycle", self.gate.closed_reason, self.gate.is_sleeping)
+
+    def _lifecycle_changed(self, _reason) -> None:
+        for link in self.links:
+            link.send(self._lifecycle_message())
 
     def state(self) -> tuple:
         if not self.ready:
@@ -165,8 +197,9 @@ class EngineHost:
             link.send(("ready", self.engine.max_seq_len, self.engine.stats()))
 
     async def accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        link = FrontendLink(self.engine, reader, writer, self.max_pending, self._dropped)
+        link = FrontendLink(self.engine, reader, writer, self.max_pending, self._dropped, self.gate)
         link.send(("ready", self.engine.max_seq_len, self.engine.stats()) if self.ready else self.state())
+        link.send(self._lifecycle_message())
         self.links.append(link)
         try:
             await link.serve()

@@ -10,10 +10,13 @@ these messages.
 Messages (JSON arrays, the first item names them; the readers unpack them by position, so they and
 the tuples inside arrive as lists):
   front-end -> engine: ["submit", request_id, prompt_token_ids, params_out(SamplingParams)];
-                       ["abort", request_id]; ["embed", call_id, prompts, options]; ["cancel", call_id]
+                       ["abort", request_id]; ["embed", call_id, prompts, options]; ["cancel", call_id];
+                       ["lifecycle", call_id, "sleep" | "wake" | "reload", level or null]
   engine -> front-end: ["starting", phase] while the engine starts; ["ready", max_seq_len, engine.stats()]
                        once; ["out", [item, ...]] -- every stream's new outputs of one engine step together;
-                       ["stats", engine.stats()]; ["dead", message]; ["reply", call_id, value, error_out(error)]
+                       ["stats", engine.stats()]; ["dead", message]; ["reply", call_id, value, error_out(error)];
+                       ["lifecycle", closed_reason, is_sleeping] at connection and at every change of the
+                       engine's lifecycle gate (lifecycle_routes.py)
 An out item is [request_id, text, token_ids, index] while a sequence has only text and tokens to send
 (most of a stream: a short item is a third cheaper to encode), else [request_id, error_out(error), text,
 token_ids, finish_reason, index, logprobs, stop_reason, prompt_logprobs, reasoning, metrics]; logprobs as [token_id, logprob, rank, top_ids, top_logprobs]

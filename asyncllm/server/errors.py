@@ -35,6 +35,13 @@ def queue_full_error(error: Exception) -> APIError:
                     headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 
+def asleep_error(error: Exception | None = None) -> APIError:
+    """The 503 of a request while the engine sleeps (lifecycle_routes.py): at the route's check, or
+    (EngineAsleepError) from a stream submitted as the engine went to sleep."""
+    return APIError(503, "the engine is asleep (POST /sleep); it serves again after POST /wake_up"
+                    + (f" ({error})" if error is not None else ""), code="engine_sleeping")
+
+
 def exception_handlers() -> dict:
     """For Starlette(exception_handlers=...): every error it answers itself in OpenAI's shape."""
     return {HTTPException: http_error, Exception: internal_error}

@@ -37,7 +37,7 @@ def run_frontend(sock: socket.socket, engine_path: str, settings: FrontendSettin
     from asyncllm.engine.intake import RequestIntake
     from asyncllm.models.checkpoint import load_tokenizer
     from asyncllm.server.app import create_app
-    from asyncllm.server.connections import DrainingServer, HeadTimeoutH11Protocol
+    from asyncllm.server.connections import DrainingServer, http_protocol
     from asyncllm.server.engine_client import EngineClient
 
     logging.basicConfig(level=settings.log_level.upper(), format=f"%(levelname)s:     [front-end {os.getpid()}] "
@@ -48,8 +48,8 @@ def run_frontend(sock: socket.socket, engine_path: str, settings: FrontendSettin
     client = EngineClient(engine_path, make_intake, settings.parse_special_tokens_in_chat_content)
     # the lifespan's start waits for the engine's readiness; meanwhile /health says "starting"
     app = create_app(client, settings.model_name, settings.api_key, manage_engine=True, start_in_background=True,
-                     **settings.app_options)
-    uvicorn_config = uvicorn.Config(app, log_level=settings.log_level, http=HeadTimeoutH11Protocol,
+                     lifecycle=client.lifecycle, **settings.app_options)
+    uvicorn_config = uvicorn.Config(app, log_level=settings.log_level, http=http_protocol(),
                                     timeout_keep_alive=settings.timeout_keep_alive,
                                     limit_concurrency=settings.limit_concurrency)
     server = DrainingServer(uvicorn_config, app.state.server.drain, settings.drain_s)

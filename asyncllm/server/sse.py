@@ -13,9 +13,9 @@ import anyio
 from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
-from asyncllm.errors import (EngineDeadError, InvalidValueError, QueueFullError, RequestTimeoutError,
-                             UnsatisfiableConstraintsError)
-from asyncllm.server.errors import queue_full_error
+from asyncllm.errors import (EngineAsleepError, EngineDeadError, InvalidValueError, QueueFullError,
+                             RequestTimeoutError, UnsatisfiableConstraintsError)
+from asyncllm.server.errors import asleep_error, queue_full_error
 from asyncllm.server.limits import request_timeout_error
 from asyncllm.server.protocol import APIError
 from asyncllm.server.shutdown import shutting_down_error
@@ -213,6 +213,9 @@ async def answer_events(stream, close: Callable[[str | None], Awaitable[None]],
             yield event
     except QueueFullError as e:  # with front-end processes the engine admits a request after its first event
         for event in error_events(queue_full_error(e)):
+            yield event
+    except EngineAsleepError as e:  # (the same) submitted as the engine went to sleep
+        for event in error_events(asleep_error(e)):
             yield event
     except UnsatisfiableConstraintsError as e:  # the request's own constraints: it ends here (an abort)
         for event in error_events(APIError(400, e.message_without_owner, code="unsatisfiable_constraints")):

@@ -50,7 +50,7 @@ class TokenizationEndpoints:
         if not isinstance(prompt, str):
             raise APIError(400, f"'prompt': expected a string, got {protocol.type_name(prompt)}", param="prompt",
                            code="invalid_type")
-        self._check_engine()
+        self._check_engine(needs_model=False)  # the tokenizer serves while the engine sleeps
         if add_special_tokens:  # exactly what /v1/completions does with this prompt
             try:
                 return await anyio.to_thread.run_sync(self.engine.encode, prompt, "prompt")
@@ -86,7 +86,7 @@ class TokenizationEndpoints:
         if not isinstance(tokens, list):
             raise APIError(400, f"'tokens': expected an array of token ids, got {protocol.type_name(tokens)}",
                            param="tokens", code="missing_required_parameter" if tokens is None else "invalid_type")
-        self._check_engine()
+        self._check_engine(needs_model=False)  # the tokenizer serves while the engine sleeps
         if tokens:
             try:
                 tokens = self.engine.encode(tokens, "tokens")  # ints inside the vocabulary
