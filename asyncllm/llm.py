@@ -160,7 +160,7 @@ class LLM:
                         _, taken = assembler.add_counted(new_token_ids)
                         if taken < len(new_token_ids):  # a stop string ended before the event's last token
                             # (several tokens a step: speculative decoding): the rest is no output
-                            del seq.token_ids[seq.num_resolved_tokens - len(new_token_ids) + taken:]
+                            del seq.token_ids[len(seq.token_ids) - len(new_token_ids) + taken:]
                             event_logprobs = None if event_logprobs is None else event_logprobs[:taken]
                         if assembler.stopped and finish is None:
                             self.core.finish_request(seq.request_id, FinishReason.STOP, seq.index)

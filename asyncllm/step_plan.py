@@ -2,7 +2,9 @@
 scheduler's output into a StepPlan, the runner runs it and hands back a StepResult.
 
 A plan is host data the runner only reads: token spans, positions, block-table rows, which rows
-sample, and the tokens still in flight. A request's sampling settings travel once, as plain values
+sample, and which of those rows end with a token still in flight (overlapped steps: its value is
+the runner's alone, on the device, until the step in flight is read; the engine knows only that
+it is there). A request's sampling settings travel once, as plain values
 (RequestSampling, in the plan of its first sampling step): the runner keeps them in a table of its
 own, with the request's tokens as its steps' results come back, and each step's sampling rows name
 their requests by key.
@@ -12,11 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-
-# stands for a token that a step still in flight on the device is sampling: the next step takes its
-# value on the device (the host learns it once that step's results are read)
-PENDING_TOKEN = -1
-
 
 @dataclass(slots=True)
 class RequestSampling:
@@ -59,13 +56,16 @@ class PromptLogprobsPlan:
 class StepPlan:
     """One step as the runner needs it, row by row in the scheduler's order (the runner derives
     positions, slot mapping and padded block tables from these with numpy)."""
-    input_ids: list[int]  # (T,) the step's tokens, PENDING_TOKEN where the step in flight samples one
+    # (T,) the step's tokens; a row whose last token is in flight (in_flight_rows) holds 0 there,
+    # which the runner replaces with the id the step in flight samples
+    input_ids: list[int]
     starts: list[int]  # (B,) each row's first position (its tokens already in the KV cache)
     query_lens: list[int]  # (B,) tokens each row computes
     block_rows: list[list[int]]  # (B,) each row's block table
     logits_indices: list[int]  # (S,) the token (index in the step) whose logits each sampling row samples from
-    pending_at: list[int]  # token indices that are PENDING_TOKEN
-    pending_rows: list[int]  # for each: its row among the sampled ids of the step in flight
+    # the sampling rows (indices into sampling_ids) whose last token is in flight: sampled by the
+    # step in flight for the same request, never a speculating row
+    in_flight_rows: list[int]
     # (S,) the sampling rows' requests (RequestSampling.request). A speculating row (speculative
     # decoding) samples at each of its 1 + k positions: each is a sampling row here, of the same
     # request, position j taking the row's first j drafts as generated

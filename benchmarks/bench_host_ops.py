@@ -98,7 +98,7 @@ def sampling_plan_ops(device: torch.device, vocab_size: int = 151936) -> list[tu
         for kind in ("plain", "mixed"):
             seqs = [Sequence(f"r{i}", list(range(1, 200)), _params(kind, i), 16) for i in range(num_rows)]
             inputs = SamplingInputs(vocab_size, device)
-            plan = StepPlan([], [], [], [], [], [], [], [seq.uid for seq in seqs])
+            plan = StepPlan([], [], [], [], [], [], [seq.uid for seq in seqs])
             for seq in seqs:
                 inputs.table.add(request_sampling(seq))
             out, tokens = inputs.plan(plan), [5] * num_rows

@@ -22,7 +22,6 @@ import torch
 from asyncllm import LLM, EngineDeadError, PromptTooLongError, SamplingParams
 from asyncllm.async_engine import AsyncLLMEngine
 from asyncllm.pooling_params import PoolingParams
-from asyncllm.step_plan import PENDING_TOKEN
 from asyncllm.testing import build_tiny_checkpoint
 from helpers import assert_all_blocks_free
 
@@ -221,7 +220,7 @@ def run_core(llm: LLM, requests: list[tuple[list[int], object]]) -> tuple[dict, 
         steps.append("s" * len(step_plan.sampling_ids) + "p" * (plan.num_rows if plan else 0))
         for item in sched.scheduled:
             if item.seq.pooling is not None:
-                assert PENDING_TOKEN not in item.seq.token_ids
+                assert item.seq.num_in_flight == 0
         return launch(step_plan, prev, **kwargs)
     core.runner.launch = recording_launch
     try:

@@ -159,7 +159,8 @@ def test_the_graph_is_read():
     assert "asyncllm.runner.model_runner" in graph["asyncllm.engine.core"]
     assert "asyncllm.attention.triton_backend" in graph["asyncllm.attention"]  # a function-level import
     assert "asyncllm.kernels.skinny_gemm" in graph["asyncllm.layers.fused"]  # importlib, an f-string
-    assert "asyncllm.step_plan" in graph["asyncllm.structured.grammar"]
+    assert "asyncllm.structured.compile_jobs" in graph["asyncllm.structured.grammar"]  # structured/ is read
+    assert "asyncllm.step_plan" in graph["asyncllm.runner.request_table"]
     # the check sees an upward edge (the runner and structured/ reading engine/ through it, as before
     # the step contract) and not a downward one
     assert upward_edges({"asyncllm.runner.model_runner": {"asyncllm.engine.scheduler", "asyncllm.step_plan"},

@@ -54,7 +54,7 @@ def reference_adjust(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
 def sampling_plan(inputs: SamplingInputs, seqs: list[Sequence]) -> StepPlan:
     """A step whose sampling rows are seqs; the runner's table learns those it does not have yet
     (their settings and tokens so far), as ModelRunner.launch does with a plan's new requests."""
-    plan = StepPlan([], [], [], [], [], [], [], [seq.uid for seq in seqs],
+    plan = StepPlan([], [], [], [], [], [], [seq.uid for seq in seqs],
                     new_requests=[request_sampling(seq) for seq in seqs if seq.uid not in inputs.table])
     for request in plan.new_requests:
         inputs.table.add(request)
@@ -184,12 +184,12 @@ def bad_word_bans(history: list[int], words: list[list[int]]) -> set[int]:
 
 @pytest.mark.parametrize("pending_value", [7, 8, 9])
 def test_bad_word_hanging_on_the_token_in_flight_is_banned_on_the_device(pending_value):
-    from asyncllm.step_plan import PENDING_TOKEN  # the engine's marker of its tokens in flight
     words = [[5], [7, 11], [3, 7, 12], [4, 7, 13], [8, 14], [3, 8, 9, 15], [2, 3, 8, 16]]
     seqs = []
     for i in range(3):  # its pending token is row 2 - i of the previous step's ids
         seq = Sequence(f"r{i}", [1, 2], SamplingParams(temperature=0, max_tokens=100, bad_words=["x"]), block_size=16)
-        seq.token_ids += [3, PENDING_TOKEN]
+        seq.token_ids += [3]
+        seq.num_in_flight = 1  # the engine's count; its value is the runner's (prev_sampled)
         seq.bad_word_ids = words
         seqs.append(seq)
     values = [pending_value, 7 + (pending_value - 6) % 3, 7 + (pending_value - 5) % 3]  # each of 7, 8, 9 once
@@ -208,7 +208,8 @@ def test_bad_word_hanging_on_the_token_in_flight_is_banned_on_the_device(pending
         assert not adjusted[row].isnan().any()
     expected = bad_word_bans([3, pending_value], words)
     # the host bans alone (the last token known) still apply, without a previous step
-    seqs[0].token_ids[-1] = pending_value
+    seqs[0].token_ids.append(pending_value)
+    seqs[0].num_in_flight = 0
     tensors, _ = build(seqs[:1])
     adjusted = adjust(tensors.adjustments, torch.zeros(1, V))
     assert {t for t in range(V) if adjusted[0, t] == float("-inf")} == expected

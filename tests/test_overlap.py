@@ -10,7 +10,6 @@ import pytest
 
 from asyncllm.llm import LLM
 from asyncllm.sampling_params import SamplingParams
-from asyncllm.step_plan import PENDING_TOKEN
 from helpers import assert_all_blocks_free, random_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -39,7 +38,7 @@ def tokens(llm: LLM, prompts, params) -> list[list[int]]:
     assert_all_blocks_free(llm)
     assert not llm.core.has_unfinished() and llm.core.requests == {}
     for out in outputs:
-        assert PENDING_TOKEN not in out["token_ids"]
+        assert all(0 <= t < llm.core.vocab_size for t in out["token_ids"])
     return [out["token_ids"] for out in outputs]
 
 
@@ -106,9 +105,10 @@ def test_finishing_a_request_with_a_token_in_flight_drops_that_token(llms):
     delivered = []
     for _ in range(4):
         delivered += [t for event in core.step() for t in event.new_token_ids]
-    assert seq.token_ids[-1] == PENDING_TOKEN  # the step in flight samples its next token
+    assert seq.num_in_flight == 1  # the step in flight samples its next token
+    assert seq.completion_token_ids == delivered  # the engine's tokens: known values only
     core.finish_request(seq.request_id, "abort")
-    assert seq.completion_token_ids == delivered  # the pending token is gone, never delivered
+    assert seq.num_in_flight == 0 and seq.completion_token_ids == delivered  # never delivered
     assert core.step() == [] and core.drain() == []  # the step in flight resolves, and drops its row
     assert not core.has_unfinished()
     assert_all_blocks_free(core)
@@ -140,8 +140,9 @@ def test_overlap_option_is_validated(tiny_qwen3):
         LLM(tiny_qwen3, overlap_scheduling="yes")
 
 
-def reference_inputs(sched, block_size: int) -> dict[str, list]:
-    """A step's inputs token by token, in plain Python: what ModelRunner.build_inputs must give."""
+def reference_inputs(sched, block_size: int, prev_rows: dict) -> dict[str, list]:
+    """A step's inputs token by token, in plain Python: what ModelRunner.build_inputs must give.
+    prev_rows: each request's row among the sampled ids of the step before (the one in flight)."""
     out = {name: [] for name in ("input_ids", "positions", "slot_mapping", "query_lens", "seq_lens", "logits_indices",
                                  "pending_at", "pending_rows")}
     width = max(len(item.seq.block_table) for item in sched.scheduled)
@@ -149,10 +150,13 @@ def reference_inputs(sched, block_size: int) -> dict[str, list]:
     for item in sched.scheduled:
         seq, start = item.seq, item.seq.num_computed_tokens
         for position in range(start, start + item.num_tokens):
-            if seq.token_ids[position] == PENDING_TOKEN:  # the last token, sampled by the step in flight
+            if position >= len(seq.token_ids):  # the last token, sampled by the step in flight
+                assert position == len(seq) - 1 == len(seq.token_ids) and seq.num_in_flight == 1
                 out["pending_at"].append(len(out["input_ids"]))
-                out["pending_rows"].append(seq.sample_row)
-            out["input_ids"].append(seq.token_ids[position])
+                out["pending_rows"].append(prev_rows[seq.uid])
+                out["input_ids"].append(0)  # the plan's value there: the runner fills it in
+            else:
+                out["input_ids"].append(seq.token_ids[position])
             out["positions"].append(position)
             out["slot_mapping"].append(seq.block_table[position // block_size] * block_size + position % block_size)
         out["query_lens"].append(item.num_tokens)
@@ -169,12 +173,16 @@ def test_every_steps_inputs_match_a_token_by_token_reference(llms, shape, monkey
     tokens still in flight."""
     llm = llms(shape, True)
     runner = llm.core.runner
-    build, checked = runner.build_inputs, {"decode-only": 0, "mixed": 0, "pending": 0}
+    build, checked = runner.build_inputs, {"decode-only": 0, "mixed": 0, "pending": 0, "in place": 0}
+    prev_rows = {}
 
-    def checking_build(plan):
-        inputs, pending_at, pending_rows = build(plan)
+    def checking_build(plan, sampling_rows):
+        inputs, in_flight = build(plan, sampling_rows)
+        pending_at, pending_rows = in_flight.at, in_flight.rows
         sched = plan.engine_step  # the reference reads the engine's sequences, as the plan's builder does
-        expected = reference_inputs(sched, runner.block_size)
+        expected = reference_inputs(sched, runner.block_size, prev_rows)
+        prev_rows.clear()
+        prev_rows.update((uid, row) for row, uid in enumerate(plan.sampling_ids))
         got = dict(input_ids=inputs.input_ids, positions=inputs.positions, slot_mapping=inputs.slot_mapping,
                    query_lens=inputs.query_lens, seq_lens=inputs.seq_lens, logits_indices=inputs.logits_indices,
                    pending_at=pending_at, pending_rows=pending_rows, block_tables=inputs.block_tables)
@@ -183,7 +191,11 @@ def test_every_steps_inputs_match_a_token_by_token_reference(llms, shape, monkey
         assert inputs.block_tables.dtype.name == "int32" and inputs.slot_mapping.dtype.name == "int64"
         checked["decode-only" if len(inputs.input_ids) == len(sched.scheduled) else "mixed"] += 1
         checked["pending"] += len(pending_at) > 0
-        return inputs, pending_at, pending_rows
+        # one device copy exactly where the tokens in flight are the first rows in prev's order
+        assert in_flight.in_place == (len(pending_at) > 0 and pending_at.tolist() == pending_rows.tolist()
+                                      == list(range(len(pending_at))))
+        checked["in place"] += in_flight.in_place
+        return inputs, in_flight
     monkeypatch.setattr(runner, "build_inputs", checking_build)
     tokens(llm, PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert all(checked.values()), checked

@@ -29,7 +29,7 @@ def random_params(rng: random.Random) -> SamplingParams:
 
 
 def plan_of(inputs: SamplingInputs, seqs: list[Sequence]) -> StepPlan:
-    plan = StepPlan([], [], [], [], [], [], [], [seq.uid for seq in seqs],
+    plan = StepPlan([], [], [], [], [], [], [seq.uid for seq in seqs],
                     new_requests=[request_sampling(seq) for seq in seqs if seq.uid not in inputs.table])
     for request in plan.new_requests:
         inputs.table.add(request)

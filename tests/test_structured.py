@@ -18,7 +18,6 @@ import xgrammar
 from asyncllm.layers.sampler import Sampler, SamplingTensors, apply_token_bitmask_
 from asyncllm.llm import LLM
 from asyncllm.sampling_params import SamplingParams
-from asyncllm.step_plan import PENDING_TOKEN
 from asyncllm.structured import StructuredOutput
 from helpers import assert_all_blocks_free
 

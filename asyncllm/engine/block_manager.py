@@ -173,7 +173,7 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.num_computed_tokens // self.block_size <= len(seq.block_hashes):
             return
         # a block holding a token still being sampled is hashed once its value is known
-        num_full = min(seq.num_computed_tokens, seq.num_resolved_tokens) // self.block_size
+        num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
         first = len(seq.block_hashes)
         prefix_hash = seq.block_hashes[-1] if seq.block_hashes else -1
         hashes = chained_hashes(seq.token_ids, self.block_size, first, num_full, prefix_hash)

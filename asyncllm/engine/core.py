@@ -34,7 +34,6 @@ from asyncllm.pooling_params import PoolingParams
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.startup import (BLOCK_MANAGER, HEAP_FREEZE, REQUEST_INTAKE, SCHEDULER, STEP_BUDGET,
                               STEP_MODEL_CALIBRATION, TOKENIZER, TP_WORKERS, StartupTimings)
-from asyncllm.step_plan import PENDING_TOKEN
 from asyncllm.structured.grammar import GrammarCompiler
 
 logger = logging.getLogger("asyncllm")
@@ -213,8 +212,10 @@ class EngineCore:
         seq.forks = []
 
     def _end(self, seq: Sequence, reason: FinishReason) -> None:
-        """End one sequence: its blocks and its sampler state are freed."""
+        """End one sequence: its blocks and its sampler state are freed, its tokens in flight dropped
+        (never delivered)."""
         self.scheduler.finish(seq, reason)
+        seq.num_in_flight = 0
         if seq.in_runner_table:
             self.runner.release_request(seq.uid)
         if self.speculation is not None:
@@ -236,7 +237,6 @@ class EngineCore:
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
                 continue
             self._end(seq, reason)
-            del seq.token_ids[seq.num_resolved_tokens:]  # tokens still in flight are dropped, never delivered
         if leader.request_finished:
             del self.requests[request_id]
         return leader
@@ -250,7 +250,7 @@ class EngineCore:
         for leader in self.deadlines.pop_expired(self.requests):
             group = leader.group or [leader]
             # tokens the host knows are (or will be) delivered; the ones in flight are dropped below
-            produced = any(seq.num_resolved_tokens > seq.num_prompt_tokens for seq in group)
+            produced = any(seq.num_completion_tokens for seq in group)
             ending = [seq for seq in group if not seq.is_finished]
             queued = leader.first_scheduled_time is None
             self.finish_request(leader.request_id, FinishReason.TIMEOUT)
@@ -265,8 +265,9 @@ class EngineCore:
 
     # ---- the step -----------------------------------------------------------------------------
     # A step is launched (inputs built, forward and sampling queued on the device) and later
-    # resolved (its sampled ids read, finishes checked). Launching commits the step's KV and gives
-    # each sampling sequence a PENDING_TOKEN, so the scheduler can plan the next step at once.
+    # resolved (its sampled ids read, finishes checked). Launching commits the step's KV and counts
+    # each sampling sequence's next token in flight (Sequence.num_in_flight: its value is the
+    # runner's until the step is read), so the scheduler can plan the next step at once.
     # With overlap, step N+1 is launched before step N is resolved: the host's work for both
     # runs while the device computes, and N+1 takes N's sampled ids on the device.
     def has_unfinished(self) -> bool:
@@ -351,16 +352,12 @@ class EngineCore:
         self.step_timer.stop(started, sched.num_batched_tokens - sched.num_decodes, sched.num_decodes, stream)
         self.scheduler.commit(sched)
         self._last_sched = sched
-        row = 0
         for item in sched.scheduled:
             if item.samples:
                 seq = item.seq
                 if seq.forks:
                     self._fork(seq)
-                item.token_index = len(seq.token_ids)
-                seq.token_ids.append(PENDING_TOKEN)
-                seq.sample_row = row
-                row += 1
+                seq.num_in_flight += 1
         return launched
 
     def _resolve(self, launched: LaunchedStep) -> list[StepEvent]:

@@ -42,7 +42,6 @@ class ScheduledSeq:
     # speculative decoding: the draft tokens this decode verifies after its last token (num_tokens
     # counts them; their KV counts as computed only once accepted)
     draft_token_ids: list[int] | tuple = ()
-    token_index: int = -1  # where the sampled token goes in seq.token_ids (set when the step is launched)
 
 
 @dataclass
@@ -192,7 +191,7 @@ class Scheduler:
         num_draft_tokens = 0
         for seq in list(self.running):  # a copy: preemption below removes from self.running
             num_computed = seq.num_computed_tokens
-            length = len(seq.token_ids)
+            length = len(seq.token_ids) + seq.num_in_flight
             if length - num_computed != 1:
                 if length - num_computed > 1:
                     prefills.append(seq)

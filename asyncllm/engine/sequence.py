@@ -11,7 +11,6 @@ import numpy as np
 
 from asyncllm.outputs import FinishReason
 from asyncllm.sampling_params import SamplingParams
-from asyncllm.step_plan import PENDING_TOKEN
 
 _arrival_counter = itertools.count()  # ties of time.monotonic() must not make the order arbitrary; the runner's key
 
@@ -31,13 +30,15 @@ class Sequence:
         self.params = params
         self.block_size = block_size
         self.status = SequenceStatus.WAITING
-        self.token_ids: list[int] = list(prompt_token_ids)
+        self.token_ids: list[int] = list(prompt_token_ids)  # known values only
+        # tokens that launched steps are sampling, not yet resolved: they follow token_ids (len(seq)
+        # counts them), their values known to the runner alone until their step is read
+        self.num_in_flight = 0
         self.num_prompt_tokens = len(prompt_token_ids)
         # the length at which it ends by "length": max_tokens, or the engine's limit if that comes first
         self.max_len = self.num_prompt_tokens + params.max_tokens if params.max_tokens is not None else sys.maxsize
         if max_seq_len is not None:
             self.max_len = min(self.max_len, max_seq_len)
-        self.sample_row = -1  # its row among the sampled tokens of the step that samples its PENDING_TOKEN
         # KV entries already in the cache (computed, or served by the prefix cache)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
@@ -94,7 +95,8 @@ class Sequence:
         self.drafts_paused_until = 0
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        """Its tokens, those in flight counted (the scheduler's length)."""
+        return len(self.token_ids) + self.num_in_flight
 
     @property
     def num_completion_tokens(self) -> int:
@@ -106,15 +108,7 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
-
-    @property
-    def num_resolved_tokens(self) -> int:
-        """Tokens whose values the host knows: all but the trailing PENDING_TOKENs."""
-        n = len(self.token_ids)
-        while n and self.token_ids[n - 1] == PENDING_TOKEN:
-            n -= 1
-        return n
+        return len(self) - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -22,7 +22,6 @@ from asyncllm.engine.sequence import Sequence, SequenceStatus
 from asyncllm.speculative.draft_model import DraftModelProposer
 from asyncllm.speculative.ngram import NgramProposer
 from asyncllm.speculative.proposer import DraftRow, Proposer, SampledDrafts
-from asyncllm.step_plan import PENDING_TOKEN
 
 # decoding rows past which a step speculates for none (a Config-free constant: where verification's
 # extra query rows start to cost as much compute as they save weight reads)
@@ -79,16 +78,16 @@ class Speculation:
         self._drafted = []
         for seq in [seq for seq in self._proposed_for if seq.status is not SequenceStatus.RUNNING]:
             self.release(seq)  # preempted (an ended one was released by the core): a draft model's blocks go back
-        ready = [seq for seq in running if len(seq.token_ids) - seq.num_computed_tokens == 1]
+        ready = [seq for seq in running if len(seq) - seq.num_computed_tokens == 1]
         if len(ready) > MAX_SPECULATING_DECODES:
             return False
         wanting = [seq for seq in ready if step >= seq.drafts_paused_until and _may_speculate(seq)]
         rows, seqs = [], []
         logits_room = self.max_logits_rows - len(ready)
         for seq in wanting:
-            room = seq.max_len - len(seq.token_ids) - 1  # every token it may still take, after the bonus one
+            room = seq.max_len - len(seq) - 1  # every token it may still take, after the bonus one
             k = min(room, logits_room, math.ceil(self.num_speculative_tokens * seq.draft_acceptance))
-            if k > 0 and seq.token_ids[-1] != PENDING_TOKEN:
+            if k > 0 and not seq.num_in_flight:
                 rows.append(DraftRow(seq.token_ids, k, seq, seq.params, seq.num_prompt_tokens))
                 seqs.append(seq)
                 logits_room -= k

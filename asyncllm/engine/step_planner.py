@@ -7,30 +7,31 @@ import numpy as np
 from asyncllm.engine.scheduler import SchedulerOutput
 from asyncllm.engine.sequence import Sequence
 from asyncllm.engine.speculation import verified_drafts
-from asyncllm.step_plan import PENDING_TOKEN, PromptLogprobsPlan, RequestSampling, StepPlan
+from asyncllm.step_plan import PromptLogprobsPlan, RequestSampling, StepPlan
 
 
 def plan_step(sched: SchedulerOutput) -> StepPlan:
     """The step's plan. Plans its prompt positions' log-probabilities too (plan_prompt_logprobs),
     which records them as planned: call it once per step launched."""
     input_ids, starts, query_lens, block_rows, logits_indices = [], [], [], [], []
-    pending_at, pending_rows, sampling, new_requests = [], [], [], []
+    in_flight_rows, sampling, new_requests = [], [], []
     num_tokens = 0
     for item in sched.scheduled:
         seq, num_new = item.seq, item.num_tokens
         token_ids, start = seq.token_ids, seq.num_computed_tokens
         drafts = item.draft_token_ids
+        # its last token is in flight (sampled by the step in flight): the runner fills it in
+        in_flight = start + num_new > len(token_ids)
         if num_new == 1:
-            input_ids.append(token_ids[start])
-        elif drafts:  # a speculating decode: its last token, then the drafts it verifies
+            input_ids.append(0 if in_flight else token_ids[start])
+        elif drafts:  # a speculating decode: its last token (known: speculation waits for it), then the drafts
             input_ids.append(token_ids[start])
             input_ids.extend(drafts)
         else:
             input_ids.extend(token_ids[start:start + num_new])
+            if in_flight:
+                input_ids.append(0)
         num_tokens += num_new
-        if start + num_new == len(token_ids) and token_ids[-1] == PENDING_TOKEN:
-            pending_at.append(num_tokens - 1)
-            pending_rows.append(seq.sample_row)
         starts.append(start)
         query_lens.append(num_new)
         block_rows.append(seq.block_table)
@@ -42,9 +43,11 @@ def plan_step(sched: SchedulerOutput) -> StepPlan:
                 logits_indices.extend(range(num_tokens - num_new, num_tokens))
                 sampling.extend([seq.uid] * num_new)
             else:
+                if in_flight:
+                    in_flight_rows.append(len(sampling))
                 logits_indices.append(num_tokens - 1)
                 sampling.append(seq.uid)
-    plan = StepPlan(input_ids, starts, query_lens, block_rows, logits_indices, pending_at, pending_rows, sampling,
+    plan = StepPlan(input_ids, starts, query_lens, block_rows, logits_indices, in_flight_rows, sampling,
                     plan_prompt_logprobs(sched), engine_step=sched, new_requests=new_requests)
     if sched.num_draft_tokens:
         plan.draft_token_ids, plan.rows_per_request, plan.draft_probs = verified_drafts(sched)
@@ -56,7 +59,7 @@ def request_sampling(seq: Sequence) -> RequestSampling:
     step), with its tokens so far."""
     p = seq.params
     return RequestSampling(
-        seq.uid, seq.token_ids[:seq.num_resolved_tokens], seq.num_prompt_tokens, p.temperature, p.top_k, p.top_p,
+        seq.uid, list(seq.token_ids), seq.num_prompt_tokens, p.temperature, p.top_k, p.top_p,
         p.min_p, p.seed, p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.uses_penalties,
         p.logit_bias, seq.allowed_token_ids, seq.early_stop_ids, p.min_tokens, seq.bad_word_ids, p.logprobs,
         seq.adjusts_logits, seq.grammar)

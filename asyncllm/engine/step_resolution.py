@@ -27,20 +27,22 @@ def step_events(core, sampling: list[ScheduledSeq], token_ids: list[int], per_ro
         seq = item.seq
         if seq.status == SequenceStatus.FINISHED:
             continue  # ended while this step was in flight: its token is dropped, never delivered
-        seq.token_ids[item.token_index] = token_id
-        length = item.token_index + 1
+        # steps resolve in launch order: the first of its tokens in flight is this one
+        index = len(seq.token_ids)
+        seq.token_ids.append(token_id)
+        seq.num_in_flight -= 1
+        length = index + 1
         # most tokens end nothing: the full check only where one of its conditions can hold
         reason = finish_reason(core, seq, token_id, length) if token_id in seq.stop_ids or \
             length >= seq.max_len or seq.grammar is not None else None
         if reason is not None:
-            del seq.token_ids[length:]  # tokens in flight
-            event = _event(core, seq, item, [token_id], reason)
+            event = _event(core, seq, index, [token_id], reason)
         else:  # most tokens: the event inline (this loop runs for every decoding row every step)
-            if length % block_size == 0 and seq.num_computed_tokens > item.token_index:
+            if length % block_size == 0 and seq.num_computed_tokens > index:
                 # the token closes a block whose KV a later step already computed: it can be hashed now
                 core.block_manager.commit_computed(seq)
             event = StepEvent(seq, [token_id], None)
-            if seq.prompt_logprobs is not None and item.token_index == seq.num_prompt_tokens:
+            if seq.prompt_logprobs is not None and index == seq.num_prompt_tokens:
                 event.prompt_logprobs = seq.prompt_logprobs
         if logprobs is not None and logprobs[row] is not None and event.error is None:
             event.logprobs = [logprobs[row]]
@@ -60,7 +62,8 @@ def _speculative_events(core, sampling: list[ScheduledSeq], token_ids: list[int]
             continue  # ended while this step was in flight: its tokens are dropped, never delivered
         if item.draft_token_ids:
             core.speculation.record(seq, len(item.draft_token_ids), count - 1, core.num_steps)
-        del seq.token_ids[item.token_index:]  # its PENDING_TOKEN
+        index = len(seq.token_ids)  # its first new token's
+        seq.num_in_flight -= 1
         reason, taken = None, 0
         for token_id in new_ids:
             seq.token_ids.append(token_id)
@@ -76,16 +79,17 @@ def _speculative_events(core, sampling: list[ScheduledSeq], token_ids: list[int]
             seq.num_computed_tokens += count - 1
             core.block_manager.truncate(seq, seq.num_computed_tokens + 1)
             core.block_manager.commit_computed(seq)
-        event = _event(core, seq, item, new_ids[:taken], reason)
+        event = _event(core, seq, index, new_ids[:taken], reason)
         if row_logprobs is not None and row_logprobs[0] is not None and event.error is None:
             event.logprobs = row_logprobs[:len(event.new_token_ids)]
         events.append(event)
     return events
 
 
-def _event(core, seq: Sequence, item: ScheduledSeq, new_ids: list[int], reason: FinishReason | None) -> StepEvent:
-    """The event of seq's new tokens (their last ending it with reason, if any; seq ended here). A
-    token its grammar refused is taken back, and the event carries the grammar's error instead."""
+def _event(core, seq: Sequence, index: int, new_ids: list[int], reason: FinishReason | None) -> StepEvent:
+    """The event of seq's new tokens (the first at index in its tokens; their last ending it with
+    reason, if any: seq ended here, its tokens in flight dropped). A token its grammar refused is
+    taken back, and the event carries the grammar's error instead."""
     if reason is None:
         event = StepEvent(seq, new_ids, None)
     else:
@@ -102,7 +106,7 @@ def _event(core, seq: Sequence, item: ScheduledSeq, new_ids: list[int], reason: 
         token_id = new_ids[-1]
         if reason is FinishReason.STOP and token_id in seq.params.stop_token_ids and not is_eos(core, seq, token_id):
             event.stop_reason = token_id
-    if seq.prompt_logprobs is not None and item.token_index == seq.num_prompt_tokens:
+    if seq.prompt_logprobs is not None and index == seq.num_prompt_tokens:
         event.prompt_logprobs = seq.prompt_logprobs
     return event
 

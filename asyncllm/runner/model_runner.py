@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+from typing import Callable
 
 import numpy as np
 import torch
@@ -31,7 +32,7 @@ from asyncllm.runner.pooling import StepPooling
 from asyncllm.runner.request_table import GRAMMAR, speculative_positions
 from asyncllm.runner.sampler_graphs import SamplerGraphs
 from asyncllm.runner.sampling_inputs import SamplingInputs, SamplingPlan
-from asyncllm.runner.step_inputs import StepInputs, synthetic_step_inputs
+from asyncllm.runner.step_inputs import NO_TOKENS_IN_FLIGHT, InFlightTokens, StepInputs, synthetic_step_inputs
 from asyncllm.runner.step_bitmask import StepBitmasks
 from asyncllm.runner.tp_protocol import agree_on_min
 from asyncllm.startup import (ATTENTION_BACKEND, BUILD_MODEL, CUDA_GRAPHS, DECODE_TUNING, KV_CACHE, LOAD_WEIGHTS,
@@ -200,10 +201,12 @@ class ModelRunner(RunnerMemory):
             attn_backend=self.attn_backend)
         return batch, extra
 
-    def build_inputs(self, plan: StepPlan) -> tuple[StepInputs, np.ndarray, np.ndarray]:
-        """The step's inputs, and where they hold a PENDING_TOKEN: (token index in the step, the
-        row of the previous step's sampled ids that has its value). All numpy: the plan's one pass
-        of plain Python over the rows is the engine's (engine/step_planner.py)."""
+    def build_inputs(self, plan: StepPlan, sampling_rows: np.ndarray) -> tuple[StepInputs, InFlightTokens]:
+        """The step's inputs on the host, whichever way they reach the device (launch's
+        _transfer), and its tokens in flight (StepPlan.in_flight_rows; their values the step in
+        flight's, filled in by the transfer). sampling_rows: the request table's rows of the plan's
+        sampling rows. All numpy: the plan's one pass of plain Python over the rows is the
+        engine's (engine/step_planner.py)."""
         num_seqs, num_tokens = len(plan.query_lens), plan.num_tokens
         starts, query_lens, block_rows = plan.starts, plan.query_lens, plan.block_rows
         starts_np = np.array(starts, dtype=np.int64)
@@ -224,7 +227,12 @@ class ModelRunner(RunnerMemory):
         slot_mapping = block_tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
         inputs = StepInputs(np.array(plan.input_ids, dtype=np.int64), positions, slot_mapping, query_lens_np, seq_lens,
                             block_tables, np.array(plan.logits_indices, dtype=np.int64))
-        return inputs, np.array(plan.pending_at, dtype=np.int64), np.array(plan.pending_rows, dtype=np.int64)
+        if not plan.in_flight_rows:
+            return inputs, NO_TOKENS_IN_FLIGHT
+        at = inputs.logits_indices[plan.in_flight_rows]
+        rows = self.sampling_inputs.table.in_flight_rows(plan, sampling_rows)
+        in_place = at[-1] == len(at) - 1 and np.array_equal(rows, np.arange(len(rows)))
+        return inputs, InFlightTokens(at, rows, bool(in_place))
 
     def _staged_decode_key(self, inputs: StepInputs) -> tuple[str, int, int] | None:
         """The decode graph that replays this step from inputs staged in one copy (DecodeStaging): a
@@ -282,9 +290,9 @@ class ModelRunner(RunnerMemory):
     @torch.inference_mode()
     def launch(self, plan: StepPlan, prev: LaunchedStep | None, grammar_compiler=None,
                stream: torch.cuda.Stream | None = None, pooling_plan=None) -> LaunchedStep:
-        """Queue one step's forward and sampling (plan: the engine's StepPlan). Inputs still
-        PENDING_TOKEN are the ids prev sampled: they are filled in on the device, so the host never
-        waits for prev.
+        """Queue one step's forward and sampling (plan: the engine's StepPlan). A row's last token
+        in flight (StepPlan.in_flight_rows) is the id prev sampled for its request (the request
+        table's sampled_row): it is filled in on the device, so the host never waits for prev.
 
         grammar_compiler (structured.grammar.GrammarCompiler, or None: no request has a grammar): the
         compiler of the requests' grammars. The bitmask of the rows held to one is filled on the host
@@ -298,50 +306,22 @@ class ModelRunner(RunnerMemory):
             table.add(request)
         if prev is not None:
             prev.queue_sampling()  # the device runs prev's sampling before this step's forward
-        inputs, pending_at, pending_rows = self.build_inputs(plan)
+        # the sampling settings are ready before the forward: they travel in the step's one copy
+        sampling_plan = self.sampling_inputs.plan(plan)
+        inputs, in_flight = self.build_inputs(plan, sampling_plan.rows)
+        assert prev is not None or not len(in_flight.at), "a token in flight without the step that samples it"
         num_sampling = len(inputs.logits_indices)
         prompt_plan = plan.prompt_logprobs
         if prompt_plan is not None:  # prompt positions' logits too, after the sampling rows
             inputs.logits_indices = np.concatenate([inputs.logits_indices, prompt_plan.token_rows])
-        if len(pending_at):
-            assert prev is not None, "a pending token without the step that samples it"
-        # the sampling settings are ready before the forward: they travel in the step's one copy
-        sampling_plan = self.sampling_inputs.plan(plan)
         constraints = None
         if grammar_compiler is not None and sampling_plan.any_flags & GRAMMAR:
             constraints = self._constraints(plan, sampling_plan, grammar_compiler)
         # from here the rows' next tokens are in flight
         launched_rows = table.launched(plan, sampling_plan.rows, sampling_plan.flags, sampling_plan.any_flags)
-        sampling_arrays = list(sampling_plan.arrays.values())
         prev_sampled = None if prev is None else prev.sampled
         pooling = None if pooling_plan is None else StepPooling(pooling_plan, self.device)
-        if self.workers is not None:
-            # the other ranks get the inputs from the host: they need prev's ids there
-            if len(pending_at):
-                inputs.input_ids[pending_at] = np.asarray(prev.token_ids(), dtype=np.int64)[pending_rows]
-            uploaded = upload_arrays(sampling_arrays, self.device)
-            forward = lambda: self.workers.run_step(inputs, self.forward)  # noqa: E731 - the ranks in lockstep
-        else:
-            # pending tokens in the same rows as prev's sampled ids (a decode batch that kept its
-            # rows) are one device copy; others a gather and a scatter of uploaded rows
-            in_place = len(pending_at) and pending_at[-1] == len(pending_at) - 1 and \
-                np.array_equal(pending_rows, np.arange(len(pending_rows)))
-            scattered = [pending_at, pending_rows] if len(pending_at) and not in_place else []
-            key = self._staged_decode_key(inputs)
-            if key is None:
-                batch, uploaded = self._make_batch(inputs, scattered + sampling_arrays)
-                input_ids = batch.input_ids
-                forward = lambda: self._forward(batch, pooling)  # noqa: E731
-            else:  # a decode graph's step: its inputs straight into the graph's buffers (never a pooling step)
-                input_ids, uploaded = self.graph_runner.staging.stage(inputs, scattered, sampling_plan.arrays)
-                forward = lambda: self.graph_runner.replay_staged(key, len(input_ids))  # noqa: E731
-            if in_place:
-                num = len(pending_at)  # whole tensors where they fit (a steady decode batch): no new views
-                (input_ids if num == len(input_ids) else input_ids[:num]).copy_(
-                    prev_sampled if num == len(prev_sampled) else prev_sampled[:num])
-            elif scattered:
-                at, rows, *uploaded = uploaded
-                input_ids.index_copy_(0, at, prev_sampled.index_select(0, rows))
+        uploaded, forward = self._transfer(inputs, in_flight, sampling_plan.arrays, prev, pooling)
         # before the forward: whatever reads prev's ids is queued ahead of this step's graphs, whose
         # replays may reuse the memory that holds them (a sampler graph's static output)
         sampling = self.sampling_inputs.tensors(sampling_plan, uploaded, prev_sampled)
@@ -375,6 +355,39 @@ class ModelRunner(RunnerMemory):
             return sampler(logits, sampling)
         return LaunchedStep(plan, None, logprob_ks, prompt_logprobs, sample=sample, stream=stream,
                             pooling=pooling, table=table, launched_rows=launched_rows)
+
+    def _transfer(self, inputs: StepInputs, in_flight: InFlightTokens, sampling_arrays: dict[str, np.ndarray],
+                  prev: LaunchedStep | None, pooling: StepPooling | None
+                  ) -> tuple[list[torch.Tensor], Callable[[], torch.Tensor]]:
+        """The step's inputs (build_inputs') and sampling arrays to where its forward reads them, its
+        tokens in flight filled in: the one place the three ways differ. Tensor-parallel ranks get the
+        inputs from the host (the wire: StepInputs.pack), so the host fills the tokens in from prev's
+        ids; a decode graph's step is staged into the graph's own buffers; any other step is
+        uploaded in one copy; both fill the tokens in on the device, never waiting for prev. Returns
+        the sampling arrays on the device (in sampling_arrays' order) and the step's forward."""
+        arrays = list(sampling_arrays.values())
+        if self.workers is not None:
+            if len(in_flight.at):
+                inputs.input_ids[in_flight.at] = np.asarray(prev.token_ids(), dtype=np.int64)[in_flight.rows]
+            return upload_arrays(arrays, self.device), lambda: self.workers.run_step(inputs, self.forward)
+        index_arrays = in_flight.index_arrays
+        key = self._staged_decode_key(inputs)
+        if key is None:
+            batch, uploaded = self._make_batch(inputs, index_arrays + arrays)
+            input_ids = batch.input_ids
+            forward = lambda: self._forward(batch, pooling)  # noqa: E731
+        else:  # a decode graph's step: its inputs straight into the graph's buffers (never a pooling step)
+            input_ids, uploaded = self.graph_runner.staging.stage(inputs, index_arrays, sampling_arrays)
+            forward = lambda: self.graph_runner.replay_staged(key, len(input_ids))  # noqa: E731
+        prev_sampled = None if prev is None else prev.sampled
+        if in_flight.in_place:
+            num = len(in_flight.at)  # whole tensors where they fit (a steady decode batch): no new views
+            (input_ids if num == len(input_ids) else input_ids[:num]).copy_(
+                prev_sampled if num == len(prev_sampled) else prev_sampled[:num])
+        elif index_arrays:
+            at, rows, *uploaded = uploaded
+            input_ids.index_copy_(0, at, prev_sampled.index_select(0, rows))
+        return uploaded, forward
 
     def sample(self, logits: torch.Tensor, sampling: SamplingTensors) -> SamplerOutput:
         """Queue the sampling of a step's logits, just computed: the sampler graph over the forward

@@ -2,7 +2,9 @@
 batch, our own code): each request's sampling settings, sent once (step_plan.RequestSampling), as
 numpy columns by table row, so that a step's sampling arrays are gathers over its rows; its tokens
 as the runner learns them (each step's results, appended when the step is read); which row of a
-launched step is still sampling its next token; its penalties' token-count slot.
+launched step is still sampling its next token (the inputs of the next step take that row's id
+on the device where its plan says the request's last token is in flight); its penalties'
+token-count slot.
 
 A request joins in the plan of its first sampling step and leaves when the engine ends it
 (ModelRunner.release_request). Nothing here hangs on the request's KV: a preempted request keeps
@@ -30,7 +32,7 @@ HISTORY = 256
 # the numpy columns, by name: (dtype, the value of a row no request holds)
 _COLUMNS = dict(flags=(np.int64, 0), temperature=(np.float32, 0.0), top_k=(np.int64, 0), top_p=(np.float32, 1.0),
                 min_p=(np.float32, 0.0), logprobs=(np.int64, -1), pending_row=(np.int64, -1),
-                pending_step=(np.int64, -1))
+                pending_step=(np.int64, -1), sampled_row=(np.int64, -1))
 
 
 def request_flags(s: RequestSampling) -> int:
@@ -91,7 +93,7 @@ class RequestTable:
         for name, value in (("flags", request_flags(s)), ("temperature", s.temperature),
                             ("top_k", s.top_k if s.top_k > 0 else self.vocab_size), ("top_p", s.top_p),
                             ("min_p", s.min_p), ("logprobs", -1 if s.logprobs is None else s.logprobs),
-                            ("pending_row", -1), ("pending_step", -1)):
+                            ("pending_row", -1), ("pending_step", -1), ("sampled_row", -1)):
             getattr(self, name)[row] = value
 
     def remove(self, request: int) -> RequestEntry | None:
@@ -121,10 +123,19 @@ class RequestTable:
         token in flight, if any, counted)."""
         return len(entry.token_ids) - entry.settings.num_prompt_tokens + (self.pending_row[row] >= 0)
 
+    def in_flight_rows(self, plan: StepPlan, rows: np.ndarray) -> np.ndarray:
+        """For each of plan's sampling rows whose last token is in flight (StepPlan.in_flight_rows;
+        rows: the step's sampling rows' table rows), its row among the sampled ids of the step in
+        flight (the last launched, which sampled it). Before launched() records this step."""
+        return self.sampled_row[rows[plan.in_flight_rows]]
+
     def launched(self, plan: StepPlan, rows: np.ndarray, flags: np.ndarray, any_flags: int) -> tuple[int, list]:
         """plan's step is launched (rows, flags: its sampling rows' table rows and flags; any_flags:
-        their OR): the next token of each request with HISTORY is in flight, at its (first) sampling
-        row. Returns what recorded() takes: the step's number and those requests' (row, key)."""
+        their OR): each request's next token is in flight at its sampling row (sampled_row; a
+        speculating step, never left in flight, writes rows no step reads) and, for a request with
+        HISTORY, tracked until the step is read (pending_row, at its first sampling row). Returns
+        what recorded() takes: the step's number and those requests' (row, key)."""
+        self.sampled_row[rows] = np.arange(len(rows))
         self.num_launched += 1
         if not any_flags & HISTORY:
             return self.num_launched, []

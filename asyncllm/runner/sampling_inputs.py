@@ -97,8 +97,8 @@ class SamplingInputs:
     def tensors(self, plan: SamplingPlan, uploaded: list[torch.Tensor],
                 prev_sampled: torch.Tensor | None = None) -> SamplingTensors:
         """The step's SamplingTensors from plan's arrays on the device (uploaded: in plan.arrays' order).
-        prev_sampled: the ids (on the device) of the step in flight, which samples the rows'
-        PENDING_TOKENs (overlap)."""
+        prev_sampled: the ids (on the device) of the step in flight, which samples the rows' tokens
+        in flight (overlap)."""
         # what is left once the sampling fields and logprob rows are taken: the adjustments' arrays
         adjustments = dict(zip(plan.arrays, uploaded))
         tensors = SamplingTensors.from_device({name: adjustments.pop(name) for name in SamplingTensors.HOST_ARRAYS

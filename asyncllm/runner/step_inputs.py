@@ -7,6 +7,24 @@ from dataclasses import dataclass
 import numpy as np
 
 
+@dataclass(slots=True)
+class InFlightTokens:
+    """A step's tokens in flight (overlapped steps): their values are the ids the step in flight
+    samples, filled in where the inputs land (on the device, or on the host for tensor-parallel ranks)."""
+    at: np.ndarray  # (P,) int64: their indices among the step's tokens
+    rows: np.ndarray  # (P,) int64: their rows among the step in flight's sampled ids
+    # at and rows both 0..P-1 (a decode batch that kept its rows): one device copy, no index arrays
+    in_place: bool = False
+
+    @property
+    def index_arrays(self) -> list[np.ndarray]:
+        """The arrays the device needs to fill them in: [at, rows], or none (in place, or no token)."""
+        return [self.at, self.rows] if len(self.at) and not self.in_place else []
+
+
+NO_TOKENS_IN_FLIGHT = InFlightTokens(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+
+
 @dataclass
 class StepInputs:
     input_ids: np.ndarray  # (T,) int64

@@ -124,10 +124,6 @@ class DraftKV:
     def __len__(self) -> int:
         return len(self.token_ids)
 
-    @property
-    def num_resolved_tokens(self) -> int:
-        return len(self.token_ids)  # a proposal's tokens are all known
-
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -23,7 +23,6 @@ import anyio
 import torch
 
 from asyncllm.errors import InvalidValueError
-from asyncllm.step_plan import PENDING_TOKEN
 from asyncllm.structured.compile_jobs import CompileJobs
 from asyncllm.structured.spec import StructuredOutput
 
@@ -245,14 +244,11 @@ class GrammarState:
         self.others = others  # the request's other constraints, by field: what a refusal blames
 
     def catch_up(self, token_ids: list[int], num_prompt_tokens: int, pending_value: int | None = None) -> None:
-        """Feed the completion tokens of token_ids (prompt, then completion) not fed yet, up to a
-        PENDING_TOKEN (the engine's marker of a token in flight); then pending_value, when given: the
-        token after the last known one (the runner's, which the previous step sampled)."""
+        """Feed the completion tokens of token_ids (prompt, then completion: known values) not fed
+        yet; then pending_value, when given: the token after the last known one (the runner's, which
+        the previous step sampled)."""
         for index in range(num_prompt_tokens + self.num_consumed, len(token_ids)):
-            token = token_ids[index]
-            if token == PENDING_TOKEN:
-                return
-            self._feed(token)
+            self._feed(token_ids[index])
         if pending_value is not None:
             self._feed(pending_value)
 
