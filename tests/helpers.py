@@ -193,7 +193,7 @@ def generate_with_logits(llm, prompts: list[list[int]], params) -> tuple[list[li
 
         def capture(logits, sampling):
             for row, seq in enumerate(rows):
-                key = (tuple(seq.token_ids[:seq.num_prompt_tokens]), seq.num_completion_tokens)
+                key = (tuple(seq.token_ids[:seq.num_prompt_tokens]), len(seq) - seq.num_prompt_tokens)  # in flight counted
                 captured.setdefault(key, logits[row].float().clone())
             return sample(logits, sampling)  # the sampler graphs' path too, where the step takes it
         runner.sample = capture

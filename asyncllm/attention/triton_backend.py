@@ -51,8 +51,9 @@ class TritonAttentionBackend(AttentionBackend):
     supports_mixed_cuda_graphs = True
 
     def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], num_heads: int,
-                 num_kv_heads: int, head_dim: int, scale: float, split_tokens: int = PREFILL_SPLIT_TOKENS):
-        super().__init__(k_caches, v_caches, num_heads, num_kv_heads, head_dim, scale)
+                 num_kv_heads: int, head_dim: int, scale: float, rotate_qk: bool = False,
+                 split_tokens: int = PREFILL_SPLIT_TOKENS):
+        super().__init__(k_caches, v_caches, num_heads, num_kv_heads, head_dim, scale, rotate_qk)
         # the least KV a prefill split takes (kernels.choose_prefill_splits); tests lower it to send
         # short contexts down the split path
         self.split_tokens = split_tokens
