@@ -5,15 +5,22 @@ here to the keywords a CPU engine's start-up passed."""
 from __future__ import annotations
 
 import inspect
+import os
 
 import pytest
+import torch
 
-from asyncllm import LLM
-from asyncllm.attention import base
-from asyncllm.attention.flash_attn_backend import FA2AttentionBackend, FA4AttentionBackend
-from asyncllm.attention.torch_ref import TorchAttentionBackend
-from asyncllm.attention.triton_backend import TritonAttentionBackend
-from asyncllm.runner import model_runner
+if not torch.cuda.is_available():
+    # before this file's import of the Triton backend (the first `import triton` of a CPU run, which
+    # collects it first): the kernel tests that follow run Triton's interpreter, fixed at that import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from asyncllm import LLM  # noqa: E402
+from asyncllm.attention import base  # noqa: E402
+from asyncllm.attention.flash_attn_backend import FA2AttentionBackend, FA4AttentionBackend  # noqa: E402
+from asyncllm.attention.torch_ref import TorchAttentionBackend  # noqa: E402
+from asyncllm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from asyncllm.runner import model_runner  # noqa: E402
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])

@@ -325,7 +325,7 @@ def test_structured_outputs_and_guided_decoding(llm):
 def test_engine_args_vllm_names_and_refusals(tiny_qwen3):
     with pytest.raises(ValueError, match=r"trust_remote_code=True: not supported \(asyncllm never runs"):
         LLM(tiny_qwen3, trust_remote_code=True)
-    with pytest.raises(ValueError, match=r"Config\.quantization: must be one of \(None, .fp8.\), got .awq."):
+    with pytest.raises(ValueError, match=r"Config\.quantization: must be one of \(None, .fp8., .fp8_weight_only.\), got .awq."):
         LLM(tiny_qwen3, quantization="awq")
     with pytest.raises(TypeError, match="no_such_option"):
         LLM(tiny_qwen3, no_such_option=1)
