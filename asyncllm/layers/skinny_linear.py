@@ -36,7 +36,7 @@ from asyncllm import settings
 from asyncllm.layers.activation import SiluAndMul
 from asyncllm.layers.device_wide import capturing
 from asyncllm.layers.fused import kernel_module
-from asyncllm.layers.parallel_compiles import in_dry_run, note_put_off, parallel_compiles
+from asyncllm.layers.parallel_compiles import in_dry_run, note_put_off
 from asyncllm.startup_cache import StartupDecisions
 
 logger = logging.getLogger("asyncllm")
@@ -244,13 +244,6 @@ def choose_fastest(kernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     unfused pair (silu_and_mul, then linear(), whose decision for the product is made)."""
     usable, calls = [], []
     gated_args = dict(gated=True) if gated else {}
-    if x.is_cuda:  # (Triton's interpreter on CPU compiles nothing)
-        with parallel_compiles():  # the tilings compile at once, not one after another in the loop below
-            for config in candidates:
-                try:
-                    kernels.skinny_gemm(x, weight, bias, config, **gated_args)
-                except Exception:  # noqa: BLE001 - the loop below runs it again, and says why it is left out
-                    pass
     for config in candidates:
         call = lambda config=config: kernels.skinny_gemm(x, weight, bias, config, **gated_args)  # noqa: E731
         try:

@@ -23,7 +23,6 @@ import time
 import torch
 
 from asyncllm.attention.base import AttentionBackend, ForwardBatch
-from asyncllm.layers.parallel_compiles import parallel_compiles
 from asyncllm.layers.device_wide import capturing
 from asyncllm.runner.decode_staging import DecodeStaging
 
@@ -129,13 +128,8 @@ class CudaGraphRunner:
 
     def _capture(self, key: tuple[str, int, int]) -> None:
         batch = self._static_batch(*key)
-        if self.warm_up:  # autotuning and lazy initialisation stay out of the graph
-            # as a dry run first (layers/parallel_compiles.py): the kernels it would compile one at a
-            # time, as it reaches them, compile at once; where it skipped nothing it was the warm-up
-            with parallel_compiles() as dry_run:
-                self._run_model(batch)
-            if dry_run.missed:
-                self._run_model(batch)
+        if self.warm_up:
+            self._run_model(batch)  # autotuning and lazy initialisation stay out of the graph
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with capturing(graph, self._pool):
