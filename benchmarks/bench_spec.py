@@ -118,8 +118,10 @@ def run_mode(args) -> list[dict]:
             drafts = stats["spec_draft_tokens"] - stats_before["spec_draft_tokens"]
             kept = stats["spec_accepted_tokens"] - stats_before["spec_accepted_tokens"]
             verifications = stats["spec_verifications"] - stats_before["spec_verifications"]
+            decode_steps = stats["spec_decode_steps"] - stats_before["spec_decode_steps"]
             row.update(acceptance_rate=kept / drafts if drafts else 0.0,
-                       mean_accepted_length=1 + kept / verifications if verifications else None)
+                       mean_accepted_length=1 + kept / verifications if verifications else None,
+                       speculating_share=verifications / decode_steps if decode_steps else 0.0)
         rows.append(row)
     llm.close()
     del llm
@@ -183,7 +185,8 @@ def main(argv=None) -> dict:
     report.finish("Speculative decoding (n-gram, draft models) on the SmolLM2 copy task", [
         ("batch", "batch", "{}"), ("mode", "mode", "{}"), ("tok/s", "tok_s", "{:,.0f}"),
         ("speedup", "speedup", "{:.2f}x"), ("acceptance", "acceptance_rate", "{:.2f}"),
-        ("mean accepted length", "mean_accepted_length", "{:.2f}"), ("same text", "same_text", "{}"),
+        ("mean accepted length", "mean_accepted_length", "{:.2f}"),
+        ("speculating share", "speculating_share", "{:.3f}"), ("same text", "same_text", "{}"),
         ("output tokens", "output_tokens", "{:,}")])
     return report.data
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from asyncllm import LLM, AsyncLLMEngine, SamplingParams
+from asyncllm.engine.speculation import MAX_PAUSE_STEPS
 from asyncllm.runner import decode_staging
 from asyncllm.runner.stable_memory import StableTensors, device_memory_allocated, mapped_bytes
 from asyncllm.testing import build_tiny_checkpoint, qwen_tokenizer_dir
@@ -920,6 +921,10 @@ def test_speculative_draft_model_equal_to_the_target_on_cuda(model_dir, backend)
         stats = llm.core.stats()
         proposer = llm.core.speculation.proposer
         assert proposer._held == {} and proposer.block_manager.num_free_blocks == proposer.num_total_blocks
+        # the draft's logits are sampled by the proposer: no sampler graphs; a retry's catch-up after the
+        # longest pause in speculating (MAX_PAUSE_STEPS decodes, then 2 tokens) fits a mixed graph
+        assert proposer.runner.graph_runner is not None and proposer.runner.sampler_graphs is None
+        assert proposer.runner.graph_runner.max_mixed_tokens >= MAX_PAUSE_STEPS + 2
         if dtype == "float32":
             assert got == expected
             assert stats["spec_accepted_tokens"] >= 0.9 * stats["spec_draft_tokens"] > 0

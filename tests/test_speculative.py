@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from asyncllm.async_engine import AsyncLLMEngine
 from asyncllm.config import Config
-from asyncllm.engine.speculation import MAX_SPECULATING_DECODES, PAUSE_STEPS
+from asyncllm.engine.speculation import MAX_PAUSE_STEPS, MAX_SPECULATING_DECODES, PAUSE_STEPS
 from asyncllm.errors import InvalidValueError
 from asyncllm.layers.rejection_sampler import RejectionSampler, kept_rows, verify_drafts
 from asyncllm.layers.sampler import SamplingTensors, noise_key
@@ -341,30 +341,85 @@ def test_a_steps_logits_rows_stay_within_max_num_seqs(repeating_model, engines, 
     assert sum(proposed) == llm.core.stats()["spec_draft_tokens"], proposed
 
 
-def test_speculation_is_off_for_large_batches_and_pauses_where_drafts_fail(engines):
+class StepRecordingProposer:
+    """Drafts of a script (script(call number, row) gives a row's drafts), recording the engine step
+    and draft count of each row it is asked for."""
+
+    def __init__(self, core, script):
+        self.core, self.script, self.asked = core, script, []
+
+    def propose(self, rows):
+        drafts = []
+        for row in rows:
+            drafts.append(self.script(len(self.asked), row))
+            self.asked.append((self.core.num_steps, row.max_tokens))
+        return drafts
+
+    def release(self, request):
+        pass
+
+
+def wrong_drafts(call, row):
+    return [0] * row.max_tokens  # token 0: never this model's greedy choice
+
+
+def run_scripted(llm: LLM, script, prompt_list, params) -> tuple[list[dict], list[tuple[int, int]]]:
+    speculation = llm.core.speculation
+    proposer = StepRecordingProposer(llm.core, script)
+    ngram, speculation.proposer = speculation.proposer, proposer
+    try:
+        return run(llm, prompt_list, params), proposer.asked
+    finally:
+        speculation.proposer = ngram
+
+
+def gaps(asked) -> list[int]:
+    return [b[0] - a[0] for a, b in zip(asked, asked[1:])]
+
+
+def test_speculation_is_off_for_large_batches_and_backs_off_where_drafts_fail(engines):
     spec = engines("random", "roomy", True)
     batch = prompts(MAX_SPECULATING_DECODES + 1, seed=9, vocab=100000, lo=4, hi=6)
     drafted = spec.core.stats()["spec_draft_tokens"]
     run(spec, [p * 3 for p in batch], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert spec.core.stats()["spec_draft_tokens"] == drafted  # too many decoding rows: none speculated
-    # drafts that are always rejected: k shrinks (4, 2, 1), then the request pauses for PAUSE_STEPS
-    asked = []
+    # drafts that are always rejected: k/2 then 1 (two rejected steps), then a pause of PAUSE_STEPS;
+    # each retry is a one-draft probe, and each failed probe doubles the pause, up to MAX_PAUSE_STEPS
+    num_steps = 2 + PAUSE_STEPS + 64 + 128 + 2 * MAX_PAUSE_STEPS + 20  # (greedy identity: the next test)
+    before = spec.core.stats()
+    _, asked = run_scripted(spec, wrong_drafts, prompts(1, seed=10, vocab=100000),
+                            SamplingParams(temperature=0, max_tokens=num_steps, ignore_eos=True))
+    assert [k for _, k in asked] == [2, 1, 1, 1, 1, 1, 1], asked
+    # the probe comes at the step after the failed one's pause
+    assert gaps(asked) == [1] + [pause + 1 for pause in (PAUSE_STEPS, 64, 128, MAX_PAUSE_STEPS, MAX_PAUSE_STEPS)], asked
+    assert MAX_PAUSE_STEPS == 256
+    # the cost model's bound: 2 descent steps, then log2(MAX_PAUSE_STEPS / PAUSE_STEPS) + 1 probes to the
+    # cap, one per MAX_PAUSE_STEPS + 1 steps after: over num_steps (~760) steps, under 1% speculated
+    assert len(asked) / num_steps < 0.01
+    stats = spec.core.stats()
+    verifications = stats["spec_verifications"] - before["spec_verifications"]
+    assert verifications == len(asked)
+    assert 0 < stats["spec_speculating_share"] < 1
 
-    class WrongProposer:
-        def propose(self, rows):
-            asked.extend(row.max_tokens for row in rows)
-            return [[0] * row.max_tokens for row in rows]  # token 0: never this model's greedy choice
 
-        def release(self, request):
-            pass
-    speculation = spec.core.speculation
-    ngram, speculation.proposer = speculation.proposer, WrongProposer()
-    try:
-        run(spec, prompts(1, seed=10, vocab=100000), SamplingParams(temperature=0, max_tokens=PAUSE_STEPS + 8,
-                                                                    ignore_eos=True))
-    finally:
-        speculation.proposer = ngram
-    assert asked == [4, 2, 1, 2, 1]  # the retry after the pause starts at half
+def test_a_request_whose_drafts_pay_again_resumes_and_its_backoff_starts_over(engines):
+    prompt = prompts(1, seed=11, vocab=100000)
+    plain = ids(run(engines("random", "roomy", False), prompt,
+                    SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)))[0]
+    full = prompt[0] + plain
+
+    def script(call, row):  # wrong 3 times (descent, first probe), right 6 times, then wrong for good
+        if 3 <= call < 9:
+            return full[len(row.token_ids):len(row.token_ids) + row.max_tokens]
+        return wrong_drafts(call, row)
+    out, asked = run_scripted(engines("random", "roomy", True), script, prompt,
+                              SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))
+    assert ids(out)[0] == plain
+    # the second probe (after a pause of 64) is right: it speculates at every step, more drafts as its
+    # acceptance climbs; the wrong drafts then pause it for PAUSE_STEPS again, not 128
+    assert gaps(asked)[:10] == [1, PAUSE_STEPS + 1, 64 + 1, 1, 1, 1, 1, 1, 1, 1], asked
+    assert [k for _, k in asked][:10] == [2, 1, 1, 1, 3, 4, 4, 4, 4, 2], asked
+    assert gaps(asked)[10] == PAUSE_STEPS + 1, asked
 
 
 # ---- sampled output: the target's distribution exactly --------------------------------------------
@@ -522,4 +577,6 @@ def test_stats_and_metrics_report_drafts_and_acceptance(engines):
     text = generate_latest(registry).decode()
     assert f'asyncllm_spec_decode_accepted_tokens_total{{model_name="m"}} {float(stats["spec_accepted_tokens"])}' in text
     assert "asyncllm_spec_decode_mean_accepted_length" in text
+    assert stats["spec_speculating_share"] == stats["spec_verifications"] / stats["spec_decode_steps"] > 0
+    assert f'asyncllm_spec_decode_speculating_share{{model_name="m"}} {stats["spec_speculating_share"]}' in text
     assert "spec_draft_tokens" not in engines("repeating", "roomy", False).core.stats()  # off: absent

@@ -8,9 +8,15 @@ engine keeps the drafts up to the first one the target rejects, then the target'
 (or the bonus token after the last draft). docs/ARCHITECTURE.md "Speculative decoding" tells the rest.
 
 Adaptive, per request: its acceptance rate (a running average) sets how many drafts it proposes
-(k scaled by it), and a request whose rate falls below LOW_ACCEPTANCE stops speculating for
-PAUSE_STEPS steps, then tries again. A step with more than MAX_SPECULATING_DECODES decoding rows
-speculates for none: a large batch is compute-bound, and verifying drafts then costs what it saves.
+(k scaled by it), and a request whose rate falls below LOW_ACCEPTANCE stops speculating for a
+pause, then retries with one cheap probe (ceil(k * LOW_ACCEPTANCE) drafts): a probe that fails
+pauses it again for twice as long (PAUSE_STEPS, 64, ... up to MAX_PAUSE_STEPS); any step that pays
+(its own acceptance at least LOW_ACCEPTANCE) starts the backoff over. A draft that never pays then
+speculates in O(log n) of a request's first n steps, and in 1 of MAX_PAUSE_STEPS + 1 after: with a
+speculating step's extra cost e (in plain steps), the overhead tends to e / MAX_PAUSE_STEPS, under
+1% for any draft no larger than the target. A step with more than MAX_SPECULATING_DECODES decoding
+rows speculates for none: a large batch is compute-bound, and verifying drafts then costs what it
+saves. docs/ARCHITECTURE.md "Speculative decoding" derives these numbers.
 """
 from __future__ import annotations
 
@@ -23,11 +29,20 @@ from asyncllm.speculative.draft_model import DraftModelProposer
 from asyncllm.speculative.ngram import NgramProposer
 from asyncllm.speculative.proposer import DraftRow, Proposer, SampledDrafts
 
-# decoding rows past which a step speculates for none (a Config-free constant: where verification's
-# extra query rows start to cost as much compute as they save weight reads)
+# decoding rows past which a step speculates for none (a Config-free constant): a step of B rows
+# verifying k drafts each computes B * (1 + k) tokens a weight read; at 32 * 5 = 160 an H100/H200's
+# GEMMs are near compute-bound (the bf16 ridge is ~300 flops a byte, ~150-200 where they run), so
+# verification's extra rows then cost about what their accepted tokens save
 MAX_SPECULATING_DECODES = 32
-LOW_ACCEPTANCE = 0.25  # a request's running acceptance rate below which it pauses speculating
-PAUSE_STEPS = 32  # engine steps a paused request decodes one token at a time before it tries again
+# a request's running acceptance rate below which it pauses speculating, and a step's own rate at
+# which it pays: just above a draft model's break-even, d + (v + s) / k with d its forward's cost in
+# target steps (Qwen3-0.6B for -8B: ~0.18), v + s verification's extra rows and lost overlap (~0.2)
+LOW_ACCEPTANCE = 0.25
+PAUSE_STEPS = 32  # engine steps a paused request decodes one token at a time before its first retry
+# the longest pause (each failed retry doubles it): an always-rejected draft's overhead tends to its
+# probe's extra cost / MAX_PAUSE_STEPS, <= 2.2 / 256 < 1% with the draft a copy of the target; a
+# request whose drafts start to pay again waits at most this long to speculate
+MAX_PAUSE_STEPS = 256
 ACCEPTANCE_WEIGHT = 0.5  # the newest step's weight in the running acceptance rate
 
 
@@ -50,7 +65,9 @@ def make_proposer(config: Config, tokenizer) -> Proposer:
     the target's memory probe then counts the draft's weights and KV cache as used)."""
     spec = config.speculative
     if spec.method == "draft_model":
-        return DraftModelProposer(config, tokenizer, MAX_SPECULATING_DECODES)
+        # a retry's catch-up (the tokens decoded while paused, then its last draft and the target's token)
+        # replays one of the draft's graphs
+        return DraftModelProposer(config, tokenizer, MAX_SPECULATING_DECODES, MAX_PAUSE_STEPS + 2)
     return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
 
 
@@ -68,6 +85,7 @@ class Speculation:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_verifications = 0
+        self.num_decode_steps = 0  # decoding rows' steps, speculating or not
 
     def draft(self, running: list[Sequence], step: int) -> bool:
         """Give this step's speculating rows of running their drafts (seq.draft_token_ids, read by
@@ -79,6 +97,7 @@ class Speculation:
         for seq in [seq for seq in self._proposed_for if seq.status is not SequenceStatus.RUNNING]:
             self.release(seq)  # preempted (an ended one was released by the core): a draft model's blocks go back
         ready = [seq for seq in running if len(seq) - seq.num_computed_tokens == 1]
+        self.num_decode_steps += len(ready)
         if len(ready) > MAX_SPECULATING_DECODES:
             return False
         wanting = [seq for seq in ready if step >= seq.drafts_paused_until and _may_speculate(seq)]
@@ -118,9 +137,13 @@ class Speculation:
     @staticmethod
     def _learn(seq: Sequence, rate: float, step: int) -> None:
         seq.draft_acceptance += ACCEPTANCE_WEIGHT * (rate - seq.draft_acceptance)
-        if seq.draft_acceptance < LOW_ACCEPTANCE:
-            seq.drafts_paused_until = step + PAUSE_STEPS
-            seq.draft_acceptance = 2 * LOW_ACCEPTANCE  # on its retry: two more poor steps pause it again
+        if rate >= LOW_ACCEPTANCE:
+            seq.draft_pause = 0  # a step that pays: its next pause is PAUSE_STEPS again
+        elif seq.draft_acceptance < LOW_ACCEPTANCE:
+            seq.draft_pause = min(2 * seq.draft_pause, MAX_PAUSE_STEPS) or PAUSE_STEPS
+            seq.drafts_paused_until = step + seq.draft_pause
+            # its retry is a probe of ceil(k * LOW_ACCEPTANCE) drafts, and one poor probe pauses it again
+            seq.draft_acceptance = LOW_ACCEPTANCE
 
     def stats(self) -> dict:
         drafts, accepted, verifications = self.num_draft_tokens, self.num_accepted_tokens, self.num_verifications
@@ -131,6 +154,10 @@ class Speculation:
             "spec_acceptance_rate": accepted / drafts if drafts else 0.0,
             # tokens a verifying row takes per step: its accepted drafts and the target's own token
             "spec_mean_accepted_length": 1 + accepted / verifications if verifications else 0.0,
+            # decoding rows' steps, and the share of them that verified drafts: what adaptivity and the
+            # batch rule left speculating
+            "spec_decode_steps": self.num_decode_steps,
+            "spec_speculating_share": verifications / self.num_decode_steps if self.num_decode_steps else 0.0,
         }
 
 

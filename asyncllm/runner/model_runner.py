@@ -46,11 +46,15 @@ logger = logging.getLogger("asyncllm")
 
 class ModelRunner(RunnerMemory):
     def __init__(self, config: Config, weights=None, rank: int = 0, step_group=None, workers=None,
-                 startup: StartupTimings | None = None):
+                 startup: StartupTimings | None = None, samples: bool = True):
         """Rank 0 of a tensor-parallel engine gets the started workers (tp_workers.TensorParallelWorkers)
         and steps through their group; a worker rank gets its step_group. startup: the engine's
-        start-up record, which the runner's phases join (build model ... sampler graphs)."""
+        start-up record, which the runner's phases join (build model ... sampler graphs). samples
+        False: its owner samples the logits of forward() itself (a draft model's proposer), so no
+        sampler graphs are captured."""
         self.workers = workers
+        # whether sample() runs here: the other tensor-parallel ranks never sample
+        self.samples = samples and rank == 0
         try:
             self._init(config, weights, rank, step_group, StartupTimings() if startup is None else startup)
         except BaseException:
@@ -135,7 +139,7 @@ class ModelRunner(RunnerMemory):
             with phase(DECODE_TUNING):
                 tune_batch1_projections(self.graph_runner, lambda context: self._synthetic_step(0, 0, 1, context),
                                         self.decisions)
-        if self.rank == 0:  # the other tensor-parallel ranks never sample
+        if self.samples:
             with phase(SAMPLER_GRAPHS):
                 self.sampler_graphs = SamplerGraphs(self.graph_runner)
 

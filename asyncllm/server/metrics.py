@@ -92,6 +92,9 @@ class EngineCollector(Collector):
             yield family(gauge, "asyncllm_spec_decode_mean_accepted_length",
                          "Tokens a verifying request takes per step (accepted drafts + 1).",
                          stats["spec_mean_accepted_length"])
+            yield family(gauge, "asyncllm_spec_decode_speculating_share",
+                         "Decoding requests' steps that verified drafts, per decoding request step.",
+                         stats["spec_speculating_share"])
 
 
 class BulkHistogram(Collector):

@@ -48,9 +48,6 @@ FIELD = "speculative_config.model"
 # on CUDA, the share of the device's free memory (after the draft's weights) its KV cache may take at
 # most; the target's memory probe, which runs after, sees it as used
 DRAFT_KV_GPU_SHARE = 0.1
-# a mixed graph bound that holds one row's catch-up after a pause in speculating (engine/speculation.py
-# PAUSE_STEPS decodes, then its last draft and the target's token), so that retry replays a graph too
-DRAFT_RESUME_GRAPH_TOKENS = 64
 # mixed into a seeded request's seed for its drafts' noise: the draft's draws must be independent of
 # the target's verification noise at the same completion index (noise_key(seed, index)), or the
 # accepted tokens would not follow the target's distribution
@@ -62,15 +59,15 @@ def draft_noise_key(seed: int, completion_index: int) -> int:
     return noise_key(seed ^ DRAFT_SEED_SALT, completion_index)
 
 
-def draft_config(target: Config, max_rows: int) -> Config:
+def draft_config(target: Config, max_rows: int, resume_tokens: int) -> Config:
     """The draft's Config: the target's device, dtype, block size, attention backend and eagerness;
     CUDA graphs for decode steps of up to max_rows rows and mixed steps of up to
-    draft_graph_tokens(max_rows) tokens; its KV cache sized by draft_kv_blocks (checked: the draft
+    draft_graph_tokens(max_rows, resume_tokens) tokens; its KV cache sized by draft_kv_blocks (checked: the draft
     directory's config and vocabulary)."""
     spec = target.speculative
     config = Config(spec.model, max_num_batched_tokens=target.max_num_batched_tokens, max_num_seqs=max_rows,
                     max_model_len=target.max_model_len, enforce_eager=target.enforce_eager,
-                    cuda_graph_max_tokens=min(target.cuda_graph_max_tokens, draft_graph_tokens(max_rows)),
+                    cuda_graph_max_tokens=min(target.cuda_graph_max_tokens, draft_graph_tokens(max_rows, resume_tokens)),
                     kvcache_block_size=target.kvcache_block_size,
                     num_kvcache_blocks=1, cpu_kvcache_bytes=target.cpu_kvcache_bytes,
                     dtype=str(target.torch_dtype).removeprefix("torch."), device=target.device,
@@ -87,12 +84,13 @@ def draft_config(target: Config, max_rows: int) -> Config:
     return config
 
 
-def draft_graph_tokens(max_rows: int) -> int:
+def draft_graph_tokens(max_rows: int, resume_tokens: int) -> int:
     """The draft's largest mixed CUDA graph, in tokens: a catch-up brings each row the draft it never
     fed and the target's token after a verification (2 tokens a row, 2 * max_rows), or a row's tokens
-    decoded while its speculation paused (PAUSE_STEPS of engine/speculation.py, 32, and a few); prompts
-    run eagerly, once a request."""
-    return max(2 * max_rows, DRAFT_RESUME_GRAPH_TOKENS)
+    decoded while its speculation paused (resume_tokens at most: engine/speculation.py's longest pause
+    and 2), so that a retry, a probe of whether its drafts pay, is a replay and not an eager forward;
+    prompts run eagerly, once a request."""
+    return max(2 * max_rows, resume_tokens)
 
 
 def check_same_tokenizer(config: Config, target_tokenizer) -> None:
@@ -155,14 +153,16 @@ class DraftModelProposer:
     """The Proposer of method "draft_model". Build it before the target's runner: on CUDA the
     target's memory probe then counts the draft's weights and KV cache as used."""
 
-    def __init__(self, target: Config, target_tokenizer, max_rows: int):
-        config = draft_config(target, max_rows)
+    def __init__(self, target: Config, target_tokenizer, max_rows: int, resume_tokens: int):
+        """max_rows: the most rows a proposal has; resume_tokens: the most a row's catch-up after a
+        pause in its speculation takes (draft_graph_tokens)."""
+        config = draft_config(target, max_rows, resume_tokens)
         check_same_tokenizer(config, target_tokenizer)
         k = target.speculative.num_speculative_tokens
         config.num_kvcache_blocks = draft_kv_blocks(config, target, max_rows, k)
         self.config = config
         try:
-            self.runner = ModelRunner(config)
+            self.runner = ModelRunner(config, samples=False)  # _draw samples the draft's logits
         except InvalidValueError as e:
             if e.field != "model":
                 raise
