@@ -416,9 +416,9 @@ def test_a_request_whose_drafts_pay_again_resumes_and_its_backoff_starts_over(en
                               SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))
     assert ids(out)[0] == plain
     # the second probe (after a pause of 64) is right: it speculates at every step, more drafts as its
-    # acceptance climbs; the wrong drafts then pause it for PAUSE_STEPS again, not 128
+    # acceptance climbs; two wrong steps (4 drafts, then 2) then pause it for PAUSE_STEPS again, not 128
     assert gaps(asked)[:10] == [1, PAUSE_STEPS + 1, 64 + 1, 1, 1, 1, 1, 1, 1, 1], asked
-    assert [k for _, k in asked][:10] == [2, 1, 1, 1, 3, 4, 4, 4, 4, 2], asked
+    assert [k for _, k in asked][:11] == [2, 1, 1, 1, 3, 4, 4, 4, 4, 4, 2], asked
     assert gaps(asked)[10] == PAUSE_STEPS + 1, asked
 
 

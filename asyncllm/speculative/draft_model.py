@@ -65,9 +65,10 @@ def draft_config(target: Config, max_rows: int, resume_tokens: int) -> Config:
     draft_graph_tokens(max_rows, resume_tokens) tokens; its KV cache sized by draft_kv_blocks (checked: the draft
     directory's config and vocabulary)."""
     spec = target.speculative
+    graph_tokens = draft_graph_tokens(max_rows, resume_tokens)
     config = Config(spec.model, max_num_batched_tokens=target.max_num_batched_tokens, max_num_seqs=max_rows,
                     max_model_len=target.max_model_len, enforce_eager=target.enforce_eager,
-                    cuda_graph_max_tokens=min(target.cuda_graph_max_tokens, draft_graph_tokens(max_rows, resume_tokens)),
+                    cuda_graph_max_tokens=min(target.cuda_graph_max_tokens, graph_tokens),
                     kvcache_block_size=target.kvcache_block_size,
                     num_kvcache_blocks=1, cpu_kvcache_bytes=target.cpu_kvcache_bytes,
                     dtype=str(target.torch_dtype).removeprefix("torch."), device=target.device,
