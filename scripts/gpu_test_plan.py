@@ -64,9 +64,10 @@ def graphs(options: dict) -> tuple[int, int]:
 
 # test_gpu.py's get_llm: these defaults under each test's options, one engine alive, reused while
 # consecutive calls ask for the same options
-GET_LLM = dict(max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=4096)
-LIFECYCLE = dict(dtype="float32", max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=4096)
-SPEC = dict(max_model_len=4096)
+GET_LLM = dict(max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=1024, cuda_graph_max_tokens=64)
+LIFECYCLE = dict(dtype="float32", max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=1024,
+                 cuda_graph_max_tokens=64)
+SPEC = GET_LLM
 
 
 def exact(backend: str) -> str:
@@ -89,8 +90,9 @@ def test_gpu_calls() -> list[tuple[str, list[tuple]]]:
     calls = []
     calls += [(f"logits_and_tokens_match_hf[{b}]", [get(b)]) for b in BACKENDS]
     calls += [(f"cuda_graph_decode_matches_eager[{b}]",
-               [get(b, dtype=exact(b), max_num_batched_tokens=512),
-                get(b, dtype=exact(b), max_num_batched_tokens=512, enforce_eager=True)])
+               [get(b, dtype=exact(b), max_num_seqs=32, max_num_batched_tokens=512, cuda_graph_max_tokens=512),
+                get(b, dtype=exact(b), max_num_seqs=32, max_num_batched_tokens=512, cuda_graph_max_tokens=512,
+                    enforce_eager=True)])
               for b in GRAPHED]
     calls += [(f"pdl_launches_match_plain_launches[{d}]",
                [get("triton", dtype=d, max_num_batched_tokens=512), RELEASE,
@@ -99,9 +101,9 @@ def test_gpu_calls() -> list[tuple[str, list[tuple]]]:
                [RELEASE, get("triton", max_num_seqs=1, max_num_batched_tokens=512), RELEASE,
                 get("triton", max_num_seqs=1, max_num_batched_tokens=512, enforce_eager=True), RELEASE])]
     calls += [("decode_graphs_per_context_bound_match_eager",
-               [get("triton", dtype="float32", max_num_seqs=2, max_num_batched_tokens=1024),
-                get("triton", dtype="float32", max_num_seqs=2, max_num_batched_tokens=1024, enforce_eager=True)])]
-    new_turn = dict(dtype="float32")
+               [get("triton", dtype="float32", max_num_seqs=2, max_model_len=4096),
+                get("triton", dtype="float32", max_num_seqs=2, max_model_len=4096, enforce_eager=True)])]
+    new_turn = dict(dtype="float32", max_model_len=4096, max_num_batched_tokens=4096, cuda_graph_max_tokens=256)
     calls += [("new_turn_over_a_long_cached_history_splits_kv",
                [get("torch", **new_turn), get("triton", **new_turn), get("triton", **new_turn, enforce_eager=True)])]
     calls += [(f"prefix_cache_chunking_preemption_same_tokens[{b}]",
@@ -124,10 +126,10 @@ def test_gpu_calls() -> list[tuple[str, list[tuple]]]:
     stream_options = dict(dtype="float32", num_kvcache_blocks=20, kvcache_block_size=64, max_num_batched_tokens=128)
     calls += [("streams_match_serial_generate_with_overlap_and_the_launch_gate",
                [get("triton", overlap_scheduling=False, **stream_options), RELEASE,
-                new(max_model_len=4096, max_num_seqs=8, **stream_options)])]
+                new(max_model_len=1024, max_num_seqs=8, cuda_graph_max_tokens=64, **stream_options)])]
+    calibrated = dict(dtype="float32", max_num_seqs=64, max_num_batched_tokens=4096, cuda_graph_max_tokens=2048)
     calls += [("step_time_model_is_calibrated_at_start",
-               [get("triton", dtype="float32", target_step_ms=1.0, max_num_batched_tokens=4096),
-                get("triton", dtype="float32", max_num_batched_tokens=4096)])]
+               [get("triton", target_step_ms=1.0, **calibrated), get("triton", **calibrated)])]
     calls += [(f"penalties_and_logprobs_match_hf_in_bf16[{b}]", [get(b, dtype="bfloat16")]) for b in GRAPHED]
     calls += [(f"penalties_and_logprobs_with_graphs_and_overlap_match_eager_serial[{b}]",
                [get(b, dtype=exact(b), overlap_scheduling=True),
@@ -143,7 +145,8 @@ def test_gpu_calls() -> list[tuple[str, list[tuple]]]:
     calls += [("reload_in_place_keeps_the_graphs", [RELEASE, new(**LIFECYCLE), new(**LIFECYCLE)])]
     calls += [("two_engines_of_different_models_start_and_generate_at_once_as_alone",
                [RELEASE] + [new(**LIFECYCLE)] * 4)]
-    child = new(dtype="bfloat16", max_model_len=4096, max_num_seqs=8, max_num_batched_tokens=1024)
+    child = new(dtype="bfloat16", max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=1024,
+                cuda_graph_max_tokens=64)
     calls += [("start_up_cache_round_trip_in_fresh_processes (3 processes)", [RELEASE, child, child, child])]
     calls += [(f"speculative_decoding_greedy_identity_and_a_sampled_run[{b}]",
                [get(b, dtype=exact(b)), RELEASE,
@@ -151,8 +154,8 @@ def test_gpu_calls() -> list[tuple[str, list[tuple]]]:
               for b in BACKENDS]
     draft = {"model": "target", "num_speculative_tokens": 4}
     calls += [("speculative_draft_steps_and_verification_replay_cuda_graphs",
-               [RELEASE, new(dtype="float32", max_model_len=4096, speculative_config=draft, enforce_eager=True),
-                new(dtype="float32", max_model_len=4096, speculative_config=draft)])]
+               [RELEASE, new(dtype="float32", **SPEC, speculative_config=draft, enforce_eager=True),
+                new(dtype="float32", **SPEC, speculative_config=draft)])]
     calls += [(f"speculative_draft_model_equal_to_the_target_on_cuda[{b}]",
                [get(b, dtype=exact(b)), RELEASE,
                 new(attention_backend=b, dtype=exact(b), **SPEC, speculative_config=draft)]) for b in GRAPHED]
@@ -161,13 +164,18 @@ def test_gpu_calls() -> list[tuple[str, list[tuple]]]:
 
 def other_file_calls() -> list[tuple[str, list[tuple]]]:
     """Engines in the other GPU files (their CPU tests with device="cpu" capture nothing)."""
-    fp8_loading = new(kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=128)
-    # test_fp8_loading.py sets no device: on the GPU machine its 38 engines run on CUDA with graphs
-    calls = [("test_fp8_loading.py (38 engines, device auto)", [fp8_loading] * 38)]
+    fp8_loading = dict(kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=128, max_num_seqs=8,
+                       max_num_batched_tokens=256, cuda_graph_max_tokens=64)
+    # test_fp8_loading.py sets no device: on the GPU machine its engines run on CUDA, eager but for
+    # the 6 of test_fp8_weights_on_cuda_match_the_dequantized_copy
+    calls = [("test_fp8_loading.py (32 eager engines, device auto)", [new(enforce_eager=True, **fp8_loading)] * 32),
+             ("test_fp8_loading.py::test_fp8_weights_on_cuda_match_the_dequantized_copy (3 cases)",
+              [new(**fp8_loading)] * 6)]
     calls += [("test_fp8_kv.py::test_gpu_bf16_fp8_cache_with_cuda_graphs",
-               [new(dtype="bfloat16", max_model_len=4096, kvcache_block_size=16, kv_cache_dtype=kv) for kv in ("auto", "fp8")])]
+               [new(dtype="bfloat16", max_model_len=1024, max_num_seqs=16, kvcache_block_size=16, kv_cache_dtype=kv)
+                for kv in ("auto", "fp8")])]
     calls += [("test_fused_moe.py::test_engine_with_fused_experts_matches_hf_in_bf16",
-               [new(max_model_len=4096, max_num_seqs=64)])]
+               [new(max_model_len=1024, max_num_seqs=8, cuda_graph_max_tokens=64)])]
     return calls
 
 
@@ -199,31 +207,53 @@ def describe(options: dict) -> str:
 
 _held = None
 
-# scripts/gpu_suite.sh's parts: (name, predicate on the test id)
-LATE = ("close", "sleep", "reload", "two_engines", "start_up_cache", "new_turn", "constrained", "bad_words",
-        "speculative", "stable_tensors")
+# scripts/gpu_suite.sh's parts (keep the two alike): test_gpu.py's tests whose names hold a word of
+# GPU_PART1 run in tests1, its n-gram speculative ones in tests3 beside the other files' engine tests,
+# the rest of it in tests2; the kernel files in tests4
+GPU_PART1 = ("match_hf", "cuda_graph_decode", "pdl", "decode_tuning", "per_context_bound", "prefix_cache_chunking",
+             "sampled_decode_graph", "staged_decode", "plain_sampling", "penalties")
+# the files without engines: seconds from earlier GPU runs (docs/BENCHMARKS_ARCHIVE.md: test_kernels.py with
+# test_sampling_filters.py 366 s on an H100; the rest not timed apart: guesses), per part
+FIXED_S = {"tests3": {"test_fused_moe.py kernels (guess)": 30, "test_decode_staging.py, test_fp8_kv.py on CPU (guess)": 15,
+                      "test_fp8_kv_kernels.py, test_fp8_weight_kernels.py (guess)": 40},
+           "tests4": {"test_kernels.py with test_sampling_filters.py": 366}}
+# an engine's start-up besides its graphs (load, probe, sampler graphs, tuning), each graph's warm-up and
+# capture (kernels compiled on a cold cache among them), a test's own work: fitted so that run N's first
+# 27 tests of test_gpu.py (55 engines, 615 graphs) come to its 560 s on an H100, with the process's
+# first Triton compile (~35 s, once a machine: the cache stays on its disk for the next call)
+ENGINE_S, GRAPH_S, TEST_S, COLD_COMPILE_S = 4.0, 0.4, 2.0, 35.0
 
 
 def part_of(test: str) -> str:
-    if test.startswith("test_"):
+    if test.startswith("test_") or "speculative_decoding" in test:
         return "tests3"
-    return "tests2" if any(word in test for word in LATE) else "tests1"
+    return "tests1" if any(word in test for word in GPU_PART1) else "tests2"
+
+
+def estimate_s(engines: int, captured: int) -> float:
+    return engines * ENGINE_S + captured * GRAPH_S + TEST_S
 
 
 def main() -> None:
-    totals: dict[str, list[int]] = {}
+    totals: dict[str, list[float]] = {}
     for test, calls in test_gpu_calls() + other_file_calls():
         engines, captured, lines = count(calls)
         part = part_of(test)
-        totals.setdefault(part, [0, 0, 0])
-        totals[part] = [totals[part][0] + 1, totals[part][1] + engines, totals[part][2] + captured]
-        print(f"[{part}] {test}: {engines} engines, {captured} graphs")
+        seconds = estimate_s(engines, captured)
+        total = totals.setdefault(part, [0, 0, 0, 0.0])
+        totals[part] = [total[0] + 1, total[1] + engines, total[2] + captured, total[3] + seconds]
+        print(f"[{part}] {test}: {engines} engines, {captured} graphs, ~{seconds:.0f} s")
         print("\n".join(lines))
-    print("\npart     tests  engines  graphs")
-    for part, (tests, engines, captured) in sorted(totals.items()):
-        print(f"{part:8s} {tests:5d} {engines:8d} {captured:7d}")
-    all_totals = [sum(t[i] for t in totals.values()) for i in range(3)]
-    print(f"{'all':8s} {all_totals[0]:5d} {all_totals[1]:8d} {all_totals[2]:7d}")
+    for part, files in FIXED_S.items():
+        for name, seconds in files.items():
+            print(f"[{part}] {name}: ~{seconds} s")
+            total = totals.setdefault(part, [0, 0, 0, 0.0])
+            total[3] += seconds
+    print(f"\npart     tests  engines  graphs  estimate (a part run first on a machine: + {COLD_COMPILE_S:.0f} s)")
+    for part, (tests, engines, captured, seconds) in sorted(totals.items()):
+        print(f"{part:8s} {tests:5d} {engines:8d} {captured:7d}  {seconds / 60:.1f} min")
+    all_totals = [sum(t[i] for t in totals.values()) for i in range(4)]
+    print(f"{'all':8s} {all_totals[0]:5d} {all_totals[1]:8d} {all_totals[2]:7d}  {all_totals[3] / 60:.1f} min")
 
 
 if __name__ == "__main__":
