@@ -3,7 +3,7 @@
 # PyTorch reference, the engine against HF transformers, CUDA graphs, prefix cache / chunking /
 # preemption), then the benchmarks; a short summary table last.
 #
-#   bash scripts/gpu_suite.sh [tests|tests1|tests2|tests3|tests4|bench|all|tp|issues] [extra args for benchmarks/run_all.py]
+#   bash scripts/gpu_suite.sh [tests|tests1|tests2|tests3|tests4|bench|all|tp|issues] [run_all.py's options]
 #
 # tp (two or more GPUs, e.g. nvidia-h200-x2): the 8B checkpoint built once, tests/test_gpu_tp.py
 # (TP=2 vs TP=1 in float32: tokens and every step's logits; the bf16 gap bounded; CUDA graphs on),
