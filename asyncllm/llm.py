@@ -5,6 +5,8 @@ import threading
 import time
 import weakref
 
+from tqdm.auto import tqdm
+
 from asyncllm.arguments import check_bool
 from asyncllm.detokenizer import decode_logprobs
 from asyncllm.engine.core import EngineCore
@@ -126,9 +128,6 @@ class LLM:
             return self._generate(prompts, sampling_params, use_tqdm)
 
     def _generate(self, prompts, sampling_params, use_tqdm: bool) -> list[dict | list[dict]]:
-        # generate's progress bar is tqdm's only use: importing tqdm.auto (0.1 s, it probes for Jupyter)
-        # here keeps it out of `from asyncllm import LLM`, which AsyncLLMEngine and the server share
-        from tqdm.auto import tqdm
         prompts = normalize_prompts(prompts)
         params = normalize_params(sampling_params, len(prompts))
         token_lists = [self.core.encode_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]

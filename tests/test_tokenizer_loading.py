@@ -105,9 +105,9 @@ def test_a_broken_tokenizer_json_is_a_value_error_naming_the_directory(tokenizer
 
 def test_importing_the_engines_api_imports_no_optional_heavy_module():
     # each takes from tens of ms to seconds to import and serves a feature an engine may never use:
-    # the tokenizer (transformers, on its thread), generate's progress bar (tqdm.auto; torch imports plain
-    # tqdm itself), structured output, the hub, the server, GGUF files, Triton (CUDA only)
-    optional = ["transformers", "tqdm.auto", "xgrammar", "huggingface_hub", "fastapi", "uvicorn", "pydantic", "gguf",
+    # the tokenizer (transformers, on its thread), structured output, the hub, the server, GGUF files,
+    # Triton (CUDA only)
+    optional = ["transformers", "xgrammar", "huggingface_hub", "fastapi", "uvicorn", "pydantic", "gguf",
                 "jinja2", "asyncllm.server", "asyncllm.models.hub", "triton"]
     code = ("import sys, json\nfrom asyncllm import LLM, AsyncLLMEngine, SamplingParams\n"
             f"print(json.dumps([m for m in {optional!r} if m in sys.modules]))\n")
