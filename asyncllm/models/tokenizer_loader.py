@@ -54,12 +54,14 @@ def _saved_tokenizer_defaults(model_dir: str) -> dict | None:
 def load_tokenizer(model_dir: str):
     """The model directory's tokenizer (transformers', never remote code); a broken one is a
     ValueError naming the directory."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # seconds to import: only where a tokenizer is made
+    # seconds to import: only where a tokenizer is made. transformers imports its classes on first
+    # use, so the fast path never imports AutoTokenizer's (its auto mappings, configuration_utils)
+    import transformers
     defaults = _saved_tokenizer_defaults(model_dir)
     try:
         if defaults is not None:
-            return PreTrainedTokenizerFast.from_pretrained(model_dir, **defaults)
-        return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+            return transformers.PreTrainedTokenizerFast.from_pretrained(model_dir, **defaults)
+        return transformers.AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - transformers and tokenizers raise many types for broken files
         raise config_error("model", f"the tokenizer files in {model_dir!r} cannot be loaded: "
                            f"{type(e).__name__}: {e}") from e
