@@ -18,7 +18,7 @@ from torch import nn
 from asyncllm.config import config_error
 from asyncllm.models.fp8 import _UNSET, Fp8Layout, dequantized, fp8_format, fp8_layout, is_fp8, resident_fp8
 from asyncllm.layers.linear import WeightShapeError, check_loaded_shape
-from asyncllm.models.model_config import read_model_config
+from asyncllm.models.model_config import read_json_object, read_model_config
 from asyncllm.models.moe_spec import moe_spec
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -414,14 +414,7 @@ def find_eos_token_ids(model_dir: str, hf_config, tokenizer) -> set[int]:
     ids = _as_id_set(getattr(hf_config, "eos_token_id", None), os.path.join(model_dir, "config.json"))
     gen_config = os.path.join(model_dir, "generation_config.json")
     if os.path.exists(gen_config):
-        try:
-            with open(gen_config) as f:
-                settings = json.load(f)
-        except ValueError as e:
-            raise ValueError(f"{gen_config}: not valid JSON: {e}") from None
-        if not isinstance(settings, dict):
-            raise ValueError(f"{gen_config}: expected a JSON object, got {type(settings).__name__}")
-        ids |= _as_id_set(settings.get("eos_token_id"), gen_config)
+        ids |= _as_id_set(read_json_object(gen_config).get("eos_token_id"), gen_config)
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
