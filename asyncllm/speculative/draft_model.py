@@ -38,7 +38,7 @@ from asyncllm.engine.block_manager import BlockManager
 from asyncllm.errors import InvalidValueError
 from asyncllm.layers.rejection_sampler import speculative_probs
 from asyncllm.layers.sampler import SamplingTensors, noise_key
-from asyncllm.models.checkpoint import load_tokenizer
+from asyncllm.models.tokenizer_loader import load_tokenizer
 from asyncllm.models.resolve import resolve_config
 from asyncllm.runner.model_runner import ModelRunner
 from asyncllm.runner.step_inputs import StepInputs
