@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from asyncllm import LLM, SamplingParams
+from asyncllm.models import tokenizer_loader
 from asyncllm.runner.step_inputs import StepInputs
 from helpers import assert_all_blocks_free
 
@@ -84,21 +85,19 @@ def _fast_cpu():
     """Speed only. One torch thread: these ops are tiny and the machine is shared (two spinning threads
     are several times slower under load). And each checkpoint's tokenizer is loaded once: loading
     the Qwen tokenizer is most of an LLM's start-up, and a tokenizer is stateless for encode/decode."""
-    from transformers import AutoTokenizer
-    original = AutoTokenizer.from_pretrained
+    original = tokenizer_loader.load_tokenizer
     cache = {}
 
-    def cached_from_pretrained(cls, path, *args, **kwargs):
-        key = (str(path), repr(args), repr(sorted(kwargs.items())))
-        if key not in cache:
-            cache[key] = original(path, *args, **kwargs)
-        return cache[key]
+    def cached_load_tokenizer(model_dir):
+        if model_dir not in cache:
+            cache[model_dir] = original(model_dir)
+        return cache[model_dir]
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(AutoTokenizer, "from_pretrained", classmethod(cached_from_pretrained))
+            mp.setattr(tokenizer_loader, "load_tokenizer", cached_load_tokenizer)  # what the engine's loader calls
             yield
     finally:
         torch.set_num_threads(threads)
@@ -188,6 +187,23 @@ def test_prefix_cache_hits_match_hf(llm16, tiny_qwen3, hf):
     outputs = llm16.generate(prompts, greedy(N_PREFIX), use_tqdm=False)
     assert bm.num_prefix_hit_tokens - hits_before >= 4 * 32
     assert_matches_hf(hf, tiny_qwen3, prompts, outputs, N_PREFIX)
+    assert_idle(llm16)
+
+
+def test_a_chat_turn_over_its_cached_history_matches_hf(llm16, tiny_qwen3, hf):
+    # turn 2 = turn 1's prompt and answer, then new ids: its prompt's blocks are matched from the
+    # int64 ids the intake made, against blocks hashed from the token list as decoding filled them
+    # (the last two hold generated tokens); the cached turn's tokens are the uncached run's (HF's)
+    bm = llm16.core.block_manager
+    first = rand_ids(42, 77)
+    answer = llm16.generate([first], greedy(30), use_tqdm=False)[0]["token_ids"]
+    assert answer == hf.greedy(tiny_qwen3, first, 30)
+    second = first + answer + rand_ids(5, 78)
+    hits_before = bm.num_prefix_hit_tokens
+    outputs = llm16.generate([second], greedy(N), use_tqdm=False)
+    # 71 of the 72 tokens had their KV computed (the last answer token is never fed): 4 full blocks
+    assert bm.num_prefix_hit_tokens - hits_before == 4 * 16
+    assert_matches_hf(hf, tiny_qwen3, [second], outputs, N)
     assert_idle(llm16)
 
 

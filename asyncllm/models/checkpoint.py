@@ -389,17 +389,6 @@ def _vocab_tensor_rows(model_dir: str) -> dict[str, tuple[int, str]]:
     return rows
 
 
-def load_tokenizer(model_dir: str):
-    """The model directory's tokenizer (transformers', never remote code); a broken one is a
-    ValueError naming the directory."""
-    from transformers import AutoTokenizer  # transformers loads slowly: only where a tokenizer is made
-    try:
-        return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
-    except Exception as e:  # noqa: BLE001 - transformers and tokenizers raise many types for broken files
-        raise config_error("model", f"the tokenizer files in {model_dir!r} cannot be loaded: "
-                           f"{type(e).__name__}: {e}") from e
-
-
 def _as_id_set(value, where: str) -> set[int]:
     if value is None:
         return set()

@@ -38,7 +38,7 @@ from asyncllm.engine.block_manager import BlockManager
 from asyncllm.errors import InvalidValueError
 from asyncllm.layers.rejection_sampler import speculative_probs
 from asyncllm.layers.sampler import SamplingTensors, noise_key
-from asyncllm.models.checkpoint import load_tokenizer
+from asyncllm.models.tokenizer_loader import load_tokenizer
 from asyncllm.models.resolve import resolve_config
 from asyncllm.runner.model_runner import ModelRunner
 from asyncllm.runner.step_inputs import StepInputs
@@ -129,7 +129,8 @@ class DraftKV:
     """One request's draft KV as the BlockManager keeps a sequence's: its tokens (the request's own
     list), block table and block hashes, num_computed_tokens (those whose draft KV is valid), and
     the drafts the proposer fed last time (their KV is valid where the target accepted them)."""
-    __slots__ = ("token_ids", "block_size", "block_table", "block_hashes", "num_computed_tokens", "fed")
+    __slots__ = ("token_ids", "block_size", "block_table", "block_hashes", "num_computed_tokens", "fed",
+                 "prompt_int64")
 
     def __init__(self, token_ids: list[int], block_size: int):
         self.token_ids = token_ids
@@ -138,6 +139,7 @@ class DraftKV:
         self.block_hashes: list[int] = []
         self.num_computed_tokens = 0
         self.fed: list[int] = []
+        self.prompt_int64 = None  # no int64 form: the BlockManager converts its blocks' ids as it reads them
 
     def __len__(self) -> int:
         return len(self.token_ids)
