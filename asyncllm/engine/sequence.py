@@ -100,12 +100,12 @@ class Sequence:
         self.num_pooled_tokens = 0
         # speculative decoding (engine/speculation.py): the draft tokens its next decode verifies
         # (read by the scheduler; [] decodes one token) and the distribution they were drawn from
-        # (SampledDrafts.probs; None: point proposals), its recent acceptance (from 2 * LOW_ACCEPTANCE:
-        # its first drafts are k/2, and two rejected steps pause it), the step until which it does not
+        # (SampledDrafts.probs; None: point proposals), its recent acceptance (from 1: its first drafts
+        # are k; three rejected steps, of k, k/2 and 1 drafts, pause it), the step until which it does not
         # speculate and its last pause's length (0: it has not paused since a step paid)
         self.draft_token_ids: list[int] = []
         self.draft_probs = None
-        self.draft_acceptance = 0.5
+        self.draft_acceptance = 1.0
         self.drafts_paused_until = 0
         self.draft_pause = 0
 
