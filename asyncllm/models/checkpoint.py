@@ -10,6 +10,7 @@ import contextlib
 import logging
 import math
 import re
+import threading
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -41,9 +42,9 @@ def load_hf_config(model_dir: str):
         raise config_error("model", f"{model_dir!r} has no config.json")
     config = read_model_config(config_path)
     if config is None:
-        from transformers import AutoConfig  # seconds to import: only for a model_type not read here
+        auto_config = transformers_auto("AutoConfig")  # only for a model_type not read here
         try:
-            config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+            config = auto_config.from_pretrained(model_dir, trust_remote_code=False)
         except Exception as e:  # noqa: BLE001 - transformers' own checks raise several types (some not ValueError)
             raise ValueError(f"{config_path}: transformers refuses it: {type(e).__name__}: {e}") from e
     check_model_shape(config, config_path)
@@ -389,12 +390,26 @@ def _vocab_tensor_rows(model_dir: str) -> dict[str, tuple[int, str]]:
     return rows
 
 
+# transformers' lazy top-level names break under concurrent first imports: a second thread's
+# `from transformers import AutoTokenizer` while another's is under way raised ImportError (two
+# engines starting at once, or an engine started after a failed start whose tokenizer thread was
+# still importing). Every import of it by the engine goes through this lock.
+_TRANSFORMERS_IMPORT = threading.Lock()
+
+
+def transformers_auto(name: str):
+    """transformers' Auto class `name` (AutoTokenizer, AutoConfig), imported once at a time."""
+    with _TRANSFORMERS_IMPORT:
+        import transformers  # seconds to import: only where a tokenizer or foreign config is made
+        return getattr(transformers, name)
+
+
 def load_tokenizer(model_dir: str):
     """The model directory's tokenizer (transformers', never remote code); a broken one is a
     ValueError naming the directory."""
-    from transformers import AutoTokenizer  # transformers loads slowly: only where a tokenizer is made
+    auto_tokenizer = transformers_auto("AutoTokenizer")
     try:
-        return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+        return auto_tokenizer.from_pretrained(model_dir, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - transformers and tokenizers raise many types for broken files
         raise config_error("model", f"the tokenizer files in {model_dir!r} cannot be loaded: "
                            f"{type(e).__name__}: {e}") from e
