@@ -86,7 +86,7 @@ SAMPLING_FIELDS = {name: name for name in ("temperature", "top_p", "top_k", "min
                                            "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "n",
                                            "presence_penalty", "frequency_penalty", "repetition_penalty",
                                            "min_tokens", "skip_special_tokens", "spaces_between_special_tokens",
-                                           "prompt_logprobs", "timeout")}
+                                           "prompt_logprobs", "timeout", "allowed_token_ids", "bad_words")}
 # constraints (server/constraints.py maps them)
 CONSTRAINT_FIELDS = {"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                      "guided_grammar"}
