@@ -1,7 +1,10 @@
-"""The mixture-of-experts block's experts: kernels/fused_moe.py against the PyTorch path (a loop over
-the experts that have tokens, layers/moe.py's forward_native) and the byte / FLOP floor. CUDA only.
+"""The mixture-of-experts block's experts: kernels/fused_moe.py (grouped GEMMs) and, at up to 16
+tokens, kernels/skinny_moe.py (the decode path: no sort, each selected expert streamed once) against
+the PyTorch path (a loop over the experts that have tokens, layers/moe.py's forward_native) and the
+byte / FLOP floor. CUDA only.
 
-    python benchmarks/bench_moe.py [--tokens 1,8,64,256,4096] [--routing uniform,skewed] [--json out.json]
+    python benchmarks/bench_moe.py [--tokens 1,8,64,256,4096] [--routing uniform,skewed] [--sweep] [--json out.json]
+    python benchmarks/bench_moe.py --tokens 1,2,4,8,16 --sweep   # the decode path against its floor
 
 One layer of Qwen3-30B-A3B's shape (128 experts, top-8, hidden 2048, experts of 768), bf16, random
 weights and inputs, routing from a random router (uniform) or one that sends every token to the same
@@ -9,7 +12,9 @@ weights and inputs, routing from a random router (uniform) or one that sends eve
 (asyncllm.layers.skinny_linear.time_calls); the torch path reads counts on the host and cannot be
 captured, so it is timed eagerly (triton.testing.do_bench). The byte floor is the distinct experts'
 weights read once at --bandwidth; the FLOP floor 2 * 3 * H * I FLOPs per (token, expert) pair at
---tflops. Router and top-k are outside both (the same torch ops for each path).
+--tflops. Router and top-k are outside both (the same torch ops for each path). The skinny column is
+the tiling layers/moe.py picks (skinny_moe.choose_config); --sweep also times its neighbours
+(candidate_configs) and reports the best, with its tiling.
 """
 from __future__ import annotations
 
@@ -25,9 +30,11 @@ HIDDEN, EXPERTS, TOP_K, INTER = 2048, 128, 8, 768
 DTYPE = torch.bfloat16
 
 
-def bench_case(block: SparseMoeBlock, num_tokens: int, skewed: bool, bandwidth: float, tflops: float) -> dict:
+def bench_case(block: SparseMoeBlock, num_tokens: int, skewed: bool, bandwidth: float, tflops: float,
+               sweep: bool) -> dict:
     import triton.testing
 
+    from asyncllm.kernels import skinny_moe
     from asyncllm.kernels.fused_moe import fused_moe
     from asyncllm.layers.skinny_linear import time_calls
     x = torch.randn(num_tokens, HIDDEN, device="cuda", dtype=DTYPE)
@@ -42,15 +49,29 @@ def bench_case(block: SparseMoeBlock, num_tokens: int, skewed: bool, bandwidth: 
 
     fused_ms = time_calls([fused], torch.device("cuda"))[0]
     torch_ms = triton.testing.do_bench(lambda: block.forward_native(x, weights, ids), return_mode="median")
-    error = ((fused().float() - block.forward_native(x, weights, ids).float()).norm()
-             / block.forward_native(x, weights, ids).float().norm()).item()
+    want = block.forward_native(x, weights, ids).float()
+    error = ((fused().float() - want).norm() / want.norm()).item()
+    skinny = {}
+    if num_tokens <= skinny_moe.MAX_TOKENS:
+        num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+        chosen = skinny_moe.choose_config(num_tokens, TOP_K, EXPERTS, HIDDEN, INTER, num_sms)
+        configs = skinny_moe.candidate_configs(num_tokens, TOP_K, EXPERTS, HIDDEN, INTER, num_sms) if sweep \
+            else [chosen]
+        calls = [lambda c=c: skinny_moe.skinny_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids, c)
+                 for c in configs]
+        times = time_calls(calls, torch.device("cuda"))
+        best = min(range(len(configs)), key=times.__getitem__)
+        errors = [((call().float() - want).norm() / want.norm()).item() for call in calls]
+        skinny = dict(skinny_ms=times[0], skinny_config=chosen.label(), skinny_rel_error=errors[0],
+                      best_skinny_ms=times[best], best_skinny_config=configs[best].label(),
+                      skinny_max_rel_error=max(errors))
     distinct = ids.unique().numel()
     expert_bytes = 3 * HIDDEN * INTER * DTYPE.itemsize
     byte_floor_ms = distinct * expert_bytes / bandwidth * 1e3
     flop_floor_ms = num_tokens * TOP_K * 2 * 3 * HIDDEN * INTER / tflops * 1e3
     return dict(tokens=num_tokens, routing="skewed" if skewed else "uniform", distinct_experts=distinct,
                 fused_ms=fused_ms, torch_ms=torch_ms, byte_floor_ms=byte_floor_ms, flop_floor_ms=flop_floor_ms,
-                floor_ms=max(byte_floor_ms, flop_floor_ms), rel_error=error)
+                floor_ms=max(byte_floor_ms, flop_floor_ms), rel_error=error, **skinny)
 
 
 def main(argv=None) -> None:
@@ -59,6 +80,7 @@ def main(argv=None) -> None:
     parser.add_argument("--routing", default="uniform,skewed")
     parser.add_argument("--bandwidth", type=float, default=4.2e12, help="bytes/s of the floor (H200: ~4.2e12)")
     parser.add_argument("--tflops", type=float, default=790e12, help="bf16 FLOP/s of the floor (H200: ~790e12)")
+    parser.add_argument("--sweep", action="store_true", help="also time the skinny path's neighbouring tilings")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -68,16 +90,22 @@ def main(argv=None) -> None:
         block = SparseMoeBlock(HIDDEN, EXPERTS, TOP_K, INTER, renormalize=True)
     for p in block.parameters():
         p.data = p.data.to(DTYPE).normal_(0, HIDDEN ** -0.5)
-    rows = [bench_case(block, int(n), routing == "skewed", args.bandwidth, args.tflops)
+    rows = [bench_case(block, int(n), routing == "skewed", args.bandwidth, args.tflops, args.sweep)
             for routing in args.routing.split(",") for n in args.tokens.split(",")]
     print(f"{torch.cuda.get_device_name(0)}: one Qwen3-30B-A3B MoE layer, {DTYPE}")
-    head = f"{'tokens':>7} {'routing':>8} {'experts':>7} {'fused ms':>9} {'torch ms':>9} {'floor ms':>9} " \
-           f"{'floor/fused':>11} {'rel err':>8}"
+    head = f"{'tokens':>7} {'routing':>8} {'experts':>7} {'fused ms':>9} {'skinny ms':>9} {'torch ms':>9} " \
+           f"{'floor ms':>9} {'floor/fused':>11} {'floor/skinny':>12} {'rel err':>8}"
     print(head + "\n" + "-" * len(head))
     for r in rows:
+        small = "skinny_ms" in r
         print(f"{r['tokens']:>7} {r['routing']:>8} {r['distinct_experts']:>7} {r['fused_ms']:>9.4f} "
-              f"{r['torch_ms']:>9.4f} {r['floor_ms']:>9.4f} {r['floor_ms'] / r['fused_ms']:>11.2f} "
-              f"{r['rel_error']:>8.1e}")
+              f"{r['skinny_ms'] if small else float('nan'):>9.4f} {r['torch_ms']:>9.4f} {r['floor_ms']:>9.4f} "
+              f"{r['floor_ms'] / r['fused_ms']:>11.2f} "
+              f"{r['floor_ms'] / r['skinny_ms'] if small else float('nan'):>12.2f} "
+              f"{max(r['rel_error'], r.get('skinny_max_rel_error', 0.0)):>8.1e}"
+              + (f"  skinny: {r['skinny_config']}" if small else ""))
+        if args.sweep and small:
+            print(f"{'':>16} best of the sweep {r['best_skinny_ms']:.4f} ms: {r['best_skinny_config']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(0), results=rows), f, indent=2)

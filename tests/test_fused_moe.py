@@ -6,6 +6,11 @@ Without CUDA the kernels run through Triton's interpreter on tiny shapes (one an
 ragged hidden / intermediate size, skewed and uniform routing); with CUDA on Qwen3-30B-A3B's layer
 shape (128 experts, top-8, hidden 2048, experts of 768) for 1-4,096 tokens, inside a CUDA graph, and
 a Qwen3-MoE checkpoint through the engine against HF transformers in bf16.
+
+kernels/skinny_moe.py (the 1-16 token path, no sort) the same way: 1..16 tokens, skewed routing
+(every token to the same experts: one program must do them all) and uniform, norm_topk_prob on and
+off, fp32 and bf16, Mixtral's (8 experts, top-2) and Qwen3-MoE's (many experts, top-8) shapes scaled
+down, each with its chosen tiling and one with several K tiles and another split.
 """
 from __future__ import annotations
 
@@ -31,6 +36,8 @@ if not CUDA and not _AOT_SUBPROCESS and os.environ.get("TRITON_INTERPRET") != "1
     pytest.skip("TRITON_INTERPRET=1 must be set before triton is imported to run these kernels on CPU",
                 allow_module_level=True)
 from asyncllm.kernels.fused_moe import align_by_expert, choose_block_m, fused_moe  # noqa: E402
+from asyncllm.kernels.skinny_moe import (MAX_TOKENS, SkinnyMoeConfig, candidate_configs,  # noqa: E402
+                                         choose_config, skinny_moe)
 
 _seed = seed_every_test(0)
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA: the full-size shapes are too slow for Triton's "
@@ -52,6 +59,26 @@ def routing(block: SparseMoeBlock, x: torch.Tensor, skewed: bool):
     return route(logits, block.top_k, block.renormalize)
 
 
+def assert_matches(got: torch.Tensor, want: torch.Tensor, tol: float):
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * want.float().abs().max().item())
+
+
+def check_skinny(block: SparseMoeBlock, num_tokens: int, skewed: bool, dtype, tol: float,
+                 configs: list[SkinnyMoeConfig]):
+    x = torch.randn(num_tokens, block.experts.hidden_size, device=DEVICE).to(dtype)
+    weights, ids = routing(block, x, skewed)
+    want = block.forward_native(x, weights, ids)
+    for config in configs:
+        inter = torch.full((num_tokens * block.top_k, block.experts.intermediate_size), float("nan"), dtype=dtype,
+                           device=DEVICE)
+        out = torch.full((num_tokens, block.experts.hidden_size), float("nan"), dtype=dtype, device=DEVICE)
+        got = skinny_moe(x, block.experts.gate_up_proj, block.experts.down_proj, weights, ids, config, inter, out)
+        assert got.data_ptr() == out.data_ptr()
+        assert not inter.isnan().any(), f"{config.label()}: a pair the gate_up kernel did not write"
+        assert not out.isnan().any(), f"{config.label()}: an output the down kernel did not write"
+        assert_matches(got, want, tol)
+
+
 def check(block: SparseMoeBlock, num_tokens: int, skewed: bool, dtype, tol: float):
     x = torch.randn(num_tokens, block.experts.hidden_size, device=DEVICE).to(dtype)
     weights, ids = routing(block, x, skewed)
@@ -61,7 +88,7 @@ def check(block: SparseMoeBlock, num_tokens: int, skewed: bool, dtype, tol: floa
     got = fused_moe(x, block.experts.gate_up_proj, block.experts.down_proj, weights, ids, inter, pair_out)
     assert not inter.isnan().any() and not pair_out.isnan().any(), "a pair the kernels did not write"
     want = block.forward_native(x, weights, ids)
-    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * want.float().abs().max().item())
+    assert_matches(got, want, tol)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 3, 40])
@@ -92,6 +119,64 @@ def test_fused_moe_matches_the_torch_path(num_tokens, skewed, dtype):
     check(block, num_tokens, skewed, dtype, 1e-4 if dtype == torch.float32 else 3e-2)
 
 
+# (hidden, experts, top_k, intermediate): Mixtral's 8 experts top-2 and Qwen3-MoE's many top-8,
+# scaled down; hidden 80 and intermediate 72 are ragged for 16-, 32- and 64-wide tiles
+SKINNY_SHAPES = {"mixtral": (80, 8, 2, 72), "qwen3moe": (64, 32, 8, 48)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("skewed", [False, True], ids=["uniform", "skewed"])
+# norm_topk_prob on and off at the full token tile; the interpreter is slow, so not at every count
+@pytest.mark.parametrize("num_tokens, renormalize", [(1, True), (3, False), (MAX_TOKENS, True), (MAX_TOKENS, False)])
+@pytest.mark.parametrize("shape", sorted(SKINNY_SHAPES))
+def test_skinny_moe_matches_the_torch_path(shape, num_tokens, skewed, renormalize, dtype):
+    hidden, experts, top_k, inter = SKINNY_SHAPES[shape]
+    block = make_block(hidden, experts, top_k, inter, dtype, renormalize)
+    chosen = choose_config(num_tokens, top_k, experts, hidden, inter, num_sms=132)
+    # several K tiles in both kernels, the other side of split 1 / split > 1, 32-wide tiles
+    other = SkinnyMoeConfig(32, 32, 16, 1 if chosen.down_split > 1 else 4)
+    check_skinny(block, num_tokens, skewed, dtype, 1e-4 if dtype == torch.float32 else 3e-2, [chosen, other])
+
+
+def test_skinny_moe_takes_no_more_tokens_than_its_tile():
+    block = make_block(64, 4, 2, 48, torch.float32)
+    x = torch.randn(MAX_TOKENS + 1, 64, device=DEVICE)
+    weights, ids = routing(block, x, False)
+    with pytest.raises(AssertionError):
+        skinny_moe(x, block.experts.gate_up_proj, block.experts.down_proj, weights, ids,
+                   choose_config(MAX_TOKENS, 2, 4, 64, 48, 132))
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("skewed", [False, True], ids=["uniform", "skewed"])
+@pytest.mark.parametrize("num_tokens", [1, 2, 4, 8, 16])
+def test_skinny_moe_30b_a3b_layer_shape(num_tokens, skewed):
+    """Every tiling bench_moe.py --sweep times, on the real layer shape in bf16."""
+    block = make_block(2048, 128, 8, 768, torch.bfloat16)
+    num_sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    check_skinny(block, num_tokens, skewed, torch.bfloat16, 3e-2,
+                 candidate_configs(num_tokens, 8, 128, 2048, 768, num_sms))
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 16, 17])
+def test_moe_block_dispatches_by_token_count(num_tokens, monkeypatch):
+    """Up to MAX_TOKENS tokens the block runs the skinny kernels, past it the grouped GEMMs."""
+    from asyncllm.kernels import fused_moe as fused_module, skinny_moe as skinny_module
+    block = make_block(2048, 128, 8, 768, torch.bfloat16)
+    calls = []
+    for module, name in ((fused_module, "fused_moe"), (skinny_module, "skinny_moe")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    x = torch.randn(num_tokens, 2048, device=DEVICE, dtype=torch.bfloat16)
+    got = block(x)
+    assert calls == ["skinny_moe" if num_tokens <= MAX_TOKENS else "fused_moe"]
+    weights, ids = route(block.gate(x), block.top_k, block.renormalize)
+    assert_matches(got, block.forward_native(x, weights, ids), 3e-2)
+
+
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("skewed", [False, True], ids=["uniform", "skewed"])
@@ -103,7 +188,7 @@ def test_fused_moe_30b_a3b_layer_shape(num_tokens, skewed):
 
 @needs_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [1, 64])
+@pytest.mark.parametrize("num_tokens", [1, 16, 64])  # skinny (1, 16) and grouped (64) kernels
 def test_fused_moe_replays_in_a_cuda_graph(num_tokens):
     block = make_block(2048, 128, 8, 768, torch.bfloat16)
     x = torch.randn(num_tokens, 2048, device=DEVICE, dtype=torch.bfloat16)
@@ -120,7 +205,7 @@ def test_fused_moe_replays_in_a_cuda_graph(num_tokens):
         graph.replay()
         weights, ids = route(block.gate(x), block.top_k, block.renormalize)
         want = block.forward_native(x, weights, ids)
-        torch.testing.assert_close(out.float(), want.float(), rtol=3e-2, atol=3e-2 * want.float().abs().max().item())
+        assert_matches(out, want, 3e-2)
 
 
 @needs_cuda
@@ -167,7 +252,8 @@ def test_engine_with_fused_experts_matches_hf_in_bf16(tmp_path_factory):
 
 
 def compile_all_for_sm90() -> int:
-    """Both kernels at both block heights, bf16, on the 30B-A3B layer shape, built for sm_90."""
+    """Both grouped kernels at both block heights and the skinny kernels at a few tilings (split 1
+    and more), bf16, on the 30B-A3B layer shape, built for sm_90."""
     from test_kernels import _compile_for_sm90
     from asyncllm.kernels import fused_moe as module
     bf16, i32 = torch.bfloat16, torch.int32
@@ -187,6 +273,19 @@ def compile_all_for_sm90() -> int:
                                                           hidden, inter, inter, hidden * inter, inter, hidden,
                                                           experts), kwargs)
         count += 2
+    from asyncllm.kernels import skinny_moe as skinny
+    weights2d, ids2d = torch.empty(tokens, top_k), torch.empty(tokens, top_k, dtype=torch.int64)
+    partial = torch.empty(4, tokens, hidden)
+    for config in candidate_configs(1, top_k, experts, hidden, inter, 132)[:3] + [SkinnyMoeConfig(32, 32, 128, 1)]:
+        shared = dict(BLOCK_T=MAX_TOKENS, BLOCK_TOPK=top_k, BLOCK_K=config.block_k, UPCAST=False, PRECISION="tf32",
+                      num_warps=config.num_warps, num_stages=config.num_stages)
+        _compile_for_sm90(skinny._skinny_gate_up_kernel, (x, gate_up, h, ids2d, weights2d, tokens, top_k, inter, hidden,
+                                                           hidden, top_k, top_k, 2 * inter * hidden, hidden, inter),
+                          dict(BLOCK_N=config.gate_up_block_n, **shared))
+        _compile_for_sm90(skinny._skinny_down_kernel, (h, down, x, partial, ids2d, weights2d, tokens, top_k, hidden,
+                                                        inter, inter, top_k, top_k, hidden * inter, inter, hidden),
+                          dict(SPLIT=config.down_split, BLOCK_N=config.down_block_n, **shared))
+        count += 2
     return count
 
 
@@ -194,4 +293,4 @@ def compile_all_for_sm90() -> int:
 def test_fused_moe_compiles_for_sm90():
     """The interpreter never compiles: build the kernels for sm_90 in a subprocess, so compile-only
     errors surface on CPU too."""
-    assert compile_for_sm90_in_subprocess("test_fused_moe", "compile_all_for_sm90") == 4
+    assert compile_for_sm90_in_subprocess("test_fused_moe", "compile_all_for_sm90") == 12

@@ -819,7 +819,7 @@ def test_start_up_cache_round_trip_in_fresh_processes(model_dir, tmp_path):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_speculative_decoding_greedy_identity_and_a_sampled_run(model_dir, backend):
     """Speculative decoding on CUDA (Config.speculative_config): verification rows of 1 + k tokens run
-    the varlen prefill path, with overlap on (speculating steps resolve before the next plan).
+    the varlen prefill path (a mixed CUDA graph where the backend has them), with overlap on (speculating steps resolve before the next plan).
     Greedy tokens equal the plain engine's in float32, with drafts accepted and rejected (a proposer
     that drafts the known output, now and then wrong; random weights give n-gram lookup nothing);
     then seeded sampling at temperature 1 with top-p over n-gram drafts completes, reproducibly."""
@@ -853,10 +853,59 @@ def test_speculative_decoding_greedy_identity_and_a_sampled_run(model_dir, backe
         del llm
         release_llms()
 
+def test_speculative_draft_steps_and_verification_replay_cuda_graphs(model_dir):
+    """On CUDA the draft's catch-ups and one-token steps and the target's verification (1 + k query rows
+    per request) replay CUDA graphs (the Triton backend's mixed and decode graphs; a prompt's first
+    catch-up, over 64 tokens, runs eagerly), and the tokens equal an eager engine's (enforce_eager:
+    the draft is eager too), greedy and seeded sampled, at batch 1 and 4, in float32."""
+    spec = {"model": model_dir, "num_speculative_tokens": 4}
+    options = dict(attention_backend="triton", dtype="float32", gpu_memory_utilization=0.3, max_model_len=4096,
+                   speculative_config=spec)
+    ps = random_prompts(4, seed=24, lo=80, hi=300)
+    greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    sampled = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=40, seed=i, ignore_eos=True)
+               for i in range(len(ps))]
+    release_llms()
+    eager = LLM(model_dir, enforce_eager=True, **options)
+    try:
+        assert eager.core.speculation.proposer.runner.graph_runner is None  # the draft follows the target
+        expected = [generate(eager, ps[:1], greedy), generate(eager, ps, greedy), generate(eager, ps, sampled)]
+    finally:
+        eager.close()
+        del eager
+        release_llms()
+    llm = LLM(model_dir, **options)
+    try:
+        target_graphs = llm.core.runner.graph_runner
+        proposer = llm.core.speculation.proposer
+        draft_graphs = proposer.runner.graph_runner
+        assert draft_graphs is not None and draft_graphs.max_batch_size == 32 and draft_graphs.max_mixed_tokens == 64
+        stats, target_mixed, draft_replays = llm.core.stats(), target_graphs.num_replays["mixed"], \
+            sum(draft_graphs.num_replays.values())
+        got = generate(llm, ps[:1], greedy)  # batch 1: every speculating step is one verification, one proposal
+        after = llm.core.stats()
+        verifications = after["spec_verifications"] - stats["spec_verifications"]
+        drafts = after["spec_draft_tokens"] - stats["spec_draft_tokens"]
+        assert verifications > 5 and after["spec_accepted_tokens"] - stats["spec_accepted_tokens"] >= 0.9 * drafts
+        assert target_graphs.num_replays["mixed"] - target_mixed >= verifications  # each verification replayed
+        # a proposal of d drafts: a catch-up and d - 1 one-token steps; only the prompt's catch-up was eager
+        assert sum(draft_graphs.num_replays.values()) - draft_replays >= drafts - 1
+        assert got == expected[0]
+        assert generate(llm, ps, greedy) == expected[1]
+        llm.core.block_manager.reset_prefix_cache()
+        proposer.block_manager.reset_prefix_cache()
+        assert generate(llm, ps, sampled) == expected[2]
+        assert proposer._held == {} and proposer.block_manager.num_free_blocks == proposer.num_total_blocks
+    finally:
+        llm.close()
+        del llm
+        release_llms()
+
+
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "torch"])
 def test_speculative_draft_model_equal_to_the_target_on_cuda(model_dir, backend):
-    """A draft model (speculative_config={"model": dir}) on CUDA: its own eager runner and KV cache
-    beside the target's graphs, overlap on. The draft is the target: in float32 every proposal is
+    """A draft model (speculative_config={"model": dir}) on CUDA: its own runner (CUDA graphs) and KV
+    cache beside the target's graphs, overlap on. The draft is the target: in float32 every proposal is
     the target's argmax (acceptance near 1) and greedy tokens equal the plain engine's; every target
     and draft block is free after; sampled drafts (from the draft's own q) are nearly all accepted at
     temperature 1, the draft's prefix cache serves the second round, and seeded sampling reproduces."""

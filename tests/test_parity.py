@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from asyncllm import LLM, SamplingParams
+from asyncllm.models import tokenizer_loader
 from asyncllm.runner.step_inputs import StepInputs
 from helpers import assert_all_blocks_free
 
@@ -84,21 +85,19 @@ def _fast_cpu():
     """Speed only. One torch thread: these ops are tiny and the machine is shared (two spinning threads
     are several times slower under load). And each checkpoint's tokenizer is loaded once: loading
     the Qwen tokenizer is most of an LLM's start-up, and a tokenizer is stateless for encode/decode."""
-    from transformers import AutoTokenizer
-    original = AutoTokenizer.from_pretrained
+    original = tokenizer_loader.load_tokenizer
     cache = {}
 
-    def cached_from_pretrained(cls, path, *args, **kwargs):
-        key = (str(path), repr(args), repr(sorted(kwargs.items())))
-        if key not in cache:
-            cache[key] = original(path, *args, **kwargs)
-        return cache[key]
+    def cached_load_tokenizer(model_dir):
+        if model_dir not in cache:
+            cache[model_dir] = original(model_dir)
+        return cache[model_dir]
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(AutoTokenizer, "from_pretrained", classmethod(cached_from_pretrained))
+            mp.setattr(tokenizer_loader, "load_tokenizer", cached_load_tokenizer)  # what the engine's loader calls
             yield
     finally:
         torch.set_num_threads(threads)

@@ -15,6 +15,7 @@ import math
 import os
 import random
 import shutil
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -25,6 +26,7 @@ from asyncllm.config import Config
 from asyncllm.errors import InvalidValueError
 from asyncllm.layers.rejection_sampler import verify_drafts
 from asyncllm.llm import LLM
+from asyncllm.runner.cuda_graph import CudaGraphRunner, graph_batch_sizes, graph_token_sizes
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.speculative.draft_model import DraftModelProposer
 from asyncllm.speculative.proposer import DraftRow
@@ -394,3 +396,49 @@ def test_finishes_aborts_and_preemptions_over_shared_prefixes_free_every_draft_b
         assert_draft_blocks_free(spec)
     assert proposer.num_prefix_hit_tokens > hits
     assert core.scheduler.num_preemptions > preemptions
+
+
+def test_a_proposal_reads_its_drafts_back_once_and_they_are_the_drafts_of_one_token_proposals(engines, monkeypatch):
+    """The draft's steps feed each draft to the next on the device: the host reads a proposal's drafts
+    back once (one .tolist() of a tensor), not once per draft (on CUDA each would wait for the device).
+    Rows of different lengths and draft counts (one row stops drafting early) get the same drafts as
+    proposals one draft at a time, each from the drafts so far (greedy: the draft's argmax chain)."""
+    proposer: DraftModelProposer = engines("same").core.speculation.proposer
+    rng = random.Random(5)
+    rows = [DraftRow([rng.randrange(10, VOCAB) for _ in range(n)], k, f"row{n}") for n, k in ((20, K), (37, 2))]
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(self.shape) or tolist(self))
+    drafts = proposer.propose(rows)
+    monkeypatch.undo()
+    assert reads == [torch.Size([2, K])] and [len(d) for d in drafts] == [K, 2]
+    for row, row_drafts in zip(rows, drafts):
+        proposer.release(row.request)
+        chain = []
+        for j in range(len(row_drafts)):
+            chain += proposer.propose([DraftRow(row.token_ids + chain, 1, "chain")])[0]
+        proposer.release("chain")
+        assert chain == row_drafts
+    assert_proposer_blocks_free(proposer)
+
+
+def test_a_verification_replays_a_mixed_graph_where_its_logits_rows_fit():
+    """CudaGraphRunner's choice of graph (no graph is captured here: the choice alone): a verification
+    step (1 + k query rows and logits rows per request) fits the mixed graph of its token bucket, whose
+    logits rows are min(bucket, max_batch_size); a step with more logits rows than that runs eagerly;
+    decode-only steps take decode graphs."""
+    graphs = CudaGraphRunner.__new__(CudaGraphRunner)
+    graphs.batch_sizes, graphs.max_batch_size = graph_batch_sizes(16), 16
+    graphs.token_sizes, graphs.max_mixed_tokens = graph_token_sizes(64), 64
+    graphs.max_context = 4096
+    graphs.context_bounds = {size: [4096] for size in graphs.batch_sizes}
+
+    def step(num_seqs, num_tokens, num_logits):
+        return SimpleNamespace(num_seqs=num_seqs, num_tokens=num_tokens, logits_indices=torch.zeros(num_logits),
+                               is_decode_only=num_tokens == num_seqs, max_seq_len=100)
+    assert graphs._key(step(1, 5, 5)) == ("mixed", 16, 4096)  # batch 1, k = 4
+    assert graphs._key(step(3, 15, 15)) == ("mixed", 16, 4096)
+    assert graphs._key(step(4, 20, 20)) is None  # 20 logits rows: the 32-token graph gathers 16
+    assert graphs._key(step(3, 20, 3)) == ("mixed", 32, 4096)  # a prefill chunk beside decodes
+    assert graphs._key(step(4, 4, 4)) == ("decode", 4, 4096)
+    assert graphs._key(step(1, 65, 5)) is None  # past the mixed graphs' tokens

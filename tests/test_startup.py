@@ -126,7 +126,7 @@ async def test_a_failed_start_is_not_a_phase(tiny_qwen3, monkeypatch):
 # still importing transformers. The second import raised "cannot import name 'AutoTokenizer'".
 CONCURRENT_TOKENIZER_LOADS = """
 import sys, threading
-from asyncllm.models.checkpoint import load_tokenizer
+from asyncllm.models.tokenizer_loader import load_tokenizer
 assert "transformers" not in sys.modules
 errors = []
 def load():

@@ -35,7 +35,8 @@ import dataclasses
 from asyncllm.config import Config
 from asyncllm.errors import (EngineAsleepError, EngineDeadError, EngineNotIdleError, InvalidTypeError,
                              InvalidValueError)
-from asyncllm.models.checkpoint import check_tokenizer, checkpoint_weights, load_tokenizer
+from asyncllm.models.checkpoint import check_tokenizer, checkpoint_weights
+from asyncllm.models.tokenizer_loader import load_tokenizer
 from asyncllm.models.registry import model_structure
 from asyncllm.models.resolve import resolve_config
 from asyncllm.runner.memory import SLEEP_LEVELS

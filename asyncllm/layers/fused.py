@@ -36,3 +36,8 @@ def logits_ops_for(logits: torch.Tensor):
 def fused_moe_for(x: torch.Tensor):
     """The grouped-GEMM experts kernel (kernels/fused_moe.py) if x can use it, else None."""
     return kernel_module("fused_moe") if x.is_cuda else None
+
+
+def skinny_moe_for(x: torch.Tensor):
+    """The experts kernel for 1..16 tokens (kernels/skinny_moe.py) if x can use it, else None."""
+    return kernel_module("skinny_moe") if x.is_cuda else None

@@ -8,7 +8,9 @@ reads. Under tensor parallelism each rank keeps every expert's slice of the inte
 
 forward_native is the CPU path and the reference: tokens sorted by expert id, then one pair of
 matmuls per expert that has tokens (it reads the counts on the host). On CUDA the experts run as
-kernels/fused_moe.py's two grouped GEMMs, which never wait on the host (CUDA graphs capture them).
+kernels/fused_moe.py's two grouped GEMMs, or at up to skinny_moe.MAX_TOKENS tokens (decode) as
+kernels/skinny_moe.py's, which stream each selected expert once with no sort; neither waits on the
+host (CUDA graphs capture them).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncllm.distributed import all_reduce, get_tp_rank, get_tp_size
-from asyncllm.layers.fused import fused_moe_for
+from asyncllm.layers.fused import fused_moe_for, skinny_moe_for
 from asyncllm.layers.linear import LinearBase, check_loaded_shape
 
 GATE, UP = 0, 1  # the halves of gate_up_proj's rows; down_proj's one part is 0
@@ -83,11 +85,23 @@ class SparseMoeBlock(nn.Module):
         self.experts = StackedExperts(num_experts, hidden_size, intermediate_size)
         # chosen once, by where the weights live (the runner builds the model on its device)
         self._fused = fused_moe_for(self.experts.down_proj)
+        self._skinny = skinny_moe_for(self.experts.down_proj)
+        # the small path's tiling per token count, chosen once (its rule needs only the shapes)
+        self._skinny_configs = []
+        if self._skinny is not None:
+            num_sms = torch.cuda.get_device_properties(self.experts.down_proj.device).multi_processor_count
+            shard = self.experts.down_proj.size(2)
+            self._skinny_configs = [self._skinny.choose_config(t, top_k, num_experts, hidden_size, shard, num_sms)
+                                    for t in range(self._skinny.MAX_TOKENS + 1)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        if self._fused is not None:
-            out = self._fused.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        experts = self.experts
+        if x.size(0) < len(self._skinny_configs):
+            out = self._skinny.skinny_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids,
+                                          self._skinny_configs[x.size(0)])
+        elif self._fused is not None:
+            out = self._fused.fused_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids)
         else:
             out = self.forward_native(x, weights, ids)
         return all_reduce(out)

@@ -10,7 +10,6 @@ import contextlib
 import logging
 import math
 import re
-import threading
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -19,8 +18,9 @@ from torch import nn
 from asyncllm.config import config_error
 from asyncllm.models.fp8 import _UNSET, Fp8Layout, dequantized, fp8_format, fp8_layout, is_fp8, resident_fp8
 from asyncllm.layers.linear import WeightShapeError, check_loaded_shape
-from asyncllm.models.model_config import read_model_config
+from asyncllm.models.model_config import read_json_object, read_model_config
 from asyncllm.models.moe_spec import moe_spec
+from asyncllm.models.tokenizer_loader import transformers_attribute
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -42,7 +42,7 @@ def load_hf_config(model_dir: str):
         raise config_error("model", f"{model_dir!r} has no config.json")
     config = read_model_config(config_path)
     if config is None:
-        auto_config = transformers_auto("AutoConfig")  # only for a model_type not read here
+        auto_config = transformers_attribute("AutoConfig")  # only for a model_type not read here
         try:
             config = auto_config.from_pretrained(model_dir, trust_remote_code=False)
         except Exception as e:  # noqa: BLE001 - transformers' own checks raise several types (some not ValueError)
@@ -390,31 +390,6 @@ def _vocab_tensor_rows(model_dir: str) -> dict[str, tuple[int, str]]:
     return rows
 
 
-# transformers' lazy top-level names break under concurrent first imports: a second thread's
-# `from transformers import AutoTokenizer` while another's is under way raised ImportError (two
-# engines starting at once, or an engine started after a failed start whose tokenizer thread was
-# still importing). Every import of it by the engine goes through this lock.
-_TRANSFORMERS_IMPORT = threading.Lock()
-
-
-def transformers_auto(name: str):
-    """transformers' Auto class `name` (AutoTokenizer, AutoConfig), imported once at a time."""
-    with _TRANSFORMERS_IMPORT:
-        import transformers  # seconds to import: only where a tokenizer or foreign config is made
-        return getattr(transformers, name)
-
-
-def load_tokenizer(model_dir: str):
-    """The model directory's tokenizer (transformers', never remote code); a broken one is a
-    ValueError naming the directory."""
-    auto_tokenizer = transformers_auto("AutoTokenizer")
-    try:
-        return auto_tokenizer.from_pretrained(model_dir, trust_remote_code=False)
-    except Exception as e:  # noqa: BLE001 - transformers and tokenizers raise many types for broken files
-        raise config_error("model", f"the tokenizer files in {model_dir!r} cannot be loaded: "
-                           f"{type(e).__name__}: {e}") from e
-
-
 def _as_id_set(value, where: str) -> set[int]:
     if value is None:
         return set()
@@ -429,14 +404,7 @@ def find_eos_token_ids(model_dir: str, hf_config, tokenizer) -> set[int]:
     ids = _as_id_set(getattr(hf_config, "eos_token_id", None), os.path.join(model_dir, "config.json"))
     gen_config = os.path.join(model_dir, "generation_config.json")
     if os.path.exists(gen_config):
-        try:
-            with open(gen_config) as f:
-                settings = json.load(f)
-        except ValueError as e:
-            raise ValueError(f"{gen_config}: not valid JSON: {e}") from None
-        if not isinstance(settings, dict):
-            raise ValueError(f"{gen_config}: expected a JSON object, got {type(settings).__name__}")
-        ids |= _as_id_set(settings.get("eos_token_id"), gen_config)
+        ids |= _as_id_set(read_json_object(gen_config).get("eos_token_id"), gen_config)
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids

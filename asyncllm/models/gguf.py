@@ -24,7 +24,7 @@ import torch
 import xxhash
 
 from asyncllm import settings
-from asyncllm.models.checkpoint import transformers_auto
+from asyncllm.models.tokenizer_loader import transformers_attribute
 
 GGUF_MAGIC = b"GGUF"
 # Bump when the converter's output changes, so stale caches are not reused.
@@ -187,7 +187,7 @@ def _build_config(reader, arch: str, tensors: dict[str, torch.Tensor], dtype: to
 
 
 def _save_tokenizer(gguf_path: str, out_dir: str, chat_template: str | None) -> None:
-    auto_tokenizer = transformers_auto("AutoTokenizer")
+    auto_tokenizer = transformers_attribute("AutoTokenizer")
     try:
         tokenizer = auto_tokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
     except Exception as e:  # noqa: BLE001 - transformers' GGUF reader raises many types for missing metadata

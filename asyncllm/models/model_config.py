@@ -54,16 +54,23 @@ class ModelConfig:
         return f"ModelConfig({self.__dict__!r})"
 
 
+def read_json_object(path: str) -> dict:
+    """path's JSON object (a checkpoint's config.json, generation_config.json); a ValueError naming the
+    file where it is not valid JSON or not an object."""
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except ValueError as e:
+        raise ValueError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return raw
+
+
 def read_model_config(config_path: str) -> ModelConfig | None:
     """config_path's ModelConfig; None where its model_type is not one of SUPPORTED_MODEL_TYPES. A file
     that is not a JSON object is a ValueError naming it."""
-    try:
-        with open(config_path) as f:
-            raw = json.load(f)
-    except ValueError as e:
-        raise ValueError(f"{config_path}: not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{config_path}: expected a JSON object, got {type(raw).__name__}")
+    raw = read_json_object(config_path)
     model_type = raw.get("model_type")
     if model_type not in _DEFAULTS:
         return None

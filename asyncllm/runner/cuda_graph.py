@@ -202,15 +202,16 @@ class CudaGraphRunner:
         return logits if num_rows == logits.shape[0] else logits[:num_rows]
 
     def _key(self, batch: ForwardBatch) -> tuple[str, int, int] | None:
-        if batch.logits_indices.shape[0] > batch.num_seqs:
-            return None  # logits of prompt positions too (prompt_logprobs): graphs compute one row per sequence
-        if batch.is_decode_only and batch.num_seqs <= self.max_batch_size:
+        num_logits = batch.logits_indices.shape[0]
+        if batch.is_decode_only and batch.num_seqs <= self.max_batch_size and num_logits <= batch.num_seqs:
             return self.decode_key(batch.num_seqs, batch.max_seq_len)
         if batch.num_tokens <= self.max_mixed_tokens:
             size = self.token_sizes[bisect.bisect_left(self.token_sizes, batch.num_tokens)]
-            if batch.num_seqs <= min(size, self.max_batch_size):
+            # a mixed graph gathers min(size, max_batch_size) logits rows: a speculative verification's
+            # 1 + k rows per sequence fit as a step's sequences do (both are at most its tokens)
+            if max(batch.num_seqs, num_logits) <= min(size, self.max_batch_size):
                 return "mixed", size, self.max_context
-        return None
+        return None  # more logits rows than any graph gathers (prompt_logprobs of a long prompt), or too big
 
     def run(self, batch: ForwardBatch) -> torch.Tensor | None:
         """Logits of batch's sampled rows, by replaying the graph of the next bucket up; None where

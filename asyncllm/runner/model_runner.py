@@ -279,9 +279,14 @@ class ModelRunner(RunnerMemory):
         return self.model.compute_logits(hidden_states[batch.logits_indices])
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """The model on one step's inputs: logits of the rows in inputs.logits_indices."""
-        return self._forward(self._make_batch(inputs)[0])
+    def forward(self, inputs: StepInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The model on one step's inputs: logits of the rows in inputs.logits_indices. input_ids (on
+        the device) in place of inputs.input_ids: tokens the device sampled, which the host never
+        waits for (a draft model's next step)."""
+        batch = self._make_batch(inputs)[0]
+        if input_ids is not None:
+            batch.input_ids = input_ids
+        return self._forward(batch)
 
     def current_stream(self) -> torch.cuda.Stream | None:
         """The CUDA stream this thread queues work on (None on CPU)."""

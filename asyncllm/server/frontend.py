@@ -35,7 +35,7 @@ def run_frontend(sock: socket.socket, engine_path: str, settings: FrontendSettin
     import uvicorn
 
     from asyncllm.engine.intake import RequestIntake
-    from asyncllm.models.checkpoint import load_tokenizer
+    from asyncllm.models.tokenizer_loader import load_tokenizer
     from asyncllm.server.app import create_app
     from asyncllm.server.connections import DrainingServer, http_protocol
     from asyncllm.server.engine_client import EngineClient

@@ -7,7 +7,10 @@ min(1, p/q) and keeps the target's distribution exactly. A seeded request's draw
 seed and the draft's completion index (draft_noise_key: a stream apart from the target's), so seeds
 reproduce; the others draw from the proposer's generator (seeded by Config.seed).
 
-The proposer owns a second ModelRunner (eager: no CUDA graphs yet) over the draft checkpoint, with
+The proposer owns a second ModelRunner over the draft checkpoint (on CUDA, unless the target is
+eager, with CUDA graphs: decode graphs for its one-token steps over up to max_rows rows, mixed ones
+up to draft_graph_tokens tokens for the catch-ups after a verification; a prompt's catch-up runs
+eagerly; the target's verification replays the target's mixed graphs, runner/cuda_graph.py), with
 a paged KV cache of its own, kept by a BlockManager as the target's is: per request a DraftKV (its
 block table, block hashes, and the number of its tokens whose draft KV is valid), full blocks of
 valid KV hashed into the draft's prefix cache, so a new request (a chat's next turn) over a cached
@@ -16,7 +19,8 @@ prefix feeds the draft only the rest. Each propose() over the speculating rows:
    cached prefix at first; after a verification the drafts it accepted, then the target's own
    token): varlen forwards of up to max_num_batched_tokens tokens, the last position's logits give
    the first draft. Drafts it fed itself last time and the target accepted keep their KV;
-2. feeds each draft back as one token per forward, k - 1 more forwards batched over the rows;
+2. feeds each draft back as one token per forward, k - 1 more forwards batched over the rows, the
+   drafts kept on the device in between (the host reads them back once, after the last);
 3. the rollback is implicit: the KV past the accepted tokens is overwritten by the next catch-up,
    and whole blocks past what the next proposal needs go back to the pool then (never hashed ones:
    a block is hashed only once full of valid KV of the request's tokens).
@@ -34,7 +38,7 @@ from asyncllm.engine.block_manager import BlockManager
 from asyncllm.errors import InvalidValueError
 from asyncllm.layers.rejection_sampler import speculative_probs
 from asyncllm.layers.sampler import SamplingTensors, noise_key
-from asyncllm.models.checkpoint import load_tokenizer
+from asyncllm.models.tokenizer_loader import load_tokenizer
 from asyncllm.models.resolve import resolve_config
 from asyncllm.runner.model_runner import ModelRunner
 from asyncllm.runner.step_inputs import StepInputs
@@ -44,6 +48,9 @@ FIELD = "speculative_config.model"
 # on CUDA, the share of the device's free memory (after the draft's weights) its KV cache may take at
 # most; the target's memory probe, which runs after, sees it as used
 DRAFT_KV_GPU_SHARE = 0.1
+# a mixed graph bound that holds one row's catch-up after a pause in speculating (engine/speculation.py
+# PAUSE_STEPS decodes, then its last draft and the target's token), so that retry replays a graph too
+DRAFT_RESUME_GRAPH_TOKENS = 64
 # mixed into a seeded request's seed for its drafts' noise: the draft's draws must be independent of
 # the target's verification noise at the same completion index (noise_key(seed, index)), or the
 # accepted tokens would not follow the target's distribution
@@ -56,11 +63,15 @@ def draft_noise_key(seed: int, completion_index: int) -> int:
 
 
 def draft_config(target: Config, max_rows: int) -> Config:
-    """The draft's Config: the target's device, dtype, block size and attention backend; eager; its
-    KV cache sized by draft_kv_blocks (checked: the draft directory's config and vocabulary)."""
+    """The draft's Config: the target's device, dtype, block size, attention backend and eagerness;
+    CUDA graphs for decode steps of up to max_rows rows and mixed steps of up to
+    draft_graph_tokens(max_rows) tokens; its KV cache sized by draft_kv_blocks (checked: the draft
+    directory's config and vocabulary)."""
     spec = target.speculative
     config = Config(spec.model, max_num_batched_tokens=target.max_num_batched_tokens, max_num_seqs=max_rows,
-                    max_model_len=target.max_model_len, enforce_eager=True, kvcache_block_size=target.kvcache_block_size,
+                    max_model_len=target.max_model_len, enforce_eager=target.enforce_eager,
+                    cuda_graph_max_tokens=min(target.cuda_graph_max_tokens, draft_graph_tokens(max_rows)),
+                    kvcache_block_size=target.kvcache_block_size,
                     num_kvcache_blocks=1, cpu_kvcache_bytes=target.cpu_kvcache_bytes,
                     dtype=str(target.torch_dtype).removeprefix("torch."), device=target.device,
                     enable_prefix_caching=target.enable_prefix_caching, attention_backend=target.attention_backend,
@@ -74,6 +85,14 @@ def draft_config(target: Config, max_rows: int) -> Config:
         raise config_error(FIELD, f"the draft's vocab_size {config.hf_config.vocab_size} is not the target's "
                                   f"{target.hf_config.vocab_size}: a draft must share the target's tokenizer")
     return config
+
+
+def draft_graph_tokens(max_rows: int) -> int:
+    """The draft's largest mixed CUDA graph, in tokens: a catch-up brings each row the draft it never
+    fed and the target's token after a verification (2 tokens a row, 2 * max_rows), or a row's tokens
+    decoded while its speculation paused (PAUSE_STEPS of engine/speculation.py, 32, and a few); prompts
+    run eagerly, once a request."""
+    return max(2 * max_rows, DRAFT_RESUME_GRAPH_TOKENS)
 
 
 def check_same_tokenizer(config: Config, target_tokenizer) -> None:
@@ -179,15 +198,23 @@ class DraftModelProposer:
                 active.append((i, row, state))
         if not active:
             return out
-        drafts: list[list[int]] = [[] for _ in active]
+        num_drafts = max(row.max_tokens for _, row, _ in active)
+        # the drafts stay on the device until the last is drawn (a step's inputs are the last step's
+        # draws): one read-back a proposal, not one per draft
+        tokens = torch.zeros((len(active), num_drafts), dtype=torch.int64, device=self.runner.device)
         probs: list[list[torch.Tensor]] = [[] for _ in active]
-        self._catch_up(active, drafts, probs)
-        for j in range(1, max(row.max_tokens for _, row, _ in active)):
+        tables = _block_tables([state.block_table for _, _, state in active])  # each row's, for every forward
+        self._catch_up(active, tables, tokens, probs)
+        lengths = np.array([len(row.token_ids) for _, row, _ in active], dtype=np.int64)
+        for j in range(1, num_drafts):
             going = [n for n, (_, row, _) in enumerate(active) if row.max_tokens > j]
-            logits = self._forward([drafts[n][-1] for n in going], [len(active[n][1].token_ids) + j - 1 for n in going],
-                                   [active[n][2].block_table for n in going])
-            self._draw(logits, [(n, active[n][1]) for n in going], drafts, probs)
-        for (i, row, state), row_drafts, row_probs in zip(active, drafts, probs):
+            every = len(going) == len(active)
+            logits = self._forward(tokens[:, j - 1] if every else tokens[going, j - 1], lengths[going] + j - 1,
+                                   tables if every else tables[going])
+            self._draw(logits, [(n, active[n][1]) for n in going], j, tokens, probs)
+        drafts = tokens.tolist()
+        for n, (i, row, state) in enumerate(active):
+            row_drafts, row_probs = drafts[n][:row.max_tokens], probs[n]
             out[i] = SampledDrafts(row_drafts, torch.stack(row_probs)) if row_probs else row_drafts
             state.num_computed_tokens = len(row.token_ids)
             state.fed = row_drafts[:-1]  # the last draft was never fed: its KV is not written
@@ -229,14 +256,15 @@ class DraftModelProposer:
             self.block_manager.truncate(state, needed_tokens)
         return state
 
-    def _catch_up(self, active: list, drafts: list[list[int]], probs: list[list[torch.Tensor]]) -> None:
-        """Each row's KV over its tokens from its state's valid count on; each row's first draft. In
-        forwards of at most max_num_batched_tokens tokens (a long prompt's over several, in order), the
-        activation peak the target's memory probe sized."""
+    def _catch_up(self, active: list, tables: np.ndarray, tokens: torch.Tensor,
+                  probs: list[list[torch.Tensor]]) -> None:
+        """Each row's KV over its tokens from its state's valid count on; each row's first draft (into
+        tokens' column 0). In forwards of at most max_num_batched_tokens tokens (a long prompt's over
+        several, in order), the activation peak the target's memory probe sized."""
         starts = [state.num_computed_tokens for _, _, state in active]
         budget = self.config.max_num_batched_tokens
         while True:
-            input_ids, positions, query_lens, tables, rows, left = [], [], [], [], [], budget
+            input_ids, positions, query_lens, rows, left = [], [], [], [], budget
             for n, (_, row, state) in enumerate(active):
                 take = min(len(row.token_ids) - starts[n], left)
                 if take <= 0:
@@ -245,54 +273,74 @@ class DraftModelProposer:
                 input_ids.extend(row.token_ids[starts[n]:end])
                 positions.extend(range(starts[n], end))
                 query_lens.append(take)
-                tables.append(state.block_table)
                 rows.append(n)
                 starts[n], left = end, left - take
             if not rows:
                 return
-            logits = self._forward(input_ids, positions, tables, query_lens)
+            logits = self._forward(np.array(input_ids, dtype=np.int64), np.array(positions, dtype=np.int64),
+                                   tables if len(rows) == len(active) else tables[rows], query_lens)
             # the rows whose last token this forward fed: their first draft
             done = [(r, n) for r, n in enumerate(rows) if starts[n] == len(active[n][1].token_ids)]
+            if len(done) < len(rows):
+                logits = logits[[r for r, _ in done]] if done else None
             if done:
-                self._draw(logits[[r for r, _ in done]], [(n, active[n][1]) for _, n in done], drafts, probs)
+                self._draw(logits, [(n, active[n][1]) for _, n in done], 0, tokens, probs)
 
-    def _draw(self, logits: torch.Tensor, entries: list[tuple[int, DraftRow]], drafts: list[list[int]],
+    def _draw(self, logits: torch.Tensor, entries: list[tuple[int, DraftRow]], column: int, tokens: torch.Tensor,
               probs: list[list[torch.Tensor]]) -> None:
-        """The next draft of each entry (its index in drafts, its row) from its row of logits: the
-        argmax for a greedy request; for a sampled one a draw from q, appended to its probs."""
-        tokens = logits.argmax(dim=-1)
+        """The next draft of each entry (its index in tokens' rows, its row) from its row of logits,
+        into tokens[index, column] on the device: the argmax for a greedy request; for a sampled one a
+        draw from q, appended to its probs."""
+        drawn = logits.argmax(dim=-1)
         sampled = [r for r, (_, row) in enumerate(entries) if row.params is not None and row.params.temperature > 0]
         if sampled:
             keys, seeded = [], []
             for r in sampled:
-                n, row = entries[r]
-                index = len(row.token_ids) - row.num_prompt_tokens + len(drafts[n])  # the draft's completion index
+                row = entries[r][1]
+                index = len(row.token_ids) - row.num_prompt_tokens + column  # the draft's completion index
                 keys.append(0 if row.params.seed is None else draft_noise_key(row.params.seed, index))
                 if row.params.seed is not None:
                     seeded.append((len(keys) - 1, keys[-1]))
             params = SamplingTensors.build([entries[r][1].params for r in sampled], self.vocab_size, logits.device,
                                            keys, seeded)
-            q = speculative_probs(logits[sampled], params)
+            q = speculative_probs(logits if len(sampled) == len(entries) else logits[sampled], params)
             exponentials = torch.empty_like(q).exponential_(generator=self.generator)
             for r, key in seeded:
                 exponentials[r].exponential_(generator=torch.Generator(q.device).manual_seed(key))
-            tokens[sampled] = (q / exponentials).argmax(dim=-1)
+            drawn_q = (q / exponentials).argmax(dim=-1)
+            if len(sampled) == len(entries):
+                drawn = drawn_q
+            else:
+                drawn[sampled] = drawn_q
             for r, row_q in zip(sampled, q):
                 probs[entries[r][0]].append(row_q)
-        for (n, _), token in zip(entries, tokens.tolist()):
-            drafts[n].append(token)
+        indices = [n for n, _ in entries]
+        if indices == list(range(len(tokens))):
+            tokens[:, column] = drawn
+        else:
+            tokens[indices, column] = drawn
 
-    def _forward(self, input_ids, positions, tables, query_lens=None) -> torch.Tensor:
-        """The draft's logits at each row's last fed token (query_lens None: one token a row)."""
-        positions = np.asarray(positions, dtype=np.int64)
-        query_lens = np.ones(len(tables), dtype=np.int32) if query_lens is None else np.asarray(query_lens, np.int32)
-        rows = np.repeat(np.arange(len(tables)), query_lens)
-        seq_lens = positions[np.cumsum(query_lens) - 1] + 1
-        block_tables = np.zeros((len(tables), max(map(len, tables))), dtype=np.int32)
-        for r, blocks in enumerate(tables):
-            block_tables[r, :len(blocks)] = blocks
+    def _forward(self, input_ids: np.ndarray | torch.Tensor, positions: np.ndarray, block_tables: np.ndarray,
+                 query_lens: list[int] | None = None) -> torch.Tensor:
+        """The draft's logits at each row's last fed token (query_lens None: one token a row). input_ids
+        on the device: drafts just drawn, fed without the host reading them."""
+        query_lens = np.ones(len(block_tables), dtype=np.int32) if query_lens is None else \
+            np.asarray(query_lens, np.int32)
+        rows = np.repeat(np.arange(len(block_tables)), query_lens)
+        last = np.cumsum(query_lens) - 1
+        seq_lens = positions[last] + 1
         bs = self.block_size
         slot_mapping = block_tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
-        inputs = StepInputs(np.asarray(input_ids, dtype=np.int64), positions, slot_mapping, query_lens,
-                            seq_lens.astype(np.int32), block_tables, np.cumsum(query_lens) - 1)
-        return self.runner.forward(inputs)
+        on_device = isinstance(input_ids, torch.Tensor)
+        host_ids = np.zeros(len(positions), dtype=np.int64) if on_device else input_ids  # placeholder: never read
+        inputs = StepInputs(host_ids, positions, slot_mapping, query_lens, seq_lens.astype(np.int32), block_tables,
+                            last)
+        return self.runner.forward(inputs, input_ids if on_device else None)
+
+
+def _block_tables(tables: list[list[int]]) -> np.ndarray:
+    """The rows' block tables as one array, padded with 0."""
+    out = np.zeros((len(tables), max(map(len, tables))), dtype=np.int32)
+    for r, blocks in enumerate(tables):
+        out[r, :len(blocks)] = blocks
+    return out
