@@ -410,7 +410,7 @@ ODD_VALUES = [None, -1, 0, 2 ** 64, 10 ** 400, 1e308, -0.0, "x", "", [], [1, "a"
 
 SAMPLING_FIELDS = ["model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p",
                    "seed", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "logprobs", "user",
-                   "timeout"]
+                   "timeout", "allowed_token_ids", "bad_words"]
 CONSTRAINT_FIELDS = ["response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                      "guided_grammar"]
 FIELDS = {CHAT: SAMPLING_FIELDS + CONSTRAINT_FIELDS + ["messages", "max_completion_tokens", "chat_template_kwargs",
