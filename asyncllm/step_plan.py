@@ -21,7 +21,10 @@ class RequestSampling:
     first sampling step (StepPlan.new_requests): the runner keeps them in its request table
     (runner/request_table.py) for the request's life, with its tokens as the runner learns them."""
     request: int  # the engine's key for it (unique for the engine's life): the plans' sampling_ids name it
-    token_ids: list[int]  # prompt then the completion so far (known values only)
+    # prompt then the completion so far (known values only), where its sampling reads them
+    # (request_table.HISTORY), else []: a copy the runner's table takes as its own, appending the
+    # results it reads
+    token_ids: list[int]
     num_prompt_tokens: int
     temperature: float
     top_k: int  # 0 or less: no limit

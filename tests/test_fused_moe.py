@@ -224,7 +224,8 @@ def test_engine_with_fused_experts_matches_hf_in_bf16(tmp_path_factory):
                                       num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
                                       num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256)
     prompts, greedy = random_prompts(6, seed=1), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    with LLM(model_dir, gpu_memory_utilization=0.3, max_model_len=4096, max_num_seqs=64) as llm:
+    with LLM(model_dir, gpu_memory_utilization=0.3, max_model_len=1024, max_num_seqs=8,
+             cuda_graph_max_tokens=64) as llm:
         assert llm.core.runner.model.model.layers[0].mlp._fused is not None
         tokens, logits = generate_with_logits(llm, prompts, greedy)
         assert llm.core.runner.graph_runner.num_replays["decode"] > 0

@@ -69,6 +69,12 @@ def assert_equivalent(reference: tuple, other: tuple, dtype: str, logits_rtol: f
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+# the engines' options unless a test asks for others: no test here runs more than 20 sequences at once
+# or needs a context past 1,024 tokens unless it says so, and each CUDA graph costs start-up time (a
+# warm-up and a capture, per batch size and context bound, and per mixed-step token size):
+# scripts/gpu_test_plan.py counts them per test
+ENGINE_DEFAULTS = dict(gpu_memory_utilization=0.3, max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=1024,
+                       cuda_graph_max_tokens=64)
 _llms: dict = {}
 
 
@@ -76,8 +82,7 @@ def get_llm(model_dir: str, backend: str, **kwargs) -> LLM:
     key = (backend, tuple(sorted(kwargs.items())))
     if key not in _llms:
         release_llms()  # one engine alive at a time keeps GPU memory in check
-        options = dict(attention_backend=backend, gpu_memory_utilization=0.3, max_model_len=4096,
-                       max_num_seqs=64, max_num_batched_tokens=4096)
+        options = dict(attention_backend=backend, **ENGINE_DEFAULTS)
         options.update(kwargs)
         _llms[key] = LLM(model_dir, **options)
     return _llms[key]
@@ -125,7 +130,8 @@ def test_cuda_graph_decode_matches_eager(model_dir, backend):
     """Decode graphs, and (triton) mixed graphs: a 512-token budget splits the prompts into steps
     of prefill chunks beside decodes, all small enough to replay a graph."""
     ps = random_prompts(20, seed=2)
-    graphed = get_llm(model_dir, backend, dtype=exact_dtype(backend), max_num_batched_tokens=512)
+    options = dict(dtype=exact_dtype(backend), max_num_seqs=32, max_num_batched_tokens=512, cuda_graph_max_tokens=512)
+    graphed = get_llm(model_dir, backend, **options)
     graphs = graphed.core.runner.graph_runner
     assert graphs is not None
     with_graphs = run(graphed, ps)
@@ -133,8 +139,7 @@ def test_cuda_graph_decode_matches_eager(model_dir, backend):
     if backend == "triton":
         assert graphs.max_mixed_tokens == 512 and graphs.num_replays["mixed"] > 0
     del graphed, graphs  # each engine sizes its KV cache from the memory left free
-    eager = run(get_llm(model_dir, backend, dtype=exact_dtype(backend), enforce_eager=True,
-                        max_num_batched_tokens=512), ps)
+    eager = run(get_llm(model_dir, backend, enforce_eager=True, **options), ps)
     assert_equivalent(eager, with_graphs, exact_dtype(backend))
 
 
@@ -188,7 +193,7 @@ def test_decode_graphs_per_context_bound_match_eager(model_dir):
     tokens and logits of the same engine without graphs."""
     from asyncllm.attention.triton_backend import DECODE_GRAPH_CONTEXTS
     ps = [random_prompts(1, seed=9 + i, lo=n, hi=n + 1)[0] for i, n in enumerate((244, 1012, 2036))]
-    graphed = get_llm(model_dir, "triton", dtype="float32", max_num_seqs=2, max_num_batched_tokens=1024)
+    graphed = get_llm(model_dir, "triton", dtype="float32", max_num_seqs=2, max_model_len=4096)
     graphs = graphed.core.runner.graph_runner
     assert graphs.context_bounds[1] == [*DECODE_GRAPH_CONTEXTS, graphs.max_context]
     replayed = []
@@ -209,7 +214,7 @@ def test_decode_graphs_per_context_bound_match_eager(model_dir):
         graphs.graphs = captured  # the engine's release() resets them
     assert {key for key in replayed if key[0] == "decode"} == {("decode", 1, b) for b in graphs.context_bounds[1]}
     del graphed, graphs
-    eager_llm = get_llm(model_dir, "triton", dtype="float32", max_num_seqs=2, max_num_batched_tokens=1024,
+    eager_llm = get_llm(model_dir, "triton", dtype="float32", max_num_seqs=2, max_model_len=4096,
                         enforce_eager=True)
     for p, graphed_result in zip(ps, with_graphs):
         assert_equivalent(run(eager_llm, [p]), graphed_result, "float32")
@@ -231,8 +236,11 @@ def test_new_turn_over_a_long_cached_history_splits_kv(model_dir):
         assert llm.core.block_manager.num_prefix_hit_tokens - hits >= len(turns) * 2048
         return [r[0][0] for r in results], [r[1][0] for r in results]
 
-    reference = turn_by_turn(get_llm(model_dir, "torch", dtype="float32"))
-    graphed = get_llm(model_dir, "triton", dtype="float32")
+    # the 4k max_model_len's split counts; the history in one chunk; the turns' chunks (up to 200
+    # tokens) in mixed graphs of up to 256
+    options = dict(dtype="float32", max_model_len=4096, max_num_batched_tokens=4096, cuda_graph_max_tokens=256)
+    reference = turn_by_turn(get_llm(model_dir, "torch", **options))
+    graphed = get_llm(model_dir, "triton", **options)
     graphs = graphed.core.runner.graph_runner
     replays = graphs.num_replays["mixed"]
     assert_equivalent(reference, turn_by_turn(graphed), "float32")
@@ -240,7 +248,7 @@ def test_new_turn_over_a_long_cached_history_splits_kv(model_dir):
     assert all(batch.attn_metadata.prefill_splits > 1 for key, batch in graphs.batches.items()
                if key[0] == "mixed" and key[1] <= 256)
     del graphed, graphs
-    eager = get_llm(model_dir, "triton", dtype="float32", enforce_eager=True)
+    eager = get_llm(model_dir, "triton", enforce_eager=True, **options)
     eager.core.runner.attn_backend.split_tokens = 64
     try:
         assert_equivalent(reference, turn_by_turn(eager), "float32")
@@ -399,8 +407,8 @@ def test_streams_match_serial_generate_with_overlap_and_the_launch_gate(model_di
         async def tokens(engine, prompt, params):
             return [t async for out in engine.stream(prompt, params) for t in out.token_ids]
 
-        async with AsyncLLMEngine(model_dir, attention_backend="triton", gpu_memory_utilization=0.3,
-                                  max_model_len=4096, target_step_ms=None, **options) as engine:
+        async with AsyncLLMEngine(model_dir, attention_backend="triton", target_step_ms=None,
+                                  **{**ENGINE_DEFAULTS, **options}) as engine:
             assert engine._core.overlap and engine._use_launch_gate
             greedy = await asyncio.gather(*(tokens(engine, p, GREEDY) for p in ps))
             sampled = await asyncio.gather(*(tokens(engine, p, sp) for p, sp in zip(ps, seeded)))
@@ -426,7 +434,10 @@ def test_step_time_model_is_calibrated_at_start(model_dir):
     decodes it adds will cost (its first real steps compile kernels and are not learned from); the
     paced run gives the unpaced run's tokens (float32)."""
     ps = random_prompts(12, seed=5, hi=600)
-    llm = get_llm(model_dir, "triton", dtype="float32", target_step_ms=1.0, max_num_batched_tokens=4096)
+    # the calibration's shapes (up to 2,048 prefill tokens beside up to 64 decodes) as Config's defaults
+    # bring them, replaying mixed graphs where they would
+    options = dict(dtype="float32", max_num_seqs=64, max_num_batched_tokens=4096, cuda_graph_max_tokens=2048)
+    llm = get_llm(model_dir, "triton", target_step_ms=1.0, **options)
     model = llm.core.step_model
     assert model.fitted and model.b > 0 and model.c > 0
     per_token_ms, per_decode_ms = model.b, model.c
@@ -438,7 +449,7 @@ def test_step_time_model_is_calibrated_at_start(model_dir):
           f"b={model.b * 1e3:.2f} us c={model.c * 1e3:.1f} us, budget {stats['prefill_budget']}")
     assert_all_blocks_free(llm)
     del llm, model
-    unpaced = run(get_llm(model_dir, "triton", dtype="float32", max_num_batched_tokens=4096), ps)
+    unpaced = run(get_llm(model_dir, "triton", **options), ps)
     assert_equivalent(unpaced, paced, "float32")
 
 
@@ -609,7 +620,8 @@ def test_bad_words_hanging_on_the_token_in_flight_with_graphs_and_overlap(model_
 
 
 # ---- an engine's lifecycle in one process (issue 50; tests/test_lifecycle.py on CPU) ----------------------
-LIFECYCLE = dict(dtype="float32", max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=4096)
+LIFECYCLE = dict(dtype="float32", max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=1024,
+                 cuda_graph_max_tokens=64)
 
 
 def test_close_returns_the_device_memory(model_dir):
@@ -761,7 +773,7 @@ _START_UP_CHILD = """
 import json, sys
 from asyncllm import LLM, SamplingParams
 llm = LLM(sys.argv[1], attention_backend="triton", dtype="bfloat16", gpu_memory_utilization=0.3,
-          max_model_len=4096, max_num_seqs=8, max_num_batched_tokens=1024, target_step_ms=20)
+          max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=1024, cuda_graph_max_tokens=64, target_step_ms=20)
 outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
                     use_tqdm=False)
 decisions = llm.core.runner.decisions
@@ -827,7 +839,7 @@ def test_speculative_decoding_greedy_identity_and_a_sampled_run(model_dir, backe
     ps = random_prompts(6, seed=21, lo=5, hi=300)
     expected = generate(get_llm(model_dir, backend, dtype=dtype), ps)
     release_llms()
-    llm = LLM(model_dir, attention_backend=backend, dtype=dtype, gpu_memory_utilization=0.3, max_model_len=4096,
+    llm = LLM(model_dir, attention_backend=backend, dtype=dtype, **ENGINE_DEFAULTS,
               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
                                   "prompt_lookup_max": 3})
     try:
@@ -859,8 +871,9 @@ def test_speculative_draft_steps_and_verification_replay_cuda_graphs(model_dir):
     catch-up, over 64 tokens, runs eagerly), and the tokens equal an eager engine's (enforce_eager:
     the draft is eager too), greedy and seeded sampled, at batch 1 and 4, in float32."""
     spec = {"model": model_dir, "num_speculative_tokens": 4}
-    options = dict(attention_backend="triton", dtype="float32", gpu_memory_utilization=0.3, max_model_len=4096,
-                   speculative_config=spec)
+    # the target's 64-token mixed graphs hold a verification of 4 requests (5 rows each); the draft's
+    # graphs are its own (32 rows, 64 tokens: speculative/draft_model.py)
+    options = dict(ENGINE_DEFAULTS, attention_backend="triton", dtype="float32", speculative_config=spec)
     ps = random_prompts(4, seed=24, lo=80, hi=300)
     greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     sampled = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=40, seed=i, ignore_eos=True)
@@ -913,7 +926,7 @@ def test_speculative_draft_model_equal_to_the_target_on_cuda(model_dir, backend)
     ps = random_prompts(6, seed=22, lo=5, hi=300)
     expected = generate(get_llm(model_dir, backend, dtype=dtype), ps)
     release_llms()
-    llm = LLM(model_dir, attention_backend=backend, dtype=dtype, gpu_memory_utilization=0.3, max_model_len=4096,
+    llm = LLM(model_dir, attention_backend=backend, dtype=dtype, **ENGINE_DEFAULTS,
               speculative_config={"model": model_dir, "num_speculative_tokens": 4})
     try:
         got = generate(llm, ps)

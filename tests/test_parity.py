@@ -190,6 +190,23 @@ def test_prefix_cache_hits_match_hf(llm16, tiny_qwen3, hf):
     assert_idle(llm16)
 
 
+def test_a_chat_turn_over_its_cached_history_matches_hf(llm16, tiny_qwen3, hf):
+    # turn 2 = turn 1's prompt and answer, then new ids: its prompt's blocks are matched from the
+    # int64 ids the intake made, against blocks hashed from the token list as decoding filled them
+    # (the last two hold generated tokens); the cached turn's tokens are the uncached run's (HF's)
+    bm = llm16.core.block_manager
+    first = rand_ids(42, 77)
+    answer = llm16.generate([first], greedy(30), use_tqdm=False)[0]["token_ids"]
+    assert answer == hf.greedy(tiny_qwen3, first, 30)
+    second = first + answer + rand_ids(5, 78)
+    hits_before = bm.num_prefix_hit_tokens
+    outputs = llm16.generate([second], greedy(N), use_tqdm=False)
+    # 71 of the 72 tokens had their KV computed (the last answer token is never fed): 4 full blocks
+    assert bm.num_prefix_hit_tokens - hits_before == 4 * 16
+    assert_matches_hf(hf, tiny_qwen3, [second], outputs, N)
+    assert_idle(llm16)
+
+
 # ---- preemption -------------------------------------------------------------------------------
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_preemption_matches_hf(tiny_qwen3, hf, prefix_caching):

@@ -21,14 +21,16 @@ Invariants (all checked after every rule):
 """
 from __future__ import annotations
 
+from array import array
+
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from asyncllm.engine.block_manager import BlockManager, hash_block
+from asyncllm.engine.block_manager import BlockManager, hash_block, id_bytes
 from asyncllm.engine.pooling import embedding_sequence
 from asyncllm.engine.scheduler import Scheduler
-from asyncllm.engine.sequence import Sequence, SequenceStatus
+from asyncllm.engine.sequence import PromptIds, Sequence, SequenceStatus
 from asyncllm.pooling_params import PoolingParams
 from asyncllm.sampling_params import SamplingParams
 
@@ -97,24 +99,24 @@ class Accounting:
         for key, block_id in bm.cached_block_ids.items():
             block = bm.blocks[block_id]
             assert block.key == key, f"map entry {key} points at block {block_id} with key {block.key}"
-            assert len(block.token_ids) == BS, "a hashed block is not full"
+            assert len(block.id_bytes) == 8 * BS, "a hashed block is not full"
             prefix = self.known_prefixes.get(block.hash)
             assert prefix is not None, "a map entry no live sequence ever computed"
-            assert tuple(prefix[-BS:]) == block.token_ids
+            assert id_bytes(list(prefix[-BS:])) == block.id_bytes
             hashes = chain_hashes(list(prefix), len(prefix) // BS)
             assert hashes[-1] == block.hash and ([-1] + hashes)[-2] == block.parent_hash
         # every block is in the map at most once, and unhashed blocks hold no tokens
         assert len(set(bm.cached_block_ids.values())) == len(bm.cached_block_ids)
         for block in bm.blocks:
             if block.hash == -1:
-                assert block.token_ids == () and block.parent_hash == -1
+                assert block.id_bytes == b"" and block.parent_hash == -1
         # live sequences' computed full blocks hold their own tokens, with the right chained hash
         for seq in self.live_seqs():
             assert len(seq.block_hashes) <= seq.num_computed_tokens // BS
             assert seq.block_hashes == chain_hashes(seq.token_ids, len(seq.block_hashes))
             for j, h in enumerate(seq.block_hashes):
                 block = bm.blocks[seq.block_table[j]]
-                assert block.hash == h and block.token_ids == tuple(seq.block_tokens(j))
+                assert block.hash == h and block.id_bytes == id_bytes(seq.block_tokens(j))
 
 
 # ---- the block manager alone --------------------------------------------------------------------
@@ -135,10 +137,15 @@ class BlockManagerMachine(RuleBasedStateMachine, Accounting):
         self.bm = BlockManager(num_blocks, BS, prefix_caching)
 
     @precondition(lambda self: self.bm is not None)
-    @rule(prompt=prompt_strategy(5 * BS), chunks=st.lists(st.integers(1, 3 * BS), min_size=1, max_size=4))
-    def add_and_compute(self, prompt, chunks):
-        """A new sequence: match its cached prefix, then compute chunks while blocks last."""
+    @rule(prompt=prompt_strategy(5 * BS), chunks=st.lists(st.integers(1, 3 * BS), min_size=1, max_size=4),
+          int64=st.booleans())
+    def add_and_compute(self, prompt, chunks, int64):
+        """A new sequence: match its cached prefix, then compute chunks while blocks last. int64: its
+        prompt as the intake gives it (with its ids as int64), else a plain list."""
         bm = self.bm
+        if int64:
+            prompt = PromptIds(prompt)
+            prompt.int64 = array("q", prompt)
         seq = Sequence(f"s{self.counter}", prompt, SamplingParams(), BS)
         self.counter += 1
         bm.match_prefix(seq)

@@ -143,3 +143,17 @@ def test_bans_with_drafts_and_the_token_in_flight_match_the_reference():
                     expected_if.append((word[-2], word[-1]))
         assert (banned, if_pending) == (expected, expected_if), (generated, pending, words)
         inputs.release(seq.uid)
+
+
+def test_only_requests_whose_sampling_reads_their_tokens_send_them():
+    # a plain request's prompt is neither copied nor sent; a seeded one's tokens so far are, as a
+    # copy: the engine's later tokens do not reach the runner's list but through recorded()
+    plain = Sequence("plain", [1, 2, 3], SamplingParams(temperature=0.7, max_tokens=5), block_size=16)
+    seeded = Sequence("seeded", [1, 2, 3], SamplingParams(temperature=0.7, seed=1, max_tokens=5), block_size=16)
+    penalized = Sequence("pen", [1, 2, 3], SamplingParams(presence_penalty=0.5, max_tokens=5), block_size=16)
+    assert request_sampling(plain).token_ids == []
+    for seq in (seeded, penalized):
+        settings = request_sampling(seq)
+        assert settings.token_ids == [1, 2, 3] and settings.token_ids is not seq.token_ids
+        seq.token_ids.append(9)
+        assert settings.token_ids == [1, 2, 3]

@@ -1,10 +1,11 @@
 """Paged KV-cache bookkeeping: reference-counted blocks and a prefix cache of full blocks.
 
 A block's hash chains its token ids with the hash of the block before it, so equal hashes mean
-equal prefixes. The prefix map is keyed by (the hash of the block before, the block's token ids):
-a prefix match walks it block by block from the root, each block's key built from the hash the
-map gave for the block before and a tuple of its ids (exact: the dict compares the ids), so a
-match hashes nothing; the chained hash is computed once, when the block's KV is computed. A block
+equal prefixes. The prefix map is keyed by (the hash of the block before, the block's token ids
+as int64 bytes): a prefix match walks it block by block from the root, each block's key built
+from the hash the map gave for the block before and its ids' bytes (exact: the dict compares the
+bytes), so a match computes no chained hash; that is computed once, when the block's KV is
+computed. A prompt's ids come as int64 once, from the intake's check (Sequence.prompt_int64). A block
 enters the map only then, so a prefix hit never reads KV that a still-running prefill has yet to
 write. Freed blocks keep their entry and stay reusable until the allocator hands them out again
 (oldest-freed first).
@@ -19,10 +20,12 @@ import xxhash
 
 from asyncllm.engine.sequence import Sequence
 
-# blocks whose ids chained_hashes converts to int64 bytes in one C pass: a 32k-token prompt's 128
-# blocks cost 8 passes, not 128 list-to-array conversions (about 5 us a block, most of what a
-# prefix match took), and a prompt that misses early converts little past what it looked at
+# blocks whose ids block_id_bytes converts to int64 in one C pass where the sequence has no int64
+# form of them (generated tokens, a prompt given as a plain list): a 32k-token prompt's 128 blocks
+# cost 8 passes, not 128 list-to-array conversions, and a prompt that misses early converts little
+# past what it looked at
 HASH_CHUNK_BLOCKS = 16
+INT64_BYTES = array("q").itemsize
 
 
 def _hash_bytes(data, prefix_hash: int) -> int:
@@ -33,36 +36,53 @@ def _hash_bytes(data, prefix_hash: int) -> int:
     return h.intdigest()
 
 
+def id_bytes(token_ids: list[int]) -> bytes:
+    """Token ids as the int64 bytes that blocks are keyed and hashed by."""
+    return array("q", token_ids).tobytes()
+
+
 def hash_block(token_ids: list[int], prefix_hash: int) -> int:
     """A block's hash: its ids as int64 chained with the hash of the block before it (-1: none)."""
-    return _hash_bytes(array("q", token_ids), prefix_hash)
+    return _hash_bytes(id_bytes(token_ids), prefix_hash)
 
 
-def chained_hashes(token_ids: list[int], block_size: int, first: int, stop: int, prefix_hash: int) -> Iterator[int]:
-    """hash_block of blocks first .. stop-1 of token_ids in turn, each chained to the one before
-    (prefix_hash: block first-1's, -1 none), converted a chunk of blocks at a time as consumed."""
-    block_bytes = block_size * array("q").itemsize
+def block_id_bytes(seq: Sequence, first: int, stop: int) -> Iterator[memoryview]:
+    """The int64 bytes of seq's blocks first .. stop-1, in turn: slices of its prompt's int64 ids
+    where they cover them, else converted a chunk of blocks at a time as consumed."""
+    size = seq.block_size
+    block_bytes = size * INT64_BYTES
+    prompt = seq.prompt_int64
     for chunk in range(first, stop, HASH_CHUNK_BLOCKS):
-        num_blocks = min(stop - chunk, HASH_CHUNK_BLOCKS)
-        data = memoryview(array("q", token_ids[chunk * block_size:(chunk + num_blocks) * block_size])).cast("B")
-        for offset in range(0, num_blocks * block_bytes, block_bytes):
-            prefix_hash = _hash_bytes(data[offset:offset + block_bytes], prefix_hash)
-            yield prefix_hash
+        end = min(stop, chunk + HASH_CHUNK_BLOCKS)
+        if prompt is not None and end * size <= len(prompt):
+            data = memoryview(prompt).cast("B")[chunk * block_bytes:end * block_bytes]
+        else:
+            data = memoryview(array("q", seq.token_ids[chunk * size:end * size])).cast("B")
+        for offset in range(0, len(data), block_bytes):
+            yield data[offset:offset + block_bytes]
+
+
+def chained_hashes(seq: Sequence, first: int, stop: int, prefix_hash: int) -> Iterator[tuple[memoryview, int]]:
+    """(int64 bytes, hash_block) of seq's blocks first .. stop-1 in turn, each hash chained to the
+    one before (prefix_hash: block first-1's, -1 none)."""
+    for data in block_id_bytes(seq, first, stop):
+        prefix_hash = _hash_bytes(data, prefix_hash)
+        yield data, prefix_hash
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "parent_hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "parent_hash", "id_bytes")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
         self.hash = -1  # chained (hash_block), -1 until the block's KV is computed and full
-        self.parent_hash = -1  # the block before it's hash (-1: none), with token_ids its prefix-map key
-        self.token_ids: tuple[int, ...] = ()
+        self.parent_hash = -1  # the block before it's hash (-1: none), with id_bytes its prefix-map key
+        self.id_bytes = b""  # its token ids as int64 bytes (id_bytes()), once hashed
 
     @property
-    def key(self) -> tuple[int, tuple[int, ...]]:
-        return self.parent_hash, self.token_ids
+    def key(self) -> tuple[int, bytes]:
+        return self.parent_hash, self.id_bytes
 
 
 class BlockManager:
@@ -72,8 +92,8 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         # insertion order = order freed; allocation takes the oldest, so recently freed prefixes live longest
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        # (the hash of the block before (-1: none), the block's token ids) -> a computed block holding them
-        self.cached_block_ids: dict[tuple[int, tuple[int, ...]], int] = {}
+        # (the hash of the block before (-1: none), the block's ids as int64 bytes) -> a computed block holding them
+        self.cached_block_ids: dict[tuple[int, bytes], int] = {}
         self.num_prefix_hit_tokens = 0
         self.num_prefix_query_tokens = 0
 
@@ -91,7 +111,7 @@ class BlockManager:
         if block.hash != -1 and self.cached_block_ids.get(block.key) == block_id:
             del self.cached_block_ids[block.key]
         block.hash = block.parent_hash = -1
-        block.token_ids = ()
+        block.id_bytes = b""
         block.ref_count = 1
         return block_id
 
@@ -113,14 +133,14 @@ class BlockManager:
         assert not seq.block_table and seq.num_computed_tokens == 0
         if not self.enable_prefix_caching:
             return
-        token_ids, size, cached = seq.token_ids, self.block_size, self.cached_block_ids
+        cached, blocks = self.cached_block_ids, self.blocks
         prefix_hash = -1
-        for start in range(0, (len(seq) - 1) // size * size, size):
-            block_id = cached.get((prefix_hash, tuple(token_ids[start:start + size])))
+        for data in block_id_bytes(seq, 0, (len(seq) - 1) // self.block_size):
+            block_id = cached.get((prefix_hash, data.tobytes()))
             if block_id is None:
                 break
             self._share_block(block_id)
-            prefix_hash = self.blocks[block_id].hash
+            prefix_hash = blocks[block_id].hash
             seq.block_table.append(block_id)
             seq.block_hashes.append(prefix_hash)
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
@@ -176,13 +196,12 @@ class BlockManager:
         num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
         first = len(seq.block_hashes)
         prefix_hash = seq.block_hashes[-1] if seq.block_hashes else -1
-        hashes = chained_hashes(seq.token_ids, self.block_size, first, num_full, prefix_hash)
-        for block_index, block_hash in enumerate(hashes, first):
+        for block_index, (data, block_hash) in enumerate(chained_hashes(seq, first, num_full, prefix_hash), first):
             seq.block_hashes.append(block_hash)
             block = self.blocks[seq.block_table[block_index]]
             if block.hash == -1:
                 block.hash, block.parent_hash = block_hash, prefix_hash
-                block.token_ids = tuple(seq.block_tokens(block_index))
+                block.id_bytes = data.tobytes()
                 # a live block wins the entry over a freed duplicate, which may soon be handed out
                 holder = self.cached_block_ids.get(block.key)
                 if holder is None or self.blocks[holder].ref_count == 0:
@@ -200,4 +219,4 @@ class BlockManager:
         self.cached_block_ids.clear()
         for block in self.blocks:
             block.hash = block.parent_hash = -1
-            block.token_ids = ()
+            block.id_bytes = b""

@@ -5,6 +5,7 @@ import itertools
 import math
 import sys
 import time
+from array import array
 from enum import Enum, auto
 
 import numpy as np
@@ -13,6 +14,13 @@ from asyncllm.outputs import FinishReason
 from asyncllm.sampling_params import SamplingParams
 
 _arrival_counter = itertools.count()  # ties of time.monotonic() must not make the order arbitrary; the runner's key
+
+
+class PromptIds(list):
+    """A prompt's token ids as the intake checked them, with the same ids as an int64 array in
+    int64 (the check's one conversion), from which the prefix cache keys and hashes the prompt's
+    blocks: a 32k-token prompt is converted once, not again per block on the engine thread."""
+    __slots__ = ("int64",)
 
 
 class SequenceStatus(Enum):
@@ -30,7 +38,12 @@ class Sequence:
         self.params = params
         self.block_size = block_size
         self.status = SequenceStatus.WAITING
-        self.token_ids: list[int] = list(prompt_token_ids)  # known values only
+        # known values only; the prompt's ids as int64 where the intake made them (read by
+        # block_manager.block_id_bytes), else None. [:] for a PromptIds: list() reads a list
+        # subclass item by item, twice as long for a 32k-token prompt
+        intake_ids = isinstance(prompt_token_ids, PromptIds)
+        self.token_ids: list[int] = prompt_token_ids[:] if intake_ids else list(prompt_token_ids)
+        self.prompt_int64: array | None = prompt_token_ids.int64 if intake_ids else None
         # tokens that launched steps are sampling, not yet resolved: they follow token_ids (len(seq)
         # counts them), their values known to the runner alone until their step is read
         self.num_in_flight = 0

@@ -7,6 +7,7 @@ import numpy as np
 from asyncllm.engine.scheduler import SchedulerOutput
 from asyncllm.engine.sequence import Sequence
 from asyncllm.engine.speculation import verified_drafts
+from asyncllm.runner.request_table import HISTORY, request_flags
 from asyncllm.step_plan import PromptLogprobsPlan, RequestSampling, StepPlan
 
 
@@ -58,11 +59,16 @@ def request_sampling(seq: Sequence) -> RequestSampling:
     """seq's sampling settings as the plain values the runner keeps (made once, at its first sampling
     step), with its tokens so far."""
     p = seq.params
-    return RequestSampling(
-        seq.uid, list(seq.token_ids), seq.num_prompt_tokens, p.temperature, p.top_k, p.top_p,
+    settings = RequestSampling(
+        seq.uid, [], seq.num_prompt_tokens, p.temperature, p.top_k, p.top_p,
         p.min_p, p.seed, p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.uses_penalties,
         p.logit_bias, seq.allowed_token_ids, seq.early_stop_ids, p.min_tokens, seq.bad_word_ids, p.logprobs,
         seq.adjusts_logits, seq.grammar)
+    # the runner reads a request's tokens only where its sampling does (HISTORY): a plain request's
+    # 32k-token prompt is neither copied nor sent to tensor-parallel workers
+    if request_flags(settings) & HISTORY:
+        settings.token_ids = list(seq.token_ids)
+    return settings
 
 
 def plan_prompt_logprobs(sched: SchedulerOutput) -> PromptLogprobsPlan | None:

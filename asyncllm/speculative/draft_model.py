@@ -130,7 +130,8 @@ class DraftKV:
     """One request's draft KV as the BlockManager keeps a sequence's: its tokens (the request's own
     list), block table and block hashes, num_computed_tokens (those whose draft KV is valid), and
     the drafts the proposer fed last time (their KV is valid where the target accepted them)."""
-    __slots__ = ("token_ids", "block_size", "block_table", "block_hashes", "num_computed_tokens", "fed")
+    __slots__ = ("token_ids", "block_size", "block_table", "block_hashes", "num_computed_tokens", "fed",
+                 "prompt_int64")
 
     def __init__(self, token_ids: list[int], block_size: int):
         self.token_ids = token_ids
@@ -139,6 +140,7 @@ class DraftKV:
         self.block_hashes: list[int] = []
         self.num_computed_tokens = 0
         self.fed: list[int] = []
+        self.prompt_int64 = None  # no int64 form: the BlockManager converts its blocks' ids as it reads them
 
     def __len__(self) -> int:
         return len(self.token_ids)
