@@ -73,9 +73,12 @@ def load_tokenizer(model_dir: str):
     defaults = _saved_tokenizer_defaults(model_dir)
     tokenizer_class = transformers_attribute("AutoTokenizer" if defaults is None else "PreTrainedTokenizerFast")
     try:
-        if defaults is not None:
-            return tokenizer_class.from_pretrained(model_dir, **defaults)
-        return tokenizer_class.from_pretrained(model_dir, trust_remote_code=False)
+        tokenizer = tokenizer_class.from_pretrained(model_dir, trust_remote_code=False)
+        # the class's special-token defaults where the config names none, set after the load: **kwargs
+        # into from_pretrained could carry trust_remote_code (tests/test_bad_inputs.py forbids any)
+        for name, token in (defaults or {}).items():
+            setattr(tokenizer, name, token)
+        return tokenizer
     except Exception as e:  # noqa: BLE001 - transformers and tokenizers raise many types for broken files
         raise config_error("model", f"the tokenizer files in {model_dir!r} cannot be loaded: "
                            f"{type(e).__name__}: {e}") from e
