@@ -20,7 +20,8 @@ from asyncllm.engine.intake import check_text
 from asyncllm.errors import InvalidTypeError, InvalidValueError, PromptTooLongError
 
 # apply_chat_template's own keywords, not template variables: the engine sets them, the caller cannot
-RESERVED_KEYWORDS = frozenset({"conversation", "tokenize", "return_dict", "return_tensors", "padding", "truncation",
+# ("messages": the conversation is the messages argument, not a keyword beside it)
+RESERVED_KEYWORDS = frozenset({"conversation", "messages", "tokenize", "return_dict", "return_tensors", "padding", "truncation",
                                "max_length", "return_assistant_tokens_mask", "tokenizer_kwargs",
                                "sanitize_control_tokens"})
 # the keywords transformers gives a meaning, and the types they take

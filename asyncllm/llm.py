@@ -195,6 +195,7 @@ class LLM:
         (asyncllm.pooling_params.PoolingParams). Thread-safe as generate() is."""
         params = PoolingParams(pooling, normalize, dimensions)
         with self._lock:
+            self._check_open()
             prompts = normalize_prompts(prompts)
             token_lists = [self.core.encode_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
             for i, ids in enumerate(token_lists):  # all checked before any is queued

@@ -207,7 +207,7 @@ class SamplingParams:
                 fail("bad_words", f"expected a list of non-blank strings, got {short_repr(self.bad_words)}")
             if len(self.bad_words) > MAX_BAD_WORDS:
                 fail("bad_words", f"at most {MAX_BAD_WORDS} words, got {len(self.bad_words)}")
-            longest = max(len(w) for w in self.bad_words)
+            longest = max((len(w) for w in self.bad_words), default=0)  # [] is none, as vLLM's
             if longest > MAX_STOP_STRING_CHARS:
                 fail("bad_words", f"a bad word may have at most {MAX_STOP_STRING_CHARS} characters, got one of {longest}")
             self.bad_words = list(self.bad_words)

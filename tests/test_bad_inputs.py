@@ -602,3 +602,9 @@ def test_no_remote_code_and_no_pickle_loading_in_the_package():
                 modules = [alias.name for alias in node.names] + [getattr(node, "module", None) or ""]
                 assert not {"pickle", "dill", "cloudpickle", "joblib"} & set(modules), f"{path}:{node.lineno}"
     assert from_pretrained_calls >= 3  # the tokenizer, the config, the GGUF tokenizer
+
+
+def test_empty_bad_words_are_none():
+    # max() of the empty list raised a bare ValueError naming no field (the server's 500)
+    params = SamplingParams(bad_words=[])
+    assert params.bad_words == [] and not params.adjusts_logits

@@ -363,6 +363,13 @@ async def test_an_embed_cut_short_by_shutdown_raises_engine_dead(tiny_qwen3):
                 await engine.embed("Hello")
 
 
+def test_embed_on_a_closed_llm_says_it_is_closed(tiny_qwen3):
+    llm = LLM(tiny_qwen3, kvcache_block_size=16, num_kvcache_blocks=16, max_model_len=64)
+    llm.close()
+    with pytest.raises(EngineDeadError, match="closed"):  # was an AttributeError from the released runner
+        llm.embed("Hello")
+
+
 def test_prompt_length_limits(tiny_qwen3):
     engine = LLM(tiny_qwen3, kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=64)
     # nothing is generated, so a prompt may fill the whole context (generate's must leave room)

@@ -152,6 +152,21 @@ def test_request_chat_template_is_refused(http, extra, param):
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.parametrize("kwargs, param, code", [
+    # "messages" was passed on as a second messages argument: a TypeError quoting the engine's method, about 'messages'
+    ({"messages": []}, "chat_template_kwargs.messages", "invalid_type"),
+    ({"tokenize": False}, "chat_template_kwargs.tokenize", "invalid_type"),
+    ({"add_generation_prompt": 5}, "chat_template_kwargs.add_generation_prompt", "invalid_type"),
+    ({"tools": "x"}, "chat_template_kwargs.tools", "invalid_type"),
+])
+@pytest.mark.parametrize("path", [CHAT, "/tokenize"])
+def test_template_kwargs_the_engine_refuses_name_the_key(http, kwargs, param, code, path):
+    error = assert_openai_error(http.post(path, json={"messages": MESSAGES, "max_tokens": 2,
+                                                      "chat_template_kwargs": kwargs}), 400, param)
+    assert error["code"] == code and error["message"].startswith(f"'{param}'"), error
+    assert "apply_chat_template" not in error["message"], error
+
+
 def test_huge_prompt_is_refused_by_its_length_before_tokenizing(http):
     server = http.app.state.server
     longest_token = max(map(len, server.engine.tokenizer.get_vocab()))  # characters of text per token, at most
@@ -395,7 +410,7 @@ ODD_VALUES = [None, -1, 0, 2 ** 64, 10 ** 400, 1e308, -0.0, "x", "", [], [1, "a"
 
 SAMPLING_FIELDS = ["model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p",
                    "seed", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "logprobs", "user",
-                   "timeout"]
+                   "timeout", "allowed_token_ids", "bad_words"]
 CONSTRAINT_FIELDS = ["response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                      "guided_grammar"]
 FIELDS = {CHAT: SAMPLING_FIELDS + CONSTRAINT_FIELDS + ["messages", "max_completion_tokens", "chat_template_kwargs",

@@ -1,4 +1,5 @@
-"""Issue 19's leftovers through the server, in process: metrics with n > 1, prompt_logprobs."""
+"""Issue 19's leftovers through the server, in process: metrics with n > 1, prompt_logprobs, vLLM's
+allowed_token_ids and bad_words."""
 from __future__ import annotations
 
 import pytest
@@ -107,3 +108,42 @@ def test_prompt_logprobs_zero_with_stream_is_accepted_and_not_sent(app_and_http)
     _, http = app_and_http
     r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "prompt_logprobs": 0, "stream": True})
     assert r.status_code == 200 and "data: [DONE]" in r.text and "prompt_logprobs" not in r.text
+
+
+ALLOWED = [11, 12, 13]
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/completions", {"prompt": "Hi"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+])
+def test_allowed_token_ids_and_bad_words_are_applied_not_ignored(app_and_http, route, body):
+    _, http = app_and_http
+    # ignored before (unknown fields): the answer then used tokens outside the list
+    r = http.post(route, json={**body, "max_tokens": 12, "ignore_eos": True, "temperature": 1.0, "seed": 0,
+                               "allowed_token_ids": ALLOWED, "logprobs": True if "messages" in body else 1})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    tokens = [t["token"] for t in choice["logprobs"]["content"]] if "messages" in body else choice["logprobs"]["tokens"]
+    engine = app_and_http[0].state.server.engine
+    assert len(tokens) == 12 and set(tokens) <= {engine.tokenizer.decode([t]) for t in ALLOWED}, tokens
+    greedy = {**body, "max_tokens": 4, "ignore_eos": True, "temperature": 0}
+    text = lambda r: r.json()["choices"][0]["text" if "prompt" in body else "message"]  # noqa: E731
+    first = text(http.post(route, json=greedy))
+    word = (first if isinstance(first, str) else first["content"]).split()[0]
+    banned = text(http.post(route, json={**greedy, "bad_words": [word]}))
+    assert word not in (banned if isinstance(banned, str) else banned["content"]).split()
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"allowed_token_ids": [10**12]}, "allowed_token_ids"),
+    ({"allowed_token_ids": "1"}, "allowed_token_ids"),
+    ({"bad_words": [""]}, "bad_words"),
+    ({"bad_words": [1]}, "bad_words"),
+])
+def test_allowed_token_ids_and_bad_words_refused_name_the_field(app_and_http, body, param):
+    _, http = app_and_http
+    r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text

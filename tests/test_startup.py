@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 import threading
 
 import anyio
@@ -18,6 +20,7 @@ from asyncllm.llm import LLM
 
 pytestmark = pytest.mark.timeout(300)
 TIMEOUT = 120
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINE_KW = dict(num_kvcache_blocks=8, kvcache_block_size=16, max_model_len=64)
 
 
@@ -116,3 +119,31 @@ async def test_a_failed_start_is_not_a_phase(tiny_qwen3, monkeypatch):
         with pytest.raises(EngineDeadError):
             await engine.start()
         assert engine.startup_phase is None
+
+
+# A fresh interpreter (this one has transformers imported already): two tokenizer loads at once, as two
+# engines starting together do, or an engine started after a failed start whose tokenizer thread was
+# still importing transformers. The second import raised "cannot import name 'AutoTokenizer'".
+CONCURRENT_TOKENIZER_LOADS = """
+import sys, threading
+from asyncllm.models.tokenizer_loader import load_tokenizer
+assert "transformers" not in sys.modules
+errors = []
+def load():
+    try:
+        load_tokenizer(sys.argv[1])
+    except Exception as e:
+        errors.append(repr(e))
+threads = [threading.Thread(target=load) for _ in range(3)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+assert not errors, errors
+"""
+
+
+def test_tokenizers_loading_at_once_in_a_fresh_process_all_load(tiny_qwen3):
+    done = subprocess.run([sys.executable, "-c", CONCURRENT_TOKENIZER_LOADS, tiny_qwen3], capture_output=True,
+                          text=True, timeout=TIMEOUT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stderr[-3000:]

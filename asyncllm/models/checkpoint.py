@@ -20,6 +20,7 @@ from asyncllm.models.fp8 import _UNSET, Fp8Layout, dequantized, fp8_format, fp8_
 from asyncllm.layers.linear import WeightShapeError, check_loaded_shape
 from asyncllm.models.model_config import read_json_object, read_model_config
 from asyncllm.models.moe_spec import moe_spec
+from asyncllm.models.tokenizer_loader import transformers_attribute
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -41,9 +42,9 @@ def load_hf_config(model_dir: str):
         raise config_error("model", f"{model_dir!r} has no config.json")
     config = read_model_config(config_path)
     if config is None:
-        from transformers import AutoConfig  # seconds to import: only for a model_type not read here
+        auto_config = transformers_attribute("AutoConfig")  # only for a model_type not read here
         try:
-            config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+            config = auto_config.from_pretrained(model_dir, trust_remote_code=False)
         except Exception as e:  # noqa: BLE001 - transformers' own checks raise several types (some not ValueError)
             raise ValueError(f"{config_path}: transformers refuses it: {type(e).__name__}: {e}") from e
     check_model_shape(config, config_path)

@@ -24,6 +24,7 @@ import torch
 import xxhash
 
 from asyncllm import settings
+from asyncllm.models.tokenizer_loader import transformers_attribute
 
 GGUF_MAGIC = b"GGUF"
 # Bump when the converter's output changes, so stale caches are not reused.
@@ -186,9 +187,9 @@ def _build_config(reader, arch: str, tensors: dict[str, torch.Tensor], dtype: to
 
 
 def _save_tokenizer(gguf_path: str, out_dir: str, chat_template: str | None) -> None:
-    from transformers import AutoTokenizer
+    auto_tokenizer = transformers_attribute("AutoTokenizer")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+        tokenizer = auto_tokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
     except Exception as e:  # noqa: BLE001 - transformers' GGUF reader raises many types for missing metadata
         raise ValueError(f"{gguf_path!r}: no usable tokenizer in its metadata: {type(e).__name__}: {e}") from None
     # Set it explicitly: without a template, apply_chat_template fails on the converted directory.

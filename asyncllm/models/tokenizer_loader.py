@@ -51,17 +51,34 @@ def _saved_tokenizer_defaults(model_dir: str) -> dict | None:
     return {name: token for name, token in defaults.items() if name not in tokenizer_config}
 
 
+# transformers' lazy top-level names break under concurrent first imports: a second thread's
+# `from transformers import AutoTokenizer` while another's is under way raised ImportError (two
+# engines starting at once, or an engine started after a failed start whose tokenizer thread was
+# still importing). Every import of it by the engine goes through this lock.
+_TRANSFORMERS_IMPORT = threading.Lock()
+
+
+def transformers_attribute(name: str):
+    """transformers.<name> (AutoTokenizer, AutoConfig, ...), imported by one thread at a time."""
+    with _TRANSFORMERS_IMPORT:
+        # seconds to import: only where a tokenizer (or a foreign config) is made. transformers imports
+        # its classes on first use, so the fast path never imports AutoTokenizer's (its auto mappings)
+        import transformers
+        return getattr(transformers, name)
+
+
 def load_tokenizer(model_dir: str):
     """The model directory's tokenizer (transformers', never remote code); a broken one is a
     ValueError naming the directory."""
-    # seconds to import: only where a tokenizer is made. transformers imports its classes on first
-    # use, so the fast path never imports AutoTokenizer's (its auto mappings, configuration_utils)
-    import transformers
     defaults = _saved_tokenizer_defaults(model_dir)
+    tokenizer_class = transformers_attribute("AutoTokenizer" if defaults is None else "PreTrainedTokenizerFast")
     try:
-        if defaults is not None:
-            return transformers.PreTrainedTokenizerFast.from_pretrained(model_dir, **defaults)
-        return transformers.AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+        tokenizer = tokenizer_class.from_pretrained(model_dir, trust_remote_code=False)
+        # the class's special-token defaults where the config names none, set after the load: **kwargs
+        # into from_pretrained could carry trust_remote_code (tests/test_bad_inputs.py forbids any)
+        for name, token in (defaults or {}).items():
+            setattr(tokenizer, name, token)
+        return tokenizer
     except Exception as e:  # noqa: BLE001 - transformers and tokenizers raise many types for broken files
         raise config_error("model", f"the tokenizer files in {model_dir!r} cannot be loaded: "
                            f"{type(e).__name__}: {e}") from e

@@ -12,7 +12,8 @@ POST /tokenize and /detokenize (vLLM's shapes), GET /health, GET /metrics (prome
 Request fields map to SamplingParams (protocol.SAMPLING_FIELDS; SamplingParams checks them):
 max_tokens / max_completion_tokens, temperature, top_p, stop (a string or a list), seed, n, the
 penalties, logit_bias, logprobs (chat: with top_logprobs), plus vLLM's extensions top_k, min_p,
-min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, prompt_logprobs and (chat)
+min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, prompt_logprobs, allowed_token_ids,
+bad_words and (chat)
 chat_template_kwargs and enable_thinking. With a reasoning parser (the engine's reasoning_parser),
 answers carry reasoning_content beside content (deltas too). Chat takes tools, tool_choice and parallel_tool_calls (server/tool_calls.py);
 both take the constraints response_format, structured_outputs and guided_* (server/constraints.py),

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from starlette.responses import JSONResponse
 
+from asyncllm.chat_template import check_template_kwargs
 from asyncllm.errors import ArgumentError, PromptTooLongError
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.validation import is_int
@@ -85,7 +86,7 @@ SAMPLING_FIELDS = {name: name for name in ("temperature", "top_p", "top_k", "min
                                            "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "n",
                                            "presence_penalty", "frequency_penalty", "repetition_penalty",
                                            "min_tokens", "skip_special_tokens", "spaces_between_special_tokens",
-                                           "prompt_logprobs", "timeout")}
+                                           "prompt_logprobs", "timeout", "allowed_token_ids", "bad_words")}
 # constraints (server/constraints.py maps them)
 CONSTRAINT_FIELDS = {"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                      "guided_grammar"}
@@ -303,6 +304,12 @@ def chat_template_kwargs(body: dict, trust_request_chat_template: bool) -> dict:
             raise APIError(400, f"'{param}': expected a string, got {type_name(template)}", param=param,
                            code="invalid_type")
         kwargs["chat_template"] = template
+    try:  # the engine's checks, answered as about the key the client sent (a reserved one, a wrong type)
+        check_template_kwargs(kwargs)
+    except ArgumentError as e:
+        param = f"chat_template_kwargs.{e.field}"
+        raise APIError(400, f"'chat_template_kwargs.{e.argument}': {e.reason}", param=param,
+                       code="invalid_type" if isinstance(e, TypeError) else "invalid_value") from None
     return kwargs
 
 
