@@ -5,7 +5,7 @@ the real SmolLM2-135M-Instruct weights shipped for the default model.
                                     [--lookup 2,4] [--modes plain,ngram,draft,random-draft]
                                     [--draft-model-dir DIR] [--temperature T] [--json PATH]
 
-The task: the chat model is asked to repeat a passage word for word (a different passage per
+The task: the chat model is asked to repeat a text of four passages word for word (a different order per
 request of a batch), greedy, max_tokens --output-len, EOS ignored. Prompt lookup then proposes
 the passage's next words. Each mode runs in its own process (plain, then speculative with
 {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": m, "prompt_lookup_max": n}),
@@ -58,10 +58,12 @@ PASSAGES = [
 
 
 def copy_prompts(llm: LLM, num: int) -> list[list[int]]:
-    """num chat prompts asking to repeat a passage (each request its own variant: a numbered copy)."""
+    """num chat prompts asking to repeat a text (each request its own variant: a numbered copy): all
+    PASSAGES, request i's from its i-th on, ~280 tokens, so that a copy fills --output-len's default 256
+    (one passage, ~70 tokens, left most of the output to text after it that no lookup predicts)."""
     prompts = []
     for i in range(num):
-        passage = PASSAGES[i % len(PASSAGES)]
+        passage = "\n\n".join(PASSAGES[(i + j) % len(PASSAGES)] for j in range(len(PASSAGES)))
         messages = [{"role": "user", "content": f"Repeat the following text exactly, word for word "
                                                 f"(copy {i + 1}):\n\n{passage}"}]
         prompts.append(chat_prompt_ids(llm.core, messages, {"add_generation_prompt": True}))

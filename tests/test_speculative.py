@@ -424,6 +424,26 @@ def test_a_request_whose_drafts_pay_again_resumes_and_its_backoff_starts_over(en
     assert gaps(asked)[11] == PAUSE_STEPS + 1, asked
 
 
+
+def test_a_lookup_that_finds_nothing_waits_longer_each_time_and_keeps_the_acceptance(engines):
+    """No proposal (no n-gram match) is no verification: the request looks again after 1, 2, 4, ... up
+    to PAUSE_STEPS steps; once a lookup proposes, the next miss waits 1 step again, and its first
+    drafts are k (the acceptance was not lowered by the misses)."""
+    prompt = prompts(1, seed=12, vocab=100000)
+    plain = ids(run(engines("random", "roomy", False), prompt,
+                    SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)))[0]
+    full = prompt[0] + plain
+
+    def script(call, row):  # nothing 7 times, then the right drafts once, then nothing for good
+        return full[len(row.token_ids):len(row.token_ids) + row.max_tokens] if call == 7 else []
+    out, asked = run_scripted(engines("random", "roomy", True), script, prompt,
+                              SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    assert ids(out)[0] == plain
+    assert gaps(asked)[:6] == [1, 2, 4, 8, 16, PAUSE_STEPS], asked
+    assert [k for _, k in asked][7] == 4, asked  # k: seven misses did not scale it down
+    # the pause stays at PAUSE_STEPS; after the lookup that proposed, the misses' backoff starts over
+    assert gaps(asked)[6:10] == [PAUSE_STEPS, 1, 1, 2], asked
+
 # ---- sampled output: the target's distribution exactly --------------------------------------------
 def chi_square_p_value(counts: np.ndarray, probs: np.ndarray) -> float:
     """Pearson's test of observed counts against probabilities (bins with expected counts < 5 merged)."""

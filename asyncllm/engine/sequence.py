@@ -102,12 +102,14 @@ class Sequence:
         # (read by the scheduler; [] decodes one token) and the distribution they were drawn from
         # (SampledDrafts.probs; None: point proposals), its recent acceptance (from 1: its first drafts
         # are k; three rejected steps, of k, k/2 and 1 drafts, pause it), the step until which it does not
-        # speculate and its last pause's length (0: it has not paused since a step paid)
+        # speculate and its last pause's length (0: it has not paused since a step paid), and the
+        # pause after its proposer's last miss (nothing proposed; 0: its last lookup proposed)
         self.draft_token_ids: list[int] = []
         self.draft_probs = None
         self.draft_acceptance = 1.0
         self.drafts_paused_until = 0
         self.draft_pause = 0
+        self.draft_miss_pause = 0
 
     def __len__(self) -> int:
         """Its tokens, those in flight counted (the scheduler's length)."""

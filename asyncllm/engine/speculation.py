@@ -16,7 +16,9 @@ speculates in O(log n) of a request's first n steps, and in 1 of MAX_PAUSE_STEPS
 speculating step's extra cost e (in plain steps), the overhead tends to e / MAX_PAUSE_STEPS, under
 1% for any draft no larger than the target. A step with more than MAX_SPECULATING_DECODES decoding
 rows speculates for none: a large batch is compute-bound, and verifying drafts then costs what it
-saves. docs/ARCHITECTURE.md "Speculative decoding" derives these numbers.
+saves. A proposer that has nothing for a request (no n-gram match) teaches nothing about acceptance;
+the request looks again after 1, 2, 4, ... up to PAUSE_STEPS steps (Speculation._missed).
+docs/ARCHITECTURE.md "Speculative decoding" derives these numbers.
 """
 from __future__ import annotations
 
@@ -114,10 +116,11 @@ class Speculation:
         for seq, drafts in zip(seqs, self.proposer.propose(rows) if rows else ()):
             if drafts:
                 seq.draft_token_ids = drafts
+                seq.draft_miss_pause = 0
                 seq.draft_probs = drafts.probs if isinstance(drafts, SampledDrafts) else None
                 self._drafted.append(seq)
-            elif drafts is not None:  # nothing to propose counts as nothing accepted: one that never matches pauses
-                self._learn(seq, 0.0, step)
+            elif drafts is not None:  # nothing to propose (no n-gram match)
+                self._missed(seq, step)
             # None: the proposer could not this step (a draft model's KV blocks ran out); nothing learnt
         # no room for drafts (the step's rows alone fill max_num_seqs): nothing waits for this step's tokens
         return bool(wanting) and self.max_logits_rows > len(ready)
@@ -144,6 +147,16 @@ class Speculation:
             seq.drafts_paused_until = step + seq.draft_pause
             # its retry is a probe of ceil(k * LOW_ACCEPTANCE) drafts, and one poor probe pauses it again
             seq.draft_acceptance = LOW_ACCEPTANCE
+
+    @staticmethod
+    def _missed(seq: Sequence, step: int) -> None:
+        """The proposer had nothing for seq: no verification, so its acceptance is untouched, but the
+        step was not overlapped (the lookup needs the last token's value). It waits 1, 2, 4, ... up
+        to PAUSE_STEPS steps before it looks again, until a lookup proposes: a reply that starts to
+        copy its prompt after a preamble speculates within a few steps, and text that never repeats
+        loses one overlap in PAUSE_STEPS + 1 steps."""
+        seq.draft_miss_pause = min(2 * seq.draft_miss_pause, PAUSE_STEPS) or 1
+        seq.drafts_paused_until = step + seq.draft_miss_pause
 
     def stats(self) -> dict:
         drafts, accepted, verifications = self.num_draft_tokens, self.num_accepted_tokens, self.num_verifications
