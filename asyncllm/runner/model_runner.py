@@ -6,7 +6,6 @@ graph buffers) sits behind the AttentionBackend it creates.
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 from typing import Callable
 
@@ -32,7 +31,8 @@ from asyncllm.runner.pooling import StepPooling
 from asyncllm.runner.request_table import GRAMMAR, speculative_positions
 from asyncllm.runner.sampler_graphs import SamplerGraphs
 from asyncllm.runner.sampling_inputs import SamplingInputs, SamplingPlan
-from asyncllm.runner.step_inputs import NO_TOKENS_IN_FLIGHT, InFlightTokens, StepInputs, synthetic_step_inputs
+from asyncllm.runner.step_inputs import (NO_TOKENS_IN_FLIGHT, InFlightTokens, StepInputs, padded_block_tables,
+                                         synthetic_step_inputs)
 from asyncllm.runner.step_bitmask import StepBitmasks
 from asyncllm.runner.tp_protocol import agree_on_min
 from asyncllm.startup import (ATTENTION_BACKEND, BUILD_MODEL, CUDA_GRAPHS, DECODE_TUNING, KV_CACHE, LOAD_WEIGHTS,
@@ -222,11 +222,7 @@ class ModelRunner(RunnerMemory):
             rows = np.repeat(np.arange(num_seqs), query_lens_np)
             first_token = np.cumsum(query_lens_np) - query_lens_np  # each row's first index in the step
             positions = np.arange(num_tokens) + (starts_np - first_token)[rows]
-        # block tables padded with 0: row r's blocks fill the first len(table) entries of row r
-        table_lens = np.fromiter(map(len, block_rows), dtype=np.int64, count=num_seqs)
-        block_tables = np.zeros((num_seqs, int(table_lens.max())), dtype=np.int32)
-        block_tables[np.arange(block_tables.shape[1]) < table_lens[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(block_rows), dtype=np.int32, count=int(table_lens.sum()))
+        block_tables = padded_block_tables(block_rows)
         bs = self.block_size
         slot_mapping = block_tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
         inputs = StepInputs(np.array(plan.input_ids, dtype=np.int64), positions, slot_mapping, query_lens_np, seq_lens,

@@ -2,6 +2,7 @@
 tensor-parallel rank runs, and a decode graph's step stages in one copy (runner/decode_staging.py)."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +24,16 @@ class InFlightTokens:
 
 
 NO_TOKENS_IN_FLIGHT = InFlightTokens(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+
+
+def padded_block_tables(block_rows: list[list[int]]) -> np.ndarray:
+    """The rows' block tables as one (rows, longest) int32 array: row r's blocks fill its first
+    len(block_rows[r]) entries, the rest 0."""
+    table_lens = np.fromiter(map(len, block_rows), dtype=np.int64, count=len(block_rows))
+    block_tables = np.zeros((len(block_rows), int(table_lens.max())), dtype=np.int32)
+    block_tables[np.arange(block_tables.shape[1]) < table_lens[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(block_rows), dtype=np.int32, count=int(table_lens.sum()))
+    return block_tables
 
 
 @dataclass

@@ -41,7 +41,7 @@ from asyncllm.layers.sampler import SamplingTensors, noise_key
 from asyncllm.models.tokenizer_loader import load_tokenizer
 from asyncllm.models.resolve import resolve_config
 from asyncllm.runner.model_runner import ModelRunner
-from asyncllm.runner.step_inputs import StepInputs
+from asyncllm.runner.step_inputs import StepInputs, padded_block_tables
 from asyncllm.speculative.proposer import DraftRow, SampledDrafts
 
 FIELD = "speculative_config.model"
@@ -206,7 +206,7 @@ class DraftModelProposer:
         # draws): one read-back a proposal, not one per draft
         tokens = torch.zeros((len(active), num_drafts), dtype=torch.int64, device=self.runner.device)
         probs: list[list[torch.Tensor]] = [[] for _ in active]
-        tables = _block_tables([state.block_table for _, _, state in active])  # each row's, for every forward
+        tables = padded_block_tables([state.block_table for _, _, state in active])  # each row's, for every forward
         self._catch_up(active, tables, tokens, probs)
         lengths = np.array([len(row.token_ids) for _, row, _ in active], dtype=np.int64)
         for j in range(1, num_drafts):
@@ -339,11 +339,3 @@ class DraftModelProposer:
         inputs = StepInputs(host_ids, positions, slot_mapping, query_lens, seq_lens.astype(np.int32), block_tables,
                             last)
         return self.runner.forward(inputs, input_ids if on_device else None)
-
-
-def _block_tables(tables: list[list[int]]) -> np.ndarray:
-    """The rows' block tables as one array, padded with 0."""
-    out = np.zeros((len(tables), max(map(len, tables))), dtype=np.int32)
-    for r, blocks in enumerate(tables):
-        out[r, :len(blocks)] = blocks
-    return out
