@@ -3,7 +3,9 @@
 # PyTorch reference, the engine against HF transformers, CUDA graphs, prefix cache / chunking /
 # preemption), then the benchmarks; a short summary table last.
 #
-#   bash scripts/gpu_suite.sh [tests|tests1|tests2|tests3|tests4|bench|all|tp|issues] [run_all.py's options]
+#   bash scripts/gpu_suite.sh [tests|tests1|tests2|tests3|tests4|tests13|tests24|bench|all|tp|issues] [run_all.py's options]
+#
+# tests13 / tests24: two parts at once, each its own pytest process (one call instead of two)
 #
 # tp (two or more GPUs, e.g. nvidia-h200-x2): the 8B checkpoint built once, tests/test_gpu_tp.py
 # (TP=2 vs TP=1 in float32: tokens and every step's logits; the bf16 gap bounded; CUDA graphs on),
@@ -57,9 +59,10 @@ out=${OUT:-/tmp/asyncllm-gpu}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # NVLink multicast stays off (the GPU machines' rule: it can take a shared host's GPUs down)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if ls .whl/*.whl >/dev/null 2>&1; then
+if [ -z "${ASYNCLLM_WHEELS_INSTALLED:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 fi
+export ASYNCLLM_WHEELS_INSTALLED=1  # a part run beside another (tests13) installs nothing again
 # site.addsitedir (not PYTHONPATH) so the .pth files of carried packages (cutlass for FA4) apply; then
 # /tmp/site first on sys.path, so a carried package wins over the image's own (transformers 5.20 over
 # 5.17, whose chat template cannot encode special-token text: bench_spec failed on it in run AA)
@@ -106,6 +109,23 @@ case "$mode" in
   tests4) test_files="tests/test_kernels.py tests/test_sampling_filters.py"; part_select="" ;;
   *) test_files="" ;;
 esac
+if [ "$mode" = tests13 ] || [ "$mode" = tests24 ]; then
+  # two parts at once on one GPU, each its own pytest process, results in $out/<part>/ (a GPU run of
+  # small engines is mostly host work: the machine's 16 cores run both). tests13: tests1's engines
+  # (get_llm) take a fixed KV cache (ASYNCLLM_GPU_TEST_KV_TOKENS), so that tests3's engines alone size
+  # theirs by gpu_memory_utilization, the device-wide share. tests24: tests4 is kernels only.
+  first=tests${mode:5:1}; second=tests${mode:6:1}
+  mkdir -p "$out/$first" "$out/$second"
+  kv_env=""; [ "$mode" = tests13 ] && kv_env="ASYNCLLM_GPU_TEST_KV_TOKENS=131072"
+  env $kv_env OUT="$out/$first" bash "$0" "$first" > "$out/$first.log" 2>&1 &
+  first_pid=$!
+  OUT="$out/$second" bash "$0" "$second" > "$out/$second.log" 2>&1
+  second_rc=$?
+  wait $first_pid; first_rc=$?
+  for part in "$first" "$second"; do echo "$part: $(tail -n 1 "$out/$part/gpu-tests.log")"; done
+  grep -hE "^(FAILED|ERROR)" "$out/$first/gpu-tests.log" "$out/$second/gpu-tests.log"
+  exit $((first_rc || second_rc))
+fi
 if [ -n "$test_files" ]; then
   # GPU_TEST_SELECT: an optional pytest -k expression (e.g. "fa4") to run part of the suite
   select=$part_select

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import importlib.util
+import os
 import threading
 
 import pytest
@@ -76,6 +77,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 # scripts/gpu_test_plan.py counts them per test
 ENGINE_DEFAULTS = dict(gpu_memory_utilization=0.3, max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=1024,
                        cuda_graph_max_tokens=64)
+# a KV cache of this many tokens instead of a share of the device, so that a second pytest process can
+# share the GPU: scripts/gpu_suite.sh tests13 runs tests1 (get_llm's engines, sized so) beside tests3,
+# whose engines size their caches by gpu_memory_utilization (a device-wide share: two processes that
+# both sized by it would starve each other)
+FIXED_KV_TOKENS = int(os.environ.get("ASYNCLLM_GPU_TEST_KV_TOKENS", "0"))
 _llms: dict = {}
 
 
@@ -85,6 +91,9 @@ def get_llm(model_dir: str, backend: str, **kwargs) -> LLM:
         release_llms()  # one engine alive at a time keeps GPU memory in check
         options = dict(attention_backend=backend, **ENGINE_DEFAULTS)
         options.update(kwargs)
+        if FIXED_KV_TOKENS and "num_kvcache_blocks" not in kwargs:
+            del options["gpu_memory_utilization"]
+            options["num_kvcache_blocks"] = FIXED_KV_TOKENS // options.get("kvcache_block_size", 256)
         _llms[key] = LLM(model_dir, **options)
     return _llms[key]
 
