@@ -214,7 +214,7 @@ GPU_PART1 = ("match_hf", "cuda_graph_decode", "pdl", "decode_tuning", "per_conte
              "sampled_decode_graph", "staged_decode", "plain_sampling", "penalties")
 # the files without engines: seconds from earlier GPU runs (docs/BENCHMARKS_ARCHIVE.md: test_kernels.py with
 # test_sampling_filters.py 366 s on an H100; the rest not timed apart: guesses), per part
-FIXED_S = {"tests3": {"test_fused_moe.py kernels (guess)": 30,
+FIXED_S = {"tests3": {"test_fused_moe.py kernels (guess)": 30, "test_moe_router.py (guess)": 5,
                       "test_decode_staging.py, test_fp8_kv.py on CPU (guess)": 15,
                       "test_fp8_kv_kernels.py, test_fp8_weight_kernels.py (guess)": 40},
            "tests4": {"test_kernels.py with test_sampling_filters.py": 366}}
