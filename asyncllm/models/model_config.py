@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 
+from asyncllm.config import model_file_error
+
 # transformers' defaults (5.x config classes) for the fields the engine reads; a family's own on top
 _COMMON = dict(hidden_act="silu", tie_word_embeddings=False, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None,
                rope_theta=10000.0)
@@ -77,7 +79,7 @@ def read_model_config(config_path: str) -> ModelConfig | None:
     fields = dict(_DEFAULTS[model_type])
     for name, default in fields.items():  # transformers' classes refuse another type; a truthy string would pass
         if isinstance(default, bool) and name in raw and not isinstance(raw[name], bool):
-            raise ValueError(f"{config_path}: {name} must be true or false, got {raw[name]!r}")
+            raise model_file_error(config_path, name, f"must be true or false, got {raw[name]!r}")
     aliases = _ALIASES.get(model_type, {})
     for name, value in raw.items():
         fields[aliases.get(name, name)] = value
