@@ -1,7 +1,7 @@
 """A checkpoint's config.json read without transformers, for the architectures the engine runs.
 
-Importing transformers takes seconds (5.1 s of a 13.8 s warm start-up on an H100, run AA), most of it
-before the first weight is read; these five families' configs are plain JSON plus a few defaults, so
+Importing transformers takes seconds, a large part of a warm start-up, most of it before the first
+weight is read; these five families' configs are plain JSON plus a few defaults, so
 they are read here: every field of the file an attribute (as transformers' config classes keep them),
 the fields the file leaves out set to the defaults of transformers' class for its model_type, and the
 values those classes derive (head_dim, num_key_value_heads, sliding_window, layer_types, the rope
