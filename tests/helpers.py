@@ -178,9 +178,10 @@ def read_until_closed(sock: socket.socket, limit: float) -> bytes:
 
 
 # ---- comparing two engines' greedy runs (GPU tests: bf16, tensor parallelism) --------------------
-def generate_with_logits(llm, prompts: list[list[int]], params) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+def generate_with_logits(llm, prompts: list[list[int]], params, outputs: list | None = None
+                          ) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
     """llm.generate(prompts, params), plus the logits each request sampled from at each of its steps
-    (float32, on the device), in prompt order. A step recomputed after preemption keeps the logits it
+    (float32, on the device), in prompt order; outputs, if given, receives generate's outputs. A step recomputed after preemption keeps the logits it
     first had. Prompts must differ from each other: requests are matched to prompts by their ids.
     Not for constrained requests (their steps sample later, outside ModelRunner.sample)."""
     runner = llm.core.runner
@@ -206,9 +207,12 @@ def generate_with_logits(llm, prompts: list[list[int]], params) -> tuple[list[li
         raise ValueError("prompts: every prompt must differ (requests are matched to prompts by their ids)")
     runner.launch = capturing_launch
     try:
-        tokens = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+        results = llm.generate(prompts, params, use_tqdm=False)
     finally:
         del runner.launch  # the bound method again
+    if outputs is not None:
+        outputs.extend(results)
+    tokens = [o["token_ids"] for o in results]
     logits = [[captured[(tuple(p), step)] for step in range(len(t))] for p, t in zip(prompts, tokens)]
     return tokens, logits
 
