@@ -65,7 +65,8 @@ _CONFIG_HELP = {
 _CONFIG_ALIASES = {"enable_prefix_caching": ["--prefix-caching"]}  # --no-prefix-caching, as before
 
 
-def _json_object(text: str) -> dict:
+def json_object(text: str) -> dict:
+    """An option's JSON object (--speculative-config; the benchmarks' too): anything else is argparse's error."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
@@ -75,7 +76,7 @@ def _json_object(text: str) -> dict:
     return value
 
 
-_CONFIG_TYPES = {"speculative_config": _json_object}  # the fields whose option's text is not their type
+_CONFIG_TYPES = {"speculative_config": json_object}  # the fields whose option's text is not their type
 COMMAND_START = time.perf_counter()  # the command's first import: `serve` counts its time to ready from here
 
 

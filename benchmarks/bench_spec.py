@@ -35,7 +35,7 @@ import time
 import torch
 from safetensors.torch import load_file, save_file
 
-from common import Report, add_ratios, make_parser, median, parse_args, release_memory
+from common import Report, add_ratios, make_parser, median, parse_args, release_memory, speculation_report
 
 from asyncllm import LLM, SamplingParams
 from asyncllm.chat_template import chat_prompt_ids
@@ -115,16 +115,7 @@ def run_mode(args) -> list[dict]:
         num_tokens = sum(len(out["token_ids"]) for out in outputs)
         row = dict(mode=args.mode, batch=batch, output_tokens=num_tokens, seconds=round(seconds, 4),
                    tok_s=num_tokens / seconds, texts=[out["text"] for out in outputs])
-        stats = llm.core.stats()
-        if "spec_draft_tokens" in stats:
-            drafts = stats["spec_draft_tokens"] - stats_before["spec_draft_tokens"]
-            kept = stats["spec_accepted_tokens"] - stats_before["spec_accepted_tokens"]
-            verifications = stats["spec_verifications"] - stats_before["spec_verifications"]
-            decode_steps = stats["spec_decode_steps"] - stats_before["spec_decode_steps"]
-            row.update(acceptance_rate=kept / drafts if drafts else 0.0,
-                       mean_accepted_length=1 + kept / verifications if verifications else None,
-                       speculating_share=verifications / decode_steps if decode_steps else 0.0)
-        rows.append(row)
+        rows.append(dict(row, **speculation_report(stats_before, llm.core.stats())))
     llm.close()
     del llm
     release_memory()

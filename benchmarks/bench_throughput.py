@@ -3,6 +3,7 @@
     python benchmarks/bench_throughput.py [--backends triton,fa4] [--mode sync,stream,generate|all]
                                           [--overlap auto|on|off|both] [--json PATH]
                                           [--features plain,penalties+logprobs]
+                                          [--spec-modes none,ngram] [--speculative-config JSON]
 
 256 requests, prompts of 100..1024 random tokens, 100..1024 output tokens each (EOS ignored),
 temperature 0.6. nano-vllm's one short warm-up request, plus --warmup-requests short ones of
@@ -25,6 +26,13 @@ timed, held to a JSON schema whose first field is a string of at least 20,000 ch
 weights every request still runs to its max_tokens, and every step fills a dense mask, the common
 case inside a JSON string). The "/ plain" column is each row's ratio to the plain run of the same
 backend, mode and overlap setting (e.g. --features plain,penalties+logprobs --mode sync).
+
+Speculative decoding: each of --spec-modes is one run: none (off), ngram (prompt lookup, NGRAM below)
+or config (--speculative-config's JSON, as `asyncllm serve` takes it). Its rows name it and its
+config, give the drafts proposed and accepted, the acceptance rate and the speculating share (decoding
+rows' steps that verified drafts: past MAX_SPECULATING_DECODES decoding rows a step speculates for
+none, so on this workload only its tail may), and "/ no spec", the ratio to the none run of the same
+backend, mode, overlap setting and features (issue 46's target for this workload: no loss).
 """
 from __future__ import annotations
 
@@ -38,13 +46,18 @@ import time
 
 from common import (HostWaits, Report, add_engine_args, add_ratios, bench_requests, checkpoint_from_args,
                     engine_kwargs, host_report, jit_compiled_since, make_parser, parse_args, release_memory,
-                    strip_options, synchronize, timed, warmup_requests, with_features)
+                    speculation_report, strip_options, synchronize, timed, warmup_requests, with_features)
 
 from asyncllm import LLM, AsyncLLMEngine, SamplingParams
 from asyncllm.kernels import compiled_variants
 
 WARMUP_PROMPT = "Benchmark: "  # nano-vllm's warm-up request
 MODES = ["sync", "stream", "generate"]
+# --spec-modes "ngram": bench_spec.py's prompt lookup (k 4, n-grams of 2..4 tokens)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+SPEC_MODES = ("none", "ngram", "config")
+
+
 def run_sync(model_dir: str, kwargs: dict, prompts, params, warmup, device: str) -> dict:
     llm = LLM(model_dir, **kwargs)
     llm.generate([WARMUP_PROMPT], SamplingParams(), use_tqdm=False)
@@ -60,7 +73,7 @@ def run_sync(model_dir: str, kwargs: dict, prompts, params, warmup, device: str)
     return dict(elapsed_s=elapsed, generated_tokens=sum(len(o["token_ids"]) for o in outputs),
                 num_preemptions=after["num_preemptions"] - before["num_preemptions"],
                 num_steps=after["num_steps"] - before["num_steps"], jit_compiles=compiled,
-                **host_report(before, after, elapsed, waits))
+                **host_report(before, after, elapsed, waits), **speculation_report(before, after))
 
 
 async def _stream_one(engine: AsyncLLMEngine, prompt, params) -> int:
@@ -117,7 +130,7 @@ async def _run_async(consume, model_dir: str, kwargs: dict, prompts, params, war
     return dict(elapsed_s=elapsed, generated_tokens=sum(t.result() for t in tasks),
                 num_preemptions=after["num_preemptions"] - before["num_preemptions"],
                 num_steps=after["num_steps"] - before["num_steps"], jit_compiles=jit_compiled_since(compiled_before),
-                **host_report(before, after, elapsed, waits, loop_cpu))
+                **host_report(before, after, elapsed, waits, loop_cpu), **speculation_report(before, after))
 
 
 def run_stream(*args, profile: bool = False) -> dict:
@@ -134,26 +147,28 @@ def run_generate(*args, profile: bool = False) -> dict:
 
 RUNNERS = {"sync": run_sync, "stream": run_stream, "generate": run_generate}
 COLUMNS = [("backend", "backend"), ("TP", "tensor_parallel_size"), ("mode", "mode"), ("overlap", "overlap"),
-           ("features", "features"),
+           ("features", "features"), ("spec", "spec"),
            ("requests", "num_requests"), ("output tokens", "total_tokens"), ("time (s)", "elapsed_s", "{:.2f}"),
            ("throughput (tok/s)", "throughput_tok_s", "{:,.0f}"), ("/ sync", "sync_ratio", "{:.3f}"),
-           ("/ plain", "plain_ratio", "{:.3f}"),
+           ("/ plain", "plain_ratio", "{:.3f}"), ("/ no spec", "spec_ratio", "{:.3f}"),
+           ("drafts proposed", "spec_proposed"), ("accepted", "spec_accepted"),
+           ("spec share", "speculating_share", "{:.3f}"),
            ("device busy", "device_busy", "{:.1%}"), ("host waits (s)", "host_waits_s", "{:.2f}"),
            ("loop CPU (s)", "loop_cpu_s", "{:.2f}"),
            ("preemptions", "num_preemptions"), ("steps", "num_steps"), ("JIT compiles", "jit_compiles"),
            ("error", "error")]
 
 
-def run_in_child(argv: list[str], backend: str, mode: str, overlap: str, features: str) -> list[dict]:
-    """This script for one backend, mode, overlap setting and feature set, in a fresh process: no
-    engine or allocator state of one run colours the next."""
+def run_in_child(argv: list[str], backend: str, mode: str, overlap: str, features: str, spec: str) -> list[dict]:
+    """This script for one backend, mode, overlap setting, feature set and spec mode, in a fresh
+    process: no engine or allocator state of one run colours the next."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         child = [sys.executable, os.path.abspath(__file__), *argv, "--backends", backend, "--mode", mode,
-                 "--overlap", overlap, "--features", features, "--json", out]
+                 "--overlap", overlap, "--features", features, "--spec-modes", spec, "--json", out]
         subprocess.run(child, check=False)
         if not os.path.exists(out):
-            return [dict(backend=backend, mode=mode, overlap=overlap, features=features,
+            return [dict(backend=backend, mode=mode, overlap=overlap, features=features, spec=spec,
                          error="the child process wrote no result")]
         with open(out) as f:
             return json.load(f)["results"]
@@ -169,6 +184,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--features", default="plain",
                         help="comma-separated runs, each '+'-joined sampling features of plain, penalties, logprobs, "
                              "json (e.g. plain,penalties+logprobs,json)")
+    parser.add_argument("--spec-modes", default=None,
+                        help=f"comma-separated runs of {SPEC_MODES}: speculative decoding off, n-gram prompt lookup, "
+                             f"or --speculative-config's (default: config if that is given, else none)")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--max-input", type=int, default=1024, help="longest prompt (shortest: 100)")
     parser.add_argument("--max-output", type=int, default=1024, help="largest max_tokens (smallest: 100)")
@@ -190,18 +208,25 @@ def main(argv=None) -> dict:
         parser.error(f"--mode: unknown {sorted(unknown)}; choose from {MODES}")
     overlaps = ["off", "on"] if args.overlap == "both" else [args.overlap]
     feature_sets = args.features.split(",")
-    settings = [(mode, overlap, features) for overlap in overlaps for mode in modes for features in feature_sets]
+    specs = (args.spec_modes or ("config" if args.speculative_config else "none")).split(",")
+    if set(specs) - set(SPEC_MODES) or ("config" in specs and args.speculative_config is None):
+        parser.error(f"--spec-modes: expected comma-separated names of {SPEC_MODES} (config: with "
+                     f"--speculative-config), got {args.spec_modes!r}")
+    settings = [(mode, overlap, features, spec) for overlap in overlaps for mode in modes for features in feature_sets
+                for spec in specs]
     report = Report("throughput", args)
     prompts, params = bench_requests(args.num_requests, args.seed, args.max_input, args.max_output)
     total_tokens = sum(p.max_tokens for p in params)
     if len(settings) > 1 or len(args.backends) > 1:
-        child_argv = strip_options(raw_argv, ("--backends", "--mode", "--overlap", "--features", "--json"))
+        child_argv = strip_options(raw_argv, ("--backends", "--mode", "--overlap", "--features", "--spec-modes",
+                                              "--json"))
         for backend in args.backends:
-            for mode, overlap, features in settings:
-                for row in run_in_child(child_argv, backend, mode, overlap, features):
+            for setting in settings:
+                for row in run_in_child(child_argv, backend, *setting):
                     report.add(row)
     else:
-        (mode, overlap, features), backend = settings[0], args.backends[0]
+        (mode, overlap, features, spec), backend = settings[0], args.backends[0]
+        args.speculative_config = {"none": None, "ngram": NGRAM, "config": args.speculative_config}[spec]
         params = with_features(params, features)
         warmup_prompts, warmup_params = warmup_requests(args.warmup_requests, args.max_input, args.seed + 1)
         warmup = warmup_prompts, with_features(warmup_params, features)  # a grammar's compile is not timed
@@ -210,16 +235,18 @@ def main(argv=None) -> dict:
             try:
                 extra = {"profile": True} if args.profile_loop and mode != "sync" else {}
                 stats = RUNNERS[mode](model_dir, kwargs, prompts, params, warmup, args.device, **extra)
-                report.add(dict(backend=backend, mode=mode, overlap=overlap, features=features, shape=args.shape,
+                report.add(dict(backend=backend, mode=mode, overlap=overlap, features=features, spec=spec,
+                                speculative_config=args.speculative_config, shape=args.shape,
                                 tensor_parallel_size=args.tensor_parallel_size, num_requests=len(prompts),
                                 total_tokens=total_tokens, throughput_tok_s=total_tokens / stats["elapsed_s"], **stats))
             except Exception as exc:  # one failing backend (e.g. FA4 not built here) must not end the run
-                report.add(dict(backend=backend, mode=mode, overlap=overlap, features=features,
+                report.add(dict(backend=backend, mode=mode, overlap=overlap, features=features, spec=spec,
                                 error=f"{type(exc).__name__}: {exc}"))
                 print(f"{backend} {mode}: FAILED {type(exc).__name__}: {exc}")
     rows = report.data["results"]
-    add_ratios(rows, "sync_ratio", "throughput_tok_s", {"mode": "sync"}, ("backend", "overlap", "features"))
-    add_ratios(rows, "plain_ratio", "throughput_tok_s", {"features": "plain"}, ("backend", "overlap", "mode"))
+    add_ratios(rows, "sync_ratio", "throughput_tok_s", {"mode": "sync"}, ("backend", "overlap", "features", "spec"))
+    add_ratios(rows, "plain_ratio", "throughput_tok_s", {"features": "plain"}, ("backend", "overlap", "mode", "spec"))
+    add_ratios(rows, "spec_ratio", "throughput_tok_s", {"spec": "none"}, ("backend", "overlap", "mode", "features"))
     report.finish(f"Throughput, {args.shape}, nano-vllm workload ({len(prompts)} requests)", COLUMNS)
     return report.data
 

@@ -28,9 +28,12 @@ if REPO_ROOT not in sys.path:  # run as `python benchmarks/x.py` without install
     sys.path.insert(0, REPO_ROOT)
 
 from asyncllm import SamplingParams  # noqa: E402
+from asyncllm.cli import json_object  # noqa: E402
+from asyncllm.config import parse_speculative_config  # noqa: E402
 from asyncllm.runner.launched_step import LaunchedStep  # noqa: E402
 from asyncllm.structured import StructuredOutput  # noqa: E402
 from asyncllm.testing import QWEN3_0_6B, QWEN3_8B, QWEN3_30B_A3B_12L, TINY_SHAPE, build_tiny_checkpoint  # noqa: E402
+from asyncllm.validation import FieldChecks  # noqa: E402
 from load_clients import ChunkClock  # noqa: E402
 
 # 30b-a3b: Qwen3-30B-A3B's shape at 12 of its 48 layers (asyncllm/testing.py says why)
@@ -138,6 +141,9 @@ def add_engine_args(parser: argparse.ArgumentParser, multi_backend: bool = False
     parser.add_argument("--quantization", default=None, choices=["fp8", "fp8_weight_only"],
                         help="Config.quantization (fp8: linear weights kept in FP8, per-channel scales, W8A8 above "
                              "16 rows; fp8_weight_only: never W8A8)")
+    parser.add_argument("--speculative-config", default=None, type=json_object, metavar="JSON",
+                        help="Config.speculative_config, as `asyncllm serve` takes it (default: off), e.g. "
+                             "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
     parser.add_argument("--overlap", default="auto", choices=["auto", "on", "off", "both"],
                         help="Config.overlap_scheduling (auto: on with CUDA; both: off and on, where the benchmark "
                              "compares them)")
@@ -151,6 +157,10 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
         args.backends = args.backends.split(",") if args.backends else [default_backend(args.device)]
     if hasattr(args, "backend"):
         args.backend = args.backend or default_backend(args.device)
+    try:  # Config's own check, here so that a bad key fails before any checkpoint is built
+        parse_speculative_config(getattr(args, "speculative_config", None), FieldChecks(None))
+    except ValueError as e:
+        parser.error(f"argument --speculative-config: {e}")
     return args
 
 
@@ -171,7 +181,7 @@ def engine_kwargs(args, backend: str) -> dict:
     kwargs = dict(attention_backend=backend, enforce_eager=args.enforce_eager, device=args.device,
                   max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size,
                   kv_cache_dtype=args.kv_cache_dtype, kv_cache_rotation=args.kv_cache_rotation,
-                  quantization=args.quantization)
+                  quantization=args.quantization, speculative_config=args.speculative_config)
     if args.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     target = getattr(args, "target_step_ms", "default")
@@ -258,7 +268,7 @@ def serve_options(kwargs: dict) -> list[str]:
         elif name == "target_step_ms" and value is None:
             flags += [flag, "0"]
         elif value is not None:
-            flags += [flag, str(value)]
+            flags += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     return flags
 
 
@@ -314,6 +324,20 @@ def host_report(before: dict, after: dict, elapsed: float, waits: HostWaits, loo
     event loop thread's CPU time (stream / generate)."""
     busy = after["steps_total_s"] - before["steps_total_s"]
     return dict(device_busy=busy / elapsed if elapsed else None, host_waits_s=waits.seconds, loop_cpu_s=loop_cpu_s)
+
+
+def speculation_report(before: dict, after: dict) -> dict:
+    """A run's speculative decoding, from engine stats taken before and after it ({} with it off): draft
+    tokens proposed and accepted, the acceptance rate, tokens a verifying row took per step, and the
+    share of decoding rows' steps that verified drafts (adaptivity and the batch rule left the rest plain)."""
+    if "spec_draft_tokens" not in after:
+        return {}
+    proposed, accepted, verifications, decode_steps = (after[f"spec_{key}"] - before[f"spec_{key}"] for key in (
+        "draft_tokens", "accepted_tokens", "verifications", "decode_steps"))
+    return dict(spec_proposed=proposed, spec_accepted=accepted,
+                acceptance_rate=accepted / proposed if proposed else 0.0,
+                mean_accepted_length=1 + accepted / verifications if verifications else None,
+                speculating_share=verifications / decode_steps if decode_steps else 0.0)
 
 
 def jit_compiled_since(before: dict[str, int]) -> str:

@@ -91,6 +91,9 @@ def plan(args, ckpt: dict[str, str]) -> list[Step]:
              # sync, stream and generate, overlapped and not: six processes, one after another
              bench(f"throughput-{small}", "throughput", small, 200, "--backends", backend, "--mode", "all",
                    "--overlap", "both"),
+             # the same offline workload with n-gram speculation beside none (issue 46: no loss), sync
+             bench(f"throughput-{small}-ngram", "throughput", small, 80, "--backends", backend, "--mode", "sync",
+                   "--spec-modes", "none,ngram"),
              bench(f"latency-{small}", "latency", small, 60, "--backend", backend),
              bench(f"serving-{small}", "serving", small, 90, "--backend", backend, *serving_budget,
                    "--plot", os.path.join(out, "serving.png")),
@@ -192,7 +195,8 @@ def headline(results: dict, small: str, big: bool) -> list[dict]:
         rows.append(dict(metric=metric, value=None if value is None else fmt.format(value),
                          target="" if target is None else f"{target[0]} {target[1]:,}", check=check, note=note))
 
-    for name in sorted(n for n in results if n.startswith(f"throughput-{small}")):
+    spec_step = f"throughput-{small}-ngram"  # its own headline rows, below
+    for name in sorted(n for n in results if n.startswith(f"throughput-{small}") and n != spec_step):
         for row in results[name]["results"]:
             overlap = row.get("overlap", "auto")
             metric = f"{small} throughput, {row['backend']}, {row['mode']}, overlap {overlap} (tok/s)"
@@ -208,6 +212,13 @@ def headline(results: dict, small: str, big: bool) -> list[dict]:
                     else None
                 add(f"{row['mode']}/sync, {row['backend']}, overlap {overlap}", row["sync_ratio"], ratio_target,
                     "{:.3f}")
+    ngram_tok_s = pick(results, spec_step, "throughput_tok_s", spec="ngram")
+    share = pick(results, spec_step, "speculating_share", spec="ngram")
+    # "no loss", read as within one run's noise (~2 %)
+    add(f"{small} throughput, sync, n-gram speculation / none (offline workload)",
+        pick(results, spec_step, "spec_ratio", spec="ngram"), (">=", 0.98), "{:.3f}",
+        ", ".join(x for x in ("" if ngram_tok_s is None else f"{ngram_tok_s:,.0f} tok/s",
+                              "" if share is None else f"speculating share {share:.3f}") if x))
     shapes = [(small, 1.0)] + ([("8b", 4.0)] if big else [])
     if big:
         add("8b throughput, sync (tok/s)", pick(results, "throughput-8b", "throughput_tok_s", mode="sync"), None,

@@ -3,6 +3,8 @@ not first on the GPU machine, whose time is scarce. Only that they run and repor
 errors is checked: their figures mean something only on a GPU."""
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import sys
 
@@ -36,6 +38,7 @@ import bench_step_phases  # noqa: E402
 import bench_throughput  # noqa: E402
 import bench_turn_breakdown  # noqa: E402
 import bench_turn_host  # noqa: E402
+import run_all  # noqa: E402
 from common import make_checkpoint  # noqa: E402
 
 
@@ -58,6 +61,51 @@ def test_bench_throughput_runs_with_every_feature(tiny_model):
                                   "--mode", "sync", "--features", "penalties+logprobs+json"])
     (row,) = rows_without_errors(data)
     assert row["total_tokens"] > 0 and row["throughput_tok_s"] > 0
+
+
+def test_bench_throughput_spec_modes_run_side_by_side_with_their_stats_and_ratio(tiny_model, tmp_path):
+    """none, ngram and config (a draft model equal to the target: its drafts are accepted) each in its
+    own process: every row says which config ran, the speculative ones report the engine's drafts
+    proposed and accepted, and each its ratio to none; run_all's headline reads the n-gram ratio."""
+    config = {"model": tiny_model, "num_speculative_tokens": 2}
+    out = tmp_path / "throughput-tiny-ngram.json"  # the name of run_all's step
+    data = bench_throughput.main(["--model-dir", tiny_model, "--device", "cpu", "--num-requests", "2",
+                                  "--max-input", "32", "--max-output", "24", "--warmup-requests", "1",
+                                  "--mode", "sync", "--spec-modes", "none,ngram,config",
+                                  "--speculative-config", json.dumps(config), "--json", str(out)])
+    rows = rows_without_errors(data)
+    assert [(row["spec"], row["speculative_config"]) for row in rows] == [
+        ("none", None), ("ngram", bench_throughput.NGRAM), ("config", config)]
+    assert all(row["generated_tokens"] == row["total_tokens"] > 0 and row["spec_ratio"] > 0 for row in rows)
+    none, ngram, draft = rows
+    assert "spec_proposed" not in none and none["spec_ratio"] == 1.0
+    assert 0 <= ngram["spec_accepted"] <= ngram["spec_proposed"] and 0 <= ngram["speculating_share"] <= 1
+    assert draft["spec_proposed"] > 0 and draft["acceptance_rate"] >= 0.8 and draft["speculating_share"] > 0
+    assert draft["spec_accepted"] == round(draft["acceptance_rate"] * draft["spec_proposed"])
+    (metric,) = [row for row in run_all.headline(run_all.load_results(str(tmp_path)), "tiny", False)
+                 if "n-gram speculation" in row["metric"]]
+    assert metric["value"] == f"{ngram['spec_ratio']:.3f}"
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--speculative-config", "{method: ngram}"], "argument --speculative-config: expected a JSON object"),
+    (["--speculative-config", "[1]"], "argument --speculative-config: expected a JSON object"),
+    (["--speculative-config", '{"method": "nope", "num_speculative_tokens": 4}'], "speculative_config.method"),
+    (["--spec-modes", "config"], "--spec-modes"),
+    (["--spec-modes", "none,eagle"], "--spec-modes")])
+def test_bench_throughput_refuses_a_bad_speculative_option_naming_it(argv, says, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_throughput.main(["--device", "cpu", *argv])
+    assert exit_info.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_run_all_measures_the_offline_workload_with_ngram_speculation_beside_none(tmp_path):
+    args = argparse.Namespace(device="cpu", quick=True, small="tiny", out=str(tmp_path), big=False,
+                              tensor_parallel=1, skip_hf=True, skip_kernels=True)
+    steps = {step.name: step for step in run_all.plan(args, {"tiny": str(tmp_path / "tiny")})}
+    argv = steps["throughput-tiny-ngram"].argv
+    assert argv[0].endswith("bench_throughput.py") and steps["throughput-tiny-ngram"].needs == "build-tiny"
+    assert argv[argv.index("--spec-modes") + 1] == "none,ngram" and argv[argv.index("--mode") + 1] == "sync"
 
 
 def test_bench_fp8_quality_compares_every_configuration_with_bf16(tiny_model):
