@@ -268,7 +268,7 @@ def port_unavailable(host: str, port: int) -> str | None:
 # `asyncllm serve` owns its process: its cyclic collector runs a young collection every 50,000 net
 # allocations instead of 700, and the older generations' after 20 and 100 of the younger's instead
 # of 10 and 10. Each request allocates thousands of objects on the event loop (h11, Starlette, the
-# checks, the stream), and the collections they triggered took ~90 us of the loop's CPU a request
+# checks, the stream), and the collections they triggered were a tenth of the loop's CPU a request
 # (docs/DECISIONS.md); the price is cyclic garbage that lives a little longer.
 SERVE_GC_THRESHOLDS = (50_000, 20, 100)
 

@@ -42,6 +42,14 @@ def config_error(field_name: str, message: str) -> InvalidValueError:
     return _fail.error(field_name, message)
 
 
+def model_file_error(path: str, setting: str, reason: str) -> InvalidValueError:
+    """A setting of the model's own files that is refused (config.json's head_dim, its
+    quantization_config.fmt): an error of Config.model, as every loading error is, naming the file and
+    the setting. reason: "=<value> ..." follows the setting directly, anything else after a space
+    ("Config.model: /m/config.json: head_dim=7 must be even: ...")."""
+    return config_error("model", f"{path}: {setting}{'' if reason.startswith('=') else ' '}{reason}")
+
+
 def _dtype_name(dtype) -> str:
     """'auto' or one of DTYPES, from a name, an alias or a torch.dtype."""
     torch = sys.modules.get("torch")  # a torch.dtype exists only once torch is imported

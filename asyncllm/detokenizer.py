@@ -25,8 +25,8 @@ _CONTEXT_TOKENS = 5
 
 class TokenTexts(dict):
     """A tokenizer's token texts by id, each decoded alone (as logprobs show them) on its first
-    lookup: a request with logprobs=5 names six tokens per step, most never read, and 134,000
-    tokens' worth decoded up front cost LLM.generate 5 % of a throughput run."""
+    lookup: a request with logprobs=5 names six tokens per step, most never read, and decoding the
+    whole vocabulary up front was a visible share of LLM.generate's time."""
 
     def __init__(self, tokenizer):
         super().__init__()

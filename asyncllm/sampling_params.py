@@ -15,7 +15,7 @@ MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs and vL
 MAX_N = 128  # sequences per request: each holds its own KV blocks and batch rows
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value
 # Every step lists each request's biased and banned tokens for the sampler, so long lists slow every
-# request sharing the step (100k-entry ones made a bystander 2x slower). vLLM's GPU runner keeps
+# request sharing the step, not only the one that sent them. vLLM's model runner keeps
 # these bounds (OpenAI allows 300 logit_bias entries). allowed_token_ids is not bounded: a request
 # turns it into an array once (engine/sequence.py), and a step's cost for it is a copy of that array.
 MAX_LOGIT_BIAS_ENTRIES = 1024

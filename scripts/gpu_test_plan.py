@@ -23,7 +23,7 @@ from asyncllm.attention.triton_backend import TritonAttentionBackend  # noqa: E4
 from asyncllm.config import Config  # noqa: E402
 from asyncllm.runner.cuda_graph import graph_batch_sizes, graph_token_sizes  # noqa: E402
 from asyncllm.speculative.draft_model import draft_graph_tokens  # noqa: E402
-from asyncllm.engine.speculation import MAX_SPECULATING_DECODES  # noqa: E402
+from asyncllm.engine.speculation import MAX_PAUSE_STEPS, MAX_SPECULATING_DECODES  # noqa: E402
 
 NUM_SMS = 132  # H100 SXM and H200
 NUM_KV_HEADS = 8  # tests/test_gpu.py's SHAPE (and the fp8 / MoE GPU models')
@@ -57,7 +57,7 @@ def graphs(options: dict) -> tuple[int, int]:
     if "model" in draft:  # a draft model's runner: its own graphs (speculative/draft_model.py draft_config)
         rows = MAX_SPECULATING_DECODES
         d, m = graphs({**o, "speculative_config": None, "max_num_seqs": rows,
-                       "cuda_graph_max_tokens": min(o["cuda_graph_max_tokens"], draft_graph_tokens(rows))})
+                       "cuda_graph_max_tokens": min(o["cuda_graph_max_tokens"], draft_graph_tokens(rows, MAX_PAUSE_STEPS + 2))})
         decode, mixed = decode + d, mixed + m
     return decode, mixed
 
@@ -214,7 +214,7 @@ GPU_PART1 = ("match_hf", "cuda_graph_decode", "pdl", "decode_tuning", "per_conte
              "sampled_decode_graph", "staged_decode", "plain_sampling", "penalties")
 # the files without engines: seconds from earlier GPU runs (docs/BENCHMARKS_ARCHIVE.md: test_kernels.py with
 # test_sampling_filters.py 366 s on an H100; the rest not timed apart: guesses), per part
-FIXED_S = {"tests3": {"test_fused_moe.py kernels (guess)": 30,
+FIXED_S = {"tests3": {"test_fused_moe.py kernels (guess)": 30, "test_moe_router.py (guess)": 5,
                       "test_decode_staging.py, test_fp8_kv.py on CPU (guess)": 15,
                       "test_fp8_kv_kernels.py, test_fp8_weight_kernels.py (guess)": 40},
            "tests4": {"test_kernels.py with test_sampling_filters.py": 366}}

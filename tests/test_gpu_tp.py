@@ -1,5 +1,6 @@
 """Tensor parallelism on two GPUs (NCCL, CUDA graphs): tensor_parallel_size=2 against 1 on the
-Qwen3-8B shape with random bf16 weights. Skipped without two CUDA GPUs.
+Qwen3-8B shape with random bf16 weights, and on a tiny Qwen3-MoE checkpoint (each expert's
+intermediate slice per rank). Skipped without two CUDA GPUs.
 
 Run on the two-GPU machine through `bash scripts/gpu_suite.sh tp`, which builds the checkpoint
 once and passes it in ASYNCLLM_TP_MODEL_DIR (else this module builds its own, ~45 s on an H200).
@@ -37,6 +38,12 @@ def model_dir(tmp_path_factory) -> str:
     return path
 
 
+@pytest.fixture(scope="module")
+def moe_model_dir(tmp_path_factory) -> str:
+    # 8 experts, top-2, in layer 0; a dense MLP in layer 1: both split over the ranks
+    return build_tiny_checkpoint(str(tmp_path_factory.mktemp("qwen3-moe")), "qwen3_moe", mlp_only_layers=[1])
+
+
 def run_engine(model_dir: str, tp: int, ps, dtype: str, params: SamplingParams = GREEDY, **options) -> tuple:
     with LLM(model_dir, tensor_parallel_size=tp, dtype=dtype, **{**OPTIONS, **options}) as llm:
         assert llm.core.overlap == options.get("overlap_scheduling", True)  # on by default with CUDA
@@ -71,6 +78,19 @@ def test_tp2_matches_tp1_on_qwen3_8b_shape(model_dir):
     assert stats["num_steps"] > GREEDY.max_tokens
     result = assert_greedy_runs_match(tp1, tp2, logits_rtol=1e-3)
     print(f"float32, TP=2 vs TP=1: {result['summary']}")
+
+
+def test_tp2_matches_tp1_on_tiny_qwen3_moe(moe_model_dir):
+    """The MoE layer under tensor parallelism: each rank holds every expert's slice of the
+    intermediate size and the router whole, and the all-reduce adds the experts' partial outputs.
+    In float32 the two agree to rounding, so the greedy tokens are equal."""
+    ps = random_prompts(12, seed=3, hi=1500)
+    tp1, _ = run_engine(moe_model_dir, 1, ps, "float32")
+    tp2, stats = run_engine(moe_model_dir, 2, ps, "float32")
+    assert stats["num_steps"] > GREEDY.max_tokens
+    result = assert_greedy_runs_match(tp1, tp2, logits_rtol=1e-3)
+    print(f"tiny Qwen3-MoE, float32, TP=2 vs TP=1: {result['summary']}")
+    assert tp2[0] == tp1[0]
 
 
 def test_tp2_bf16_prompt_logits_near_tp1(model_dir):

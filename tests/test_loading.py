@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from asyncllm import LLM, Config
+from asyncllm.errors import InvalidValueError
 from asyncllm.models.checkpoint import (check_tokenizer, iter_safetensors, load_hf_config, load_weights,
                                         safetensors_files)
 from asyncllm.models.registry import create_model
@@ -285,9 +286,10 @@ def test_config_that_the_model_code_would_ignore_is_refused(tiny_qwen3, tmp_path
     # each was accepted and ignored (or gave NaN logits): a model that answers wrongly
     model_dir = copy_checkpoint(tiny_qwen3, tmp_path / "unsupported", config={field: value},
                                 skip=("model.safetensors",))
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(InvalidValueError) as info:
         resolve_config(Config(model=model_dir))
     assert os.path.join(model_dir, "config.json") in message_of(info) and named in message_of(info), message_of(info)
+    assert (info.value.owner, info.value.field) == ("Config", "model")
 
 
 @pytest.mark.parametrize("content, message", [

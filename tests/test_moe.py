@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from asyncllm import LLM, SamplingParams
+from asyncllm.errors import InvalidValueError
 from asyncllm.layers.moe import SparseMoeBlock, route
 from asyncllm.models.checkpoint import iter_safetensors, load_hf_config, load_weights
 from asyncllm.models.registry import create_model
@@ -205,16 +206,17 @@ def _with_config(model_dir: str, tmp_path, **changes) -> str:
 
 
 @pytest.mark.parametrize("variant, changes, message", [
-    ("qwen3_moe-norm-mlp_only", dict(num_experts_per_tok=9), r"num_experts_per_tok =9 is more than the 8 experts"),
+    ("qwen3_moe-norm-mlp_only", dict(num_experts_per_tok=9), r"num_experts_per_tok=9 is more than the 8 experts"),
     ("qwen3_moe-norm-mlp_only", dict(num_experts_per_tok=0), r"num_experts_per_tok must be an integer >= 1"),
     ("qwen3_moe-norm-mlp_only", dict(moe_intermediate_size=None), r"moe_intermediate_size must be an integer >= 1"),
     ("qwen3_moe-norm-mlp_only", dict(mlp_only_layers=[2]), r"mlp_only_layers must be a list of layer indices"),
     ("qwen3_moe-norm-mlp_only", dict(decoder_sparse_step=0), r"decoder_sparse_step must be an integer >= 1"),
     ("qwen3_moe-norm-mlp_only", dict(norm_topk_prob="yes"), r"norm_topk_prob must be true or false, got 'yes'"),
     ("mixtral", dict(num_local_experts=0), r"num_local_experts must be an integer >= 1"),
-    ("mixtral", dict(sliding_window=4096), r"sliding_window =4096 is not supported"),
+    ("mixtral", dict(sliding_window=4096), r"sliding_window=4096 is not supported"),
 ])
 def test_a_bad_moe_config_field_is_refused_by_name(checkpoints, tmp_path, variant, changes, message):
     model_dir = _with_config(checkpoints(variant), tmp_path, **changes)
-    with pytest.raises(ValueError, match=r"config.json: " + message):
+    with pytest.raises(InvalidValueError, match=r"config.json: " + message) as info:
         LLM(model_dir, num_kvcache_blocks=8, kvcache_block_size=16)
+    assert (info.value.owner, info.value.field) == ("Config", "model")  # a loading error, as the others

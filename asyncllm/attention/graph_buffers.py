@@ -56,7 +56,7 @@ class PagedGraphBuffers:
     def load(self, batch: ForwardBatch, graph_batch: ForwardBatch) -> None:
         """Copy batch's metadata in for a replay of the graph captured with graph_batch."""
         n, t = batch.num_seqs, batch.num_tokens
-        # a batch the graph's size copies into the capture's views (bind): no new views, 1-2 us of host each
+        # a batch the graph's size copies into the capture's views (bind): no new views, each a host cost
         full = n == graph_batch.num_seqs and t == graph_batch.num_tokens
         (graph_batch.slot_mapping if full else self.slot_mapping[:t]).copy_(batch.slot_mapping, non_blocking=True)
         (graph_batch.seq_lens if full else self.seq_lens[:n]).copy_(batch.seq_lens, non_blocking=True)

@@ -237,13 +237,13 @@ class StepTimer:
         self.model = model
         self.cuda = device.type == "cuda"
         self._pending: collections.deque = collections.deque()  # (start, end, p, d), oldest first
-        self._spare: list = []  # events read and done with, recorded again (one made costs the host ~2 us)
+        self._spare: list = []  # events read and done with, recorded again (making one costs the host more)
         # the steps' time summed (those observed so far): against wall time, how busy the device was
         self.total_ms = 0.0
 
     def _event(self, stream):
         event = self._spare.pop() if self._spare else torch.cuda.Event(enable_timing=True)
-        event.record(stream)  # None: the current stream (looking it up costs the host ~4 us)
+        event.record(stream)  # None: the current stream (cheaper than looking it up)
         return event
 
     def start(self, stream=None):

@@ -45,7 +45,7 @@ def compiled_variants() -> dict[str, int]:
     import triton
     counts = {}
     for module_name in ("paged_attention", "kv_store", "fused_ops", "logits_ops", "skinny_gemm", "sampling_filters",
-                        "fused_moe", "skinny_moe"):
+                        "fused_moe", "skinny_moe", "moe_router"):
         module = importlib.import_module(f"asyncllm.kernels.{module_name}")
         for name, obj in vars(module).items():
             if isinstance(obj, triton.runtime.JITFunction):

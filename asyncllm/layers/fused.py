@@ -41,3 +41,10 @@ def fused_moe_for(x: torch.Tensor):
 def skinny_moe_for(x: torch.Tensor):
     """The experts kernel for 1..16 tokens (kernels/skinny_moe.py) if x can use it, else None."""
     return kernel_module("skinny_moe") if x.is_cuda else None
+
+
+def moe_router_for(x: torch.Tensor, num_experts: int):
+    """The router's softmax and top-k in one kernel (kernels/moe_router.py) if x can use it with
+    num_experts experts, else None."""
+    module = kernel_module("moe_router") if x.is_cuda else None
+    return module if module is not None and num_experts <= module.MAX_EXPERTS else None

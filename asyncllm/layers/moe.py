@@ -6,8 +6,10 @@ weights are stacked, gate_up (E, 2*I, H) and down (E, H, I), the layout a groupe
 reads. Under tensor parallelism each rank keeps every expert's slice of the intermediate dimension
 (as the dense MLP is split), so tokens never move between ranks: one all-reduce of the weighted sum.
 
-forward_native is the CPU path and the reference: tokens sorted by expert id, then one pair of
-matmuls per expert that has tokens (it reads the counts on the host). On CUDA the experts run as
+The router's softmax and top-k are route() in PyTorch on CPU and kernels/moe_router.py's one kernel
+on CUDA (the same result in one launch instead of four to six a layer). forward_native is the
+experts' CPU path and their reference: tokens sorted by expert id, then one pair of matmuls per
+expert that has tokens (it reads the counts on the host). On CUDA the experts run as
 kernels/fused_moe.py's two grouped GEMMs, or at up to skinny_moe.MAX_TOKENS tokens (decode) as
 kernels/skinny_moe.py's, which stream each selected expert once with no sort; neither waits on the
 host (CUDA graphs capture them).
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncllm.distributed import all_reduce, get_tp_rank, get_tp_size
-from asyncllm.layers.fused import fused_moe_for, skinny_moe_for
+from asyncllm.layers.fused import fused_moe_for, moe_router_for, skinny_moe_for
 from asyncllm.layers.linear import LinearBase, check_loaded_shape
 
 GATE, UP = 0, 1  # the halves of gate_up_proj's rows; down_proj's one part is 0
@@ -84,6 +86,7 @@ class SparseMoeBlock(nn.Module):
         self.gate = LinearBase(hidden_size, num_experts, bias=False, tp_dim=None)
         self.experts = StackedExperts(num_experts, hidden_size, intermediate_size)
         # chosen once, by where the weights live (the runner builds the model on its device)
+        self._router = moe_router_for(self.gate.weight, num_experts)
         self._fused = fused_moe_for(self.experts.down_proj)
         self._skinny = skinny_moe_for(self.experts.down_proj)
         # the small path's tiling per token count, chosen once (its rule needs only the shapes)
@@ -95,7 +98,11 @@ class SparseMoeBlock(nn.Module):
                                     for t in range(self._skinny.MAX_TOKENS + 1)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        logits = self.gate(x)
+        if self._router is not None:
+            weights, ids = self._router.route_topk(logits, self.top_k, self.renormalize)
+        else:
+            weights, ids = route(logits, self.top_k, self.renormalize)
         experts = self.experts
         if x.size(0) < len(self._skinny_configs):
             out = self._skinny.skinny_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids,

@@ -2,8 +2,8 @@
 
 A Triton kernel compiles on its first launch with a new specialization (dtypes, constexprs, which
 int arguments are 1 or multiples of 16), and the launch waits: on a fresh machine the start-up's
-warm-ups and graph captures compiled some dozens of specializations one after another (CUDA graphs
-35.6 s of a 63.5 s cold start on an H100, run AA). Inside `parallel_compiles()`, a launch of a
+warm-ups and graph captures compiled some dozens of specializations one after another, most of a
+cold start. Inside `parallel_compiles()`, a launch of a
 kernel whose specialization is not compiled in this process does not run: the specialization is
 recorded (Triton's jit_cache_hook, acting on this thread only: another engine's steps on other
 threads launch as usual). On leaving the block every recorded one compiles on a thread pool (Triton's

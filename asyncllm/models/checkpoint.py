@@ -15,7 +15,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from asyncllm.config import config_error
+from asyncllm.config import config_error, model_file_error
 from asyncllm.models.fp8 import _UNSET, Fp8Layout, dequantized, fp8_format, fp8_layout, is_fp8, resident_fp8
 from asyncllm.layers.linear import WeightShapeError, check_loaded_shape
 from asyncllm.models.model_config import read_json_object, read_model_config
@@ -65,66 +65,66 @@ def check_model_features(config, config_path: str) -> None:
     """Refuse a config that asks for what the model code does not do (it would run without it and
     answer wrongly): another activation, sliding-window layers, partial rotary, logit soft-capping,
     and rope_theta / rms_norm_eps that are not positive numbers."""
-    def fail(field_name: str, message: str) -> None:
-        raise ValueError(f"{config_path}: {field_name} {message}")
-
     def is_positive_number(value) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
     act = getattr(config, "hidden_act", "silu")
     if act not in ("silu", "swish"):
-        fail("hidden_act", f"={act!r} is not supported: the MLP here is SiLU-gated")
+        raise model_file_error(config_path, "hidden_act", f"={act!r} is not supported: the MLP here is SiLU-gated")
     if getattr(config, "use_sliding_window", False):
-        fail("use_sliding_window", "=true is not supported: every layer here attends to the whole context")
+        raise model_file_error(config_path, "use_sliding_window",
+                               "=true is not supported: every layer here attends to the whole context")
     layer_types = getattr(config, "layer_types", None) or []
     if any(kind != "full_attention" for kind in layer_types):
-        fail("layer_types", f"has {sorted(set(layer_types) - {'full_attention'})}: only full_attention layers "
-                            "are supported")
+        raise model_file_error(config_path, "layer_types",
+                               f"has {sorted(set(layer_types) - {'full_attention'})}: only full_attention layers "
+                               "are supported")
     partial = getattr(config, "partial_rotary_factor", None)
     if partial is None:  # transformers 5 keeps it in rope_parameters
         partial = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor")
     if partial is not None and partial != 1:
-        fail("partial_rotary_factor", f"={partial!r} is not supported: the rotary embedding covers whole heads")
+        raise model_file_error(config_path, "partial_rotary_factor",
+                               f"={partial!r} is not supported: the rotary embedding covers whole heads")
     for name in ("final_logit_softcapping", "attn_logit_softcapping"):
         if getattr(config, name, None) is not None:
-            fail(name, "is not supported: logits are not soft-capped here")
+            raise model_file_error(config_path, name, "is not supported: logits are not soft-capped here")
     for name in ("rope_theta", "rms_norm_eps"):
         value = getattr(config, name, None)
         if value is not None and not is_positive_number(value):
-            fail(name, f"must be a positive number, got {value!r}")
+            raise model_file_error(config_path, name, f"must be a positive number, got {value!r}")
 
 
 def check_model_shape(config, config_path: str) -> None:
     """Refuse a config whose model cannot be built, naming the field (torch would fail obscurely, or
     not at all until a prompt arrives). Only what cannot work is refused: an explicit head_dim that
     differs from hidden_size // num_attention_heads is fine (Qwen3 has them)."""
-    def fail(field_name: str, message: str) -> None:
-        raise ValueError(f"{config_path}: {field_name} {message}")
-
     def is_positive_int(value) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
     for name in _POSITIVE_CONFIG_FIELDS:
         value = getattr(config, name, None)
         if not is_positive_int(value):
-            fail(name, f"must be an integer >= 1, got {value!r}")
+            raise model_file_error(config_path, name, f"must be an integer >= 1, got {value!r}")
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None)
     if kv_heads is not None:
         if not is_positive_int(kv_heads):
-            fail("num_key_value_heads", f"must be an integer >= 1, got {kv_heads!r}")
+            raise model_file_error(config_path, "num_key_value_heads", f"must be an integer >= 1, got {kv_heads!r}")
         if heads % kv_heads:
-            fail("num_key_value_heads", f"={kv_heads} must divide num_attention_heads={heads} (each KV head "
-                                        "serves a whole group of query heads)")
+            raise model_file_error(config_path, "num_key_value_heads",
+                                   f"={kv_heads} must divide num_attention_heads={heads} (each KV head "
+                                   "serves a whole group of query heads)")
     head_dim = getattr(config, "head_dim", None)
     if head_dim is None:
         head_dim = config.hidden_size // heads
         if head_dim < 1:
-            fail("hidden_size", f"={config.hidden_size} leaves no head_dim for num_attention_heads={heads}")
+            raise model_file_error(config_path, "hidden_size",
+                                   f"={config.hidden_size} leaves no head_dim for num_attention_heads={heads}")
     elif not is_positive_int(head_dim):
-        fail("head_dim", f"must be an integer >= 1, got {head_dim!r}")
+        raise model_file_error(config_path, "head_dim", f"must be an integer >= 1, got {head_dim!r}")
     if head_dim % 2:
-        fail("head_dim", f"={head_dim} must be even: rotary embeddings rotate two halves of each head")
+        raise model_file_error(config_path, "head_dim",
+                               f"={head_dim} must be even: rotary embeddings rotate two halves of each head")
 
 
 def safetensors_files(model_dir: str) -> list[str]:

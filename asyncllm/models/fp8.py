@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncllm.config import model_file_error
 from asyncllm.layers.fp8_linear import FP8_MAX, quantize_rows
 
 EMULATION_BLOCK = (128, 128)  # an unquantized checkpoint's experts: the block of Qwen's and DeepSeek's checkpoints
@@ -92,26 +93,28 @@ def fp8_format(hf_config, config_path: str) -> Fp8Format | None:
     if not isinstance(spec, dict):
         spec = spec.to_dict() if hasattr(spec, "to_dict") else None
     if spec is None:
-        raise ValueError(f"{config_path}: quantization_config must be a JSON object")
+        raise model_file_error(config_path, "quantization_config", "must be a JSON object")
 
-    def fail(field_name: str, message: str):  # message: "=<value> ..." or " must ..."
-        raise ValueError(f"{config_path}: quantization_config.{field_name}{message}")
-
+    setting = "quantization_config."
     method = spec.get("quant_method")
     if method != "fp8":
-        fail("quant_method", f"={method!r} is not supported: asyncllm loads 'fp8' checkpoints (block-wise, "
-                             "per-tensor or per-channel scales) and unquantized ones")
+        raise model_file_error(config_path, setting + "quant_method",
+                               f"={method!r} is not supported: asyncllm loads 'fp8' checkpoints (block-wise, "
+                               "per-tensor or per-channel scales) and unquantized ones")
     fmt = spec.get("fmt", "e4m3")
     if fmt != "e4m3":
-        fail("fmt", f"={fmt!r} is not supported: only 'e4m3' (torch.float8_e4m3fn) weights")
+        raise model_file_error(config_path, setting + "fmt",
+                               f"={fmt!r} is not supported: only 'e4m3' (torch.float8_e4m3fn) weights")
     scheme = spec.get("activation_scheme", "dynamic")
     if scheme not in ("dynamic", "static"):
-        fail("activation_scheme", f"={scheme!r} is not supported: 'dynamic' or 'static'")
+        raise model_file_error(config_path, setting + "activation_scheme",
+                               f"={scheme!r} is not supported: 'dynamic' or 'static'")
     block = spec.get("weight_block_size")
     if block is not None:
         if not (isinstance(block, (list, tuple)) and len(block) == 2
                 and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block)):
-            fail("weight_block_size", f" must be two integers >= 1 ([rows, columns] of a block) or null, got {block!r}")
+            raise model_file_error(config_path, setting + "weight_block_size",
+                                   f"must be two integers >= 1 ([rows, columns] of a block) or null, got {block!r}")
         block = tuple(block)
     return Fp8Format(block, scheme == "static")
 

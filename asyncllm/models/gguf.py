@@ -273,8 +273,8 @@ _PATH_KEYED_ENTRY = re.compile(r"(?P<stem>.+)-[0-9a-f]{12}")
 
 
 def cache_dir_for(gguf_path: str) -> str:
-    """Cache directory of a GGUF file: its name plus a hash of its whole content (xxh3-128, some 30 ms
-    for the default model's 94 MiB) and the converter's version. The same file anywhere (each clone's
+    """Cache directory of a GGUF file: its name plus a hash of its whole content (xxh3-128, cheap
+    beside a conversion) and the converter's version. The same file anywhere (each clone's
     copy of a package) shares one conversion; a changed file converts anew."""
     digest = xxhash.xxh3_128(f"asyncllm-gguf-converter-{_CONVERTER_VERSION}:".encode())
     with open(gguf_path, "rb") as f:

@@ -1,7 +1,7 @@
 """A checkpoint's config.json read without transformers, for the architectures the engine runs.
 
-Importing transformers takes seconds (5.1 s of a 13.8 s warm start-up on an H100, run AA), most of it
-before the first weight is read; these five families' configs are plain JSON plus a few defaults, so
+Importing transformers takes seconds, a large part of a warm start-up, most of it before the first
+weight is read; these five families' configs are plain JSON plus a few defaults, so
 they are read here: every field of the file an attribute (as transformers' config classes keep them),
 the fields the file leaves out set to the defaults of transformers' class for its model_type, and the
 values those classes derive (head_dim, num_key_value_heads, sliding_window, layer_types, the rope
@@ -12,6 +12,8 @@ transformers (whose registry knows it, or refuses it in its own words).
 from __future__ import annotations
 
 import json
+
+from asyncllm.config import model_file_error
 
 # transformers' defaults (5.x config classes) for the fields the engine reads; a family's own on top
 _COMMON = dict(hidden_act="silu", tie_word_embeddings=False, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None,
@@ -77,7 +79,7 @@ def read_model_config(config_path: str) -> ModelConfig | None:
     fields = dict(_DEFAULTS[model_type])
     for name, default in fields.items():  # transformers' classes refuse another type; a truthy string would pass
         if isinstance(default, bool) and name in raw and not isinstance(raw[name], bool):
-            raise ValueError(f"{config_path}: {name} must be true or false, got {raw[name]!r}")
+            raise model_file_error(config_path, name, f"must be true or false, got {raw[name]!r}")
     aliases = _ALIASES.get(model_type, {})
     for name, value in raw.items():
         fields[aliases.get(name, name)] = value

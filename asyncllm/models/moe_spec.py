@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from asyncllm.config import model_file_error
+
 
 @dataclass(frozen=True)
 class MoESpec:
@@ -30,17 +32,14 @@ MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 
 
 def moe_spec(config, config_path: str = "config.json") -> MoESpec | None:
-    """The config's MoESpec; None for a dense architecture. A missing or bad field is a ValueError
-    naming config_path and the field."""
+    """The config's MoESpec; None for a dense architecture. A missing or bad field is refused
+    (model_file_error: Config.model's InvalidValueError, naming config_path and the field)."""
     architectures = getattr(config, "architectures", None) or []
-
-    def fail(field_name: str, message: str) -> None:
-        raise ValueError(f"{config_path}: {field_name} {message}")
 
     def positive_int(field_name: str, least: int = 1) -> int:
         value = getattr(config, field_name, None)
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
-            fail(field_name, f"must be an integer >= {least}, got {value!r}")
+            raise model_file_error(config_path, field_name, f"must be an integer >= {least}, got {value!r}")
         return value
 
     layers = config.num_hidden_layers
@@ -50,15 +49,17 @@ def moe_spec(config, config_path: str = "config.json") -> MoESpec | None:
         dense = getattr(config, "mlp_only_layers", None) or []
         if not isinstance(dense, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool)
                                                             and 0 <= i < layers for i in dense):
-            fail("mlp_only_layers", f"must be a list of layer indices below num_hidden_layers={layers}, "
-                                    f"got {dense!r}")
+            raise model_file_error(config_path, "mlp_only_layers",
+                                   f"must be a list of layer indices below num_hidden_layers={layers}, "
+                                   f"got {dense!r}")
         sparse = frozenset(i for i in range(layers) if i not in dense and (i + 1) % step == 0) \
             if num_experts > 0 else frozenset()
         # models/model_config.py has checked norm_topk_prob is a bool
         spec = MoESpec(num_experts, 0, 0, bool(getattr(config, "norm_topk_prob", False)), sparse)
     elif "MixtralForCausalLM" in architectures:
         if getattr(config, "sliding_window", None) is not None:
-            fail("sliding_window", f"={config.sliding_window!r} is not supported: every layer here attends to "
+            raise model_file_error(config_path, "sliding_window",
+                                   f"={config.sliding_window!r} is not supported: every layer here attends to "
                                    "the whole context (it must be null)")
         spec = MoESpec(positive_int("num_local_experts"), 0, 0, True, frozenset(range(layers)),
                        intermediate_size_field="intermediate_size",
@@ -71,5 +72,6 @@ def moe_spec(config, config_path: str = "config.json") -> MoESpec | None:
         return spec
     top_k = positive_int("num_experts_per_tok")
     if top_k > spec.num_experts:
-        fail("num_experts_per_tok", f"={top_k} is more than the {spec.num_experts} experts")
+        raise model_file_error(config_path, "num_experts_per_tok",
+                               f"={top_k} is more than the {spec.num_experts} experts")
     return replace(spec, top_k=top_k, intermediate_size=positive_int(spec.intermediate_size_field))

@@ -1,16 +1,16 @@
 """The model's tokenizer: which class loads it, and the load on a thread of its own while the engine
 builds the model, loads its weights and captures its graphs.
 
-A tokenizer is transformers', and importing transformers takes seconds (5.1 s of a 13.8 s warm
-start-up to the first token on an H100, run AA), more than the tokenizer's files; nothing before the
+A tokenizer is transformers', and importing transformers takes seconds, a large part of a warm
+start-up and more than the tokenizer's files; nothing before the
 request intake needs it (the config is read without it: models/model_config.py). Much of the main
 thread's work waits outside the GIL (file reads, device syncs, the compilers' subprocesses), which is
 when this thread runs.
 
 transformers 5's AutoTokenizer builds a Qwen2Tokenizer (the Qwen2/2.5/3 families') from a Python
-parse of tokenizer.json and a BPE rebuilt in Python from the parsed vocab and merges: 2.6 s of a
-3.3 s load of Qwen's 151k-token vocabulary on a busy CPU host, all of it holding the GIL against the
-start-up on the main thread. Where the class's constructor only re-derives what tokenizer.json
+parse of tokenizer.json and a BPE rebuilt in Python from the parsed vocab and merges: most of the
+load of Qwen's 151k-token vocabulary, all of it holding the GIL against the start-up on the main
+thread. Where the class's constructor only re-derives what tokenizer.json
 holds (the classes below), the file is read as saved, by the tokenizers library in Rust, into
 transformers' generic class (transformers 4's way for every fast tokenizer): the same ids, text,
 special tokens and chat template (tests/test_tokenizer_loading.py checks them against AutoTokenizer's).

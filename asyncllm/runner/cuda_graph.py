@@ -1,7 +1,7 @@
 """CUDA graphs for decode steps and small mixed steps.
 
-A step launches hundreds of small kernels, and at small sizes launching them (some 20-50 us of
-Python and driver work each) takes longer than running them; replaying a captured graph launches
+A step launches hundreds of small kernels, and at small sizes launching them (Python and driver
+work for each) takes longer than running them; replaying a captured graph launches
 them at once. Decode graphs are captured per bucketed batch size, and per context-length bound
 where the backend asks for it (a Triton decode graph bakes its KV split count in, and the count
 that suits a 40k-token bound wastes most splits on a 200-token chat); where the backend supports
@@ -222,7 +222,7 @@ class CudaGraphRunner:
             return None
         graph_batch = self.batches[key]
         num_tokens = batch.num_tokens
-        full = num_tokens == graph_batch.num_tokens  # the capture's views: no new ones (1-2 us of host each)
+        full = num_tokens == graph_batch.num_tokens  # the capture's views: no new ones (each a host cost)
         (graph_batch.input_ids if full else graph_batch.input_ids[:num_tokens]).copy_(batch.input_ids,
                                                                                      non_blocking=True)
         (graph_batch.positions if full else graph_batch.positions[:num_tokens]).copy_(batch.positions,

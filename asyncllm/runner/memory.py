@@ -248,8 +248,9 @@ class RunnerMemory:
         seq_len = min(self.config.max_model_len, num_tokens)
         num_seqs = max(1, min(self.config.max_num_seqs, num_tokens // seq_len))
         batch = self._synthetic_step(num_seqs, seq_len)
-        # (no dry run of layers/parallel_compiles.py here: GPU run AB, an H100, hit a device-side assert
-        # in the probe's embedding under one -- a skipped kernel's unwritten output read as indices)
+        # (no dry run of layers/parallel_compiles.py here: a launch it skips leaves its output
+        # unwritten, and the probe's embedding would read that output as token indices: a device-side
+        # assert)
         with torch.inference_mode():
             self._probe_steps(batch)
         torch.cuda.synchronize()

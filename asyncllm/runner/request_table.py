@@ -52,7 +52,7 @@ class RequestEntry:
     def __init__(self, settings: RequestSampling, row: int):
         self.settings = settings
         # (HISTORY) results are appended to it: the list request_sampling copied for the runner
-        # (a 32k-token prompt copied again cost a long conversation's turn ~0.1 ms)
+        # (copying it again would cost a long conversation every turn, in proportion to its length)
         self.token_ids = settings.token_ids
         self.row = row
         self.penalty_slot = -1  # its TokenCounts slot, from its first step that applies penalties

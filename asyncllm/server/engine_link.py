@@ -52,7 +52,7 @@ def _plain(value):  # numpy scalars and rows (logprobs' top_ids, stats): no nump
 
 
 # ASCII (escapes): a lone surrogate (a prompt the engine will refuse) crosses intact, as \\udXXX.
-# json.dumps makes a C encoder per call (~1 us, most of a one-item message's cost): one is kept here,
+# json.dumps makes a C encoder per call (most of a one-item message's cost): one is kept here,
 # without the circular-reference check (the link's messages are made by the code around it).
 if json.encoder.c_make_encoder is not None:
     _iterencode = json.encoder.c_make_encoder(None, _plain, json.encoder.encode_basestring_ascii, None, ":", ",",

@@ -1,9 +1,9 @@
 """Compiling a StructuredOutput with xgrammar, and the per-request matcher that follows its tokens.
 
 Why xgrammar (docs/DECISIONS.md has the numbers): its per-token mask fill, the work done for every
-constrained row of every step, measured 2-15 us against llguidance's 26-121 us on our tokenizers;
-its compile is slower (2-24 ms for a usual schema, about a second at structured/checks.py's size
-limits) but happens once per schema, off the engine thread, and is cached.
+constrained row of every step, is several times faster than llguidance's on our tokenizers; its
+compile is slower (up to about a second at structured/checks.py's size limits) but happens once per
+schema, off the engine thread, and is cached.
 
 Compiles run on CompileJobs' threads (xgrammar frees the GIL), one at a time plus a bounded number
 left running by waiters that gave up; a caller waits up to deadline_s of compile time. The cache
@@ -43,7 +43,7 @@ logger = logging.getLogger("asyncllm")
 
 INSTALL_HINT = "structured output needs xgrammar: pip install 'asyncllm-engine[structured]' (or pip install xgrammar)"
 # a compile running longer than this fails its request (checks.py's limits keep an accepted one to
-# about 2 s on an idle CPU; this leaves room for a busy one)
+# a tenth of it on an idle CPU; the rest is room for a busy one)
 COMPILE_DEADLINE_S = 20.0
 CACHE_LIMIT_BYTES = 256 << 20
 
