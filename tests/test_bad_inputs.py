@@ -608,3 +608,51 @@ def test_empty_bad_words_are_none():
     # max() of the empty list raised a bare ValueError naming no field (the server's 500)
     params = SamplingParams(bad_words=[])
     assert params.bad_words == [] and not params.adjusts_logits
+
+
+def test_prompt_ids_check_and_conversion_agree_with_a_plain_loop(llm):
+    """The intake's one-pass check (intake.int32_ids, through marshal's layout) against the plain
+    per-entry rule: every entry an int, not a bool, within [0, vocab_size); the bad entry named;
+    the accepted ids' int64 bytes those the prefix cache keys blocks by (array "q")."""
+    import enum
+    import random
+    from array import array
+
+    from asyncllm.engine import intake
+
+    assert intake._MARSHAL_LAYOUT, "this Python's marshal layout changed: every prompt takes the slow loop"
+
+    class Id(enum.IntEnum):
+        A = 7
+
+    odd = [True, False, 1.0, float("nan"), np.int64(3), np.int32(3), Id.A, 2**31, -2**31 - 1, 2**63, -1, VOCAB,
+           VOCAB - 1, 0, "5", b"5", None, [5], (5,), np.array([5]), 10**30]
+    rng = random.Random(0)
+    for case in range(300):
+        ids = [rng.randrange(VOCAB) for _ in range(rng.choice([1, 2, 300, 2000]))]
+        for _ in range(rng.choice([0, 0, 1, 2])):
+            ids[rng.randrange(len(ids))] = rng.choice(odd)
+        prompt = tuple(ids) if case % 5 == 0 else ids
+        expected = None  # the first bad entry's index, error type
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int):
+                expected = (f"prompt[{i}]", InvalidTypeError)
+                break
+            if not 0 <= t < VOCAB:
+                expected = (f"prompt[{i}]", InvalidValueError)
+                break
+        if expected is None:
+            checked = llm.core.encode_prompt(prompt)
+            assert list(checked) == ids and type(checked.int64) is np.ndarray
+            assert checked.int64.tobytes() == array("q", map(int, ids)).tobytes()
+        else:
+            with pytest.raises(expected[1]) as info:
+                llm.core.encode_prompt(prompt)
+            assert info.value.argument == expected[0], (case, info.value)
+
+
+def test_the_checked_prompt_is_a_snapshot(llm):
+    ids = [5, 6, 7]
+    checked = llm.core.encode_prompt(ids)
+    ids[0] = -1
+    assert list(checked) == [5, 6, 7] and checked.int64.tolist() == [5, 6, 7]

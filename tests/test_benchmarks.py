@@ -377,6 +377,15 @@ def test_bench_turn_host_times_every_stage_of_a_cached_turn():
         assert stages["match_prefix"] <= stages["schedule"] and stages["host"] <= stages["total"]
 
 
+def test_bench_turn_host_without_forwards_and_with_a_text_turn():
+    results = bench_turn_host.main(["--contexts", "300,600", "--new-tokens", "16", "--reps", "2", "--no-forward",
+                                    "--text"])
+    for context, stages in results.items():
+        assert all(stages[name] > 0 for name in ("intake", "schedule", "match_prefix", "inputs", "host", "chat_text"))
+        assert stages["model"] < stages["host"]  # zero logits, not the model
+        assert context <= stages["chat_tokens"] < context + 1000  # the conversation: about the context's tokens
+
+
 @pytest.mark.parametrize("overlap", ["off", "on"])
 def test_bench_turn_breakdown_accounts_for_each_cached_turns_ttft(tiny_model, overlap):
     # it raises unless the prefix cache served each turn's context (its one full 256-token block)

@@ -65,7 +65,8 @@ def test_hash_block_chains():
 
 @pytest.mark.parametrize("int64", [False, True], ids=["list", "prompt-int64"])
 def test_chained_hashes_equal_each_blocks_hash_across_chunks(int64):
-    # the ids as little-endian int64 bytes chained by xxh64, as numpy lays them out; blocks across
+    # the ids as little-endian int64 bytes, as numpy lays them out, chained by xxh3 seeded with the
+    # hash before (0: none); blocks across
     # several conversion chunks, a pending token (-1) and ids past 2**31 included; with the
     # prompt's int64 form, blocks past the prompt (generated tokens) come from the list
     rng = random.Random(0)
@@ -74,11 +75,7 @@ def test_chained_hashes_equal_each_blocks_hash_across_chunks(int64):
     seq.token_ids.extend(ids[len(seq.token_ids):])
 
     def reference(block, prefix):
-        h = xxhash.xxh64()
-        if prefix != -1:
-            h.update(prefix.to_bytes(8, "little"))
-        h.update(np.asarray(block, dtype="<i8").tobytes())
-        return h.intdigest()
+        return xxhash.xxh3_64(np.asarray(block, dtype="<i8").tobytes(), seed=0 if prefix == -1 else prefix).intdigest()
     expected, prefix = [], -1
     for i in range(len(ids) // BS):
         prefix = reference(ids[i * BS:(i + 1) * BS], prefix)
@@ -124,8 +121,31 @@ def test_sequence_block_hashes_are_chained():
         expected.append(prev)
     assert seq.block_hashes == expected
     assert [bm.blocks[b].hash for b in seq.block_table] == expected
-    keys = [(([-1] + expected)[i], id_bytes(t[i * BS:(i + 1) * BS])) for i in range(3)]
-    assert [bm.cached_block_ids[key] for key in keys] == seq.block_table
+    assert [bm.cached_block_ids[h] for h in expected] == seq.block_table
+    assert [(bm.blocks[b].parent_hash, bm.blocks[b].id_bytes) for b in seq.block_table] == \
+        [(([-1] + expected)[i], id_bytes(t[i * BS:(i + 1) * BS])) for i in range(3)]
+
+
+def test_a_hash_collision_is_a_miss():
+    # the map is keyed by the chained hash alone: a block it gives whose ids or prefix hash are not
+    # the ones looked for (two prefixes of equal hash) is not taken
+    bm = BlockManager(8, BS)
+    a = make_seq(tokens(2 * BS, 0), "a")
+    compute(bm, a)
+    b_ids = a.token_ids[:BS] + tokens(BS, 5)
+    b_first, b_second = hash_block(b_ids[:BS], -1), hash_block(b_ids[BS:], hash_block(b_ids[:BS], -1))
+    bm.cached_block_ids[b_second] = a.block_table[1]  # b's second block "collides" with a's
+    b = make_seq(b_ids + [1], "b")
+    bm.match_prefix(b)
+    assert b.block_table == a.block_table[:1] and b.block_hashes == [b_first] and b.num_computed_tokens == BS
+    # a's second block's ids as a first block: its ids equal, the hash before it (none) not
+    c_first = hash_block(a.token_ids[BS:], -1)
+    bm.cached_block_ids[c_first] = a.block_table[1]
+    c = make_seq(a.token_ids[BS:] + [1], "c")
+    bm.match_prefix(c)
+    assert c.block_table == [] and c.num_computed_tokens == 0
+    del bm.cached_block_ids[b_second], bm.cached_block_ids[c_first]
+    check_accounting(bm, [a, b, c])
 
 
 def test_same_block_after_different_prefix_is_not_a_hit():
@@ -212,7 +232,7 @@ def test_freed_block_hash_dropped_when_handed_out_again():
     assert (a0, a1, a2) == (0, 1, 2) and x.block_table == [3, a2, a1]
     assert sorted(bm.cached_block_ids.values()) == [a0]
     assert bm.blocks[a1].hash == -1 and bm.blocks[a1].id_bytes == b""
-    assert bm.cached_block_ids[(-1, id_bytes(t[:BS]))] == a0
+    assert bm.cached_block_ids[h0] == a0
     b = make_seq(t, "b")
     bm.match_prefix(b)
     assert b.block_table == [a0] and b.num_computed_tokens == BS
@@ -231,11 +251,11 @@ def test_live_duplicate_keeps_its_entry_when_freed_twin_is_reallocated():
     compute(bm, d)
     d0 = d.block_table[0]
     assert d0 != c0
-    assert bm.cached_block_ids[(-1, id_bytes(t[:BS]))] == d0  # the live block wins the entry
+    assert bm.cached_block_ids[hash_block(t[:BS], -1)] == d0  # the live block wins the entry
     x = make_seq(tokens(2 * BS, 3), "x")
     bm.allocate(x, 2 * BS)  # hands out the freed twin c0 again
     assert c0 in x.block_table
-    assert bm.cached_block_ids[(-1, id_bytes(t[:BS]))] == d0
+    assert bm.cached_block_ids[hash_block(t[:BS], -1)] == d0
     e = make_seq(t, "e")
     bm.match_prefix(e)
     assert e.block_table == [d0]

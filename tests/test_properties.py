@@ -98,7 +98,7 @@ class Accounting:
             return
         for key, block_id in bm.cached_block_ids.items():
             block = bm.blocks[block_id]
-            assert block.key == key, f"map entry {key} points at block {block_id} with key {block.key}"
+            assert block.hash == key, f"map entry {key} points at block {block_id} with hash {block.hash}"
             assert len(block.id_bytes) == 8 * BS, "a hashed block is not full"
             prefix = self.known_prefixes.get(block.hash)
             assert prefix is not None, "a map entry no live sequence ever computed"

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from array import array
-from operator import countOf
+import marshal
 
 import numpy as np
 
@@ -30,6 +29,34 @@ def check_text(text: str, argument: str) -> None:
     except UnicodeEncodeError as e:
         raise InvalidValueError(argument, f"not valid Unicode text (lone surrogate {text[e.start]!r} at index "
                                           f"{e.start}); decode bytes with errors='replace' first") from None
+
+
+# marshal (format 2: no back-references) writes a list or tuple of n exact ints that fit in int32 as
+# a 5-byte header, then per int the type code "i" and its 4 bytes little-endian; anything else
+# (bool: "T"/"F", a float, a larger int, an int subclass or numpy int: unmarshallable or another
+# code) breaks that layout. One C pass thus both checks a 32k-token prompt's types and converts its
+# ids: ~3x as fast as counting the exact types and then converting (array.fromlist), two passes
+_MARSHAL_VERSION = 2
+_MARSHAL_INT = np.dtype([("code", "u1"), ("value", "<i4")])
+_MARSHAL_LAYOUT = marshal.dumps([7, -2], _MARSHAL_VERSION) == b"[\x02\x00\x00\x00i\x07\x00\x00\x00i\xfe\xff\xff\xff"
+
+
+def int32_ids(token_ids) -> np.ndarray | None:
+    """token_ids (a list or tuple) as an int32 array if every entry is an exact int (not a bool)
+    within int32, else None (the caller finds which entry is not)."""
+    if not _MARSHAL_LAYOUT:  # another Python's marshal layout: every prompt takes the caller's loop
+        return None
+    try:
+        data = marshal.dumps(token_ids, _MARSHAL_VERSION)
+    except ValueError:  # unmarshallable: a list subclass, an int subclass, a numpy int, nesting too deep
+        return None
+    if len(data) != 5 + 5 * len(token_ids):
+        return None
+    records = np.frombuffer(data, dtype=_MARSHAL_INT, offset=5)
+    # each entry's code at its offset 5 + 5 * i, all "i": by induction each entry is an int of 5 bytes
+    if not (records["code"] == ord("i")).all():
+        return None
+    return records["value"]
 
 
 class RequestIntake:
@@ -65,17 +92,20 @@ class RequestIntake:
             token_ids = self.tokenizer.encode(prompt)
             if not token_ids:
                 raise InvalidValueError(argument, "the prompt encodes to no tokens")
-            return self._checked_prompt(token_ids, argument)
+            return self._checked_prompt(token_ids, argument, owned=type(token_ids) is list)
         if isinstance(prompt, (list, tuple)):
             if not prompt:
                 raise InvalidValueError(argument, "the token-id list is empty")
             return self._checked_prompt(prompt, argument)
         raise InvalidTypeError(argument, f"expected a string or a list of token ids, got {type(prompt).__name__}")
 
-    def _checked_prompt(self, token_ids, argument: str) -> PromptIds:
-        ids = PromptIds(token_ids)  # copied first: the caller's list may change after it returns
-        ids.int64 = self._checked_int64(ids, argument)
-        return ids
+    def _checked_prompt(self, token_ids, argument: str, owned: bool = False) -> PromptIds:
+        """owned: token_ids is the intake's own list (the tokenizer's), else the caller's, which may
+        change while and after it is checked: a snapshot is checked and kept."""
+        ids = token_ids if owned else list(token_ids)
+        checked = PromptIds(ids)
+        checked.int64 = self._checked_int64(ids, argument)
+        return checked
 
     def check_token_ids(self, token_ids: list[int], argument: str, owner: str | None = None) -> list[int]:
         """Every id an int inside the model's vocabulary: an id past it would fail inside a step.
@@ -83,29 +113,19 @@ class RequestIntake:
         self._checked_int64(token_ids, argument, owner)
         return token_ids
 
-    def _checked_int64(self, token_ids, argument: str, owner: str | None = None) -> array:
+    def _checked_int64(self, token_ids, argument: str, owner: str | None = None) -> np.ndarray:
         """check_token_ids' check; returns the ids as an int64 array."""
-        # the common case in passes that run in C (a 32k-token prompt, as every turn of a long
-        # conversation brings): the exact types counted (a set of them took half as long again),
-        # then the ids as int64 in one pass whose range numpy reads (min() and max() over the list
-        # took twice that pass); else the loop names the bad entry
-        if countOf(map(type, token_ids), int) == len(token_ids):
-            ids = array("q")
-            try:  # fromlist: array() reads a list subclass (PromptIds) through its iterator, 3x as long
-                ids.fromlist(token_ids if isinstance(token_ids, list) else list(token_ids))
-            except OverflowError:  # an id past int64
-                ids = None
-            if ids is not None:
-                values = np.frombuffer(ids, dtype=np.int64) if ids else None
-                if values is None or (values.min() >= 0 and values.max() < self.vocab_size):
-                    return ids
-        for i, t in enumerate(token_ids):
+        values = int32_ids(token_ids)
+        if values is not None and (not len(values) or (values.min() >= 0 and values.max() < self.vocab_size)):
+            return values.astype(np.int64)
+        for i, t in enumerate(token_ids):  # names the bad entry
             if isinstance(t, bool) or not isinstance(t, int):
                 raise InvalidTypeError(f"{argument}[{i}]", f"token ids must be ints, got {type(t).__name__}", owner)
             if not 0 <= t < self.vocab_size:
                 raise InvalidValueError(f"{argument}[{i}]", f"token id {t} is outside the vocabulary "
                                                             f"[0, {self.vocab_size})", owner)
-        raise AssertionError("the fast path refused ids that the loop accepts")
+        # valid, but not what int32_ids reads (int subclasses, an IntEnum's members; a list subclass)
+        return np.array([int(t) for t in token_ids], dtype=np.int64)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
                       argument: str = "prompt") -> SamplingParams:

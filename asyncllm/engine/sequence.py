@@ -5,7 +5,6 @@ import itertools
 import math
 import sys
 import time
-from array import array
 from enum import Enum, auto
 
 import numpy as np
@@ -17,8 +16,8 @@ _arrival_counter = itertools.count()  # ties of time.monotonic() must not make t
 
 
 class PromptIds(list):
-    """A prompt's token ids as the intake checked them, with the same ids as an int64 array in
-    int64 (the check's one conversion), from which the prefix cache keys and hashes the prompt's
+    """A prompt's token ids as the intake checked them, with the same ids as an int64 numpy array
+    in int64 (made by the check's one pass), from which the prefix cache keys and hashes the prompt's
     blocks: a 32k-token prompt is converted once, not again per block on the engine thread."""
     __slots__ = ("int64",)
 
@@ -43,7 +42,7 @@ class Sequence:
         # subclass item by item, twice as long for a 32k-token prompt
         intake_ids = isinstance(prompt_token_ids, PromptIds)
         self.token_ids: list[int] = prompt_token_ids[:] if intake_ids else list(prompt_token_ids)
-        self.prompt_int64: array | None = prompt_token_ids.int64 if intake_ids else None
+        self.prompt_int64: np.ndarray | None = prompt_token_ids.int64 if intake_ids else None
         # tokens that launched steps are sampling, not yet resolved: they follow token_ids (len(seq)
         # counts them), their values known to the runner alone until their step is read
         self.num_in_flight = 0
