@@ -108,6 +108,7 @@ case "$mode" in
   tests2) test_files="tests/test_gpu.py"; part_select="not ($gpu_part1 or speculative_decoding)" ;;
   tests3) test_files="tests/test_gpu.py tests/test_fp8_kv.py tests/test_decode_staging.py tests/test_gpu_tp.py
                       tests/test_fp8_loading.py::test_fp8_weights_on_cuda_match_the_dequantized_copy
+                      tests/test_fp8_loading.py::test_reload_of_another_fp8_format_requantizes_into_the_engines_layout
                       tests/test_fused_moe.py tests/test_moe_router.py
                       tests/test_fp8_kv_kernels.py tests/test_fp8_weight_kernels.py"
           part_select="speculative_decoding or test_fp8 or test_decode_staging or test_gpu_tp or test_fused_moe \

@@ -169,7 +169,9 @@ def other_file_calls() -> list[tuple[str, list[tuple]]]:
     # test_fp8_loading.py's other engines run on the CPU (device="cpu"); gpu_suite.sh's tests3 takes
     # only its CUDA test
     calls = [("test_fp8_loading.py::test_fp8_weights_on_cuda_match_the_dequantized_copy (3 cases)",
-              [new(**fp8_loading)] * 6)]
+              [new(**fp8_loading)] * 6),
+             ("test_fp8_loading.py::test_reload_of_another_fp8_format_requantizes_into_the_engines_layout[cuda]",
+              [new(enforce_eager=True, **fp8_loading)] * 2)]
     calls += [("test_fp8_kv.py::test_gpu_bf16_fp8_cache_with_cuda_graphs",
                [new(dtype="bfloat16", max_model_len=1024, max_num_seqs=16, kvcache_block_size=16, kv_cache_dtype=kv)
                 for kv in ("auto", "fp8")])]

@@ -263,16 +263,20 @@ def test_quantization_fp8_matches_hf_on_the_dequantized_copy(tiny_qwen3, tmp_pat
         assert out["token_ids"] == hf_greedy(model, prompt)
 
 
-def test_reload_of_another_fp8_format_requantizes_into_the_engines_layout(tiny_qwen3, block_pair, tmp_path):
+# on CUDA too: an H200 run (2026-12-07) failed this test there while the same engine without the reload
+# (test_quantization_fp8_is_its_per_channel_dequantized_copy) passed; its message was lost (the call ran
+# out of time), so the CUDA case stays until a GPU run says whether the reload or the bound is at fault
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_reload_of_another_fp8_format_requantizes_into_the_engines_layout(tiny_qwen3, block_pair, tmp_path, device):
     """An engine with per-row FP8 scales (quantization="fp8") reloading a 128x128-block checkpoint:
     its weights dequantized and quantized per row again, so the engine runs as on a per-channel
     rounding of the block checkpoint's dequantized weights."""
-    llm = LLM(tiny_qwen3, **ENGINE_KW, quantization="fp8")
+    llm = LLM(tiny_qwen3, **{**ENGINE_KW, "device": device, "enforce_eager": True}, quantization="fp8")
     llm.reload(block_pair[0])
     assert all(layer.group_k is None for layer in linear_layers(llm).values())
     requantized = generate_with_logits(llm, PROMPTS, greedy())
     _, plain_dir = write_pair(block_pair[1], tmp_path, scheme="channel")  # the block copy, per row
-    assert_same_run(requantized, run(plain_dir))
+    assert_same_run(requantized, run(plain_dir, device=device, enforce_eager=True))
 
 
 def test_fp8_weight_only_never_rounds_activations(tiny_qwen3, tmp_path):
