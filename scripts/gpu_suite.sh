@@ -143,7 +143,8 @@ if [ "$mode" = tests13 ] || [ "$mode" = tests24 ]; then
     alone_rc=$?; parts="$parts $second-alone"
   fi
   for part in $parts; do echo "$part: $(tail -n 1 "$out/$part/gpu-tests.log")"; done
-  for part in $parts; do grep -hE "^(FAILED|ERROR)" "$out/$part/gpu-tests.log"; done
+  # failures as they happened (failures.log: also from a part that the call's limit killed)
+  for part in $parts; do [ -f "$out/$part/failures.log" ] && grep -h "^==== " "$out/$part/failures.log"; done
   exit $((first_rc || second_rc || alone_rc))
 fi
 if [ -n "$test_files" ]; then
@@ -151,6 +152,7 @@ if [ -n "$test_files" ]; then
   select=$part_select
   [ -n "${GPU_TEST_SELECT:-}" ] && select="${select:+($select) and }($GPU_TEST_SELECT)"
   # shellcheck disable=SC2086  # test_files: a list of paths
+  ASYNCLLM_FAILURE_LOG="$out/failures.log" \
   python3 -m pytest -q -p no:cacheprovider $test_files -m "not slow" -rP ${select:+-k "$select"} --durations=30 \
       --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log"
   tests_rc=${PIPESTATUS[0]}
