@@ -2,7 +2,7 @@
 the real SmolLM2-135M-Instruct weights shipped for the default model.
 
     python benchmarks/bench_spec.py [--device cuda] [--batches 1,8,64] [--output-len 256] [--k 4]
-                                    [--lookup 2,4] [--modes plain,ngram,draft,random-draft]
+                                    [--lookup 2,4] [--modes plain,ngram,draft,random-draft,oracle]
                                     [--draft-model-dir DIR] [--temperature T] [--json PATH]
 
 The task: the chat model is asked to repeat a text of four passages word for word (a different order per
@@ -13,7 +13,11 @@ one LLM.generate of the whole batch per --reps after a warm-up; the median's out
 is the row's figure. Draft-model modes: "draft" with {"model": --draft-model-dir, "num_speculative_tokens": k}
 (default: the target itself, the mechanism's ceiling: every proposal accepted), "random-draft" with a
 checkpoint of the target's shape and tokenizer but random weights (acceptance near zero: the overhead
-floor, where adaptivity must keep the loss small). Rows: tok/s, the speculative rows' speedup over plain at the same batch, their
+floor, where adaptivity must keep the loss small). "oracle": the mechanism's ceiling, every proposal accepted at
+no proposing cost (what a draft equal to the target was meant to show; that draft costs the target's forward a
+draft, so its own ceiling is ~1x): a proposer installed through the engine's Proposer interface (as the tests
+install theirs) drafts each request's next k tokens of its plain greedy output, which this process computes first
+with the same engine and speculation opted out per request (SamplingParams(speculate=False)); greedy only. Rows: tok/s, the speculative rows' speedup over plain at the same batch, their
 acceptance rate and mean accepted length (tokens a verifying request takes per step), and whether
 their text equals plain's (greedy: it must). --model-dir another checkpoint instead (tests: the tiny one).
 --temperature T > 0: seeded sampling at T (request i with seed i) instead of greedy: a draft model then
@@ -40,7 +44,7 @@ from common import Report, add_ratios, make_parser, median, parse_args, release_
 from asyncllm import LLM, SamplingParams
 from asyncllm.chat_template import chat_prompt_ids
 
-MODES = ("plain", "ngram", "draft", "random-draft")
+MODES = ("plain", "ngram", "draft", "random-draft", "oracle")
 PASSAGES = [
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a lamp, a notebook and a "
     "thermos of tea. From the gallery he watched the ships pass along the coast, wrote down their names, the "
@@ -89,6 +93,34 @@ def random_draft(model_dir: str, out_dir: str) -> str:
     return out_dir
 
 
+class OracleProposer:
+    """A speculative-decoding proposer (asyncllm.speculative.proposer.Proposer) that knows each request's
+    greedy output: it drafts the next max_tokens tokens of it, found by the request's prompt once and then
+    kept under the request (a slice a step: the proposing cost ~0)."""
+
+    def __init__(self):
+        self.outputs: dict[tuple[int, ...], list[int]] = {}  # prompt -> prompt + its plain greedy output
+        self._known: dict[object, list[int]] = {}  # request -> its entry of outputs
+
+    def learn(self, prompts: list[list[int]], outputs: list[list[int]]) -> None:
+        self.outputs.update((tuple(p), list(p) + list(o)) for p, o in zip(prompts, outputs))
+
+    def propose(self, rows) -> list[list[int]]:
+        drafts = []
+        for row in rows:
+            full = self._known.get(row.request)
+            if full is None:
+                full = self._known[row.request] = self.outputs.get(tuple(row.token_ids[:row.num_prompt_tokens]), [])
+            drafts.append(full[len(row.token_ids):len(row.token_ids) + row.max_tokens])  # []: unknown, a miss
+        return drafts
+
+    def release(self, request) -> None:
+        self._known.pop(request, None)
+
+    def close(self) -> None:
+        pass
+
+
 def run_mode(args) -> list[dict]:
     """One mode's rows, in this process."""
     # room for every row's drafts: a step's logits rows (one a row, one a draft) stay within max_num_seqs
@@ -98,12 +130,21 @@ def run_mode(args) -> list[dict]:
                                          "prompt_lookup_min": args.lookup[0], "prompt_lookup_max": args.lookup[1]}
     elif args.mode in ("draft", "random-draft"):
         options["speculative_config"] = {"model": args.draft_model_dir, "num_speculative_tokens": args.k}
+    elif args.mode == "oracle":  # any method makes the engine speculate; its proposer is replaced just below
+        options["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.k}
     llm = LLM(args.model_dir, **options)
+    oracle = None
+    if args.mode == "oracle":
+        oracle = llm.core.speculation.proposer = OracleProposer()
     rows = []
     for batch in args.batches:
         params = [SamplingParams(temperature=args.temperature, seed=i if args.temperature > 0 else None,
                                  max_tokens=args.output_len, ignore_eos=True) for i in range(batch)]
         prompts = copy_prompts(llm, batch)
+        if oracle is not None:  # the plain greedy output it proposes from (so the warm-up verifies, too)
+            plain_params = [SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True,
+                                           speculate=False)] * batch
+            oracle.learn(prompts, [out["token_ids"] for out in llm.generate(prompts, plain_params, use_tqdm=False)])
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
         times, outputs = [], None
         stats_before = llm.core.stats()
@@ -129,7 +170,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--lookup", default="2,4", help="prompt_lookup_min,prompt_lookup_max")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES}")
+    parser.add_argument("--modes", default=None,
+                        help=f"comma-separated, of {MODES} (default: all; with --temperature > 0 all but oracle)")
     parser.add_argument("--draft-model-dir", default=None,
                         help="the draft checkpoint of mode 'draft' (default: the target itself)")
     parser.add_argument("--temperature", type=float, default=0.0,
@@ -148,7 +190,13 @@ def main(argv=None) -> dict:
         return {"results": rows}
     report = Report("spec", args)
     rows = []
-    modes = [mode for mode in str(args.modes).split(",") if mode]
+    sampled = args.temperature > 0
+    modes = [mode for mode in str(args.modes).split(",") if mode] if args.modes is not None else \
+        [mode for mode in MODES if not (sampled and mode == "oracle")]
+    unknown = [mode for mode in modes if mode not in MODES]
+    if unknown or (sampled and "oracle" in modes):
+        parser.error(f"--modes: {unknown} not of {MODES}" if unknown else
+                     "--modes: oracle proposes greedy output, so it needs --temperature 0")
     for mode in modes:  # each in its own process: nothing of one warms or fragments the other
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "rows.json")

@@ -348,13 +348,25 @@ def test_bench_spec_runs_every_mode_in_its_process_with_the_same_text(tiny_model
                             "--reps", "1"])
     rows = rows_without_errors(data)
     assert [(row["mode"], row["batch"]) for row in rows] == [
-        (mode, batch) for mode in ("plain", "ngram", "draft", "random-draft") for batch in (1, 2)]
+        (mode, batch) for mode in ("plain", "ngram", "draft", "random-draft", "oracle") for batch in (1, 2)]
     assert all(row["tok_s"] > 0 and row["speedup"] > 0 for row in rows)
     assert all(row["same_text"] for row in rows if row["mode"] != "plain")
     by_mode = {(row["mode"], row["batch"]): row for row in rows}
     # the draft is the target: every proposal accepted; random weights: (almost) none
     assert by_mode[("draft", 1)]["acceptance_rate"] >= 0.9
     assert by_mode[("random-draft", 1)]["acceptance_rate"] <= 0.3
+    # the oracle drafts the plain greedy output (the tiny model's never repeats, so n-gram lookup
+    # proposes ~nothing there): every row speculates, several tokens a step
+    for batch in (1, 2):
+        oracle = by_mode[("oracle", batch)]
+        assert oracle["acceptance_rate"] >= 0.95 and oracle["spec_proposed"] >= batch * 8
+        assert oracle["mean_accepted_length"] > 2 and oracle["speculating_share"] > 0.5
+
+
+def test_bench_spec_refuses_the_oracle_when_sampling(capsys):
+    with pytest.raises(SystemExit):
+        bench_spec.main(["--modes", "plain,oracle", "--temperature", "1.0", "--device", "cpu"])
+    assert "--modes: oracle proposes greedy output" in capsys.readouterr().err
 
 
 def test_bench_spec_sampled_draft_accepts_nearly_every_draft(tiny_model):
