@@ -108,6 +108,21 @@ def test_run_all_measures_the_offline_workload_with_ngram_speculation_beside_non
     assert argv[argv.index("--spec-modes") + 1] == "none,ngram" and argv[argv.index("--mode") + 1] == "sync"
 
 
+def test_run_all_measures_the_oracle_ceiling_in_its_speculative_step(tmp_path):
+    """The spec step runs every bench_spec mode (no --modes: the oracle too), and the headline reads the
+    oracle's batch-1 speedup with its acceptance and text check."""
+    args = argparse.Namespace(device="cuda", quick=False, small="0.6b", out=str(tmp_path), big=False,
+                              tensor_parallel=1, skip_hf=True, skip_kernels=True)
+    steps = {step.name: step for step in run_all.plan(args, {"0.6b": str(tmp_path / "0.6b")})}
+    assert "--modes" not in steps["spec-smollm2"].argv and "oracle" in bench_spec.MODES
+    rows = [dict(mode="plain", batch=1, tok_s=100.0), dict(mode="oracle", batch=1, tok_s=350.0, speedup=3.5,
+                                                            acceptance_rate=1.0, same_text=True)]
+    (tmp_path / "spec-smollm2.json").write_text(json.dumps({"results": rows}))
+    (metric,) = [row for row in run_all.headline(run_all.load_results(str(tmp_path)), "0.6b", False)
+                 if "oracle" in row["metric"]]
+    assert (metric["value"], metric["check"], metric["note"]) == ("3.50x", "PASS", "acceptance 1.00, same text: True")
+
+
 def test_bench_fp8_quality_compares_every_configuration_with_bf16(tiny_model):
     data = bench_fp8_quality.main(["--model-dir", tiny_model, "--device", "cpu", "--max-tokens", "40"])
     rows = {row["config"]: row for row in rows_without_errors(data)}
