@@ -66,6 +66,9 @@ def test_the_shipped_tokenizers_are_split_and_their_texts_encode_exactly(tokeniz
         text = random_text(rng, special, 30)
         assert encoder.encode(text) == tokenizer(text, add_special_tokens=False)["input_ids"], repr(text)
         assert encoder.encode(text) == tokenizer.encode(text, add_special_tokens=False), repr(text)  # from the cache
+    # a first turn's many pieces, encoded in one batch call
+    text = "<|im_end|>".join(random_text(rng, False, 8) + str(i) for i in range(100))
+    assert encoder.encode(text) == tokenizer.encode(text, add_special_tokens=False)
 
 
 @pytest.mark.parametrize("seed", range(6))
