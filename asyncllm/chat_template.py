@@ -9,6 +9,10 @@ the template's own special tokens become special token ids. That is transformers
 apply_chat_template(sanitize_control_tokens=True): its control tokens are the tokenizer's special
 tokens and the added tokens the template itself writes (Qwen3's `<think>`, `<tool_call>`). The engine
 option parse_special_tokens_in_chat_content=True keeps the old way, where such text became the tokens.
+
+A new turn renders the whole conversation again, but the engine's TextPieceEncoder
+(engine/text_pieces.py) encodes only the text an earlier turn did not (issue 44): exactly the ids
+above, taken where the caller's strings hold no added token's text (then sanitizing changes nothing).
 """
 from __future__ import annotations
 
