@@ -11,8 +11,11 @@ import random
 import pytest
 from tokenizers import AddedToken
 
-from asyncllm.chat_template import render_chat
+from asyncllm.chat_template import chat_prompt_ids, render_chat
+from asyncllm.config import Config
+from asyncllm.engine.intake import RequestIntake
 from asyncllm.engine.text_pieces import TextPieceEncoder, unsplittable_reason
+from asyncllm.models.resolve import resolve_config
 from asyncllm.models.tokenizer_loader import load_tokenizer
 
 pytestmark = pytest.mark.timeout(600)
@@ -156,3 +159,13 @@ def test_a_slow_or_split_special_tokens_tokenizer_is_not_split(tokenizer_dir):
     tokenizer = load_tokenizer(tokenizer_dir)
     tokenizer.split_special_tokens = True
     assert "split_special_tokens" in unsplittable_reason(tokenizer)
+
+
+def test_the_engines_chat_path_encodes_through_its_intakes_cache(tiny_qwen3):
+    tokenizer = load_tokenizer(tiny_qwen3)
+    intake = RequestIntake(resolve_config(Config(model=tiny_qwen3)), tokenizer, 4096)  # the server front-end's, and the core's
+    messages = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi é"},
+                {"role": "user", "content": "what now?"}]
+    ids = chat_prompt_ids(intake, messages, {})
+    assert list(ids) == render_chat(tokenizer, messages, {}, False)
+    assert intake.chat_text_encoder.cached_chars >= len("user\nwhat now?")
