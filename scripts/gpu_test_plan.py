@@ -166,11 +166,12 @@ def other_file_calls() -> list[tuple[str, list[tuple]]]:
     """Engines in the other GPU files (their CPU tests with device="cpu" capture nothing)."""
     fp8_loading = dict(kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=128, max_num_seqs=8,
                        max_num_batched_tokens=256, cuda_graph_max_tokens=64)
-    # test_fp8_loading.py sets no device: on the GPU machine its engines run on CUDA, eager but for
-    # the 6 of test_fp8_weights_on_cuda_match_the_dequantized_copy
-    calls = [("test_fp8_loading.py (32 eager engines, device auto)", [new(enforce_eager=True, **fp8_loading)] * 32),
-             ("test_fp8_loading.py::test_fp8_weights_on_cuda_match_the_dequantized_copy (3 cases)",
-              [new(**fp8_loading)] * 6)]
+    # test_fp8_loading.py's other engines run on the CPU (device="cpu"); gpu_suite.sh's tests3 takes
+    # only its CUDA test
+    calls = [("test_fp8_loading.py::test_fp8_weights_on_cuda_match_the_dequantized_copy (3 cases)",
+              [new(**fp8_loading)] * 6),
+             ("test_fp8_loading.py::test_reload_of_another_fp8_format_requantizes_into_the_engines_layout[cuda]",
+              [new(enforce_eager=True, **fp8_loading)] * 2)]
     calls += [("test_fp8_kv.py::test_gpu_bf16_fp8_cache_with_cuda_graphs",
                [new(dtype="bfloat16", max_model_len=1024, max_num_seqs=16, kvcache_block_size=16, kv_cache_dtype=kv)
                 for kv in ("auto", "fp8")])]

@@ -19,12 +19,12 @@ from asyncllm import LLM, Config, SamplingParams
 from asyncllm.cli import build_parser
 from helpers import assert_all_blocks_free, generate_with_logits
 
-# no device: on the GPU machine these engines run on CUDA. Eager there: what they test is the loading,
-# and ~38 engines' graph captures took minutes of the GPU suite (scripts/gpu_test_plan.py);
-# test_fp8_weights_on_cuda_match_the_dequantized_copy turns graphs on (8 rows and 64-token mixed
-# graphs hold the 4 prompts of up to 21 tokens)
+# on the CPU, also on a GPU machine: these tests check the loading against the CPU's dequantizing
+# arithmetic, with which CUDA's FP8 kernels (weight-only skinny GEMM, W8A8) agree only within rounding,
+# not to 1e-4; test_fp8_weights_on_cuda_match_the_dequantized_copy is the CUDA check, with CUDA graphs
+# (8 rows and 64-token mixed graphs hold the 4 prompts of up to 21 tokens)
 ENGINE_KW = dict(kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=128, max_num_seqs=8,
-                 max_num_batched_tokens=256, cuda_graph_max_tokens=64, enforce_eager=True)
+                 max_num_batched_tokens=256, cuda_graph_max_tokens=64, device="cpu")
 BLOCK_FORMAT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 PROMPTS = [[(37 * i + 11 * k) % 100000 for k in range(6 + 5 * i)] for i in range(4)]
 N = 12
@@ -115,7 +115,7 @@ def edit_config(model_dir: str, **fields) -> None:
 
 
 def run(model_dir: str, **kwargs) -> tuple[list, list]:
-    llm = LLM(model_dir, **ENGINE_KW, **kwargs)
+    llm = LLM(model_dir, **{**ENGINE_KW, **kwargs})  # kwargs win (the CUDA test's device and graphs)
     result = generate_with_logits(llm, PROMPTS, greedy())
     assert_all_blocks_free(llm)
     return result
@@ -263,16 +263,20 @@ def test_quantization_fp8_matches_hf_on_the_dequantized_copy(tiny_qwen3, tmp_pat
         assert out["token_ids"] == hf_greedy(model, prompt)
 
 
-def test_reload_of_another_fp8_format_requantizes_into_the_engines_layout(tiny_qwen3, block_pair, tmp_path):
+# on CUDA too: an H200 run (2026-12-07) failed this test there while the same engine without the reload
+# (test_quantization_fp8_is_its_per_channel_dequantized_copy) passed; its message was lost (the call ran
+# out of time), so the CUDA case stays until a GPU run says whether the reload or the bound is at fault
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_reload_of_another_fp8_format_requantizes_into_the_engines_layout(tiny_qwen3, block_pair, tmp_path, device):
     """An engine with per-row FP8 scales (quantization="fp8") reloading a 128x128-block checkpoint:
     its weights dequantized and quantized per row again, so the engine runs as on a per-channel
     rounding of the block checkpoint's dequantized weights."""
-    llm = LLM(tiny_qwen3, **ENGINE_KW, quantization="fp8")
+    llm = LLM(tiny_qwen3, **{**ENGINE_KW, "device": device, "enforce_eager": True}, quantization="fp8")
     llm.reload(block_pair[0])
     assert all(layer.group_k is None for layer in linear_layers(llm).values())
     requantized = generate_with_logits(llm, PROMPTS, greedy())
     _, plain_dir = write_pair(block_pair[1], tmp_path, scheme="channel")  # the block copy, per row
-    assert_same_run(requantized, run(plain_dir))
+    assert_same_run(requantized, run(plain_dir, device=device, enforce_eager=True))
 
 
 def test_fp8_weight_only_never_rounds_activations(tiny_qwen3, tmp_path):
