@@ -9,6 +9,10 @@ the template's own special tokens become special token ids. That is transformers
 apply_chat_template(sanitize_control_tokens=True): its control tokens are the tokenizer's special
 tokens and the added tokens the template itself writes (Qwen3's `<think>`, `<tool_call>`). The engine
 option parse_special_tokens_in_chat_content=True keeps the old way, where such text became the tokens.
+
+A new turn renders the whole conversation again, but the engine's TextPieceEncoder
+(engine/text_pieces.py) encodes only the text an earlier turn did not (issue 44): exactly the ids
+above, taken where the caller's strings hold no added token's text (then sanitizing changes nothing).
 """
 from __future__ import annotations
 
@@ -18,6 +22,10 @@ import inspect
 
 from asyncllm.engine.intake import check_text
 from asyncllm.errors import InvalidTypeError, InvalidValueError, PromptTooLongError
+
+# the private-use characters transformers' sanitize_control_tokens wraps around control tokens in the
+# caller's strings (transformers.utils.chat_template_utils), and drops when it encodes the chat
+_CONTROL_MARKERS = ("\U000f0000", "\U000f0001")
 
 # apply_chat_template's own keywords, not template variables: the engine sets them, the caller cannot
 # ("messages": the conversation is the messages argument, not a keyword beside it)
@@ -88,15 +96,34 @@ def _sanitizes(tokenizer_type: type) -> bool:
     return "sanitize_control_tokens" in inspect.signature(tokenizer_type.apply_chat_template).parameters
 
 
-def render_chat(tokenizer, messages, template_kwargs: dict, parse_special_tokens_in_content: bool) -> list[int]:
-    """The token ids of the conversation; the messages and keywords are checked already."""
+def _caller_strings(messages, template_kwargs: dict):
+    """Every string the caller passed that transformers' sanitize_control_tokens marks (dict keys too:
+    more than it marks, never less); the template itself, which it does not mark, left out."""
+    stack = [messages, *(value for name, value in template_kwargs.items() if name != "chat_template")]
+    while stack:  # check_length walked these already: no structure holds itself
+        item = stack.pop()
+        if isinstance(item, str):
+            yield item
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+
+
+def render_chat(tokenizer, messages, template_kwargs: dict, parse_special_tokens_in_content: bool,
+                text_encoder=None) -> list[int]:
+    """The token ids of the conversation; the messages and keywords are checked already.
+    text_encoder: the engine's TextPieceEncoder (engine/text_pieces.py) over tokenizer, which encodes
+    only the pieces of the rendered text that an earlier turn did not; None: the whole text each time."""
     if not getattr(tokenizer, "chat_template", None) and not template_kwargs.get("chat_template"):
         raise ValueError("chat: this model's tokenizer has no chat template; use stream() with a prompt")
     # the assistant's turn opens, unless the last message is one to continue (the two exclude each other)
     template_kwargs.setdefault("add_generation_prompt", not template_kwargs.get("continue_final_message"))
+    encode = text_encoder.encode if text_encoder is not None else functools.partial(tokenizer.encode,
+                                                                                     add_special_tokens=False)
     if parse_special_tokens_in_content:
-        text = tokenizer.apply_chat_template(list(messages), tokenize=False, **template_kwargs)
-        return tokenizer.encode(text, add_special_tokens=False)
+        return encode(tokenizer.apply_chat_template(list(messages), tokenize=False, **template_kwargs))
     if not _sanitizes(type(tokenizer)):
         # an older transformers would take the keyword as a template variable, and sanitize nothing
         # (the version read from the installed metadata: importing transformers here would cost every
@@ -104,6 +131,13 @@ def render_chat(tokenizer, messages, template_kwargs: dict, parse_special_tokens
         raise RuntimeError(f"chat: transformers {importlib.metadata.version('transformers')} cannot encode special-token text in "
                            "messages as text; install transformers >= 5.20, or start the engine with "
                            "parse_special_tokens_in_chat_content=True")
+    if text_encoder is not None and not any(map(text_encoder.has_added_token, _caller_strings(messages, template_kwargs))):
+        # no added token's text in what the caller passed: sanitizing marks nothing, and transformers
+        # encodes the rendered text as tokenizer.encode does, unless a marker character is in it (the
+        # caller's, which sanitizing drops first, or the template's): then transformers' way below
+        text = tokenizer.apply_chat_template(list(messages), tokenize=False, **template_kwargs)
+        if not any(marker in text for marker in _CONTROL_MARKERS):
+            return encode(text)
     return tokenizer.apply_chat_template(list(messages), tokenize=True, return_dict=False,
                                          sanitize_control_tokens=True, **template_kwargs)
 
@@ -114,5 +148,6 @@ def chat_prompt_ids(core, messages, template_kwargs: dict, parse_special_tokens_
     check_messages(messages)
     check_template_kwargs(template_kwargs)
     check_length(messages, template_kwargs, core.max_prompt_chars, core.max_seq_len)
-    token_ids = render_chat(core.tokenizer, messages, template_kwargs, parse_special_tokens_in_content)
+    token_ids = render_chat(core.tokenizer, messages, template_kwargs, parse_special_tokens_in_content,
+                            core.chat_text_encoder)
     return core.encode_prompt(token_ids, "messages")

@@ -160,7 +160,9 @@ class Config:
     kvcache_block_size: int = 256
     num_kvcache_blocks: int = -1  # -1: sized from free GPU memory, or from cpu_kvcache_bytes on CPU
     cpu_kvcache_bytes: int = 1 << 30
-    dtype: str | torch.dtype = "auto"  # auto: the checkpoint's dtype on GPU, float32 on CPU; stored as its name
+    # auto: float32 on CPU; on GPU the checkpoint's dtype, bfloat16 for a .gguf file (models/resolve.py's
+    # auto_torch_dtype); stored as its name
+    dtype: str | torch.dtype = "auto"
     device: str = "auto"  # auto: cuda when present, else cpu
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"

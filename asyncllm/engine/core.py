@@ -143,6 +143,7 @@ class EngineCore:
         self.intake = RequestIntake(self.config, tokenizer, self.max_seq_len)
         self.vocab_size, self.eos_token_ids = self.intake.vocab_size, self.intake.eos_token_ids
         self.max_prompt_chars, self.reasoning = self.intake.max_prompt_chars, self.intake.reasoning
+        self.chat_text_encoder = self.intake.chat_text_encoder
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:

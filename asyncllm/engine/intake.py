@@ -13,6 +13,7 @@ import numpy as np
 from asyncllm.config import Config, config_error
 from asyncllm.engine.reasoning_format import ReasoningTags
 from asyncllm.engine.sequence import PromptIds, Sequence
+from asyncllm.engine.text_pieces import TextPieceEncoder
 from asyncllm.engine.token_bans import check_some_token_samplable, encode_bad_words
 from asyncllm.errors import InvalidTypeError, InvalidValueError, PromptTooLongError
 from asyncllm.models.checkpoint import find_eos_token_ids
@@ -76,6 +77,8 @@ class RequestIntake:
         # tokens, and is refused before the tokenizer spends seconds on it
         self.max_prompt_chars = max_seq_len * max(map(len, tokenizer.get_vocab()), default=1)
         self.reasoning = ReasoningTags.of(config.reasoning_parser, tokenizer)  # a grammar waits for its end
+        # a conversation's rendered text: the pieces an earlier turn encoded are not encoded again
+        self.chat_text_encoder = TextPieceEncoder(tokenizer)
         # made on the first constrained request (xgrammar reads the whole vocabulary)
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_compiler_lock = threading.Lock()

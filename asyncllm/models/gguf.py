@@ -330,6 +330,13 @@ def _record_source(entry: str, gguf_path: str) -> None:
         pass
 
 
+def is_gguf_conversion(model_dir: str) -> bool:
+    """Whether model_dir is a GGUF file's conversion in the cache (resolve_model_path records in each
+    the files that convert to it, before it returns the directory): its float32 safetensors are only
+    quantized weights dequantized, not the precision the model needs."""
+    return os.path.isfile(os.path.join(model_dir, SOURCES_FILE))
+
+
 def _still_converts_to(record: dict) -> bool:
     try:
         stat = os.stat(record["path"])

@@ -1,7 +1,7 @@
 """The model a Config names, read once by the engine before it builds anything: a hub id
 downloaded (safetensors only) into the hub's cache, a .gguf file converted into its cache directory, the checkpoint's config loaded and checked against the
 settings (tensor-parallel splits, the CPU KV cache's size), max_model_len clipped to the model's
-positions, and dtype 'auto' settled."""
+positions, and dtype 'auto' settled (auto_torch_dtype)."""
 from __future__ import annotations
 
 import os
@@ -10,7 +10,7 @@ import torch
 
 from asyncllm.config import Config, config_error
 from asyncllm.models.checkpoint import load_hf_config
-from asyncllm.models.gguf import resolve_model_path
+from asyncllm.models.gguf import is_gguf_conversion, resolve_model_path
 from asyncllm.models.moe_spec import MoESpec, moe_spec
 from asyncllm.models.transformer import head_dim_of
 
@@ -30,15 +30,8 @@ def resolve_config(config: Config) -> Config:
     config.max_model_len = min(config.max_model_len, max_pos)
     if config.tensor_parallel_size > 1:
         _check_tensor_parallel_split(hf, config.tensor_parallel_size)
-    if config.dtype != "auto":
-        config.torch_dtype = TORCH_DTYPES[config.dtype]
-    elif config.device == "cpu":
-        config.torch_dtype = torch.float32
-    else:
-        ckpt = getattr(hf, "torch_dtype", None) or getattr(hf, "dtype", None)
-        if isinstance(ckpt, str):
-            ckpt = TORCH_DTYPES.get(ckpt)
-        config.torch_dtype = ckpt if ckpt in (torch.float16, torch.bfloat16, torch.float32) else torch.bfloat16
+    config.torch_dtype = TORCH_DTYPES[config.dtype] if config.dtype != "auto" else \
+        auto_torch_dtype(hf, config.model, config.device)
     config.kv_cache_torch_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else config.torch_dtype
     head_dim = head_dim_of(hf)
     if config.kv_cache_dtype == "fp8" and config.kv_cache_rotation and head_dim & (head_dim - 1):
@@ -50,6 +43,22 @@ def resolve_config(config: Config) -> Config:
             _check_cpu_weights(config, memory)
             _check_cpu_kv_cache(config, memory)
     return config
+
+
+def auto_torch_dtype(hf, model_dir: str, device: str) -> torch.dtype:
+    """What dtype 'auto' runs the model in on device ('cpu' or 'cuda'): float32 on CPU (its bf16 matmuls
+    are slow, and CPU results are compared with transformers' in float32); on CUDA bfloat16 for a GGUF
+    conversion (its float32 tensors are quantized weights dequantized: float32 would only double the
+    memory and bandwidth, and llama.cpp and vLLM run GGUF in 16 bits), else the checkpoint's own dtype
+    (bfloat16 where its config.json names none)."""
+    if device == "cpu":
+        return torch.float32
+    if is_gguf_conversion(model_dir):
+        return torch.bfloat16
+    ckpt = getattr(hf, "torch_dtype", None) or getattr(hf, "dtype", None)
+    if isinstance(ckpt, str):
+        ckpt = TORCH_DTYPES.get(ckpt)
+    return ckpt if ckpt in (torch.float16, torch.bfloat16, torch.float32) else torch.bfloat16
 
 
 def _machine_memory() -> int | None:
