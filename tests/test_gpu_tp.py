@@ -68,15 +68,19 @@ def run_engine(model_dir: str, tp: int, ps, dtype: str, params: SamplingParams =
     return result, stats
 
 
-def test_tp2_matches_tp1_on_qwen3_8b_shape(model_dir):
-    # long prompts over a 2048-token budget: prefill chunks beside decodes, as in serving
-    ps = random_prompts(12, seed=0, hi=1500)
-    # float32 (the bf16 weights upcast): one GPU's matmul and two ranks' partial sums plus an
-    # all-reduce then agree to ~1e-6, so the comparison is tight
+def tp2_against_tp1_in_float32(model_dir: str, seed: int) -> tuple[dict, list, list]:
+    """Long prompts over a 2048-token budget (prefill chunks beside decodes, as in serving) in float32
+    (bf16 weights upcast): one GPU's matmul and two ranks' partial sums plus an all-reduce then agree
+    to ~1e-6, so the comparison is tight."""
+    ps = random_prompts(12, seed=seed, hi=1500)
     tp1, _ = run_engine(model_dir, 1, ps, "float32")
     tp2, stats = run_engine(model_dir, 2, ps, "float32")
     assert stats["num_steps"] > GREEDY.max_tokens
-    result = assert_greedy_runs_match(tp1, tp2, logits_rtol=1e-3)
+    return assert_greedy_runs_match(tp1, tp2, logits_rtol=1e-3), tp1, tp2
+
+
+def test_tp2_matches_tp1_on_qwen3_8b_shape(model_dir):
+    result, _, _ = tp2_against_tp1_in_float32(model_dir, seed=0)
     print(f"float32, TP=2 vs TP=1: {result['summary']}")
 
 
@@ -84,11 +88,7 @@ def test_tp2_matches_tp1_on_tiny_qwen3_moe(moe_model_dir):
     """The MoE layer under tensor parallelism: each rank holds every expert's slice of the
     intermediate size and the router whole, and the all-reduce adds the experts' partial outputs.
     In float32 the two agree to rounding, so the greedy tokens are equal."""
-    ps = random_prompts(12, seed=3, hi=1500)
-    tp1, _ = run_engine(moe_model_dir, 1, ps, "float32")
-    tp2, stats = run_engine(moe_model_dir, 2, ps, "float32")
-    assert stats["num_steps"] > GREEDY.max_tokens
-    result = assert_greedy_runs_match(tp1, tp2, logits_rtol=1e-3)
+    result, tp1, tp2 = tp2_against_tp1_in_float32(moe_model_dir, seed=3)
     print(f"tiny Qwen3-MoE, float32, TP=2 vs TP=1: {result['summary']}")
     assert tp2[0] == tp1[0]
 
