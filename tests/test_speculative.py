@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from asyncllm.async_engine import AsyncLLMEngine
 from asyncllm.config import Config
-from asyncllm.engine.speculation import MAX_PAUSE_STEPS, MAX_SPECULATING_DECODES, PAUSE_STEPS
+from asyncllm.engine.speculation import LOW_ACCEPTANCE, MAX_PAUSE_STEPS, MAX_SPECULATING_DECODES, PAUSE_STEPS
 from asyncllm.errors import InvalidValueError
 from asyncllm.layers.rejection_sampler import RejectionSampler, kept_rows, verify_drafts
 from asyncllm.layers.sampler import SamplingTensors, noise_key
@@ -383,25 +383,42 @@ def test_speculation_is_off_for_large_batches_and_backs_off_where_drafts_fail(en
     drafted = spec.core.stats()["spec_draft_tokens"]
     run(spec, [p * 3 for p in batch], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert spec.core.stats()["spec_draft_tokens"] == drafted  # too many decoding rows: none speculated
-    # drafts that are always rejected: k, k/2 then 1 (three rejected steps), then a pause of PAUSE_STEPS;
-    # each retry is a one-draft probe, and each failed probe doubles the pause, up to MAX_PAUSE_STEPS
-    num_steps = 3 + PAUSE_STEPS + 64 + 128 + 2 * MAX_PAUSE_STEPS + 20  # (greedy identity: the next test)
+    # drafts that are always rejected: the first speculation is a one-draft probe, which pauses it for
+    # PAUSE_STEPS; each retry is a one-draft probe too, and each failed probe doubles the pause, up to MAX_PAUSE_STEPS
+    num_steps = 1 + PAUSE_STEPS + 64 + 128 + 2 * MAX_PAUSE_STEPS + 20  # (greedy identity: the next test)
     before = spec.core.stats()
     _, asked = run_scripted(spec, wrong_drafts, prompts(1, seed=10, vocab=100000),
                             SamplingParams(temperature=0, max_tokens=num_steps, ignore_eos=True))
-    assert [k for _, k in asked] == [4, 2, 1, 1, 1, 1, 1, 1], asked
+    assert [k for _, k in asked] == [math.ceil(4 * LOW_ACCEPTANCE)] * 6 == [1] * 6, asked
     # the probe comes at the step after the failed one's pause
-    assert gaps(asked) == [1, 1] + [pause + 1 for pause in (PAUSE_STEPS, 64, 128, MAX_PAUSE_STEPS, MAX_PAUSE_STEPS)], asked
+    assert gaps(asked) == [pause + 1 for pause in (PAUSE_STEPS, 64, 128, MAX_PAUSE_STEPS, MAX_PAUSE_STEPS)], asked
     assert MAX_PAUSE_STEPS == 256
-    # the cost model's bound: 3 descent steps, then log2(MAX_PAUSE_STEPS / PAUSE_STEPS) + 1 probes to the
-    # cap, one per MAX_PAUSE_STEPS + 1 steps after: 8 of num_steps (759) speculated, 1.05 % (the plain
-    # without the backoff: 2 of every 34 steps, ~6 %)
-    assert len(asked) <= 3 + 3 + math.ceil((num_steps - 3 - PAUSE_STEPS - 64 - 128) / (MAX_PAUSE_STEPS + 1))
-    assert len(asked) / num_steps < 0.011
+    # the cost model's bound: log2(MAX_PAUSE_STEPS / PAUSE_STEPS) + 1 probes to the cap, one per
+    # MAX_PAUSE_STEPS + 1 steps after: 6 of num_steps (757) speculated, 0.8 % (the plain backoff
+    # without doubling: 1 of every 33 steps, 3 %)
+    assert len(asked) <= 1 + 3 + math.ceil((num_steps - 1 - PAUSE_STEPS - 64 - 128) / (MAX_PAUSE_STEPS + 1))
+    assert len(asked) / num_steps < 0.009
     stats = spec.core.stats()
     verifications = stats["spec_verifications"] - before["spec_verifications"]
     assert verifications == len(asked)
     assert 0 < stats["spec_speculating_share"] < 1
+
+
+def test_a_draft_that_never_pays_costs_one_probe_then_log_many(engines):
+    """A request's first speculation is a probe: one draft at k = 4, so a draft that is never accepted
+    (a random draft model: issue 46) speculates at its first decode step with 1 draft, then pauses, and
+    in at most ceil(log2(n / PAUSE_STEPS)) + 1 of its first n steps."""
+    spec = engines("random", "roomy", True)
+    num_steps = MAX_PAUSE_STEPS + PAUSE_STEPS
+    first_step = spec.core.num_steps + 1  # its prefill is step num_steps, its first decode the next
+    _, asked = run_scripted(spec, wrong_drafts, prompts(1, seed=15, vocab=100000),
+                            SamplingParams(temperature=0, max_tokens=num_steps, ignore_eos=True))
+    assert asked[0] == (first_step, 1), asked
+    steps = [step - first_step for step, _ in asked]
+    for n in range(1, num_steps):
+        bound = math.ceil(math.log2(max(n, PAUSE_STEPS) / PAUSE_STEPS)) + 1
+        assert sum(step < n for step in steps) <= bound, (n, asked)
+    assert len(asked) == 4, asked  # the bound is met: probes at 0, 33, 98 and 227
 
 
 def test_a_request_whose_drafts_pay_again_resumes_and_its_backoff_starts_over(engines):
@@ -410,39 +427,40 @@ def test_a_request_whose_drafts_pay_again_resumes_and_its_backoff_starts_over(en
                     SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)))[0]
     full = prompt[0] + plain
 
-    def script(call, row):  # wrong 4 times (descent, first probe), right 6 times, then wrong for good
-        if 4 <= call < 10:
+    def script(call, row):  # wrong twice (the first speculation's probe, the first retry), right 6 times, then wrong for good
+        if 2 <= call < 8:
             return full[len(row.token_ids):len(row.token_ids) + row.max_tokens]
         return wrong_drafts(call, row)
     out, asked = run_scripted(engines("random", "roomy", True), script, prompt,
                               SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))
     assert ids(out)[0] == plain
-    # the second probe (after a pause of 64) is right: it speculates at every step, more drafts as its
+    # the third probe (after a pause of 64) is right: it speculates at every step, more drafts as its
     # acceptance climbs; two wrong steps (4 drafts, then 2) then pause it for PAUSE_STEPS again, not 128
-    assert gaps(asked)[:11] == [1, 1, PAUSE_STEPS + 1, 64 + 1, 1, 1, 1, 1, 1, 1, 1], asked
-    assert [k for _, k in asked][:12] == [4, 2, 1, 1, 1, 3, 4, 4, 4, 4, 4, 2], asked
-    assert gaps(asked)[11] == PAUSE_STEPS + 1, asked
+    assert gaps(asked)[:9] == [PAUSE_STEPS + 1, 64 + 1, 1, 1, 1, 1, 1, 1, 1], asked
+    assert [k for _, k in asked][:10] == [1, 1, 1, 3, 4, 4, 4, 4, 4, 2], asked
+    assert gaps(asked)[9] == PAUSE_STEPS + 1, asked
 
 
 
 def test_a_lookup_that_finds_nothing_waits_longer_each_time_and_keeps_the_acceptance(engines):
     """No proposal (no n-gram match) is no verification: the request looks again after 1, 2, 4, ... up
     to PAUSE_STEPS steps; once a lookup proposes, the next miss waits 1 step again, and its first
-    drafts are k (the acceptance was not lowered by the misses)."""
+    drafts are a request's first probe's (the misses did not lower the acceptance), then more as it pays."""
     prompt = prompts(1, seed=12, vocab=100000)
     plain = ids(run(engines("random", "roomy", False), prompt,
                     SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)))[0]
     full = prompt[0] + plain
 
-    def script(call, row):  # nothing 7 times, then the right drafts once, then nothing for good
-        return full[len(row.token_ids):len(row.token_ids) + row.max_tokens] if call == 7 else []
+    def script(call, row):  # nothing 7 times, then the right drafts 3 times, then nothing for good
+        return full[len(row.token_ids):len(row.token_ids) + row.max_tokens] if 7 <= call < 10 else []
     out, asked = run_scripted(engines("random", "roomy", True), script, prompt,
                               SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
     assert ids(out)[0] == plain
     assert gaps(asked)[:6] == [1, 2, 4, 8, 16, PAUSE_STEPS], asked
-    assert [k for _, k in asked][7] == 4, asked  # k: seven misses did not scale it down
-    # the pause stays at PAUSE_STEPS; after the lookup that proposed, the misses' backoff starts over
-    assert gaps(asked)[6:10] == [PAUSE_STEPS, 1, 1, 2], asked
+    # k: seven misses did not scale it down (the first probe's 1 draft), and the drafts that pay ramp it up
+    assert [k for _, k in asked][:11] == [1] * 8 + [3, 4, 4], asked
+    # the pause stays at PAUSE_STEPS; after the lookups that proposed, the misses' backoff starts over
+    assert gaps(asked)[6:12] == [PAUSE_STEPS, 1, 1, 1, 1, 2], asked
 
 # ---- sampled output: the target's distribution exactly --------------------------------------------
 def chi_square_p_value(counts: np.ndarray, probs: np.ndarray) -> float:
