@@ -97,6 +97,7 @@ class OracleProposer:
     """A speculative-decoding proposer (asyncllm.speculative.proposer.Proposer) that knows each request's
     greedy output: it drafts the next max_tokens tokens of it, found by the request's prompt once and then
     kept under the request (a slice a step: the proposing cost ~0)."""
+    drafts_cost_forwards = False  # the ceiling: k drafts from a request's first step
 
     def __init__(self):
         self.outputs: dict[tuple[int, ...], list[int]] = {}  # prompt -> prompt + its plain greedy output

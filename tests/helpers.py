@@ -356,6 +356,7 @@ class ScriptedProposer:
     """A speculative-decoding proposer (asyncllm.speculative.proposer.Proposer) that drafts from known
     outputs (the plain engine's), every third draft with its second token changed: drafts accepted
     whole, and drafts rejected after their first token."""
+    drafts_cost_forwards = False  # k drafts from a request's first step, as n-gram's
 
     def __init__(self, prompts_and_outputs):
         self.expected = [(list(p), list(p) + list(o)) for p, o in prompts_and_outputs]

@@ -306,6 +306,7 @@ class PointProposals:
 
     def __init__(self, proposer):
         self.proposer = proposer
+        self.drafts_cost_forwards = proposer.drafts_cost_forwards
 
     def propose(self, rows):
         return self.proposer.propose([row._replace(params=None) for row in rows])

@@ -13,12 +13,6 @@ from asyncllm.outputs import FinishReason
 from asyncllm.sampling_params import SamplingParams
 
 _arrival_counter = itertools.count()  # ties of time.monotonic() must not make the order arbitrary; the runner's key
-# speculative decoding (engine/speculation.py, which applies it): a request's running acceptance rate below
-# which it pauses speculating, and a step's own rate at which it pays: just above a draft model's
-# break-even, d + (v + s) / k with d its forward's cost in target steps (Qwen3-0.6B for -8B: ~0.18), v + s
-# verification's extra rows and lost overlap (~0.2). Also where a request's rate starts, and where a retry
-# after a pause restarts it: either speculation is a probe of ceil(k * LOW_ACCEPTANCE) drafts
-LOW_ACCEPTANCE = 0.25
 
 
 class PromptIds(list):
@@ -105,13 +99,13 @@ class Sequence:
         self.num_pooled_tokens = 0
         # speculative decoding (engine/speculation.py): the draft tokens its next decode verifies
         # (read by the scheduler; [] decodes one token) and the distribution they were drawn from
-        # (SampledDrafts.probs; None: point proposals), its recent acceptance (from LOW_ACCEPTANCE: its
-        # first speculation is a probe, which pauses it if rejected), the step until which it does not
+        # (SampledDrafts.probs; None: point proposals), its recent acceptance (None until its first
+        # speculation, which sets where it starts: Speculation.draft), the step until which it does not
         # speculate and its last pause's length (0: it has not paused since a step paid), and the
         # pause after its proposer's last miss (nothing proposed; 0: its last lookup proposed)
         self.draft_token_ids: list[int] = []
         self.draft_probs = None
-        self.draft_acceptance = LOW_ACCEPTANCE
+        self.draft_acceptance: float | None = None
         self.drafts_paused_until = 0
         self.draft_pause = 0
         self.draft_miss_pause = 0

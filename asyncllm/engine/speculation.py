@@ -8,15 +8,18 @@ engine keeps the drafts up to the first one the target rejects, then the target'
 (or the bonus token after the last draft). docs/ARCHITECTURE.md "Speculative decoding" tells the rest.
 
 Adaptive, per request: its acceptance rate (a running average) sets how many drafts it proposes
-(k scaled by it). A request's first speculation is a cheap probe (its rate starts at LOW_ACCEPTANCE:
-ceil(k * LOW_ACCEPTANCE) drafts, 1 at k = 4); drafts that pay ramp it up (k = 4: 1, 3, then 4 drafts),
-and a request whose rate falls below LOW_ACCEPTANCE stops speculating for a pause, then retries with
-such a probe again: a probe that fails pauses it again for twice as long (PAUSE_STEPS, 64, ... up to
-MAX_PAUSE_STEPS); any step that pays (its own acceptance at least LOW_ACCEPTANCE) starts the backoff
-over. A draft that never pays then costs one probe before its first pause and speculates in
-ceil(log2(n / PAUSE_STEPS)) + 1 of a request's first n (PAUSE_STEPS to MAX_PAUSE_STEPS) steps, then
-in 1 of MAX_PAUSE_STEPS + 1: with a speculating step's extra cost e (in plain steps), the overhead
-tends to e / MAX_PAUSE_STEPS, under 1% for any draft no larger than the target. A step with more than MAX_SPECULATING_DECODES decoding
+(k scaled by it). Where a rejected draft costs a forward (a draft model:
+Proposer.drafts_cost_forwards), a request's first speculation is a cheap probe (its rate starts at
+LOW_ACCEPTANCE: ceil(k * LOW_ACCEPTANCE) drafts, 1 at k = 4), and drafts that pay ramp it up (k = 4:
+1, 3, then 4 drafts); an n-gram lookup's wrong drafts cost little more than a lost overlap, so its
+rate starts at 1 (k drafts: a copy task's first wrong guess must not pause it). A request whose
+rate falls below LOW_ACCEPTANCE stops speculating for a pause, then retries with such a probe: a
+probe that fails pauses it again for twice as long (PAUSE_STEPS, 64, ... up to MAX_PAUSE_STEPS);
+any step that pays (its own acceptance at least LOW_ACCEPTANCE) starts the backoff over. A draft
+model that never pays then costs one probe before its first pause and speculates in at most
+ceil(log2(n / PAUSE_STEPS)) + 1 of a request's first n (PAUSE_STEPS to MAX_PAUSE_STEPS) steps,
+then in 1 of MAX_PAUSE_STEPS + 1: with a speculating step's extra cost e (in plain steps), the
+overhead tends to e / MAX_PAUSE_STEPS, under 1% for any draft no larger than the target. A step with more than MAX_SPECULATING_DECODES decoding
 rows speculates for none: a large batch is compute-bound, and verifying drafts then costs what it
 saves. A proposer that has nothing for a request (no n-gram match) teaches nothing about acceptance;
 the request looks again after 1, 2, 4, ... up to PAUSE_STEPS steps (Speculation._missed).
@@ -28,7 +31,7 @@ import math
 
 from asyncllm.config import Config, SpeculativeConfig
 from asyncllm.engine.scheduler import SchedulerOutput
-from asyncllm.engine.sequence import LOW_ACCEPTANCE, Sequence, SequenceStatus
+from asyncllm.engine.sequence import Sequence, SequenceStatus
 from asyncllm.speculative.draft_model import DraftModelProposer
 from asyncllm.speculative.ngram import NgramProposer
 from asyncllm.speculative.proposer import DraftRow, Proposer, SampledDrafts
@@ -38,6 +41,11 @@ from asyncllm.speculative.proposer import DraftRow, Proposer, SampledDrafts
 # GEMMs are near compute-bound (the bf16 ridge is ~300 flops a byte, ~150-200 where they run), so
 # verification's extra rows then cost about what their accepted tokens save
 MAX_SPECULATING_DECODES = 32
+# a request's running acceptance rate below which it pauses speculating, and a step's own rate at
+# which it pays: just above a draft model's break-even, d + (v + s) / k with d its forward's cost in
+# target steps (Qwen3-0.6B for -8B: ~0.18), v + s verification's extra rows and lost overlap (~0.2).
+# Also where a retry after a pause, and a draft model's first speculation, start the rate: a probe
+LOW_ACCEPTANCE = 0.25
 PAUSE_STEPS = 32  # engine steps a paused request decodes one token at a time before its first retry
 # the longest pause (each failed retry doubles it): an always-rejected draft's overhead tends to its
 # probe's extra cost / MAX_PAUSE_STEPS, <= 2.2 / 256 < 1% with the draft a copy of the target; a
@@ -104,6 +112,8 @@ class Speculation:
         rows, seqs = [], []
         logits_room = self.max_logits_rows - len(ready)
         for seq in wanting:
+            if seq.draft_acceptance is None:  # its first speculation
+                seq.draft_acceptance = LOW_ACCEPTANCE if self.proposer.drafts_cost_forwards else 1.0
             room = seq.max_len - len(seq) - 1  # every token it may still take, after the bonus one
             k = min(room, logits_room, math.ceil(self.num_speculative_tokens * seq.draft_acceptance))
             if k > 0 and not seq.num_in_flight:

@@ -155,6 +155,7 @@ class DraftKV:
 class DraftModelProposer:
     """The Proposer of method "draft_model". Build it before the target's runner: on CUDA the
     target's memory probe then counts the draft's weights and KV cache as used."""
+    drafts_cost_forwards = True
 
     def __init__(self, target: Config, target_tokenizer, max_rows: int, resume_tokens: int):
         """max_rows: the most rows a proposal has; resume_tokens: the most a row's catch-up after a

@@ -44,6 +44,7 @@ class NgramProposer:
     """The Proposer of method "ngram" (prompt lookup). Keeps each request's tokens as a numpy array,
     extended by the tokens added since its last proposal: converting a whole 4k-token list every
     step cost as much as the lookup itself."""
+    drafts_cost_forwards = False
 
     def __init__(self, lookup_min: int, lookup_max: int):
         self.lookup_min = lookup_min

@@ -42,6 +42,11 @@ class SampledDrafts(list):
 
 
 class Proposer(Protocol):
+    # whether a rejected draft costs a forward (a draft model's; an n-gram lookup's costs ~nothing):
+    # then a request's first speculation is a probe of few drafts (engine/speculation.py), so a draft
+    # that never pays costs one cheap step before the request pauses
+    drafts_cost_forwards: bool
+
     def propose(self, rows: list[DraftRow]) -> list[list[int] | None]:
         """Each row's draft tokens, at most its max_tokens ([]: none found, which the engine counts as
         a miss; None: none this step for want of resources, not counted: the row decodes one token);
