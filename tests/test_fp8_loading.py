@@ -315,12 +315,19 @@ def test_fp8_weights_on_cuda_match_the_dequantized_copy(tokenizer_dir, tmp_path,
     kwargs = dict(dtype="bfloat16", device="cuda", enforce_eager=False)
     weight_only = {"quantization": "fp8_weight_only"} if scheme.endswith("_weight_only") else {}
     fp8, plain = run(fp8_dir, **kwargs, **weight_only), run(plain_dir, **kwargs)
-    # activations in e4m3 (W8A8) move logits by a few percent of their range; bf16 rounding alone, less
-    bound = 0.08 if scheme == "channel" else 0.03
+    # W8A8 rounds each quantized GEMM's input to e4m3: a relative error of at most 2**-4, ~2**-4 / 3**0.5
+    # = 0.036 rms; a GEMM output's relative error is that whatever K (error and value both sum as random
+    # walks over K), and 2 layers x 4 rounded inputs (qkv, o, gate_up, down) add independently: ~8**0.5 *
+    # 0.036 = 0.10 of the logits' rms, and the largest error over 151,936 logits tracks the largest logit
+    # alike. Measured at the prefill step: 0.093 on an H100 (run AE), 0.089-0.098 under cuda_paths_on_cpu
+    # (the 4 prompts). The weight-only paths: bf16 rounding alone (prefill 0, decode ~0.015 on CPU).
+    bound = 0.15 if scheme == "channel" else 0.03
     compared = 0
     for tokens_a, tokens_b, logits_a, logits_b in zip(fp8[0], plain[0], fp8[1], plain[1]):
         for step, (a, b) in enumerate(zip(logits_a, logits_b)):
             assert (a - b).abs().max() <= bound * b.abs().max(), (scheme, step)
+            if step == 0 and scheme == "channel":  # the prefill did take W8A8 (not a dequantizing fallback)
+                assert (a - b).abs().max() > 0.03 * b.abs().max(), (scheme, "prefill as weight-only")
             compared += 1
             if tokens_a[step] != tokens_b[step]:
                 break
