@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from asyncllm import LLM, AsyncLLMEngine, SamplingParams
-from asyncllm.engine.speculation import MAX_PAUSE_STEPS
 from asyncllm.runner import decode_staging
 from asyncllm.runner.stable_memory import StableTensors, device_memory_allocated, mapped_bytes
 from asyncllm.testing import build_tiny_checkpoint, qwen_tokenizer_dir
@@ -91,11 +90,17 @@ def get_llm(model_dir: str, backend: str, **kwargs) -> LLM:
         release_llms()  # one engine alive at a time keeps GPU memory in check
         options = dict(attention_backend=backend, **ENGINE_DEFAULTS)
         options.update(kwargs)
-        if FIXED_KV_TOKENS and "num_kvcache_blocks" not in kwargs:
-            del options["gpu_memory_utilization"]
-            options["num_kvcache_blocks"] = FIXED_KV_TOKENS // options.get("kvcache_block_size", 256)
-        _llms[key] = LLM(model_dir, **options)
+        _llms[key] = LLM(model_dir, **kv_sized(options))
     return _llms[key]
+
+
+def kv_sized(options: dict) -> dict:
+    """options with the KV cache FIXED_KV_TOKENS long in place of gpu_memory_utilization's share, where
+    that is set and options do not fix the block count themselves."""
+    if not FIXED_KV_TOKENS or "num_kvcache_blocks" in options:
+        return options
+    options = {k: v for k, v in options.items() if k != "gpu_memory_utilization"}
+    return {**options, "num_kvcache_blocks": FIXED_KV_TOKENS // options.get("kvcache_block_size", 256)}
 
 
 def release_llms() -> None:
@@ -645,14 +650,15 @@ def test_close_returns_the_device_memory(model_dir):
     later one (cuBLAS's workspace per stream, the capture stream's among them)."""
     release_llms()
     ps, params = random_prompts(8, seed=30), SamplingParams(max_tokens=16, presence_penalty=0.5, logprobs=2)
-    with LLM(model_dir, gpu_memory_utilization=0.3, **LIFECYCLE) as first:
+    with LLM(model_dir, **kv_sized(dict(LIFECYCLE, gpu_memory_utilization=0.3))) as first:
         generate(first, ps, params)
     torch.cuda.synchronize()
     # torch's allocated memory and the stable (VMM) memory of the weights and KV cache, which torch does not see
     before = device_memory_allocated()
-    llm = LLM(model_dir, gpu_memory_utilization=0.3, **LIFECYCLE)
+    llm = LLM(model_dir, **kv_sized(dict(LIFECYCLE, gpu_memory_utilization=0.3)))
     generate(llm, ps, params)
-    assert device_memory_allocated() - before > 1 << 30  # a KV cache of 0.3 of the device, weights, graphs
+    held = device_memory_allocated() - before  # the KV cache, weights, graphs
+    assert held > llm.core.runner.kv_cache.nbytes > 1 << 20, held
     llm.close()
     torch.cuda.synchronize()
     print(f"allocated after close - before: {(device_memory_allocated() - before) / 2**20:.1f} MiB")
@@ -706,7 +712,7 @@ def test_sleep_returns_the_memory_and_wake_replays_graphs_with_the_same_tokens(m
     same addresses and replays the same graphs (none captured again), with the same tokens."""
     release_llms()
     ps = random_prompts(8, seed=31)
-    with LLM(model_dir, gpu_memory_utilization=0.3, **LIFECYCLE) as llm:
+    with LLM(model_dir, **kv_sized(dict(LIFECYCLE, gpu_memory_utilization=0.3))) as llm:
         runner = llm.core.runner
         assert runner.sleep_path.startswith("stable memory"), runner.sleep_path
         before = generate(llm, ps)
@@ -852,7 +858,7 @@ def test_speculative_decoding_greedy_identity_and_a_sampled_run(model_dir, backe
     ps = random_prompts(6, seed=21, lo=5, hi=300)
     expected = generate(get_llm(model_dir, backend, dtype=dtype), ps)
     release_llms()
-    llm = LLM(model_dir, attention_backend=backend, dtype=dtype, **ENGINE_DEFAULTS,
+    llm = LLM(model_dir, attention_backend=backend, dtype=dtype, **kv_sized(ENGINE_DEFAULTS),
               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
                                   "prompt_lookup_max": 3})
     try:
@@ -886,7 +892,7 @@ def test_speculative_draft_steps_and_verification_replay_cuda_graphs(model_dir):
     spec = {"model": model_dir, "num_speculative_tokens": 4}
     # the target's 64-token mixed graphs hold a verification of 4 requests (5 rows each); the draft's
     # graphs are its own (32 rows, 64 tokens: speculative/draft_model.py)
-    options = dict(ENGINE_DEFAULTS, attention_backend="triton", dtype="float32", speculative_config=spec)
+    options = kv_sized(dict(ENGINE_DEFAULTS, attention_backend="triton", dtype="float32", speculative_config=spec))
     ps = random_prompts(4, seed=24, lo=80, hi=300)
     greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     sampled = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=40, seed=i, ignore_eos=True)
@@ -939,17 +945,16 @@ def test_speculative_draft_model_equal_to_the_target_on_cuda(model_dir, backend)
     ps = random_prompts(6, seed=22, lo=5, hi=300)
     expected = generate(get_llm(model_dir, backend, dtype=dtype), ps)
     release_llms()
-    llm = LLM(model_dir, attention_backend=backend, dtype=dtype, **ENGINE_DEFAULTS,
+    llm = LLM(model_dir, attention_backend=backend, dtype=dtype, **kv_sized(ENGINE_DEFAULTS),
               speculative_config={"model": model_dir, "num_speculative_tokens": 4})
     try:
         got = generate(llm, ps)
         stats = llm.core.stats()
         proposer = llm.core.speculation.proposer
         assert proposer._held == {} and proposer.block_manager.num_free_blocks == proposer.num_total_blocks
-        # the draft's logits are sampled by the proposer: no sampler graphs; a retry's catch-up after the
-        # longest pause in speculating (MAX_PAUSE_STEPS decodes, then 2 tokens) fits a mixed graph
+        # the draft's logits are sampled by the proposer: no sampler graphs (its mixed graphs' size, capped
+        # by the target's cuda_graph_max_tokens, test_speculative_draft_steps_and_verification_replay_cuda_graphs checks)
         assert proposer.runner.graph_runner is not None and proposer.runner.sampler_graphs is None
-        assert proposer.runner.graph_runner.max_mixed_tokens >= MAX_PAUSE_STEPS + 2
         if dtype == "float32":
             assert got == expected
             assert stats["spec_accepted_tokens"] >= 0.9 * stats["spec_draft_tokens"] > 0
