@@ -193,7 +193,8 @@ def gpu_model(tmp_path_factory):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the Triton backend's FP8 cache)")
 def test_gpu_bf16_fp8_cache_with_cuda_graphs(gpu_model):
     """bf16 with an FP8 cache against bf16 with its own, both on the Triton backend with CUDA graphs
-    (decode and mixed steps replayed): logits within FP8_GPU_LOGITS_RTOL, greedy tokens mostly equal, and
+    (decode and mixed steps replayed): logits within FP8_GPU_LOGITS_RTOL while both runs saw the same
+    tokens, every divergence a near-tie of the bf16 run, the comparison reaching the decode steps, and
     twice the KV blocks at the same gpu_memory_utilization (the same probe's budget over half the
     bytes a block; the two probes' activation peaks may differ by a little)."""
     prompts = random_prompts(16, seed=3, lo=5, hi=600)
@@ -210,7 +211,14 @@ def test_gpu_bf16_fp8_cache_with_cuda_graphs(gpu_model):
         assert_all_blocks_free(llm)
         llm.close()
     stats = assert_greedy_runs_match(runs["auto"], runs["fp8"], FP8_GPU_LOGITS_RTOL)
-    # greedy mostly equal: on average the runs agree for at least half their 64 tokens (a divergence
-    # is a near-tie of the bf16 run, which assert_greedy_runs_match checked; after it they part)
-    assert sum(stats["first_divergences"]) >= 0.5 * 64 * len(prompts), stats["summary"]
+    # Not "greedy mostly equal": the random model's logits are near-flat (run AE, H100: first divergences
+    # [3, 1, 3, 3, 1, 0, 16, 1, ...], 74 decode steps in all, each a near-tie that assert_greedy_runs_match
+    # checked, with the logits within 8 % where both runs had the same context). What it checks is the
+    # logits of every step up to and including each divergence: a cache read with a wrong scale, slot or
+    # position moves them by tens of percent there, or flips a token that led by more than a near-tie.
+    # So the check must reach the decode steps (CUDA graphs replayed, K/V read back from FP8), not only
+    # the prefill: at least half a decode step a prompt (16 of 90 compared steps flipped in run AE, 74
+    # decode steps compared; at that flip rate fewer than 8 has a chance of 7e-8 by the negative binomial,
+    # at 30 % flips 1e-4), while a cache broken from the first decode step leaves none
+    assert sum(stats["first_divergences"]) >= len(prompts) // 2, stats["summary"]
     assert 1.9 <= blocks["fp8"] / blocks["auto"] <= 2.1, blocks

@@ -263,20 +263,34 @@ def test_quantization_fp8_matches_hf_on_the_dequantized_copy(tiny_qwen3, tmp_pat
         assert out["token_ids"] == hf_greedy(model, prompt)
 
 
-# on CUDA too: an H200 run (2026-12-07) failed this test there while the same engine without the reload
-# (test_quantization_fp8_is_its_per_channel_dequantized_copy) passed; its message was lost (the call ran
-# out of time), so the CUDA case stays until a GPU run says whether the reload or the bound is at fault
+# on CUDA too. Run AE (H100) diverged at token 9 of a prompt: the reference then was the per-row copy
+# dequantized, whose bf16/fp32 GEMMs CUDA's FP8 kernels (W8A8, weight-only skinny GEMM) match only within
+# rounding. Now the reference is that per-row FP8 checkpoint itself, in a fresh engine: the same FP8
+# weights and scales (asserted bitwise first), the same kernels, so the same run on either device.
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 def test_reload_of_another_fp8_format_requantizes_into_the_engines_layout(tiny_qwen3, block_pair, tmp_path, device):
     """An engine with per-row FP8 scales (quantization="fp8") reloading a 128x128-block checkpoint:
-    its weights dequantized and quantized per row again, so the engine runs as on a per-channel
-    rounding of the block checkpoint's dequantized weights."""
-    llm = LLM(tiny_qwen3, **{**ENGINE_KW, "device": device, "enforce_eager": True}, quantization="fp8")
+    its weights dequantized and quantized per row again, in float32, the FP8 bytes and scales exactly
+    those of a per-channel checkpoint made from the block checkpoint's dequantized weights (the test's
+    own quantizer), so the engine runs as a fresh engine on that checkpoint does."""
+    engine_kw = {**ENGINE_KW, "device": device, "enforce_eager": True}
+    llm = LLM(tiny_qwen3, **engine_kw, quantization="fp8")
     llm.reload(block_pair[0])
-    assert all(layer.group_k is None for layer in linear_layers(llm).values())
     requantized = generate_with_logits(llm, PROMPTS, greedy())
-    _, plain_dir = write_pair(block_pair[1], tmp_path, scheme="channel")  # the block copy, per row
-    assert_same_run(requantized, run(plain_dir, device=device, enforce_eager=True))
+    assert_all_blocks_free(llm)
+    channel_dir, _ = write_pair(block_pair[1], tmp_path, scheme="channel")  # the block copy, per row
+    fresh = LLM(channel_dir, **engine_kw)
+    layers, fresh_layers = linear_layers(llm), linear_layers(fresh)
+    assert layers.keys() == fresh_layers.keys() and layers
+    for name, layer in layers.items():
+        other = fresh_layers[name]
+        assert layer.group_k is None and other.group_k is None and layer.fp8_w8a8 == other.fp8_w8a8, name
+        assert torch.equal(layer.weight.view(torch.uint8), other.weight.view(torch.uint8)), name
+        assert torch.equal(layer.weight_scale, other.weight_scale), name
+    llm.close()
+    assert_same_run(requantized, generate_with_logits(fresh, PROMPTS, greedy()))
+    assert_all_blocks_free(fresh)
+    fresh.close()
 
 
 def test_fp8_weight_only_never_rounds_activations(tiny_qwen3, tmp_path):
@@ -315,12 +329,19 @@ def test_fp8_weights_on_cuda_match_the_dequantized_copy(tokenizer_dir, tmp_path,
     kwargs = dict(dtype="bfloat16", device="cuda", enforce_eager=False)
     weight_only = {"quantization": "fp8_weight_only"} if scheme.endswith("_weight_only") else {}
     fp8, plain = run(fp8_dir, **kwargs, **weight_only), run(plain_dir, **kwargs)
-    # activations in e4m3 (W8A8) move logits by a few percent of their range; bf16 rounding alone, less
-    bound = 0.08 if scheme == "channel" else 0.03
+    # W8A8 rounds each quantized GEMM's input to e4m3: a relative error of at most 2**-4, ~2**-4 / 3**0.5
+    # = 0.036 rms; a GEMM output's relative error is that whatever K (error and value both sum as random
+    # walks over K), and 2 layers x 4 rounded inputs (qkv, o, gate_up, down) add independently: ~8**0.5 *
+    # 0.036 = 0.10 of the logits' rms, and the largest error over 151,936 logits tracks the largest logit
+    # alike. Measured at the prefill step: 0.093 on an H100 (run AE), 0.089-0.098 under cuda_paths_on_cpu
+    # (the 4 prompts). The weight-only paths: bf16 rounding alone (prefill 0, decode ~0.015 on CPU).
+    bound = 0.15 if scheme == "channel" else 0.03
     compared = 0
     for tokens_a, tokens_b, logits_a, logits_b in zip(fp8[0], plain[0], fp8[1], plain[1]):
         for step, (a, b) in enumerate(zip(logits_a, logits_b)):
             assert (a - b).abs().max() <= bound * b.abs().max(), (scheme, step)
+            if step == 0 and scheme == "channel":  # the prefill did take W8A8 (not a dequantizing fallback)
+                assert (a - b).abs().max() > 0.03 * b.abs().max(), (scheme, "prefill as weight-only")
             compared += 1
             if tokens_a[step] != tokens_b[step]:
                 break

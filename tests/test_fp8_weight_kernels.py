@@ -195,10 +195,16 @@ def _emulation_devices():
 
 @pytest.mark.parametrize("device", _emulation_devices())
 @pytest.mark.parametrize("num_rows", [17, 200])
-def test_w8a8_path_matches_per_token_reference(device, num_rows):
+def test_w8a8_path_matches_per_token_reference(monkeypatch, device, num_rows):
     """Above 16 rows with per-row scales: CUDA's W8A8 path, and CPU under cuda_paths_on_cpu() (the
     quality benchmark's emulation of it), both equal the per-token e4m3 reference within an ulp or two
-    (fp32 sums in another order). The weight-only reference is outside that bound: a wrong route fails."""
+    (fp32 sums in another order). The weight-only reference is outside that bound: a wrong route fails.
+    On CPU torch._scaled_mm raises as torch 2.11's CPU build does for row-wise scales (run AE): the
+    emulation never calls it, and CUDA's W8A8 stays on."""
+    if device == "cpu":
+        def per_tensor_only(*args, **kwargs):
+            raise RuntimeError("Now _scaled_mm only supports per-tensor")  # torch 2.11's CPU (mkldnn) build
+        monkeypatch.setattr(torch, "_scaled_mm", per_tensor_only)
     n, k = 96, 320
     quantized, scale = quantize_rows(torch.randn(n, k, device=device) / k ** 0.5, None)
     x = torch.randn(num_rows, k, device=device).to(torch.bfloat16)
@@ -211,19 +217,21 @@ def test_w8a8_path_matches_per_token_reference(device, num_rows):
         result = fp8_linear.linear(x, quantized, scale, None, bias)
     assert result.dtype == torch.bfloat16 and not result.isnan().any()
     torch.testing.assert_close(result.float(), ref, **bound)
+    assert not fp8_linear._scaled_mm_broken
 
 
 @pytest.mark.parametrize("group_k", [None, 128])
 @pytest.mark.parametrize("num_rows", [1, 16])
 def test_cuda_paths_on_cpu_decode_is_weight_only(group_k, num_rows):
     """Up to 16 rows the emulation is the weight-only kernel's arithmetic: the float32 reference, one
-    rounding (the dequantizing CPU path rounds the weights to bf16 first and differs)."""
+    rounding (the dequantizing CPU path rounds the weights to bf16 first and differs). Bitwise, so the
+    reference is computed on CPU too (a CUDA fp32 GEMM sums in another order)."""
     n, k = SHAPE
-    quantized, scale, dequantized = fp8_weight(n, k, group_k)
-    x = torch.randn(num_rows, k, device=DEVICE).to(torch.bfloat16)
+    quantized, scale, dequantized = (t.cpu() for t in fp8_weight(n, k, group_k))
+    x = torch.randn(num_rows, k).to(torch.bfloat16)
     with fp8_linear.cuda_paths_on_cpu():
-        result = fp8_linear.linear(x.cpu(), quantized.cpu(), scale.cpu(), group_k)
-        gated = fp8_linear.silu_mul_linear(torch.cat([x, x], -1).cpu(), quantized.cpu(), scale.cpu(), group_k)
-    assert torch.equal(result, reference(x, dequantized).cpu().to(torch.bfloat16))
-    gate = skinny_linear.silu_and_mul(torch.cat([x, x], -1).cpu())
-    assert torch.equal(gated, reference(gate, dequantized.cpu()).to(torch.bfloat16))
+        result = fp8_linear.linear(x, quantized, scale, group_k)
+        gated = fp8_linear.silu_mul_linear(torch.cat([x, x], -1), quantized, scale, group_k)
+    assert torch.equal(result, reference(x, dequantized).to(torch.bfloat16))
+    gate = skinny_linear.silu_and_mul(torch.cat([x, x], -1))
+    assert torch.equal(gated, reference(gate, dequantized).to(torch.bfloat16))

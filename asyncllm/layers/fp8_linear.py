@@ -23,6 +23,8 @@ Three paths, by the rows of x:
 - otherwise (CPU, the reference; block-wise scales at prefill): dequantize to x's dtype, F.linear.
 cuda_paths_on_cpu() makes CPU take CUDA's routes and arithmetic instead (benchmarks/bench_fp8_quality.py:
 a teacher-forced prefill on CUDA is W8A8, not the weight-only arithmetic CPU's dequantizing path does).
+Its W8A8 is written out in PyTorch, not CPU torch._scaled_mm: torch 2.11's CPU build takes per-tensor
+scales only, and a failure there once turned CUDA's W8A8 off for the whole process (run AE).
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ logger = logging.getLogger("asyncllm")
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 FP8_DTYPE = torch.float8_e4m3fn
 _configs: dict[tuple, object] = {}  # (device, rows bucket, N, K, group_k) -> SkinnyConfig, or None: no tiling fits
-_scaled_mm_broken = False  # torch._scaled_mm failed once here (a build without row-wise scaling): dequantize
+_scaled_mm_broken = False  # CUDA torch._scaled_mm failed once (a build without row-wise scaling): dequantize
 _cuda_paths_on_cpu = False  # cuda_paths_on_cpu()'s
 WEIGHT_ONLY_MAX_ROWS = 16  # kernels/skinny_gemm.py's MAX_ROWS, for CPU's emulation of the routing (no Triton needed)
 
@@ -113,9 +115,10 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
 def cuda_paths_on_cpu():
     """Within it, FP8 layers on CPU compute what CUDA computes for the same rows: 1..16 rows the
     weight-only kernel's arithmetic (fp32 products of the widened, scaled weights, one rounding), more
-    rows with per-row scales in bf16 W8A8 through torch._scaled_mm (CPU torch runs it, with the same
-    per-token e4m3 activations and fp32 scaling), block-wise groups dequantized. Not the default: CPU's
-    own path (dequantize, one bf16 GEMM) is several times faster there."""
+    rows with per-row scales in bf16 W8A8 (the same per-token e4m3 activations, the exact e4m3 products
+    summed and scaled in fp32, one rounding, then the bias), block-wise groups dequantized. Not the default: CPU's
+    own path (dequantize, one bf16 GEMM) is several times faster there. The W8A8 product is computed
+    in PyTorch (_w8a8_emulated), whatever CPU torch's _scaled_mm supports."""
     global _cuda_paths_on_cpu
     previous, _cuda_paths_on_cpu = _cuda_paths_on_cpu, True
     try:
@@ -131,10 +134,20 @@ def _cuda_path_emulated(x, weight, scale, group_k, bias, w8a8):
                        None if bias is None else bias.float())
         return out.to(x.dtype)
     if w8a8 and (group_k is None or scale.shape[1] == 1) and _scaled_mm_shapes(x, weight):
-        out = _scaled_mm_linear(x, weight, scale, bias)
-        if out is not None:
-            return out
+        return _w8a8_emulated(x, weight, scale, bias)
     return F.linear(x, dequantize_rows(weight, scale, group_k, x.dtype), bias)
+
+
+def _w8a8_emulated(x, weight, scale, bias):
+    """_scaled_mm_linear's arithmetic in PyTorch: e4m3 x e4m3 products are exact in fp32, summed in
+    fp32 (another order than the tensor cores'), scaled by both rows' scales, rounded once to x's
+    dtype; the bias added after, in x's dtype, as _scaled_mm_linear adds it."""
+    x2 = x.reshape(-1, x.shape[-1])
+    quantized, x_scale = _quantize_per_token(x2)
+    out = ((quantized.float() @ weight.float().t()) * x_scale * scale.view(1, -1)).to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def _kernel_choice(x: torch.Tensor, weight: torch.Tensor, group_k: int | None):
@@ -158,12 +171,19 @@ def _kernel_choice(x: torch.Tensor, weight: torch.Tensor, group_k: int | None):
 
 def _scaled_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     # bf16 only: row-wise scaled _scaled_mm outputs bf16 (an fp16 model dequantizes)
-    return x.is_cuda and _scaled_mm_shapes(x, weight) and torch.cuda.get_device_capability(x.device) >= (8, 9)
+    return (x.is_cuda and not _scaled_mm_broken and _scaled_mm_shapes(x, weight)
+            and torch.cuda.get_device_capability(x.device) >= (8, 9))
 
 
 def _scaled_mm_shapes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     n, k = weight.shape
-    return not _scaled_mm_broken and x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0
+    return x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0
+
+
+def _quantize_per_token(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x2 in e4m3, float32 scales (rows, 1)): each row's amax mapped to FP8_MAX."""
+    x_scale = (x2.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)
+    return (x2.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), x_scale
 
 
 def _scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
@@ -171,8 +191,7 @@ def _scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     scales; None where torch._scaled_mm refuses (remembered: the dequantizing path from then on)."""
     global _scaled_mm_broken
     x2 = x.reshape(-1, x.shape[-1])
-    x_scale = (x2.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)
-    quantized = (x2.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    quantized, x_scale = _quantize_per_token(x2)
     try:
         out = torch._scaled_mm(quantized, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype)
     except (RuntimeError, NotImplementedError) as exc:
