@@ -47,6 +47,15 @@ _cuda_paths_on_cpu = False  # cuda_paths_on_cpu()'s
 WEIGHT_ONLY_MAX_ROWS = 16  # kernels/skinny_gemm.py's MAX_ROWS, for CPU's emulation of the routing (no Triton needed)
 
 
+def fp8_scales(amax: torch.Tensor) -> torch.Tensor:
+    """float32 amax / FP8_MAX, the same bits on every device (1 for an all-zero group). The quotient
+    is formed in float64 and rounded once to float32: the correctly rounded float32 quotient, even
+    where CUDA torch divides by a Python scalar as a multiply by its reciprocal. In float32 that
+    multiply is 1 ulp off CPU's division for about half the rows (run AE: a reload's requantized
+    scales on CUDA against a checkpoint made on CPU)."""
+    return torch.where(amax > 0, (amax.double() / FP8_MAX).float(), torch.ones_like(amax))
+
+
 def quantize_rows(weight: torch.Tensor, group_k: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8_e4m3fn weight, float32 scales (rows, G)): each row's group of group_k columns (None: the
     whole row) scaled so that its largest magnitude maps to FP8_MAX; an all-zero group keeps scale 1."""
@@ -60,7 +69,7 @@ def quantize_rows(weight: torch.Tensor, group_k: int | None) -> tuple[torch.Tens
         padded = torch.zeros(rows, groups * group, dtype=torch.float32, device=weight.device)
         padded[:, :cols] = weight
         amax = padded.view(rows, groups, group).abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = fp8_scales(amax)
     if cols % group == 0:
         quantized = (weight.view(rows, groups, group) / scale[:, :, None]).view(rows, cols)
     else:

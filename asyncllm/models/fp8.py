@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncllm.config import model_file_error
-from asyncllm.layers.fp8_linear import FP8_MAX, quantize_rows
+from asyncllm.layers.fp8_linear import FP8_MAX, fp8_scales, quantize_rows
 
 EMULATION_BLOCK = (128, 128)  # an unquantized checkpoint's experts: the block of Qwen's and DeepSeek's checkpoints
 _FP8_DTYPES = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
@@ -269,7 +269,7 @@ def quantize_blockwise(weight: torch.Tensor, block: tuple[int, int]) -> tuple[to
     padded[..., :rows, :cols] = weight.to(torch.float32)
     blocks = padded.reshape(*lead, block_rows, block[0], block_cols, block[1])
     amax = blocks.abs().amax(dim=(-3, -1))
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))  # an all-zero block stays zero
+    scale = fp8_scales(amax)  # an all-zero block stays zero
     quantized = weight.to(torch.float32) / _per_element(scale, block, rows, cols)
     return quantized.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
