@@ -29,7 +29,7 @@ from asyncllm.layers.rejection_sampler import verify_drafts
 from asyncllm.llm import LLM
 from asyncllm.runner.cuda_graph import CudaGraphRunner, graph_batch_sizes, graph_token_sizes
 from asyncllm.sampling_params import SamplingParams
-from asyncllm.speculative.draft_model import DraftModelProposer
+from asyncllm.speculative.draft_model import REPLAYED_CATCH_UP_GRAPHS, DraftModelProposer
 from asyncllm.speculative.proposer import DraftRow
 from asyncllm.testing import build_tiny_checkpoint
 from helpers import assert_all_blocks_free
@@ -448,3 +448,36 @@ def test_a_verification_replays_a_mixed_graph_where_its_logits_rows_fit():
     assert graphs._key(step(3, 20, 3)) == ("mixed", 32, 4096)  # a prefill chunk beside decodes
     assert graphs._key(step(4, 4, 4)) == ("decode", 4, 4096)
     assert graphs._key(step(1, 65, 5)) is None  # past the mixed graphs' tokens
+
+
+def test_a_catch_up_of_a_few_graphs_tokens_runs_in_graph_sized_forwards(engines, monkeypatch):
+    """With mixed graphs of replay_tokens tokens (on CUDA: the draft's largest; set here, on CPU, to 16),
+    a catch-up of at most REPLAYED_CATCH_UP_GRAPHS times that many tokens (a prompt's) runs in forwards
+    that fit the graph, not one eager forward; a longer one in forwards of max_num_batched_tokens.
+    Either way the drafts are those of one forward over the whole catch-up (graphs off; no prefix hits)."""
+    proposer: DraftModelProposer = engines("same").core.speculation.proposer
+    rng = random.Random(7)
+    short = [DraftRow([rng.randrange(10, VOCAB) for _ in range(n)], K, f"short{n}") for n in (37, 20)]
+    long = [DraftRow([rng.randrange(10, VOCAB) for _ in range(70)], K, "long")]
+    monkeypatch.setattr(proposer.block_manager, "match_prefix", lambda state: None)  # each run feeds every token
+    unchunked = [proposer.propose([row])[0] for row in short + long]
+    for row in short + long:
+        proposer.release(row.request)
+    sizes = []
+    forward = DraftModelProposer._forward
+
+    def recording(self, input_ids, positions, *rest):
+        sizes.append(len(positions))
+        return forward(self, input_ids, positions, *rest)
+    monkeypatch.setattr(DraftModelProposer, "_forward", recording)
+    monkeypatch.setattr(proposer, "replay_tokens", 16)
+    assert REPLAYED_CATCH_UP_GRAPHS * 16 == 64  # short: 57 tokens, within; long: 70, past it
+    drafts = proposer.propose(short)
+    assert sizes == [16, 16, 16, 9] + [2] * (K - 1)  # the catch-up's pieces, then one token a row a draft
+    sizes.clear()
+    drafts += proposer.propose(long)
+    assert sizes == [70] + [1] * (K - 1)
+    for row in short + long:
+        proposer.release(row.request)
+    assert drafts == unchunked
+    assert_proposer_blocks_free(proposer)

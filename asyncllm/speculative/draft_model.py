@@ -9,8 +9,9 @@ reproduce; the others draw from the proposer's generator (seeded by Config.seed)
 
 The proposer owns a second ModelRunner over the draft checkpoint (on CUDA, unless the target is
 eager, with CUDA graphs: decode graphs for its one-token steps over up to max_rows rows, mixed ones
-up to draft_graph_tokens tokens for the catch-ups after a verification; a prompt's catch-up runs
-eagerly; the target's verification replays the target's mixed graphs, runner/cuda_graph.py), with
+up to draft_graph_tokens tokens for the catch-ups after a verification and a pause; a prompt's
+catch-up of up to REPLAYED_CATCH_UP_GRAPHS times their tokens replays them in pieces, a longer one
+runs eagerly; the target's verification replays the target's mixed graphs, runner/cuda_graph.py), with
 a paged KV cache of its own, kept by a BlockManager as the target's is: per request a DraftKV (its
 block table, block hashes, and the number of its tokens whose draft KV is valid), full blocks of
 valid KV hashed into the draft's prefix cache, so a new request (a chat's next turn) over a cached
@@ -52,6 +53,13 @@ DRAFT_KV_GPU_SHARE = 0.1
 # the target's verification noise at the same completion index (noise_key(seed, index)), or the
 # accepted tokens would not follow the target's distribution
 DRAFT_SEED_SALT = 0x6A09E667F3BCC908
+# a catch-up of at most this many of the draft's largest mixed graphs' tokens (a prompt of ~1k
+# tokens at the default graphs) runs as replays of them, not as one eager forward: below ~1k tokens
+# a forward is launch-bound, and an eager one costs the host's launches of every layer's kernels
+# (a few ms for a Qwen3-0.6B-sized draft, against ~1 ms of GPU time for 300 tokens); a longer
+# catch-up is compute-bound (its launches hide behind the GPU's work), so eager forwards of up to
+# max_num_batched_tokens cost no more than replays of a few hundred tokens each
+REPLAYED_CATCH_UP_GRAPHS = 4
 
 
 def draft_noise_key(seed: int, completion_index: int) -> int:
@@ -90,7 +98,7 @@ def draft_graph_tokens(max_rows: int, resume_tokens: int) -> int:
     fed and the target's token after a verification (2 tokens a row, 2 * max_rows), or a row's tokens
     decoded while its speculation paused (resume_tokens at most: engine/speculation.py's longest pause
     and 2), so that a retry, a probe of whether its drafts pay, is a replay and not an eager forward;
-    prompts run eagerly, once a request."""
+    a prompt's catch-up replays it REPLAYED_CATCH_UP_GRAPHS times at most, a longer one runs eagerly."""
     return max(2 * max_rows, resume_tokens)
 
 
@@ -177,6 +185,9 @@ class DraftModelProposer:
         self.block_manager = BlockManager(self.runner.num_kvcache_blocks, self.block_size,
                                           config.enable_prefix_caching)
         self._held: dict[object, DraftKV] = {}
+        # the tokens of a forward that replays the draft's largest mixed graph (0: no graphs, CPU or eager)
+        graphs = self.runner.graph_runner
+        self.replay_tokens = 0 if graphs is None else graphs.max_mixed_tokens
         self.num_prefix_hit_tokens = 0  # prompt tokens whose draft KV came from the prefix cache
         # the draws of sampled requests without a seed (a seeded one's are keyed: draft_noise_key)
         self.generator = torch.Generator(self.runner.device).manual_seed(target.seed)
@@ -264,9 +275,14 @@ class DraftModelProposer:
                   probs: list[list[torch.Tensor]]) -> None:
         """Each row's KV over its tokens from its state's valid count on; each row's first draft (into
         tokens' column 0). In forwards of at most max_num_batched_tokens tokens (a long prompt's over
-        several, in order), the activation peak the target's memory probe sized."""
+        several, in order), the activation peak the target's memory probe sized; a catch-up of at most
+        REPLAYED_CATCH_UP_GRAPHS graphs' tokens (a prompt's, a retry's after a long pause) in forwards
+        that replay the draft's mixed graphs."""
         starts = [state.num_computed_tokens for _, _, state in active]
         budget = self.config.max_num_batched_tokens
+        total = sum(len(row.token_ids) - start for (_, row, _), start in zip(active, starts))
+        if total <= REPLAYED_CATCH_UP_GRAPHS * self.replay_tokens:
+            budget = self.replay_tokens
         while True:
             input_ids, positions, query_lens, rows, left = [], [], [], [], budget
             for n, (_, row, state) in enumerate(active):
