@@ -18,8 +18,10 @@ no proposing cost (what a draft equal to the target was meant to show; that draf
 draft, so its own ceiling is ~1x): a proposer installed through the engine's Proposer interface (as the tests
 install theirs) drafts each request's next k tokens of its plain greedy output, which this process computes first
 with the same engine and speculation opted out per request (SamplingParams(speculate=False)); greedy only. Rows: tok/s, the speculative rows' speedup over plain at the same batch, their
-acceptance rate and mean accepted length (tokens a verifying request takes per step), and whether
-their text equals plain's (greedy: it must). --model-dir another checkpoint instead (tests: the tiny one).
+acceptance rate and mean accepted length (tokens a verifying request takes per step), whether
+their text equals plain's (greedy: it must), Triton JIT compiles in the timed reps (the warm-up should
+meet them all), and for draft models a proposal's mean wall time (what a probe's draft costs) and the
+draft's forwards a rep, eager or CUDA-graph replays. --model-dir another checkpoint instead (tests: the tiny one).
 --temperature T > 0: seeded sampling at T (request i with seed i) instead of greedy: a draft model then
 draws its drafts from its own distribution and the verification accepts with min(1, p/q), so "draft"
 (the target itself) should still accept nearly every draft; the text then differs from plain's (other
@@ -39,10 +41,13 @@ import time
 import torch
 from safetensors.torch import load_file, save_file
 
-from common import Report, add_ratios, make_parser, median, parse_args, release_memory, speculation_report
+from common import (Report, add_ratios, jit_compiled_since, make_parser, median, parse_args, release_memory,
+                    speculation_report)
 
 from asyncllm import LLM, SamplingParams
 from asyncllm.chat_template import chat_prompt_ids
+from asyncllm.kernels import compiled_variants
+from asyncllm.speculative.draft_model import DraftModelProposer
 
 MODES = ("plain", "ngram", "draft", "random-draft", "oracle")
 PASSAGES = [
@@ -122,6 +127,40 @@ class OracleProposer:
         pass
 
 
+class DraftMeter:
+    """A draft model's share of a run: its proposals' wall time (each ends reading its drafts back, so on
+    CUDA it holds the draft's device time; the target's last step was resolved before it: a speculating
+    step's predecessor is), and its forwards, eager or CUDA-graph replays."""
+
+    def __init__(self, proposer: DraftModelProposer):
+        self.proposals, self.seconds, self.forwards = 0, 0.0, 0
+        self.graphs = proposer.runner.graph_runner
+        propose, forward = proposer.propose, proposer._forward
+
+        def timed_propose(rows):
+            start = time.perf_counter()
+            try:
+                return propose(rows)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self.proposals += 1
+
+        def counted_forward(*inputs):
+            self.forwards += 1
+            return forward(*inputs)
+        proposer.propose, proposer._forward = timed_propose, counted_forward
+
+    def snapshot(self) -> tuple[int, float, int, int]:
+        replays = sum(self.graphs.num_replays.values()) if self.graphs is not None else 0
+        return self.proposals, self.seconds, self.forwards, replays
+
+    def report(self, before: tuple[int, float, int, int], reps: int) -> dict:
+        proposals, seconds, forwards, replays = (now - then for now, then in zip(self.snapshot(), before))
+        return dict(draft_ms_per_proposal=seconds * 1e3 / proposals if proposals else None,
+                    draft_proposals_per_rep=proposals / reps, draft_eager_forwards_per_rep=(forwards - replays) / reps,
+                    draft_replays_per_rep=replays / reps)
+
+
 def run_mode(args) -> list[dict]:
     """One mode's rows, in this process."""
     # room for every row's drafts: a step's logits rows (one a row, one a draft) stay within max_num_seqs
@@ -137,6 +176,8 @@ def run_mode(args) -> list[dict]:
     oracle = None
     if args.mode == "oracle":
         oracle = llm.core.speculation.proposer = OracleProposer()
+    proposer = llm.core.speculation.proposer if llm.core.speculation is not None else None
+    meter = DraftMeter(proposer) if isinstance(proposer, DraftModelProposer) else None
     rows = []
     for batch in args.batches:
         params = [SamplingParams(temperature=args.temperature, seed=i if args.temperature > 0 else None,
@@ -148,7 +189,8 @@ def run_mode(args) -> list[dict]:
             oracle.learn(prompts, [out["token_ids"] for out in llm.generate(prompts, plain_params, use_tqdm=False)])
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
         times, outputs = [], None
-        stats_before = llm.core.stats()
+        stats_before, compiled_before = llm.core.stats(), compiled_variants()
+        draft_before = meter.snapshot() if meter is not None else None
         for _ in range(args.reps):
             start = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -156,7 +198,10 @@ def run_mode(args) -> list[dict]:
         seconds = median(times)
         num_tokens = sum(len(out["token_ids"]) for out in outputs)
         row = dict(mode=args.mode, batch=batch, output_tokens=num_tokens, seconds=round(seconds, 4),
-                   tok_s=num_tokens / seconds, texts=[out["text"] for out in outputs])
+                   tok_s=num_tokens / seconds, texts=[out["text"] for out in outputs],
+                   jit_compiles=jit_compiled_since(compiled_before))
+        if meter is not None:
+            row.update(meter.report(draft_before, args.reps))
         rows.append(dict(row, **speculation_report(stats_before, llm.core.stats())))
     llm.close()
     del llm
@@ -229,7 +274,10 @@ def main(argv=None) -> dict:
         ("speedup", "speedup", "{:.2f}x"), ("acceptance", "acceptance_rate", "{:.2f}"),
         ("mean accepted length", "mean_accepted_length", "{:.2f}"),
         ("speculating share", "speculating_share", "{:.3f}"), ("same text", "same_text", "{}"),
-        ("output tokens", "output_tokens", "{:,}")])
+        ("output tokens", "output_tokens", "{:,}"), ("draft ms a proposal", "draft_ms_per_proposal", "{:.2f}"),
+        ("draft proposals a rep", "draft_proposals_per_rep", "{:.1f}"),
+        ("draft eager forwards a rep", "draft_eager_forwards_per_rep", "{:.1f}"),
+        ("draft graph replays a rep", "draft_replays_per_rep", "{:.1f}"), ("JIT compiles (timed)", "jit_compiles", "{}")])
     return report.data
 
 
