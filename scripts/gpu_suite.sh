@@ -5,10 +5,10 @@
 #
 #   bash scripts/gpu_suite.sh [tests|tests1|tests2|tests3|tests4|tests13|tests24|bench|all|tp|issues] [run_all.py's options]
 #
-# tests13 / tests24: two parts at once, each its own pytest process (one call instead of two). On an
-# H200 (2026-12-07, 2a2bc24) tests13 ran tests1 in 312 s beside tests3, whose FP8-loading engines then
-# still ran on CUDA and did not finish in the call's 580 s; since then tests3 is ~3.5 min by the plan.
-# Without FA4 the whole suite is then two calls: tests13 and tests24, each under ~8 min.
+# tests13 / tests24: two parts at once, each its own pytest process (one call instead of two). Run AE
+# (H100, 2026-12-07, 4a7392a): tests13 570 s in all (tests1 290 s beside tests3's 461 s, then the FP8
+# cache test alone, 78 s: near the call's 600 s, so give it the whole limit), tests24 307 s. Without
+# FA4 the whole suite is these two calls.
 #
 # tp (two or more GPUs, e.g. nvidia-h200-x2): the 8B checkpoint built once, tests/test_gpu_tp.py
 # (TP=2 vs TP=1 in float32: tokens and every step's logits; the bf16 gap bounded; CUDA graphs on),
