@@ -3,7 +3,7 @@ the real SmolLM2-135M-Instruct weights shipped for the default model.
 
     python benchmarks/bench_spec.py [--device cuda] [--batches 1,8,64] [--output-len 256] [--k 4]
                                     [--lookup 2,4] [--modes plain,ngram,draft,random-draft,oracle]
-                                    [--draft-model-dir DIR] [--temperature T] [--json PATH]
+                                    [--draft-model-dir DIR] [--temperature T] [--dtype D] [--json PATH]
 
 The task: the chat model is asked to repeat a text of four passages word for word (a different order per
 request of a batch), greedy, max_tokens --output-len, EOS ignored. Prompt lookup then proposes
@@ -164,7 +164,8 @@ class DraftMeter:
 def run_mode(args) -> list[dict]:
     """One mode's rows, in this process."""
     # room for every row's drafts: a step's logits rows (one a row, one a draft) stay within max_num_seqs
-    options = dict(device=args.device, max_num_seqs=max(args.batches) * (args.k + 1), enable_prefix_caching=False)
+    options = dict(device=args.device, dtype=args.dtype, max_num_seqs=max(args.batches) * (args.k + 1),
+                   enable_prefix_caching=False)
     if args.mode == "ngram":
         options["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.k,
                                          "prompt_lookup_min": args.lookup[0], "prompt_lookup_max": args.lookup[1]}
@@ -220,6 +221,9 @@ def main(argv=None) -> dict:
                         help=f"comma-separated, of {MODES} (default: all; with --temperature > 0 all but oracle)")
     parser.add_argument("--draft-model-dir", default=None,
                         help="the draft checkpoint of mode 'draft' (default: the target itself)")
+    parser.add_argument("--dtype", default="auto",
+                        help="Config.dtype (float32: the oracle's ceiling on random weights, whose near-flat bf16 "
+                             "argmax flips between a k+1-row verification and a 1-row decode)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0: greedy; > 0: seeded sampling at this temperature (no text comparison)")
     parser.add_argument("--mode", default=None, choices=MODES, help="(internal: one mode, here)")
@@ -253,7 +257,7 @@ def main(argv=None) -> dict:
                      "--model-dir", args.model_dir, "--batches", ",".join(map(str, args.batches)),
                      "--output-len", str(args.output_len), "--k", str(args.k), "--lookup",
                      ",".join(map(str, args.lookup)), "--reps", str(args.reps), "--draft-model-dir", draft,
-                     "--temperature", str(args.temperature)]
+                     "--temperature", str(args.temperature), "--dtype", args.dtype]
             done = subprocess.run(child, check=False)
             if done.returncode != 0:
                 rows += [dict(mode=mode, batch=b, error=f"exit {done.returncode}") for b in args.batches]

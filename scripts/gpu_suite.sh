@@ -5,10 +5,10 @@
 #
 #   bash scripts/gpu_suite.sh [tests|tests1|tests2|tests3|tests4|tests13|tests24|bench|all|tp|issues] [run_all.py's options]
 #
-# tests13 / tests24: two parts at once, each its own pytest process (one call instead of two). On an
-# H200 (2026-12-07, 2a2bc24) tests13 ran tests1 in 312 s beside tests3, whose FP8-loading engines then
-# still ran on CUDA and did not finish in the call's 580 s; since then tests3 is ~3.5 min by the plan.
-# Without FA4 the whole suite is then two calls: tests13 and tests24, each under ~8 min.
+# tests13 / tests24: two parts at once, each its own pytest process (one call instead of two). Run AE
+# (H100, 2026-12-07, 4a7392a): tests13 570 s in all (tests1 290 s beside tests3's 461 s, then the FP8
+# cache test alone, 78 s: near the call's 600 s; tests24 now runs that test), tests24 307 s. Without
+# FA4 the whole suite is these two calls.
 #
 # tp (two or more GPUs, e.g. nvidia-h200-x2): the 8B checkpoint built once, tests/test_gpu_tp.py
 # (TP=2 vs TP=1 in float32: tokens and every step's logits; the bf16 gap bounded; CUDA graphs on),
@@ -126,27 +126,32 @@ if [ "$mode" = tests13 ] || [ "$mode" = tests24 ]; then
   first=tests${mode:5:1}; second=tests${mode:6:1}
   mkdir -p "$out/$first" "$out/$second"
   kv_env="ASYNCLLM_GPU_TEST_KV_TOKENS=65536"
-  # the FP8 cache test counts the KV blocks that gpu_memory_utilization gives the bf16 and the FP8
-  # cache (twice): the other process's engines coming and going would move that count, so it runs
-  # alone once both parts are done
-  alone=""; [ "$mode" = tests13 ] && alone="gpu_bf16_fp8_cache_with_cuda_graphs"
+  # tests3's FP8 cache test counts the KV blocks that gpu_memory_utilization gives the bf16 and the
+  # FP8 cache (twice): another process's engines coming and going would move that count, so tests13
+  # leaves it out and tests24 runs it alone once both its parts are done (tests13 came near the call's
+  # limit in run AE; tests24 has room)
+  alone="gpu_bf16_fp8_cache_with_cuda_graphs"
   user_select=${GPU_TEST_SELECT:-}
   env $kv_env OUT="$out/$first" bash "$0" "$first" > "$out/$first.log" 2>&1 &
   first_pid=$!
-  GPU_TEST_SELECT="${user_select:+($user_select) and }${alone:+not $alone}" \
-    OUT="$out/$second" bash "$0" "$second" > "$out/$second.log" 2>&1
+  second_select=$user_select
+  [ "$mode" = tests13 ] && second_select="${user_select:+($user_select) and }not $alone"
+  GPU_TEST_SELECT="$second_select" OUT="$out/$second" bash "$0" "$second" > "$out/$second.log" 2>&1
   second_rc=$?
   wait $first_pid; first_rc=$?
   parts="$first $second"; alone_rc=0
-  if [ -n "$alone" ]; then
-    mkdir -p "$out/$second-alone"
-    GPU_TEST_SELECT="${user_select:+($user_select) and }$alone" OUT="$out/$second-alone" bash "$0" "$second" \
-      > "$out/$second-alone.log" 2>&1
-    alone_rc=$?; parts="$parts $second-alone"
+  if [ "$mode" = tests24 ]; then
+    mkdir -p "$out/tests3-alone"
+    GPU_TEST_SELECT="${user_select:+($user_select) and }$alone" OUT="$out/tests3-alone" bash "$0" tests3 \
+      > "$out/tests3-alone.log" 2>&1
+    alone_rc=$?; parts="$parts tests3-alone"
   fi
   for part in $parts; do echo "$part: $(tail -n 1 "$out/$part/gpu-tests.log")"; done
   # failures as they happened (failures.log: also from a part that the call's limit killed)
   for part in $parts; do [ -f "$out/$part/failures.log" ] && grep -h "^==== " "$out/$part/failures.log"; done
+  # one archive of the parts' folders: a device call brings back at most 8 files (run AE lost the rest)
+  # shellcheck disable=SC2086  # parts: a list of folder names
+  tar czf "$out/parts.tgz" -C "$out" $parts && (cd "$out" && rm -rf $parts)
   exit $((first_rc || second_rc || alone_rc))
 fi
 if [ -n "$test_files" ]; then

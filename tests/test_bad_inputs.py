@@ -118,6 +118,8 @@ BAD_INPUTS: list[Bad] = [
     Bad(LLM_, "cpu_kvcache_bytes=10**15 (device cpu)", dict(cpu_kvcache_bytes=10**15, num_kvcache_blocks=-1,
                                                              device="cpu"), ValueError, "cpu_kvcache_bytes",
         "does not fit"),
+    Bad(LLM_, "cpu_kvcache_bytes=1 (device cpu)", dict(cpu_kvcache_bytes=1, num_kvcache_blocks=-1, device="cpu"),
+        ValueError, "cpu_kvcache_bytes", "not enough memory for even one KV-cache block of"),
     Bad(CFG, 'dtype="int8"', dict(dtype="int8"), ValueError, "dtype"),
     Bad(CFG, 'device="tpu"', dict(device="tpu"), ValueError, "device"),
     Bad(CFG, 'quantization="awq"', dict(quantization="awq"), ValueError, "quantization", "one of"),

@@ -119,7 +119,8 @@ def test_draft_equal_to_target_accepts_every_proposal_and_keeps_greedy_output(en
         assert got["spec_accepted_tokens"] >= 0.95 * got["spec_draft_tokens"]
         # and k drafts a step but for each request's ramp: its first speculation a probe, its next
         # at the rate one step paying all lifts the probe's to (K = 4: 1 then 3 drafts, 4 short)
-        ramp = 2 * K - math.ceil(K * LOW_ACCEPTANCE) - math.ceil(K * (LOW_ACCEPTANCE + ACCEPTANCE_WEIGHT * (1 - LOW_ACCEPTANCE)))
+        after_probe = LOW_ACCEPTANCE + ACCEPTANCE_WEIGHT * (1 - LOW_ACCEPTANCE)
+        ramp = 2 * K - math.ceil(K * LOW_ACCEPTANCE) - math.ceil(K * after_probe)
         assert ramp == 4
         assert 1 + (got["spec_accepted_tokens"] + ramp * len(batch)) / got["spec_verifications"] >= K + 1 - 0.3
     assert spec.core.block_manager.num_prefix_hit_tokens > 0

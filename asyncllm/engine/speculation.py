@@ -22,7 +22,8 @@ then in 1 of MAX_PAUSE_STEPS + 1: with a speculating step's extra cost e (in pla
 overhead tends to e / MAX_PAUSE_STEPS, under 1% for any draft no larger than the target. A step
 with more than MAX_SPECULATING_DECODES decoding rows speculates for none: a large batch is
 compute-bound, and verifying drafts then costs what it saves. A proposer that has nothing for a
-request (no n-gram match) teaches nothing about acceptance; the request looks again after 1, 2, 4, ... up to PAUSE_STEPS steps (Speculation._missed).
+request (no n-gram match) teaches nothing about acceptance; the request looks again after 1, 2,
+4, ... up to PAUSE_STEPS steps (Speculation._missed).
 docs/ARCHITECTURE.md "Speculative decoding" derives these numbers.
 """
 from __future__ import annotations

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from asyncllm.config import config_error
 from asyncllm.layers.device_wide import DEVICE_WIDE
 from asyncllm.layers.logits_adjustments import LogitsAdjustments, TokenCounts
 from asyncllm.layers.sampler import SamplingTensors
@@ -227,16 +228,19 @@ class RunnerMemory:
         if self.config.num_kvcache_blocks > 0:
             return self.config.num_kvcache_blocks
         if self.device.type == "cpu":
-            blocks = self.config.cpu_kvcache_bytes // self.kv_bytes_per_block
+            field, blocks = "cpu_kvcache_bytes", self.config.cpu_kvcache_bytes // self.kv_bytes_per_block
+            budget = f"{self.config.cpu_kvcache_bytes} bytes"
         else:
-            blocks = self._blocks_from_gpu_memory()
+            field, (blocks, budget) = "gpu_memory_utilization", self._blocks_from_gpu_memory()
         if blocks < 1:
-            raise ValueError("not enough memory for even one KV-cache block; lower kvcache_block_size or "
-                             "raise gpu_memory_utilization / cpu_kvcache_bytes")
+            raise config_error(field, f"not enough memory for even one KV-cache block of "
+                                      f"{self.kv_bytes_per_block / 2**20:.2f} MiB ({budget}); raise it, lower "
+                                      "kvcache_block_size or set num_kvcache_blocks")
         return int(blocks)
 
-    def _blocks_from_gpu_memory(self) -> int:
-        """Measure the activation peak of a worst-case step, then give the KV cache what is left."""
+    def _blocks_from_gpu_memory(self) -> tuple[int, str]:
+        """Measure the activation peak of a worst-case step, then give the KV cache what is left:
+        (blocks, how the budget was reached, for the error when it is not one block)."""
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -261,9 +265,11 @@ class RunnerMemory:
         free, total = torch.cuda.mem_get_info()
         used = total - free  # weights, the CUDA context, other engines and processes: anything on the device
         budget = total * self.config.gpu_memory_utilization - used - (peak - current)
-        logger.info("GPU memory: %.1f GiB total, %.1f GiB in use, %.1f GiB activation peak, %.1f GiB for the "
-                    "KV cache", total / 2**30, used / 2**30, (peak - current) / 2**30, max(budget, 0) / 2**30)
-        return int(budget // self.kv_bytes_per_block)
+        summary = (f"gpu_memory_utilization {self.config.gpu_memory_utilization} of {total / 2**30:.1f} GiB, "
+                   f"{used / 2**30:.1f} GiB in use on the device (this engine's weights and any other engine or "
+                   f"process), {(peak - current) / 2**30:.1f} GiB activation peak: {budget / 2**30:.1f} GiB left")
+        logger.info("GPU memory: %s for the KV cache", summary)
+        return int(budget // self.kv_bytes_per_block), summary
 
     def _probe_steps(self, batch) -> None:
         """The worst-case step's forward and the sampler's worst cases, whose activation peak the probe measures."""
