@@ -370,6 +370,13 @@ def test_bench_spec_runs_every_mode_in_its_process_with_the_same_text(tiny_model
     # the draft is the target: every proposal accepted; random weights: (almost) none
     assert by_mode[("draft", 1)]["acceptance_rate"] >= 0.9
     assert by_mode[("random-draft", 1)]["acceptance_rate"] <= 0.3
+    # a draft model's rows time its proposals and count its forwards (on CPU all eager); the others have none
+    for mode in ("draft", "random-draft"):
+        row = by_mode[(mode, 1)]
+        assert row["draft_proposals_per_rep"] >= 1 and row["draft_ms_per_proposal"] > 0
+        assert row["draft_eager_forwards_per_rep"] >= row["draft_proposals_per_rep"] and row["draft_replays_per_rep"] == 0
+    assert all("draft_ms_per_proposal" not in row for row in rows if row["mode"] in ("plain", "ngram", "oracle"))
+    assert all(row["jit_compiles"] == "0" for row in rows)  # CPU: nothing compiled
     # the oracle drafts the plain greedy output (the tiny model's never repeats, so n-gram lookup
     # proposes ~nothing there): every row speculates, several tokens a step
     for batch in (1, 2):
