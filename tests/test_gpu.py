@@ -970,7 +970,7 @@ def test_speculative_draft_model_equal_to_the_target_on_cuda(model_dir, backend)
         assert after["spec_accepted_tokens"] - before["spec_accepted_tokens"] >= \
             0.8 * (after["spec_draft_tokens"] - before["spec_draft_tokens"]) > 0
         # the sampled round's prompts hit the draft's prefix cache (the 294-token prompt: one 256-token block)
-        bs = llm.config.kvcache_block_size
+        bs = llm.core.config.kvcache_block_size
         assert proposer.num_prefix_hit_tokens - hits >= sum((len(p) - 1) // bs * bs for p in ps) > 0
         llm.core.block_manager.reset_prefix_cache()
         proposer.block_manager.reset_prefix_cache()  # bf16 rounding follows the step's shape, cached or not
