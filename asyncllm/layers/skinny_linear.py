@@ -286,7 +286,8 @@ def _neighbour_kernel(x: torch.Tensor):
     fused, pdl = kernel_module("fused_ops"), kernel_module("pdl")
     if fused is None or not x.is_cuda or not pdl.enabled_for(x):
         return None
-    rows = torch.randn(1, NEIGHBOUR_COLUMNS, device=x.device, dtype=x.dtype)
+    rows = torch.randn(1, NEIGHBOUR_COLUMNS, device=x.device, dtype=x.dtype,
+                       generator=torch.Generator(x.device).manual_seed(0))  # not the process's shared default
     norm_weight = torch.ones(NEIGHBOUR_COLUMNS, device=x.device, dtype=x.dtype)
     return lambda: fused.rms_norm(rows, norm_weight, 1e-6)
 

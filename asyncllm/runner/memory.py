@@ -278,7 +278,10 @@ class RunnerMemory:
         # the sampler's worst case too: every sequence with top-k/top-p/min-p, penalties, logprobs
         rows = self.config.max_num_seqs
         # in the model's dtype: the kernels that read the model's logits compile for it here
-        logits = torch.randn(rows, self.vocab_size, device=self.device).to(self.dtype)
+        # (a generator of its own: torch's default one is shared by the process's engines, and a capture
+        # of another engine's that failed leaves it in its capture state)
+        noise = torch.Generator(self.device).manual_seed(0)
+        logits = torch.randn(rows, self.vocab_size, device=self.device, generator=noise).to(self.dtype)
         ones = torch.ones(rows, device=self.device)
         rows_index = torch.arange(rows, device=self.device)
         # with penalties and a grammar's mask on every row (one token-count slot: the kernels
