@@ -6,6 +6,7 @@ available there (torch reference, triton, and fa4 / fa2 where FlashAttention-4 /
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import importlib.util
 import os
@@ -202,18 +203,12 @@ def test_decode_tuning_recaptures_graphs_that_match_eager(model_dir, monkeypatch
     assert_equivalent(eager, tuned, "bfloat16")
 
 
-def test_decode_graphs_per_context_bound_match_eager(model_dir):
-    """Small-batch decode graphs come per context bound (each its own KV split count): decodes that
-    cross the 256-, 1,024- and 2,048-token bounds replay four graphs of one batch size, with the
-    tokens and logits of the same engine without graphs."""
-    from asyncllm.attention.triton_backend import DECODE_GRAPH_CONTEXTS
-    ps = [random_prompts(1, seed=9 + i, lo=n, hi=n + 1)[0] for i, n in enumerate((244, 1012, 2036))]
-    graphed = get_llm(model_dir, "triton", dtype="float32", max_num_seqs=2, max_model_len=4096)
-    graphs = graphed.core.runner.graph_runner
-    assert graphs.context_bounds[1] == [*DECODE_GRAPH_CONTEXTS, graphs.max_context]
+@contextlib.contextmanager
+def recording_replays(graphs):
+    """The graph runner's captured graphs noting each replay's key, in the list yielded."""
     replayed = []
 
-    class Recording:  # the captured graph, noting each replay's key
+    class Recording:
         def __init__(self, key, graph):
             self.key, self.graph = key, graph
 
@@ -224,9 +219,22 @@ def test_decode_graphs_per_context_bound_match_eager(model_dir):
     captured = graphs.graphs
     graphs.graphs = {key: Recording(key, graph) for key, graph in captured.items()}
     try:
-        with_graphs = [run(graphed, [p]) for p in ps]  # one at a time: batch-1 decodes
+        yield replayed
     finally:
         graphs.graphs = captured  # the engine's release() resets them
+
+
+def test_decode_graphs_per_context_bound_match_eager(model_dir):
+    """Small-batch decode graphs come per context bound (each its own KV split count): decodes that
+    cross the 256-, 1,024- and 2,048-token bounds replay four graphs of one batch size, with the
+    tokens and logits of the same engine without graphs."""
+    from asyncllm.attention.triton_backend import DECODE_GRAPH_CONTEXTS
+    ps = [random_prompts(1, seed=9 + i, lo=n, hi=n + 1)[0] for i, n in enumerate((244, 1012, 2036))]
+    graphed = get_llm(model_dir, "triton", dtype="float32", max_num_seqs=2, max_model_len=4096)
+    graphs = graphed.core.runner.graph_runner
+    assert graphs.context_bounds[1] == [*DECODE_GRAPH_CONTEXTS, graphs.max_context]
+    with recording_replays(graphs) as replayed:
+        with_graphs = [run(graphed, [p]) for p in ps]  # one at a time: batch-1 decodes
     assert {key for key in replayed if key[0] == "decode"} == {("decode", 1, b) for b in graphs.context_bounds[1]}
     del graphed, graphs
     eager_llm = get_llm(model_dir, "triton", dtype="float32", max_num_seqs=2, max_model_len=4096,
@@ -239,16 +247,19 @@ def test_new_turn_over_a_long_cached_history_splits_kv(model_dir):
     """Issue 44's chat turn: a 3,000-token history the prefix cache holds, then short new turns one
     at a time. Each turn's chunk runs the varlen kernel with its KV split: in a mixed graph at the
     default split length (the graphs' count fixed for the 4k max_model_len), and eagerly with the
-    split length lowered to 64 tokens (every tile split, into many more). Tokens and logits match
+    split length lowered to 64 tokens (every tile split, into many more). A prompt with no cached
+    prefix then replays its bucket's unsplit graph (issue 49's TTFT). Tokens and logits match
     the plain-PyTorch backend's (checked against HF in test_logits_and_tokens_match_hf), fp32."""
     history = random_prompts(1, seed=21, lo=3000, hi=3001)[0]
     turns = [history + p for p in random_prompts(3, seed=22, lo=16, hi=200)]
+    fresh = random_prompts(1, seed=23, lo=150, hi=151)[0]  # no cached prefix: the unsplit graph's
 
     def turn_by_turn(llm) -> tuple[list, list]:
         generate(llm, [history])  # caches the history
         hits = llm.core.block_manager.num_prefix_hit_tokens
         results = [run(llm, [t]) for t in turns]
         assert llm.core.block_manager.num_prefix_hit_tokens - hits >= len(turns) * 2048
+        results.append(run(llm, [fresh]))
         return [r[0][0] for r in results], [r[1][0] for r in results]
 
     # the 4k max_model_len's split counts; the history in one chunk; the turns' chunks (up to 200
@@ -257,11 +268,17 @@ def test_new_turn_over_a_long_cached_history_splits_kv(model_dir):
     reference = turn_by_turn(get_llm(model_dir, "torch", **options))
     graphed = get_llm(model_dir, "triton", **options)
     graphs = graphed.core.runner.graph_runner
-    replays = graphs.num_replays["mixed"]
-    assert_equivalent(reference, turn_by_turn(graphed), "float32")
-    assert graphs.num_replays["mixed"] > replays
-    assert all(batch.attn_metadata.prefill_splits > 1 for key, batch in graphs.batches.items()
-               if key[0] == "mixed" and key[1] <= 256)
+    from asyncllm.kernels.paged_attention import longest_unsplit_context
+    with recording_replays(graphs) as replayed:
+        assert_equivalent(reference, turn_by_turn(graphed), "float32")
+    # each bucket: a split graph for the longest context, an unsplit one for contexts no tile splits
+    unsplit = longest_unsplit_context()
+    for key, batch in graphs.batches.items():
+        if key[0] == "mixed" and key[1] <= 256:
+            assert key[2] in (unsplit, graphs.max_context)
+            assert (batch.attn_metadata.prefill_splits > 1) == (key[2] == graphs.max_context), key
+    # the turns' chunks replay split graphs, the fresh prompt an unsplit one
+    assert [key[2] for key in replayed if key[0] == "mixed"] == [graphs.max_context] * len(turns) + [unsplit]
     del graphed, graphs
     eager = get_llm(model_dir, "triton", enforce_eager=True, **options)
     eager.core.runner.attn_backend.split_tokens = 64

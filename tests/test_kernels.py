@@ -7,6 +7,7 @@ long contexts, big decode batches) plus the CUDA-graph path of the backend.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import replace
 
 import pytest
@@ -22,7 +23,8 @@ from asyncllm.attention.torch_ref import (TorchAttentionBackend, paged_attention
 from asyncllm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from asyncllm.kernels import (choose_decode_tile, choose_num_splits, choose_prefill_splits,  # noqa: E402
                               paged_attention, split_workspace_numel, store_kvcache)
-from asyncllm.kernels.paged_attention import MAX_PREFILL_SPLITS, MAX_SPLITS, PREFILL_SPLIT_TOKENS  # noqa: E402
+from asyncllm.kernels.paged_attention import (MAX_PREFILL_SPLITS, MAX_SPLITS, PREFILL_SPLIT_TOKENS,  # noqa: E402
+                                              longest_unsplit_context)
 from asyncllm.kernels.host import cdiv  # noqa: E402
 from asyncllm.startup_cache import StartupDecisions  # noqa: E402
 from helpers import compile_for_sm90_in_subprocess, seed_every_test  # noqa: E402
@@ -478,6 +480,9 @@ def test_choose_prefill_splits():
     assert counts == sorted(counts, reverse=True) and counts[-1] == 1, counts
     assert choose_prefill_splits(64, 1, 64, **dict(chat_turn, max_seq_len=8192)) == 8192 // PREFILL_SPLIT_TOKENS
     assert choose_prefill_splits(64, 1, 64, **chat_turn, split_tokens=16) == MAX_PREFILL_SPLITS
+    # a prompt with no cached prefix (its KV is its own rows) at bench_latency's TTFT lengths: unsplit
+    for n in (128, 1024):
+        assert choose_prefill_splits(n, 1, n, **dict(chat_turn, max_seq_len=n)) == 1
     assert split_workspace_numel(64, 16, 128, 1) == 0 and split_workspace_numel(64, 16, 128, 4) == 64 * 16 * 4 * 129
 
 
@@ -725,6 +730,66 @@ def test_decode_graph_context_bounds():
         counts = [ours._graph_num_splits(batch_size, bound) for bound in bounds]
         assert bounds == sorted(bounds) and bounds[-1] == 40960
         assert counts == sorted(set(counts)), (batch_size, bounds, counts)
+
+
+def test_mixed_graph_context_bounds():
+    """A mixed graph that splits KV at the longest context gets a second, unsplit graph for contexts
+    under two splits' worth, where no tile splits (a prompt with no cached prefix: issue 49's TTFT
+    regression, a split grid and a merge kernel a layer on every such replay): one split, no
+    workspace. Issue 44's 64-token turn over 32k keeps its split graph."""
+    ours, ref = make_backends(16, 4, 16, 8, 128, torch.bfloat16, num_layers=1)  # 0.6B's attention, bf16
+    unsplit = longest_unsplit_context(ours.split_tokens)
+    max_context = 4096  # bench_latency: max_model_len 4096, max_num_seqs 8, mixed graphs to 2048 tokens
+    ours.init_cuda_graph_state(8, cdiv(max_context, 16), max_mixed_tokens=2048)
+    for tokens in (128, 1024):
+        assert ours.mixed_graph_context_bounds(tokens, 8, max_context) == [unsplit, max_context]
+        split = ours._mixed_graph_prefill_splits(tokens, 8, max_context)
+        assert split > 1
+        for bound, splits in ((unsplit, 1), (max_context, split)):
+            capture = mixed_capture_batch(tokens, 8, bound)
+            ours.prepare_for_capture(capture)
+            assert capture.attn_metadata.prefill_splits == splits
+            assert (capture.attn_metadata.workspace is None) == (splits == 1)
+    # a bucket whose tiles fill the SMs never splits, nor does a context under two splits: one graph
+    assert ours.mixed_graph_context_bounds(2048, 8, max_context) == [max_context]
+    assert ours.mixed_graph_context_bounds(128, 8, unsplit) == [unsplit]
+    # issue 44: a 64-token graph (room for 64 sequences) over 32k splits as the kernel chooses
+    assert ours.mixed_graph_context_bounds(64, 64, 32768) == [unsplit, 32768]
+    assert ours._mixed_graph_prefill_splits(64, 64, 32768) == choose_prefill_splits(
+        64, 64, 64, 16, 8, 128, True, 32768, ours.num_sms) > 1
+    assert ref.mixed_graph_context_bounds(128, 8, max_context) == [max_context]  # no split to avoid
+
+
+def test_backend_unsplit_mixed_graph_eagerly(monkeypatch):
+    """The unsplit mixed graph's metadata path without a graph (split_tokens 16: contexts up to 31
+    tokens): prompts with no cached prefix and short cached ones, padded into it, exact, through the
+    varlen kernel alone, as before split-KV: no merge launched, no workspace."""
+    dtype, block_size, num_heads, num_kv_heads, head_dim = torch.float32, 16, 4, 2, 64
+    graph_tokens, graph_seqs, max_blocks, num_blocks = 64, 8, 8, 48
+    ours, ref = make_backends(block_size, num_blocks, num_heads, num_kv_heads, head_dim, dtype, num_layers=1,
+                              split_tokens=16)
+    ours.init_cuda_graph_state(graph_seqs, max_blocks, max_mixed_tokens=graph_tokens)
+    bounds = ours.mixed_graph_context_bounds(graph_tokens, graph_seqs, max_blocks * block_size)
+    assert bounds == [31, max_blocks * block_size]
+    capture = mixed_capture_batch(graph_tokens, graph_seqs, bounds[0])
+    ours.prepare_for_capture(capture)
+    assert capture.attn_metadata.prefill_splits == 1 and capture.attn_metadata.workspace is None
+
+    def no_merge(*args, **kwargs):
+        raise AssertionError("the unsplit graph launched a merge")
+    # the module, not asyncllm.kernels' function of the same name
+    monkeypatch.setattr(sys.modules["asyncllm.kernels.paged_attention"], "_merge", no_merge)
+    q_buf, k_buf, v_buf = qkv(graph_tokens, num_heads, num_kv_heads, head_dim, dtype)
+
+    def run_graph():
+        return ours.forward(0, q_buf, k_buf, v_buf, capture)
+    run_graph.capture_batch = capture
+    tables = torch.randperm(num_blocks, dtype=torch.int32)[:graph_seqs * max_blocks // 2].view(
+        graph_seqs // 2, max_blocks).to(DEVICE)
+    run_mixed_replays(ours, ref, run_graph, q_buf, k_buf, v_buf, tables, block_size, dtype, [
+        ([31], [0]),  # a prompt with no cached prefix, as long as the bound
+        ([20, 1, 9], [0, 10, 22]),  # a fresh prompt, a decode, a chunk over cached context
+    ])
 
 
 def test_graph_bucket_sizes():

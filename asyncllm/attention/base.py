@@ -147,10 +147,15 @@ class AttentionBackend(ABC):
         their own graphs. Default: one graph for any length."""
         return [max_seq_len]
 
+    def mixed_graph_context_bounds(self, num_tokens: int, num_seqs: int, max_seq_len: int) -> list[int]:
+        """As decode_graph_context_bounds, for the mixed graph of num_tokens tokens and num_seqs
+        sequences. Default: one graph for any length."""
+        return [max_seq_len]
+
     def prepare_for_capture(self, batch: ForwardBatch) -> None:
         """Point batch's metadata at static buffers sized for its num_tokens and num_seqs; a batch
         with max_query_len > 1 is captured as a mixed step. batch.max_seq_len is the graph's context
-        bound (decode_graph_context_bounds); every replay's sequences fit in it."""
+        bound (decode_graph_context_bounds / mixed_graph_context_bounds); every replay's sequences fit in it."""
         raise NotImplementedError
 
     def prepare_for_replay(self, batch: ForwardBatch, graph_batch: ForwardBatch) -> None:

@@ -14,6 +14,8 @@ A chunk of a few hundred query rows over a long context splits its KV across pro
 for its token bucket and the longest context, and the kernel sizes each tile's splits from the
 runtime lengths (a short tile is not split at all), so that count suits any replay: a new chat
 turn over a long cached history, a prefix-cache hit, or a prompt's last chunk beside decodes.
+Steps whose contexts are too short for any tile to split (a prompt with no cached prefix under
+2 * split_tokens) replay a second graph of the bucket, captured unsplit (mixed_graph_context_bounds).
 All per-step metadata a graph reads lives in static buffers that prepare_for_replay refreshes
 with a few small device copies; the decode graphs' are the runner's staging buffer's views, which
 it fills from the host itself (runner/decode_staging.py).
@@ -28,7 +30,7 @@ from asyncllm.attention.base import AttentionBackend, DecodeRope, ForwardBatch
 from asyncllm.attention.graph_buffers import PagedGraphBuffers
 from asyncllm.kernels import (choose_num_splits, choose_prefill_splits, paged_attention, split_workspace_numel,
                               store_kvcache)
-from asyncllm.kernels.paged_attention import DEFAULT_NUM_SMS, PREFILL_SPLIT_TOKENS
+from asyncllm.kernels.paged_attention import DEFAULT_NUM_SMS, PREFILL_SPLIT_TOKENS, longest_unsplit_context
 
 # decode graphs' context bounds below max_model_len. A graph bakes its split count in, and the best
 # count grows with the context (in the batch-1 decode graph about one split per 40 tokens), so short
@@ -133,18 +135,29 @@ class TritonAttentionBackend(AttentionBackend):
             self._mixed_graph = PagedGraphBuffers(max_mixed_tokens, min(max_mixed_tokens, max_batch_size),
                                                   max_blocks_per_seq, self.block_size, self.device, decode_only=False)
             # every token count a mixed bucket may have, not just the runner's buckets (which it owns)
+            longest = self._mixed_graph.max_seq_len
             numel = max(numel, *(split_workspace_numel(tokens, self.num_heads, self.head_dim,
                                                        self._mixed_graph_prefill_splits(
-                                                           tokens, min(tokens, max_batch_size)))
+                                                           tokens, min(tokens, max_batch_size), longest))
                                  for tokens in range(1, max_mixed_tokens + 1)))
         self._graph_workspace = torch.empty(max(numel, 1), dtype=torch.float32, device=self.device)
 
-    def _mixed_graph_prefill_splits(self, num_tokens: int, num_seqs: int) -> int:
+    def _mixed_graph_prefill_splits(self, num_tokens: int, num_seqs: int, context_bound: int) -> int:
         # fixed at capture for the bucket's worst case: its tokens as one chunk (the fewest tiles, so the
         # most splits), its sequence capacity (the grid's bound) and the longest context a replay may
         # bring; the kernel cuts each tile's KV by its runtime length, so shorter replays stay right
         # and tiles over short contexts go unsplit
-        return self._prefill_splits(num_tokens, num_seqs, num_tokens, self._mixed_graph.max_seq_len)
+        return self._prefill_splits(num_tokens, num_seqs, num_tokens, context_bound)
+
+    def mixed_graph_context_bounds(self, num_tokens: int, num_seqs: int, max_seq_len: int) -> list[int]:
+        # A graph split for long contexts launches its split grid and a merge kernel a layer on every
+        # replay, though over a short context no tile splits: every prompt with no cached prefix paid
+        # that (issue 49's TTFT regression since split-KV prefill). Contexts too short for any tile
+        # to split get a graph of their own without them: the varlen kernel alone, as before splits.
+        unsplit = longest_unsplit_context(self.split_tokens)
+        if unsplit < max_seq_len and self._mixed_graph_prefill_splits(num_tokens, num_seqs, max_seq_len) > 1:
+            return [unsplit, max_seq_len]
+        return [max_seq_len]
 
     def _graph_num_splits(self, batch_size: int, context_bound: int) -> int:
         # fixed at capture; the kernel sizes each split from the runtime length. A replay's context
@@ -171,7 +184,7 @@ class TritonAttentionBackend(AttentionBackend):
             self._mixed_graph.bind(batch)
             batch.max_query_len = batch.num_tokens
             # a replay's decodes are not known at capture: one split each (no reduce, no scratch)
-            prefill_splits = self._mixed_graph_prefill_splits(batch.num_tokens, batch.num_seqs)
+            prefill_splits = self._mixed_graph_prefill_splits(batch.num_tokens, batch.num_seqs, batch.max_seq_len)
             batch.attn_metadata = TritonAttentionMetadata(
                 num_splits=1, single_rows=True, prefill_splits=prefill_splits,
                 workspace=self._graph_workspace if prefill_splits > 1 else None)

@@ -603,6 +603,13 @@ def choose_prefill_splits(num_tokens: int, num_seqs: int, max_query_len: int, nu
                       PREFILL_MAX_GRID_PER_SM * num_sms // grid, MAX_PREFILL_SPLITS))
 
 
+def longest_unsplit_context(split_tokens: int = PREFILL_SPLIT_TOKENS) -> int:
+    """The longest KV (a step's max_seq_len) over which no prefill tile splits, whatever the split
+    count: _prefill_split_count gives one split below two of split_tokens, as choose_prefill_splits
+    returns 1 there. A mixed CUDA graph for contexts up to it runs the varlen kernel unsplit."""
+    return 2 * split_tokens - 1
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                     max_query_len: int, max_seq_len: int, scale: float, out: torch.Tensor | None = None,

@@ -5,7 +5,9 @@ work for each) takes longer than running them; replaying a captured graph launch
 them at once. Decode graphs are captured per bucketed batch size, and per context-length bound
 where the backend asks for it (a Triton decode graph bakes its KV split count in, and the count
 that suits a 40k-token bound wastes most splits on a 200-token chat); where the backend supports
-it, mixed graphs (prefill chunks, with or without decodes) per bucketed token count up to a bound.
+it, mixed graphs (prefill chunks, with or without decodes) per bucketed token count up to a bound,
+and per context bound where the backend asks for it (a Triton mixed graph split for long
+contexts would launch its split grid and merge for a prompt with no cached prefix too).
 All share one memory pool, captured largest first so smaller ones fit in its memory. A step
 replays the smallest bucket that holds it, the rows past it padded. Model inputs (token ids,
 positions, sampled rows) live in this object's static buffers; attention metadata lives in the
@@ -68,6 +70,10 @@ class CudaGraphRunner:
         # decode graphs' context bounds per batch size, ascending, the last max_context
         self.context_bounds = {size: backend.decode_graph_context_bounds(size, self.max_context)
                                for size in self.batch_sizes}
+        # mixed graphs' likewise, per token bucket (a mixed graph takes min(bucket, max_batch_size) sequences)
+        self.mixed_context_bounds = {
+            size: backend.mixed_graph_context_bounds(size, min(size, self.max_batch_size), self.max_context)
+            for size in self.token_sizes}
         self.staging = DecodeStaging(self.max_batch_size, max_blocks_per_seq, backend.block_size, device)
         backend.init_cuda_graph_state(self.max_batch_size, max_blocks_per_seq, max_mixed_tokens,
                                       decode_buffers=self.staging.paged_buffers)
@@ -117,7 +123,7 @@ class CudaGraphRunner:
         start = time.perf_counter()
         self._pool = None
         # largest first, so that smaller graphs fit in the memory the first one took
-        keys = [("mixed", t, self.max_context) for t in self.token_sizes]
+        keys = [("mixed", t, bound) for t in self.token_sizes for bound in self.mixed_context_bounds[t]]
         keys += [("decode", b, bound) for b in self.batch_sizes for bound in self.context_bounds[b]]
         keys.sort(key=lambda key: (-key[1], -key[2]))
         for key in keys:
@@ -125,7 +131,8 @@ class CudaGraphRunner:
         device_wide.synchronize()
         logger.info("captured %d CUDA graphs (decode batches up to %d, mixed steps up to %d tokens) in %.1f s",
                     len(self.graphs), self.max_batch_size, self.max_mixed_tokens, time.perf_counter() - start)
-        logger.debug("decode graphs' context bounds by batch size: %s", self.context_bounds)
+        logger.debug("decode graphs' context bounds by batch size: %s; mixed graphs' by token count: %s",
+                     self.context_bounds, self.mixed_context_bounds)
 
     def _capture(self, key: tuple[str, int, int]) -> None:
         batch = self._static_batch(*key)
@@ -211,7 +218,8 @@ class CudaGraphRunner:
             # a mixed graph gathers min(size, max_batch_size) logits rows: a speculative verification's
             # 1 + k rows per sequence fit as a step's sequences do (both are at most its tokens)
             if max(batch.num_seqs, num_logits) <= min(size, self.max_batch_size):
-                return "mixed", size, self.max_context
+                bounds = self.mixed_context_bounds[size]
+                return "mixed", size, bounds[bisect.bisect_left(bounds, batch.max_seq_len)]
         return None  # more logits rows than any graph gathers (prompt_logprobs of a long prompt), or too big
 
     def run(self, batch: ForwardBatch) -> torch.Tensor | None:
