@@ -142,6 +142,14 @@ def test_choose_route_takes_w8a8_only_where_clearly_faster():
     assert fp8_linear.choose_route([0.99, 1.0]) == dequantize  # a tie: the weight-only arithmetic's quality
 
 
+def test_route_bucket_is_the_smallest_that_holds_the_rows():
+    assert all(b & (b - 1) == 0 for b in ROUTE_BUCKETS)  # route_bucket's rounding assumes powers of two
+    for rows in range(17, 3000):
+        bucket = fp8_linear.route_bucket(rows)
+        holding = [b for b in ROUTE_BUCKETS if b >= rows]
+        assert bucket == (holding[0] if holding else ROUTE_BUCKETS[-1]), rows
+
+
 class FakeTimings:
     """measure_route's stand-in: W8A8 'faster' from 256 rows on, as a calls log."""
 

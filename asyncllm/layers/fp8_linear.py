@@ -196,9 +196,7 @@ def _route(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> str:
     """ROUTES' choice for x's rows (above the weight-only kernel's) on a per-row-scaled weight."""
     if _scaled_mm_broken or not (x.is_cuda and _scaled_mm_shapes(x, weight)):
         return "dequantize"
-    rows = x.numel() // x.shape[-1]
-    bucket = next((b for b in ROUTE_BUCKETS if b >= rows), ROUTE_BUCKETS[-1])
-    key = (x.device, *weight.shape, bucket)
+    key = (x.device, *weight.shape, route_bucket(x.numel() // x.shape[-1]))
     route = _routes.get(key)
     if route is not None:
         return route
@@ -212,6 +210,11 @@ def _route(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> str:
         return "w8a8"
     _routes.update(_routes_for(x.device, weight, scale, measure_route))
     return _routes[key]
+
+
+def route_bucket(rows: int) -> int:
+    """The smallest of ROUTE_BUCKETS (powers of two) that holds rows; the largest above it."""
+    return min(max(1 << (rows - 1).bit_length(), ROUTE_BUCKETS[0]), ROUTE_BUCKETS[-1])
 
 
 def _routes_for(device: torch.device, weight: torch.Tensor, scale: torch.Tensor, measure) -> dict[tuple, str]:
