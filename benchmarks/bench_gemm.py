@@ -19,8 +19,10 @@ CUDA-graph replays from a cold L2 (skinny_linear.time_calls): cuBLAS bf16, our b
 best of its first candidates, up to 16 rows), our FP8 weight-only kernel with per-channel and with
 128-column group scales (the best of its first candidates, and the rule's first, which the layer
 runs), torch._scaled_mm W8A8 with the activation's per-token quantization included (what the layer
-runs above 16 rows with per-channel scales), and dequantize + cuBLAS (above 16 rows with group
-scales). err: the largest difference from the fp32 product of the dequantized weight, relative to
+runs above 16 rows with per-channel scales where it timed faster), and dequantize + cuBLAS with
+per-channel scales (the other route there) and with group scales (the only one for those); "route"
+is what fp8_linear.choose_route takes between the first two (the engine decides at start-up the same
+way, per (N, K) and row bucket, ROUTE_BUCKETS). err: the largest difference from the fp32 product of the dequantized weight, relative to
 that product's largest magnitude.
 """
 from __future__ import annotations
@@ -199,6 +201,8 @@ def fp8_rows(model: str, layer: str, n: int, k: int, rows: list[int]) -> list[di
         w8, scale = per_channel
         labels.append("scaled_mm_w8a8")
         calls.append(lambda: fp8_linear._scaled_mm_linear(x, w8, scale, None))
+        labels.append("dequant_cublas_channel")
+        calls.append(lambda: F.linear(x, fp8_linear.dequantize_rows(w8, scale, None, DTYPE)))
         labels.append("dequant_cublas_group128")
         calls.append(lambda: F.linear(x, fp8_linear.dequantize_rows(*grouped, 128, DTYPE)))
         times = dict(zip(labels, time_calls(calls, x.device)))
@@ -212,7 +216,10 @@ def fp8_rows(model: str, layer: str, n: int, k: int, rows: list[int]) -> list[di
         row = dict(model=model, layer=layer, n=n, k=k, rows=num_rows, cublas_ms=times["cublas"],
                    bf16_skinny_ms=best("bf16_skinny"), fp8_channel_ms=best("fp8_channel"),
                    fp8_channel_rule_ms=times.get("fp8_channel/0"), fp8_group128_ms=best("fp8_group128"),
-                   scaled_mm_ms=times["scaled_mm_w8a8"], dequant_cublas_ms=times["dequant_cublas_group128"],
+                   scaled_mm_ms=times["scaled_mm_w8a8"], dequant_channel_ms=times["dequant_cublas_channel"],
+                   dequant_cublas_ms=times["dequant_cublas_group128"],
+                   route=fp8_linear.ROUTES[fp8_linear.choose_route([times["scaled_mm_w8a8"],
+                                                                    times["dequant_cublas_channel"]])],
                    err_w8a8=(fp8_linear._scaled_mm_linear(x, w8, scale, None).float() - ref).abs().max().item()
                    / scale_ref)
         if num_rows <= kernels.MAX_ROWS:
@@ -229,14 +236,15 @@ def print_fp8_table(rows: list[dict]) -> None:
     def us(value):
         return "-" if value is None else f"{value * 1e3:.1f}"
     print("| shape | rows | cuBLAS bf16 us | skinny bf16 us | FP8 weight-only per-channel us (rule's) | "
-          "FP8 weight-only 128-group us | _scaled_mm W8A8 us | dequant + cuBLAS us | bf16 skinny / FP8 | "
-          "err weight-only | err W8A8 |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "FP8 weight-only 128-group us | _scaled_mm W8A8 us | dequant per-channel + cuBLAS us | route | "
+          "dequant 128-group + cuBLAS us | bf16 skinny / FP8 | err weight-only | err W8A8 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")
     for r in rows:
         speedup = f"{r['bf16_skinny_ms'] / r['fp8_channel_ms']:.2f}" if r["fp8_channel_ms"] else "-"
         print(f"| {r['model']} {r['layer']} ({r['n']}, {r['k']}) | {r['rows']} | {us(r['cublas_ms'])} | "
               f"{us(r['bf16_skinny_ms'])} | {us(r['fp8_channel_ms'])} ({us(r['fp8_channel_rule_ms'])}) | "
-              f"{us(r['fp8_group128_ms'])} | {us(r['scaled_mm_ms'])} | {us(r['dequant_cublas_ms'])} | {speedup} | "
+              f"{us(r['fp8_group128_ms'])} | {us(r['scaled_mm_ms'])} | {us(r['dequant_channel_ms'])} | {r['route']} | "
+              f"{us(r['dequant_cublas_ms'])} | {speedup} | "
               f"{r.get('err_weight_only', float('nan')):.1e} | {r['err_w8a8']:.1e} |")
 
 
@@ -244,7 +252,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--rows", default=None,
-                        help="comma-separated row counts (default 1,2,4,8,16; with --fp8 1,2,4,8,16,32,64,128,256)")
+                        help="comma-separated row counts (default 1,2,4,8,16; with --fp8 1,2,4,8,16,32,64,128,256,512,2048)")
     parser.add_argument("--fp8", action="store_true", help="FP8 weights against bf16 (the module's doc)")
     parser.add_argument("--sweep", action="store_true", help="time every candidate tiling, not only the first few")
     parser.add_argument("--models", default=None, help="comma-separated: 0.6B, 8B (default both; with --fp8 8B)")
@@ -254,7 +262,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_gemm.py needs a CUDA GPU")
     torch.manual_seed(0)
-    rows = [int(r) for r in (args.rows or ("1,2,4,8,16,32,64,128,256" if args.fp8 else "1,2,4,8,16")).split(",")]
+    rows = [int(r) for r in (args.rows or ("1,2,4,8,16,32,64,128,256,512,2048" if args.fp8 else "1,2,4,8,16")).split(",")]
     models = (args.models or ("8B" if args.fp8 else "0.6B,8B")).split(",")
     if args.fp8:
         # the LM head stays in the compute dtype (FP8 weights are the decoder layers')

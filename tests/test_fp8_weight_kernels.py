@@ -205,6 +205,9 @@ def test_w8a8_path_matches_per_token_reference(monkeypatch, device, num_rows):
         def per_tensor_only(*args, **kwargs):
             raise RuntimeError("Now _scaled_mm only supports per-tensor")  # torch 2.11's CPU (mkldnn) build
         monkeypatch.setattr(torch, "_scaled_mm", per_tensor_only)
+    else:  # the route W8A8 whatever the timing says (tests/test_fp8_route.py tests the choice)
+        monkeypatch.setattr(fp8_linear, "_routes", {})
+        monkeypatch.setattr(fp8_linear, "measure_route", lambda *args: fp8_linear.ROUTES.index("w8a8"))
     n, k = 96, 320
     quantized, scale = quantize_rows(torch.randn(n, k, device=device) / k ** 0.5, None)
     x = torch.randn(num_rows, k, device=device).to(torch.bfloat16)

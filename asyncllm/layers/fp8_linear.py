@@ -15,12 +15,15 @@ Three paths, by the rows of x:
   The MLP's down projection takes the gated form (silu(gate) * up on load) in the FMA loop's
   tilings, the unfused pair in the dot loop's (where the gated form is mostly slower in bf16).
 - more rows on CUDA with per-channel scales (sm_89+, bf16): W8A8 through torch._scaled_mm, x quantized
-  per token (row) to e4m3 with a dynamic scale (amax / 448), the product scaled by both rows'
-  scales in fp32. Block-wise groups are a scale per K group, which a row-wise scaled GEMM cannot
-  apply: those dequantize. e4m3 activations cost as much quality as e4m3 weights (a relative step of
+  per token (row) to e4m3 with a dynamic scale (amax / 448, kernels/fp8_quant.py: one launch), the
+  product scaled by both rows' scales in fp32; or the dequantizing path below, whichever timed faster
+  for this (N, K) and row bucket (ROUTE_BUCKETS): decided at the first eager call of the shape (the
+  start-up's probe step), never in a dry run or a capture, kept in the start-up cache (_routes_for).
+  Block-wise groups are a scale per K group, which a row-wise scaled GEMM cannot apply: those dequantize. e4m3 activations cost as much quality as e4m3 weights (a relative step of
   1/16 whatever the scale, so per-128-column activation scales gain little: docs/BENCHMARKS.md), so
   w8a8=False (Config(quantization="fp8_weight_only")) dequantizes instead, trading the FP8 GEMM's speed.
-- otherwise (CPU, the reference; block-wise scales at prefill): dequantize to x's dtype, F.linear.
+- otherwise (CPU, the reference; block-wise scales at prefill): dequantize to x's dtype (on CUDA one
+  launch, kernels/fp8_quant.py), F.linear.
 cuda_paths_on_cpu() makes CPU take CUDA's routes and arithmetic instead (benchmarks/bench_fp8_quality.py:
 a teacher-forced prefill on CUDA is W8A8, not the weight-only arithmetic CPU's dequantizing path does).
 Its W8A8 is written out in PyTorch, not CPU torch._scaled_mm: torch 2.11's CPU build takes per-tensor
@@ -36,6 +39,7 @@ import torch.nn.functional as F
 
 from asyncllm.layers import skinny_linear
 from asyncllm.layers.fused import kernel_module
+from asyncllm.layers.parallel_compiles import in_dry_run, note_put_off
 
 logger = logging.getLogger("asyncllm")
 
@@ -45,6 +49,15 @@ _configs: dict[tuple, object] = {}  # (device, rows bucket, N, K, group_k) -> Sk
 _scaled_mm_broken = False  # CUDA torch._scaled_mm failed once (a build without row-wise scaling): dequantize
 _cuda_paths_on_cpu = False  # cuda_paths_on_cpu()'s
 WEIGHT_ONLY_MAX_ROWS = 16  # kernels/skinny_gemm.py's MAX_ROWS, for CPU's emulation of the routing (no Triton needed)
+ROUTES = ("w8a8", "dequantize")  # above 16 rows; the start-up cache stores an index into this
+# rows timed per shape: a call takes the route of the smallest bucket that holds its rows (more than
+# the last: the last's; a GEMM that large is compute-bound, where W8A8's tensor cores win)
+ROUTE_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048)
+ROUTE_TIMING_REPS = 10  # GEMMs of tens of microseconds and more: a median of ten is steady
+# W8A8 must be this much faster to be taken: its e4m3 activations cost quality (the module's doc),
+# so a tie goes to the dequantizing path's weight-only arithmetic
+ROUTE_MIN_GAIN = 0.03
+_routes: dict[tuple, str] = {}  # (device, N, K, rows bucket) -> one of ROUTES
 
 
 def fp8_scales(amax: torch.Tensor) -> torch.Tensor:
@@ -81,6 +94,8 @@ def dequantize_rows(weight: torch.Tensor, scale: torch.Tensor, group_k: int | No
     """weight (FP8) times its row scales, in dtype: the product taken in float32 and rounded once, as
     the weight-only kernel sees it (rounding the scale to bf16 first moved a whole row by up to 2**-9,
     and the product was rounded again: SmolLM2's mean KL 0.0591 against 0.0574, docs/BENCHMARKS.md)."""
+    if weight.is_cuda and (kernels := kernel_module("fp8_quant")) is not None:
+        return kernels.dequantize_rows(weight, scale, group_k, dtype)
     rows, cols = weight.shape
     if scale.shape[1] == 1:
         return (weight.to(torch.float32) * scale).to(dtype)
@@ -103,11 +118,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k: 
     kernels, config = _kernel_choice(x, weight, group_k)
     if config is not None:
         return kernels.skinny_gemm(x, weight, bias, config, scale=scale, group_k=group_k)
-    if w8a8 and (group_k is None or scale.shape[1] == 1):
-        if _scaled_mm_usable(x, weight):
-            out = _scaled_mm_linear(x, weight, scale, bias)
-            if out is not None:
-                return out
+    if w8a8 and (group_k is None or scale.shape[1] == 1) and _route(x, weight, scale) == "w8a8":
+        out = _scaled_mm_linear(x, weight, scale, bias)
+        if out is not None:
+            return out
     return F.linear(x, dequantize_rows(weight, scale, group_k, x.dtype), bias)
 
 
@@ -178,19 +192,83 @@ def _kernel_choice(x: torch.Tensor, weight: torch.Tensor, group_k: int | None):
     return kernels, config
 
 
-def _scaled_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    # bf16 only: row-wise scaled _scaled_mm outputs bf16 (an fp16 model dequantizes)
-    return (x.is_cuda and not _scaled_mm_broken and _scaled_mm_shapes(x, weight)
-            and torch.cuda.get_device_capability(x.device) >= (8, 9))
+def _route(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> str:
+    """ROUTES' choice for x's rows (above the weight-only kernel's) on a per-row-scaled weight."""
+    if _scaled_mm_broken or not (x.is_cuda and _scaled_mm_shapes(x, weight)):
+        return "dequantize"
+    key = (x.device, *weight.shape, route_bucket(x.numel() // x.shape[-1]))
+    route = _routes.get(key)
+    if route is not None:
+        return route
+    if torch.cuda.get_device_capability(x.device) < (8, 9):  # no FP8 tensor cores
+        route = _routes[key] = "dequantize"
+        return route
+    if torch.cuda.is_current_stream_capturing():  # no timing inside a capture; an eager call decides later
+        return "w8a8"
+    if in_dry_run():  # nor in a dry run, whose kernels may not run: the real run decides
+        note_put_off()
+        return "w8a8"
+    _routes.update(_routes_for(x.device, weight, scale, measure_route))
+    return _routes[key]
+
+
+def route_bucket(rows: int) -> int:
+    """The smallest of ROUTE_BUCKETS (powers of two) that holds rows; the largest above it."""
+    return min(max(1 << (rows - 1).bit_length(), ROUTE_BUCKETS[0]), ROUTE_BUCKETS[-1])
+
+
+def _routes_for(device: torch.device, weight: torch.Tensor, scale: torch.Tensor, measure) -> dict[tuple, str]:
+    """Every ROUTE_BUCKETS' route for weight's (N, K): the start-up cache's answer where it has a valid
+    one, else measure(x, weight, scale)'s (an index into ROUTES) on bf16 rows of that many."""
+    n, k = weight.shape
+    scratch = []  # the rows timed: made once, and only where something is measured
+
+    def rows(bucket: int) -> torch.Tensor:
+        if not scratch:
+            scratch.append(torch.randn(ROUTE_BUCKETS[-1], k, device=device, dtype=torch.bfloat16))
+        return scratch[0][:bucket]
+
+    routes = {}
+    for bucket in ROUTE_BUCKETS:
+        question = {"shape": [n, k], "rows": bucket, "candidates": list(ROUTES)}
+        index = skinny_linear.startup_decisions().remembered(
+            "FP8 GEMM route", question, lambda bucket=bucket: measure(rows(bucket), weight, scale),
+            valid=lambda i: type(i) is int and 0 <= i < len(ROUTES))
+        routes[(device, n, k, bucket)] = ROUTES[index]
+        logger.debug("FP8 GEMM for %d rows x (%d, %d): %s", bucket, n, k, ROUTES[index])
+    return routes
+
+
+def measure_route(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> int:
+    """The index in ROUTES of the faster of W8A8 and dequantize + bf16 GEMM on these tensors (timed as
+    skinny_linear times its candidates, from a cold L2); dequantize where _scaled_mm fails here."""
+    if _scaled_mm_linear(x, weight, scale, None) is None:
+        return ROUTES.index("dequantize")
+    times = skinny_linear.time_calls([lambda: _scaled_mm_linear(x, weight, scale, None),
+                                      lambda: F.linear(x, dequantize_rows(weight, scale, None, x.dtype))],
+                                     x.device, reps=ROUTE_TIMING_REPS)
+    logger.debug("FP8 GEMM timings for %d rows x (%d, %d): W8A8 %.1f us, dequantize %.1f us", x.shape[0],
+                 *weight.shape, times[0] * 1e3, times[1] * 1e3)
+    return choose_route(times)
+
+
+def choose_route(times: list[float]) -> int:
+    """ROUTES' index given their times in ROUTES' order: W8A8 only where it is ROUTE_MIN_GAIN faster."""
+    w8a8, dequantize = times[ROUTES.index("w8a8")], times[ROUTES.index("dequantize")]
+    return ROUTES.index("w8a8" if w8a8 < (1 - ROUTE_MIN_GAIN) * dequantize else "dequantize")
 
 
 def _scaled_mm_shapes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    # bf16 only: row-wise scaled _scaled_mm outputs bf16 (an fp16 model dequantizes)
     n, k = weight.shape
     return x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0
 
 
 def _quantize_per_token(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x2 in e4m3, float32 scales (rows, 1)): each row's amax mapped to FP8_MAX."""
+    """(x2 in e4m3, float32 scales (rows, 1)): each row's amax mapped to FP8_MAX (on CUDA in one
+    launch, kernels/fp8_quant.py; the PyTorch below is its reference and CPU's emulation)."""
+    if x2.is_cuda and x2.stride(-1) == 1 and (kernels := kernel_module("fp8_quant")) is not None:
+        return kernels.quantize_per_token(x2)
     x_scale = (x2.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)
     return (x2.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), x_scale
 

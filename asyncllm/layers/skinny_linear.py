@@ -128,6 +128,11 @@ def use_decisions(decisions: StartupDecisions) -> None:
     _decisions = decisions
 
 
+def startup_decisions() -> StartupDecisions:
+    """The start-up cache use_decisions gave (layers/fp8_linear.py keeps its route choices there too)."""
+    return _decisions
+
+
 def set_choice(gated: bool, key: tuple, config) -> None:
     """Replace a decision (batch1_alternatives' key) for the calls and graph captures that follow."""
     (_gated_choices if gated else _choices)[key] = config
