@@ -225,6 +225,25 @@ def test_only_the_settings_module_reads_the_environment():
     assert environment_reads(modules()[SETTINGS_MODULE])  # the check sees the one that does
 
 
+DEVICE_WIDE_MODULE = "asyncllm.layers.device_wide"
+
+
+def device_wide_calls(path: pathlib.Path) -> list[int]:
+    """Lines calling torch.cuda.synchronize or torch.cuda.empty_cache (an attribute chain ending so)."""
+    return [node.lineno for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("synchronize", "empty_cache") and ast.unparse(node.func.value) == "torch.cuda"]
+
+
+def test_device_wide_waits_go_through_the_lock():
+    """A device-wide synchronize or empty_cache from one engine's thread breaks another engine's CUDA-graph
+    capture: every one goes through layers/device_wide.py, which holds DEVICE_WIDE around it."""
+    calls = {name: lines for name, path in modules().items() if name != DEVICE_WIDE_MODULE
+             and (lines := device_wide_calls(path))}
+    assert not calls, f"call device_wide.synchronize / empty_cache instead: {calls}"
+    assert device_wide_calls(modules()[DEVICE_WIDE_MODULE])  # the check sees the ones that do
+
+
 def test_no_module_is_too_long():
     long = {name: n for name, path in modules().items() if not within(name, ("asyncllm.kernels",))
             and (n := len(path.read_text().splitlines())) > MAX_LINES}

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from asyncllm import settings
 from asyncllm.layers.activation import SiluAndMul
+from asyncllm.layers import device_wide
 from asyncllm.layers.device_wide import capturing
 from asyncllm.layers.fused import kernel_module
 from asyncllm.layers.parallel_compiles import in_dry_run, note_put_off
@@ -335,7 +336,7 @@ def time_calls(calls: list, device: torch.device, reps: int = TIMING_REPS, neigh
                 start.record()
                 graph.replay()
             end.record()
-    torch.cuda.synchronize(device)
+    device_wide.synchronize(device)
     medians = [sorted(start.elapsed_time(end) for start, end in call_events)[reps // 2] for call_events in events]
     flush_ms = medians.pop()
     return [ms if graph is None else max(ms - flush_ms, 0.0) / GRAPH_REPEATS for ms, graph in zip(medians, graphs)]
@@ -344,7 +345,7 @@ def time_calls(calls: list, device: torch.device, reps: int = TIMING_REPS, neigh
 def _capture(call, device: torch.device, repeats: int):
     """A CUDA graph of call run `repeats` times, or None where capture fails."""
     try:
-        torch.cuda.synchronize(device)
+        device_wide.synchronize(device)
         graph = torch.cuda.CUDAGraph()
         with capturing(graph):
             for _ in range(repeats):

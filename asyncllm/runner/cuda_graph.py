@@ -23,6 +23,7 @@ import time
 import torch
 
 from asyncllm.attention.base import AttentionBackend, ForwardBatch
+from asyncllm.layers import device_wide
 from asyncllm.layers.device_wide import capturing
 from asyncllm.runner.decode_staging import DecodeStaging
 
@@ -121,7 +122,7 @@ class CudaGraphRunner:
         keys.sort(key=lambda key: (-key[1], -key[2]))
         for key in keys:
             self._capture(key)
-        torch.cuda.synchronize()
+        device_wide.synchronize()
         logger.info("captured %d CUDA graphs (decode batches up to %d, mixed steps up to %d tokens) in %.1f s",
                     len(self.graphs), self.max_batch_size, self.max_mixed_tokens, time.perf_counter() - start)
         logger.debug("decode graphs' context bounds by batch size: %s", self.context_bounds)
@@ -130,7 +131,7 @@ class CudaGraphRunner:
         batch = self._static_batch(*key)
         if self.warm_up:
             self._run_model(batch)  # autotuning and lazy initialisation stay out of the graph
-        torch.cuda.synchronize()
+        device_wide.synchronize()
         graph = torch.cuda.CUDAGraph()
         with capturing(graph, self._pool):
             self.outputs[key] = self._run_model(batch)
@@ -150,14 +151,14 @@ class CudaGraphRunner:
                 graph.reset()
             self.outputs.pop(key, None)
             self._capture(key)
-        torch.cuda.synchronize()
+        device_wide.synchronize()
 
     def replay_ms(self, key: tuple[str, int, int], iters: int) -> float:
         """Device ms of one replay of a graph, over iters back-to-back replays between two events (no
         host time inside), on the metadata its buffers hold; after one replay untimed."""
         graph = self.graphs[key]
         graph.replay()
-        torch.cuda.synchronize()
+        device_wide.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(iters):
@@ -174,7 +175,7 @@ class CudaGraphRunner:
         self.graphs.clear()
         self.batches.clear()
         self.outputs.clear()
-        torch.cuda.synchronize()
+        device_wide.synchronize()
 
     def decode_key(self, num_seqs: int, max_seq_len: int) -> tuple[str, int, int] | None:
         """The decode graph that replays a decode step of num_seqs sequences whose longest is

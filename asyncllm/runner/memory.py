@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from asyncllm.config import config_error
+from asyncllm.layers import device_wide
 from asyncllm.layers.device_wide import DEVICE_WIDE
 from asyncllm.layers.logits_adjustments import LogitsAdjustments, TokenCounts
 from asyncllm.layers.sampler import SamplingTensors
@@ -50,8 +51,8 @@ def free_device_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         with DEVICE_WIDE:
-            torch.cuda.synchronize(device)
-            torch.cuda.empty_cache()
+            device_wide.synchronize(device)
+            device_wide.empty_cache()
 
 
 class ParkedWeights:
@@ -94,7 +95,7 @@ class ParkedWeights:
             if self.level == 2:
                 load_checkpoint()
             if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # the copies out of pinned memory end before it is freed
+                device_wide.synchronize(self.device)  # the copies out of pinned memory end before it is freed
         except BaseException:
             self.swap_out()
             raise
@@ -117,7 +118,7 @@ class RunnerMemory:
         reason = stable_memory_refusal(self.device, self.config.enforce_eager, self.step_group is not None)
         if reason is None:
             with DEVICE_WIDE:  # the loading's temporaries cached by torch: the move needs the weights twice, briefly
-                torch.cuda.empty_cache()
+                device_wide.empty_cache()
             try:
                 self.stable_weights = StableTensors(list(self.model.parameters()), self.device)
             except StableMemoryError as error:  # (out of memory, too) nothing moved yet: they are where they were
@@ -202,9 +203,9 @@ class RunnerMemory:
                     load_weights(self.model, checkpoint_weights(self.config, self.weight_layout, device=self.device))
                 self._kv_buffer.map()
                 self.kv_cache.zero_()
-                torch.cuda.synchronize(self.device)
+                device_wide.synchronize(self.device)
             except BaseException:  # asleep as before (a level-1 host copy is kept until a wake succeeds)
-                torch.cuda.synchronize(self.device)
+                device_wide.synchronize(self.device)
                 self.stable_weights.buffer.unmap()
                 self._kv_buffer.unmap()
                 raise
@@ -215,7 +216,7 @@ class RunnerMemory:
         parked weights), and their memory back to the device."""
         self._release_kv_cache()
         if self.stable_weights is not None:  # now, not when the last view of them is collected
-            torch.cuda.synchronize(self.device)
+            device_wide.synchronize(self.device)
             self.stable_weights.close()
             if self._kv_buffer is not None:
                 self._kv_buffer.unmap()
@@ -241,8 +242,8 @@ class RunnerMemory:
     def _blocks_from_gpu_memory(self) -> tuple[int, str]:
         """Measure the activation peak of a worst-case step, then give the KV cache what is left:
         (blocks, how the budget was reached, for the error when it is not one block)."""
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        device_wide.synchronize()
+        device_wide.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         probe_cache = torch.zeros((2, self.num_layers, 1, self.block_size, self.num_kv_heads, self.head_dim),
                                   dtype=self.kv_dtype, device=self.device)
@@ -257,11 +258,11 @@ class RunnerMemory:
         # assert)
         with torch.inference_mode():
             self._probe_steps(batch)
-        torch.cuda.synchronize()
+        device_wide.synchronize()
         del probe_cache, self.attn_backend, batch
         peak = torch.cuda.max_memory_allocated()
         current = torch.cuda.memory_allocated()
-        torch.cuda.empty_cache()
+        device_wide.empty_cache()
         free, total = torch.cuda.mem_get_info()
         used = total - free  # weights, the CUDA context, other engines and processes: anything on the device
         budget = total * self.config.gpu_memory_utilization - used - (peak - current)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from asyncllm.layers import device_wide
 from asyncllm.layers.device_wide import capturing
 from asyncllm.layers.sampler import SamplerOutput, SamplingTensors, sample_race
 from asyncllm.runner.cuda_graph import CudaGraphRunner
@@ -47,12 +48,12 @@ class SamplerGraphs:
             owner = staging if key[0] == "decode" else self
             temperatures, keys = self.settings[key] = owner.temperatures[:rows], owner.keys[:rows]
             sample_race(logits, temperatures, keys)  # warm-up: compiles stay out
-            torch.cuda.synchronize()
+            device_wide.synchronize()
             graph = torch.cuda.CUDAGraph()
             with capturing(graph, self._pool):
                 self.token_ids[key] = sample_race(logits, temperatures, keys)
             self.graphs[key] = graph
-        torch.cuda.synchronize()
+        device_wide.synchronize()
 
     def sample(self, sampling: SamplingTensors, num_rows: int) -> SamplerOutput | None:
         """The step's tokens through the sampler graph of the forward graph just replayed, whose

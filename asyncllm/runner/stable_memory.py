@@ -18,6 +18,8 @@ import threading
 
 import torch
 
+from asyncllm.layers import device_wide
+
 CU_MEM_ALLOCATION_TYPE_PINNED = 1
 CU_MEM_LOCATION_TYPE_DEVICE = 1
 CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
@@ -301,7 +303,7 @@ class StableTensors:
         if keep_copy:
             self._host = torch.empty(self._flat.shape, dtype=torch.uint8, pin_memory=True)
             self._host.copy_(self._flat)
-        torch.cuda.synchronize(self._flat.device)
+        device_wide.synchronize(self._flat.device)
         self.buffer.unmap()
 
     def restore(self) -> None:
@@ -309,7 +311,7 @@ class StableTensors:
         self.buffer.map()
         if self._host is not None:
             self._flat.copy_(self._host, non_blocking=True)
-            torch.cuda.synchronize(self._flat.device)  # before the pinned copy is freed
+            device_wide.synchronize(self._flat.device)  # before the pinned copy is freed
             self._host = None
 
     def close(self) -> None:
