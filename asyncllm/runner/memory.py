@@ -276,7 +276,8 @@ class RunnerMemory:
         return int(budget // self.kv_bytes_per_block), summary
 
     def _probe_shape(self) -> tuple[int, int]:
-        """(sequences, tokens each) of the worst-case step: max_num_batched_tokens in prompts of at most max_model_len."""
+        """(sequences, tokens each) of the worst-case step: max_num_batched_tokens in prompts of at
+        most max_model_len."""
         num_tokens = self.config.max_num_batched_tokens
         seq_len = min(self.config.max_model_len, num_tokens)
         return max(1, min(self.config.max_num_seqs, num_tokens // seq_len)), seq_len
