@@ -56,7 +56,8 @@ PHASE_ACTIONS = {
     TP_WORKERS: "starting the tensor-parallel workers",
     BUILD_MODEL: "building the model",
     LOAD_WEIGHTS: "loading weights",
-    MEMORY_PROBE: "sizing the KV cache",  # on CUDA a worst-case step, whose kernels compile on a cold cache
+    MEMORY_PROBE: "sizing the KV cache",  # on CUDA a worst-case step (kernels compile on a cold cache), or its
+    # figures read from the start-up cache
     KV_CACHE: "allocating the KV cache",
     CUDA_GRAPHS: "capturing CUDA graphs",
     DECODE_TUNING: "tuning the batch-1 decode graph",

@@ -1,10 +1,11 @@
 """The start-up cache: what a start-up measured, kept on disk so that the next one on the same machine
 reads it instead of measuring again (issue 45: a start-up measured in seconds).
 
-A CUDA engine's start-up times things: each skinny-GEMM shape's tilings against cuBLAS
+A CUDA engine's start-up times and measures things: each skinny-GEMM shape's tilings against cuBLAS
 (layers/skinny_linear.py), FP8 weights' route above 16 rows per shape and row bucket, W8A8 or
 dequantize (layers/fp8_linear.py), the batch-1 decode graph's tilings (runner/decode_tuning.py), the
-step-time model's calibration steps (engine/step_budget.py). What they find depends on the GPU, its
+memory probe's activation peak (runner/memory.py), the step-time model's calibration steps
+(engine/step_budget.py). What they find depends on the GPU, its
 driver, the versions of torch and Triton, this package's code, the model's shapes and the engine's
 settings (the fingerprint, fingerprint()), so the answers are kept in one JSON file per
 fingerprint, $ASYNCLLM_CACHE/startup/<digest>.json. Each answer is stored under the question it

@@ -16,7 +16,7 @@ cold: the caches empty: ASYNCLLM_CACHE, CUDA_CACHE_PATH and TORCHINDUCTOR_CACHE_
 fresh directory per (shape, API), TRITON_CACHE_DIR is unset and the start-up cache on
 (ASYNCLLM_STARTUP_CACHE=1), so the engine keeps both halves of its start-up cache under that
 ASYNCLLM_CACHE as it does for a user: Triton's compiled kernels in triton/, the decisions start-up
-measured (skinny GEMM, decode tuning, the step model's calibration; asyncllm/startup_cache.py) in
+measured (skinny GEMM, decode tuning, the memory probe, the step model's calibration; asyncllm/startup_cache.py) in
 startup/. warm: a second run on the same directories, which reads them. Each row counts the files
 there after its run ("triton_files", "startup_files") and the decisions its start-up read from the
 cache and measured ("decisions_read", "decisions_measured", from the engine's "ready" line). (The

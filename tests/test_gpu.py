@@ -814,15 +814,18 @@ outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_t
                     use_tqdm=False)
 decisions = llm.core.runner.decisions
 print("RESULT " + json.dumps({"read": decisions.num_read, "measured": decisions.num_measured,
-                              "path": decisions.path, "tokens": [o["token_ids"] for o in outs]}))
+                              "path": decisions.path, "tokens": [o["token_ids"] for o in outs],
+                              "blocks": llm.core.runner.num_kvcache_blocks}))
 """
 
 
 def test_start_up_cache_round_trip_in_fresh_processes(model_dir, tmp_path):
     """asyncllm/startup_cache.py on a GPU: a cold start-up in a fresh process measures the skinny-GEMM
-    choices, the batch-1 decode tuning and the step model's calibration and stores them (and Triton's
-    kernels) under ASYNCLLM_CACHE; a second fresh process on the same cache reads every one of them,
-    measures nothing, and generates the same greedy tokens. A file damaged in between is a warning,
+    choices, the batch-1 decode tuning, the memory probe's figures and the step model's calibration and
+    stores them (and Triton's kernels) under ASYNCLLM_CACHE; a second fresh process on the same cache
+    reads every one of them, measures nothing (no probe step), sizes the same KV cache (within a
+    percent: the device's free memory may differ a little between processes) and generates the same
+    greedy tokens. A file damaged in between is a warning,
     measured again, never a crash."""
     import json
     import os
@@ -847,7 +850,7 @@ def test_start_up_cache_round_trip_in_fresh_processes(model_dir, tmp_path):
     assert os.path.dirname(cold["path"]) == str(tmp_path / "cache" / "startup")
     with open(cold["path"]) as f:
         stored = json.load(f)["decisions"]
-    assert {"skinny GEMM", "decode tuning", "step-model calibration"} <= set(stored), sorted(stored)
+    assert {"skinny GEMM", "decode tuning", "memory probe", "step-model calibration"} <= set(stored), sorted(stored)
     assert sum(len(files) for _, _, files in os.walk(tmp_path / "cache" / "triton")) > 0, "Triton's cache not placed"
     warm, _ = start_up()
     assert warm["path"] == cold["path"]
@@ -856,6 +859,7 @@ def test_start_up_cache_round_trip_in_fresh_processes(model_dir, tmp_path):
     # questions) is not asked where that other is read (an H100 run: cold measured 32, warm read 31)
     assert warm["measured"] == 0 and 0 < warm["read"] <= cold["measured"], (cold, warm)
     assert warm["tokens"] == cold["tokens"]
+    assert abs(warm["blocks"] - cold["blocks"]) <= cold["blocks"] // 100, (cold["blocks"], warm["blocks"])
     with open(cold["path"], "w") as f:  # damaged: ignored with a warning, measured and stored again
         f.write('{"format": 1, "fingerp')
     damaged, log = start_up()

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
+import json
 import logging
 from collections.abc import Callable
 
@@ -31,6 +33,14 @@ from asyncllm.runner.stable_memory import StableBuffer, StableMemoryError, Stabl
 logger = logging.getLogger("asyncllm")
 
 SLEEP_LEVELS = (1, 2)  # vLLM's: 1 weights to host memory, 2 weights dropped; the KV cache goes at both
+MEMORY_PROBE_KIND = "memory probe"  # the start-up cache's kind of the probe's figures (startup_cache.py)
+
+
+def probe_answer_fits(answer, total_bytes: int) -> bool:
+    """Whether a stored memory-probe answer is one: [activation peak, retained] bytes, whole numbers
+    from 0 up to the device's memory."""
+    return isinstance(answer, list) and len(answer) == 2 and all(
+        type(value) is int and 0 <= value <= total_bytes for value in answer)
 
 
 def stable_memory_refusal(device: torch.device, enforce_eager: bool, tensor_parallel: bool) -> str | None:
@@ -240,19 +250,62 @@ class RunnerMemory:
         return int(blocks)
 
     def _blocks_from_gpu_memory(self) -> tuple[int, str]:
-        """Measure the activation peak of a worst-case step, then give the KV cache what is left:
-        (blocks, how the budget was reached, for the error when it is not one block)."""
+        """Give the KV cache what a worst-case step leaves of the device's memory: (blocks, how the
+        budget was reached, for the error when it is not one block). The step's activation peak, and
+        what the probe leaves allocated (the cuBLAS workspace, loaded kernels, the sampler's state), are
+        measured by running it (_measure_probe), or read from the start-up cache where a start-up of
+        the same fingerprint and question measured them: then the forward and the sampler's worst cases
+        do not run here (their kernels load at the graphs' warm-ups, or at the first step that uses
+        them) and the budget is the same arithmetic, with the stored figures."""
         device_wide.synchronize()
         device_wide.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        used_before = total - free
+        activation_peak, retained = self.decisions.remembered(
+            MEMORY_PROBE_KIND, self._probe_question(), lambda: self._measure_probe(used_before),
+            lambda answer: probe_answer_fits(answer, total))
+        free, total = torch.cuda.mem_get_info()
+        # weights, the CUDA context, other engines and processes: anything on the device; read from the
+        # cache, the probe has not run, so what it would have left allocated is counted as used
+        used = max(total - free, used_before + retained)
+        budget = total * self.config.gpu_memory_utilization - used - activation_peak
+        summary = (f"gpu_memory_utilization {self.config.gpu_memory_utilization} of {total / 2**30:.1f} GiB, "
+                   f"{used / 2**30:.1f} GiB in use on the device (this engine's weights and any other engine or "
+                   f"process), {activation_peak / 2**30:.1f} GiB activation peak: {budget / 2**30:.1f} GiB left")
+        logger.info("GPU memory: %s for the KV cache", summary)
+        return int(budget // self.kv_bytes_per_block), summary
+
+    def _probe_shape(self) -> tuple[int, int]:
+        """(sequences, tokens each) of the worst-case step: max_num_batched_tokens in prompts of at
+        most max_model_len."""
+        num_tokens = self.config.max_num_batched_tokens
+        seq_len = min(self.config.max_model_len, num_tokens)
+        return max(1, min(self.config.max_num_seqs, num_tokens // seq_len)), seq_len
+
+    def _probe_question(self) -> dict:
+        """What the probe's figures depend on beyond the start-up cache's fingerprint (which has the
+        GPU, versions, code, the model's main shapes, dtype, TP size and the step's Config fields):
+        the step and the sampler's rows, all of config.json (experts, quantization_config), the
+        weights' quantization, speculation (a draft's memory is used before the probe) and the rank."""
+        hf = self.config.hf_config
+        model_fields = {k: v for k, v in sorted(vars(hf).items()) if not k.startswith("_")}
+        return {"step": list(self._probe_shape()), "sampler_rows": self.config.max_num_seqs,
+                "vocab": self.vocab_size, "bitmask_words": self.bitmasks.words, "block_size": self.block_size,
+                "kv_dtype": str(self.kv_dtype), "quantization": self.config.quantization,
+                "speculative": self.config.speculative_config, "rank": self.rank,
+                "model_config": hashlib.sha256(json.dumps(model_fields, sort_keys=True, default=str).encode())
+                .hexdigest()}
+
+    def _measure_probe(self, used_before: int) -> list[int]:
+        """Run the worst-case step and the sampler's worst cases on a one-block cache: [activation peak
+        (the peak above what stays allocated after), what the probe left on the device beyond
+        used_before], in bytes."""
         torch.cuda.reset_peak_memory_stats()
         probe_cache = torch.zeros((2, self.num_layers, 1, self.block_size, self.num_kv_heads, self.head_dim),
                                   dtype=self.kv_dtype, device=self.device)
         self.attn_backend = self._create_backend(probe_cache)
         self.num_kvcache_blocks = 1  # the probe cache's: what the synthetic step's block tables index
-        num_tokens = self.config.max_num_batched_tokens
-        seq_len = min(self.config.max_model_len, num_tokens)
-        num_seqs = max(1, min(self.config.max_num_seqs, num_tokens // seq_len))
-        batch = self._synthetic_step(num_seqs, seq_len)
+        batch = self._synthetic_step(*self._probe_shape())
         # (no dry run of layers/parallel_compiles.py here: a launch it skips leaves its output
         # unwritten, and the probe's embedding would read that output as token indices: a device-side
         # assert)
@@ -264,13 +317,7 @@ class RunnerMemory:
         current = torch.cuda.memory_allocated()
         device_wide.empty_cache()
         free, total = torch.cuda.mem_get_info()
-        used = total - free  # weights, the CUDA context, other engines and processes: anything on the device
-        budget = total * self.config.gpu_memory_utilization - used - (peak - current)
-        summary = (f"gpu_memory_utilization {self.config.gpu_memory_utilization} of {total / 2**30:.1f} GiB, "
-                   f"{used / 2**30:.1f} GiB in use on the device (this engine's weights and any other engine or "
-                   f"process), {(peak - current) / 2**30:.1f} GiB activation peak: {budget / 2**30:.1f} GiB left")
-        logger.info("GPU memory: %s for the KV cache", summary)
-        return int(budget // self.kv_bytes_per_block), summary
+        return [int(peak - current), max(0, int(total - free - used_before))]
 
     def _probe_steps(self, batch) -> None:
         """The worst-case step's forward and the sampler's worst cases, whose activation peak the probe measures."""
