@@ -780,13 +780,8 @@ def test_backend_unsplit_mixed_graph_eagerly(monkeypatch):
     # the module, not asyncllm.kernels' function of the same name
     monkeypatch.setattr(sys.modules["asyncllm.kernels.paged_attention"], "_merge", no_merge)
     q_buf, k_buf, v_buf = qkv(graph_tokens, num_heads, num_kv_heads, head_dim, dtype)
-
-    def run_graph():
-        return ours.forward(0, q_buf, k_buf, v_buf, capture)
-    run_graph.capture_batch = capture
-    tables = torch.randperm(num_blocks, dtype=torch.int32)[:graph_seqs * max_blocks // 2].view(
-        graph_seqs // 2, max_blocks).to(DEVICE)
-    run_mixed_replays(ours, ref, run_graph, q_buf, k_buf, v_buf, tables, block_size, dtype, [
+    replay_mixed_graph(ours, ref, capture, (q_buf, k_buf, v_buf), num_blocks, graph_seqs, max_blocks, block_size,
+                       dtype, [
         ([31], [0]),  # a prompt with no cached prefix, as long as the bound
         ([20, 1, 9], [0, 10, 22]),  # a fresh prompt, a decode, a chunk over cached context
     ])
@@ -809,6 +804,19 @@ def mixed_capture_batch(num_tokens: int, num_seqs: int, context_bound: int) -> F
                         slot_mapping=None, query_start_loc=None, seq_lens=None, block_tables=None,
                         logits_indices=None, num_seqs=num_seqs, num_tokens=num_tokens, max_query_len=num_tokens,
                         max_seq_len=context_bound)
+
+
+def replay_mixed_graph(ours, ref, capture, qkv_bufs, num_blocks, graph_seqs, max_blocks, block_size, dtype, cases):
+    """run_mixed_replays over the graph that ours.forward on capture (a captured mixed batch) stands for,
+    its sequences' block tables drawn at random from num_blocks."""
+    q_buf, k_buf, v_buf = qkv_bufs
+
+    def run_graph():
+        return ours.forward(0, q_buf, k_buf, v_buf, capture)
+    run_graph.capture_batch = capture
+    tables = torch.randperm(num_blocks, dtype=torch.int32)[:graph_seqs * max_blocks // 2].view(
+        graph_seqs // 2, max_blocks).to(DEVICE)
+    run_mixed_replays(ours, ref, run_graph, q_buf, k_buf, v_buf, tables, block_size, dtype, cases)
 
 
 def run_mixed_replays(ours, ref, run_graph, q_buf, k_buf, v_buf, tables, block_size, dtype, steps):
@@ -853,13 +861,8 @@ def test_backend_mixed_graph_buffers_eagerly(split_tokens):
     k_before = ours.k_caches[0].clone()
     ours.forward(0, q_buf, k_buf, v_buf, capture)  # what warm-up and capture run: stores nothing
     assert torch.equal(ours.k_caches[0], k_before)
-
-    def run_graph():
-        return ours.forward(0, q_buf, k_buf, v_buf, capture)
-    run_graph.capture_batch = capture
-    tables = torch.randperm(num_blocks, dtype=torch.int32)[:graph_seqs * max_blocks // 2].view(
-        graph_seqs // 2, max_blocks).to(DEVICE)
-    run_mixed_replays(ours, ref, run_graph, q_buf, k_buf, v_buf, tables, block_size, dtype, [
+    replay_mixed_graph(ours, ref, capture, (q_buf, k_buf, v_buf), num_blocks, graph_seqs, max_blocks, block_size,
+                       dtype, [
         ([20, 1, 9], [0, 40, 30]),  # a fresh prompt, a decode, a chunk over cached context
         ([1, 1, 1, 1], [10, 63, 30, 100]),  # decodes only, through the varlen kernel
         ([50, 14], [0, 5]),  # exactly the graph's token count
