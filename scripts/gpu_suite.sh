@@ -3,7 +3,7 @@
 # PyTorch reference, the engine against HF transformers, CUDA graphs, prefix cache / chunking /
 # preemption), then the benchmarks; a short summary table last.
 #
-#   bash scripts/gpu_suite.sh [tests|tests1|tests2|tests3|tests4|tests13|tests24|bench|all|tp|issues] [run_all.py's options]
+#   bash scripts/gpu_suite.sh [tests|tests1|tests2|tests3|tests4|tests13|tests24|bench|all|tp|issues|ab] [run_all.py's options]
 #
 # tests13 / tests24: two parts at once, each its own pytest process (one call instead of two). Run AE
 # (H100, 2026-12-07, 4a7392a): tests13 570 s in all (tests1 290 s beside tests3's 461 s, then the FP8
@@ -164,6 +164,27 @@ if [ -n "$test_files" ]; then
       --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log"
   tests_rc=${PIPESTATUS[0]}
 fi
+if [ "$mode" = ab ]; then
+  # an older commit against this tree, each run its own process, alternated (issue 49's "offline, batch-1
+  # and serving figures within noise of today's in one run"; run AF's TTFT bisect). AB_OLD_TREE: a tarball
+  # of that commit's package and benchmarks made here and carried (the GPU machine has no .git), e.g.
+  #   git archive 38e4d02 asyncllm benchmarks | gzip > .gpu/old.tgz   (then carry .gpu; AB_OLD_TREE=.gpu/old.tgz)
+  # ~5 minutes on an H100 after the checkpoint; results in $out/ab.log
+  ckpt=/tmp/asyncllm-ckpt; old=/tmp/asyncllm-old; log="$out/ab.log"
+  rm -rf "$old" && mkdir -p "$old" && tar xzf "${AB_OLD_TREE:?the older commit tarball}" -C "$old" || exit 1
+  python3 benchmarks/common.py --shape 0.6b --out "$ckpt/0.6b" --device cuda 2>&1 | tail -n 1
+  model="--shape 0.6b --model-dir $ckpt/0.6b"
+  ab() { local limit=$1 tree=$2; shift 2; echo "== $tree: $* (limit ${limit} s)" | tee -a "$log"
+         if [ "$tree" = old ]; then (cd "$old" && PYTHONPATH="$old:/tmp/asyncllm-site" timeout "$limit" python3 "$@")
+         else timeout "$limit" python3 "$@"; fi 2>&1 | tee -a "$log" | grep -E "^\| (triton|TTFT|TPOT|target)" ; }
+  for tree in old new old new; do  # the first of each compiles its kernels: the second pair is the figure
+    ab 120 $tree benchmarks/bench_throughput.py $model --mode sync,stream
+  done
+  for tree in old new; do ab 90 $tree benchmarks/bench_latency.py $model; done
+  for tree in old new; do
+    ab 90 $tree benchmarks/bench_serving.py $model --concurrency 1,64 --rates 40 --requests-per-rate 64
+  done
+fi
 if [ "$mode" = issues ]; then
   # the open issues' benchmarks that run_all.py leaves out, in one call of under 10 minutes (each step
   # bounded; a step that fails or runs out says so in issues-bench.log and the next one runs):
@@ -190,7 +211,7 @@ if [ "$mode" = bench ] || [ "$mode" = all ]; then
 fi
 echo
 echo "================ GPU suite summary ================"
-if [ "$mode" != bench ] && [ "$mode" != issues ]; then
+if [ "$mode" != bench ] && [ "$mode" != issues ] && [ "$mode" != ab ]; then
   echo "tests: $(tail -n 1 "$out/gpu-tests.log")  (exit $tests_rc)"
   grep -h "sequences identical" "$out/gpu-tests.log" | sort | uniq -c | head -20
 fi
