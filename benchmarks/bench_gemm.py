@@ -22,8 +22,8 @@ runs), torch._scaled_mm W8A8 with the activation's per-token quantization includ
 runs above 16 rows with per-channel scales where it timed faster), and dequantize + cuBLAS with
 per-channel scales (the other route there) and with group scales (the only one for those); "route"
 is what fp8_linear.choose_route takes between the first two (the engine decides at start-up the same
-way, per (N, K) and row bucket, ROUTE_BUCKETS). err: the largest difference from the fp32 product of the dequantized weight, relative to
-that product's largest magnitude.
+way, per (N, K) and row bucket, ROUTE_BUCKETS). err: the largest difference from the fp32 product of
+the dequantized weight, relative to that product's largest magnitude.
 """
 from __future__ import annotations
 
@@ -252,7 +252,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--rows", default=None,
-                        help="comma-separated row counts (default 1,2,4,8,16; with --fp8 1,2,4,8,16,32,64,128,256,512,2048)")
+                        help="comma-separated row counts (default 1,2,4,8,16; "
+                             "with --fp8 1,2,4,8,16,32,64,128,256,512,2048)")
     parser.add_argument("--fp8", action="store_true", help="FP8 weights against bf16 (the module's doc)")
     parser.add_argument("--sweep", action="store_true", help="time every candidate tiling, not only the first few")
     parser.add_argument("--models", default=None, help="comma-separated: 0.6B, 8B (default both; with --fp8 8B)")
@@ -262,7 +263,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_gemm.py needs a CUDA GPU")
     torch.manual_seed(0)
-    rows = [int(r) for r in (args.rows or ("1,2,4,8,16,32,64,128,256,512,2048" if args.fp8 else "1,2,4,8,16")).split(",")]
+    default_rows = "1,2,4,8,16,32,64,128,256,512,2048" if args.fp8 else "1,2,4,8,16"
+    rows = [int(r) for r in (args.rows or default_rows).split(",")]
     models = (args.models or ("8B" if args.fp8 else "0.6B,8B")).split(",")
     if args.fp8:
         # the LM head stays in the compute dtype (FP8 weights are the decoder layers')

@@ -3,7 +3,8 @@
 # PyTorch reference, the engine against HF transformers, CUDA graphs, prefix cache / chunking /
 # preemption), then the benchmarks; a short summary table last.
 #
-#   bash scripts/gpu_suite.sh [tests|tests1|tests2|tests3|tests4|tests13|tests24|bench|all|tp|issues|ab] [run_all.py's options]
+#   bash scripts/gpu_suite.sh [tests|tests1|tests2|tests3|tests4|tests13|tests24|bench|all|tp|issues|ab]
+#                             [run_all.py's options]
 #
 # tests13 / tests24: two parts at once, each its own pytest process (one call instead of two). Run AE
 # (H100, 2026-12-07, 4a7392a): tests13 570 s in all (tests1 290 s beside tests3's 461 s, then the FP8

@@ -19,7 +19,8 @@ Three paths, by the rows of x:
   product scaled by both rows' scales in fp32; or the dequantizing path below, whichever timed faster
   for this (N, K) and row bucket (ROUTE_BUCKETS): decided at the first eager call of the shape (the
   start-up's probe step), never in a dry run or a capture, kept in the start-up cache (_routes_for).
-  Block-wise groups are a scale per K group, which a row-wise scaled GEMM cannot apply: those dequantize. e4m3 activations cost as much quality as e4m3 weights (a relative step of
+  Block-wise groups are a scale per K group, which a row-wise scaled GEMM cannot apply: those
+  dequantize. e4m3 activations cost as much quality as e4m3 weights (a relative step of
   1/16 whatever the scale, so per-128-column activation scales gain little: docs/BENCHMARKS.md), so
   w8a8=False (Config(quantization="fp8_weight_only")) dequantizes instead, trading the FP8 GEMM's speed.
 - otherwise (CPU, the reference; block-wise scales at prefill): dequantize to x's dtype (on CUDA one
