@@ -65,7 +65,8 @@ class ModelRunner(RunnerMemory):
     def _init(self, config: Config, weights, rank: int, step_group, startup: StartupTimings) -> None:
         """The runner's start-up phases, in order (asyncllm/startup.py): the model built and loaded,
         the KV cache sized by a probe step (or its figures from the start-up cache) and allocated, then
-        (CUDA, not eager) the graphs, the batch-1 decode graph's tuning and the sampler graphs, which replay what the probe sized."""
+        (CUDA, not eager) the graphs, the batch-1 decode graph's tuning and the sampler graphs, which
+        replay what the probe sized."""
         self.config = config
         hf = config.hf_config
         self.rank = rank
