@@ -20,6 +20,7 @@ from asyncllm.models.fp8 import _UNSET, Fp8Layout, dequantized, fp8_format, fp8_
 from asyncllm.layers.linear import WeightShapeError, check_loaded_shape
 from asyncllm.models.model_config import read_json_object, read_model_config
 from asyncllm.models.moe_spec import moe_spec
+from asyncllm.models.staged_reads import StagingBuffers, staged_tensors
 from asyncllm.models.tokenizer_loader import transformers_attribute
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -179,12 +180,15 @@ def _reading(path: str):
         raise ValueError(f"{path}: not a readable safetensors file: {e}") from None
 
 
-def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor, str]]:
-    """(name, tensor, file) for every tensor of the checkpoint; the file names it in load errors."""
+def iter_safetensors(model_dir: str, pin: bool = False) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """(name, tensor, file) for every tensor of the checkpoint; the file names it in load errors. The
+    tensors are read with a few large reads into reused host buffers, pinned where pin (for a copy to
+    CUDA): models/staged_reads.py. safe_open checks each file's header first."""
+    staging = StagingBuffers(pin)
     for path in safetensors_files(model_dir):
         with _reading(path), safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name), path
+            for name, tensor in staged_tensors(path, staging):
+                yield name, f.get_tensor(name) if tensor is None else tensor, path
 
 
 def weight_layout(config) -> Fp8Layout | None:
@@ -199,7 +203,7 @@ def checkpoint_weights(config, layout: Fp8Layout | None = _UNSET, weights: Itera
     weights in FP8 with their row scales (quantized on `device`, the model's, where they must be); without,
     FP8 weights dequantized to float32 (models/fp8.py)."""
     if weights is None:
-        weights = iter_safetensors(config.model)
+        weights = iter_safetensors(config.model, pin=device is not None and device.type == "cuda")
     fmt = fp8_format(config.hf_config, os.path.join(config.model, "config.json"))
     if layout is _UNSET:
         layout = weight_layout(config)
