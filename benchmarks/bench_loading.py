@@ -4,8 +4,8 @@
 
 ("python benchmarks/common.py --shape 0.6b --device cpu --out /tmp/ck06" builds a 0.6B-shaped random
 checkpoint.) Each run is a fresh process, as an engine's start-up is, and the readers alternate:
-"mmap" takes each tensor from safetensors' memory map (the loader before the staged reads), "staged"
-is iter_safetensors (models/staged_reads.py: large reads into a reused, on CUDA pinned, buffer). Both
+"mmap" takes each tensor from safetensors' memory map (the loader on CPU, and on CUDA before the staged
+reads), "staged" reads them with large reads into reused buffers, pinned on CUDA (models/staged_reads.py). Both
 feed the same load_weights into a model built as ModelRunner builds it. Prints the median of each.
 """
 from __future__ import annotations
@@ -26,17 +26,7 @@ import torch  # noqa: E402
 
 from asyncllm.models.checkpoint import iter_safetensors, load_hf_config, load_weights  # noqa: E402
 from asyncllm.models.registry import create_model  # noqa: E402
-
-
-def mmap_tensors(model_dir: str):
-    """The loader's reads before the staged ones: each tensor a view of safetensors' memory map."""
-    from safetensors import safe_open
-
-    from asyncllm.models.checkpoint import safetensors_files
-    for path in safetensors_files(model_dir):
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name), path
+from asyncllm.models.staged_reads import StagingBuffers  # noqa: E402
 
 
 def one_run(model_dir: str, reader: str, device: str) -> dict:
@@ -48,7 +38,8 @@ def one_run(model_dir: str, reader: str, device: str) -> dict:
     if dev.type == "cuda":
         torch.cuda.synchronize()
     built = time.perf_counter()
-    weights = mmap_tensors(model_dir) if reader == "mmap" else iter_safetensors(model_dir, pin=dev.type == "cuda")
+    staging = StagingBuffers(pin=dev.type == "cuda") if reader == "staged" else None
+    weights = iter_safetensors(model_dir, staging)
     load_weights(model, weights)
     if dev.type == "cuda":
         torch.cuda.synchronize()
