@@ -109,3 +109,18 @@ def test_unaligned_and_unusual_tensors_read_as_safetensors_reads_them(tmp_path):
     assert read.keys() == tensors.keys()
     for name, tensor in tensors.items():
         assert read[name].dtype == tensor.dtype and read[name].shape == tensor.shape and torch.equal(read[name], tensor)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_each_rank_of_two_slices_the_same_weights(tiny_qwen3, tmp_path, tokenizer_dir, monkeypatch, rank):
+    moe_dir = build_tiny_checkpoint(str(tmp_path / "moe"), "qwen3_moe", tokenizer_dir, seed=4, vocab_size=4096)
+    # the layers take their tensor-parallel rank and size from torch.distributed when built; nothing
+    # here runs a collective, so no process group is needed to build and load one rank's shards
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: rank)
+    for model_dir in (tiny_qwen3, moe_dir):
+        hf = load_hf_config(model_dir)
+        shard = create_model(hf).model.layers[0].self_attn.qkv_proj.weight
+        assert shard.shape[0] < hf.hidden_size + 2 * hf.num_key_value_heads * hf.head_dim  # sharded indeed
+        assert_same_parameters(model_dir)
