@@ -184,7 +184,7 @@ def iter_safetensors(model_dir: str, staging: StagingBuffers | None = None) -> I
     """(name, tensor, file) for every tensor of the checkpoint; the file names it in load errors.
     With staging, the tensors are read with a few large reads into its reused host buffers (pinned
     ones for a copy to CUDA: models/staged_reads.py); without, each is a view of safetensors' memory
-    map, which a CPU model copies from as fast (docs/ARCHITECTURE.md, Start-up). safe_open checks
+    map, which a CPU model copies from faster (docs/ARCHITECTURE.md, Start-up). safe_open checks
     each file's header either way."""
     for path in safetensors_files(model_dir):
         with _reading(path), safe_open(path, framework="pt", device="cpu") as f:
