@@ -20,6 +20,7 @@ from asyncllm.models.fp8 import _UNSET, Fp8Layout, dequantized, fp8_format, fp8_
 from asyncllm.layers.linear import WeightShapeError, check_loaded_shape
 from asyncllm.models.model_config import read_json_object, read_model_config
 from asyncllm.models.moe_spec import moe_spec
+from asyncllm.models.staged_reads import StagingBuffers, staged_tensors
 from asyncllm.models.tokenizer_loader import transformers_attribute
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -179,12 +180,20 @@ def _reading(path: str):
         raise ValueError(f"{path}: not a readable safetensors file: {e}") from None
 
 
-def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor, str]]:
-    """(name, tensor, file) for every tensor of the checkpoint; the file names it in load errors."""
+def iter_safetensors(model_dir: str, staging: StagingBuffers | None = None) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """(name, tensor, file) for every tensor of the checkpoint; the file names it in load errors.
+    With staging, the tensors are read with a few large reads into its reused host buffers (pinned
+    ones for a copy to CUDA: models/staged_reads.py); without, each is a view of safetensors' memory
+    map, which a CPU model copies from faster (docs/ARCHITECTURE.md, Start-up). safe_open checks
+    each file's header either way."""
     for path in safetensors_files(model_dir):
         with _reading(path), safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name), path
+            if staging is None:
+                for name in f.keys():
+                    yield name, f.get_tensor(name), path
+            else:
+                for name, tensor in staged_tensors(path, staging):
+                    yield name, f.get_tensor(name) if tensor is None else tensor, path
 
 
 def weight_layout(config) -> Fp8Layout | None:
@@ -199,7 +208,8 @@ def checkpoint_weights(config, layout: Fp8Layout | None = _UNSET, weights: Itera
     weights in FP8 with their row scales (quantized on `device`, the model's, where they must be); without,
     FP8 weights dequantized to float32 (models/fp8.py)."""
     if weights is None:
-        weights = iter_safetensors(config.model)
+        to_cuda = device is not None and device.type == "cuda"
+        weights = iter_safetensors(config.model, StagingBuffers(pin=True) if to_cuda else None)
     fmt = fp8_format(config.hf_config, os.path.join(config.model, "config.json"))
     if layout is _UNSET:
         layout = weight_layout(config)
