@@ -97,6 +97,11 @@ STARTUP_CACHE = Setting.switch(
     "ASYNCLLM_STARTUP_CACHE",
     "0: no start-up cache: every start-up measures its decisions again and stores none, and Triton's cache "
     "stays where Triton puts it")
+STAGED_LOADING = Setting(
+    "ASYNCLLM_STAGED_LOADING", "0", _on_unless_zero,
+    "1: a CUDA engine reads its safetensors weights with large reads into pinned host buffers "
+    "(models/staged_reads.py) instead of from safetensors' memory map; off until measured on a GPU",
+    default_shown="0")
 TRITON_CACHE_DIR = Setting(
     "TRITON_CACHE_DIR", None, str,
     "Triton's own: where it caches compiled kernels; a CUDA engine sets it, when unset, to $ASYNCLLM_CACHE/triton",
@@ -128,8 +133,8 @@ LOCAL_RANK = Setting("LOCAL_RANK", None, int, "this rank's GPU index on its mach
 MASTER_ADDR = Setting("MASTER_ADDR", None, str, "env:// rendezvous: rank 0's host")
 MASTER_PORT = Setting("MASTER_PORT", None, int, "env:// rendezvous: rank 0's port")
 
-ALL = (LAUNCH_GATE, PDL, SKINNY_GEMM, DECODE_TUNING, CACHE, STARTUP_CACHE, TRITON_CACHE_DIR, API_KEY,
-       TRITON_INTERPRET, TP_INIT_METHOD, TP_LOCAL_RANKS, TP_TIMEOUT_S, FRONTEND_MAX_PENDING_BYTES, RANK, WORLD_SIZE,
+ALL = (LAUNCH_GATE, PDL, SKINNY_GEMM, DECODE_TUNING, CACHE, STARTUP_CACHE, STAGED_LOADING, TRITON_CACHE_DIR,
+       API_KEY, TRITON_INTERPRET, TP_INIT_METHOD, TP_LOCAL_RANKS, TP_TIMEOUT_S, FRONTEND_MAX_PENDING_BYTES, RANK, WORLD_SIZE,
        LOCAL_RANK, MASTER_ADDR, MASTER_PORT)
 
 

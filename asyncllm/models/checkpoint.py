@@ -15,6 +15,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from asyncllm import settings
 from asyncllm.config import config_error, model_file_error
 from asyncllm.models.fp8 import _UNSET, Fp8Layout, dequantized, fp8_format, fp8_layout, is_fp8, resident_fp8
 from asyncllm.layers.linear import WeightShapeError, check_loaded_shape
@@ -208,8 +209,8 @@ def checkpoint_weights(config, layout: Fp8Layout | None = _UNSET, weights: Itera
     weights in FP8 with their row scales (quantized on `device`, the model's, where they must be); without,
     FP8 weights dequantized to float32 (models/fp8.py)."""
     if weights is None:
-        to_cuda = device is not None and device.type == "cuda"
-        weights = iter_safetensors(config.model, StagingBuffers(pin=True) if to_cuda else None)
+        staged = device is not None and device.type == "cuda" and settings.STAGED_LOADING.read()
+        weights = iter_safetensors(config.model, StagingBuffers(pin=True) if staged else None)
     fmt = fp8_format(config.hf_config, os.path.join(config.model, "config.json"))
     if layout is _UNSET:
         layout = weight_layout(config)
