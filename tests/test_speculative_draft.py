@@ -439,6 +439,7 @@ def test_a_verification_replays_a_mixed_graph_where_its_logits_rows_fit():
     graphs.token_sizes, graphs.max_mixed_tokens = graph_token_sizes(64), 64
     graphs.max_context = 4096
     graphs.context_bounds = {size: [4096] for size in graphs.batch_sizes}
+    graphs.mixed_context_bounds = {size: [4096] for size in graphs.token_sizes}
 
     def step(num_seqs, num_tokens, num_logits):
         return SimpleNamespace(num_seqs=num_seqs, num_tokens=num_tokens, logits_indices=torch.zeros(num_logits),
