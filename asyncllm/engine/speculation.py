@@ -23,7 +23,10 @@ overhead tends to e / MAX_PAUSE_STEPS, under 1% for any draft no larger than the
 with more than MAX_SPECULATING_DECODES decoding rows speculates for none: a large batch is
 compute-bound, and verifying drafts then costs what it saves. A proposer that has nothing for a
 request (no n-gram match) teaches nothing about acceptance; the request looks again after 1, 2,
-4, ... up to PAUSE_STEPS steps (Speculation._missed).
+4, ... up to PAUSE_STEPS steps (Speculation._missed). Across requests (Speculation.engine_pause):
+while every probe of a draft model has failed since one last paid, a new request's first probe waits
+the pause the latest failed probe set, so a never-paying draft does not pay a probe and its prompt's
+prefill by the draft in every request's first steps.
 docs/ARCHITECTURE.md "Speculative decoding" derives these numbers.
 """
 from __future__ import annotations
