@@ -424,6 +424,47 @@ def test_a_draft_that_never_pays_costs_one_probe_then_log_many(engines):
     assert len(asked) == 4, asked  # the bound is met: probes at 0, 33, 98 and 227
 
 
+def test_a_new_request_starts_where_the_engines_failed_probes_left_the_backoff(engines):
+    """A draft model that failed every probe since it last paid, in any request, costs a new request no
+    probe (and its prompt's catch-up) at its first decode step: it waits the pause the latest failed
+    probe set, then probes (a failure doubles it). Any step that pays starts the engine's backoff over:
+    the next request probes at once. The engine's backoff ends with the proposer it judged."""
+    llm = engines("random", "roomy", True)
+    speculation = llm.core.speculation
+    paying_prompt = prompts(1, seed=16, vocab=100000)[0]
+    plain = ids(run(engines("random", "roomy", False), [paying_prompt],
+                    SamplingParams(temperature=0, max_tokens=PAUSE_STEPS + 80, ignore_eos=True)))[0]
+    full = paying_prompt + plain
+
+    def script(call, row):  # right drafts for paying_prompt's request, wrong for the others
+        if row.token_ids[:len(paying_prompt)] == paying_prompt:
+            return full[len(row.token_ids):len(row.token_ids) + row.max_tokens]
+        return wrong_drafts(call, row)
+    proposer = StepRecordingProposer(llm.core, script, drafts_cost_forwards=True)
+    ngram, speculation.proposer = speculation.proposer, proposer
+    assert speculation.engine_pause == 0
+    try:
+        def first_asks(prompt, max_tokens):
+            first_step, start = llm.core.num_steps + 1, len(proposer.asked)
+            out = run(llm, [prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+            return [step - first_step for step, _ in proposer.asked[start:]], ids(out)[0]
+        # a fresh engine: the first request probes at its first decode step; its failure pauses it
+        assert first_asks(prompts(1, seed=17, vocab=100000)[0], 10)[0] == [0]
+        assert speculation.engine_pause == PAUSE_STEPS
+        # the next request waits that pause first; its failed probe doubles it, for the engine too
+        assert first_asks(prompts(1, seed=18, vocab=100000)[0], PAUSE_STEPS + 10)[0] == [PAUSE_STEPS]
+        assert speculation.engine_pause == 2 * PAUSE_STEPS
+        # a request whose drafts pay (after the engine's pause): every step speculates, same tokens
+        asks, out = first_asks(paying_prompt, PAUSE_STEPS + 80)
+        assert asks[:3] == [2 * PAUSE_STEPS, 2 * PAUSE_STEPS + 1, 2 * PAUSE_STEPS + 2] and out == plain
+        assert speculation.engine_pause == 0
+        assert first_asks(prompts(1, seed=19, vocab=100000)[0], 10)[0] == [0]  # probes at once again
+        speculation.proposer = ngram
+        assert speculation.engine_pause == 0  # the n-gram lookup is judged afresh
+    finally:
+        speculation.proposer = ngram
+
+
 def test_a_request_whose_drafts_pay_again_resumes_and_its_backoff_starts_over(engines):
     prompt = prompts(1, seed=11, vocab=100000)
     plain = ids(run(engines("random", "roomy", False), prompt,

@@ -23,7 +23,10 @@ overhead tends to e / MAX_PAUSE_STEPS, under 1% for any draft no larger than the
 with more than MAX_SPECULATING_DECODES decoding rows speculates for none: a large batch is
 compute-bound, and verifying drafts then costs what it saves. A proposer that has nothing for a
 request (no n-gram match) teaches nothing about acceptance; the request looks again after 1, 2,
-4, ... up to PAUSE_STEPS steps (Speculation._missed).
+4, ... up to PAUSE_STEPS steps (Speculation._missed). Across requests (Speculation.engine_pause):
+while every probe of a draft model has failed since one last paid, a new request's first probe waits
+the pause the latest failed probe set, so a never-paying draft does not pay a probe and its prompt's
+prefill by the draft in every request's first steps.
 docs/ARCHITECTURE.md "Speculative decoding" derives these numbers.
 """
 from __future__ import annotations
@@ -83,7 +86,7 @@ def make_proposer(config: Config, tokenizer) -> Proposer:
 class Speculation:
     def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_logits_rows: int):
         self.num_speculative_tokens = config.num_speculative_tokens
-        self.proposer = proposer
+        self.proposer = proposer  # (its setter also starts the engine's backoff over)
         # a step's logits rows (one per sampling row, one per draft) stay within this (the scheduler's
         # cap, max_num_seqs): drafts past it would be proposed, then cut, never verified
         self.max_logits_rows = max_logits_rows
@@ -95,6 +98,18 @@ class Speculation:
         self.num_accepted_tokens = 0
         self.num_verifications = 0
         self.num_decode_steps = 0  # decoding rows' steps, speculating or not
+
+    @property
+    def proposer(self) -> Proposer:
+        return self._proposer
+
+    @proposer.setter
+    def proposer(self, proposer: Proposer) -> None:
+        self._proposer = proposer
+        # the engine's backoff (_learn): the pause the latest failed probe of a proposer whose drafts
+        # cost forwards set, where a new request's speculation starts; 0 since a step paid. A new
+        # proposer has no record
+        self.engine_pause = 0
 
     def draft(self, running: list[Sequence], step: int) -> bool:
         """Give this step's speculating rows of running their drafts (seq.draft_token_ids, read by
@@ -110,11 +125,19 @@ class Speculation:
         if len(ready) > MAX_SPECULATING_DECODES:
             return False
         wanting = [seq for seq in ready if step >= seq.drafts_paused_until and _may_speculate(seq)]
-        rows, seqs = [], []
+        rows, seqs, deferred = [], [], 0
         logits_room = self.max_logits_rows - len(ready)
         for seq in wanting:
             if seq.draft_acceptance is None:  # its first speculation
                 seq.draft_acceptance = LOW_ACCEPTANCE if self.proposer.drafts_cost_forwards else 1.0
+                if self.engine_pause and self.proposer.drafts_cost_forwards:
+                    # the draft has failed every probe since it last paid, in any request: this one
+                    # starts where their backoff is, and probes after that pause (a probe's catch-up
+                    # is the draft's prefill of the whole prompt, its dearest step)
+                    seq.draft_pause = self.engine_pause
+                    seq.drafts_paused_until = step + self.engine_pause
+                    deferred += 1
+                    continue
             room = seq.max_len - len(seq) - 1  # every token it may still take, after the bonus one
             k = min(room, logits_room, math.ceil(self.num_speculative_tokens * seq.draft_acceptance))
             if k > 0 and not seq.num_in_flight:
@@ -132,7 +155,7 @@ class Speculation:
                 self._missed(seq, step)
             # None: the proposer could not this step (a draft model's KV blocks ran out); nothing learnt
         # no room for drafts (the step's rows alone fill max_num_seqs): nothing waits for this step's tokens
-        return bool(wanting) and self.max_logits_rows > len(ready)
+        return len(wanting) > deferred and self.max_logits_rows > len(ready)
 
     def release(self, seq: Sequence) -> None:
         """seq has ended or was preempted: the proposer drops what it kept for it."""
@@ -146,16 +169,18 @@ class Speculation:
         self.num_verifications += 1
         self._learn(seq, num_accepted / num_drafts, step)
 
-    @staticmethod
-    def _learn(seq: Sequence, rate: float, step: int) -> None:
+    def _learn(self, seq: Sequence, rate: float, step: int) -> None:
         seq.draft_acceptance += ACCEPTANCE_WEIGHT * (rate - seq.draft_acceptance)
         if rate >= LOW_ACCEPTANCE:
             seq.draft_pause = 0  # a step that pays: its next pause is PAUSE_STEPS again
+            self.engine_pause = 0  # and a new request's first speculation is a probe at once
         elif seq.draft_acceptance < LOW_ACCEPTANCE:
             seq.draft_pause = min(2 * seq.draft_pause, MAX_PAUSE_STEPS) or PAUSE_STEPS
             seq.drafts_paused_until = step + seq.draft_pause
             # its retry is a probe, like its first speculation: one poor probe pauses it again
             seq.draft_acceptance = LOW_ACCEPTANCE
+            if self.proposer.drafts_cost_forwards:
+                self.engine_pause = seq.draft_pause
 
     @staticmethod
     def _missed(seq: Sequence, step: int) -> None:
