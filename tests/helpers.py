@@ -272,6 +272,17 @@ def assert_greedy_runs_match(reference: tuple, other: tuple, logits_rtol: float)
                         f"worst logits error {worst_rtol:.1e}")
 
 
+class LaunchRecorder:
+    """Stands in for a Triton kernel: `kernel[grid](*args, **kwargs)` appends (kernel, args, kwargs) to
+    launches instead of launching (the sm_90 compile-only tests build each recorded launch)."""
+
+    def __init__(self, kernel, launches: list):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((self.kernel, args, kwargs))
+
+
 def compile_for_sm90_in_subprocess(module: str, function: str) -> int:
     """tests/<module>.<function>() in a fresh interpreter where Triton compiles for real
     (TRITON_INTERPRET=0, ASYNCLLM_KERNELS_AOT=1): the CPU interpreter never compiles, so compile-only

@@ -15,7 +15,7 @@ from test_kernels import CUDA, DEVICE, _compile_for_sm90  # noqa: E402  (sets th
 from asyncllm.layers import fp8_linear, skinny_linear  # noqa: E402
 from asyncllm.layers.fp8_linear import ROUTE_BUCKETS, ROUTES, quantize_rows  # noqa: E402
 from asyncllm.startup_cache import StartupDecisions  # noqa: E402
-from helpers import compile_for_sm90_in_subprocess, seed_every_test  # noqa: E402
+from helpers import LaunchRecorder, compile_for_sm90_in_subprocess, seed_every_test  # noqa: E402
 
 _seed = seed_every_test(4848)
 
@@ -104,17 +104,10 @@ def compile_fp8_conversions_for_sm90() -> int:
     from asyncllm.kernels import fp8_quant
     launches = []
 
-    class Recorder:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs))
-
     kernels = ("_quantize_per_token_kernel", "_dequantize_rows_kernel")
     originals = [getattr(fp8_quant, name) for name in kernels]
     for name, kernel in zip(kernels, originals):
-        setattr(fp8_quant, name, Recorder(kernel))
+        setattr(fp8_quant, name, LaunchRecorder(kernel, launches))
     try:
         for cols in (1024, 3072, 12288):  # one tile (2 widths), two passes
             fp8_quant.quantize_per_token(torch.empty(32, cols, dtype=torch.bfloat16))

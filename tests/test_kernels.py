@@ -27,7 +27,7 @@ from asyncllm.kernels.paged_attention import (MAX_PREFILL_SPLITS, MAX_SPLITS, PR
                                               longest_unsplit_context)
 from asyncllm.kernels.host import cdiv  # noqa: E402
 from asyncllm.startup_cache import StartupDecisions  # noqa: E402
-from helpers import compile_for_sm90_in_subprocess, seed_every_test  # noqa: E402
+from helpers import LaunchRecorder, compile_for_sm90_in_subprocess, seed_every_test  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -1006,13 +1006,6 @@ def _record_launches(configs: list[dict], kv_dtype: torch.dtype = torch.bfloat16
     skinny_mod = importlib.import_module("asyncllm.kernels.skinny_gemm")
     calls = []
 
-    class Recorder:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: calls.append((self.kernel, args, kwargs))
-
     patched = [(mod, name) for mod in (kv_store_mod, attention_mod, fused_mod, skinny_mod)
                for name, value in vars(mod).items() if isinstance(value, JITFunction) and name.endswith("_kernel")]
     # every launch as on an sm_90 GPU with programmatic dependent launch (kernels/pdl.py) on
@@ -1020,7 +1013,7 @@ def _record_launches(configs: list[dict], kv_dtype: torch.dtype = torch.bfloat16
     originals = [getattr(mod, name) for mod, name in patched]
     for mod, name in patched:
         setattr(mod, name, (lambda x: {"USE_PDL": True, "launch_pdl": True}) if name == "launch_options"
-                else Recorder(getattr(mod, name)))
+                else LaunchRecorder(getattr(mod, name), calls))
     try:
         for cfg in configs:
             step = make_step(cfg["query_lens"], [0] * len(cfg["query_lens"]), cfg["block_size"],

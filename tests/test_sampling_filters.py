@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 from asyncllm.kernels import sampling_filters as kernels  # noqa: E402
 from asyncllm.layers.sampling_filters import (apply_cutoffs, filter_cutoffs,  # noqa: E402
                                               filter_cutoffs_reference)
-from helpers import compile_for_sm90_in_subprocess, seed_every_test  # noqa: E402
+from helpers import LaunchRecorder, compile_for_sm90_in_subprocess, seed_every_test  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -269,15 +269,8 @@ def compile_filters_for_sm90() -> int:
     from test_kernels import _compile_for_sm90
     calls = []
 
-    class Recorder:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: calls.append((self.kernel, args, kwargs))
-
     originals = kernels._chunk_kernel, kernels._cutoff_kernel
-    kernels._chunk_kernel, kernels._cutoff_kernel = (Recorder(k) for k in originals)
+    kernels._chunk_kernel, kernels._cutoff_kernel = (LaunchRecorder(k, calls) for k in originals)
     try:
         for dtype in (torch.float32, torch.bfloat16):
             logits = torch.randn(3, 151936).to(dtype)
