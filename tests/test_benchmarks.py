@@ -369,11 +369,15 @@ def test_bench_spec_runs_every_mode_in_its_process_with_the_same_text(tiny_model
     by_mode = {(row["mode"], row["batch"]): row for row in rows}
     # the draft is the target: every proposal accepted; random weights: (almost) none
     assert by_mode[("draft", 1)]["acceptance_rate"] >= 0.9
-    assert by_mode[("random-draft", 1)]["acceptance_rate"] <= 0.3
     # a draft model's rows time its proposals and count its forwards (on CPU all eager); the others have none
-    for mode in ("draft", "random-draft"):
-        row = by_mode[(mode, 1)]
-        assert row["draft_proposals_per_rep"] >= 1 and row["draft_ms_per_proposal"] > 0
+    draft, random_draft = by_mode[("draft", 1)], by_mode[("random-draft", 1)]
+    assert draft["draft_proposals_per_rep"] >= 1 and draft["draft_ms_per_proposal"] > 0
+    # the random draft's failed probes in the warm-up set the engine's backoff (engine/speculation.py), which
+    # the timed rep's new requests wait out first: within 12 tokens they propose little or nothing
+    assert random_draft["draft_proposals_per_rep"] <= draft["draft_proposals_per_rep"]
+    if random_draft["draft_proposals_per_rep"]:
+        assert random_draft["acceptance_rate"] <= 0.3
+    for row in (draft, random_draft):
         assert row["draft_eager_forwards_per_rep"] >= row["draft_proposals_per_rep"] and row["draft_replays_per_rep"] == 0
     assert all("draft_ms_per_proposal" not in row for row in rows if row["mode"] in ("plain", "ngram", "oracle"))
     assert all(row["jit_compiles"] == "0" for row in rows)  # CPU: nothing compiled
