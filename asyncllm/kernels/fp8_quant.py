@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from asyncllm.kernels.host import next_power_of_2
+from asyncllm.kernels.host import cdiv, next_power_of_2
 
 # constexpr: a kernel reads no other globals
 FP8_MAX = tl.constexpr(448.0)  # float8_e4m3fn's largest finite value
@@ -106,7 +106,7 @@ def dequantize_rows(weight: torch.Tensor, scale: torch.Tensor, group_k: int | No
         out = torch.empty(rows, cols, dtype=dtype, device=weight.device)
     if weight.numel():
         per_row = scale.shape[1] == 1
-        grid = (rows, -(-cols // DEQUANT_BLOCK))
+        grid = (rows, cdiv(cols, DEQUANT_BLOCK))
         _dequantize_rows_kernel[grid](weight, scale, out, cols, weight.stride(0), scale.stride(0), out.stride(0),
                                       1 if per_row else group_k, BLOCK=DEQUANT_BLOCK, PER_ROW=per_row, num_warps=4)
     return out
