@@ -47,7 +47,7 @@
 #   call 4, at once, ~5.5 min:  OUT=$OUT bash scripts/gpu_suite.sh tests3   # n-gram speculation; test_fp8_kv,
 #                               # test_decode_staging, test_gpu_tp (2 GPUs), test_fp8_loading's CUDA test, test_fused_moe,
 #                               # test_moe_router, the FP8 kernel files
-#   call 5, at once, ~6 min:    OUT=$OUT bash scripts/gpu_suite.sh tests4   # test_kernels, test_sampling_filters
+#   call 5, at once, ~6 min:    OUT=$OUT bash scripts/gpu_suite.sh tests4   # test_kernels, test_sampling_filters, test_fp8_route
 #   call 6, at once, ~6.5 min:  OUT=$OUT bash scripts/gpu_suite.sh bench
 # The tests alone take ~23 of a session's 30 device-minutes with the machine's start: a session that needs the
 # benchmarks too runs the parts its change touches (tests4 is kernels only), or tests in one session and bench in
@@ -103,7 +103,7 @@ case "$mode" in
   tests|all) test_files="tests/test_gpu.py tests/test_fp8_kv.py tests/test_decode_staging.py tests/test_gpu_tp.py
                          tests/test_fp8_loading.py tests/test_fused_moe.py tests/test_moe_router.py
                          tests/test_fp8_kv_kernels.py tests/test_fp8_weight_kernels.py tests/test_kernels.py
-                         tests/test_sampling_filters.py"
+                         tests/test_sampling_filters.py tests/test_fp8_route.py"
              part_select="" ;;
   tests1) test_files="tests/test_gpu.py"; part_select="$gpu_part1" ;;
   tests2) test_files="tests/test_gpu.py"; part_select="not ($gpu_part1 or speculative_decoding)" ;;
@@ -114,7 +114,7 @@ case "$mode" in
                       tests/test_fp8_kv_kernels.py tests/test_fp8_weight_kernels.py"
           part_select="speculative_decoding or test_fp8 or test_decode_staging or test_gpu_tp or test_fused_moe \
 or test_moe_router" ;;
-  tests4) test_files="tests/test_kernels.py tests/test_sampling_filters.py"; part_select="" ;;
+  tests4) test_files="tests/test_kernels.py tests/test_sampling_filters.py tests/test_fp8_route.py"; part_select="" ;;
   *) test_files="" ;;
 esac
 if [ "$mode" = tests13 ] || [ "$mode" = tests24 ]; then

@@ -218,7 +218,7 @@ GPU_PART1 = ("match_hf", "cuda_graph_decode", "pdl", "decode_tuning", "per_conte
 FIXED_S = {"tests3": {"test_fused_moe.py kernels (guess)": 30, "test_moe_router.py (guess)": 5,
                       "test_decode_staging.py, test_fp8_kv.py on CPU (guess)": 15,
                       "test_fp8_kv_kernels.py, test_fp8_weight_kernels.py (guess)": 40},
-           "tests4": {"test_kernels.py with test_sampling_filters.py": 366}}
+           "tests4": {"test_kernels.py with test_sampling_filters.py": 366, "test_fp8_route.py (guess)": 20}}
 # an engine's start-up besides its graphs (load, probe, sampler graphs, tuning), each graph's warm-up and
 # capture (kernels compiled on a cold cache among them), a test's own work: fitted so that run N's first
 # 27 tests of test_gpu.py (55 engines, 615 graphs) come to its 560 s on an H100, with the process's

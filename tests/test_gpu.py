@@ -251,7 +251,10 @@ def test_new_turn_over_a_long_cached_history_splits_kv(model_dir):
     prefix then replays its bucket's unsplit graph (issue 49's TTFT). Tokens and logits match
     the plain-PyTorch backend's (checked against HF in test_logits_and_tokens_match_hf), fp32."""
     history = random_prompts(1, seed=21, lo=3000, hi=3001)[0]
-    turns = [history + p for p in random_prompts(3, seed=22, lo=16, hi=200)]
+    # a turn's chunk is its new tokens and the history's tail past its last full KV block (184 tokens
+    # at 256-token blocks): up to 243 tokens, under the 256-token mixed graph (run AG: a 200-token turn
+    # made a 384-token chunk, which ran eagerly)
+    turns = [history + p for p in random_prompts(3, seed=22, lo=16, hi=60)]
     fresh = random_prompts(1, seed=23, lo=150, hi=151)[0]  # no cached prefix: the unsplit graph's
 
     def turn_by_turn(llm) -> tuple[list, list]:
@@ -262,12 +265,14 @@ def test_new_turn_over_a_long_cached_history_splits_kv(model_dir):
         results.append(run(llm, [fresh]))
         return [r[0][0] for r in results], [r[1][0] for r in results]
 
-    # the 4k max_model_len's split counts; the history in one chunk; the turns' chunks (up to 200
-    # tokens) in mixed graphs of up to 256
+    # the 4k max_model_len's split counts; the history in one chunk; the turns' chunks in mixed graphs
+    # of up to 256
     options = dict(dtype="float32", max_model_len=4096, max_num_batched_tokens=4096, cuda_graph_max_tokens=256)
     reference = turn_by_turn(get_llm(model_dir, "torch", **options))
     graphed = get_llm(model_dir, "triton", **options)
     graphs = graphed.core.runner.graph_runner
+    block = graphed.core.config.kvcache_block_size
+    assert all(len(t) - len(history) // block * block <= 256 for t in turns)
     from asyncllm.kernels.paged_attention import longest_unsplit_context
     with recording_replays(graphs) as replayed:
         assert_equivalent(reference, turn_by_turn(graphed), "float32")
