@@ -6,8 +6,12 @@ so an all-zero row divides by something): one launch that reads the row, takes i
 x / scale clamped to +-448 and rounded to nearest even. The PyTorch form of the same arithmetic
 (fp8_linear._quantize_per_token) took nine launches and four fp32 round trips through memory.
 
-Bit for bit PyTorch's on CPU: the amax is exact in fp32, the scale and each x / scale are correctly
-rounded divisions (div_rn; Triton's plain '/' on fp32 is an approximate one on the GPU).
+Bit for bit PyTorch's: the amax is exact in fp32, the scale and each x / scale are correctly rounded
+divisions (div_rn; Triton's plain '/' on fp32 is an approximate one on the GPU), and x / scale is
+rounded onto e4m3's grid in fp32 arithmetic (_round_to_e4m3), to nearest, ties to even, as PyTorch's
+cast does, before a cast that then has nothing to round: how Triton's own fp32 -> e4m3 cast rounds is
+left out of it (the interpreter's rounds ties away and mis-carries; on an H100 the fused W8A8 path
+missed PyTorch's by one element in 19,200, run AG, which a cast differing from PyTorch's explains).
 A row of up to MAX_ONE_TILE columns is held in registers between the amax and the cast, so it is read
 once; a longer one is read again for the cast (from L2: the row was just read).
 
@@ -32,6 +36,22 @@ MAX_ONE_TILE = 8192  # columns held in registers at once (8 warps: 32 fp32 regis
 
 
 @triton.jit
+def _round_to_e4m3(v):
+    """v (fp32, |v| <= 448) rounded to the nearest float8_e4m3fn value, ties to even, as fp32: its
+    quantum is 2**(exponent - 3) (3 mantissa bits), 2**-9 in the subnormal range below 2**-6. Every
+    step is exact: a division and a product by a power of two, and a whole part below 16."""
+    bits = v.to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    quantum = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    scaled = tl.abs(v) / quantum
+    whole = scaled.to(tl.int32)  # truncation: the floor of a non-negative value
+    fraction = scaled - whole.to(tl.float32)
+    whole += ((fraction > 0.5) | ((fraction == 0.5) & ((whole & 1) == 1))).to(tl.int32)
+    magnitude = (whole.to(tl.float32) * quantum).to(tl.int32, bitcast=True)
+    return (magnitude | (bits & -0x80000000)).to(tl.float32, bitcast=True)  # v's sign, -0.0 included
+
+
+@triton.jit
 def _quantize_per_token_kernel(x_ptr, out_ptr, scale_ptr, n_cols, stride_x, stride_out,
                                BLOCK: tl.constexpr, ONE_TILE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -50,12 +70,12 @@ def _quantize_per_token_kernel(x_ptr, out_ptr, scale_ptr, n_cols, stride_x, stri
     scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), MIN_SCALE)
     tl.store(scale_ptr + row, scale)
     if ONE_TILE:
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
+        q = _round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX))
         tl.store(out_row + cols, q.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
     else:
         for start in range(0, n_cols, BLOCK):
             part = tl.load(x_row + start + cols, mask=start + cols < n_cols, other=0.0).to(tl.float32)
-            q = tl.minimum(tl.maximum(tl.math.div_rn(part, scale), -FP8_MAX), FP8_MAX)
+            q = _round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(part, scale), -FP8_MAX), FP8_MAX))
             tl.store(out_row + start + cols, q.to(out_ptr.dtype.element_ty), mask=start + cols < n_cols)
 
 
