@@ -22,10 +22,10 @@ acceptance rate and mean accepted length (tokens a verifying request takes per s
 their text equals plain's (greedy: it must), Triton JIT compiles in the timed reps (the warm-up should
 meet them all), and for draft models a proposal's mean wall time (what a probe's draft costs) and the
 draft's forwards a rep, eager or CUDA-graph replays. --model-dir another checkpoint instead (tests: the tiny one).
---temperature T > 0: seeded sampling at T (request i with seed i) instead of greedy: a draft model then
-draws its drafts from its own distribution and the verification accepts with min(1, p/q), so "draft"
-(the target itself) should still accept nearly every draft; the text then differs from plain's (other
-noise) and "same text" is not reported.
+--temperature T > 0: seeded sampling at T (request i with seed i) instead of greedy: a seeded request's
+drafts are keyed draws (a draft model's, with the target's noise keys) verified by exact match against
+the target's own keyed draw (layers/rejection_sampler.py), so "draft" (the target itself) should still
+accept nearly every draft, and the text is plain's, as greedy's is (up to rounding between shapes).
 """
 from __future__ import annotations
 
@@ -225,7 +225,7 @@ def main(argv=None) -> dict:
                         help="Config.dtype (float32: the oracle's ceiling on random weights, whose near-flat bf16 "
                              "argmax flips between a k+1-row verification and a 1-row decode)")
     parser.add_argument("--temperature", type=float, default=0.0,
-                        help="0: greedy; > 0: seeded sampling at this temperature (no text comparison)")
+                        help="0: greedy; > 0: seeded sampling at this temperature")
     parser.add_argument("--mode", default=None, choices=MODES, help="(internal: one mode, here)")
     args = parse_args(parser, argv)
     args.batches = [int(b) for b in str(args.batches).split(",")]
@@ -267,7 +267,7 @@ def main(argv=None) -> dict:
     plain = {row["batch"]: row for row in rows if row["mode"] == "plain" and "error" not in row}
     for row in rows:
         reference = plain.get(row["batch"])
-        if row["mode"] != "plain" and "error" not in row and reference is not None and args.temperature == 0:
+        if row["mode"] != "plain" and "error" not in row and reference is not None:
             row["same_text"] = row["texts"] == reference["texts"]
     add_ratios(rows, "speedup", "tok_s", {"mode": "plain"}, same=("batch",))
     for row in rows:

@@ -28,8 +28,8 @@ from asyncllm.async_engine import AsyncLLMEngine
 from asyncllm.config import Config
 from asyncllm.engine.speculation import LOW_ACCEPTANCE, MAX_PAUSE_STEPS, MAX_SPECULATING_DECODES, PAUSE_STEPS
 from asyncllm.errors import InvalidValueError
-from asyncllm.layers.rejection_sampler import RejectionSampler, kept_rows, verify_drafts
-from asyncllm.layers.sampler import SamplingTensors, noise_key
+from asyncllm.layers.rejection_sampler import ROWS_PER_CHUNK, RejectionSampler, kept_rows, unseeded_chunks, verify_drafts
+from asyncllm.layers.sampler import Sampler, SamplingTensors, noise_key
 from asyncllm.llm import LLM
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.speculative.ngram import NgramProposer, ngram_draft
@@ -542,32 +542,78 @@ def test_rejection_sampling_keeps_the_target_distribution(draft):
         assert math.isclose(num_accepted / (20 * num), probs[draft].item(), abs_tol=0.01)
 
 
-def test_rejection_sampler_applies_temperature_top_k_and_seeds():
-    """The sampler's p is the request's: temperature and top-k over the logits, every row with its
-    own seed key (as a seeded request's positions have), reproducible."""
+def test_rejection_sampler_applies_temperature_and_top_k_to_unseeded_rows():
+    """The sampler's p is the request's: temperature and top-k over the logits; unseeded rows draw
+    from the sampler's generator (the same generator seed: the same tokens)."""
     logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -1.0])
     temperature, top_k = 0.8, 4
     target = torch.zeros(6, dtype=torch.float64)
     target[:top_k] = (logits[:top_k].double() / temperature).softmax(0)
     num, counts = 500, np.zeros(6, dtype=np.int64)
-    for seed in range(20):  # 20 seeds, each over num rows (a row: one position of a seeded request), pooled
-        keys = [noise_key(seed, i) for i in range(num)]
-        params = SamplingTensors.build([SamplingParams(temperature=temperature, top_k=top_k)] * num, 6,
-                                       torch.device("cpu"), keys=keys, seeded_rows=list(enumerate(keys)))
+    params = SamplingTensors.build([SamplingParams(temperature=temperature, top_k=top_k)] * num, 6,
+                                   torch.device("cpu"), keys=[0] * num)
+    for seed in range(20):  # 20 generator seeds' draws of num rows (a row: one position), pooled
         drafts = torch.full((num,), seed % 6)
         alone = torch.arange(num)  # each row a request of its own
         out = RejectionSampler(torch.Generator().manual_seed(seed))(logits.expand(num, -1), params, drafts, alone)
         counts += np.bincount(out.token_ids.numpy(), minlength=6)
-        again = RejectionSampler(torch.Generator().manual_seed(seed + 100))(logits.expand(num, -1), params, drafts,
-                                                                             alone)
-        assert torch.equal(again.token_ids, out.token_ids)  # seeded rows: their keys alone decide
+        again = RejectionSampler(torch.Generator().manual_seed(seed))(logits.expand(num, -1), params, drafts, alone)
+        assert torch.equal(again.token_ids, out.token_ids)
     assert counts[top_k:].sum() == 0
     assert chi_square_p_value(counts, target.numpy()) > 0.01, counts
 
 
+def test_seeded_rows_verify_by_exact_match_against_the_plain_keyed_draw():
+    """A seeded row's token is the plain sampler's draw with its key (whatever the generator, the
+    draft or the rows around it), it accepts its draft iff the draft is that token, and its tokens
+    follow p; unseeded rows around seeded runs are rejection-sampled (unseeded_chunks' runs)."""
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -1.0])
+    temperature, top_k = 0.8, 4
+    target = torch.zeros(6, dtype=torch.float64)
+    target[:top_k] = (logits[:top_k].double() / temperature).softmax(0)
+    num = 2 * ROWS_PER_CHUNK + 9
+    seeded = [row for row in range(num) if row % 5 in (1, 2) or row == num - 1]
+    settings = [SamplingParams(temperature=temperature, top_k=top_k)] * num
+    counts = np.zeros(6, dtype=np.int64)
+    for seed in range(60):
+        keys = [noise_key(seed, row) if row in seeded else 7 for row in range(num)]
+        params = SamplingTensors.build(settings, 6, torch.device("cpu"), keys=keys,
+                                       seeded_rows=[(row, keys[row]) for row in seeded])
+        alone_params = SamplingTensors.build([settings[0]] * len(seeded), 6, torch.device("cpu"),
+                                             keys=[keys[row] for row in seeded],
+                                             seeded_rows=[(n, keys[row]) for n, row in enumerate(seeded)])
+        plain = Sampler(torch.Generator().manual_seed(0)).draw(logits.expand(len(seeded), -1), alone_params)
+        drafts = torch.randint(-1, 6, (num,), generator=torch.Generator().manual_seed(seed))
+        first_rows = torch.arange(num)
+        out = RejectionSampler(torch.Generator().manual_seed(seed))(logits.expand(num, -1), params, drafts, first_rows)
+        assert torch.equal(out.token_ids[seeded], plain)
+        assert torch.equal(out.accepted[seeded], drafts[seeded] == plain)
+        counts += np.bincount(plain.numpy(), minlength=6)
+        other = RejectionSampler(torch.Generator().manual_seed(seed + 100))(
+            logits.expand(num, -1), params, torch.randint(0, 6, (num,)), first_rows)
+        assert torch.equal(other.token_ids[seeded], plain)
+        unseeded = [row for row in range(num) if row not in seeded]
+        assert (out.token_ids[unseeded] < top_k).all()
+        unseeded_drafts, unseeded_accepted = drafts[unseeded], out.accepted[unseeded]
+        # an unseeded row's accepted draft is its token (rejection sampling; no draft: none accepted)
+        assert not unseeded_accepted[unseeded_drafts < 0].any()
+        assert torch.equal(out.token_ids[unseeded][unseeded_accepted], unseeded_drafts[unseeded_accepted])
+    assert counts[top_k:].sum() == 0
+    assert chi_square_p_value(counts, target.numpy()) > 0.01, counts
+
+
+def test_unseeded_chunks_cover_the_unseeded_rows_in_runs_of_at_most_a_chunk():
+    for num, seeded in ((0, set()), (40, set()), (40, {0, 5, 6, 39}), (5, {0, 1, 2, 3, 4}), (37, {20})):
+        chunks = unseeded_chunks(num, seeded)
+        rows = [row for chunk in chunks for row in range(chunk.start, chunk.stop)]
+        assert rows == [row for row in range(num) if row not in seeded]
+        assert all(0 < chunk.stop - chunk.start <= ROWS_PER_CHUNK for chunk in chunks)
+
+
 def test_sampled_tokens_end_to_end_follow_the_target_distribution(engines):
-    """At temperature 1, the second token given the first, over many seeds: its step verified an
-    n-gram draft, and its frequencies match the target's probabilities (the plain engine's)."""
+    """At temperature 1, the second token given the first, over many unseeded requests (rejection
+    sampling: a seeded request verifies by exact match, tested below): its step verified an n-gram
+    draft, and its frequencies match the target's probabilities (the plain engine's)."""
     plain, spec = engines("repeating", "roomy", False), engines("repeating", "roomy", True)
     # a prompt ending in a run of the token the model itself takes next, which it then tends to repeat
     base = [1234] * 6
@@ -581,8 +627,7 @@ def test_sampled_tokens_end_to_end_follow_the_target_distribution(engines):
     drafted, kept = spec.core.stats()["spec_draft_tokens"], accepted(spec)
     second = []
     for start in range(0, 1200, MAX_SPECULATING_DECODES):
-        params = [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=seed)
-                  for seed in range(start, start + MAX_SPECULATING_DECODES)]
+        params = [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)] * MAX_SPECULATING_DECODES
         second += [out["token_ids"][1] for out in run(spec, [prompt] * len(params), params)
                    if out["token_ids"][0] == first]
     # the second tokens' steps verified drafts, accepting some and rejecting some
@@ -591,9 +636,38 @@ def test_sampled_tokens_end_to_end_follow_the_target_distribution(engines):
     counts = np.array([second.count(t) for t in top_ids] + [sum(t not in top_ids for t in second)])
     probs = np.concatenate([top_probs, [max(0.0, 1 - top_probs.sum())]])
     assert chi_square_p_value(counts, probs / probs.sum()) > 0.01, (counts, probs)
-    # seeds reproduce
-    params = [SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=s) for s in range(4)]
-    assert ids(run(spec, [prompt] * 4, params)) == ids(run(spec, [prompt] * 4, params))
+
+
+# sampling settings of seeded requests: several temperatures, top-k / top-p / min-p, penalties
+SEEDED = [dict(temperature=1.0), dict(temperature=0.7, top_k=5), dict(temperature=1.3, top_p=0.9),
+          dict(temperature=0.9, min_p=0.05, repetition_penalty=1.2), dict(temperature=1.0, presence_penalty=0.5,
+                                                                          frequency_penalty=0.3), dict(temperature=0)]
+
+
+def seeded_params(max_tokens: int) -> list[SamplingParams]:
+    return [SamplingParams(**settings, seed=100 + i, max_tokens=max_tokens, ignore_eos=True)
+            for i, settings in enumerate(SEEDED)]
+
+
+def test_seeded_sampled_output_is_the_plain_engines_whatever_the_schedule(engines):
+    """A seeded request verifies by exact match against the plain sampler's keyed draw: its output
+    is the plain engine's token for token, alone or in a batch, with or without prefix-cache hits,
+    with chunked prefill and preemption (the small engine), whichever positions speculated."""
+    plain = engines("repeating", "roomy", False)
+    base = [1234] * 6
+    batch = [base + p for p in prompts(len(SEEDED), seed=21, lo=4, hi=20)]
+    params = seeded_params(40)
+    expected = ids(run(plain, batch, params))
+    for shape in ("roomy", "small"):
+        spec = engines("repeating", shape, True)
+        before, kept = spec.core.stats()["spec_draft_tokens"], accepted(spec)
+        assert ids(run(spec, batch, params)) == expected
+        assert ids(run(spec, batch, params)) == expected  # the prompts' prefixes now cached
+        spec.core.block_manager.reset_prefix_cache()
+        assert ids(run(spec, batch[::-1], params[::-1])) == expected[::-1]  # another order, nothing cached
+        assert [ids(run(spec, [prompt], settings))[0] for prompt, settings in zip(batch, params)] == expected
+        # drafts were verified, some accepted and some rejected
+        assert 0 < accepted(spec) - kept < spec.core.stats()["spec_draft_tokens"] - before
 
 
 # ---- settings -----------------------------------------------------------------------------------

@@ -4,27 +4,35 @@ there, so that the tokens kept follow the target's distribution exactly.
 Each position's distribution p is the request's own, as the plain sampler makes it: adjustments
 (biases, bans, allowed tokens), a grammar's mask, temperature, then top-k / top-p / min-p. A greedy
 position accepts its draft where the draft is p's argmax, and its token is that argmax: greedy output
-is the plain engine's. A sampled position accepts its draft x with probability min(1, p(x) / q(x))
-(standard rejection sampling), q the distribution the draft was drawn from: a draft model's own for a
-sampled request (speculative/draft_model.py), else a point mass at x (prompt lookup, a greedy draft),
-which makes it p(x). On rejection its token is drawn from the residual norm(max(p - q, 0)) (for a
-point mass: p with x taken out). A position without a draft (a row's last, the bonus token) draws
-from p. The engine keeps a row's drafts up to its first rejection, then the token at that position.
+is the plain engine's.
 
-Noise: a seeded request's position draws its uniform and its exponential race from a generator
-seeded with that position's noise key (its seed and completion index, layers/sampler.noise_key), so
-a seed reproduces its output; other rows draw from the engine's generator. Plain PyTorch on every
-device (a softmax over the sampled verified rows, ROWS_PER_CHUNK at a time: bounded temporaries).
+A seeded request's position verifies by exact match: its token is the plain sampler's keyed draw
+(Sampler.draw with the key of its seed and completion index, the very token a plain engine samples
+there), and it accepts its draft iff the draft is that token. Its output is then the plain engine's
+token for token, whatever the schedule speculated (which rows draft depends on the batch, overlap,
+the prefix cache and the backoff), and it still follows p exactly. A point draft x (prompt lookup) is
+accepted with probability p(x), as by rejection sampling; a draft model draws a seeded request's
+drafts with the same key (speculative/draft_model.py), so a draft close to the target mostly draws
+the same token (the race's coupling: acceptance P(argmax p/E = argmax q/E), a little under
+rejection sampling's sum(min(p, q)); a draft equal to the target: always).
+
+Other sampled positions use standard rejection sampling: accept the draft x with probability
+min(1, p(x) / q(x)), q the distribution the draft was drawn from (a draft model's own for a sampled
+request, else a point mass at x, which makes it p(x)); on rejection draw from the residual
+norm(max(p - q, 0)) (for a point mass: p with x taken out). A position without a draft (a row's last,
+the bonus token) draws from p. Their noise is the engine's generator's. Plain PyTorch on every device
+(a softmax over those rows, ROWS_PER_CHUNK at a time: bounded temporaries). The engine keeps a row's
+drafts up to its first rejection, then the token at that position.
 """
 from __future__ import annotations
 
 import torch
 
-from asyncllm.layers.sampler import SamplerOutput, SamplingTensors, apply_token_bitmask_, gather_logprobs
+from asyncllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors, apply_token_bitmask_, gather_logprobs
 from asyncllm.layers.sampling_filters import apply_cutoffs, filter_cutoffs
 
 
-# verified rows sampled at once: each takes a few (rows, vocabulary) float32 temporaries (a 152k-token
+# verified rows rejection-sampled at once: each takes a few (rows, vocabulary) float32 temporaries (a 152k-token
 # vocabulary: 0.6 MB a row each), which the KV cache's sizing does not set aside beyond this many rows
 ROWS_PER_CHUNK = 16
 
@@ -85,10 +93,33 @@ def kept_rows(accepted: torch.Tensor, first_rows: torch.Tensor) -> torch.Tensor:
     return rejected_before == rejected_before[first_rows]
 
 
+def unseeded_chunks(num_rows: int, seeded: set[int]) -> list[slice]:
+    """Runs of consecutive rows without a seed, of ROWS_PER_CHUNK rows at most (a request's rows are
+    consecutive: seeded ones come in runs)."""
+    if not seeded:
+        return [slice(start, min(start + ROWS_PER_CHUNK, num_rows)) for start in range(0, num_rows, ROWS_PER_CHUNK)]
+    chunks, start = [], None
+    for row in range(num_rows):
+        if row in seeded:
+            if start is not None:
+                chunks.append(slice(start, row))
+                start = None
+            continue
+        if start is None:
+            start = row
+        if row + 1 - start == ROWS_PER_CHUNK:
+            chunks.append(slice(start, row + 1))
+            start = None
+    if start is not None:
+        chunks.append(slice(start, num_rows))
+    return chunks
+
+
 class RejectionSampler:
     def __init__(self, generator: torch.Generator | None = None):
         """generator: the noise of rows without a seed (None: the process's default generator)."""
         self.generator = generator
+        self.keyed = Sampler(generator)  # seeded rows' draws: the plain sampler's (they have keys)
 
     def __call__(self, logits: torch.Tensor, params: SamplingTensors, draft_ids: torch.Tensor,
                  first_rows: torch.Tensor, draft_probs: list = ()) -> SamplerOutput:
@@ -109,10 +140,17 @@ class RejectionSampler:
             tokens, accepted = greedy, greedy_accepted
         else:
             sampled, sampled_accepted = torch.empty_like(greedy), torch.empty_like(greedy_accepted)
-            for start in range(0, len(logits), ROWS_PER_CHUNK):
-                rows = slice(start, min(start + ROWS_PER_CHUNK, len(logits)))
+            seeded = sorted(row for row, _ in params.seeded_rows)
+            if seeded:  # exact match against the plain sampler's keyed draw
+                every = len(seeded) == len(logits)
+                rows = slice(None) if every else torch.tensor(seeded).to(logits.device, non_blocking=True)
+                drawn = self.keyed.draw(logits if every else logits[rows], params if every else params.select(seeded))
+                sampled[rows] = drawn
+                sampled_accepted[rows] = (draft_ids[rows] >= 0) & (draft_ids[rows] == drawn)
+            for rows in unseeded_chunks(len(logits), set(seeded)):
                 probs = speculative_probs(logits[rows], params, rows)
-                uniforms, exponentials = self._noise(probs, params, start)
+                uniforms = torch.rand(len(probs), device=probs.device, generator=self.generator)
+                exponentials = torch.empty_like(probs).exponential_(generator=self.generator)
                 q = chunk_draft_probs(draft_ids, draft_probs, rows, probs.shape[1], probs.device)
                 sampled[rows], sampled_accepted[rows] = verify_drafts(probs, draft_ids[rows], uniforms, exponentials, q)
             is_sampled = params.temperatures > 0
@@ -125,15 +163,3 @@ class RejectionSampler:
             rows = params.logprob_rows
             logprobs = gather_logprobs(model_logits[rows], tokens[rows], params.num_top_logprobs)
         return SamplerOutput(tokens, logprobs, accepted=accepted)
-
-    def _noise(self, probs: torch.Tensor, params: SamplingTensors, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's uniform and exponentials (probs: params' rows from start on): a seeded row's
-        from its key, the others' from the generator."""
-        uniforms = torch.rand(len(probs), device=probs.device, generator=self.generator)
-        exponentials = torch.empty_like(probs).exponential_(generator=self.generator)
-        for row, key in params.seeded_rows:
-            if start <= row < start + len(probs):
-                generator = torch.Generator(probs.device).manual_seed(key)
-                uniforms[row - start] = torch.rand(1, device=probs.device, generator=generator)[0]
-                exponentials[row - start].exponential_(generator=generator)
-        return uniforms, exponentials

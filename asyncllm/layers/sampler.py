@@ -112,6 +112,18 @@ class SamplingTensors:
             arrays["min_ps"] = np.array([p.min_p for p in params], dtype=np.float32)
         return arrays
 
+    def select(self, rows: list[int]) -> "SamplingTensors":
+        """The sampling settings of rows alone (in that order), for draw(): adjustments, masks and
+        log-probabilities are left out (draw() reads none of them)."""
+        if self.all_greedy:
+            return SamplingTensors(None, None, None, None, [], True)
+        index = torch.tensor(rows, dtype=torch.int64).to(self.temperatures.device, non_blocking=True)
+        position = {row: n for n, row in enumerate(rows)}
+        return SamplingTensors(*(None if t is None else t[index] for t in (self.temperatures, self.top_ks,
+                                                                           self.top_ps, self.min_ps)),
+                               [(position[row], key) for row, key in self.seeded_rows if row in position],
+                               False, keys=self.keys[index])
+
     @classmethod
     def from_device(cls, on_device: dict[str, torch.Tensor], seeded_rows: list[tuple[int, int]] = ()
                     ) -> "SamplingTensors":
@@ -140,7 +152,7 @@ class Sampler(nn.Module):
             # after the adjustments (a logit_bias cannot lift a token the grammar forbids) and before
             # everything else: greedy, temperature, top-k/p and min-p all see only allowed tokens
             apply_token_bitmask_(logits, params.mask_rows, params.token_bitmask)
-        token_ids = self._sample(logits, params)
+        token_ids = self.draw(logits, params)
         if params.adjustments is not None:
             params.adjustments.count_sampled(token_ids)
         logprobs = None
@@ -150,7 +162,11 @@ class Sampler(nn.Module):
             logprobs = gather_logprobs(raw, token_ids[rows], params.num_top_logprobs)
         return SamplerOutput(token_ids, logprobs)
 
-    def _sample(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    def draw(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+        """Each row's token from its logits, already adjusted and masked: the argmax at temperature 0,
+        else the race with the row's noise (its key's where it has a seed). Speculative decoding draws
+        a seeded request's tokens here too (its verification and a draft model's proposals), so that
+        they are the plain engine's."""
         if params.all_greedy:
             return logits.argmax(dim=-1)
         temperatures = params.temperatures
@@ -165,7 +181,9 @@ class Sampler(nn.Module):
         if cutoffs is not None:
             logits = apply_cutoffs(logits, cutoffs)
         probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        noise = torch.empty_like(probs)
+        if len(params.seeded_rows) < len(noise):  # (every row seeded: speculative verification's draws)
+            noise.exponential_(generator=self.generator)
         for row, key in params.seeded_rows:
             noise[row].exponential_(generator=torch.Generator(noise.device).manual_seed(key))
         sampled = (probs / noise).argmax(dim=-1)

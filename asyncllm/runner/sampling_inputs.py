@@ -54,10 +54,7 @@ class SamplingInputs:
     def plan(self, plan: StepPlan) -> SamplingPlan:
         """The step's sampling settings as host arrays (the runner sends them in the step's one copy),
         gathered from the table's columns by its sampling rows' table rows."""
-        if self._temporary_slots:  # the step that read them is queued: a reuse's writes come after it
-            for slot in self._temporary_slots:
-                self.token_counts.release(slot)
-            self._temporary_slots = []
+        self._release_temporary_slots()
         table = self.table
         rows = table.rows(plan.sampling_ids)
         flags = table.flags[rows]
@@ -207,3 +204,12 @@ class SamplingInputs:
         entry = self.table.remove(request)
         if entry is not None and entry.penalty_slot >= 0:
             self.token_counts.release(entry.penalty_slot)
+        if not len(self.table):  # no next plan may come to release the last one's: they go with the last request's
+            self._release_temporary_slots()
+
+    def _release_temporary_slots(self) -> None:
+        """The last plan's step-only slots back to the pool: the step that reads them is queued by now
+        (as the slot of a request that ends), so a reuse's writes come after it."""
+        for slot in self._temporary_slots:
+            self.token_counts.release(slot)
+        self._temporary_slots = []

@@ -3,9 +3,12 @@ run in the same process, on the same device and in the same dtype, proposes each
 tokens: greedily for a greedy request (point proposals), and for a sampled one drawn from the
 draft's own distribution q (the request's temperature, top-k, top-p and min-p over the draft's
 logits), returned with q (SampledDrafts) so that the target's rejection sampler accepts with
-min(1, p/q) and keeps the target's distribution exactly. A seeded request's draws are keyed by its
-seed and the draft's completion index (draft_noise_key: a stream apart from the target's), so seeds
-reproduce; the others draw from the proposer's generator (seeded by Config.seed).
+min(1, p/q) and keeps the target's distribution exactly; those draws come from the proposer's
+generator (seeded by Config.seed). A seeded request's drafts are the plain sampler's draws over the
+draft's logits with the noise key the target samples that completion index with (layers/sampler.
+noise_key), point proposals: its verification is an exact match against the target's keyed token
+(layers/rejection_sampler.py), which the shared noise makes a close draft draw mostly (a draft equal
+to the target: always), and its output is the plain engine's whatever the speculation schedule.
 
 The proposer owns a second ModelRunner over the draft checkpoint (on CUDA, unless the target is
 eager, with CUDA graphs: decode graphs for its one-token steps over up to max_rows rows, mixed ones
@@ -38,7 +41,7 @@ from asyncllm.config import Config, config_error
 from asyncllm.engine.block_manager import BlockManager
 from asyncllm.errors import InvalidValueError
 from asyncllm.layers.rejection_sampler import speculative_probs
-from asyncllm.layers.sampler import SamplingTensors, noise_key
+from asyncllm.layers.sampler import Sampler, SamplingTensors, noise_key
 from asyncllm.models.tokenizer_loader import load_tokenizer
 from asyncllm.models.resolve import resolve_config
 from asyncllm.runner.model_runner import ModelRunner
@@ -49,10 +52,6 @@ FIELD = "speculative_config.model"
 # on CUDA, the share of the device's free memory (after the draft's weights) its KV cache may take at
 # most; the target's memory probe, which runs after, sees it as used
 DRAFT_KV_GPU_SHARE = 0.1
-# mixed into a seeded request's seed for its drafts' noise: the draft's draws must be independent of
-# the target's verification noise at the same completion index (noise_key(seed, index)), or the
-# accepted tokens would not follow the target's distribution
-DRAFT_SEED_SALT = 0x6A09E667F3BCC908
 # a catch-up of at most this many of the draft's largest mixed graphs' tokens (a prompt of ~1k
 # tokens at the default graphs) runs as replays of them, not as one eager forward: below ~1k tokens
 # a forward is launch-bound, and an eager one costs the host's launches of every layer's kernels
@@ -60,11 +59,6 @@ DRAFT_SEED_SALT = 0x6A09E667F3BCC908
 # catch-up is compute-bound (its launches hide behind the GPU's work), so eager forwards of up to
 # max_num_batched_tokens cost no more than replays of a few hundred tokens each
 REPLAYED_CATCH_UP_GRAPHS = 4
-
-
-def draft_noise_key(seed: int, completion_index: int) -> int:
-    """The noise key of a seeded request's draft for its completion token number completion_index."""
-    return noise_key(seed ^ DRAFT_SEED_SALT, completion_index)
 
 
 def draft_config(target: Config, max_rows: int, resume_tokens: int) -> Config:
@@ -189,8 +183,9 @@ class DraftModelProposer:
         graphs = self.runner.graph_runner
         self.replay_tokens = 0 if graphs is None else graphs.max_mixed_tokens
         self.num_prefix_hit_tokens = 0  # prompt tokens whose draft KV came from the prefix cache
-        # the draws of sampled requests without a seed (a seeded one's are keyed: draft_noise_key)
+        # the draws of sampled requests without a seed (a seeded one's are keyed: noise_key)
         self.generator = torch.Generator(self.runner.device).manual_seed(target.seed)
+        self.sampler = Sampler(self.generator)  # seeded requests' draws, the target's plain ones
 
     @property
     def num_total_blocks(self) -> int:
@@ -309,36 +304,45 @@ class DraftModelProposer:
     def _draw(self, logits: torch.Tensor, entries: list[tuple[int, DraftRow]], column: int, tokens: torch.Tensor,
               probs: list[list[torch.Tensor]]) -> None:
         """The next draft of each entry (its index in tokens' rows, its row) from its row of logits,
-        into tokens[index, column] on the device: the argmax for a greedy request; for a sampled one a
-        draw from q, appended to its probs."""
+        into tokens[index, column] on the device: the argmax for a greedy request; for a seeded one
+        the plain sampler's draw with the key the target draws that position with (its verification
+        is an exact match, layers/rejection_sampler.py: the shared noise makes a draft close to the
+        target draw the target's token); for another sampled one a draw from q, appended to its probs."""
         drawn = logits.argmax(dim=-1)
         sampled = [r for r, (_, row) in enumerate(entries) if row.params is not None and row.params.temperature > 0]
-        if sampled:
-            keys, seeded = [], []
-            for r in sampled:
-                row = entries[r][1]
-                index = len(row.token_ids) - row.num_prompt_tokens + column  # the draft's completion index
-                keys.append(0 if row.params.seed is None else draft_noise_key(row.params.seed, index))
-                if row.params.seed is not None:
-                    seeded.append((len(keys) - 1, keys[-1]))
-            params = SamplingTensors.build([entries[r][1].params for r in sampled], self.vocab_size, logits.device,
-                                           keys, seeded)
-            q = speculative_probs(logits if len(sampled) == len(entries) else logits[sampled], params)
+        seeded = [r for r in sampled if entries[r][1].params.seed is not None]
+        unseeded = [r for r in sampled if entries[r][1].params.seed is None]
+        if seeded:
+            # the completion index of each row's draft in column: the target draws that position with its key
+            keys = [noise_key(row.params.seed, len(row.token_ids) - row.num_prompt_tokens + column)
+                    for row in (entries[r][1] for r in seeded)]
+            params = SamplingTensors.build([entries[r][1].params for r in seeded], self.vocab_size, logits.device,
+                                           keys, list(enumerate(keys)))
+            self._put(drawn, seeded, self.sampler.draw(self._rows(logits, seeded), params))
+        if unseeded:
+            params = SamplingTensors.build([entries[r][1].params for r in unseeded], self.vocab_size, logits.device,
+                                           [0] * len(unseeded))
+            q = speculative_probs(self._rows(logits, unseeded), params)
             exponentials = torch.empty_like(q).exponential_(generator=self.generator)
-            for r, key in seeded:
-                exponentials[r].exponential_(generator=torch.Generator(q.device).manual_seed(key))
-            drawn_q = (q / exponentials).argmax(dim=-1)
-            if len(sampled) == len(entries):
-                drawn = drawn_q
-            else:
-                drawn[sampled] = drawn_q
-            for r, row_q in zip(sampled, q):
+            self._put(drawn, unseeded, (q / exponentials).argmax(dim=-1))
+            for r, row_q in zip(unseeded, q):
                 probs[entries[r][0]].append(row_q)
         indices = [n for n, _ in entries]
         if indices == list(range(len(tokens))):
             tokens[:, column] = drawn
         else:
             tokens[indices, column] = drawn
+
+    @staticmethod
+    def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        return logits if len(rows) == len(logits) else logits[rows]
+
+    @staticmethod
+    def _put(drawn: torch.Tensor, rows: list[int], values: torch.Tensor) -> None:
+        if len(rows) == len(drawn):
+            drawn.copy_(values)
+        else:
+            drawn[rows] = values
 
     def _forward(self, input_ids: np.ndarray | torch.Tensor, positions: np.ndarray, block_tables: np.ndarray,
                  query_lens: list[int] | None = None) -> torch.Tensor:
