@@ -373,7 +373,7 @@ def count_launches(call, monkeypatch) -> list[str]:
 @pytest.mark.skipif(CUDA, reason="counts the interpreter's launches; on CUDA the kernels are compiled")
 @pytest.mark.parametrize("num_tokens", [1, MAX_TOKENS])
 def test_decode_moe_block_launches_three_kernels(num_tokens, monkeypatch):
-    """At decode (1..16 tokens) the expert block is the router's GEMM, the gate_up kernel (which
+    """At decode (1..16 tokens), routed (ASYNCLLM_MOE_ROUTED_DECODE=1), the expert block is the router's GEMM, the gate_up kernel (which
     routes) and the down kernel (which adds the top-k and the split sums): no routing kernel, no
     reduce, no fill, no sync, no PyTorch op. Pinned so it cannot grow back."""
     from asyncllm.kernels import moe_router as router_module, skinny_moe as skinny_module
@@ -382,12 +382,19 @@ def test_decode_moe_block_launches_three_kernels(num_tokens, monkeypatch):
     monkeypatch.setattr(moe_layer, "skinny_moe_for", lambda x: skinny_module)
     monkeypatch.setattr(moe_layer, "moe_router_for", lambda x, num_experts: router_module)
     hidden, experts, top_k, inter = SKINNY_SHAPES["qwen3moe"]
-    block = make_block(hidden, experts, top_k, inter, torch.bfloat16)
     x = torch.randn(num_tokens, hidden).to(torch.bfloat16)
-    block(x)  # the router GEMM's tiling is decided on its first call (on CUDA: timed, before any capture)
-    launches = count_launches(lambda: block(x), monkeypatch)
-    # the router GEMM: skinny_gemm's dot or FMA kernel, whichever its rule takes for this shape
-    assert len(launches) == 3 and launches[0] in ("_skinny_fma_kernel", "_skinny_dot_kernel"), launches
-    assert launches[1:] == ["_skinny_gate_up_kernel", "_skinny_down_kernel"], launches
-    weights, ids = route(block.gate(x), top_k, block.renormalize)
-    assert_matches(block(x), block.forward_native(x, weights, ids), 3e-2)
+    for routed in (True, False):  # ASYNCLLM_MOE_ROUTED_DECODE (off by default): the routing kernel apart
+        monkeypatch.setenv("ASYNCLLM_MOE_ROUTED_DECODE", "1" if routed else "0")
+        block = make_block(hidden, experts, top_k, inter, torch.bfloat16)
+        block(x)  # the router GEMM's tiling is decided on its first call (on CUDA: timed, before any capture)
+        launches = count_launches(lambda: block(x), monkeypatch)
+        # the router GEMM: skinny_gemm's dot or FMA kernel, whichever its rule takes for this shape
+        assert launches[0] in ("_skinny_fma_kernel", "_skinny_dot_kernel"), launches
+        if routed:
+            assert launches[1:] == ["_skinny_gate_up_kernel", "_skinny_down_kernel"], launches
+        else:  # the routing kernel apart, a zero fill, a split-K reduce where the tiling splits
+            assert launches[1] == "_route_topk_kernel" and len(launches) > 3, launches
+        # against the router kernel's choice (the routed gate_up kernel routes by the same code): torch's
+        # route() may break a bf16 near-tie otherwise
+        weights, ids = router_module.route_topk(block.gate(x), top_k, block.renormalize)
+        assert_matches(block(x), block.forward_native(x, weights, ids), 3e-2)
