@@ -102,6 +102,11 @@ STAGED_LOADING = Setting(
     "1: a CUDA engine reads its safetensors weights with large reads into pinned host buffers "
     "(models/staged_reads.py) instead of from safetensors' memory map; off until measured on a GPU",
     default_shown="0")
+MOE_ROUTED_DECODE = Setting(
+    "ASYNCLLM_MOE_ROUTED_DECODE", "0", _on_unless_zero,
+    "1: a CUDA MoE block at 1..16 tokens routes inside its experts' first kernel and sums the split-K parts "
+    "in its second (kernels/skinny_moe.skinny_moe_routed: 3 launches a layer instead of 5); off until "
+    "checked and timed on a GPU", default_shown="0")
 TRITON_CACHE_DIR = Setting(
     "TRITON_CACHE_DIR", None, str,
     "Triton's own: where it caches compiled kernels; a CUDA engine sets it, when unset, to $ASYNCLLM_CACHE/triton",
@@ -133,7 +138,8 @@ LOCAL_RANK = Setting("LOCAL_RANK", None, int, "this rank's GPU index on its mach
 MASTER_ADDR = Setting("MASTER_ADDR", None, str, "env:// rendezvous: rank 0's host")
 MASTER_PORT = Setting("MASTER_PORT", None, int, "env:// rendezvous: rank 0's port")
 
-ALL = (LAUNCH_GATE, PDL, SKINNY_GEMM, DECODE_TUNING, CACHE, STARTUP_CACHE, STAGED_LOADING, TRITON_CACHE_DIR,
+ALL = (LAUNCH_GATE, PDL, SKINNY_GEMM, DECODE_TUNING, CACHE, STARTUP_CACHE, STAGED_LOADING, MOE_ROUTED_DECODE,
+       TRITON_CACHE_DIR,
        API_KEY, TRITON_INTERPRET, TP_INIT_METHOD, TP_LOCAL_RANKS, TP_TIMEOUT_S, FRONTEND_MAX_PENDING_BYTES, RANK, WORLD_SIZE,
        LOCAL_RANK, MASTER_ADDR, MASTER_PORT)
 

@@ -69,7 +69,9 @@ def bench_case(block: SparseMoeBlock, num_tokens: int, skewed: bool, bandwidth: 
         chosen = skinny_moe.choose_config(num_tokens, TOP_K, EXPERTS, HIDDEN, INTER, num_sms)
         configs = skinny_moe.candidate_configs(num_tokens, TOP_K, EXPERTS, HIDDEN, INTER, num_sms) if sweep \
             else [chosen]
-        calls = [lambda c=c: skinny_moe.skinny_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids, c)
+        counters = skinny_moe.new_tile_counters(HIDDEN, configs, x.device)  # once, as the block makes them
+        calls = [lambda c=c: skinny_moe.skinny_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids, c,
+                                                   tile_counters=counters)
                  for c in configs]
         times = time_calls(calls, torch.device("cuda"))
         best = min(range(len(configs)), key=times.__getitem__)

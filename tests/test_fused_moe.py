@@ -37,7 +37,7 @@ if not CUDA and not _AOT_SUBPROCESS and os.environ.get("TRITON_INTERPRET") != "1
                 allow_module_level=True)
 from asyncllm.kernels.fused_moe import align_by_expert, choose_block_m, fused_moe  # noqa: E402
 from asyncllm.kernels.skinny_moe import (MAX_TOKENS, SkinnyMoeConfig, candidate_configs,  # noqa: E402
-                                         choose_config, skinny_moe)
+                                         choose_config, new_tile_counters, skinny_moe, skinny_moe_routed)
 
 _seed = seed_every_test(0)
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA: the full-size shapes are too slow for Triton's "
@@ -53,10 +53,8 @@ def make_block(hidden: int, experts: int, top_k: int, inter: int, dtype, renorma
 
 
 def routing(block: SparseMoeBlock, x: torch.Tensor, skewed: bool):
-    logits = block.gate(x).float()
-    if skewed:  # most tokens to the same few experts: long runs for some, none for most
-        logits[:, :block.top_k + 1] += 20.0
-    return route(logits, block.top_k, block.renormalize)
+    # skewed: most tokens to the same few experts: long runs for some, none for most
+    return route(logits_for(block, x, skewed), block.top_k, block.renormalize)
 
 
 def assert_matches(got: torch.Tensor, want: torch.Tensor, tol: float):
@@ -77,6 +75,43 @@ def check_skinny(block: SparseMoeBlock, num_tokens: int, skewed: bool, dtype, to
         assert not inter.isnan().any(), f"{config.label()}: a pair the gate_up kernel did not write"
         assert not out.isnan().any(), f"{config.label()}: an output the down kernel did not write"
         assert_matches(got, want, tol)
+        check_skinny_routed(block, x, logits_for(block, x, skewed), weights, ids, want, config, tol)
+
+
+def logits_for(block: SparseMoeBlock, x: torch.Tensor, skewed: bool) -> torch.Tensor:
+    """routing()'s logits: the router's, the first top_k + 1 experts favoured where skewed."""
+    logits = block.gate(x).float()
+    if skewed:
+        logits[:, :block.top_k + 1] += 20.0
+    return logits
+
+
+def check_skinny_routed(block: SparseMoeBlock, x: torch.Tensor, logits: torch.Tensor, weights: torch.Tensor,
+                        ids: torch.Tensor, want: torch.Tensor, config: SkinnyMoeConfig, tol: float):
+    """skinny_moe_routed (the block's decode path: routing inside the gate_up kernel, the split sums
+    added by the down kernel's last split) on poisoned outputs, routing table and counters that one
+    call must leave at zero for the next (a CUDA graph replays them)."""
+    num_tokens, top_k = ids.shape
+    counters = new_tile_counters(block.experts.hidden_size, [config], DEVICE)
+    for _ in range(2):
+        out = torch.full((num_tokens, block.experts.hidden_size), float("nan"), dtype=x.dtype, device=DEVICE)
+        got_weights = torch.full((num_tokens, top_k), float("nan"), device=DEVICE)
+        got_ids = torch.full((num_tokens, top_k), -1, dtype=torch.int64, device=DEVICE)
+        got = skinny_moe_routed(x, logits.to(x.dtype), top_k,
+                                block.renormalize, block.experts.gate_up_proj, block.experts.down_proj, config,
+                                counters, got_weights, got_ids, out=out)
+        assert not out.isnan().any(), f"{config.label()}: an output the routed kernels did not write"
+        assert not counters.any(), f"{config.label()}: an arrival counter left non-zero"
+        if x.dtype == torch.float32:  # the same logits: the same routing, the same sums
+            assert torch.equal(got_ids, ids), config.label()
+            torch.testing.assert_close(got_weights, weights)
+            assert_matches(got, want, tol)
+        else:  # logits rounded to bf16 tie exactly (skewed: +20), and torch.topk orders ties as it likes:
+            # route()'s weights, k distinct experts, and the experts' sum for the routing the kernel wrote
+            want_weights, _ = route(logits.to(x.dtype), top_k, block.renormalize)
+            torch.testing.assert_close(got_weights, want_weights)
+            assert all(len(set(row)) == top_k for row in got_ids.tolist()), config.label()
+            assert_matches(got, block.forward_native(x, got_weights, got_ids), tol)
 
 
 def check(block: SparseMoeBlock, num_tokens: int, skewed: bool, dtype, tol: float):
@@ -167,12 +202,12 @@ def test_moe_block_dispatches_by_token_count(num_tokens, monkeypatch):
     from asyncllm.kernels import fused_moe as fused_module, skinny_moe as skinny_module
     block = make_block(2048, 128, 8, 768, torch.bfloat16)
     calls = []
-    for module, name in ((fused_module, "fused_moe"), (skinny_module, "skinny_moe")):
+    for module, name in ((fused_module, "fused_moe"), (skinny_module, "skinny_moe_routed")):
         original = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
     x = torch.randn(num_tokens, 2048, device=DEVICE, dtype=torch.bfloat16)
     got = block(x)
-    assert calls == ["skinny_moe" if num_tokens <= MAX_TOKENS else "fused_moe"]
+    assert calls == ["skinny_moe_routed" if num_tokens <= MAX_TOKENS else "fused_moe"]
     weights, ids = route(block.gate(x), block.top_k, block.renormalize)
     assert_matches(got, block.forward_native(x, weights, ids), 3e-2)
 
@@ -276,15 +311,20 @@ def compile_all_for_sm90() -> int:
         count += 2
     from asyncllm.kernels import skinny_moe as skinny
     weights2d, ids2d = torch.empty(tokens, top_k), torch.empty(tokens, top_k, dtype=torch.int64)
-    partial = torch.empty(4, tokens, hidden)
-    for config in candidate_configs(1, top_k, experts, hidden, inter, 132)[:3] + [SkinnyMoeConfig(32, 32, 128, 1)]:
+    logits, counters = torch.empty(tokens, experts, dtype=bf16), torch.empty(hidden // 16, dtype=i32)
+    partial = torch.empty(8, tokens, hidden)
+    configs = candidate_configs(1, top_k, experts, hidden, inter, 132)[:3] + [SkinnyMoeConfig(32, 32, 128, 1)]
+    for config, route in zip(configs, (True, True, False, True)):  # routed in the kernel, and from a table
         shared = dict(BLOCK_T=MAX_TOKENS, BLOCK_TOPK=top_k, BLOCK_K=config.block_k, UPCAST=False, PRECISION="tf32",
                       num_warps=config.num_warps, num_stages=config.num_stages)
-        _compile_for_sm90(skinny._skinny_gate_up_kernel, (x, gate_up, h, ids2d, weights2d, tokens, top_k, inter, hidden,
-                                                           hidden, top_k, top_k, 2 * inter * hidden, hidden, inter),
-                          dict(BLOCK_N=config.gate_up_block_n, **shared))
-        _compile_for_sm90(skinny._skinny_down_kernel, (h, down, x, partial, ids2d, weights2d, tokens, top_k, hidden,
-                                                        inter, inter, top_k, top_k, hidden * inter, inter, hidden),
+        _compile_for_sm90(skinny._skinny_gate_up_kernel, (x, gate_up, h, ids2d, weights2d, logits, tokens, top_k,
+                                                           experts, inter, hidden, hidden, top_k, top_k, experts,
+                                                           2 * inter * hidden, hidden, inter),
+                          dict(ROUTE=route, TOP_K=top_k, BLOCK_E=experts, RENORMALIZE=True,
+                               BLOCK_N=config.gate_up_block_n, **shared))
+        _compile_for_sm90(skinny._skinny_down_kernel, (h, down, x, partial, counters, ids2d, weights2d, tokens, top_k,
+                                                        hidden, inter, inter, top_k, top_k, hidden * inter, inter,
+                                                        hidden),
                           dict(SPLIT=config.down_split, BLOCK_N=config.down_block_n, **shared))
         count += 2
     return count
@@ -295,3 +335,66 @@ def test_fused_moe_compiles_for_sm90():
     """The interpreter never compiles: build the kernels for sm_90 in a subprocess, so compile-only
     errors surface on CPU too."""
     assert compile_for_sm90_in_subprocess("test_fused_moe", "compile_all_for_sm90") == 12
+
+
+# PyTorch ops that launch no CUDA kernel: allocations (views are told apart by func.is_view)
+_NO_KERNEL_OPS = {"aten::empty.memory_format", "aten::empty_strided", "aten::empty_like"}
+
+
+def count_launches(call, monkeypatch) -> list[str]:
+    """What call() would launch on CUDA, in order: each Triton kernel by name (under the interpreter,
+    the PyTorch ops it runs inside are left out) and every other PyTorch op that is not a view or an
+    allocation (a kernel on CUDA; aten::_local_scalar_dense is a host sync)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triton.runtime.interpreter import InterpretedFunction
+    launches, inside = [], []
+    run = InterpretedFunction.run
+
+    def counted_run(self, *args, **kwargs):
+        launches.append(self.fn.__name__)
+        inside.append(True)
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            inside.pop()
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not inside and not func.is_view and func.name() not in _NO_KERNEL_OPS:
+                launches.append(func.name())
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(InterpretedFunction, "run", counted_run)
+    with Ops():
+        call()
+    return launches
+
+
+@pytest.mark.skipif(CUDA, reason="counts the interpreter's launches; on CUDA the kernels are compiled")
+@pytest.mark.parametrize("num_tokens", [1, MAX_TOKENS])
+def test_decode_moe_block_launches_three_kernels(num_tokens, monkeypatch):
+    """At decode (1..16 tokens), routed (ASYNCLLM_MOE_ROUTED_DECODE=1), the expert block is the router's GEMM, the gate_up kernel (which
+    routes) and the down kernel (which adds the top-k and the split sums): no routing kernel, no
+    reduce, no fill, no sync, no PyTorch op. Pinned so it cannot grow back."""
+    from asyncllm.kernels import moe_router as router_module, skinny_moe as skinny_module
+    from asyncllm.layers import moe as moe_layer, skinny_linear
+    monkeypatch.setattr(skinny_linear, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))  # CUDA's choices, on CPU
+    monkeypatch.setattr(moe_layer, "skinny_moe_for", lambda x: skinny_module)
+    monkeypatch.setattr(moe_layer, "moe_router_for", lambda x, num_experts: router_module)
+    hidden, experts, top_k, inter = SKINNY_SHAPES["qwen3moe"]
+    x = torch.randn(num_tokens, hidden).to(torch.bfloat16)
+    for routed in (True, False):  # ASYNCLLM_MOE_ROUTED_DECODE (off by default): the routing kernel apart
+        monkeypatch.setenv("ASYNCLLM_MOE_ROUTED_DECODE", "1" if routed else "0")
+        block = make_block(hidden, experts, top_k, inter, torch.bfloat16)
+        block(x)  # the router GEMM's tiling is decided on its first call (on CUDA: timed, before any capture)
+        launches = count_launches(lambda: block(x), monkeypatch)
+        # the router GEMM: skinny_gemm's dot or FMA kernel, whichever its rule takes for this shape
+        assert launches[0] in ("_skinny_fma_kernel", "_skinny_dot_kernel"), launches
+        if routed:
+            assert launches[1:] == ["_skinny_gate_up_kernel", "_skinny_down_kernel"], launches
+        else:  # the routing kernel apart, a zero fill, a split-K reduce where the tiling splits
+            assert launches[1] == "_route_topk_kernel" and len(launches) > 3, launches
+        # against the router kernel's choice (the routed gate_up kernel routes by the same code): torch's
+        # route() may break a bf16 near-tie otherwise
+        weights, ids = router_module.route_topk(block.gate(x), top_k, block.renormalize)
+        assert_matches(block(x), block.forward_native(x, weights, ids), 3e-2)

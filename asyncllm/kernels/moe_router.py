@@ -26,30 +26,42 @@ MAX_EXPERTS = 256  # the logits of a token live in one program's registers
 
 
 @triton.jit
+def topk_of_rows(logits, valid, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                 RENORMALIZE: tl.constexpr):
+    """route() for a (rows, BLOCK_E) tile of float32 logits, `valid` marking the real experts (the
+    padding holds -inf): (weights (rows, BLOCK_K) float32, ids (rows, BLOCK_K) int32), the columns
+    past TOP_K 0. Also kernels/skinny_moe.py's, which routes inside its first experts kernel."""
+    experts = tl.arange(0, BLOCK_E)[None, :]
+    exps = tl.exp(logits - tl.max(logits, 1)[:, None])  # the padding's exp(-inf) is 0
+    probs = exps / tl.sum(exps, 1)[:, None]
+    # what the argmax rounds compare: a NaN probability ranks below every real one (>= 0) and above
+    # the padding and the experts already taken (-1), so each round still takes a valid new expert
+    keys = tl.where(valid, tl.where(probs == probs, probs, -0.5), -1.0)
+    choices = tl.arange(0, BLOCK_K)[None, :]
+    top_weights = tl.zeros((logits.shape[0], BLOCK_K), dtype=tl.float32)
+    top_ids = tl.zeros((logits.shape[0], BLOCK_K), dtype=tl.int32)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(keys, 1)[:, None]
+        chosen = tl.min(tl.where(keys == best, experts, BLOCK_E), 1)[:, None]
+        picked = experts == chosen
+        top_weights = tl.where(choices == k, tl.sum(tl.where(picked, probs, 0.0), 1)[:, None], top_weights)
+        top_ids = tl.where(choices == k, chosen, top_ids)
+        keys = tl.where(picked, -1.0, keys)
+    if RENORMALIZE:  # the choices past TOP_K hold 0 and add nothing
+        top_weights = top_weights / tl.sum(top_weights, 1)[:, None]
+    return top_weights, top_ids
+
+
+@triton.jit
 def _route_topk_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_logits, stride_weights, stride_ids,
                        TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                        RENORMALIZE: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
-    experts = tl.arange(0, BLOCK_E)
+    experts = tl.arange(0, BLOCK_E)[None, :]
     valid = experts < num_experts
     logits = tl.load(logits_ptr + token * stride_logits + experts, mask=valid, other=float("-inf")).to(tl.float32)
-    exps = tl.exp(logits - tl.max(logits, 0))  # the padding's exp(-inf) is 0
-    probs = exps / tl.sum(exps, 0)
-    # what the argmax rounds compare: a NaN probability ranks below every real one (>= 0) and above
-    # the padding and the experts already taken (-1), so each round still takes a valid new expert
-    keys = tl.where(valid, tl.where(probs == probs, probs, -0.5), -1.0)
-    choices = tl.arange(0, BLOCK_K)
-    top_weights = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    top_ids = tl.zeros((BLOCK_K,), dtype=tl.int32)
-    for k in tl.static_range(TOP_K):
-        best = tl.max(keys, 0)
-        chosen = tl.min(tl.where(keys == best, experts, BLOCK_E), 0)
-        picked = experts == chosen
-        top_weights = tl.where(choices == k, tl.sum(tl.where(picked, probs, 0.0), 0), top_weights)
-        top_ids = tl.where(choices == k, chosen, top_ids)
-        keys = tl.where(picked, -1.0, keys)
-    if RENORMALIZE:  # the choices past TOP_K hold 0 and add nothing
-        top_weights = top_weights / tl.sum(top_weights, 0)
+    top_weights, top_ids = topk_of_rows(logits, valid, TOP_K, BLOCK_E, BLOCK_K, RENORMALIZE)
+    choices = tl.arange(0, BLOCK_K)[None, :]
     mask = choices < TOP_K
     tl.store(weights_ptr + token * stride_weights + choices, top_weights, mask=mask)
     tl.store(ids_ptr + token * stride_ids + choices, top_ids.to(ids_ptr.dtype.element_ty), mask=mask)

@@ -11,8 +11,11 @@ on CUDA (the same result in one launch instead of four to six a layer). forward_
 experts' CPU path and their reference: tokens sorted by expert id, then one pair of matmuls per
 expert that has tokens (it reads the counts on the host). On CUDA the experts run as
 kernels/fused_moe.py's two grouped GEMMs, or at up to skinny_moe.MAX_TOKENS tokens (decode) as
-kernels/skinny_moe.py's, which stream each selected expert once with no sort; neither waits on the
-host (CUDA graphs capture them).
+kernels/skinny_moe.py's, which stream each selected expert once with no sort. With
+ASYNCLLM_MOE_ROUTED_DECODE=1 those route inside the first of their two kernels and sum the split-K
+parts in the second: the router's GEMM (layers/skinny_linear.py) and those two are the block's three
+launches at decode, against five (a routing kernel and a split-K reduce besides); off until checked and
+timed on a GPU. Neither path waits on the host (CUDA graphs capture them).
 """
 from __future__ import annotations
 
@@ -20,9 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncllm import settings
 from asyncllm.distributed import all_reduce, get_tp_rank, get_tp_size
 from asyncllm.layers.fused import fused_moe_for, moe_router_for, skinny_moe_for
 from asyncllm.layers.linear import LinearBase, check_loaded_shape
+from asyncllm.layers.skinny_linear import num_sms
 
 GATE, UP = 0, 1  # the halves of gate_up_proj's rows; down_proj's one part is 0
 
@@ -91,20 +96,29 @@ class SparseMoeBlock(nn.Module):
         self._skinny = skinny_moe_for(self.experts.down_proj)
         # the small path's tiling per token count, chosen once (its rule needs only the shapes)
         self._skinny_configs = []
+        self._tile_counters = None  # set where the decode path routes inside the experts' first kernel
         if self._skinny is not None:
-            num_sms = torch.cuda.get_device_properties(self.experts.down_proj.device).multi_processor_count
-            shard = self.experts.down_proj.size(2)
-            self._skinny_configs = [self._skinny.choose_config(t, top_k, num_experts, hidden_size, shard, num_sms)
+            device, shard = self.experts.down_proj.device, self.experts.down_proj.size(2)
+            self._skinny_configs = [self._skinny.choose_config(t, top_k, num_experts, hidden_size, shard,
+                                                               num_sms(device))
                                     for t in range(self._skinny.MAX_TOKENS + 1)]
+            if self._router is not None and settings.MOE_ROUTED_DECODE.read():  # it routes as the router kernel
+                # this block's own (two streams' blocks never share one); made here, so no step zeroes them
+                self._tile_counters = self._skinny.new_tile_counters(hidden_size, self._skinny_configs, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
+        experts = self.experts
+        decode = x.size(0) < len(self._skinny_configs)
+        if decode and self._tile_counters is not None:  # routed inside the experts' first kernel
+            return all_reduce(self._skinny.skinny_moe_routed(
+                x, logits, self.top_k, self.renormalize, experts.gate_up_proj, experts.down_proj,
+                self._skinny_configs[x.size(0)], self._tile_counters))
         if self._router is not None:
             weights, ids = self._router.route_topk(logits, self.top_k, self.renormalize)
         else:
             weights, ids = route(logits, self.top_k, self.renormalize)
-        experts = self.experts
-        if x.size(0) < len(self._skinny_configs):
+        if decode:
             out = self._skinny.skinny_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids,
                                           self._skinny_configs[x.size(0)])
         elif self._fused is not None:
