@@ -170,21 +170,32 @@ if [ "$mode" = ab ]; then
   # and serving figures within noise of today's in one run"; run AF's TTFT bisect). AB_OLD_TREE: a tarball
   # of that commit's package and benchmarks made here and carried (the GPU machine has no .git), e.g.
   #   git archive 38e4d02 asyncllm benchmarks | gzip > .gpu/old.tgz   (then carry .gpu; AB_OLD_TREE=.gpu/old.tgz)
-  # ~5 minutes on an H100 after the checkpoint; results in $out/ab.log
+  # ~6 minutes on an H100 after the checkpoint; results in $out/ab.log. AB_PARTS: which of throughput,
+  # latency, serving (default all three); batch-1 latency alternates twice (run AG: one process each
+  # left a 6 % TPOT gap unsettled). AB_NEW_ENV: variables for this tree's runs only, e.g.
+  # "ASYNCLLM_STARTUP_CACHE=0" (decisions measured afresh, as the older tree does)
   ckpt=/tmp/asyncllm-ckpt; old=/tmp/asyncllm-old; log="$out/ab.log"
   rm -rf "$old" && mkdir -p "$old" && tar xzf "${AB_OLD_TREE:?the older commit tarball}" -C "$old" || exit 1
   python3 benchmarks/common.py --shape 0.6b --out "$ckpt/0.6b" --device cuda 2>&1 | tail -n 1
   model="--shape 0.6b --model-dir $ckpt/0.6b"
+  parts=",${AB_PARTS:-throughput,latency,serving},"
   ab() { local limit=$1 tree=$2; shift 2; echo "== $tree: $* (limit ${limit} s)" | tee -a "$log"
          if [ "$tree" = old ]; then (cd "$old" && PYTHONPATH="$old:/tmp/asyncllm-site" timeout "$limit" python3 "$@")
-         else timeout "$limit" python3 "$@"; fi 2>&1 | tee -a "$log" | grep -E "^\| (triton|TTFT|TPOT|target)" ; }
-  for tree in old new old new; do  # the first of each compiles its kernels: the second pair is the figure
-    ab 120 $tree benchmarks/bench_throughput.py $model --mode sync,stream
-  done
-  for tree in old new; do ab 90 $tree benchmarks/bench_latency.py $model; done
-  for tree in old new; do
-    ab 90 $tree benchmarks/bench_serving.py $model --concurrency 1,64 --rates 40 --requests-per-rate 64
-  done
+         else env ${AB_NEW_ENV:-} timeout "$limit" python3 "$@"; fi 2>&1 | tee -a "$log" |
+           grep -E "^\| (triton|TTFT|TPOT|target|decode graph)" ; }
+  if [[ $parts == *,throughput,* ]]; then
+    for tree in old new old new; do  # the first of each compiles its kernels: the second pair is the figure
+      ab 120 $tree benchmarks/bench_throughput.py $model --mode sync,stream
+    done
+  fi
+  if [[ $parts == *,latency,* ]]; then
+    for tree in old new old new; do ab 90 $tree benchmarks/bench_latency.py $model; done
+  fi
+  if [[ $parts == *,serving,* ]]; then
+    for tree in old new; do
+      ab 90 $tree benchmarks/bench_serving.py $model --concurrency 1,64 --rates 40 --requests-per-rate 64
+    done
+  fi
 fi
 if [ "$mode" = issues ]; then
   # the open issues' benchmarks that run_all.py leaves out, in one call of under 10 minutes (each step
