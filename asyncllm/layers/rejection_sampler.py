@@ -26,6 +26,8 @@ drafts up to its first rejection, then the token at that position.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from asyncllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors, apply_token_bitmask_, gather_logprobs
@@ -96,22 +98,12 @@ def kept_rows(accepted: torch.Tensor, first_rows: torch.Tensor) -> torch.Tensor:
 def unseeded_chunks(num_rows: int, seeded: set[int]) -> list[slice]:
     """Runs of consecutive rows without a seed, of ROWS_PER_CHUNK rows at most (a request's rows are
     consecutive: seeded ones come in runs)."""
-    if not seeded:
-        return [slice(start, min(start + ROWS_PER_CHUNK, num_rows)) for start in range(0, num_rows, ROWS_PER_CHUNK)]
-    chunks, start = [], None
-    for row in range(num_rows):
-        if row in seeded:
-            if start is not None:
-                chunks.append(slice(start, row))
-                start = None
-            continue
-        if start is None:
-            start = row
-        if row + 1 - start == ROWS_PER_CHUNK:
-            chunks.append(slice(start, row + 1))
-            start = None
-    if start is not None:
-        chunks.append(slice(start, num_rows))
+    chunks = []
+    for is_seeded, run in itertools.groupby(range(num_rows), key=seeded.__contains__):
+        if not is_seeded:
+            rows = list(run)
+            chunks += [slice(start, min(start + ROWS_PER_CHUNK, rows[-1] + 1))
+                       for start in range(rows[0], rows[-1] + 1, ROWS_PER_CHUNK)]
     return chunks
 
 
@@ -144,7 +136,8 @@ class RejectionSampler:
             if seeded:  # exact match against the plain sampler's keyed draw
                 every = len(seeded) == len(logits)
                 rows = slice(None) if every else torch.tensor(seeded).to(logits.device, non_blocking=True)
-                drawn = self.keyed.draw(logits if every else logits[rows], params if every else params.select(seeded))
+                drawn = self.keyed.draw(logits, params) if every else \
+                    self.keyed.draw(logits[rows], params.select(seeded, rows))
                 sampled[rows] = drawn
                 sampled_accepted[rows] = (draft_ids[rows] >= 0) & (draft_ids[rows] == drawn)
             for rows in unseeded_chunks(len(logits), set(seeded)):

@@ -112,12 +112,11 @@ class SamplingTensors:
             arrays["min_ps"] = np.array([p.min_p for p in params], dtype=np.float32)
         return arrays
 
-    def select(self, rows: list[int]) -> "SamplingTensors":
-        """The sampling settings of rows alone (in that order), for draw(): adjustments, masks and
-        log-probabilities are left out (draw() reads none of them)."""
+    def select(self, rows: list[int], index: torch.Tensor) -> "SamplingTensors":
+        """The sampling settings of rows alone (in that order; index: rows on the device), for draw():
+        adjustments, masks and log-probabilities are left out (draw() reads none of them)."""
         if self.all_greedy:
             return SamplingTensors(None, None, None, None, [], True)
-        index = torch.tensor(rows, dtype=torch.int64).to(self.temperatures.device, non_blocking=True)
         position = {row: n for n, row in enumerate(rows)}
         return SamplingTensors(*(None if t is None else t[index] for t in (self.temperatures, self.top_ks,
                                                                            self.top_ps, self.min_ps)),
