@@ -1,7 +1,7 @@
 """Start-up time of `LLM`, `AsyncLLMEngine` and `asyncllm serve`, cold and warm, split by phase (issue 45).
 
     python benchmarks/bench_startup.py [--shapes 0.6b,8b] [--apis llm,async,serve] [--caches cold,warm]
-        [--checkpoints DIR] [--backend triton] [--json PATH]
+        [--warm-env default,ASYNCLLM_STAGED_LOADING=1] [--warm-reps 2] [--checkpoints DIR] [--backend triton] [--json PATH]
 
 Each measurement is a fresh process (this script with --child API): `LLM(model)` then a 16-token
 generate of one token; `AsyncLLMEngine(model)` + start() then the first item of a stream; `asyncllm
@@ -21,6 +21,9 @@ startup/. warm: a second run on the same directories, which reads them. Each row
 there after its run ("triton_files", "startup_files") and the decisions its start-up read from the
 cache and measured ("decisions_read", "decisions_measured", from the engine's "ready" line). (The
 checkpoint's files stay in the page cache from the build: a fresh machine reads them from disk too.)
+--warm-env compares start-up switches without a cold run each: after the one cold run, every warm
+variant (`default`: the environment as it is; `NAME=VALUE[;NAME=VALUE]`: those set for the child) starts
+--warm-reps times on the same caches, the variants alternated; each row says its "variant".
 
 Phases: the engine's own start-up timings (asyncllm/startup.py: config, heap freeze, tokenizer,
 build model, load weights, ..., CUDA graphs, decode tuning, sampler graphs, step-model calibration,
@@ -156,17 +159,18 @@ def served_first_token(base: str) -> float:
     return asyncio.run(run())
 
 
-def spawn_child(args, model_dir: str, api: str, caches: str, log_path: str) -> tuple[list[dict], float]:
-    """One start-up in a fresh process; (its records, the spawn's time.time())."""
+def spawn_child(args, model_dir: str, api: str, caches: str, log_path: str,
+                variant: dict | None = None) -> tuple[list[dict], float]:
+    """One start-up in a fresh process, with variant's variables set; (its records, the spawn's time.time())."""
     argv = strip_options(args.raw_argv, ("--shapes", "--apis", "--caches", "--checkpoints", "--json", "--model-dir",
-                                         "--shape"))
+                                         "--shape", "--warm-env", "--warm-reps"))
     records = os.path.join(os.path.dirname(log_path), "records.jsonl")
     if os.path.exists(records):
         os.remove(records)
     command = [sys.executable, os.path.abspath(__file__), *argv, "--child", api, "--model-dir", model_dir,
                "--phases-file", records]
-    env = child_env(ASYNCLLM_STARTUP_CACHE="1",
-                    **{name: os.path.join(caches, name.lower()) for name in CACHE_VARIABLES})
+    env = child_env(**{"ASYNCLLM_STARTUP_CACHE": "1", **(variant or {}),
+                       **{name: os.path.join(caches, name.lower()) for name in CACHE_VARIABLES}})
     env.pop("TRITON_CACHE_DIR", None)  # the engine places Triton's cache under ASYNCLLM_CACHE, as for a user
     with open(log_path, "w") as log:
         if api != "serve":
@@ -224,14 +228,18 @@ def measure_shape(args, shape: str, model_dir: str, report: Report) -> None:
         caches = tempfile.mkdtemp(prefix="asyncllm-startup-caches-")
         try:
             # warm alone: the cold run fills the caches, unreported
-            for state in ("cold", "warm") if "warm" in args.caches else ("cold",):
+            runs = [("cold", "default")]
+            if "warm" in args.caches:
+                runs += [("warm", name) for _ in range(args.warm_reps) for name in args.warm_env]
+            for state, variant in runs:
                 with tempfile.TemporaryDirectory() as tmp:
+                    head = dict(shape=shape, api=api, caches=state, variant=variant)
                     try:
-                        records, spawn = spawn_child(args, model_dir, api, caches, os.path.join(tmp, "child.log"))
-                        row = dict(shape=shape, api=api, caches=state, **startup_row(records, spawn),
-                                   **cached_files(caches))
+                        records, spawn = spawn_child(args, model_dir, api, caches, os.path.join(tmp, "child.log"),
+                                                     args.warm_env[variant] if state == "warm" else None)
+                        row = dict(head, **startup_row(records, spawn), **cached_files(caches))
                     except Exception as exc:  # noqa: BLE001 - one failed start-up must not end the run
-                        row = dict(shape=shape, api=api, caches=state, error=f"{type(exc).__name__}: {exc}"[:2000])
+                        row = dict(head, error=f"{type(exc).__name__}: {exc}"[:2000])
                 if state in args.caches:
                     report.add(row)
                     print_row(row)
@@ -239,8 +247,18 @@ def measure_shape(args, shape: str, model_dir: str, report: Report) -> None:
             shutil.rmtree(caches, ignore_errors=True)
 
 
+def parse_variant(parser, text: str) -> dict:
+    """A --warm-env variant's variables: {} for "default", else NAME=VALUE pairs split at ';'."""
+    if text == "default":
+        return {}
+    pairs = [part.partition("=") for part in text.split(";")]
+    if any(not name or sep != "=" for name, sep, _ in pairs):
+        parser.error(f"--warm-env: {text!r} is neither 'default' nor NAME=VALUE[;NAME=VALUE]")
+    return {name: value for name, _, value in pairs}
+
+
 def print_row(row: dict) -> None:
-    head = f"{row['shape']} {row['api']} {row['caches']}"
+    head = f"{row['shape']} {row['api']} {row['caches']}" + (f" [{row['variant']}]" if row["variant"] != "default" else "")
     if "error" in row:
         print(f"{head}: FAILED {row['error']}", flush=True)
         return
@@ -254,7 +272,7 @@ def print_row(row: dict) -> None:
             print(f"    {t:8.2f} s  {message}", flush=True)
 
 
-COLUMNS = ([("shape", "shape"), ("API", "api"), ("caches", "caches"), ("ready (s)", "ready_s"),
+COLUMNS = ([("shape", "shape"), ("API", "api"), ("caches", "caches"), ("variant", "variant"), ("ready (s)", "ready_s"),
             ("first token (s after ready)", "first_token_s"), ("imports", "imports_s")]
            + [(phase, phase) for phase in PHASE_NAMES]
            + [("other", "other_s"), ("decisions read", "decisions_read"), ("decisions measured", "decisions_measured"),
@@ -271,6 +289,9 @@ def main(argv=None) -> dict:
                                                               "run fills the caches first, unreported)")
     parser.add_argument("--checkpoints", default=None, help="checkpoints in DIR/<shape>, built there if missing "
                                                             "(default: a temp dir, removed at the end)")
+    parser.add_argument("--warm-env", default="default", help="comma-separated warm variants: default (the "
+                        "environment as it is) or NAME=VALUE[;NAME=VALUE] set for that child")
+    parser.add_argument("--warm-reps", type=int, default=1, help="warm start-ups of each variant (alternated)")
     parser.add_argument("--timeout-s", type=float, default=900, help="longest start-up waited for")
     parser.add_argument("--child", default=None, choices=APIS, help="(internal) run one start-up in this process")
     parser.add_argument("--phases-file", default=None, help="(internal) the child's record")
@@ -286,6 +307,9 @@ def main(argv=None) -> dict:
                                  ("--caches", args.caches, ("cold", "warm"))):
         if set(given) - set(known):
             parser.error(f"{option}: unknown {sorted(set(given) - set(known))}; choose from {sorted(known)}")
+    args.warm_env = {name: parse_variant(parser, name) for name in args.warm_env.split(",")}
+    if args.warm_reps < 1:
+        parser.error(f"--warm-reps: must be >= 1, got {args.warm_reps}")
     report = Report("startup", args)
     root = args.checkpoints or tempfile.mkdtemp(prefix="asyncllm-startup-ckpt-")
     try:

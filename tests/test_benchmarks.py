@@ -330,6 +330,28 @@ def test_bench_startup_times_each_api_cold_and_warm_by_phase(tiny_model, tmp_pat
             == (0, 0, 0, 0)
 
 
+def test_bench_startup_warm_variants_alternate_after_one_cold_run(tiny_model, tmp_path, monkeypatch):
+    """--warm-env: one cold run fills the caches, then each variant's warm start-ups, alternated, each child
+    given its variables; a variant that is not NAME=VALUE is refused by name."""
+    os.symlink(tiny_model, tmp_path / "tiny")
+    spawned = []
+
+    def spawn_child(args, model_dir, api, caches, log_path, variant=None):
+        spawned.append(variant)
+        raise RuntimeError("not started")  # each start-up's row: its error, under its labels
+    monkeypatch.setattr(bench_startup, "spawn_child", spawn_child)
+    data = bench_startup.main(["--device", "cpu", "--shapes", "tiny", "--apis", "llm", "--checkpoints", str(tmp_path),
+                               "--warm-env", "default,ASYNCLLM_STAGED_LOADING=1;ASYNCLLM_PDL=0", "--warm-reps", "2"])
+    staged = {"ASYNCLLM_STAGED_LOADING": "1", "ASYNCLLM_PDL": "0"}
+    assert spawned == [None, {}, staged, {}, staged]
+    named = "ASYNCLLM_STAGED_LOADING=1;ASYNCLLM_PDL=0"
+    assert [(row["caches"], row["variant"]) for row in data["results"]] == [
+        ("cold", "default"), ("warm", "default"), ("warm", named), ("warm", "default"), ("warm", named)]
+    assert all(row["error"] == "RuntimeError: not started" for row in data["results"])
+    with pytest.raises(SystemExit):
+        bench_startup.main(["--device", "cpu", "--shapes", "tiny", "--warm-env", "STAGED"])
+
+
 def test_bench_serving_times_every_request_of_each_level(tiny_model):
     data = bench_serving.main(["--model-dir", tiny_model, "--device", "cpu", "--concurrency", "2", "--rates", "4",
                                "--requests-per-rate", "3", "--input-len", "8", "--output-len", "3"])

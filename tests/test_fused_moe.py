@@ -196,18 +196,23 @@ def test_skinny_moe_30b_a3b_layer_shape(num_tokens, skewed):
 
 @needs_cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("routed", [False, True], ids=["default", "routed"])
 @pytest.mark.parametrize("num_tokens", [1, 16, 17])
-def test_moe_block_dispatches_by_token_count(num_tokens, monkeypatch):
-    """Up to MAX_TOKENS tokens the block runs the skinny kernels, past it the grouped GEMMs."""
+def test_moe_block_dispatches_by_token_count(num_tokens, routed, monkeypatch):
+    """Up to MAX_TOKENS tokens the block runs the skinny kernels (routed inside them with
+    ASYNCLLM_MOE_ROUTED_DECODE=1), past it the grouped GEMMs."""
     from asyncllm.kernels import fused_moe as fused_module, skinny_moe as skinny_module
+    monkeypatch.setenv("ASYNCLLM_MOE_ROUTED_DECODE", "1" if routed else "0")
     block = make_block(2048, 128, 8, 768, torch.bfloat16)
     calls = []
-    for module, name in ((fused_module, "fused_moe"), (skinny_module, "skinny_moe_routed")):
+    for module, name in ((fused_module, "fused_moe"), (skinny_module, "skinny_moe"),
+                         (skinny_module, "skinny_moe_routed")):
         original = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
     x = torch.randn(num_tokens, 2048, device=DEVICE, dtype=torch.bfloat16)
     got = block(x)
-    assert calls == ["skinny_moe_routed" if num_tokens <= MAX_TOKENS else "fused_moe"]
+    skinny = "skinny_moe_routed" if routed else "skinny_moe"
+    assert calls == [skinny if num_tokens <= MAX_TOKENS else "fused_moe"]
     weights, ids = route(block.gate(x), block.top_k, block.renormalize)
     assert_matches(got, block.forward_native(x, weights, ids), 3e-2)
 
