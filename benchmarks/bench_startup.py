@@ -56,6 +56,7 @@ from common import (REPO_ROOT, SHAPES, Report, add_engine_args, child_env, engin
 from load_clients import close_client, make_client
 
 from asyncllm import LLM, AsyncLLMEngine, SamplingParams
+from asyncllm.kernels import compiled_variants
 from asyncllm.startup import STARTUP_PHASES
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "tests"))  # tests/helpers.py: how the tests start and stop a server
@@ -118,6 +119,8 @@ def run_child(args) -> int:
     if args.child == "llm":
         llm = LLM(args.model_dir, **kwargs)
         recorder.event("ready")
+        if args.device == "cuda":  # what a cold start compiles, per kernel (the first token's compiles not counted)
+            recorder.write(compiled_variants=compiled_variants())
         llm.generate([FIRST_PROMPT], SamplingParams(max_tokens=1), use_tqdm=False)
         recorder.event("first_token")
         return 0
@@ -219,6 +222,7 @@ def startup_row(records: list[dict], spawn: float) -> dict:
     row["other_s"] = row["ready_s"] - row["imports_s"] - sum(row[p] or 0 for p in PHASE_NAMES)
     (ready,) = [r for r in records if "decisions_read" in r]  # one engine started
     row.update(decisions_read=ready["decisions_read"], decisions_measured=ready["decisions_measured"])
+    row["compiled_variants"] = next((r["compiled_variants"] for r in records if "compiled_variants" in r), None)
     row["logs"] = [[round(r["t"] - spawn, 3), r["level"], r["log"]] for r in records if "log" in r]
     return row
 
@@ -267,6 +271,10 @@ def print_row(row: dict) -> None:
           f"{row['imports_s']:.2f}; {phases}; other {row['other_s']:.2f}); start-up cache: "
           f"{row['decisions_read']} decisions read, {row['decisions_measured']} measured, "
           f"{row['triton_files']} Triton files, {row['startup_files']} decision files", flush=True)
+    if row["compiled_variants"]:
+        counts = sorted(row["compiled_variants"].items(), key=lambda item: -item[1])
+        print(f"    Triton variants at ready: {sum(n for _, n in counts)} "
+              f"({', '.join(f'{name} {n}' for name, n in counts)})", flush=True)
     for t, level, message in row["logs"]:
         if level != "DEBUG":
             print(f"    {t:8.2f} s  {message}", flush=True)
