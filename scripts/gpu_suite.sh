@@ -3,13 +3,14 @@
 # PyTorch reference, the engine against HF transformers, CUDA graphs, prefix cache / chunking /
 # preemption), then the benchmarks; a short summary table last.
 #
-#   bash scripts/gpu_suite.sh [tests|tests1|tests2|tests3|tests4|tests13|tests24|bench|all|tp|issues|ab]
+#   bash scripts/gpu_suite.sh [tests|tests1..tests6|tests13|tests24|tests56|bench|all|tp|issues|ab]
 #                             [run_all.py's options]
 #
-# tests13 / tests24: two parts at once, each its own pytest process (one call instead of two). Run AE
-# (H100, 2026-12-07, 4a7392a): tests13 570 s in all (tests1 290 s beside tests3's 461 s, then the FP8
-# cache test alone, 78 s: near the call's 600 s; tests24 now runs that test), tests24 307 s. Without
-# FA4 the whole suite is these two calls.
+# tests13 / tests24 / tests56: two parts at once, each its own pytest process (one call instead of two).
+# Without FA4 the whole suite is these three calls on one warm machine. Run AH (H100, 2026-12-07): tests1
+# 339 s beside a tests3 that still held the MoE and FP8 kernel files and passed 600 s (the kernel files:
+# 242 s of it), hence tests5 (MoE kernels) and tests6 (FP8 kernels), run as tests56 with the FP8 cache
+# test alone after them.
 #
 # tp (two or more GPUs, e.g. nvidia-h200-x2): the 8B checkpoint built once, tests/test_gpu_tp.py
 # (TP=2 vs TP=1 in float32: tokens and every step's logits; the bf16 gap bounded; CUDA graphs on),
@@ -21,7 +22,7 @@
 # or picked up first, since the GPU machine reaches no package registry. Results land in $OUT:
 # gpu-tests.log/.xml, bench.log, bench.tgz (every JSON, log and plot), summary.md, serving.png.
 #
-# The GPU tests in four parts (tests1..tests4), each estimated under ~6 minutes on an H100 by
+# The GPU tests in six parts (tests1..tests6), each estimated under ~6 minutes on an H100 by
 # scripts/gpu_test_plan.py (engines and CUDA graphs per test, counted on the CPU; 2026-12-07: 127
 # engines, 723 graphs, ~22 minutes in all, where the old three parts captured 2,903 graphs). Every
 # part prints pytest's 30 slowest (--durations=30): compare them with the plan's estimates and
@@ -45,14 +46,15 @@
 #   call 3, at once, ~6 min:    OUT=$OUT bash scripts/gpu_suite.sh tests2   # test_gpu.py: overlap, streams, step
 #                               # model, structured output, bad words, the long cached turn, lifecycle, start-up
 #                               # cache, draft-model speculation
-#   call 4, at once, ~5.5 min:  OUT=$OUT bash scripts/gpu_suite.sh tests3   # n-gram speculation; test_fp8_kv,
-#                               # test_decode_staging, test_gpu_tp (2 GPUs), test_fp8_loading's CUDA test, test_fused_moe,
-#                               # test_moe_router, the FP8 kernel files
-#   call 5, at once, ~6 min:    OUT=$OUT bash scripts/gpu_suite.sh tests4   # test_kernels, test_sampling_filters, test_fp8_route
-#   call 6, at once, ~6.5 min:  OUT=$OUT bash scripts/gpu_suite.sh bench
-# The tests alone take ~23 of a session's 30 device-minutes with the machine's start: a session that needs the
-# benchmarks too runs the parts its change touches (tests4 is kernels only), or tests in one session and bench in
-# the next. The estimates are a model (4 s an engine, 0.4 s a graph, fitted to run N's 560 s for test_gpu.py's
+#   call 4, at once, ~6 min:    OUT=$OUT bash scripts/gpu_suite.sh tests3   # n-gram speculation; test_fp8_kv,
+#                               # test_decode_staging, test_gpu_tp (2 GPUs), test_fp8_loading's CUDA tests
+#   call 5, at once, ~6 min:    OUT=$OUT bash scripts/gpu_suite.sh tests4   # test_kernels, test_sampling_filters
+#   call 6, at once, ~4.5 min:  OUT=$OUT bash scripts/gpu_suite.sh tests56  # test_fused_moe, test_moe_router |
+#                               # the FP8 kernel files, test_fp8_route; then the FP8 cache test alone
+#   call 7, at once, ~6.5 min:  OUT=$OUT bash scripts/gpu_suite.sh bench
+# Without FA4, calls 2-6 are tests13, tests24, tests56. The tests alone take ~25 of a session's 30 device-minutes with
+# the machine's start: a session that needs the benchmarks too runs the parts its change touches (tests4, tests56:
+# kernels only), or tests in one session and bench in the next. The estimates are a model (4 s an engine, 0.4 s a graph, fitted to run N's 560 s for test_gpu.py's
 # first 27 tests); a part that comes near the 10-minute call limit gets split by its --durations.
 # GPU_TEST_SELECT="..." passes a pytest -k expression; run_all.py options follow the mode.
 # issues: the open issues' benchmarks that run_all.py leaves out (short chunks over long contexts, the
@@ -110,28 +112,28 @@ case "$mode" in
   tests2) test_files="tests/test_gpu.py"; part_select="not ($gpu_part1 or speculative_decoding)" ;;
   tests3) test_files="tests/test_gpu.py tests/test_fp8_kv.py tests/test_decode_staging.py tests/test_gpu_tp.py
                       tests/test_fp8_loading.py::test_fp8_weights_on_cuda_match_the_dequantized_copy
-                      tests/test_fp8_loading.py::test_reload_of_another_fp8_format_requantizes_into_the_engines_layout
-                      tests/test_fused_moe.py tests/test_moe_router.py
-                      tests/test_fp8_kv_kernels.py tests/test_fp8_weight_kernels.py"
-          part_select="speculative_decoding or test_fp8 or test_decode_staging or test_gpu_tp or test_fused_moe \
-or test_moe_router" ;;
-  tests4) test_files="tests/test_kernels.py tests/test_sampling_filters.py tests/test_fp8_route.py"; part_select="" ;;
+                      tests/test_fp8_loading.py::test_reload_of_another_fp8_format_requantizes_into_the_engines_layout"
+          part_select="speculative_decoding or test_fp8 or test_decode_staging or test_gpu_tp" ;;
+  tests4) test_files="tests/test_kernels.py tests/test_sampling_filters.py"; part_select="" ;;
+  tests5) test_files="tests/test_fused_moe.py tests/test_moe_router.py"; part_select="" ;;
+  tests6) test_files="tests/test_fp8_kv_kernels.py tests/test_fp8_weight_kernels.py tests/test_fp8_route.py"
+          part_select="" ;;
   *) test_files="" ;;
 esac
-if [ "$mode" = tests13 ] || [ "$mode" = tests24 ]; then
+if [ "$mode" = tests13 ] || [ "$mode" = tests24 ] || [ "$mode" = tests56 ]; then
   # two parts at once on one GPU, each its own pytest process, results in $out/<part>/ (a GPU run of
   # small engines is mostly host work: the machine's 16 cores run both). tests13: tests1's engines
   # (get_llm) take a fixed KV cache (ASYNCLLM_GPU_TEST_KV_TOKENS), so that tests3's engines alone size
   # theirs by gpu_memory_utilization, the device-wide share. tests24: tests4 is kernels only, but its
   # tensors count against the device-wide share too (run AE: 5 of tests2's engines found no room for a
-  # KV block), so tests2's engines take the fixed cache as well.
+  # KV block), so tests2's engines take the fixed cache as well. tests56: the MoE and the FP8 kernel
+  # files (run AH: tests3 with them ran past the call's 600 s; the FP8 weight files alone took 242 s).
   first=tests${mode:5:1}; second=tests${mode:6:1}
   mkdir -p "$out/$first" "$out/$second"
   kv_env="ASYNCLLM_GPU_TEST_KV_TOKENS=65536"
   # tests3's FP8 cache test counts the KV blocks that gpu_memory_utilization gives the bf16 and the
   # FP8 cache (twice): another process's engines coming and going would move that count, so tests13
-  # leaves it out and tests24 runs it alone once both its parts are done (tests13 came near the call's
-  # limit in run AE; tests24 has room)
+  # leaves it out and tests56 (kernels only, the most room) runs it alone once both its parts are done
   alone="gpu_bf16_fp8_cache_with_cuda_graphs"
   user_select=${GPU_TEST_SELECT:-}
   env $kv_env OUT="$out/$first" bash "$0" "$first" > "$out/$first.log" 2>&1 &
@@ -142,7 +144,7 @@ if [ "$mode" = tests13 ] || [ "$mode" = tests24 ]; then
   second_rc=$?
   wait $first_pid; first_rc=$?
   parts="$first $second"; alone_rc=0
-  if [ "$mode" = tests24 ]; then
+  if [ "$mode" = tests56 ]; then
     mkdir -p "$out/tests3-alone"
     GPU_TEST_SELECT="${user_select:+($user_select) and }$alone" OUT="$out/tests3-alone" bash "$0" tests3 \
       > "$out/tests3-alone.log" 2>&1

@@ -210,15 +210,17 @@ _held = None
 
 # scripts/gpu_suite.sh's parts (keep the two alike): test_gpu.py's tests whose names hold a word of
 # GPU_PART1 run in tests1, its n-gram speculative ones in tests3 beside the other files' engine tests,
-# the rest of it in tests2; the kernel files in tests4
+# the rest of it in tests2; the kernel files in tests4 (attention, sampling), tests5 (MoE), tests6 (FP8)
 GPU_PART1 = ("match_hf", "cuda_graph_decode", "pdl", "decode_tuning", "per_context_bound", "prefix_cache_chunking",
              "sampled_decode_graph", "staged_decode", "plain_sampling", "penalties")
 # the files without engines: seconds from earlier GPU runs (docs/BENCHMARKS_ARCHIVE.md: test_kernels.py with
-# test_sampling_filters.py 366 s on an H100; the rest not timed apart: guesses), per part
-FIXED_S = {"tests3": {"test_fused_moe.py kernels (guess)": 30, "test_moe_router.py (guess)": 5,
-                      "test_decode_staging.py, test_fp8_kv.py on CPU (guess)": 15,
-                      "test_fp8_kv_kernels.py, test_fp8_weight_kernels.py (guess)": 40},
-           "tests4": {"test_kernels.py with test_sampling_filters.py": 366, "test_fp8_route.py (guess)": 20}}
+# test_sampling_filters.py 366 s on an H100; run AH: the FP8 kernel files with the MoE router's 242 s, a process
+# beside two others; the rest not timed apart: guesses), per part
+FIXED_S = {"tests3": {"test_decode_staging.py, test_fp8_kv.py on CPU (guess)": 15},
+           "tests4": {"test_kernels.py with test_sampling_filters.py": 366},
+           "tests5": {"test_fused_moe.py (guess)": 150, "test_moe_router.py (guess)": 10},
+           "tests6": {"test_fp8_kv_kernels.py, test_fp8_weight_kernels.py (run AH)": 230,
+                      "test_fp8_route.py (guess)": 20}}
 # an engine's start-up besides its graphs (load, probe, sampler graphs, tuning), each graph's warm-up and
 # capture (kernels compiled on a cold cache among them), a test's own work: fitted so that run N's first
 # 27 tests of test_gpu.py (55 engines, 615 graphs) come to its 560 s on an H100, with the process's
