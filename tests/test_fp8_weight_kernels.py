@@ -176,16 +176,15 @@ def test_fp8_skinny_gemm_model_shapes(n, k):
                                reference(x, dequantized), f"{n}x{k} {config.label()}")
 
 
-def w8a8_reference(x, quantized, scale, bias=None, x_quantized=None):
-    """What W8A8 computes, written out: each row of x scaled to e4m3 by amax / 448 (clamped, rounded
-    to nearest even; or x_quantized's (e4m3 x, scales) as given), the e4m3 products summed in float32
-    and scaled by both rows' scales, then the bias, one rounding to x's dtype."""
-    if x_quantized is None:
-        x32 = x.float()
-        x_scale = (x32.abs().amax(-1, keepdim=True) / 448).clamp_min(1e-12)
-        x8 = (x32 / x_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-    else:
-        x8, x_scale = x_quantized
+def w8a8_reference(x, quantized, scale, bias=None):
+    """What W8A8 computes, written out: each row of x scaled to e4m3 by amax / 448 (the correctly
+    rounded quotient: CUDA torch divides by a Python scalar as a product with its reciprocal, 1 ulp off
+    for about half the rows, which moved one e4m3 activation a step in run AG and AH), clamped, rounded
+    to nearest even; the e4m3 products summed in float32 and scaled by both rows' scales, then the
+    bias, one rounding to x's dtype."""
+    x32 = x.float()
+    x_scale = (x32.abs().amax(-1, keepdim=True).double() / 448).float().clamp_min(1e-12)
+    x8 = (x32 / x_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
     out = (x8.float() @ quantized.float().T) * x_scale * scale.view(1, -1)
     return (out + bias.float() if bias is not None else out).to(x.dtype)
 
@@ -202,9 +201,6 @@ def test_w8a8_path_matches_per_token_reference(monkeypatch, device, num_rows):
     """Above 16 rows with per-row scales: CUDA's W8A8 path, and CPU under cuda_paths_on_cpu() (the
     quality benchmark's emulation of it), both equal the per-token e4m3 reference within an ulp or two
     (fp32 sums in another order). The weight-only reference is outside that bound: a wrong route fails.
-    On CUDA the reference takes the path's own e4m3 activations: whether those are PyTorch's bit for bit
-    is tests/test_fp8_route.py's check (run AH, H100: against PyTorch's activations 1 of 19,200 outputs
-    here was off by about one e4m3 step of one input, a rounding boundary, before that check ran there).
     On CPU torch._scaled_mm raises as torch 2.11's CPU build does for row-wise scales (run AE): the
     emulation never calls it, and CUDA's W8A8 stays on."""
     if device == "cpu":
@@ -218,8 +214,7 @@ def test_w8a8_path_matches_per_token_reference(monkeypatch, device, num_rows):
     quantized, scale = quantize_rows(torch.randn(n, k, device=device) / k ** 0.5, None)
     x = torch.randn(num_rows, k, device=device).to(torch.bfloat16)
     bias = torch.randn(n, device=device).to(torch.bfloat16)
-    own = fp8_linear._quantize_per_token(x) if device == "cuda" else None
-    ref = w8a8_reference(x, quantized, scale, bias, own).float()
+    ref = w8a8_reference(x, quantized, scale, bias).float()
     weight_only = reference(x, dequantize_rows(quantized, scale, None, torch.float32), bias)
     bound = dict(rtol=2 ** -7, atol=2 ** -7 * ref.abs().max().item())
     assert not torch.allclose(weight_only, ref, **bound)  # e4m3 activations: ~2**-5 relative per product

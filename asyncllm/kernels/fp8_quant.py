@@ -10,9 +10,10 @@ Bit for bit PyTorch's: the amax is exact in fp32, the scale and each x / scale a
 divisions (div_rn; Triton's plain '/' on fp32 is an approximate one on the GPU), and x / scale is
 rounded onto e4m3's grid in fp32 arithmetic (_round_to_e4m3), to nearest, ties to even, as PyTorch's
 cast does, before a cast that then has nothing to round: how Triton's own fp32 -> e4m3 cast rounds is
-left out of it. (The interpreter's cast rounds ties away and mis-carries. On an H100 the W8A8 path
-missed the per-token reference in one element of 19,200, run AG: a cast that rounds otherwise than
-PyTorch's is the likely cause, not yet confirmed on a GPU.)
+left out of it (the interpreter's cast rounds ties away and mis-carries). PyTorch's own per-token form
+must divide as correctly: CUDA torch's `amax / 448` multiplies by the reciprocal, 1 ulp off for about
+half the rows, enough to move an activation by an e4m3 step (runs AG and AH: one output of 19,200 off
+the test's reference, which divided so).
 A row of up to MAX_ONE_TILE columns is held in registers between the amax and the cast, so it is read
 once; a longer one is read again for the cast (from L2: the row was just read).
 

@@ -270,7 +270,8 @@ def _quantize_per_token(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     launch, kernels/fp8_quant.py; the PyTorch below is its reference and CPU's emulation)."""
     if x2.is_cuda and x2.stride(-1) == 1 and (kernels := kernel_module("fp8_quant")) is not None:
         return kernels.quantize_per_token(x2)
-    x_scale = (x2.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)
+    # the correctly rounded amax / FP8_MAX, as the kernel's div_rn and CPU's division give it (fp8_scales' why)
+    x_scale = (x2.abs().amax(dim=-1, keepdim=True).double() / FP8_MAX).float().clamp_min(1e-12)
     return (x2.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), x_scale
 
 
