@@ -192,7 +192,17 @@ if [ "$mode" = ab ]; then
     done
   fi
   if [[ $parts == *,latency,* ]]; then
-    for tree in old new old new; do ab 90 $tree benchmarks/bench_latency.py $model; done
+    # three pairs (run AH: the first of each tree compiles for over 70 s where nothing ran before it); each
+    # run's batch-1 tilings printed under its table: run AH's new tree replayed the decode graph in 0.729-0.738 ms
+    # every time (its start-up cache keeps the first tuning), 38e4d02 in 0.692 or 0.732 by its start-up's timing
+    for run in 1 2 3; do
+      for tree in old new; do
+        ab $([ $run = 1 ] && echo 180 || echo 75) $tree benchmarks/bench_latency.py $model --json "/tmp/ab-lat-$tree-$run.json"
+        python3 -c "import json, sys; c = json.load(open(sys.argv[1]))['skinny_gemm_choices']
+print('  batch-1 tilings:', '; '.join(f'{k[9:]}: {v}' for k, v in c.items() if k.startswith('1 rows')))" \
+            "/tmp/ab-lat-$tree-$run.json" 2>/dev/null | tee -a "$log"
+      done
+    done
   fi
   if [[ $parts == *,serving,* ]]; then
     for tree in old new; do
