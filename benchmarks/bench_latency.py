@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 
+import torch
 from bench_profile import graph_replay_time
 from common import (Report, add_engine_args, add_ratios, checkpoint_from_args, engine_kwargs, make_parser,
                     measure_copy_bandwidth, median, ms, parse_args, random_prompt, release_memory, strip_options,
@@ -140,6 +141,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--skinny-gemm", default="on", choices=["on", "off", "both"],
                         help="decode's linear layers through the skinny-GEMM kernel where it is faster (on), cuBLAS "
                              "only (off), or each in its own process (both)")
+    parser.add_argument("--skinny-choices", default=None, metavar="JSON",
+                        help="take the skinny-GEMM tilings another run chose (its --json's skinny_gemm_choices, or "
+                             "that mapping alone), settled: nothing timed or tuned for those shapes (bf16)")
     parser.set_defaults(max_num_seqs=8)  # batch 1 only: fewer CUDA graphs to capture at start-up
     raw_argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(parser, raw_argv)
@@ -153,6 +157,13 @@ def main(argv=None) -> dict:
         return report.data
     os.environ["ASYNCLLM_SKINNY_GEMM"] = "1" if args.skinny_gemm == "on" else "0"  # for tensor-parallel workers
     skinny_linear.set_enabled(args.skinny_gemm == "on")
+    if args.skinny_choices:  # e.g. whether one tree's batch-1 time is its code or its start-up's timed choices
+        with open(args.skinny_choices) as f:
+            described = json.load(f)
+        described = described.get("skinny_gemm_choices", described)
+        device = torch.device("cuda", 0) if args.device == "cuda" else torch.device(args.device)  # x.device's form
+        pinned = skinny_linear.pin_choices(described, device, torch.bfloat16)
+        print(f"skinny GEMM: {pinned} choices taken from {args.skinny_choices}", flush=True)
     measure(args, report)
     report.finish(f"Batch-1 latency, {args.shape}, {args.backend}{tp}, skinny GEMM {args.skinny_gemm} "
                   f"(copy bandwidth {report.data['copy_bandwidth_gb_s']:,.0f} GB/s)", COLUMNS)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 import torch
 
 from asyncllm.kernels.skinny_gemm import SkinnyConfig, candidate_configs
@@ -88,3 +89,31 @@ def test_tuning_is_idle_when_turned_off_or_with_nothing_to_tune(monkeypatch):
     monkeypatch.setenv("ASYNCLLM_DECODE_TUNING", "1")
     monkeypatch.setattr(skinny_linear, "batch1_alternatives", lambda: [(False, key(1, 8, 8), [object()])])
     decode_tuning.tune_batch1_projections(Graphs(), no_batch)  # one tiling: nothing to try
+
+
+def test_pinned_choices_are_describe_choices_read_back_and_settled(monkeypatch):
+    """bench_latency --skinny-choices: another run's described decisions (its JSON) taken as they were, and
+    settled, so the batch-1 tuner leaves them; every label form round-trips; a bad label names itself."""
+    for name in ("_choices", "_gated_choices"):
+        monkeypatch.setattr(skinny_linear, name, {})
+    monkeypatch.setattr(skinny_linear, "_settled", set())
+    fma, dot = SkinnyConfig(False, 16, 512, 1, 4, grouped=True), SkinnyConfig(True, 64, 128, 2, 8, num_stages=4)
+    decided = {(False, key(1, 151936, 1024)): fma, (False, key(1, 1024, 3072)): dot, (True, key(1, 1024, 3072)): None,
+               (False, (CPU, torch.bfloat16, 8, 40, 48, True)): None}
+    for (gated, decided_key), config in decided.items():
+        skinny_linear.set_choice(gated, decided_key, config)
+    described = skinny_linear.describe_choices()
+    assert described == {"1 rows x (1024, 3072)": dot.label(), "1 rows x (151936, 1024)": fma.label(),
+                         "8 rows x (40, 48) + bias": "cuBLAS", "1 rows x (1024, 3072) gated": "unfused"}
+    for name in ("_choices", "_gated_choices"):
+        monkeypatch.setattr(skinny_linear, name, {})
+    assert skinny_linear.pin_choices(described, CPU, torch.bfloat16) == 4
+    assert {**{(False, k): c for k, c in skinny_linear.choices().items()},
+            **{(True, k): c for k, c in skinny_linear.gated_choices().items()}} == decided
+    assert skinny_linear.batch1_alternatives() == []  # settled: nothing left to tune
+    for config in candidate_configs(1, 151936, 1024, 132) + candidate_configs(16, 6144, 1024, 132):
+        assert SkinnyConfig.from_label(config.label()) == config
+    with pytest.raises(ValueError, match=r"skinny GEMM choice '1 rows x \(8, 8\)': 'fma n16'"):
+        skinny_linear.pin_choices({"1 rows x (8, 8)": "fma n16"}, CPU, torch.bfloat16)
+    with pytest.raises(ValueError, match="skinny GEMM choice '1 rows x 8'"):
+        skinny_linear.pin_choices({"1 rows x 8": "cuBLAS"}, CPU, torch.bfloat16)

@@ -70,6 +70,19 @@ class SkinnyConfig:
         return (f"{'dot' if self.dot else 'fma'} n{self.block_n} k{self.block_k} s{self.split_k} "
                 f"w{self.num_warps} st{self.num_stages}{' grouped' if self.grouped else ''}")
 
+    @classmethod
+    def from_label(cls, label: str) -> SkinnyConfig:
+        """The config label() printed (a benchmark's JSON keeps the choices so)."""
+        loop, *fields = label.split()
+        grouped = fields[-1:] == ["grouped"]
+        numbers = dict((field[:1] if field[:2] != "st" else "st", field[2 if field[:2] == "st" else 1:])
+                       for field in fields[:len(fields) - grouped])
+        if loop not in ("dot", "fma") or sorted(numbers) != ["k", "n", "s", "st", "w"] \
+                or not all(value.isdigit() for value in numbers.values()):
+            raise ValueError(f"not a skinny GEMM tiling label: {label!r} (e.g. 'fma n16 k512 s1 w4 st3 grouped')")
+        return cls(loop == "dot", int(numbers["n"]), int(numbers["k"]), int(numbers["s"]), int(numbers["w"]),
+                   int(numbers["st"]), grouped)
+
 
 @triton.jit
 def _store_result(acc, rows_m, rows_n, M, N, bias_ptr, out_ptr, partial_ptr, stride_om, pid_k,

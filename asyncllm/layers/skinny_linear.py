@@ -97,6 +97,26 @@ def describe_choices() -> dict[str, str]:
     return described
 
 
+def pin_choices(described: dict[str, str], device: torch.device, dtype: torch.dtype) -> int:
+    """Take describe_choices()'s decisions (e.g. another run's, from a benchmark's JSON) for x on
+    device in dtype, settled: nothing times them again and decode tuning leaves them. Returns how
+    many; a label that is not describe_choices()' form is a ValueError naming it."""
+    kernels = kernel_module("skinny_gemm")
+    for label, choice in described.items():
+        shape, gated = (label[:-len(" gated")], True) if label.endswith(" gated") else (label, False)
+        shape, has_bias = (shape[:-len(" + bias")], True) if shape.endswith(" + bias") else (shape, False)
+        rows, _, dims = shape.partition(" rows x ")
+        try:
+            n, k = (int(part) for part in dims.strip("()").split(", "))
+            key = (device, dtype, int(rows), n, k, has_bias)
+            config = None if choice in ("cuBLAS", "unfused") else kernels.SkinnyConfig.from_label(choice)
+        except ValueError as exc:
+            raise ValueError(f"skinny GEMM choice {label!r}: {choice!r}: {exc}") from None
+        set_choice(gated, key, config)
+        settle(gated, key)
+    return len(described)
+
+
 def batch1_alternatives() -> list[tuple[bool, tuple, list]]:
     """The one-row decisions that took the kernel and were not settled yet (settle()), as (gated,
     key, tilings) to try inside the batch-1 decode step (runner/decode_tuning.py), largest weight
