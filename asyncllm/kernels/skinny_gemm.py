@@ -40,6 +40,7 @@ per shape, outside graph capture, and benchmarks/bench_gemm.py times them all.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 import torch
@@ -73,15 +74,11 @@ class SkinnyConfig:
     @classmethod
     def from_label(cls, label: str) -> SkinnyConfig:
         """The config label() printed (a benchmark's JSON keeps the choices so)."""
-        loop, *fields = label.split()
-        grouped = fields[-1:] == ["grouped"]
-        numbers = dict((field[:1] if field[:2] != "st" else "st", field[2 if field[:2] == "st" else 1:])
-                       for field in fields[:len(fields) - grouped])
-        if loop not in ("dot", "fma") or sorted(numbers) != ["k", "n", "s", "st", "w"] \
-                or not all(value.isdigit() for value in numbers.values()):
+        match = re.fullmatch(r"(dot|fma) n(\d+) k(\d+) s(\d+) w(\d+) st(\d+)( grouped)?", label)
+        if match is None:
             raise ValueError(f"not a skinny GEMM tiling label: {label!r} (e.g. 'fma n16 k512 s1 w4 st3 grouped')")
-        return cls(loop == "dot", int(numbers["n"]), int(numbers["k"]), int(numbers["s"]), int(numbers["w"]),
-                   int(numbers["st"]), grouped)
+        loop, *numbers, grouped = match.groups()
+        return cls(loop == "dot", *map(int, numbers), grouped=grouped is not None)
 
 
 @triton.jit
@@ -360,8 +357,16 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         GATED=gated, W_SCALED=scale is not None, num_warps=config.num_warps, num_stages=config.num_stages, **pdl,
         **dot_args)
     if split > 1:
-        block = min(1024, next_power_of_2(n))
-        _split_k_reduce_kernel[(num_rows, cdiv(n, block))](
-            partial, bias_arg, out, num_rows, n, out.stride(0), SPLIT_K=split, BLOCK=block, HAS_BIAS=bias is not None,
-            num_warps=4, **pdl)
+        reduce_splits(partial, out, bias, pdl)
     return out.view(*x.shape[:-1], n)
+
+
+def reduce_splits(partial: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None,
+                  pdl: dict[str, bool] | None = None) -> None:
+    """out (M, N) = partial (SPLIT, M, N) float32 summed over its splits in split order, plus bias:
+    the split-K reduce, one launch (pdl: launch_options' keywords; None: no PDL)."""
+    split, num_rows, n = partial.shape
+    block = min(1024, next_power_of_2(n))
+    _split_k_reduce_kernel[(num_rows, cdiv(n, block))](
+        partial, bias if bias is not None else out, out, num_rows, n, out.stride(0), SPLIT_K=split, BLOCK=block,
+        HAS_BIAS=bias is not None, num_warps=4, **(pdl or {"USE_PDL": False}))

@@ -39,7 +39,7 @@ from asyncllm.kernels.fused_ops import _dot, _dot_config
 from asyncllm.kernels.host import cdiv, next_power_of_2
 from asyncllm.kernels.moe_router import MAX_EXPERTS, topk_of_rows
 # the split-K partial sums' reduce where the down kernel does not add them itself (skinny_moe)
-from asyncllm.kernels.skinny_gemm import _split_k_reduce_kernel
+from asyncllm.kernels.skinny_gemm import reduce_splits
 
 MAX_TOKENS = 16  # the tokens are the dot's N dimension, padded to 16; more go to fused_moe.py
 
@@ -312,13 +312,11 @@ def _experts(x, gate_up, down, topk_weights, topk_ids, config, router_logits, re
         RENORMALIZE=bool(renormalize), BLOCK_N=config.gate_up_block_n, **shared)
     partial = torch.empty((split, num_tokens, hidden), dtype=torch.float32, device=x.device) if split > 1 else out
     _skinny_down_kernel[(tiles, split)](
+        # counters_ptr: unread without SUM_SPLITS, any tensor stands in
         intermediate, down, out, partial, tile_counters if route else topk_ids, topk_ids, topk_weights, num_tokens,
         top_k, hidden, inter_size, intermediate.stride(0), topk_ids.stride(0), topk_weights.stride(0),
         down.stride(0), down.stride(1), out.stride(0), SPLIT=split, SUM_SPLITS=route, BLOCK_N=config.down_block_n,
         **shared)
     if split > 1 and not route:
-        block = min(1024, next_power_of_2(hidden))
-        _split_k_reduce_kernel[(num_tokens, cdiv(hidden, block))](
-            partial, out, out, num_tokens, hidden, out.stride(0), SPLIT_K=split, BLOCK=block, HAS_BIAS=False,
-            USE_PDL=False, num_warps=4)
+        reduce_splits(partial, out)
     return out
