@@ -3,14 +3,17 @@
 # PyTorch reference, the engine against HF transformers, CUDA graphs, prefix cache / chunking /
 # preemption), then the benchmarks; a short summary table last.
 #
-#   bash scripts/gpu_suite.sh [tests|tests1..tests6|tests13|tests24|tests56|bench|all|tp|issues|ab]
+#   bash scripts/gpu_suite.sh [tests|tests1..tests6|kernels|tests13|tests24|tests56|tests2k|bench|all|tp|issues|ab]
 #                             [run_all.py's options]
 #
 # tests13 / tests24 / tests56: two parts at once, each its own pytest process (one call instead of two).
 # Without FA4 the whole suite is these three calls on one warm machine. Run AH (H100, 2026-12-07): tests1
 # 339 s beside a tests3 that still held the MoE and FP8 kernel files and passed 600 s (the kernel files:
 # 242 s of it), hence tests5 (MoE kernels) and tests6 (FP8 kernels), run as tests56 with the FP8 cache
-# test alone after them.
+# test alone after them. tests2k: tests2 beside all the kernel files at once (parts 4-6 as one pytest
+# over GPU_TEST_WORKERS=6 processes: pytest-xdist; their tests compile Triton kernels on the host's
+# 16 cores), then the FP8 cache test alone: with tests13, the suite in two calls
+# (not yet run on a GPU: if it misbehaves, tests24 and tests56 are the same tests in two calls).
 #
 # tp (two or more GPUs, e.g. nvidia-h200-x2): the 8B checkpoint built once, tests/test_gpu_tp.py
 # (TP=2 vs TP=1 in float32: tokens and every step's logits; the bf16 gap bounded; CUDA graphs on),
@@ -52,7 +55,7 @@
 #   call 6, at once, ~4.5 min:  OUT=$OUT bash scripts/gpu_suite.sh tests56  # test_fused_moe, test_moe_router |
 #                               # the FP8 kernel files, test_fp8_route; then the FP8 cache test alone
 #   call 7, at once, ~6.5 min:  OUT=$OUT bash scripts/gpu_suite.sh bench
-# Without FA4, calls 2-6 are tests13, tests24, tests56. The tests alone take ~25 of a session's 30 device-minutes with
+# Without FA4, calls 2-6 are tests13, tests24, tests56 (or two calls: tests13, tests2k). The tests alone take ~25 of a session's 30 device-minutes with
 # the machine's start: a session that needs the benchmarks too runs the parts its change touches (tests4, tests56:
 # kernels only), or tests in one session and bench in the next. The estimates are a model (4 s an engine, 0.4 s a graph, fitted to run N's 560 s for test_gpu.py's
 # first 27 tests); a part that comes near the 10-minute call limit gets split by its --durations.
@@ -118,9 +121,16 @@ case "$mode" in
   tests5) test_files="tests/test_fused_moe.py tests/test_moe_router.py"; part_select="" ;;
   tests6) test_files="tests/test_fp8_kv_kernels.py tests/test_fp8_weight_kernels.py tests/test_fp8_route.py"
           part_select="" ;;
+  # tests4, tests5 and tests6 in one pytest spread over GPU_TEST_WORKERS processes (pytest-xdist, on the
+  # GPU image): their tests are compile-bound (Triton on the host's cores); one small MoE engine among them
+  kernels) test_files="tests/test_kernels.py tests/test_sampling_filters.py tests/test_fused_moe.py
+                       tests/test_moe_router.py tests/test_fp8_kv_kernels.py tests/test_fp8_weight_kernels.py
+                       tests/test_fp8_route.py"
+           part_select=""; workers="-n ${GPU_TEST_WORKERS:-6}"
+           python3 -c "import xdist" 2>/dev/null || { echo "pytest-xdist missing: kernels in one process"; workers=""; } ;;
   *) test_files="" ;;
 esac
-if [ "$mode" = tests13 ] || [ "$mode" = tests24 ] || [ "$mode" = tests56 ]; then
+if [ "$mode" = tests13 ] || [ "$mode" = tests24 ] || [ "$mode" = tests56 ] || [ "$mode" = tests2k ]; then
   # two parts at once on one GPU, each its own pytest process, results in $out/<part>/ (a GPU run of
   # small engines is mostly host work: the machine's 16 cores run both). tests13: tests1's engines
   # (get_llm) take a fixed KV cache (ASYNCLLM_GPU_TEST_KV_TOKENS), so that tests3's engines alone size
@@ -128,7 +138,10 @@ if [ "$mode" = tests13 ] || [ "$mode" = tests24 ] || [ "$mode" = tests56 ]; then
   # tensors count against the device-wide share too (run AE: 5 of tests2's engines found no room for a
   # KV block), so tests2's engines take the fixed cache as well. tests56: the MoE and the FP8 kernel
   # files (run AH: tests3 with them ran past the call's 600 s; the FP8 weight files alone took 242 s).
+  # tests2k: tests2 beside every kernel file (the `kernels` part, spread over processes), so that with
+  # tests13 the suite is two calls.
   first=tests${mode:5:1}; second=tests${mode:6:1}
+  [ "$mode" = tests2k ] && second=kernels
   mkdir -p "$out/$first" "$out/$second"
   kv_env="ASYNCLLM_GPU_TEST_KV_TOKENS=65536"
   # tests3's FP8 cache test counts the KV blocks that gpu_memory_utilization gives the bf16 and the
@@ -144,7 +157,7 @@ if [ "$mode" = tests13 ] || [ "$mode" = tests24 ] || [ "$mode" = tests56 ]; then
   second_rc=$?
   wait $first_pid; first_rc=$?
   parts="$first $second"; alone_rc=0
-  if [ "$mode" = tests56 ]; then
+  if [ "$mode" = tests56 ] || [ "$mode" = tests2k ]; then
     mkdir -p "$out/tests3-alone"
     GPU_TEST_SELECT="${user_select:+($user_select) and }$alone" OUT="$out/tests3-alone" bash "$0" tests3 \
       > "$out/tests3-alone.log" 2>&1
@@ -164,7 +177,7 @@ if [ -n "$test_files" ]; then
   [ -n "${GPU_TEST_SELECT:-}" ] && select="${select:+($select) and }($GPU_TEST_SELECT)"
   # shellcheck disable=SC2086  # test_files: a list of paths
   ASYNCLLM_FAILURE_LOG="$out/failures.log" \
-  python3 -m pytest -q -p no:cacheprovider $test_files -m "not slow" -rP ${select:+-k "$select"} --durations=30 \
+  python3 -m pytest -q -p no:cacheprovider $test_files -m "not slow" -rP ${select:+-k "$select"} --durations=30 ${workers:-} \
       --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log"
   tests_rc=${PIPESTATUS[0]}
 fi
