@@ -187,9 +187,12 @@ if [ "$mode" = ab ]; then
   # of that commit's package and benchmarks made here and carried (the GPU machine has no .git), e.g.
   #   bash scripts/gpu_prepare.sh 38e4d02   (.gpu/38e4d02.tgz; then carry .gpu; AB_OLD_TREE=.gpu/38e4d02.tgz)
   # ~6 minutes on an H100 after the checkpoint; results in $out/ab.log. AB_PARTS: which of throughput,
-  # latency, serving (default all three); batch-1 latency alternates twice (run AG: one process each
-  # left a 6 % TPOT gap unsettled). AB_NEW_ENV: variables for this tree's runs only, e.g.
-  # "ASYNCLLM_STARTUP_CACHE=0" (decisions measured afresh, as the older tree does)
+  # latency, serving, startup (default the first three); batch-1 latency alternates AB_LATENCY_PAIRS
+  # times (default 3; run AG: one process each left a 6 % TPOT gap unsettled), and with AB_DIAGNOSE=1
+  # then runs this tree on the fastest older run's skinny-GEMM tilings and each tree's kernel table.
+  # startup: bench_startup cold and warm (twice), `LLM`, 0.6B, each tree (~3.5 min both; an older tree
+  # needs bench_startup's --warm-reps: 777a2ba or later). AB_NEW_ENV: variables for this tree's runs
+  # only, e.g. "ASYNCLLM_STARTUP_CACHE=0" (decisions measured afresh, as the older tree does)
   ckpt=/tmp/asyncllm-ckpt; old=/tmp/asyncllm-old; log="$out/ab.log"
   rm -rf "$old" && mkdir -p "$old" && tar xzf "${AB_OLD_TREE:?the older commit tarball}" -C "$old" || exit 1
   python3 benchmarks/common.py --shape 0.6b --out "$ckpt/0.6b" --device cuda 2>&1 | tail -n 1
@@ -198,7 +201,7 @@ if [ "$mode" = ab ]; then
   ab() { local limit=$1 tree=$2; shift 2; echo "== $tree: $* (limit ${limit} s)" | tee -a "$log"
          if [ "$tree" = old ]; then (cd "$old" && PYTHONPATH="$old:/tmp/asyncllm-site" timeout "$limit" python3 "$@")
          else env ${AB_NEW_ENV:-} timeout "$limit" python3 "$@"; fi 2>&1 | tee -a "$log" |
-           grep -E "^\| (triton|TTFT|TPOT|target|decode graph)" ; }
+           grep -E "^\| (triton|TTFT|TPOT|target|decode graph|0.6b)" ; }
   if [[ $parts == *,throughput,* ]]; then
     for tree in old new old new; do  # the first of each compiles its kernels: the second pair is the figure
       ab 120 $tree benchmarks/bench_throughput.py $model --mode sync,stream
@@ -208,13 +211,33 @@ if [ "$mode" = ab ]; then
     # three pairs (run AH: the first of each tree compiles for over 70 s where nothing ran before it); each
     # run's batch-1 tilings printed under its table: run AH's new tree replayed the decode graph in 0.729-0.738 ms
     # every time (its start-up cache keeps the first tuning), 38e4d02 in 0.692 or 0.732 by its start-up's timing
-    for run in 1 2 3; do
+    for run in $(seq 1 "${AB_LATENCY_PAIRS:-3}"); do
       for tree in old new; do
         ab $([ $run = 1 ] && echo 180 || echo 75) $tree benchmarks/bench_latency.py $model --json "/tmp/ab-lat-$tree-$run.json"
         python3 -c "import json, sys; c = json.load(open(sys.argv[1]))['skinny_gemm_choices']
 print('  batch-1 tilings:', '; '.join(f'{k[9:]}: {v}' for k, v in c.items() if k.startswith('1 rows')))" \
             "/tmp/ab-lat-$tree-$run.json" 2>/dev/null | tee -a "$log"
       done
+    done
+    if [ -n "${AB_DIAGNOSE:-}" ]; then
+      # code or timed choice? this tree on the tilings of the older tree's fastest decode graph (settled:
+      # nothing timed for those shapes); then each tree's batch-1 decode kernels (count, device time)
+      fastest=$(python3 -c "import json, sys
+replay = lambda p: [r['median_ms'] for r in json.load(open(p))['results'] if r['metric'].startswith('decode graph')][0]
+print(min(sys.argv[1:], key=replay))" /tmp/ab-lat-old-*.json 2>/dev/null)
+      if [ -n "$fastest" ]; then
+        echo "== this tree on the tilings of $fastest" | tee -a "$log"
+        ab 75 new benchmarks/bench_latency.py $model --skinny-choices "$fastest"
+      fi
+      for tree in old new; do
+        ab 90 $tree benchmarks/bench_profile.py $model --workload 0 --rows 45 --reps 10 > /dev/null
+      done
+    fi
+  fi
+  if [[ $parts == *,startup,* ]]; then
+    for tree in new old; do
+      ab 220 $tree benchmarks/bench_startup.py --shapes 0.6b --apis llm --caches cold,warm --warm-reps 2 \
+          --checkpoints "$ckpt"
     done
   fi
   if [[ $parts == *,serving,* ]]; then
