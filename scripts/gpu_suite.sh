@@ -249,9 +249,9 @@ fi
 if [ "$mode" = issues ]; then
   # the open issues' benchmarks that run_all.py leaves out, in one call of under 10 minutes (each step
   # bounded; a step that fails or runs out says so in issues-bench.log and the next one runs):
-  # issue 44's short chunk over a long context (the kernel, then the engine's 32k-cached turn),
-  # issue 50's memory after close and wake vs a fresh start, issue 48's fused experts, issue 45's
-  # start-up cold and warm
+  # issue 44's short chunk over a long context (the kernel, then the engine's 32k-cached turn and its
+  # TTFT stage by stage), issue 48's fused experts, issue 45's start-up cold and warm (about 9.5 minutes
+  # on an H100 with every step at its limit)
   ckpt=/tmp/asyncllm-ckpt
   log="$out/issues-bench.log"
   step() { local limit=$1; shift; echo "== $* (limit ${limit} s)" | tee -a "$log"
@@ -260,8 +260,9 @@ if [ "$mode" = issues ]; then
   step 60 benchmarks/bench_kernels.py --short-over-long --no-fa4 --budget-s 30 --json "$out/short-over-long.json"
   step 120 benchmarks/bench_multiturn.py --shape 0.6b --model-dir "$ckpt/0.6b" --cases cached --backends triton \
       --reps 3 --json "$out/multiturn-cached.json"
+  step 90 benchmarks/bench_turn_breakdown.py --shape 0.6b --model-dir "$ckpt/0.6b" --cached-tokens 32768 \
+      --new-tokens 64 --json "$out/turn-breakdown.json"
   step 60 benchmarks/bench_moe.py --json "$out/moe.json"
-  step 90 benchmarks/bench_lifecycle.py --shape 0.6b --model-dir "$ckpt/0.6b" --json "$out/lifecycle.json"
   step 170 benchmarks/bench_startup.py --shapes 0.6b --apis llm,serve --caches cold,warm --checkpoints "$ckpt" \
       --json "$out/startup.json"
 fi
