@@ -187,7 +187,7 @@ if [ "$mode" = ab ]; then
   # of that commit's package and benchmarks made here and carried (the GPU machine has no .git), e.g.
   #   bash scripts/gpu_prepare.sh 38e4d02   (.gpu/38e4d02.tgz; then carry .gpu; AB_OLD_TREE=.gpu/38e4d02.tgz)
   # ~6 minutes on an H100 after the checkpoint; results in $out/ab.log. AB_PARTS: which of throughput,
-  # latency, serving, startup (default the first three); batch-1 latency alternates AB_LATENCY_PAIRS
+  # latency, serving, turn, startup (default the first three); turn: bench_turn_breakdown at 32k, twice each; batch-1 latency alternates AB_LATENCY_PAIRS
   # times (default 3; run AG: one process each left a 6 % TPOT gap unsettled), and with AB_DIAGNOSE=1
   # then runs this tree on the fastest older run's skinny-GEMM tilings and each tree's kernel table.
   # startup: bench_startup cold and warm (twice), `LLM`, 0.6B, each tree (~3.5 min both; an older tree
@@ -201,7 +201,7 @@ if [ "$mode" = ab ]; then
   ab() { local limit=$1 tree=$2; shift 2; echo "== $tree: $* (limit ${limit} s)" | tee -a "$log"
          if [ "$tree" = old ]; then (cd "$old" && PYTHONPATH="$old:/tmp/asyncllm-site" timeout "$limit" python3 "$@")
          else env ${AB_NEW_ENV:-} timeout "$limit" python3 "$@"; fi 2>&1 | tee -a "$log" |
-           grep -E "^\| (triton|TTFT|TPOT|target|decode graph|0.6b)" ; }
+           grep -E "^\| (triton|TTFT|TPOT|target|decode graph|0.6b|ttft|forward gpu|step path|splits)" ; }
   if [[ $parts == *,throughput,* ]]; then
     for tree in old new old new; do  # the first of each compiles its kernels: the second pair is the figure
       ab 120 $tree benchmarks/bench_throughput.py $model --mode sync,stream
@@ -233,6 +233,11 @@ print(min(sys.argv[1:], key=replay))" /tmp/ab-lat-old-*.json 2>/dev/null)
         ab 90 $tree benchmarks/bench_profile.py $model --workload 0 --rows 45 --reps 10 > /dev/null
       done
     fi
+  fi
+  if [[ $parts == *,turn,* ]]; then  # issue 44's new chat turn over 32k cached tokens, stage by stage
+    for tree in old new old new; do
+      ab 90 $tree benchmarks/bench_turn_breakdown.py $model --cached-tokens 32768 --new-tokens 64 --paths sync
+    done
   fi
   if [[ $parts == *,startup,* ]]; then
     for tree in new old; do
