@@ -55,7 +55,8 @@
 #   call 6, at once, ~4.5 min:  OUT=$OUT bash scripts/gpu_suite.sh tests56  # test_fused_moe, test_moe_router |
 #                               # the FP8 kernel files, test_fp8_route; then the FP8 cache test alone
 #   call 7, at once, ~6.5 min:  OUT=$OUT bash scripts/gpu_suite.sh bench
-# Without FA4, calls 2-6 are tests13, tests24, tests56 (or two calls: tests13, tests2k). The tests alone take ~25 of a session's 30 device-minutes with
+# Without FA4, calls 2-6 are tests13, tests24, tests56 (or two calls: tests13, tests2k). The tests alone take
+# ~25 of a session's 30 device-minutes with
 # the machine's start: a session that needs the benchmarks too runs the parts its change touches (tests4, tests56:
 # kernels only), or tests in one session and bench in the next. The estimates are a model (4 s an engine, 0.4 s a graph, fitted to run N's 560 s for test_gpu.py's
 # first 27 tests); a part that comes near the 10-minute call limit gets split by its --durations.
@@ -187,12 +188,13 @@ if [ "$mode" = ab ]; then
   # of that commit's package and benchmarks made here and carried (the GPU machine has no .git), e.g.
   #   bash scripts/gpu_prepare.sh 38e4d02   (.gpu/38e4d02.tgz; then carry .gpu; AB_OLD_TREE=.gpu/38e4d02.tgz)
   # ~6 minutes on an H100 after the checkpoint; results in $out/ab.log. AB_PARTS: which of throughput,
-  # latency, serving, turn, startup (default the first three); turn: bench_turn_breakdown at 32k, twice each; batch-1 latency alternates AB_LATENCY_PAIRS
-  # times (default 3; run AG: one process each left a 6 % TPOT gap unsettled), and with AB_DIAGNOSE=1
-  # then runs this tree on the fastest older run's skinny-GEMM tilings and each tree's kernel table.
-  # startup: bench_startup cold and warm (twice), `LLM`, 0.6B, each tree (~3.5 min both; an older tree
-  # needs bench_startup's --warm-reps: 777a2ba or later). AB_NEW_ENV: variables for this tree's runs
-  # only, e.g. "ASYNCLLM_STARTUP_CACHE=0" (decisions measured afresh, as the older tree does)
+  # latency, serving, turn, startup (default the first three). latency: batch 1, alternated
+  # AB_LATENCY_PAIRS times (default 3; run AG: one process each left a 6 % TPOT gap unsettled); with
+  # AB_DIAGNOSE=1 then this tree on the fastest older run's skinny-GEMM tilings, and each tree's kernel
+  # table. turn: bench_turn_breakdown at 32k cached, twice each. startup: bench_startup cold and warm
+  # (twice), `LLM`, 0.6B, each tree (~3.5 min both; an older tree needs bench_startup's --warm-reps:
+  # 777a2ba or later). AB_NEW_ENV: variables for this tree's runs only, e.g.
+  # "ASYNCLLM_STARTUP_CACHE=0" (decisions measured afresh, as the older tree does)
   ckpt=/tmp/asyncllm-ckpt; old=/tmp/asyncllm-old; log="$out/ab.log"
   rm -rf "$old" && mkdir -p "$old" && tar xzf "${AB_OLD_TREE:?the older commit tarball}" -C "$old" || exit 1
   python3 benchmarks/common.py --shape 0.6b --out "$ckpt/0.6b" --device cuda 2>&1 | tail -n 1
