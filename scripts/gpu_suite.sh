@@ -106,11 +106,13 @@ fi
 # a test_gpu.py test named by none of these words runs in tests2
 gpu_part1="match_hf or cuda_graph_decode or pdl or decode_tuning or per_context_bound or prefix_cache_chunking \
 or sampled_decode_graph or staged_decode or plain_sampling or penalties"
+# the kernel files of tests4 (attention, sampling), tests5 (MoE) and tests6 (FP8), each listed once
+tests4_files="tests/test_kernels.py tests/test_sampling_filters.py"
+tests5_files="tests/test_fused_moe.py tests/test_moe_router.py"
+tests6_files="tests/test_fp8_kv_kernels.py tests/test_fp8_weight_kernels.py tests/test_fp8_route.py"
 case "$mode" in
   tests|all) test_files="tests/test_gpu.py tests/test_fp8_kv.py tests/test_decode_staging.py tests/test_gpu_tp.py
-                         tests/test_fp8_loading.py tests/test_fused_moe.py tests/test_moe_router.py
-                         tests/test_fp8_kv_kernels.py tests/test_fp8_weight_kernels.py tests/test_kernels.py
-                         tests/test_sampling_filters.py tests/test_fp8_route.py"
+                         tests/test_fp8_loading.py $tests4_files $tests5_files $tests6_files"
              part_select="" ;;
   tests1) test_files="tests/test_gpu.py"; part_select="$gpu_part1" ;;
   tests2) test_files="tests/test_gpu.py"; part_select="not ($gpu_part1 or speculative_decoding)" ;;
@@ -118,15 +120,12 @@ case "$mode" in
                       tests/test_fp8_loading.py::test_fp8_weights_on_cuda_match_the_dequantized_copy
                       tests/test_fp8_loading.py::test_reload_of_another_fp8_format_requantizes_into_the_engines_layout"
           part_select="speculative_decoding or test_fp8 or test_decode_staging or test_gpu_tp" ;;
-  tests4) test_files="tests/test_kernels.py tests/test_sampling_filters.py"; part_select="" ;;
-  tests5) test_files="tests/test_fused_moe.py tests/test_moe_router.py"; part_select="" ;;
-  tests6) test_files="tests/test_fp8_kv_kernels.py tests/test_fp8_weight_kernels.py tests/test_fp8_route.py"
-          part_select="" ;;
+  tests4) test_files=$tests4_files; part_select="" ;;
+  tests5) test_files=$tests5_files; part_select="" ;;
+  tests6) test_files=$tests6_files; part_select="" ;;
   # tests4, tests5 and tests6 in one pytest spread over GPU_TEST_WORKERS processes (pytest-xdist, on the
   # GPU image): their tests are compile-bound (Triton on the host's cores); one small MoE engine among them
-  kernels) test_files="tests/test_kernels.py tests/test_sampling_filters.py tests/test_fused_moe.py
-                       tests/test_moe_router.py tests/test_fp8_kv_kernels.py tests/test_fp8_weight_kernels.py
-                       tests/test_fp8_route.py"
+  kernels) test_files="$tests4_files $tests5_files $tests6_files"
            part_select=""; workers="-n ${GPU_TEST_WORKERS:-6}"
            python3 -c "import xdist" 2>/dev/null || { echo "pytest-xdist missing: kernels in one process"; workers=""; } ;;
   *) test_files="" ;;
