@@ -41,7 +41,9 @@
 #           starlette and uvicorn too, or the structured-output test and the server benchmarks skip / fail)
 #           ../shared/tools/fa4-stage                       # FlashAttention-4 in .fa4a/ and .fa4b/
 #   call 1 (carry .fa4a; seconds, plus the machine's start, 2-5 min):  mkdir -p /tmp/fa4 && cp .fa4a/* /tmp/fa4/
-#   call 2 (carry .fa4b, .whl), within 30 s of call 1, ~5.5 min (the process's cold Triton compile, ~35 s, in it):
+#   call 2 (carry .fa4b, and .whl where both fit the 64 MiB a call carries: 2026-12-07 .fa4b 42 MiB + .whl 24 MiB
+#   did not, so .whl went in an earlier call, whose install in /tmp/site later calls reuse), within 30 s of
+#   call 1, ~5.5 min (the process's cold Triton compile, ~35 s, in it):
 #     cat /tmp/fa4/part.aa .fa4b/part.ab > /tmp/fa4/$(cat .fa4b/BIG_NAME) && rm /tmp/fa4/part.aa &&
 #     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/fa4/*.whl &&
 #     OUT=$OUT bash scripts/gpu_suite.sh tests1   # test_gpu.py: against HF, graphs against eager, PDL, tuning,
