@@ -4,6 +4,7 @@ in one module, and no module past 450 lines outside the kernels."""
 from __future__ import annotations
 
 import ast
+import re
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -248,3 +249,17 @@ def test_no_module_is_too_long():
     long = {name: n for name, path in modules().items() if not within(name, ("asyncllm.kernels",))
             and (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert not long, f"split these (more than {MAX_LINES} lines): {long}"
+
+
+# a benchmark run's name ("run AE", "runs AG and AH", "run X3") or a date: when something was seen, which
+# belongs in docs/BENCHMARKS_ARCHIVE.md; the code's comments say why (issue 49)
+RUN_CITATION = re.compile(r"\bruns? (?:[A-Z]{2}|[A-Z]\d)\b|\b20\d\d-\d\d-\d\d\b")
+
+
+def test_comments_cite_no_benchmark_runs_or_dates():
+    cited = {name: [i for i, line in enumerate(path.read_text().splitlines(), 1) if RUN_CITATION.search(line)]
+             for name, path in modules().items()}
+    cited = {name: lines for name, lines in cited.items() if lines}
+    assert not cited, f"say why, not when (the run's figures go to docs/BENCHMARKS_ARCHIVE.md): {cited}"
+    assert RUN_CITATION.search("(runs AG and AH: one output") and RUN_CITATION.search("run X3, 2026-12-04")
+    assert not RUN_CITATION.search("runs N processes that share the port")

@@ -12,8 +12,8 @@ rounded onto e4m3's grid in fp32 arithmetic (_round_to_e4m3), to nearest, ties t
 cast does, before a cast that then has nothing to round: how Triton's own fp32 -> e4m3 cast rounds is
 left out of it (the interpreter's cast rounds ties away and mis-carries). PyTorch's own per-token form
 must divide as correctly: CUDA torch's `amax / 448` multiplies by the reciprocal, 1 ulp off for about
-half the rows, enough to move an activation by an e4m3 step (runs AG and AH: one output of 19,200 off
-the test's reference, which divided so).
+half the rows, enough to move an activation by an e4m3 step (an output of a GPU test whose reference
+divided so was one such step off).
 A row of up to MAX_ONE_TILE columns is held in registers between the amax and the cast, so it is read
 once; a longer one is read again for the cast (from L2: the row was just read).
 

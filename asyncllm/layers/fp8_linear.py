@@ -28,7 +28,7 @@ Three paths, by the rows of x:
 cuda_paths_on_cpu() makes CPU take CUDA's routes and arithmetic instead (benchmarks/bench_fp8_quality.py:
 a teacher-forced prefill on CUDA is W8A8, not the weight-only arithmetic CPU's dequantizing path does).
 Its W8A8 is written out in PyTorch, not CPU torch._scaled_mm: torch 2.11's CPU build takes per-tensor
-scales only, and a failure there once turned CUDA's W8A8 off for the whole process (run AE).
+scales only, and a failure there once turned CUDA's W8A8 off for the whole process.
 """
 from __future__ import annotations
 
@@ -65,8 +65,8 @@ def fp8_scales(amax: torch.Tensor) -> torch.Tensor:
     """float32 amax / FP8_MAX, the same bits on every device (1 for an all-zero group). The quotient
     is formed in float64 and rounded once to float32: the correctly rounded float32 quotient, even
     where CUDA torch divides by a Python scalar as a multiply by its reciprocal. In float32 that
-    multiply is 1 ulp off CPU's division for about half the rows (run AE: a reload's requantized
-    scales on CUDA against a checkpoint made on CPU)."""
+    multiply is 1 ulp off CPU's division for about half the rows (a reload's requantized scales on
+    CUDA against a checkpoint made on CPU)."""
     return torch.where(amax > 0, (amax.double() / FP8_MAX).float(), torch.ones_like(amax))
 
 
