@@ -3,7 +3,7 @@
 # PyTorch reference, the engine against HF transformers, CUDA graphs, prefix cache / chunking /
 # preemption), then the benchmarks; a short summary table last.
 #
-#   bash scripts/gpu_suite.sh [tests|tests1..tests6|kernels|tests13|tests24|tests56|tests2k|bench|all|tp|issues|ab]
+#   bash scripts/gpu_suite.sh [tests|tests1..tests6|kernels|tests13|tests24|tests56|tests2k|smoke|bench|all|tp|issues|ab]
 #                             [run_all.py's options]
 #
 # tests13 / tests24 / tests56: two parts at once, each its own pytest process (one call instead of two).
@@ -117,6 +117,7 @@ case "$mode" in
                          tests/test_fp8_loading.py $tests4_files $tests5_files $tests6_files"
              part_select="" ;;
   tests1) test_files="tests/test_gpu.py"; part_select="$gpu_part1" ;;
+  gpu) test_files="tests/test_gpu.py"; part_select="" ;;  # smoke's first part, under its selection
   tests2) test_files="tests/test_gpu.py"; part_select="not ($gpu_part1 or speculative_decoding)" ;;
   tests3) test_files="tests/test_gpu.py tests/test_fp8_kv.py tests/test_decode_staging.py tests/test_gpu_tp.py
                       tests/test_fp8_loading.py::test_fp8_weights_on_cuda_match_the_dequantized_copy
@@ -132,7 +133,7 @@ case "$mode" in
            python3 -c "import xdist" 2>/dev/null || { echo "pytest-xdist missing: kernels in one process"; workers=""; } ;;
   *) test_files="" ;;
 esac
-if [ "$mode" = tests13 ] || [ "$mode" = tests24 ] || [ "$mode" = tests56 ] || [ "$mode" = tests2k ]; then
+if [ "$mode" = tests13 ] || [ "$mode" = tests24 ] || [ "$mode" = tests56 ] || [ "$mode" = tests2k ] || [ "$mode" = smoke ]; then
   # two parts at once on one GPU, each its own pytest process, results in $out/<part>/ (a GPU run of
   # small engines is mostly host work: the machine's 16 cores run both). tests13: tests1's engines
   # (get_llm) take a fixed KV cache (ASYNCLLM_GPU_TEST_KV_TOKENS), so that tests3's engines alone size
@@ -142,8 +143,12 @@ if [ "$mode" = tests13 ] || [ "$mode" = tests24 ] || [ "$mode" = tests56 ] || [ 
   # files (run AH: tests3 with them ran past the call's 600 s; the FP8 weight files alone took 242 s).
   # tests2k: tests2 beside every kernel file (the `kernels` part, spread over processes), so that with
   # tests13 the suite is two calls.
+  # smoke: one call where the device time left holds no more: every kernel file beside the engine tests
+  # that cover the engine's main paths on the triton backend (HF, graphs, lazy capture, the long cached
+  # turn, prefix cache / chunking / preemption, sampler graphs, the start-up cache)
   first=tests${mode:5:1}; second=tests${mode:6:1}
   [ "$mode" = tests2k ] && second=kernels
+  [ "$mode" = smoke ] && first=gpu && second=kernels
   mkdir -p "$out/$first" "$out/$second"
   kv_env="ASYNCLLM_GPU_TEST_KV_TOKENS=65536"
   # tests3's FP8 cache test counts the KV blocks that gpu_memory_utilization gives the bf16 and the
@@ -151,15 +156,19 @@ if [ "$mode" = tests13 ] || [ "$mode" = tests24 ] || [ "$mode" = tests56 ] || [ 
   # leaves it out and tests56 (kernels only, the most room) runs it alone once both its parts are done
   alone="gpu_bf16_fp8_cache_with_cuda_graphs"
   user_select=${GPU_TEST_SELECT:-}
-  env $kv_env OUT="$out/$first" bash "$0" "$first" > "$out/$first.log" 2>&1 &
+  first_select=$user_select
+  [ "$mode" = smoke ] && first_select="${user_select:-(match_hf or cuda_graph_decode or new_turn or \
+prefix_cache_chunking or plain_sampling or start_up_cache) and not fa4 and not fa2 and not torch}"
+  env $kv_env GPU_TEST_SELECT="$first_select" OUT="$out/$first" bash "$0" "$first" > "$out/$first.log" 2>&1 &
   first_pid=$!
   second_select=$user_select
+  [ "$mode" = smoke ] && second_select=""
   [ "$mode" = tests13 ] && second_select="${user_select:+($user_select) and }not $alone"
   GPU_TEST_SELECT="$second_select" OUT="$out/$second" bash "$0" "$second" > "$out/$second.log" 2>&1
   second_rc=$?
   wait $first_pid; first_rc=$?
   parts="$first $second"; alone_rc=0
-  if [ "$mode" = tests56 ] || [ "$mode" = tests2k ]; then
+  if [ "$mode" = tests56 ] || [ "$mode" = tests2k ] || [ "$mode" = smoke ]; then
     mkdir -p "$out/tests3-alone"
     GPU_TEST_SELECT="${user_select:+($user_select) and }$alone" OUT="$out/tests3-alone" bash "$0" tests3 \
       > "$out/tests3-alone.log" 2>&1
